@@ -1,0 +1,178 @@
+"""The Llama family of decoder-only transformers as Flax NNX modules.
+
+Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) reuse these layers through `ModelSpec` flags.
+Module attribute paths mirror HF parameter names (model.layers.N.self_attn.q_proj, ...) so
+models/weights.py can map checkpoints generically. Inputs are a flattened ragged token batch:
+token t has id input_ids[t] and absolute position positions[t]; which tokens see which is
+decided solely by the AttnFn.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from .attention import AttnFn
+from .config import ModelSpec
+from .rope import apply_rope, inverse_frequencies, rope_cos_sin
+
+
+def _precision(dtype: Any) -> jax.lax.Precision | None:
+    """Full-precision matmuls for float32 models (GPUs would otherwise use TF32)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _linear(
+    n_in: int, n_out: int, bias: bool, dtype: Any, rngs: nnx.Rngs
+) -> nnx.Linear:
+    return nnx.Linear(
+        n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
+        precision=_precision(dtype), rngs=rngs,
+    )
+
+
+class RMSNorm(nnx.Module):
+    """weight * x / rms(x), normalised in float32 then cast back (HF LlamaRMSNorm order)."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: Any = jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: Float[Array, "... dim"]) -> Float[Array, "... dim"]:
+        xf = x.astype(jnp.float32)
+        normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...] * normed.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
+        h, i, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
+        self.gate_proj = _linear(h, i, b, dtype, rngs)
+        self.up_proj = _linear(h, i, b, dtype, rngs)
+        self.down_proj = _linear(i, h, b, dtype, rngs)
+
+    def __call__(self, x: Float[Array, "T hidden"]) -> Float[Array, "T hidden"]:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nnx.Module):
+    """Projections, optional q/k norm and RoPE around an external attention backend."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
+        h, d = spec.hidden_size, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
+        self.q_proj = _linear(h, spec.num_heads * d, spec.attention_bias, dtype, rngs)
+        self.k_proj = _linear(h, spec.num_kv_heads * d, spec.attention_bias, dtype, rngs)
+        self.v_proj = _linear(h, spec.num_kv_heads * d, spec.attention_bias, dtype, rngs)
+        self.o_proj = _linear(spec.num_heads * d, h, spec.o_proj_bias, dtype, rngs)
+        if spec.qk_norm:
+            self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype=dtype)
+            self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype=dtype)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def __call__(
+        self,
+        x: Float[Array, "T hidden"],
+        cos: Float[Array, "T half"],
+        sin: Float[Array, "T half"],
+        layer_idx: int,
+        attn_fn: AttnFn,
+    ) -> Float[Array, "T hidden"]:
+        t = x.shape[0]
+        q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
+        k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3: per-head norm, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn_fn(layer_idx, q, k, v)  # [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.self_attn = Attention(spec, dtype=dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.mlp = MLP(spec, dtype=dtype, rngs=rngs)
+
+    def __call__(
+        self,
+        x: Float[Array, "T hidden"],
+        cos: Float[Array, "T half"],
+        sin: Float[Array, "T half"],
+        layer_idx: int,
+        attn_fn: AttnFn,
+    ) -> Float[Array, "T hidden"]:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, attn_fn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nnx.Module):
+    """Embedding, decoder layers and final norm (HF `model.*`)."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
+        self.spec = spec
+        self.embed_tokens = nnx.Embed(
+            spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
+        )
+        self.layers = nnx.List(
+            [DecoderLayer(spec, dtype=dtype, rngs=rngs) for _ in range(spec.num_layers)]
+        )
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+
+    def __call__(
+        self, input_ids: Int[Array, " T"], positions: Int[Array, " T"], attn_fn: AttnFn
+    ) -> Float[Array, "T hidden"]:
+        # inv_freq is a trace-time constant derived from the (static) spec.
+        cos, sin = rope_cos_sin(jnp.asarray(inverse_frequencies(self.spec)), positions)
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):  # Python loop: layer_idx stays a static int
+            x = layer(x, cos, sin, i, attn_fn)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nnx.Module):
+    """Llama decoder with LM head; `__call__` gives final hidden states, `compute_logits` logits."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: Any = jnp.float32, rngs: nnx.Rngs):
+        self.spec = spec
+        self.dtype = jnp.dtype(dtype)
+        self.model = LlamaModel(spec, dtype=dtype, rngs=rngs)
+        # Tied models have no lm_head: logits use the embedding matrix.
+        self.lm_head = (
+            None if spec.tie_word_embeddings
+            else _linear(spec.hidden_size, spec.vocab_size, False, dtype, rngs)
+        )
+
+    def __call__(
+        self, input_ids: Int[Array, " T"], positions: Int[Array, " T"], attn_fn: AttnFn
+    ) -> Float[Array, "T hidden"]:
+        """Final-norm hidden states of a flattened token batch."""
+        return self.model(input_ids, positions, attn_fn)
+
+    def compute_logits(self, hidden: Float[Array, "N hidden"]) -> Float[Array, "N vocab"]:
+        """float32 logits; accumulation in float32 whatever the parameter dtype."""
+        if self.lm_head is None:
+            weight = self.model.embed_tokens.embedding[...]  # [vocab, hidden]
+            spec = "nh,vh->nv"
+        else:
+            weight = self.lm_head.kernel[...]  # [hidden, vocab]
+            spec = "nh,hv->nv"
+        return jnp.einsum(
+            spec, hidden.astype(weight.dtype), weight,
+            preferred_element_type=jnp.float32, precision=_precision(self.dtype),
+        )
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    """Mistral: Llama layers without biases; sliding window is rejected by ModelSpec."""

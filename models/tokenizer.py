@@ -1,0 +1,291 @@
+"""Tokenizer: a `tokenizers` backend plus special tokens and a sandboxed jinja chat template.
+
+Built from an HF dir (tokenizer.json + tokenizer_config.json) or from GGUF metadata
+(byte-level BPE vocabulary, merges and token types). Needs neither torch nor transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property, lru_cache
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+# GGUF token_type values (llama.cpp's llama_token_type).
+_CONTROL, _USER_DEFINED = 3, 4
+
+# Pre-tokenizer split rules by GGUF `tokenizer.ggml.pre`; None = GPT-2's own ByteLevel regex.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GGUF_PRE_SPLITS: dict[str, str | None] = {
+    "default": None, "gpt2": None, "gpt-2": None,
+    "llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT,
+    "qwen2": _QWEN2_SPLIT,
+}
+# Pre types that split every digit on its own before the GPT-2 regex (StarCoder-style vocabularies).
+_DIGIT_PRE_TYPES = {"smollm", "starcoder", "refact"}
+
+
+@lru_cache(maxsize=1)
+def byte_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+            *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    shifted = 0
+    for b in range(256):
+        if b not in table:  # whitespace/control bytes get code points from 256 up, in byte order
+            table[b] = chr(256 + shifted)
+            shifted += 1
+    return table
+
+
+def _render_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled in a sandbox with the helpers HF templates expect."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _render_tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
+def _token_content(token: Any) -> str | None:
+    """tokenizer_config.json spells special tokens as a string or {"content": ...}."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens and chat template of one model."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        *,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        unk_token: str | None = None,
+        pad_token: str | None = None,
+        chat_template: str | None = None,
+    ):
+        self.backend = backend
+        self.bos_token, self.eos_token = bos_token, eos_token
+        self.unk_token, self.pad_token = unk_token, pad_token
+        self.chat_template = chat_template
+
+    # ---- ids -------------------------------------------------------------------------------
+    def _id(self, token: str | None) -> int | None:
+        return None if token is None else self.backend.token_to_id(token)
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """Id of the beginning-of-sequence token, if any."""
+        return self._id(self.bos_token)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """Id of the end-of-sequence token, if any."""
+        return self._id(self.eos_token)
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """Id of the padding token, if any."""
+        return self._id(self.pad_token)
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @cached_property
+    def all_special_ids(self) -> list[int]:
+        """Sorted ids of every special token (bos/eos/unk/pad and added special tokens)."""
+        ids = {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+        for tok in (self.bos_token, self.eos_token, self.unk_token, self.pad_token):
+            if (i := self._id(tok)) is not None:
+                ids.add(i)
+        return sorted(ids)
+
+    # ---- text ------------------------------------------------------------------------------
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special tokens written in the text are always kept whole."""
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        """Text of token ids."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
+        """Vocabulary strings of ids (byte-level spelling for BPE vocabularies)."""
+        return [self.backend.id_to_token(int(i)) for i in ids]
+
+    # ---- chat ------------------------------------------------------------------------------
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether `apply_chat_template` can be used."""
+        return bool(self.chat_template)
+
+    @cached_property
+    def _compiled_template(self) -> jinja2.Template:
+        return compile_chat_template(self.chat_template or "")
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+    ) -> str:
+        """The prompt string for `messages` rendered by the model's chat template."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template; pass a plain prompt instead")
+        context = dict(
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            unk_token=self.unk_token or "", pad_token=self.pad_token or "",
+        )
+        context.update(extra)
+        return self._compiled_template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, **context
+        )
+
+    # ---- constructors ----------------------------------------------------------------------
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> Tokenizer:
+        """From tokenizer.json, tokenizer_config.json and an optional chat_template.jinja."""
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"tokenizer file not found: {tok_file}")
+        try:
+            backend = Backend.from_file(str(tok_file))
+        except Exception as e:
+            raise ValueError(f"invalid tokenizer file {tok_file}: {e}") from e
+        config: dict[str, Any] = {}
+        cfg_file = path / "tokenizer_config.json"
+        if cfg_file.is_file():
+            config = json.loads(cfg_file.read_text(encoding="utf-8"))
+        template = config.get("chat_template")
+        if isinstance(template, list):  # named templates: take "default"
+            named = {t.get("name"): t.get("template") for t in template}
+            template = named.get("default", next(iter(named.values()), None))
+        if (path / "chat_template.jinja").is_file():  # transformers >= 4.43 saves it here
+            template = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if template is None and (path / "chat_template.json").is_file():
+            template = json.loads((path / "chat_template.json").read_text()).get("chat_template")
+        return cls(
+            backend,
+            bos_token=_token_content(config.get("bos_token")),
+            eos_token=_token_content(config.get("eos_token")),
+            unk_token=_token_content(config.get("unk_token")),
+            pad_token=_token_content(config.get("pad_token")),
+            chat_template=template,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
+        """Byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (llama.cpp 'gpt2')."""
+        kind = metadata.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported; "
+                "supported: 'gpt2' (byte-level BPE)"
+            )
+        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+        merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
+        types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        spelling = byte_to_unicode()
+        alphabet = set(spelling.values())
+        vocab: dict[str, int] = {}
+        for i, tok in enumerate(tokens):
+            # Vocabularies are stored in the byte alphabet; respell any token that is not.
+            key = tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode())
+            vocab[key] = i
+        pairs = [tuple(m.split(" ")) for m in merges]
+        if any(len(p) != 2 for p in pairs):
+            raise ValueError("GGUF tokenizer.ggml.merges entries must be 'left right'")
+        backend = Backend(BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
+                              continuing_subword_prefix="", end_of_word_suffix=""))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(
+            metadata.get("tokenizer.ggml.pre", "default"),
+            bool(metadata.get("tokenizer.ggml.add_space_prefix", False)),
+        )
+        backend.decoder = decoders.ByteLevel()
+        # Control tokens stay whole and are special; a "control" token outside the byte alphabet
+        # is a converter mislabel and would add a new id, so it is skipped.
+        backend.add_special_tokens([
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind_ in zip(tokens, types, strict=True)
+            if kind_ == _CONTROL and set(tok) <= alphabet
+        ])
+        backend.add_tokens([
+            AddedToken(tok, special=False, normalized=False)
+            for tok, kind_ in zip(tokens, types, strict=True)
+            if kind_ == _USER_DEFINED and tok in vocab
+        ])
+
+        def name(key: str) -> str | None:
+            idx = metadata.get(f"tokenizer.ggml.{key}")
+            return None if idx is None or not 0 <= idx < len(tokens) else tokens[idx]
+
+        bos, eos = name("bos_token_id"), name("eos_token_id")
+        _set_bos_eos_processor(
+            backend, bos if metadata.get("tokenizer.ggml.add_bos_token") else None,
+            eos if metadata.get("tokenizer.ggml.add_eos_token") else None,
+        )
+        return cls(backend, bos_token=bos, eos_token=eos, unk_token=name("unknown_token_id"),
+                   pad_token=name("padding_token_id"),
+                   chat_template=metadata.get("tokenizer.chat_template"))
+
+
+def _gguf_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=True)
+    if pre in _DIGIT_PRE_TYPES:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre not in _GGUF_PRE_SPLITS:
+        warnings.warn(f"unknown GGUF pre-tokenizer {pre!r}; using GPT-2 rules", stacklevel=3)
+    split = _GGUF_PRE_SPLITS.get(pre)
+    if split is None:
+        return byte_level
+    return pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(split), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space, use_regex=False),
+    ])
+
+
+def _set_bos_eos_processor(backend: Backend, bos: str | None, eos: str | None) -> None:
+    """Post-processor adding BOS/EOS when `encode(add_special_tokens=True)`."""
+    if bos is None and eos is None:
+        return
+    pre = [bos] if bos else []
+    post = [eos] if eos else []
+    single = [*(f"{t}:0" for t in pre), "$A:0", *(f"{t}:0" for t in post)]
+    pair = [*single, *(f"{t}:1" for t in pre), "$B:1", *(f"{t}:1" for t in post)]
+    backend.post_processor = processors.TemplateProcessing(
+        single=single, pair=pair,
+        special_tokens=[(t, backend.token_to_id(t)) for t in {*pre, *post}],
+    )

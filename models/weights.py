@@ -1,0 +1,154 @@
+"""Checkpoint tensors (numpy, HF naming) and putting them into an NNX model. No torch."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+
+from .config import ModelSpec
+from .gguf_loader import load_gguf, permute_qk, unpermute_qk
+from .tensors import TensorDict
+
+__all__ = [
+    "TensorDict", "load_safetensors", "load_hf_dir_weights", "load_gguf",
+    "hf_param_table", "assign_weights", "export_weights", "permute_qk", "unpermute_qk",
+]
+
+_ST_DTYPES: dict[str, np.dtype] = {
+    "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
+    "BF16": np.dtype(ml_dtypes.bfloat16), "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2), "I64": np.dtype(np.int64),
+    "I32": np.dtype(np.int32), "I16": np.dtype(np.int16), "I8": np.dtype(np.int8),
+    "U8": np.dtype(np.uint8), "BOOL": np.dtype(np.bool_),
+}
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+def load_safetensors(path: str | Path) -> dict[str, np.ndarray]:
+    """All tensors of one .safetensors file as memory-mapped, read-only numpy arrays."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"safetensors file not found: {path}")
+    try:  # the library validates the header and that offsets cover the file exactly
+        with safe_open(str(path), framework="numpy") as f:
+            names = list(f.keys())
+        with open(path, "rb") as fh:
+            (header_len,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(header_len))
+    except Exception as e:  # SafetensorError, OSError, JSON errors
+        raise ValueError(f"corrupt or truncated safetensors file {path}: {e}") from e
+    if not names:
+        return {}
+    # numpy cannot read bf16/fp8 through safetensors' numpy backend, so map the bytes ourselves.
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_len)
+    out: dict[str, np.ndarray] = {}
+    for name in names:
+        info = header[name]
+        dtype = _ST_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name!r} in {path} has unsupported dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        out[name] = data[start:end].view(dtype).reshape(info["shape"])
+    return out
+
+
+def load_hf_dir_weights(path: str | Path, spec: ModelSpec | None = None) -> TensorDict:
+    """Tensors of an HF model dir from model.safetensors or a sharded index, HF naming."""
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    weights = TensorDict(str(path))
+    index = path / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"invalid safetensors index {index}: {e}") from e
+        for shard in sorted(set(weight_map.values())):
+            shard_path = path / shard
+            for name, arr in load_safetensors(shard_path).items():
+                weights[name] = arr
+                weights.files[name] = str(shard_path)
+        for name, shard in weight_map.items():
+            if name not in weights:
+                raise ValueError(
+                    f"tensor {name!r} listed in {index} is missing from {path / shard}"
+                )
+        return weights
+    single = path / SINGLE_FILE
+    if not single.is_file():
+        raise FileNotFoundError(
+            f"no {SINGLE_FILE} or {INDEX_FILE} in {path} "
+            "(only safetensors checkpoints are supported)"
+        )
+    for name, arr in load_safetensors(single).items():
+        weights[name] = arr
+        weights.files[name] = str(single)
+    return weights
+
+
+def hf_param_table(model: nnx.Module) -> dict[str, tuple[nnx.Param, bool]]:
+    """HF tensor name -> (the model's Param, whether HF stores it transposed).
+
+    Module attribute paths mirror HF names; nnx.Linear's `kernel` [in, out] is HF's
+    `weight` [out, in] transposed, nnx.Embed's `embedding` is HF's `weight` as is.
+    """
+    table: dict[str, tuple[nnx.Param, bool]] = {}
+    for path, node in nnx.iter_graph(model):
+        if not isinstance(node, nnx.Param):
+            continue
+        *prefix, leaf = (str(p) for p in path)
+        transpose = leaf == "kernel"
+        if leaf in ("kernel", "embedding"):
+            leaf = "weight"
+        table[".".join([*prefix, leaf])] = (node, transpose)
+    return table
+
+
+def assign_weights(model: nnx.Module, weights: dict[str, np.ndarray], spec: ModelSpec) -> None:
+    """Copy checkpoint tensors into every Param of `model` (cast to the Param's dtype), in place.
+
+    Every Param must have a tensor of the right shape; extra tensors (rotary inv_freq, a tied
+    lm_head copy, ...) are ignored. Works on abstract models from `nnx.eval_shape` too.
+    """
+    model_spec = getattr(model, "spec", spec)
+    if model_spec != spec:
+        raise ValueError(f"model was built for {model_spec}, but weights are for {spec}")
+    where = weights.source_of if isinstance(weights, TensorDict) else (lambda _: "<weights dict>")
+    origin = weights.origin if isinstance(weights, TensorDict) else "<weights dict>"
+    table = hf_param_table(model)
+    missing = [name for name in table if name not in weights]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(
+            f"checkpoint {origin} lacks tensor {missing[0]!r}{more} needed by {spec.architecture}"
+        )
+    for name, (param, transpose) in table.items():
+        current = param.get_value()  # jax.Array or ShapeDtypeStruct
+        want = tuple(current.shape[::-1] if transpose else current.shape)
+        arr = weights[name]
+        if tuple(arr.shape) != want:
+            raise ValueError(
+                f"tensor {name!r} in {where(name)} has shape {tuple(arr.shape)}, "
+                f"expected {want} for {spec.architecture}"
+            )
+        host = np.asarray(arr)
+        param.set_value(jnp.asarray(host.T if transpose else host, dtype=current.dtype))
+
+
+def export_weights(model: nnx.Module) -> dict[str, np.ndarray]:
+    """The model's parameters as host numpy arrays in HF naming and layout (inverse of assign)."""
+    out: dict[str, np.ndarray] = {}
+    for name, (param, transpose) in hf_param_table(model).items():
+        host = np.asarray(param[...])
+        out[name] = np.ascontiguousarray(host.T if transpose else host)
+    return out

@@ -1,0 +1,117 @@
+"""ModelSpec parsing and validation, registry lookups and the attention reference."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tiny_models import hf_config_dict, tiny_spec
+
+from models import ModelSpec, dense_causal_attention, get_model_class
+from models.config import SUPPORTED_ARCHITECTURES
+from models.rope import inverse_frequencies
+
+
+def test_spec_is_frozen_hashable_and_sizes_kv():
+    spec = tiny_spec(rope_scaling=(("factor", 2.0), ("rope_type", "linear")))
+    assert hash(spec) == hash(tiny_spec(rope_scaling=(("factor", 2.0), ("rope_type", "linear"))))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.num_layers = 3
+    assert spec.kv_bytes_per_token(2) == 2 * 2 * 2 * 16 * 2
+    assert spec.rope_type == "linear"
+
+
+def test_from_hf_config_round_trips_and_reads_v4_rope_keys():
+    spec = tiny_spec(rope_scaling=(("factor", 4.0), ("rope_type", "linear")))
+    assert ModelSpec.from_hf_config(hf_config_dict(spec)) == spec
+    v4 = hf_config_dict(spec)
+    del v4["rope_parameters"]
+    v4.update(rope_theta=10000.0, rope_scaling={"type": "linear", "factor": 4.0})
+    assert ModelSpec.from_hf_config(v4) == spec
+    del v4["architectures"]  # falls back to model_type
+    assert ModelSpec.from_hf_config(v4).architecture == "LlamaForCausalLM"
+
+
+def test_arch_flags():
+    cfg = hf_config_dict(tiny_spec())
+    qwen2 = ModelSpec.from_hf_config({**cfg, "architectures": ["Qwen2ForCausalLM"]})
+    assert qwen2.attention_bias and not qwen2.o_proj_bias and not qwen2.qk_norm
+    qwen3 = ModelSpec.from_hf_config({**cfg, "architectures": ["Qwen3ForCausalLM"]})
+    assert qwen3.qk_norm and not qwen3.attention_bias
+    llama = ModelSpec.from_hf_config({**cfg, "attention_bias": True, "mlp_bias": True})
+    assert llama.attention_bias and llama.o_proj_bias and llama.mlp_bias
+
+
+def test_unknown_architecture_is_named():
+    cfg = {**hf_config_dict(tiny_spec()), "architectures": ["GPT2LMHeadModel"]}
+    with pytest.raises(ValueError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
+        ModelSpec.from_hf_config(cfg)
+    with pytest.raises(ValueError, match="FooForCausalLM.*Qwen3ForCausalLM"):
+        get_model_class("FooForCausalLM")
+    for arch in SUPPORTED_ARCHITECTURES:
+        assert get_model_class(arch).__name__ == arch
+
+
+def test_mistral_sliding_window():
+    cfg = {**hf_config_dict(tiny_spec()), "architectures": ["MistralForCausalLM"]}
+    with pytest.raises(ValueError, match="sliding_window=128"):
+        ModelSpec.from_hf_config({**cfg, "sliding_window": 128})
+    with pytest.warns(UserWarning, match="full causal"):
+        ModelSpec.from_hf_config({**cfg, "sliding_window": 256})
+    assert ModelSpec.from_hf_config({**cfg, "sliding_window": None}).architecture.startswith("M")
+    qwen = {**cfg, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64,
+            "use_sliding_window": False}
+    assert ModelSpec.from_hf_config(qwen).architecture == "Qwen2ForCausalLM"
+
+
+@pytest.mark.parametrize("change,field", [
+    ({"num_kv_heads": 3}, "num_kv_heads"),
+    ({"head_dim": 15}, "head_dim"),
+    ({"num_layers": 0}, "num_layers"),
+    ({"rope_scaling": (("rope_type", "yarn"),)}, "rope_type"),
+    ({"rope_scaling": (("rope_type", "llama3"), ("factor", 8.0))}, "low_freq_factor"),
+])
+def test_invalid_spec_names_field(change, field):
+    with pytest.raises(ValueError, match=field):
+        tiny_spec(**change)
+
+
+def test_unsupported_hf_config_values():
+    cfg = hf_config_dict(tiny_spec())
+    with pytest.raises(ValueError, match="hidden_act"):
+        ModelSpec.from_hf_config({**cfg, "hidden_act": "gelu"})
+    with pytest.raises(ValueError, match="dynamic"):
+        ModelSpec.from_hf_config({**cfg, "rope_parameters": {"rope_type": "dynamic", "factor": 2}})
+    with pytest.raises(ValueError, match="hidden_size"):
+        ModelSpec.from_hf_config({**cfg, "hidden_size": None})
+
+
+def test_llama3_rope_keeps_high_and_scales_low_frequencies():
+    scaling = (("factor", 8.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+               ("original_max_position_embeddings", 64), ("rope_type", "llama3"))
+    plain = inverse_frequencies(tiny_spec())
+    scaled = inverse_frequencies(tiny_spec(rope_scaling=scaling))
+    wavelen = 2 * np.pi / plain
+    assert np.array_equal(scaled[wavelen < 16], plain[wavelen < 16])
+    np.testing.assert_allclose(scaled[wavelen > 64], plain[wavelen > 64] / 8, rtol=1e-6)
+    mid = (wavelen >= 16) & (wavelen <= 64)
+    assert mid.any() and np.all(scaled[mid] < plain[mid]) and np.all(scaled[mid] > plain[mid] / 8)
+
+
+def test_dense_attention_masks_segments_causality_and_padding():
+    rng = np.random.default_rng(0)
+    t, h, kvh, d = 7, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.standard_normal((t, n, d)), jnp.float32) for n in (h, kvh, kvh))
+    seg = jnp.array([0, 0, 0, 1, 1, -1, -1])
+    pos = jnp.array([0, 1, 2, 0, 1, 0, 0])
+    out = np.asarray(dense_causal_attention(seg, pos)(0, q, k, v))
+    assert out.shape == (t, h, d) and np.all(out[5:] == 0)
+    # token 3 is the first of its segment: it sees only itself
+    np.testing.assert_allclose(out[3], np.repeat(np.asarray(v[3]), 2, axis=0), rtol=1e-6)
+    # token 2 sees tokens 0..2; check against an explicit softmax for head 3 (kv head 1)
+    s = np.asarray(q[2, 3]) @ np.asarray(k[:3, 1]).T / np.sqrt(d)
+    p = np.exp(s - s.max())
+    p /= p.sum()
+    np.testing.assert_allclose(out[2, 3], p @ np.asarray(v[:3, 1]), rtol=1e-5)

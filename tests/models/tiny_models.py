@@ -1,0 +1,265 @@
+"""Helpers for tests/models: tiny HF checkpoints, a byte tokenizer, and a jitted jpaged forward."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tokenizers import AddedToken, decoders, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+from models import dense_causal_attention
+from models.tokenizer import byte_to_unicode
+
+VOCAB = 300  # 256 byte tokens + <s>, </s> + unused ids
+BOS, EOS = 256, 257
+
+# Tiny configs for every supported architecture; kwargs of transformers' config classes.
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+    rms_norm_eps=1e-5, bos_token_id=BOS, eos_token_id=EOS,
+)
+TINY_CONFIGS: dict[str, tuple[str, dict]] = {
+    "llama3_rope_bias": ("LlamaConfig", dict(
+        _COMMON, attention_bias=True, mlp_bias=True, rope_theta=10000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    )),
+    "llama_tied": ("LlamaConfig", dict(_COMMON, tie_word_embeddings=True, rope_theta=500.0)),
+    "llama_linear_rope": ("LlamaConfig", dict(
+        _COMMON, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral": ("MistralConfig", dict(_COMMON, head_dim=16, sliding_window=None)),
+    "qwen2_bias": ("Qwen2Config", dict(_COMMON, use_sliding_window=False)),
+    "qwen3_qk_norm": ("Qwen3Config", dict(_COMMON, head_dim=32, use_sliding_window=False)),
+}
+
+
+def byte_tokenizer() -> Backend:
+    """A 258-token byte-level tokenizer (no merges) with <s> and </s>."""
+    vocab = {ch: b for b, ch in byte_to_unicode().items()}
+    backend = Backend(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    return backend
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """Write tokenizer.json and tokenizer_config.json (with a chat template) into `path`."""
+    byte_tokenizer().save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": {"content": "</s>"},
+        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}",
+    }))
+
+
+def randomize_(model, seed: int = 0, std: float = 0.2) -> None:
+    """Give every HF parameter (biases and norm weights included) a non-trivial random value."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen) * std
+            p.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+
+
+def make_hf_checkpoint(kind: str, path: Path, seed: int = 0):
+    """Build, randomize and save a tiny HF model of `kind` (float32, safetensors); return it."""
+    import torch
+    import transformers
+
+    cls_name, kwargs = TINY_CONFIGS[kind]
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    model = model.float().eval()
+    randomize_(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    save_byte_tokenizer(path)
+    return model
+
+
+def hf_logits(model, seqs: list[list[int]]) -> list[np.ndarray]:
+    """HF float32 logits of each sequence run on its own."""
+    import torch
+
+    with torch.no_grad():
+        return [model(torch.tensor([s])).logits[0].float().numpy() for s in seqs]
+
+
+def flatten(seqs: list[list[int]], pad_to: int | None = None):
+    """(input_ids, positions, segment_ids) of sequences packed into one ragged token batch."""
+    ids = np.concatenate([np.asarray(s, np.int32) for s in seqs])
+    pos = np.concatenate([np.arange(len(s), dtype=np.int32) for s in seqs])
+    seg = np.concatenate([np.full(len(s), i, np.int32) for i, s in enumerate(seqs)])
+    if pad_to is not None and pad_to > len(ids):
+        n = pad_to - len(ids)
+        ids = np.concatenate([ids, np.zeros(n, np.int32)])
+        pos = np.concatenate([pos, np.zeros(n, np.int32)])
+        seg = np.concatenate([seg, np.full(n, -1, np.int32)])
+    return ids, pos, seg
+
+
+def make_logits_fn(model):
+    """A jitted (ids, pos, seg) -> float32 logits using dense_causal_attention."""
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def run(state, ids, pos, seg):
+        m = nnx.merge(graphdef, state)
+        hidden = m(ids, pos, dense_causal_attention(seg, pos))
+        return m.compute_logits(hidden)
+
+    return lambda ids, pos, seg: run(state, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg))
+
+
+def jpaged_logits(model, seqs: list[list[int]], pad_to: int | None = None) -> list[np.ndarray]:
+    """jpaged logits of sequences run together as one flattened batch, split per sequence."""
+    ids, pos, seg = flatten(seqs, pad_to)
+    logits = np.asarray(make_logits_fn(model)(ids, pos, seg))
+    out, start = [], 0
+    for s in seqs:
+        out.append(logits[start:start + len(s)])
+        start += len(s)
+    return out
+
+
+def relative_error(ours: np.ndarray, ref: np.ndarray) -> float:
+    """max |ours - ref| / max(1, max |ref|)."""
+    return float(np.max(np.abs(ours - ref)) / max(1.0, float(np.max(np.abs(ref)))))
+
+
+# ---- checkpoints without torch -------------------------------------------------------------
+
+# A small llama-family spec used for GGUF / safetensors tests (GQA, untied head).
+def tiny_spec(**changes):
+    """A ModelSpec for a 2-layer llama small enough to write and jit in a second."""
+    from models import ModelSpec
+
+    base = dict(
+        architecture="LlamaForCausalLM", vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+        num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        rope_theta=10000.0, rope_scaling=None, tie_word_embeddings=False, attention_bias=False,
+        qk_norm=False, max_position_embeddings=256, bos_token_id=BOS, eos_token_ids=(EOS,),
+    )
+    base.update(changes)
+    return ModelSpec(**base)
+
+
+def hf_config_dict(spec) -> dict:
+    """config.json content describing `spec` (transformers-5 style rope_parameters)."""
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.rope_scaling is not None:
+        rope.update(dict(spec.rope_scaling))
+    return {
+        "architectures": [spec.architecture], "model_type": "llama",
+        "vocab_size": spec.vocab_size, "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim, "rms_norm_eps": spec.rms_norm_eps, "hidden_act": "silu",
+        "max_position_embeddings": spec.max_position_embeddings, "rope_parameters": rope,
+        "tie_word_embeddings": spec.tie_word_embeddings, "attention_bias": spec.attention_bias,
+        "bos_token_id": spec.bos_token_id, "eos_token_id": list(spec.eos_token_ids),
+    }
+
+
+def random_weights(spec, seed: int = 0) -> dict[str, np.ndarray]:
+    """Random float32 tensors in HF naming and shapes for every parameter `spec` needs."""
+    from models.registry import get_model_class
+    from models.weights import hf_param_table
+
+    abstract = nnx.eval_shape(
+        lambda: get_model_class(spec.architecture)(spec, rngs=nnx.Rngs(0))
+    )
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (param, transpose) in hf_param_table(abstract).items():
+        shape = param.get_value().shape[::-1] if transpose else param.get_value().shape
+        base = 1.0 if name.endswith("norm.weight") else 0.0
+        out[name] = (base + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+    return out
+
+
+def write_hf_dir(path: Path, spec, weights: dict[str, np.ndarray]) -> Path:
+    """An HF model directory: config.json, model.safetensors and a byte tokenizer."""
+    from safetensors.numpy import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(hf_config_dict(spec)))
+    save_file(weights, str(path / "model.safetensors"))
+    save_byte_tokenizer(path)
+    return path
+
+
+_TO_GGUF = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+def gguf_name(hf_name: str) -> str:
+    """llama.cpp's tensor name for an HF llama parameter name."""
+    base, suffix = hf_name.rsplit(".", 1)
+    if base.startswith("model.layers."):
+        _, _, idx, part = base.split(".", 3)
+        return f"blk.{idx}.{_TO_GGUF[part]}.{suffix}"
+    return f"{_TO_GGUF[base]}.{suffix}"
+
+
+def write_gguf(path: Path, spec, weights: dict[str, np.ndarray], quantize: tuple[str, ...] = ()):
+    """A llama-arch GGUF as llama.cpp's converter writes it (q/k rows permuted).
+
+    Tensors whose HF name contains any string in `quantize` are stored as Q8_0.
+    """
+    import gguf
+
+    from models.weights import permute_qk
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(spec.num_layers)
+    w.add_context_length(spec.max_position_embeddings)
+    w.add_embedding_length(spec.hidden_size)
+    w.add_feed_forward_length(spec.intermediate_size)
+    w.add_head_count(spec.num_heads)
+    w.add_head_count_kv(spec.num_kv_heads)
+    w.add_layer_norm_rms_eps(spec.rms_norm_eps)
+    w.add_rope_freq_base(spec.rope_theta)
+    w.add_rope_dimension_count(spec.head_dim)
+    # Tokenizer: the 256 byte tokens, <s>, </s>, one merged token, then unused slots.
+    spell = byte_to_unicode()
+    tokens = [spell[b] for b in range(256)] + ["<s>", "</s>", "Ġt"]
+    tokens += [f"<unused{i}>" for i in range(spec.vocab_size - len(tokens))]
+    types = [1] * 256 + [3, 3, 1] + [5] * (spec.vocab_size - 259)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(["Ġ t"])
+    w.add_bos_token_id(BOS)
+    w.add_eos_token_id(EOS)
+    w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    for name, arr in weights.items():
+        if name.endswith("q_proj.weight"):
+            arr = permute_qk(arr, spec.num_heads)
+        elif name.endswith("k_proj.weight"):
+            arr = permute_qk(arr, spec.num_kv_heads)
+        if any(q in name for q in quantize):
+            qtype = gguf.GGMLQuantizationType.Q8_0
+            w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(gguf_name(name), np.ascontiguousarray(arr, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
