@@ -1,0 +1,30 @@
+"""jpaged: a JAX/XLA inference engine with a vLLM-style paged KV cache.
+
+Imports are lazy so that `jpaged.core` (plain Python) can be used without loading jax.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "LLM": "jpaged.llm",
+    "LLMEngine": "jpaged.engine",
+    "EngineArgs": "jpaged.config",
+    "SamplingParams": "jpaged.sampling_params",
+    "RequestOutputKind": "jpaged.sampling_params",
+    "RequestOutput": "jpaged.outputs",
+    "CompletionOutput": "jpaged.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'jpaged' has no attribute {name!r}")

@@ -1,0 +1,218 @@
+"""Frozen engine configuration (names follow vLLM) and EngineArgs, which builds it."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+# Defaults live here and nowhere else (house rule 8).
+DEFAULT_BLOCK_SIZE = 16
+DEFAULT_MAX_NUM_SEQS = 256
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
+PREEMPTION_MODES = ("recompute", "swap")
+ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+HASH_ALGOS = ("sha256", "xxhash")
+SCHEDULING_POLICIES = ("priority", "fcfs", "lpm")
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def _fail(cls: str, name: str, allowed: str, value: object) -> None:
+    raise ValueError(f"{cls}.{name} must be {allowed}, got {value!r}")
+
+
+def _is_pow2(x: int) -> bool:
+    return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV pool: block size, memory budget, dtype, prefix caching and offload tiers."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_offloading_size: float = 0.0  # GiB of host RAM for the offload tier
+    swap_space: float = 0.0  # GiB of disk for the third tier
+    kv_cache_dir: str | None = None
+    preemption_mode: str = "recompute"
+    # Derived at start-up (dataclasses.replace); None until the pool is sized.
+    num_gpu_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        c = "CacheConfig"
+        if not _is_pow2(self.block_size) or not 1 <= self.block_size <= 1024:
+            _fail(c, "block_size", "a power of two in [1, 1024]", self.block_size)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            _fail(c, "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            _fail(c, "kv_cache_memory_bytes", "> 0 or None", self.kv_cache_memory_bytes)
+        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+            _fail(c, "num_gpu_blocks_override", ">= 2 (block 0 is the null block) or None",
+                  self.num_gpu_blocks_override)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            _fail(c, "kv_cache_dtype", f"one of {KV_CACHE_DTYPES}", self.kv_cache_dtype)
+        if self.prefix_caching_hash_algo not in HASH_ALGOS:
+            _fail(c, "prefix_caching_hash_algo", f"one of {HASH_ALGOS}",
+                  self.prefix_caching_hash_algo)
+        if self.kv_offloading_size < 0:
+            _fail(c, "kv_offloading_size", ">= 0 (GiB)", self.kv_offloading_size)
+        if self.swap_space < 0:
+            _fail(c, "swap_space", ">= 0 (GiB)", self.swap_space)
+        if self.preemption_mode not in PREEMPTION_MODES:
+            _fail(c, "preemption_mode", f"one of {PREEMPTION_MODES}", self.preemption_mode)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences, token budget per step, chunked prefill, policy."""
+
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    # Longest prompt chunk one request may take in a step (None: the whole token budget).
+    long_prefill_token_threshold: int | None = None
+    scheduling_policy: str = "priority"
+
+    def __post_init__(self) -> None:
+        c = "SchedulerConfig"
+        if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:
+            _fail(c, "max_num_seqs", "an integer >= 1", self.max_num_seqs)
+        if not isinstance(self.max_num_batched_tokens, int) or self.max_num_batched_tokens < 1:
+            _fail(c, "max_num_batched_tokens", "an integer >= 1", self.max_num_batched_tokens)
+        if not isinstance(self.max_model_len, int) or self.max_model_len < 1:
+            _fail(c, "max_model_len", "an integer >= 1", self.max_model_len)
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            _fail(c, "max_num_batched_tokens", f">= max_model_len ({self.max_model_len}) when "
+                  "chunked prefill is disabled", self.max_num_batched_tokens)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            _fail(c, "scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Device mesh: tensor parallel size."""
+
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            _fail("ParallelConfig", "tensor_parallel_size", "an integer >= 1",
+                  self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which model to load and how: source (None = embedded default), dtype, backend."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in MODEL_DTYPES:
+            _fail("ModelConfig", "dtype", f"one of {MODEL_DTYPES}", self.dtype)
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            _fail("ModelConfig", "attention_backend", f"one of {ATTENTION_BACKENDS}",
+                  self.attention_backend)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs, grouped."""
+
+    model: ModelConfig
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    parallel: ParallelConfig
+
+    def with_num_blocks(self, num_blocks: int) -> EngineConfig:
+        """The same config with the pool size filled in."""
+        return dataclasses.replace(
+            self, cache=dataclasses.replace(self.cache, num_gpu_blocks=num_blocks))
+
+
+@dataclass
+class EngineArgs:
+    """Flat engine arguments, as vLLM's; `create_engine_config()` validates and groups them."""
+
+    model: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    attention_backend: str = "auto"
+    block_size: int = DEFAULT_BLOCK_SIZE
+    gpu_memory_utilization: float = 0.9
+    kv_cache_memory_bytes: int | None = None
+    num_gpu_blocks_override: int | None = None
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "sha256"
+    kv_offloading_size: float = 0.0
+    swap_space: float = 0.0
+    kv_cache_dir: str | None = None
+    preemption_mode: str = "recompute"
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int | None = None
+    scheduling_policy: str = "priority"
+    tensor_parallel_size: int = 1
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def field_names(cls) -> set[str]:
+        """Names accepted as keyword arguments by LLM(...)."""
+        return {f.name for f in dataclasses.fields(cls)} - {"extra"}
+
+    def create_engine_config(self, model_max_len: int) -> EngineConfig:
+        """Validate and group; `model_max_len` is the model's own context limit."""
+        max_model_len = self.max_model_len if self.max_model_len is not None else min(
+            model_max_len, 2048)
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            _fail("EngineArgs", "max_model_len", "an integer >= 1", max_model_len)
+        if max_model_len > model_max_len:
+            _fail("EngineArgs", "max_model_len",
+                  f"<= the model's max_position_embeddings ({model_max_len})", max_model_len)
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max(
+                DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
+        return EngineConfig(
+            model=ModelConfig(self.model, self.dtype, self.attention_backend, self.seed),
+            cache=CacheConfig(
+                block_size=self.block_size,
+                gpu_memory_utilization=self.gpu_memory_utilization,
+                kv_cache_memory_bytes=self.kv_cache_memory_bytes,
+                num_gpu_blocks_override=self.num_gpu_blocks_override,
+                kv_cache_dtype=self.kv_cache_dtype,
+                calculate_kv_scales=self.calculate_kv_scales,
+                enable_prefix_caching=self.enable_prefix_caching,
+                prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                kv_offloading_size=self.kv_offloading_size,
+                swap_space=self.swap_space,
+                kv_cache_dir=self.kv_cache_dir,
+                preemption_mode=self.preemption_mode,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=batched,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+                long_prefill_token_threshold=self.long_prefill_token_threshold,
+                scheduling_policy=self.scheduling_policy,
+            ),
+            parallel=ParallelConfig(self.tensor_parallel_size),
+        )

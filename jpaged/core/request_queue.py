@@ -1,0 +1,93 @@
+"""The waiting queue: requests ordered by policy, preempted ones at the front of their class."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+
+from jpaged.request import Request
+
+# (class, tier, t, seq): class = priority ("fcfs": 0); tier 0 = preempted (t = -k for the k-th
+# preemption pushed, so the most recently requeued is first), tier 1 = new (t = arrival_time).
+QueueKey = tuple[int, int, float, int]
+
+
+class WaitingQueue:
+    """Min-heap of waiting requests with lazy deletion; O(log n) push/pop, O(1) remove."""
+
+    def __init__(self, policy: str = "priority") -> None:
+        self.policy = policy
+        self._heap: list[tuple[QueueKey, int, Request]] = []
+        self._live: dict[str, int] = {}  # request_id -> token of its live heap entry
+        self._tokens = itertools.count()
+        self._front = itertools.count(1)
+
+    def _class(self, request: Request) -> int:
+        return 0 if self.policy == "fcfs" else request.priority
+
+    def key_new(self, request: Request) -> QueueKey:
+        """Key of a newly arrived request: by class, then arrival."""
+        return (self._class(request), 1, request.arrival_time, request.seq)
+
+    def key_front(self, request: Request) -> QueueKey:
+        """Key placing a preempted request at the front of its class."""
+        return (self._class(request), 0, float(-next(self._front)), request.seq)
+
+    def push(self, request: Request, key: QueueKey | None = None) -> None:
+        """Add a request (default key: a new arrival); replaces any entry it already has."""
+        token = next(self._tokens)
+        self._live[request.request_id] = token
+        heapq.heappush(self._heap, (key or self.key_new(request), token, request))
+
+    def push_front(self, request: Request) -> None:
+        """Add a preempted request ahead of every other request of its class."""
+        self.push(request, self.key_front(request))
+
+    def _prune(self) -> None:
+        heap, live = self._heap, self._live
+        while heap and live.get(heap[0][2].request_id) != heap[0][1]:
+            heapq.heappop(heap)
+
+    def pop(self) -> tuple[QueueKey, Request] | None:
+        """Remove the first request; returns (its key, it) so it can be pushed back unchanged."""
+        self._prune()
+        if not self._heap:
+            return None
+        key, _, request = heapq.heappop(self._heap)
+        del self._live[request.request_id]
+        return key, request
+
+    def peek(self) -> Request | None:
+        """The first request, left in place."""
+        self._prune()
+        return self._heap[0][2] if self._heap else None
+
+    def remove(self, request_id: str) -> bool:
+        """Drop a request (lazily, amortised O(1)); False if it was not waiting."""
+        if self._live.pop(request_id, None) is None:
+            return False
+        if len(self._heap) > 2 * len(self._live) + 64:  # bound the stale entries
+            live = self._live
+            self._heap = [e for e in self._heap if live.get(e[2].request_id) == e[1]]
+            heapq.heapify(self._heap)
+        return True
+
+    def drain(self) -> list[tuple[QueueKey, Request]]:
+        """Remove and return every request in order."""
+        out = []
+        while (item := self.pop()) is not None:
+            out.append(item)
+        return out
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._live
+
+    def __iter__(self) -> Iterator[Request]:
+        """Requests in order (O(n log n); for inspection)."""
+        live = self._live
+        entries = sorted(e for e in self._heap if live.get(e[2].request_id) == e[1])
+        return iter([e[2] for e in entries])

@@ -1,0 +1,37 @@
+"""What the scheduler hands the runner each step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jpaged.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """One request's share of a step: tokens [start_pos, start_pos + num_tokens)."""
+
+    request: Request
+    start_pos: int  # == num_computed_tokens at schedule time (prefix-cache hits included)
+    num_tokens: int
+    token_ids: list[int]  # [num_tokens] == request.all_token_ids[start_pos:start_pos+num_tokens]
+    block_ids: list[int]  # [cdiv(start_pos + num_tokens, block_size)] the whole block table
+    sample: bool  # start_pos + num_tokens == request.num_tokens: this step yields a token
+
+
+@dataclass
+class SchedulerOutput:
+    """What one step computes, plus bookkeeping for the runner."""
+
+    scheduled: list[ScheduledRequest]
+    num_scheduled_tokens: int
+    preempted: list[str]  # ids preempted (recompute) during this schedule()
+    finished_request_ids: list[str] = field(default_factory=list)  # since the last schedule()
+    # (src, dst) block pairs; empty under recompute, room for the swap/offload tiers.
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        """True when nothing is computed this step."""
+        return not self.scheduled

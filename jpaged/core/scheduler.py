@@ -1,0 +1,389 @@
+"""Continuous batching over the paged KV cache (seed 3.2): token budget, chunked prefill,
+priorities, and preemption by recompute.
+
+One step (``schedule``):
+
+1. Running requests, decodes first then in-progress prefills, each group in priority order
+   (``fcfs``: arrival order). Decodes cost one token each, so a long prefill never starves them.
+2. If step 1 preempted nobody, admit waiting requests in queue order
+   (priority class, then preempted-first, then arrival; ``lpm``: longest cached prefix first
+   within a class) until the token budget, max_num_seqs or memory runs out. A request whose next
+   prefix block is being computed right now by a running request is skipped for one step, so it
+   shares that block instead of computing a copy (see kv_cache_manager). While a running
+   request is stalled for memory, only requests of strictly better priority are admitted
+   (``fcfs``: none).
+
+Memory pressure — ``allocate_slots`` returns None — is handled in the seed's order:
+(1) free cached blocks are reused LRU-first: automatic, they sit in the free queue;
+(2) preempt a running request still in its prompt phase (prefill or recompute in progress, not
+    yet decoding), the least important first;
+(3) preempt a decoding request, the least important first.
+"Least important" = largest (priority, arrival_time, seq) (``fcfs``: (arrival_time, seq)). A
+running request only preempts requests strictly less important than itself; it never preempts
+itself: with no eligible victim it stalls this step and keeps its blocks (the most important
+running request can always proceed, since add_request rejects requests the pool cannot hold).
+At admission nobody is preempted (admission just stops), except under the ``priority``/``lpm``
+policies, where a new request may preempt running requests of a strictly larger priority value.
+Preemption = RECOMPUTE: blocks freed, num_computed_tokens = 0, outputs kept, status PREEMPTED,
+requeued at the front of its priority class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from itertools import chain
+
+from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.core.block_pool import KVCacheBlock
+from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.request_queue import QueueKey, WaitingQueue
+from jpaged.core.sched_output import ScheduledRequest, SchedulerOutput
+from jpaged.request import Request, RequestStatus
+
+__all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput", "is_decoding"]
+
+RUNNING = RequestStatus.RUNNING
+
+
+class _Step:
+    """Mutable state of one schedule() call."""
+
+    def __init__(self, budget: int, num_running: int) -> None:
+        self.budget = budget
+        self.num_running = num_running
+        self.scheduled: dict[str, ScheduledRequest] = {}
+        self.preempted: list[Request] = []
+        # Victim candidates: [prompt-phase, decoding], each sorted most important first; the
+        # preempted ones always form a suffix (we only take tails), so tails[i] only moves down.
+        self.victims: list[list[Request]] = [[], []]
+        self.tails = [-1, -1]
+        # Best priority among running requests that could not get memory (None: no stall).
+        self.stall_priority: int | None = None
+
+
+def is_decoding(request: Request) -> bool:
+    """True if the request has output and only its last sampled token lacks KV."""
+    return request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, owning the KVCacheManager."""
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 num_blocks: int) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.policy = scheduler_config.scheduling_policy
+        self.enable_caching = cache_config.enable_prefix_caching
+        algo = cache_config.prefix_caching_hash_algo
+        self.kv_cache_manager = KVCacheManager(self.block_size, num_blocks, self.max_model_len,
+                                               self.enable_caching, algo)
+        self._hasher = self.kv_cache_manager.block_hasher
+        self.requests: dict[str, Request] = {}  # unfinished requests
+        self.waiting = WaitingQueue(self.policy)
+        self.running: list[Request] = []
+        self._finished_ids: list[str] = []
+        self.num_preemptions = 0
+        self.num_prompt_tokens = 0  # tokens computed in prompt/recompute chunks
+        self.num_generation_tokens = 0  # tokens sampled
+        self.num_steps = 0
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a new request; ValueError if it could never run."""
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request id {rid!r} is already in use")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens:
+            raise ValueError(f"request {rid!r} must be new (WAITING, no output)")
+        n = request.num_prompt_tokens
+        if n > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds max_model_len "
+                             f"({self.max_model_len})")
+        # Longest length it can reach; the last sampled token is never computed.
+        longest = max(self.max_model_len, n + 1)
+        if request.max_tokens is not None:
+            longest = min(longest, n + request.max_tokens)
+        blocks = -(-(longest - 1) // self.block_size)
+        usable = self.kv_cache_manager.block_pool.num_blocks - 1
+        if blocks > usable:
+            raise ValueError(f"request {rid!r} may need {blocks} KV blocks but the pool has only "
+                             f"{usable}; lower max_tokens/max_model_len or enlarge the pool")
+        if self._hasher is not None and (request.block_hasher is None or (
+                request.block_hasher.block_size, request.block_hasher.algo)
+                != (self._hasher.block_size, self._hasher.algo)):
+            request.set_block_hasher(self._hasher)
+        # Snapshot the stop ids now: the engine fills eos_token_ids before adding the request.
+        request.stop_token_ids = frozenset(request.sampling_params.all_stop_token_ids)
+        self.requests[rid] = request
+        self.waiting.push(request)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """Finish requests (abort, or a stop string seen by the engine) and free their blocks."""
+        if not RequestStatus.is_finished(status):
+            raise ValueError(f"finish_requests needs a FINISHED_* status, got {status}")
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        done = set()
+        for rid in ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if not self.waiting.remove(rid):
+                done.add(rid)
+            req.status = status
+            self._release(req)
+        if done:
+            self.running = [r for r in self.running if r.request_id not in done]
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (FINISHED_ABORTED)."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def _release(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Waiting plus running requests."""
+        return len(self.requests)
+
+    @property
+    def num_running(self) -> int:
+        """Requests holding a place in the running batch."""
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests waiting for admission (preempted ones included)."""
+        return len(self.waiting)
+
+    # -- scheduling ------------------------------------------------------------------------------
+
+    def _key(self, r: Request) -> tuple:
+        return (r.arrival_time, r.seq) if self.policy == "fcfs" else r.sort_key
+
+    def _cap_prefill(self, n: int) -> int:
+        cfg = self.scheduler_config
+        t = cfg.long_prefill_token_threshold
+        return min(n, t) if t and cfg.enable_chunked_prefill else n
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one step: allocate blocks, preempt under memory pressure, admit new requests."""
+        self.num_steps += 1
+        st = _Step(self.scheduler_config.max_num_batched_tokens, len(self.running))
+        self.running.sort(key=self._key)
+        decodes: list[Request] = []
+        prompts: list[Request] = []
+        for r in self.running:
+            (decodes if is_decoding(r) else prompts).append(r)
+        st.victims = [prompts, decodes]
+        st.tails = [len(prompts) - 1, len(decodes) - 1]
+
+        for req in chain(decodes, prompts):
+            if st.budget <= 0:
+                break
+            if req.status is not RUNNING:
+                continue  # preempted earlier in this step
+            num_new = req.num_tokens - req.num_computed_tokens
+            if num_new > 1:
+                num_new = self._cap_prefill(num_new)
+            num_new = min(num_new, st.budget)
+            if self._allocate(req, num_new, st):
+                self._add_scheduled(req, num_new, st)
+            elif st.stall_priority is None or req.priority < st.stall_priority:
+                st.stall_priority = req.priority  # it keeps its blocks, retries next step
+
+        if not st.preempted:
+            self._admit(st)
+        if st.preempted:
+            self.running = [r for r in self.running if r.status is RUNNING]
+            # Each push_front goes ahead of the previous one: push the least important first.
+            for r in sorted(st.preempted, key=self._key, reverse=True):
+                self.waiting.push_front(r)
+
+        scheduled = list(st.scheduled.values())
+        out = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled),
+                              [r.request_id for r in st.preempted], self._finished_ids)
+        self._finished_ids = []
+        return out
+
+    def _allocate(self, req: Request, num_new: int, st: _Step,
+                  hit_blocks: Sequence[KVCacheBlock] = (), hit_tokens: int = 0,
+                  admission: bool = False) -> bool:
+        """allocate_slots, preempting eligible victims (stage 2, then 3) until it succeeds."""
+        kv = self.kv_cache_manager
+        while kv.allocate_slots(req, num_new, hit_blocks, hit_tokens) is None:
+            victim = self._pick_victim(req, st, admission)
+            if victim is None:
+                return False
+            self._preempt(victim, st)
+        return True
+
+    def _pick_victim(self, req: Request, st: _Step, admission: bool) -> Request | None:
+        if admission and self.policy == "fcfs":
+            return None
+        for stage in (0, 1):  # 0: prompt phase (seed stage 2), 1: decoding (seed stage 3)
+            lst, i = st.victims[stage], st.tails[stage]
+            while i >= 0 and lst[i].status is not RUNNING:
+                i -= 1
+            st.tails[stage] = i
+            if i < 0:
+                continue
+            cand = lst[i]  # the least important of its stage still running
+            if admission:
+                ok = cand.priority > req.priority
+            else:
+                ok = self._key(cand) > self._key(req)
+            if ok:
+                return cand
+        return None
+
+    def _preempt(self, victim: Request, st: _Step) -> None:
+        self.kv_cache_manager.free(victim)
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        st.num_running -= 1
+        sr = st.scheduled.pop(victim.request_id, None)
+        if sr is not None:  # already scheduled this step: give its tokens back
+            st.budget += sr.num_tokens
+        st.preempted.append(victim)
+
+    def _add_scheduled(self, req: Request, num_new: int, st: _Step) -> None:
+        start = req.num_computed_tokens
+        end = start + num_new
+        st.scheduled[req.request_id] = ScheduledRequest(
+            req, start, num_new, req.all_token_ids[start:end],
+            self.kv_cache_manager.get_block_ids(req.request_id), end == req.num_tokens)
+        st.budget -= num_new
+
+    def _admit(self, st: _Step) -> None:
+        kv = self.kv_cache_manager
+        cfg = self.scheduler_config
+        lpm: list[tuple[QueueKey, Request]] | None = None
+        if self.policy == "lpm":
+            # Order by cached prefix length within a class. The lookups are only for ordering:
+            # an earlier admission may evict blocks, so each request looks up again below.
+            items = [(key, r, kv.get_computed_blocks(r)[1]) for key, r in self.waiting.drain()]
+            items.sort(key=lambda it: (it[0][0], -it[2], it[0]))
+            lpm = [(key, r) for key, r, _ in reversed(items)]  # pop() from the end
+        skipped: list[tuple[QueueKey, Request]] = []
+        while st.budget > 0 and st.num_running < cfg.max_num_seqs:
+            item = (lpm.pop() if lpm else None) if lpm is not None else self.waiting.pop()
+            if item is None:
+                break
+            key, req = item
+            if st.stall_priority is not None and (
+                    self.policy == "fcfs" or req.priority >= st.stall_priority):
+                # Memory is short for a running request: only a strictly more important one
+                # may be admitted (possibly preempting it).
+                self.waiting.push(req, key)
+                break
+            # Fresh lookup: hits stay valid through _allocate (freeing never evicts).
+            hit_blocks, hit_tokens = kv.get_computed_blocks(req)
+            if kv.is_prefix_in_flight(req, len(hit_blocks)):
+                skipped.append((key, req))  # share the block next step instead of copying it
+                continue
+            num_new = req.num_tokens - hit_tokens
+            if not cfg.enable_chunked_prefill and num_new > st.budget:
+                self.waiting.push(req, key)
+                break
+            num_new = min(self._cap_prefill(num_new), st.budget)
+            if not self._allocate(req, num_new, st, hit_blocks, hit_tokens, admission=True):
+                self.waiting.push(req, key)
+                break
+            req.status = RUNNING
+            req.num_computed_tokens = hit_tokens
+            self.running.append(req)
+            st.num_running += 1
+            self._add_scheduled(req, num_new, st)
+        for key, req in skipped:
+            self.waiting.push(req, key)
+        for key, req in lpm or ():
+            self.waiting.push(req, key)
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: Mapping[str, int]) -> list[Request]:
+        """Commit a computed step: advance, append sampled tokens, stop, cache, free.
+
+        Returns the requests that got a new token (finished ones included).
+        """
+        kv = self.kv_cache_manager
+        changed: list[Request] = []
+        finished = False
+        for sr in output.scheduled:
+            req = sr.request
+            rid = req.request_id
+            if req.status is not RUNNING or self.requests.get(rid) is not req:
+                continue  # finished or aborted since schedule()
+            if req.num_computed_tokens != sr.start_pos:
+                raise ValueError(f"request {rid!r}: output applied twice or out of order")
+            if not (sr.sample and sr.num_tokens == 1 and req.num_output_tokens):
+                self.num_prompt_tokens += sr.num_tokens  # a prompt or recompute chunk
+            req.num_computed_tokens += sr.num_tokens
+            kv.commit(req)  # its KV is written now: full blocks become shareable
+            if not sr.sample:
+                continue
+            if rid not in sampled_token_ids:
+                raise KeyError(f"no sampled token for scheduled request {rid!r}")
+            req.append_output_token(int(sampled_token_ids[rid]))
+            self.num_generation_tokens += 1
+            changed.append(req)
+            if self._check_stop(req):
+                self._release(req)
+                finished = True
+        if finished:
+            self.running = [r for r in self.running if r.status is RUNNING]
+        return changed
+
+    def _check_stop(self, req: Request) -> bool:
+        tok = req.output_token_ids[-1]
+        sp = req.sampling_params
+        if tok in req.stop_token_ids and req.num_output_tokens >= sp.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = tok if tok in (sp.stop_token_ids or ()) else None
+            return True
+        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or \
+                req.num_tokens >= self.max_model_len:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
+
+    # -- stats -----------------------------------------------------------------------------------
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prefix block; False while any block is in use."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def get_stats(self) -> dict[str, float | int]:
+        """Counters and gauges for metrics (names as vLLM's where they exist)."""
+        kv = self.kv_cache_manager
+        ps = kv.stats
+        return {
+            "num_preemptions": self.num_preemptions,
+            "kv_cache_usage": kv.usage,
+            "num_blocks_total": kv.block_pool.num_blocks - 1,
+            "num_blocks_free": kv.num_free_blocks,
+            "num_requests_running": self.num_running,
+            "num_requests_waiting": self.num_waiting,
+            "prefix_cache_queries": ps.queries,
+            "prefix_cache_hits": ps.hits,
+            "prefix_cache_hit_rate": ps.hit_rate,
+            "prefix_cache_hit_rate_recent": ps.recent_hit_rate,
+            "cache_access_total": ps.requests,
+            "num_evictions": kv.num_evictions,
+            "prompt_tokens_total": self.num_prompt_tokens,
+            "generation_tokens_total": self.num_generation_tokens,
+            "num_steps": self.num_steps,
+        }

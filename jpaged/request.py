@@ -1,0 +1,145 @@
+"""Host state of one request: tokens, progress through the KV cache, status, prefix hashes."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from collections.abc import Sequence
+
+from jpaged.core.block_hash import BlockHash, BlockHasher
+from jpaged.sampling_params import SamplingParams
+
+# Tie-breaker of the ordering key: requests created later sort later at equal arrival time.
+_REQUEST_SEQ = itertools.count()
+
+
+class RequestStatus(enum.Enum):
+    """Lifecycle of a request; every FINISHED_* status is terminal."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()  # waiting again after preemption (recompute)
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: RequestStatus) -> bool:
+        """True for the terminal statuses."""
+        return status in _FINISHED
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                       RequestStatus.FINISHED_ABORTED})
+_FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
+                  RequestStatus.FINISHED_ABORTED: "abort"}
+
+
+class Request:
+    """One sequence being generated: prompt + outputs, computed-token count, status, hashes.
+
+    Invariants: all_token_ids == prompt_token_ids + output_token_ids;
+    0 <= num_computed_tokens <= num_tokens; block_hashes[i] is the chain hash of full block i of
+    all_token_ids (len(block_hashes) == num_tokens // block_size once a hasher is set).
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
+                 sampling_params: SamplingParams, *, priority: int = 0,
+                 arrival_time: float | None = None, cache_salt: str | None = None,
+                 extra_keys: tuple = (), block_hasher: BlockHasher | None = None) -> None:
+        if len(prompt_token_ids) == 0:
+            raise ValueError(f"Request.prompt_token_ids must be non-empty (request {request_id!r})")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.cache_salt = cache_salt
+        self.extra_keys = tuple(extra_keys)
+        self.seq = next(_REQUEST_SEQ)
+        self.output_token_ids: list[int] = []
+        # prompt + outputs, appended in place so append_output_token is O(1).
+        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.status = RequestStatus.WAITING
+        self.stop_reason: int | str | None = None
+        self.num_preemptions = 0
+        # Snapshot: SamplingParams.all_stop_token_ids builds a set on every call.
+        self.stop_token_ids: frozenset[int] = frozenset(sampling_params.all_stop_token_ids)
+        self.block_hashes: list[BlockHash] = []
+        self._hasher: BlockHasher | None = None
+        self._hash_extra: tuple[bytes, bytes] = (b"", b"")
+        if block_hasher is not None:
+            self.set_block_hasher(block_hasher)
+
+    # -- tokens -----------------------------------------------------------------------------
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs (a live list: do not mutate)."""
+        return self._all_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Length of the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Number of generated tokens so far."""
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self._all_token_ids)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """Generation limit from the sampling params (None: only max_model_len limits it)."""
+        return self.sampling_params.max_tokens
+
+    def append_output_token(self, token_id: int) -> None:
+        """Append one generated token; extends block_hashes when a block becomes full."""
+        self.output_token_ids.append(token_id)
+        self._all_token_ids.append(token_id)
+        h = self._hasher
+        n = len(self._all_token_ids)
+        if h is not None and n >= (len(self.block_hashes) + 1) * h.block_size:
+            h.extend(self.block_hashes, self._all_token_ids, self._hash_extra)
+
+    # -- prefix hashes -------------------------------------------------------------------------
+
+    @property
+    def block_hasher(self) -> BlockHasher | None:
+        """The hasher maintaining block_hashes (None: prefix caching unused)."""
+        return self._hasher
+
+    def set_block_hasher(self, hasher: BlockHasher) -> None:
+        """Use `hasher` for block_hashes, recomputing them for the current tokens."""
+        self._hasher = hasher
+        self._hash_extra = hasher.extra_bytes(self.cache_salt, self.extra_keys)
+        self.block_hashes = []
+        hasher.extend(self.block_hashes, self._all_token_ids, self._hash_extra)
+
+    # -- status --------------------------------------------------------------------------------
+
+    def is_finished(self) -> bool:
+        """True once the request reached a terminal status."""
+        return self.status in _FINISHED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop", "length" or "abort" once finished (as vLLM), else None."""
+        return _FINISH_REASON.get(self.status)
+
+    @property
+    def sort_key(self) -> tuple[int, float, int]:
+        """Priority-scheduling order, lower first: (priority, arrival_time, creation counter)."""
+        return (self.priority, self.arrival_time, self.seq)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.name}, "
+                f"tokens={self.num_prompt_tokens}+{self.num_output_tokens}, "
+                f"computed={self.num_computed_tokens}, priority={self.priority})")

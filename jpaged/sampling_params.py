@@ -1,0 +1,102 @@
+"""SamplingParams: how one request is sampled and when it stops (names follow vLLM)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestOutputKind(IntEnum):
+    """What a streaming consumer receives per step."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
+def _check(cond: bool, name: str, allowed: str, value: object) -> None:
+    if not cond:
+        raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """Sampling and stopping parameters of one request; validated on construction."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Filled by the engine: the tokenizer's EOS ids (stop unless ignore_eos).
+    eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
+        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
+        _check(isinstance(self.top_k, int) and (self.top_k in (-1, 0) or self.top_k >= 1),
+               "top_k", "-1 (disabled) or >= 1", self.top_k)
+        if self.top_k == 0:  # vLLM treats 0 as disabled too
+            self.top_k = -1
+        _check(0.0 <= self.min_p <= 1.0, "min_p", "in [0, 1]", self.min_p)
+        _check(-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "in [-2, 2]",
+               self.presence_penalty)
+        _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]",
+               self.frequency_penalty)
+        _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0", self.repetition_penalty)
+        _check(self.max_tokens is None
+               or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+               "max_tokens", "an integer >= 1 or None", self.max_tokens)
+        _check(isinstance(self.min_tokens, int) and self.min_tokens >= 0, "min_tokens", ">= 0",
+               self.min_tokens)
+        if self.max_tokens is not None:
+            _check(self.min_tokens <= self.max_tokens, "min_tokens", "<= max_tokens",
+                   self.min_tokens)
+        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", ">= 0 or None",
+               self.logprobs)
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+               ">= 0 or None", self.prompt_logprobs)
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop",
+               "non-empty strings", self.stop)
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+               "non-negative integers", self.stop_token_ids)
+        if self.seed is not None:
+            _check(isinstance(self.seed, int), "seed", "an integer or None", self.seed)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature < 1e-5 or self.top_k == 1
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """Token ids that end the request: stop_token_ids, plus EOS unless ignore_eos."""
+        ids = set(self.stop_token_ids or [])
+        if not self.ignore_eos:
+            ids.update(self.eos_token_ids)
+        return ids
+
+    def clone(self, **changes: object) -> SamplingParams:
+        """A validated copy with some fields changed."""
+        import dataclasses
+
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,157 @@
+"""Test helpers: a deterministic fake model and a step simulator that checks every step.
+
+The simulator keeps a fake KV pool (one token id per slot) and checks, each step, that every
+scheduled request READS exactly its own token history in the slots of its block table (so a
+prefix-cache hit must point at blocks written in an EARLIER step), that no cached block is ever
+written, and that the scheduler's limits and the pool invariants hold.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.request import Request, RequestStatus
+from jpaged.sampling_params import SamplingParams
+
+VOCAB = 1000
+EOS = 999
+
+
+def fake_next(history: list[int]) -> int:
+    """Next token as a function of the token history only (never EOS unless asked)."""
+    h = len(history)
+    for t in history[-4:]:
+        h = (h * 31 + t) % 998
+    return h
+
+
+def reference_output(prompt: list[int], sp: SamplingParams, max_model_len: int) -> list[int]:
+    """What an unconstrained engine generates with fake_next."""
+    hist, out = list(prompt), []
+    stops = sp.all_stop_token_ids
+    while True:
+        tok = fake_next(hist)
+        hist.append(tok)
+        out.append(tok)
+        if tok in stops and len(out) >= sp.min_tokens:
+            return out
+        if (sp.max_tokens is not None and len(out) >= sp.max_tokens) or len(hist) >= max_model_len:
+            return out
+
+
+def make_scheduler(num_blocks: int, *, block_size: int = 4, max_num_seqs: int = 8,
+                   max_num_batched_tokens: int = 64, max_model_len: int = 256,
+                   caching: bool = True, policy: str = "priority", chunked: bool = True,
+                   threshold: int | None = None, algo: str = "sha256") -> Scheduler:
+    """A scheduler over a pool of num_blocks blocks (block 0 is the null block)."""
+    sc = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                         max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                         long_prefill_token_threshold=threshold, scheduling_policy=policy)
+    cc = CacheConfig(block_size=block_size, enable_prefix_caching=caching,
+                     prefix_caching_hash_algo=algo)
+    return Scheduler(sc, cc, num_blocks)
+
+
+def make_request(rid: str, prompt: list[int], max_tokens: int | None = 8, *, priority: int = 0,
+                 arrival: float | None = None, **sp: object) -> Request:
+    """A request with SamplingParams(max_tokens=..., **sp)."""
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **sp), priority=priority,
+                   arrival_time=arrival)
+
+
+class Sim:
+    """Drives a Scheduler with fake_next, checking every step."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        self.sched = sched
+        bs = sched.block_size
+        self.kv = np.full((sched.kv_cache_manager.block_pool.num_blocks, bs), -1, np.int64)
+        self.outputs: list[SchedulerOutput] = []
+        self.finished: dict[str, Request] = {}
+        self.max_used_blocks = 0
+        self.events: list[tuple[int, str]] = []  # (step, preempted id)
+
+    def step(self) -> SchedulerOutput:
+        """schedule → check → fake forward → update → check."""
+        s = self.sched
+        cfg = s.scheduler_config
+        bs = s.block_size
+        kvm = s.kv_cache_manager
+        out = s.schedule()
+        step = len(self.outputs)
+        self.outputs.append(out)
+        self.events += [(step, rid) for rid in out.preempted]
+        assert out.num_scheduled_tokens == sum(x.num_tokens for x in out.scheduled)
+        assert out.num_scheduled_tokens <= cfg.max_num_batched_tokens
+        assert len(out.scheduled) <= cfg.max_num_seqs and s.num_running <= cfg.max_num_seqs
+        ids = [x.request.request_id for x in out.scheduled]
+        assert len(set(ids)) == len(ids)
+        for rid in out.preempted:
+            assert rid not in ids and kvm.num_blocks_held(rid) == 0
+        # Reads: all scheduled requests see only what earlier steps wrote.
+        for x in out.scheduled:
+            r = x.request
+            assert r.status is RequestStatus.RUNNING
+            assert x.start_pos == r.num_computed_tokens and x.num_tokens > 0
+            assert x.token_ids == r.all_token_ids[x.start_pos:x.start_pos + x.num_tokens]
+            end = x.start_pos + x.num_tokens
+            assert len(x.block_ids) == -(-end // bs), "table must be exactly cdiv(tokens, bs)"
+            assert x.block_ids == kvm.get_block_ids(r.request_id)
+            assert 0 not in x.block_ids
+            assert x.sample == (end == r.num_tokens)
+            pos = np.arange(x.start_pos)
+            got = self.kv[np.asarray(x.block_ids)[pos // bs], pos % bs]
+            assert got.tolist() == r.all_token_ids[:x.start_pos], f"{r.request_id} reads bad KV"
+        # Writes: never into a cached (shared, immutable) block, never twice per step.
+        written: set[tuple[int, int]] = set()
+        pool = kvm.block_pool
+        for x in out.scheduled:
+            for p in range(x.start_pos, x.start_pos + x.num_tokens):
+                b, o = x.block_ids[p // bs], p % bs
+                assert pool.blocks[b].block_hash is None, f"write into cached block {b}"
+                assert pool.blocks[b].ref_count == 1, f"write into shared block {b}"
+                assert (b, o) not in written
+                written.add((b, o))
+                self.kv[b, o] = x.request.all_token_ids[p]
+        self.max_used_blocks = max(self.max_used_blocks, pool.num_blocks - 1 - kvm.num_free_blocks)
+        sampled = {x.request.request_id: fake_next(x.request.all_token_ids)
+                   for x in out.scheduled if x.sample}
+        for r in s.update_from_output(out, sampled):
+            if r.is_finished():
+                self.finished[r.request_id] = r
+        kvm.check_invariants()
+        self._check_running()
+        return out
+
+    def _check_running(self) -> None:
+        s = self.sched
+        kvm = s.kv_cache_manager
+        for r in s.running:
+            assert r.status is RequestStatus.RUNNING
+            # At most one partly filled block: the table covers exactly the computed tokens.
+            assert kvm.num_blocks_held(r.request_id) == -(-r.num_computed_tokens // s.block_size)
+        for r in s.waiting:
+            assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert kvm.num_blocks_held(r.request_id) == 0 and r.num_computed_tokens == 0
+        assert s.num_running + s.num_waiting == s.get_num_unfinished_requests()
+
+    def run(self, max_steps: int = 10_000) -> dict[str, Request]:
+        """Step until nothing is left; then every block must be free."""
+        for _ in range(max_steps):
+            if not self.sched.has_unfinished_requests():
+                break
+            self.step()
+        else:
+            raise AssertionError("workload did not finish")
+        self.assert_drained()
+        return self.finished
+
+    def assert_drained(self) -> None:
+        """No leaks: every block back in the free queue, invariants hold."""
+        kvm = self.sched.kv_cache_manager
+        assert kvm.usage == 0.0
+        assert kvm.num_free_blocks == kvm.block_pool.num_blocks - 1
+        assert not kvm._in_flight and not kvm._in_flight_count
+        kvm.check_invariants()
