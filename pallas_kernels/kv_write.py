@@ -1,0 +1,88 @@
+"""Pallas KV write: the step's new K/V rows stored into their page slots in place.
+
+Grid (token, kv-head group). A program copies one token's [heads_per_program, head_dim] rows of K
+and of V into slot `slot_mapping[t]` (block slot // block_size, offset slot % block_size),
+quantizing to the page dtype (fp8: divide by the scale, saturate). The pages are aliased input ->
+output (`input_output_aliases`), so under a jit that donates them the write is in place and every
+slot the step does not name keeps its bytes. A slot outside [0, num_blocks * block_size) (padding
+uses -1) writes nothing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import reference
+from pallas_kernels._compat import is_pow2, pallas_call, triton_unsupported
+
+
+def _quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array) -> jax.Array:
+    """In-kernel twin of `reference.quantize`."""
+    if not reference.is_fp8(dtype):
+        return x.astype(dtype)
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
+
+
+def _write_kernel(scale_ref, slot_ref, k_ref, v_ref, k_in_ref, v_in_ref,  # inputs
+                  k_out_ref, v_out_ref) -> None:  # outputs (aliases of k_in_ref, v_in_ref)
+    """Store one token's rows of one head group; only the named slot is touched."""
+    del k_in_ref, v_in_ref  # read through the aliased outputs
+    nb, bs, _, _ = k_out_ref.shape
+    hp = k_ref.shape[0]
+    grp = pl.program_id(1)
+    slot = slot_ref[0]
+
+    @pl.when((slot >= 0) & (slot < nb * bs))
+    def _store():
+        blk = slot // bs
+        off = slot % bs
+        heads = pl.ds(grp * hp, hp)
+        k_out_ref[blk, off, heads, :] = _quantize(k_ref[...], k_out_ref.dtype, scale_ref[0])
+        v_out_ref[blk, off, heads, :] = _quantize(v_ref[...], v_out_ref.dtype, scale_ref[1])
+
+
+def write_kv(
+    k_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    v_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    k: Float[Array, "T kv_heads head_dim"],
+    v: Float[Array, "T kv_heads head_dim"],
+    slot_mapping: Int[Array, " T"],
+    k_scale: Float[Array, ""] | float = 1.0,
+    v_scale: Float[Array, ""] | float = 1.0,
+    *,
+    heads_per_program: int | None = None,
+    num_warps: int = 1,
+    interpret: bool = False,
+) -> tuple[Array, Array]:
+    """Pallas twin of `reference.write_kv`: new K/V into their slots; slot < 0 writes nothing."""
+    nb, bs, hkv, d = k_pages.shape
+    t_total = k.shape[0]
+    if not interpret and triton_unsupported(k_pages, v_pages, dims=(d,)):
+        # Shapes the Triton lowering cannot take run on the XLA scatter.
+        return reference.write_kv(k_pages, v_pages, k, v, slot_mapping, k_scale, v_scale)
+    # All heads of a token in one program when the head count allows a power-of-two tile.
+    hp = heads_per_program or (hkv if (interpret or is_pow2(hkv)) else 1)
+    if hkv % hp:
+        raise ValueError(f"heads_per_program={hp} must divide kv_heads={hkv}")
+    scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
+    page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda t, g: (0, 0, 0, 0))
+    row_spec = pl.BlockSpec((None, hp, d), lambda t, g: (t, g, 0))
+    return pallas_call(
+        _write_kernel,
+        grid=(t_total, hkv // hp),
+        in_specs=[
+            pl.BlockSpec((2,), lambda t, g: (0,)),  # k_scale, v_scale
+            pl.BlockSpec((1,), lambda t, g: (t,)),  # slot of token t
+            row_spec, row_spec, page_spec, page_spec,
+        ],
+        out_specs=[page_spec, page_spec],
+        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        input_output_aliases={4: 0, 5: 1},
+        interpret=interpret, num_warps=num_warps, num_stages=1,
+        name="kv_write",
+    )(scales, slot_mapping.astype(jnp.int32), k, v, k_pages, v_pages)

@@ -1,0 +1,180 @@
+"""Pallas decode kernel: one new token per sequence over a paged KV cache, split-K.
+
+Grid (batch, kv_head, partition). A program takes the G = q_heads / kv_heads query heads that share
+one kv head as a [rows, head_dim] block (G zero-padded to `rows`, a power of two >= `min_rows`, 16
+by default, the smallest M of a tensor-core product) and walks the pages of one partition of the
+context (`pages_per_partition` pages) in steps of `pages_per_block` pages with an online softmax.
+It writes the unnormalised partial (acc, m, l); a small jnp pass merges the partitions by
+log-sum-exp. Partitions past a sequence's length (or wholly before its sliding window) do no work.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import reference
+from pallas_kernels._compat import (
+    check_dot_tiles,
+    compute_dtype,
+    next_pow2,
+    pallas_call,
+    scale_array,
+    triton_unsupported,
+)
+from pallas_kernels._online_softmax import init_carry, load_kv_block, softmax_step
+
+# Aim for at least this many programs, so that a small batch still fills an H200's 132 SMs.
+_TARGET_PROGRAMS = 1024
+
+
+def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs
+                   acc_ref, m_ref, l_ref,  # outputs
+                   *, pages_per_block: int, soft_cap: float | None,
+                   sliding_window: int | None) -> None:
+    """One (sequence, kv head, partition): partial attention of G heads over <= P pages."""
+    part = pl.program_id(2)
+    rows, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    part_pages = tables_ref.shape[0]
+    bk = pages_per_block * block_size  # keys per step
+    seq_len = lens_ref[0]
+    start = part * (part_pages * block_size)  # first key position of this partition
+    # Steps [lo, hi) of this partition hold keys < seq_len (and inside the window, if any).
+    hi = jnp.maximum(pl.cdiv(jnp.minimum(seq_len - start, part_pages * block_size), bk), 0)
+    lo = 0
+    if sliding_window is not None:
+        lo = jnp.clip((seq_len - sliding_window - start) // bk, 0, hi)
+    q = q_ref[...]
+    qk_scale = scale_ref[0]
+
+    def body(i, carry):
+        ids = tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
+        k = load_kv_block(k_ref, ids, q.dtype)
+        v = load_kv_block(v_ref, ids, q.dtype)
+        k_pos = start + i * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+        mask = k_pos < seq_len
+        if sliding_window is not None:
+            mask &= k_pos >= seq_len - sliding_window
+        return softmax_step(carry, q, k, v, mask, qk_scale=qk_scale, soft_cap=soft_cap)
+
+    m, lsum, acc = lax.fori_loop(lo, hi, body, init_carry(rows, head_dim))
+    acc_ref[...] = acc
+    m_ref[...] = m
+    l_ref[...] = lsum
+
+
+def default_pages_per_partition(batch: int, kv_heads: int, max_blocks: int,
+                                pages_per_block: int) -> int:
+    """Pages per split-K partition: enough partitions for ~_TARGET_PROGRAMS programs."""
+    want = max(1, -(-_TARGET_PROGRAMS // max(1, batch * kv_heads)))
+    ppp = next_pow2(-(-max_blocks // want))
+    return max(ppp, pages_per_block)
+
+
+def merge_partitions(acc: Float[Array, "B K P G D"], m: Float[Array, "B K P G"],
+                     lsum: Float[Array, "B K P G"]) -> Float[Array, "B K G D"]:
+    """Log-sum-exp merge of split-K partials; rows that saw no key come out 0."""
+    m_max = m.max(axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)  # empty partitions have l == 0 and acc == 0: weight irrelevant
+    den = (lsum * w).sum(axis=2)
+    num = (acc * w[..., None]).sum(axis=2)
+    return num / jnp.where(den > 0, den, 1.0)[..., None]
+
+
+def paged_decode_attention(
+    q: Float[Array, "B q_heads head_dim"],
+    k_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    v_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    seq_lens: Int[Array, " B"],
+    block_tables: Int[Array, "B max_blocks"],
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: Float[Array, ""] | float = 1.0,
+    v_scale: Float[Array, ""] | float = 1.0,
+    pages_per_partition: int | None = None,
+    pages_per_block: int | None = None,
+    min_rows: int = 16,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> Float[Array, "B q_heads head_dim"]:
+    """Attention of each sequence's last token (position seq_len - 1) over its paged K/V.
+
+    seq_len 0 gives zeros. Equals `reference.paged_decode_attention`. Tuning (static):
+    `pages_per_block` pages per inner step (default: 128 keys), `pages_per_partition` pages per
+    split-K program (default: see `default_pages_per_partition`), Triton `num_warps`/`num_stages`.
+    """
+    b, hq, d = q.shape
+    nb, bs, hkv, _ = k_pages.shape
+    max_blocks = block_tables.shape[1]
+    g = hq // hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    if not interpret and triton_unsupported(k_pages, v_pages, dims=(d, bs)):
+        # Shapes the Triton lowering cannot take run on the XLA path.
+        return reference.paged_decode_attention(
+            q, k_pages, v_pages, seq_lens, block_tables, sm_scale=sm_scale, soft_cap=soft_cap,
+            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+    if pages_per_block is None:
+        pages_per_block = max(1, 128 // bs)
+    pages_per_block = next_pow2(min(pages_per_block, next_pow2(max_blocks)))
+    if not interpret:  # a tensor-core product needs >= 16 keys per step
+        pages_per_block = max(pages_per_block, next_pow2(-(-16 // bs)))
+    if pages_per_partition is None:
+        pages_per_partition = default_pages_per_partition(b, hkv, max_blocks, pages_per_block)
+    if pages_per_partition % pages_per_block:
+        raise ValueError(f"pages_per_partition={pages_per_partition} must be a multiple of "
+                         f"pages_per_block={pages_per_block}")
+    parts = -(-max_blocks // pages_per_partition)
+    # Padded table entries point at block 0; they lie past seq_len and are masked.
+    tables = jnp.pad(block_tables.astype(jnp.int32),
+                     ((0, 0), (0, parts * pages_per_partition - max_blocks)))
+    rows = next_pow2(max(g, min_rows))
+    check_dot_tiles(rows, pages_per_block * bs, interpret)
+    # Scales apply to fp8 pages only (as in reference.dequantize); both are folded out of the
+    # loop: k_scale into the logit scale, v_scale into the merged output.
+    fp8 = reference.is_fp8(k_pages.dtype)
+    qk_scale = sm_scale * k_scale if fp8 else sm_scale
+    dt = compute_dtype(q.dtype, k_pages.dtype)
+    qg = q.reshape(b, hkv, g, d).astype(dt)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [B, K, rows, D]
+    kernel = functools.partial(_decode_kernel, pages_per_block=pages_per_block,
+                               soft_cap=soft_cap, sliding_window=sliding_window)
+    page_spec = pl.BlockSpec((nb, bs, None, d), lambda i, h, p: (0, 0, h, 0))
+    part_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, p: (i, h, p, 0))
+    acc, m, lsum = pallas_call(
+        kernel,
+        grid=(b, hkv, parts),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, h, p: (0,)),  # sm_scale * k_scale
+            pl.BlockSpec((1,), lambda i, h, p: (i,)),  # seq_lens
+            pl.BlockSpec((None, pages_per_partition), lambda i, h, p: (i, p)),  # tables
+            pl.BlockSpec((None, None, rows, d), lambda i, h, p: (i, h, 0, 0)),  # q
+            page_spec, page_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, d), lambda i, h, p: (i, h, p, 0, 0)),
+            part_spec, part_spec,
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, parts, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, parts, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, parts, rows), jnp.float32),
+        ],
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+        name=f"paged_decode_ppb{pages_per_block}_ppp{pages_per_partition}",
+    )(scale_array(qk_scale), seq_lens.astype(jnp.int32), tables, qg, k_pages, v_pages)
+    # Padded head rows are dropped before the merge, so it reads only the G real rows.
+    out = merge_partitions(acc[:, :, :, :g], m[:, :, :, :g], lsum[:, :, :, :g])
+    if reference.is_fp8(v_pages.dtype):
+        out = out * jnp.asarray(v_scale, jnp.float32)
+    return out.reshape(b, hq, d).astype(q.dtype)

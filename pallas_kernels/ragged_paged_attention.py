@@ -1,0 +1,259 @@
+"""Pallas kernel for the engine's mixed token batches: chunked prefill and decode in one launch.
+
+The flattened ragged batch is cut (in jnp, before the kernel) into query tiles of `q_tile`
+consecutive new tokens of ONE sequence. Grid (tile, kv_head): a program holds the tile's tokens
+times the G query heads of one kv head as a [q_tile * rows_per_token, head_dim] block (row
+r = token r // Gp, head r % Gp with Gp = G padded to a power of two) and walks the sequence's
+pages from the first key any of its rows may see (sliding window) to the last one (causal), with
+an online softmax. Unused tiles (the static tile count is an upper bound) do no work.
+
+When every sequence of the step has at most one new token (a decode step), the split-K decode
+kernel does the work instead. Which one is decided on device, without a host round trip: both
+kernels are launched, the inactive one with every length zeroed so that its programs exit at once
+(a few microseconds), and the result is selected with `jnp.where`. (A `lax.cond` would make XLA
+copy the predicate to the host and wait, once per layer.) `decode_fast_path=False` launches only
+the tiled kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import reference
+from pallas_kernels._compat import (
+    check_dot_tiles,
+    compute_dtype,
+    next_pow2,
+    pallas_call,
+    scale_array,
+    triton_unsupported,
+)
+from pallas_kernels._online_softmax import init_carry, load_kv_block, softmax_step
+from pallas_kernels.paged_attention import paged_decode_attention
+
+# Tile metadata columns: [sequence, absolute position of the tile's first token, valid tokens,
+# unused]; four so that the row is a power of two.
+_META_SEQ, _META_POS, _META_VALID, _META_COLS = 0, 1, 2, 4
+
+
+def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs
+                   o_ref,  # output
+                   *, heads_pad: int, pages_per_block: int, soft_cap: float | None,
+                   sliding_window: int | None) -> None:
+    """One (query tile, kv head): causal attention of the tile's rows over their keys."""
+    rows, head_dim = q_ref.shape
+    block_size = k_ref.shape[1]
+    bk = pages_per_block * block_size
+    seq = meta_ref[_META_SEQ]
+    pos0 = meta_ref[_META_POS]
+    n_valid = meta_ref[_META_VALID]
+    # Keys [first, last] are the union of what the tile's valid rows may see.
+    last = pos0 + n_valid - 1
+    hi = jnp.where(n_valid > 0, pl.cdiv(last + 1, bk), 0)
+    lo = 0
+    if sliding_window is not None:
+        lo = jnp.clip((pos0 - sliding_window + 1) // bk, 0, hi)
+    q = q_ref[...]
+    tok = lax.broadcasted_iota(jnp.int32, (rows, bk), 0) // heads_pad
+    q_pos = pos0 + tok  # [rows, bk]
+    row_ok = tok < n_valid
+
+    def body(i, carry):
+        ids = tables_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]
+        k = load_kv_block(k_ref, ids, q.dtype)
+        v = load_kv_block(v_ref, ids, q.dtype)
+        k_pos = i * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+        mask = row_ok & (k_pos <= q_pos)
+        if sliding_window is not None:
+            mask &= k_pos > q_pos - sliding_window
+        return softmax_step(carry, q, k, v, mask, qk_scale=scale_ref[0], soft_cap=soft_cap)
+
+    _, lsum, acc = lax.fori_loop(lo, hi, body, init_carry(rows, head_dim))
+    o_ref[...] = (acc / jnp.where(lsum > 0, lsum, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def tile_metadata(query_start_loc: Int[Array, " B+1"], seq_lens: Int[Array, " B"], q_tile: int,
+                  num_tiles: int) -> tuple[Int[Array, "NT 4"], Int[Array, " NT"]]:
+    """Per tile: [sequence, first token's position, valid tokens, 0] and its first token index.
+
+    Tiles of sequence b are numbered consecutively; unused tiles have 0 valid tokens.
+    """
+    num_seqs = seq_lens.shape[0]
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    tiles_per_seq = (q_len + q_tile - 1) // q_tile
+    tile_end = jnp.cumsum(tiles_per_seq)
+    tile_ids = jnp.arange(num_tiles, dtype=jnp.int32)
+    tile_seq = jnp.searchsorted(tile_end, tile_ids, side="right")  # == B for unused tiles
+    used = tile_seq < num_seqs
+    seq = jnp.minimum(tile_seq, num_seqs - 1)
+    q_off = (tile_ids - (tile_end[seq] - tiles_per_seq[seq])) * q_tile
+    n_valid = jnp.where(used, jnp.clip(q_len[seq] - q_off, 0, q_tile), 0)
+    pos0 = seq_lens[seq] - q_len[seq] + q_off
+    meta = jnp.stack([seq, pos0, n_valid, jnp.zeros_like(seq)], axis=1).astype(jnp.int32)
+    return meta, (query_start_loc[seq] + q_off).astype(jnp.int32)
+
+
+def _default_q_tile(rows_per_token: int, num_tokens: int) -> int:
+    """Tokens per tile: about 64 rows (16 at least, the smallest tensor-core M)."""
+    return max(next_pow2(-(-16 // rows_per_token)),
+               min(next_pow2(num_tokens), max(1, 64 // rows_per_token)))
+
+
+def ragged_kernel_attention(
+    q: Float[Array, "T q_heads head_dim"],
+    k_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    v_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    query_start_loc: Int[Array, " B+1"],
+    seq_lens: Int[Array, " B"],
+    block_tables: Int[Array, "B max_blocks"],
+    *,
+    sm_scale: float,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    k_scale: Float[Array, ""] | float,
+    v_scale: Float[Array, ""] | float,
+    q_tile: int | None,
+    pages_per_block: int | None,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    active: Array | bool = True,
+) -> Float[Array, "T q_heads head_dim"]:
+    """The tiled ragged kernel alone; `active` False (traced) makes every program skip its work."""
+    t_total, hq, d = q.shape
+    nb, bs, hkv, _ = k_pages.shape
+    num_seqs, max_blocks = block_tables.shape
+    g = hq // hkv
+    gp = next_pow2(g)
+    if q_tile is None:
+        q_tile = _default_q_tile(gp, t_total)
+    if pages_per_block is None:
+        pages_per_block = max(1, 64 // bs)
+    pages_per_block = next_pow2(min(pages_per_block, next_pow2(max_blocks)))
+    if not interpret:  # a tensor-core product needs >= 16 keys per step
+        pages_per_block = max(pages_per_block, next_pow2(-(-16 // bs)))
+    rows = q_tile * gp
+    check_dot_tiles(rows, pages_per_block * bs, interpret)
+    # Each sequence adds at most one partial tile.
+    num_tiles = -(-t_total // q_tile) + num_seqs
+    padded_blocks = -(-max_blocks // pages_per_block) * pages_per_block
+    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
+    meta, first_tok = tile_metadata(query_start_loc.astype(jnp.int32),
+                                    seq_lens.astype(jnp.int32), q_tile, num_tiles)
+    meta = meta.at[:, _META_VALID].multiply(jnp.asarray(active, jnp.int32))
+
+    fp8 = reference.is_fp8(k_pages.dtype)
+    dt = compute_dtype(q.dtype, k_pages.dtype)
+    # Gather queries tile-major: [NT, K, q_tile * Gp, D]; rows of invalid tokens are masked.
+    tok_idx = jnp.minimum(first_tok[:, None] + jnp.arange(q_tile)[None, :], t_total - 1)
+    qt = q.astype(dt)[tok_idx].reshape(num_tiles, q_tile, hkv, g, d)
+    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)))
+    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, hkv, rows, d)
+
+    kernel = functools.partial(_ragged_kernel, heads_pad=gp, pages_per_block=pages_per_block,
+                               soft_cap=soft_cap, sliding_window=sliding_window)
+    page_spec = pl.BlockSpec((nb, bs, None, d), lambda t, h: (0, 0, h, 0))
+    out_tiles = pallas_call(
+        kernel,
+        grid=(num_tiles, hkv),
+        in_specs=[
+            pl.BlockSpec((1,), lambda t, h: (0,)),  # sm_scale * k_scale
+            pl.BlockSpec((None, _META_COLS), lambda t, h: (t, 0)),  # tile metadata
+            pl.BlockSpec((num_seqs, padded_blocks), lambda t, h: (0, 0)),  # all block tables
+            pl.BlockSpec((None, None, rows, d), lambda t, h: (t, h, 0, 0)),  # q tile
+            page_spec, page_spec,
+        ],
+        out_specs=pl.BlockSpec((None, None, rows, d), lambda t, h: (t, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_tiles, hkv, rows, d), jnp.float32),
+        interpret=interpret, num_warps=num_warps, num_stages=num_stages,
+        name=f"ragged_paged_qt{q_tile}_ppb{pages_per_block}",
+    )(scale_array(sm_scale * k_scale if fp8 else sm_scale), meta, tables, qt, k_pages, v_pages)
+
+    # Token t of sequence b sits in tile first_tile[b] + (t - qsl[b]) // q_tile.
+    qsl = query_start_loc.astype(jnp.int32)
+    t_ids = jnp.arange(t_total, dtype=jnp.int32)
+    b_of_t = jnp.minimum(jnp.searchsorted(qsl[1:], t_ids, side="right"), num_seqs - 1)
+    tok_valid = t_ids < qsl[-1]
+    q_len = qsl[1:] - qsl[:-1]
+    first_tile = jnp.cumsum((q_len + q_tile - 1) // q_tile) - (q_len + q_tile - 1) // q_tile
+    rel = t_ids - qsl[b_of_t]
+    tile_of_t = jnp.clip(first_tile[b_of_t] + rel // q_tile, 0, num_tiles - 1)
+    out = out_tiles.reshape(num_tiles, hkv, q_tile, gp, d)[tile_of_t, :, rel % q_tile, :g]
+    if reference.is_fp8(v_pages.dtype):
+        out = out * jnp.asarray(v_scale, jnp.float32)
+    out = jnp.where(tok_valid[:, None, None, None], out, 0.0)
+    return out.reshape(t_total, hq, d).astype(q.dtype)
+
+
+def _decode_path(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, active, **kw):
+    """A step whose sequences have <= 1 new token each, through the split-K decode kernel.
+
+    `active` False (traced) zeroes every length, so the kernel reads nothing.
+    """
+    t_total = q.shape[0]
+    qsl = query_start_loc.astype(jnp.int32)
+    has_tok = (qsl[1:] - qsl[:-1]) > 0  # [B]
+    tok = jnp.where(has_tok, qsl[:-1], t_total)  # token of each sequence; t_total = none
+    qd = q[jnp.minimum(tok, t_total - 1)]  # [B, Hq, D]; rows without a token are ignored
+    lens = jnp.where(has_tok & active, seq_lens, 0)
+    out = paged_decode_attention(qd, k_pages, v_pages, lens, block_tables, **kw)
+    res = jnp.zeros_like(q)
+    return res.at[tok].set(out, mode="drop")
+
+
+def ragged_paged_attention(
+    q: Float[Array, "T q_heads head_dim"],
+    k_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    v_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    query_start_loc: Int[Array, " B+1"],
+    seq_lens: Int[Array, " B"],
+    block_tables: Int[Array, "B max_blocks"],
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: Float[Array, ""] | float = 1.0,
+    v_scale: Float[Array, ""] | float = 1.0,
+    q_tile: int | None = None,
+    pages_per_block: int | None = None,
+    decode_fast_path: bool = True,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+) -> Float[Array, "T q_heads head_dim"]:
+    """Pallas twin of `reference.ragged_paged_attention` (same arguments and result).
+
+    Extra static tuning: `q_tile` tokens per query tile, `pages_per_block` pages per inner step,
+    Triton `num_warps`/`num_stages`; `decode_fast_path` routes decode-only steps to the split-K
+    decode kernel.
+    """
+    t_total, hq, d = q.shape
+    bs = k_pages.shape[1]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, sliding_window=sliding_window,
+                  k_scale=k_scale, v_scale=v_scale)
+    if not interpret and triton_unsupported(k_pages, v_pages, dims=(d, bs)):
+        # Shapes the Triton lowering cannot take run on the XLA path.
+        return reference.ragged_paged_attention(q, k_pages, v_pages, query_start_loc, seq_lens,
+                                                block_tables, **common)
+    ragged = functools.partial(
+        ragged_kernel_attention, **common, q_tile=q_tile, pages_per_block=pages_per_block,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+    if not decode_fast_path:
+        return ragged(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)
+    decode = functools.partial(_decode_path, **common, num_warps=num_warps,
+                               num_stages=num_stages, interpret=interpret)
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    is_decode = jnp.max(q_len) <= 1
+    args = (q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)
+    out_dec = decode(*args, active=is_decode)
+    out_rag = ragged(*args, active=jnp.logical_not(is_decode))
+    return jnp.where(is_decode, out_dec, out_rag)

@@ -1,0 +1,226 @@
+"""Pure-jnp paged attention and KV write: the truth for kernel tests and the engine's CPU path.
+
+Page layout (one layer, K and V separately):
+    pages: [num_blocks, block_size, num_kv_heads, head_dim]
+Slot s of the pool is (block s // block_size, offset s % block_size). Block 0 is the null block
+that padded block-table entries point at; it is never read unmasked.
+
+The step's tokens form a flattened ragged batch: sequence b owns query tokens
+q[query_start_loc[b] : query_start_loc[b + 1]], which are the LAST q_len_b tokens of a sequence of
+seq_lens[b] tokens whose K/V (including the new tokens) are already written into the pages.
+Padded sequences have q_len 0 and seq_len 0. Tokens past query_start_loc[-1] are padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
+
+
+def is_fp8(dtype: jnp.dtype) -> bool:
+    """True for the fp8 page dtypes."""
+    return jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in FP8_DTYPES)
+
+
+def quantize(x: Float[Array, "..."], dtype: jnp.dtype, scale: Float[Array, ""] | float = 1.0
+             ) -> Array:
+    """Cast new K/V to the page dtype; fp8 divides by `scale` and saturates to the finite range."""
+    if not is_fp8(dtype):
+        return x.astype(dtype)
+    fmax = float(jnp.finfo(dtype).max)
+    y = jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax)
+    return y.astype(dtype)
+
+
+def dequantize(x: Array, scale: Float[Array, ""] | float = 1.0) -> Float[Array, "..."]:
+    """Pages back to float32; fp8 multiplies by `scale`."""
+    y = x.astype(jnp.float32)
+    return y * scale if is_fp8(x.dtype) else y
+
+
+def write_kv(
+    k_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    v_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    k: Float[Array, "T kv_heads head_dim"],
+    v: Float[Array, "T kv_heads head_dim"],
+    slot_mapping: Int[Array, " T"],
+    k_scale: Float[Array, ""] | float = 1.0,
+    v_scale: Float[Array, ""] | float = 1.0,
+) -> tuple[Array, Array]:
+    """Scatter the step's new K/V into their slots; slot < 0 (padding) writes nothing."""
+    nb, bs, h, d = k_pages.shape
+    total = nb * bs
+    # Out-of-range indices are dropped, so padding never clobbers a real slot.
+    idx = jnp.where(slot_mapping < 0, total, slot_mapping)
+    kf = k_pages.reshape(total, h, d).at[idx].set(quantize(k, k_pages.dtype, k_scale), mode="drop")
+    vf = v_pages.reshape(total, h, d).at[idx].set(quantize(v, v_pages.dtype, v_scale), mode="drop")
+    return kf.reshape(nb, bs, h, d), vf.reshape(nb, bs, h, d)
+
+
+def _query_tile_size(num_tokens: int, num_seqs: int) -> int:
+    """Static tile size: tokens per sequence of the shape, a power of two in [1, 32].
+
+    Every sequence may leave one partly used tile, so the padded query rows stay below
+    num_tokens + num_seqs x tile <= 2 x num_tokens.
+    """
+    ratio = max(1, min(32, num_tokens // max(num_seqs, 1)))
+    return 1 << (ratio.bit_length() - 1)
+
+
+def _kv_chunk_blocks(num_tiles: int, tile: int, block_size: int, kv_heads: int, head_dim: int,
+                     max_blocks: int) -> int:
+    """Blocks per key chunk so one chunk's gathered K stays near 32 MiB (static)."""
+    budget = 32 * 2**20 // 4
+    per_block = max(1, num_tiles * block_size * kv_heads * head_dim * max(1, tile // 8))
+    c = max(1, min(max_blocks, budget // per_block))
+    return 1 << (c.bit_length() - 1)  # a power of two
+
+
+def ragged_paged_attention(
+    q: Float[Array, "T q_heads head_dim"],
+    k_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    v_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    query_start_loc: Int[Array, " B+1"],
+    seq_lens: Int[Array, " B"],
+    block_tables: Int[Array, "B max_blocks"],
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: Float[Array, ""] | float = 1.0,
+    v_scale: Float[Array, ""] | float = 1.0,
+) -> Float[Array, "T q_heads head_dim"]:
+    """Causal attention of each sequence's new tokens over its paged K/V (prefix + new tokens).
+
+    Queries are cut into tiles of one sequence each (so K/V blocks are gathered once per tile, not
+    once per token); key blocks are visited in chunks with an online softmax, and only as many
+    chunks as the longest sequence needs.
+    """
+    t_total, hq, d = q.shape
+    num_seqs, max_blocks = block_tables.shape
+    _, bs, hkv, _ = k_pages.shape
+    g = hq // hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    tile = _query_tile_size(t_total, num_seqs)
+    # Upper bound on tiles: each sequence adds at most one partial tile.
+    num_tiles = (t_total + tile - 1) // tile + num_seqs
+    chunk = _kv_chunk_blocks(num_tiles, tile, bs, hkv, d, max_blocks)
+    n_chunks_max = (max_blocks + chunk - 1) // chunk
+    padded_blocks = n_chunks_max * chunk
+    tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
+
+    q_len = query_start_loc[1:] - query_start_loc[:-1]  # [B]
+    tiles_per_seq = (q_len + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles_per_seq)  # [B]
+    tile_ids = jnp.arange(num_tiles)
+    tile_seq = jnp.searchsorted(tile_end, tile_ids, side="right")  # [NT]; == B for unused tiles
+    tile_valid = tile_seq < num_seqs
+    tseq = jnp.minimum(tile_seq, num_seqs - 1)
+    tile_first = tile_end[tseq] - tiles_per_seq[tseq]
+    q_off = (tile_ids - tile_first) * tile  # offset of the tile inside its sequence's new tokens
+    j = jnp.arange(tile)
+    q_in_seq = q_off[:, None] + j[None, :]  # [NT, tile]
+    row_valid = tile_valid[:, None] & (q_in_seq < q_len[tseq][:, None])
+    tok = jnp.where(row_valid, query_start_loc[tseq][:, None] + q_in_seq, t_total)  # [NT, tile]
+    q_pos = seq_lens[tseq][:, None] - q_len[tseq][:, None] + q_in_seq  # absolute positions
+
+    qt = jnp.take(q, jnp.minimum(tok, t_total - 1), axis=0).astype(jnp.float32)  # [NT,tile,hq,d]
+    qt = qt.reshape(num_tiles, tile, hkv, g, d) * sm_scale
+    tile_tables = tables[tseq]  # [NT, padded_blocks]
+    ck = chunk * bs
+
+    def body(c, carry):
+        m, lsum, acc = carry
+        ids = jax.lax.dynamic_slice_in_dim(tile_tables, c * chunk, chunk, axis=1)  # [NT, chunk]
+        kc = dequantize(k_pages[ids], k_scale).reshape(num_tiles, ck, hkv, d)
+        vc = dequantize(v_pages[ids], v_scale).reshape(num_tiles, ck, hkv, d)
+        s = jnp.einsum("nqkgd,nskd->nkgqs", qt, kc)  # [NT, hkv, g, tile, ck]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = c * ck + jnp.arange(ck)
+        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [NT, tile, ck]
+        if sliding_window is not None:
+            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask &= row_valid[:, :, None]
+        mask = mask[:, None, None, :, :]
+        s = jnp.where(mask, s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+        lsum = lsum * alpha + p.sum(axis=-1)
+        acc = acc * alpha[..., None] + jnp.einsum("nkgqs,nskd->nkgqd", p, vc)
+        return m_new, lsum, acc
+
+    init = (
+        jnp.full((num_tiles, hkv, g, tile), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tiles, hkv, g, tile), jnp.float32),
+        jnp.zeros((num_tiles, hkv, g, tile, d), jnp.float32),
+    )
+    # Only as many key chunks as the longest sequence of this step needs.
+    n_chunks = jnp.minimum((jnp.max(seq_lens) + ck - 1) // ck, n_chunks_max)
+    _, lsum, acc = jax.lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.where(lsum > 0, lsum, 1.0)[..., None]  # [NT, hkv, g, tile, d]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tile, hq, d)
+    res = jnp.zeros((t_total, hq, d), q.dtype)
+    return res.at[tok.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+
+
+def dense_attention_contiguous(
+    q: Float[Array, "B Q q_heads head_dim"],
+    k: Float[Array, "B L kv_heads head_dim"],
+    v: Float[Array, "B L kv_heads head_dim"],
+    q_positions: Int[Array, "B Q"],
+    kv_lens: Int[Array, " B"],
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+) -> Float[Array, "B Q q_heads head_dim"]:
+    """Causal attention over a contiguous per-sequence cache (the naive baseline's attention)."""
+    b, nq, hq, d = q.shape
+    hkv = k.shape[2]
+    g = hq // hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    qg = q.astype(jnp.float32).reshape(b, nq, hkv, g, d) * sm_scale
+    s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k.astype(jnp.float32))
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    k_pos = jnp.arange(k.shape[1])
+    mask = (k_pos[None, None, :] <= q_positions[:, :, None]) & (
+        k_pos[None, None, :] < kv_lens[:, None, None])
+    s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1)
+    p = jnp.where(mask[:, None, None], p, 0.0)
+    o = jnp.einsum("bkgqs,bskd->bqkgd", p, v.astype(jnp.float32))
+    return o.reshape(b, nq, hq, d).astype(q.dtype)
+
+
+def paged_decode_attention(
+    q: Float[Array, "B q_heads head_dim"],
+    k_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    v_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    seq_lens: Int[Array, " B"],
+    block_tables: Int[Array, "B max_blocks"],
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: Float[Array, ""] | float = 1.0,
+    v_scale: Float[Array, ""] | float = 1.0,
+) -> Float[Array, "B q_heads head_dim"]:
+    """Decode twin of the Pallas decode kernel: sequence b's one token sits at seq_lens[b] - 1.
+
+    A sequence with seq_len 0 attends to nothing and gives zeros.
+    """
+    b = q.shape[0]
+    qsl = jnp.arange(b + 1, dtype=jnp.int32)
+    return ragged_paged_attention(q, k_pages, v_pages, qsl, seq_lens, block_tables,
+                                  sm_scale=sm_scale, soft_cap=soft_cap,
+                                  sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)

@@ -1,0 +1,73 @@
+"""Each kernel lowers to a Triton GPU call (Pallas -> Triton IR, no GPU needed).
+
+This catches what interpret mode cannot: non-power-of-two tiles, primitives the Triton lowering
+lacks, unsupported indexing. Compiling that IR to PTX (in XLA) still needs a CUDA machine.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.kv_write import write_kv
+from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention
+
+S = jax.ShapeDtypeStruct
+
+
+def _lower_for_cuda(fn, *avals) -> str:
+    """StableHLO text of fn lowered for CUDA on this CPU-only machine."""
+    try:
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:  # jax >= 0.11 wants an abstract GPU to lower for
+        if "abstract GPU device" not in str(e):
+            raise
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def _triton_calls(text: str) -> int:
+    return text.count("xla.gpu.triton") + text.count("triton_kernel_call")
+
+
+@pytest.mark.parametrize("hq,hkv,d,bs,max_blocks,page_dtype,opts", [
+    (32, 8, 128, 16, 40, jnp.bfloat16, {}),
+    (24, 8, 64, 32, 40, jnp.float8_e4m3fn, {"soft_cap": 30.0, "sliding_window": 100,
+                                            "k_scale": 0.5, "v_scale": 0.5}),
+    (12, 3, 128, 16, 40, jnp.float32, {}),
+    (4, 4, 64, 8, 1, jnp.bfloat16, {}),  # MHA, one 8-token page: steps widen to 16 keys
+])
+def test_kernels_lower_to_triton(hq, hkv, d, bs, max_blocks, page_dtype, opts):
+    b, t, blocks = 4, 48, 128
+    pages = S((blocks, bs, hkv, d), page_dtype)
+    ints = functools.partial(S, dtype=jnp.int32)
+    decode = _lower_for_cuda(functools.partial(paged_decode_attention, **opts),
+                             S((b, hq, d), jnp.bfloat16), pages, pages, ints((b,)),
+                             ints((b, max_blocks)))
+    assert _triton_calls(decode) == 1
+    ragged = _lower_for_cuda(functools.partial(ragged_paged_attention, **opts),
+                             S((t, hq, d), jnp.bfloat16), pages, pages, ints((b + 1,)),
+                             ints((b,)), ints((b, max_blocks)))
+    assert _triton_calls(ragged) == 2  # the tiled kernel and the decode fast path
+    scales = {k: v for k, v in opts.items() if k.endswith("_scale")}
+    write = _lower_for_cuda(functools.partial(write_kv, **scales), pages, pages,
+                            S((t, hkv, d), jnp.bfloat16), S((t, hkv, d), jnp.bfloat16),
+                            ints((t,)))
+    assert _triton_calls(write) == 1
+
+
+def test_shapes_the_triton_lowering_cannot_take():
+    from pallas_kernels._compat import triton_unsupported
+
+    small = S((64, 16, 8, 128), jnp.bfloat16)
+    assert triton_unsupported(small, dims=(128, 16)) is None
+    assert "powers of two" in triton_unsupported(small, dims=(96, 16))
+    fp8_3gib = S((3 * 2**30 // (16 * 8 * 128), 16, 8, 128), jnp.float8_e4m3fn)
+    assert "int32" in triton_unsupported(fp8_3gib, dims=(128, 16))
+    bf16_6gib = S((3 * 2**30 // (16 * 8 * 128), 16, 8, 128), jnp.bfloat16)
+    assert triton_unsupported(bf16_6gib, dims=(128, 16)) is None  # 64-bit offsets there
