@@ -1,24 +1,34 @@
 """The attention backend interface the models call, and a dense reference backend.
 
-Models never see KV caches: each layer hands RoPE'd q, k, v for the flattened token batch to an
-`AttnFn`, which owns caching (paged, contiguous or none) and returns the attention output.
+Models never look inside KV caches: each layer hands RoPE'd q, k, v for the flattened token batch
+to an `AttnFn`, together with the backend's opaque `state` pytree, and gets back the attention
+output and the updated state. The model threads that state through its `jax.lax.scan` over the
+stacked layers, so a cache backend keeps e.g. the whole [num_layers, ...] KV pool as its state
+and reads/writes layer `layer_idx` of it with dynamic indexing.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-# attn_fn(layer_idx, q, k, v) -> out
-#   layer_idx: Python int (static), selects the layer's cache.
+# attn_fn(layer_idx, q, k, v, state) -> (out, state)
+#   layer_idx: Int[Array, ""] int32 scalar, TRACED inside the layer scan: index with it
+#              (x[layer_idx], lax.dynamic_index_in_dim, .at[layer_idx]), never int() it.
 #   q: Float[Array, "T num_heads head_dim"]      RoPE applied, NOT pre-scaled.
 #   k, v: Float[Array, "T num_kv_heads head_dim"] RoPE applied to k.
+#   state: any pytree of arrays the backend owns (None for stateless backends). It is the scan
+#          carry: the returned state must have the same tree structure, shapes and dtypes.
 #   out: Float[Array, "T num_heads head_dim"]    in q's dtype.
-AttnFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]
+# Cost note: gather/scatter at layer-offset indices into the carried pool (e.g. a flat
+# [layers * blocks, ...] pool with block ids + layer_idx * blocks) updates it in place; slicing
+# out pool[layer_idx] whole is a dynamic slice, which XLA:CPU materializes as a copy.
+AttnFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 def repeat_kv(x: Float[Array, "S kv_heads D"], num_heads: int) -> Float[Array, "S num_heads D"]:
@@ -32,6 +42,7 @@ def dense_causal_attention(segment_ids: Int[Array, " T"], positions: Int[Array, 
 
     Token i attends to token j iff segment_ids[i] == segment_ids[j] >= 0 and
     positions[j] <= positions[i]. Padding rows return zeros. Softmax runs in float32.
+    Stateless: the returned AttnFn passes `state` through unchanged.
     """
     seg = jnp.asarray(segment_ids)
     pos = jnp.asarray(positions)
@@ -40,11 +51,12 @@ def dense_causal_attention(segment_ids: Int[Array, " T"], positions: Int[Array, 
     row_valid = mask.any(axis=-1)  # False only for padding rows
 
     def attn(
-        layer_idx: int,
+        layer_idx: Int[Array, ""],
         q: Float[Array, "T num_heads head_dim"],
         k: Float[Array, "T num_kv_heads head_dim"],
         v: Float[Array, "T num_kv_heads head_dim"],
-    ) -> Float[Array, "T num_heads head_dim"]:
+        state: Any,
+    ) -> tuple[Float[Array, "T num_heads head_dim"], Any]:
         del layer_idx  # stateless: no cache
         num_heads, head_dim = q.shape[1], q.shape[2]
         kf = repeat_kv(k, num_heads).astype(jnp.float32)
@@ -56,6 +68,6 @@ def dense_causal_attention(segment_ids: Int[Array, " T"], positions: Int[Array, 
         probs = jax.nn.softmax(scores, axis=-1)
         out = jnp.einsum("hqk,khd->qhd", probs, vf)
         out = jnp.where(row_valid[:, None, None], out, 0.0)
-        return out.astype(q.dtype)
+        return out.astype(q.dtype), state
 
     return attn

@@ -1,10 +1,13 @@
 """The Llama family of decoder-only transformers as Flax NNX modules.
 
 Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) reuse these layers through `ModelSpec` flags.
-Module attribute paths mirror HF parameter names (model.layers.N.self_attn.q_proj, ...) so
-models/weights.py can map checkpoints generically. Inputs are a flattened ragged token batch:
-token t has id input_ids[t] and absolute position positions[t]; which tokens see which is
-decided solely by the AttnFn.
+Module attribute paths mirror HF parameter names (model.layers.self_attn.q_proj, ...) so
+models/weights.py can map checkpoints generically. The decoder layers are stored STACKED: one
+DecoderLayer-shaped module `model.layers` whose every Param has a leading axis of size
+num_layers (HF's model.layers.N.* is slice N), run by `jax.lax.scan` so a jitted step traces
+and compiles a single layer body. Inputs are a flattened ragged token batch: token t has id
+input_ids[t] and absolute position positions[t]; which tokens see which is decided solely by
+the AttnFn, whose state (e.g. the KV pool) is threaded through the scan carry.
 """
 
 from __future__ import annotations
@@ -82,9 +85,11 @@ class Attention(nnx.Module):
         x: Float[Array, "T hidden"],
         cos: Float[Array, "T half"],
         sin: Float[Array, "T half"],
-        layer_idx: int,
+        layer_idx: Int[Array, ""],
         attn_fn: AttnFn,
-    ) -> Float[Array, "T hidden"]:
+        attn_state: Any,
+    ) -> tuple[Float[Array, "T hidden"], Any]:
+        """Attention output projected back to hidden size, and the backend's updated state."""
         t = x.shape[0]
         q = self.q_proj(x).reshape(t, self.num_heads, self.head_dim)
         k = self.k_proj(x).reshape(t, self.num_kv_heads, self.head_dim)
@@ -92,8 +97,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None:  # Qwen3: per-head norm, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = attn_fn(layer_idx, q, k, v)  # [T, num_heads, head_dim]
-        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
+        out, attn_state = attn_fn(layer_idx, q, k, v, attn_state)  # out: [T, num_heads, head_dim]
+        return self.o_proj(out.reshape(t, self.num_heads * self.head_dim)), attn_state
 
 
 class DecoderLayer(nnx.Module):
@@ -110,35 +115,66 @@ class DecoderLayer(nnx.Module):
         x: Float[Array, "T hidden"],
         cos: Float[Array, "T half"],
         sin: Float[Array, "T half"],
-        layer_idx: int,
+        layer_idx: Int[Array, ""],
         attn_fn: AttnFn,
-    ) -> Float[Array, "T hidden"]:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, layer_idx, attn_fn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn_state: Any,
+    ) -> tuple[Float[Array, "T hidden"], Any]:
+        """One layer on unstacked parameters; returns (x, attn_state after this layer)."""
+        attn_out, attn_state = self.self_attn(
+            self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state
+        )
+        x = x + attn_out
+        return x + self.mlp(self.post_attention_layernorm(x)), attn_state
+
+
+def stacked_decoder_layers(spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs) -> DecoderLayer:
+    """spec.num_layers DecoderLayers as one module; every Param gets a leading num_layers axis."""
+    # vmap over split keys: each layer draws its own init (under nnx.eval_shape: no init at all).
+    make = nnx.vmap(lambda r: DecoderLayer(spec, dtype=dtype, rngs=r), in_axes=0, out_axes=0)
+    return make(rngs.split(spec.num_layers))
 
 
 class LlamaModel(nnx.Module):
-    """Embedding, decoder layers and final norm (HF `model.*`)."""
+    """Embedding, stacked decoder layers and final norm (HF `model.*`)."""
 
     def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
         self.spec = spec
         self.embed_tokens = nnx.Embed(
             spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        self.layers = nnx.List(
-            [DecoderLayer(spec, dtype=dtype, rngs=rngs) for _ in range(spec.num_layers)]
-        )
+        # Invariant: every Param under `layers` has shape (num_layers, *per-layer shape).
+        self.layers = stacked_decoder_layers(spec, dtype=dtype, rngs=rngs)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
 
     def __call__(
-        self, input_ids: Int[Array, " T"], positions: Int[Array, " T"], attn_fn: AttnFn
-    ) -> Float[Array, "T hidden"]:
+        self,
+        input_ids: Int[Array, " T"],
+        positions: Int[Array, " T"],
+        attn_fn: AttnFn,
+        attn_state: Any = None,
+        *,
+        unroll: int | bool = 1,
+    ) -> tuple[Float[Array, "T hidden"], Any]:
+        """(final-norm hidden states, attn_state after the last layer); `unroll` goes to scan."""
         # inv_freq is a trace-time constant derived from the (static) spec.
         cos, sin = rope_cos_sin(jnp.asarray(inverse_frequencies(self.spec)), positions)
         x = self.embed_tokens(input_ids)
-        for i, layer in enumerate(self.layers):  # Python loop: layer_idx stays a static int
-            x = layer(x, cos, sin, i, attn_fn)
-        return self.norm(x)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(
+            carry: tuple[Float[Array, "T hidden"], Any], xs: tuple[Any, Int[Array, ""]]
+        ) -> tuple[tuple[Float[Array, "T hidden"], Any], None]:
+            # xs = (this layer's slice of every stacked Param, its int32 layer index).
+            h, state = carry
+            layer_params, layer_idx = xs
+            layer = nnx.merge(graphdef, layer_params)
+            return layer(h, cos, sin, layer_idx, attn_fn, state), None
+
+        layer_ids = jnp.arange(self.spec.num_layers, dtype=jnp.int32)
+        (x, attn_state), _ = jax.lax.scan(
+            body, (x, attn_state), (stacked, layer_ids), unroll=unroll
+        )
+        return self.norm(x), attn_state
 
 
 class LlamaForCausalLM(nnx.Module):
@@ -155,10 +191,16 @@ class LlamaForCausalLM(nnx.Module):
         )
 
     def __call__(
-        self, input_ids: Int[Array, " T"], positions: Int[Array, " T"], attn_fn: AttnFn
-    ) -> Float[Array, "T hidden"]:
-        """Final-norm hidden states of a flattened token batch."""
-        return self.model(input_ids, positions, attn_fn)
+        self,
+        input_ids: Int[Array, " T"],
+        positions: Int[Array, " T"],
+        attn_fn: AttnFn,
+        attn_state: Any = None,
+        *,
+        unroll: int | bool = 1,
+    ) -> tuple[Float[Array, "T hidden"], Any]:
+        """(final-norm hidden states of a flattened token batch, attn_state after all layers)."""
+        return self.model(input_ids, positions, attn_fn, attn_state, unroll=unroll)
 
     def compute_logits(self, hidden: Float[Array, "N hidden"]) -> Float[Array, "N vocab"]:
         """float32 logits; accumulation in float32 whatever the parameter dtype."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import struct
 from pathlib import Path
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -18,7 +19,7 @@ from .tensors import TensorDict
 
 __all__ = [
     "TensorDict", "load_safetensors", "load_hf_dir_weights", "load_gguf",
-    "hf_param_table", "assign_weights", "export_weights", "permute_qk", "unpermute_qk",
+    "HFParam", "hf_param_table", "assign_weights", "export_weights", "permute_qk", "unpermute_qk",
 ]
 
 _ST_DTYPES: dict[str, np.dtype] = {
@@ -96,13 +97,35 @@ def load_hf_dir_weights(path: str | Path, spec: ModelSpec | None = None) -> Tens
     return weights
 
 
-def hf_param_table(model: nnx.Module) -> dict[str, tuple[nnx.Param, bool]]:
-    """HF tensor name -> (the model's Param, whether HF stores it transposed).
+# Attribute name of the stacked decoder layers (models/llama.py): every Param under it has a
+# leading num_layers axis, and HF's `...layers.{N}.<rest>` is slice N of `...layers.<rest>`.
+STACKED_LAYERS = "layers"
+
+
+class HFParam(NamedTuple):
+    """Where one HF tensor lives in the model: a Param, its layout, and its layer slice."""
+
+    param: nnx.Param
+    transpose: bool  # HF stores the tensor transposed (nnx kernel [in, out] vs HF [out, in])
+    layer: int | None  # index into the Param's leading num_layers axis; None = not stacked
+
+    def hf_shape(self) -> tuple[int, ...]:
+        """Shape of the tensor in HF naming and layout."""
+        shape = tuple(self.param.get_value().shape)  # works on ShapeDtypeStructs too
+        if self.layer is not None:
+            shape = shape[1:]
+        return shape[::-1] if self.transpose else shape
+
+
+def hf_param_table(model: nnx.Module) -> dict[str, HFParam]:
+    """HF tensor name -> HFParam(the model's Param, whether HF stores it transposed, layer).
 
     Module attribute paths mirror HF names; nnx.Linear's `kernel` [in, out] is HF's
-    `weight` [out, in] transposed, nnx.Embed's `embedding` is HF's `weight` as is.
+    `weight` [out, in] transposed, nnx.Embed's `embedding` is HF's `weight` as is. A stacked
+    Param under `layers` yields one entry per layer, all naming the same Param.
     """
-    table: dict[str, tuple[nnx.Param, bool]] = {}
+    flat: list[tuple[str, HFParam] | None] = []  # None marks where the layers' entries go
+    stacked: list[tuple[list[str], list[str], nnx.Param, bool]] = []  # (head, tail, param, T)
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Param):
             continue
@@ -110,7 +133,23 @@ def hf_param_table(model: nnx.Module) -> dict[str, tuple[nnx.Param, bool]]:
         transpose = leaf == "kernel"
         if leaf in ("kernel", "embedding"):
             leaf = "weight"
-        table[".".join([*prefix, leaf])] = (node, transpose)
+        if STACKED_LAYERS not in prefix:
+            flat.append((".".join([*prefix, leaf]), HFParam(node, transpose, None)))
+            continue
+        if not stacked:
+            flat.append(None)
+        cut = prefix.index(STACKED_LAYERS) + 1
+        stacked.append((prefix[:cut], [*prefix[cut:], leaf], node, transpose))
+    table: dict[str, HFParam] = {}
+    for item in flat:
+        if item is not None:
+            table[item[0]] = item[1]
+            continue
+        # Layer-major, as HF lists them: layers.0.*, layers.1.*, ...
+        num_layers = stacked[0][2].get_value().shape[0]
+        for i in range(num_layers):
+            for head, tail, node, transpose in stacked:
+                table[".".join([*head, str(i), *tail])] = HFParam(node, transpose, i)
     return table
 
 
@@ -118,7 +157,8 @@ def assign_weights(model: nnx.Module, weights: dict[str, np.ndarray], spec: Mode
     """Copy checkpoint tensors into every Param of `model` (cast to the Param's dtype), in place.
 
     Every Param must have a tensor of the right shape; extra tensors (rotary inv_freq, a tied
-    lm_head copy, ...) are ignored. Works on abstract models from `nnx.eval_shape` too.
+    lm_head copy, ...) are ignored. Works on abstract models from `nnx.eval_shape` too. A
+    stacked Param is assembled on the host from its per-layer tensors and set once.
     """
     model_spec = getattr(model, "spec", spec)
     if model_spec != spec:
@@ -132,23 +172,42 @@ def assign_weights(model: nnx.Module, weights: dict[str, np.ndarray], spec: Mode
         raise ValueError(
             f"checkpoint {origin} lacks tensor {missing[0]!r}{more} needed by {spec.architecture}"
         )
-    for name, (param, transpose) in table.items():
-        current = param.get_value()  # jax.Array or ShapeDtypeStruct
-        want = tuple(current.shape[::-1] if transpose else current.shape)
+
+    def checked(name: str, entry: HFParam) -> np.ndarray:
+        """The checkpoint tensor `name` in the model's layout, after a shape check."""
         arr = weights[name]
-        if tuple(arr.shape) != want:
+        if tuple(arr.shape) != entry.hf_shape():
             raise ValueError(
                 f"tensor {name!r} in {where(name)} has shape {tuple(arr.shape)}, "
-                f"expected {want} for {spec.architecture}"
+                f"expected {entry.hf_shape()} for {spec.architecture}"
             )
         host = np.asarray(arr)
-        param.set_value(jnp.asarray(host.T if transpose else host, dtype=current.dtype))
+        return host.T if entry.transpose else host
+
+    stacks: dict[int, np.ndarray] = {}  # id(Param) -> host buffer being filled, layer by layer
+    for name, entry in table.items():
+        current = entry.param.get_value()  # jax.Array or ShapeDtypeStruct
+        if entry.layer is None:
+            entry.param.set_value(jnp.asarray(checked(name, entry), dtype=current.dtype))
+            continue
+        buf = stacks.get(id(entry.param))
+        if buf is None:
+            buf = stacks[id(entry.param)] = np.empty(current.shape, np.dtype(current.dtype))
+        buf[entry.layer] = checked(name, entry)  # casts to the Param dtype (ml_dtypes for bf16)
+    # Invariant: every layer slice of every stacked buffer was written (the table covers all).
+    for entry in table.values():
+        if entry.layer == 0:
+            entry.param.set_value(jnp.asarray(stacks.pop(id(entry.param))))
 
 
 def export_weights(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's parameters as host numpy arrays in HF naming and layout (inverse of assign)."""
+    hosts: dict[int, np.ndarray] = {}  # id(Param) -> its value on the host, fetched once
     out: dict[str, np.ndarray] = {}
-    for name, (param, transpose) in hf_param_table(model).items():
-        host = np.asarray(param[...])
-        out[name] = np.ascontiguousarray(host.T if transpose else host)
+    for name, entry in hf_param_table(model).items():
+        host = hosts.get(id(entry.param))
+        if host is None:
+            host = hosts[id(entry.param)] = np.asarray(entry.param[...])
+        part = host if entry.layer is None else host[entry.layer]
+        out[name] = np.ascontiguousarray(part.T if entry.transpose else part)
     return out

@@ -57,8 +57,15 @@ def write_kv(
     total = nb * bs
     # Out-of-range indices are dropped, so padding never clobbers a real slot.
     idx = jnp.where(slot_mapping < 0, total, slot_mapping)
-    kf = k_pages.reshape(total, h, d).at[idx].set(quantize(k, k_pages.dtype, k_scale), mode="drop")
-    vf = v_pages.reshape(total, h, d).at[idx].set(quantize(v, v_pages.dtype, v_scale), mode="drop")
+    kq, vq = quantize(k, k_pages.dtype, k_scale), quantize(v, v_pages.dtype, v_scale)
+    if idx.shape[0] == 1:
+        # XLA rewrites a one-row scatter as select + dynamic-update-slice, which inside the
+        # engine's layer scan copies the whole pool every layer; a dropped second row keeps it
+        # an in-place scatter.
+        idx = jnp.concatenate([idx, jnp.full((1,), total, idx.dtype)])
+        kq, vq = jnp.concatenate([kq, kq]), jnp.concatenate([vq, vq])
+    kf = k_pages.reshape(total, h, d).at[idx].set(kq, mode="drop")
+    vf = v_pages.reshape(total, h, d).at[idx].set(vq, mode="drop")
     return kf.reshape(nb, bs, h, d), vf.reshape(nb, bs, h, d)
 
 

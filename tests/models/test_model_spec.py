@@ -106,7 +106,10 @@ def test_dense_attention_masks_segments_causality_and_padding():
     q, k, v = (jnp.asarray(rng.standard_normal((t, n, d)), jnp.float32) for n in (h, kvh, kvh))
     seg = jnp.array([0, 0, 0, 1, 1, -1, -1])
     pos = jnp.array([0, 1, 2, 0, 1, 0, 0])
-    out = np.asarray(dense_causal_attention(seg, pos)(0, q, k, v))
+    state = {"untouched": jnp.arange(3)}
+    out, state_out = dense_causal_attention(seg, pos)(jnp.int32(0), q, k, v, state)
+    assert state_out is state  # stateless backend: state passes through unchanged
+    out = np.asarray(out)
     assert out.shape == (t, h, d) and np.all(out[5:] == 0)
     # token 3 is the first of its segment: it sees only itself
     np.testing.assert_allclose(out[3], np.repeat(np.asarray(v[3]), 2, axis=0), rtol=1e-6)

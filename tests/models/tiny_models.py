@@ -114,7 +114,7 @@ def make_logits_fn(model):
     @jax.jit
     def run(state, ids, pos, seg):
         m = nnx.merge(graphdef, state)
-        hidden = m(ids, pos, dense_causal_attention(seg, pos))
+        hidden, _ = m(ids, pos, dense_causal_attention(seg, pos))
         return m.compute_logits(hidden)
 
     return lambda ids, pos, seg: run(state, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg))
@@ -180,8 +180,8 @@ def random_weights(spec, seed: int = 0) -> dict[str, np.ndarray]:
     )
     rng = np.random.default_rng(seed)
     out = {}
-    for name, (param, transpose) in hf_param_table(abstract).items():
-        shape = param.get_value().shape[::-1] if transpose else param.get_value().shape
+    for name, entry in hf_param_table(abstract).items():
+        shape = entry.hf_shape()
         base = 1.0 if name.endswith("norm.weight") else 0.0
         out[name] = (base + 0.2 * rng.standard_normal(shape)).astype(np.float32)
     return out

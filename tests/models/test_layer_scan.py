@@ -1,0 +1,144 @@
+"""Stacked decoder layers run by one scan: one traced layer body, per-layer HF names for weights,
+and attention-backend state threaded through the layers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jaxtyping import Array, Float, Int
+from tiny_models import flatten, make_logits_fn, random_weights, tiny_spec
+
+from models import AttnFn, dense_causal_attention
+from models.attention import repeat_kv
+from models.loader import build_model
+from models.registry import get_model_class
+from models.weights import hf_param_table
+
+NUM_LAYERS = 3
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return tiny_spec(num_layers=NUM_LAYERS)
+
+
+@pytest.fixture(scope="module")
+def model(spec):
+    return build_model(spec, random_weights(spec, seed=5), np.float32)
+
+
+def test_layer_params_are_stacked_and_table_names_each_layer(spec):
+    abstract = nnx.eval_shape(lambda: get_model_class(spec.architecture)(spec, rngs=nnx.Rngs(0)))
+    stacked = [
+        node for _, node in nnx.iter_graph(abstract.model.layers)
+        if isinstance(node, nnx.Param)
+    ]
+    assert stacked and all(p.get_value().shape[0] == NUM_LAYERS for p in stacked)
+    table = hf_param_table(abstract)
+    assert set(table) == set(random_weights(spec))
+    q = [table[f"model.layers.{i}.self_attn.q_proj.weight"] for i in range(NUM_LAYERS)]
+    assert all(e.param is q[0].param and e.transpose for e in q)
+    assert [e.layer for e in q] == list(range(NUM_LAYERS))
+    assert q[0].hf_shape() == (spec.num_heads * spec.head_dim, spec.hidden_size)
+    assert table["model.norm.weight"].layer is None
+
+
+def test_assign_sets_each_stacked_param_once(spec, monkeypatch):
+    calls: dict[int, int] = {}
+    original = nnx.Param.set_value
+
+    def counting(self, value, *args, **kwargs):
+        calls[id(self)] = calls.get(id(self), 0) + 1
+        return original(self, value, *args, **kwargs)
+
+    monkeypatch.setattr(nnx.Param, "set_value", counting)
+    build_model(spec, random_weights(spec), np.float32)
+    assert calls and set(calls.values()) == {1}
+
+
+def test_missing_layer_tensor_is_named(spec):
+    weights = random_weights(spec)
+    del weights["model.layers.1.mlp.up_proj.weight"]
+    with pytest.raises(ValueError, match=r"lacks tensor 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+        build_model(spec, weights, np.float32)
+
+
+def test_layer_body_is_traced_once_with_a_traced_index(model):
+    seen: list[jax.Array] = []
+    ids, pos, seg = (jnp.asarray(a) for a in flatten([[5, 6, 7]]))
+    dense = dense_causal_attention(seg, pos)
+
+    def spy(layer_idx, q, k, v, state):
+        seen.append(layer_idx)
+        return dense(layer_idx, q, k, v, state)
+
+    jaxpr = jax.make_jaxpr(lambda i, p: model(i, p, spy, jnp.zeros(2))[0])(ids, pos)
+    assert len(seen) == 1 and isinstance(seen[0], jax.core.Tracer)
+    assert seen[0].shape == () and seen[0].dtype == jnp.int32
+    scans = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+    assert [e.params["length"] for e in scans] == [NUM_LAYERS]
+
+
+@pytest.mark.parametrize("unroll", [2, True])
+def test_unrolled_scan_gives_the_same_hidden_states(model, unroll):
+    ids, pos, seg = (jnp.asarray(a) for a in flatten([[5, 6, 7, 8], [9, 10]]))
+    attn = dense_causal_attention(seg, pos)
+    base, _ = model(ids, pos, attn)
+    state = {"untouched": jnp.arange(4.0)}
+    got, state_out = model(ids, pos, attn, state, unroll=unroll)
+    assert np.array_equal(state_out["untouched"], state["untouched"])
+    np.testing.assert_allclose(np.asarray(got), np.asarray(base), rtol=0, atol=1e-5)
+
+
+def contiguous_cache_attention(positions: Int[Array, " T"]) -> AttnFn:
+    """One sequence's causal attention through a stacked [layers, S, kv_heads, D] (k, v) cache."""
+
+    def attn(
+        layer_idx: Int[Array, ""],
+        q: Float[Array, "T H D"],
+        k: Float[Array, "T KV D"],
+        v: Float[Array, "T KV D"],
+        state: tuple[Float[Array, "L S KV D"], Float[Array, "L S KV D"]],
+    ) -> tuple[Float[Array, "T H D"], tuple[Array, Array]]:
+        kc, vc = state
+        kc = kc.at[layer_idx, positions].set(k)  # write first: new tokens see themselves
+        vc = vc.at[layer_idx, positions].set(v)
+        keys = repeat_kv(kc[layer_idx], q.shape[1])  # [S, H, D]
+        vals = repeat_kv(vc[layer_idx], q.shape[1])
+        scores = jnp.einsum("thd,shd->hts", q, keys) / np.sqrt(q.shape[-1])
+        visible = jnp.arange(kc.shape[1])[None, :] <= positions[:, None]  # [T, S]
+        probs = jax.nn.softmax(jnp.where(visible[None], scores, -jnp.inf), axis=-1)
+        return jnp.einsum("hts,shd->thd", probs, vals), (kc, vc)
+
+    return attn
+
+
+def test_attn_state_threads_through_layers_and_calls(spec, model):
+    seq = [11, 42, 7, 99, 3, 250, 18, 64, 5]
+    prompt = 6
+    graphdef, params = nnx.split(model)
+
+    @jax.jit
+    def step(params, ids, pos, cache):
+        m = nnx.merge(graphdef, params)
+        hidden, cache = m(ids, pos, contiguous_cache_attention(pos), cache)
+        return m.compute_logits(hidden), cache
+
+    shape = (NUM_LAYERS, 16, spec.num_kv_heads, spec.head_dim)
+    cache = (jnp.zeros(shape), jnp.zeros(shape))
+    logits, cache = step(params, jnp.asarray(seq[:prompt]), jnp.arange(prompt), cache)
+    got = [np.asarray(logits)]
+    for p in range(prompt, len(seq)):  # decode one token at a time from the threaded cache
+        logits, cache = step(params, jnp.asarray(seq[p:p + 1]), jnp.asarray([p]), cache)
+        got.append(np.asarray(logits))
+    ids, pos, seg = flatten([seq])
+    want = np.asarray(make_logits_fn(model)(ids, pos, seg))
+    np.testing.assert_allclose(np.concatenate(got), want, rtol=0, atol=1e-4)
+    # Every layer wrote its own K for every token, and layers differ.
+    k = np.asarray(cache[0])
+    assert np.all(np.abs(k[:, : len(seq)]).sum(axis=(2, 3)) > 0)
+    assert np.all(k[:, len(seq):] == 0)
+    assert not np.allclose(k[0, : len(seq)], k[1, : len(seq)])
