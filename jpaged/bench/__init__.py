@@ -1,0 +1,1 @@
+"""Benchmark support shared by scripts/: workloads, timing, reports (JSON, table, PNG)."""

@@ -1,0 +1,44 @@
+"""What the API returns: RequestOutput and CompletionOutput, named and shaped as vLLM's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    """Log-probability of one candidate token, its rank, and its text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One completion of a request (a request with n > 1 has n of them)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        """True once a finish reason is set."""
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an engine step (cumulative unless asked for deltas)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict[str, float] = field(default_factory=dict)
+    num_cached_tokens: int = 0

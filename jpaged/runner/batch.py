@@ -1,0 +1,172 @@
+"""The step batch: scheduled requests packed into padded numpy arrays of a few bucket shapes."""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from jaxtyping import Array, Int
+
+from jpaged.runner.sampler import SamplingBatch, SamplingFlags
+
+# Sampling history (penalties) is padded to a power of two no smaller than this.
+MIN_HISTORY_BUCKET = 64
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class StepBatch:
+    """A flattened ragged token batch, padded to a bucket shape (T tokens, B sequences)."""
+
+    input_ids: Int[Array, " T"]
+    positions: Int[Array, " T"]
+    slot_mapping: Int[Array, " T"]  # -1 for padding tokens: their K/V is written nowhere
+    query_start_loc: Int[Array, " B+1"]  # padded sequences repeat the last value (q_len 0)
+    seq_lens: Int[Array, " B"]  # tokens of each sequence after this step (0 for padding)
+    block_tables: Int[Array, "B max_blocks"]  # 0 (the null block) past a sequence's blocks
+    logits_indices: Int[Array, " B"]  # the last new token of each sequence
+    sampling: SamplingBatch
+
+
+def _powers(base: int, start: int, cap: int) -> list[int]:
+    out, x = [], start
+    while x < cap:
+        out.append(x)
+        x *= base
+    out.append(cap)
+    return out
+
+
+class BucketPlan:
+    """The small set of step shapes; every step is padded up to one of them.
+
+    Pure-decode steps (one token per sequence) use T == B; other steps pick T from the token
+    buckets. max_blocks is fixed at the blocks of one max_model_len sequence.
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 block_size: int) -> None:
+        self.seq_buckets = _powers(4, 1, max_num_seqs)
+        self.token_buckets = _powers(4, 16, max(max_num_batched_tokens, max_num_seqs))
+        self.max_blocks = -(-max_model_len // block_size)
+
+    def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
+        """(T, B) for a step with this many tokens and sequences."""
+        b = self.seq_buckets[bisect.bisect_left(self.seq_buckets, num_seqs)]
+        if num_tokens == num_seqs:
+            return b, b
+        t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
+        return t, b
+
+    def all_shapes(self) -> list[tuple[int, int]]:
+        """Every (T, B) pair a step can use."""
+        shapes = {(b, b) for b in self.seq_buckets}
+        shapes |= {(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t}
+        return sorted(shapes)
+
+
+@dataclass
+class PackedStep:
+    """A step batch plus what the host needs to read the results."""
+
+    batch: StepBatch
+    flags: SamplingFlags
+    num_seqs: int
+    num_tokens: int
+
+
+def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int) -> PackedStep:
+    """An all-padding step of one bucket shape: writes nothing, attends to nothing (warm-up)."""
+    t, b = num_tokens, num_seqs
+    z = np.zeros(b, np.float32)
+    sampling = SamplingBatch(z, np.full(b, vocab_size, np.int32), np.ones(b, np.float32), z,
+                             np.zeros(b, np.uint32), np.zeros(b, np.int32),
+                             np.ones(b, np.float32), z, z, np.zeros((b, 0), np.int32),
+                             np.zeros((b, 0), bool))
+    batch = StepBatch(np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32),
+                      np.zeros(b + 1, np.int32), np.zeros(b, np.int32),
+                      np.zeros((b, plan.max_blocks), np.int32), np.zeros(b, np.int32), sampling)
+    return PackedStep(batch, SamplingFlags(), 0, 0)
+
+
+def _next_pow2(x: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab_size: int,
+              default_seed: int) -> PackedStep:
+    """Pack scheduled requests (duck-typed ScheduledRequest) into numpy arrays of bucket shape."""
+    n = len(scheduled)
+    num_tokens = sum(s.num_tokens for s in scheduled)
+    t_pad, b_pad = plan.pick(num_tokens, n)
+    mb = plan.max_blocks
+    input_ids = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    slot_mapping = np.full(t_pad, -1, np.int32)
+    qsl = np.zeros(b_pad + 1, np.int32)
+    seq_lens = np.zeros(b_pad, np.int32)
+    tables = np.zeros((b_pad, mb), np.int32)
+    logits_idx = np.zeros(b_pad, np.int32)
+
+    temperature = np.zeros(b_pad, np.float32)
+    top_k = np.full(b_pad, vocab_size, np.int32)
+    top_p = np.ones(b_pad, np.float32)
+    min_p = np.zeros(b_pad, np.float32)
+    seeds = np.zeros(b_pad, np.uint32)
+    counters = np.zeros(b_pad, np.int32)
+    rep = np.ones(b_pad, np.float32)
+    pres = np.zeros(b_pad, np.float32)
+    freq = np.zeros(b_pad, np.float32)
+    use_pen = False
+
+    cur = 0
+    for i, s in enumerate(scheduled):
+        req = s.request
+        p = req.sampling_params
+        start, k = s.start_pos, s.num_tokens
+        input_ids[cur:cur + k] = s.token_ids
+        pos = np.arange(start, start + k, dtype=np.int32)
+        positions[cur:cur + k] = pos
+        blocks = np.asarray(s.block_ids, np.int32)
+        slot_mapping[cur:cur + k] = blocks[pos // block_size] * block_size + pos % block_size
+        tables[i, :len(blocks)] = blocks
+        cur += k
+        qsl[i + 1] = cur
+        seq_lens[i] = start + k
+        logits_idx[i] = cur - 1
+        temperature[i] = 0.0 if p.greedy else p.temperature
+        if p.top_k > 0:
+            top_k[i] = p.top_k
+        top_p[i], min_p[i] = p.top_p, p.min_p
+        seed = p.seed if p.seed is not None else default_seed
+        seeds[i] = np.uint32(seed & 0xFFFFFFFF)
+        counters[i] = req.num_output_tokens
+        rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
+        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
+            use_pen = True
+    qsl[n + 1:] = cur
+
+    if use_pen:
+        hmax = max(s.request.num_tokens for s in scheduled)
+        h = _next_pow2(hmax, MIN_HISTORY_BUCKET)
+        history = np.full((b_pad, h), -1, np.int32)
+        is_out = np.zeros((b_pad, h), bool)
+        for i, s in enumerate(scheduled):
+            req = s.request
+            toks = req.all_token_ids
+            history[i, :len(toks)] = toks
+            is_out[i, req.num_prompt_tokens:len(toks)] = True
+    else:
+        history = np.zeros((b_pad, 0), np.int32)
+        is_out = np.zeros((b_pad, 0), bool)
+
+    sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
+                             history, is_out)
+    batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
+                      sampling)
+    flags = SamplingFlags(use_penalties=use_pen)
+    return PackedStep(batch, flags, n, num_tokens)

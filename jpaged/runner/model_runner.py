@@ -1,0 +1,91 @@
+"""The jitted device step: forward, KV write, paged attention, sampling; the KV pool donated."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jpaged.runner.batch import BucketPlan, StepBatch, empty_step, pack_step
+from jpaged.runner.kv_cache import KVCache
+from jpaged.runner.sampler import SamplingFlags, sample
+from pallas_kernels.backend import AttentionOps
+
+
+@dataclass
+class StepResult:
+    """Host copies of one step's sampled tokens (rows = scheduled requests, in order)."""
+
+    token_ids: np.ndarray  # [n] int32
+    logprobs: np.ndarray  # [n] float32, log-prob of the sampled token
+    top_ids: np.ndarray  # [n, N] int32
+    top_logprobs: np.ndarray  # [n, N] float32
+
+
+class ModelRunner:
+    """Owns the parameters and the KV pool on device and runs one jitted call per engine step."""
+
+    def __init__(self, model: nnx.Module, kv: KVCache, plan: BucketPlan, block_size: int,
+                 vocab_size: int, ops: AttentionOps, seed: int = 0) -> None:
+        self.graphdef, self.params = nnx.split(model)
+        self.kv = kv
+        self.plan = plan
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.ops = ops
+        self.seed = seed
+        self._jit_step = jax.jit(self._step, static_argnames=("flags",), donate_argnames=("kv",))
+
+    def _step(self, params: Any, kv: KVCache, batch: StepBatch, flags: SamplingFlags):
+        model = nnx.merge(self.graphdef, params)
+        head_dim, nb, bs = kv.k.shape[-1], kv.num_blocks, kv.k.shape[1]
+        sm_scale = 1.0 / math.sqrt(head_dim)
+        ops = self.ops
+
+        def attn_fn(i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                    pages: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, Any]:
+            k_pages, v_pages = pages
+            # Layer i's blocks are rows i*nb .. i*nb+nb-1 of the shared pool; padding stays -1.
+            slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + i * (nb * bs))
+            k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, slots, kv.k_scale[i],
+                                            kv.v_scale[i])
+            # Write first, then attend: the new tokens see themselves through the pages.
+            out = ops.ragged_paged_attention(
+                q, k_pages, v_pages, batch.query_start_loc, batch.seq_lens,
+                batch.block_tables + i * nb, sm_scale=sm_scale, k_scale=kv.k_scale[i],
+                v_scale=kv.v_scale[i])
+            return out, (k_pages, v_pages)
+
+        hidden, (k_pages, v_pages) = model(batch.input_ids, batch.positions, attn_fn,
+                                           (kv.k, kv.v))
+        logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0))
+        ids, lp, top_ids, top_lp = sample(logits, batch.sampling, flags)
+        new_kv = KVCache(k_pages, v_pages, kv.k_scale, kv.v_scale, kv.num_blocks)
+        return (ids, lp, top_ids, top_lp), new_kv
+
+    @property
+    def num_compiled(self) -> int:
+        """Executables the jitted step holds (one per bucket shape and flag set seen)."""
+        return self._jit_step._cache_size()
+
+    def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
+        """Compile the step for every bucket shape (or the given ones); returns the count."""
+        for t, b in shapes if shapes is not None else self.plan.all_shapes():
+            packed = empty_step(self.plan, t, b, self.vocab_size)
+            outs, self.kv = self._jit_step(self.params, self.kv, packed.batch, flags=packed.flags)
+            jax.block_until_ready(outs)
+        return self.num_compiled
+
+    def execute(self, scheduled: Sequence[Any]) -> StepResult:
+        """Run one step for the scheduled requests; returns one sampled token per request."""
+        packed = pack_step(scheduled, self.plan, self.block_size, self.vocab_size, self.seed)
+        outs, self.kv = self._jit_step(self.params, self.kv, packed.batch, flags=packed.flags)
+        ids, lp, top_ids, top_lp = (np.asarray(x) for x in outs)
+        n = packed.num_seqs
+        return StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n])

@@ -1,0 +1,134 @@
+"""On-device sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float, Int
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of one step (rows = sequences of the step batch)."""
+
+    temperature: Float[Array, " B"]  # 0 => greedy
+    top_k: Int[Array, " B"]  # vocab_size when disabled
+    top_p: Float[Array, " B"]
+    min_p: Float[Array, " B"]
+    seeds: Int[Array, " B"]  # uint32 seed per request
+    counters: Int[Array, " B"]  # number of tokens the request has sampled so far
+    repetition_penalty: Float[Array, " B"]
+    presence_penalty: Float[Array, " B"]
+    frequency_penalty: Float[Array, " B"]
+    # Token history for penalties, padded with -1: prompt+output and output only.
+    history: Int[Array, "B H"]
+    history_is_output: Bool[Array, "B H"]
+
+
+@dataclass(frozen=True)
+class SamplingFlags:
+    """Static switches (part of the compile key); everything else is decided at run time."""
+
+    use_penalties: bool = False  # the history arrays are non-empty
+
+
+# Top-N candidates whose logprobs every step returns (requests read the first `logprobs`).
+NUM_TOP_LOGPROBS = 20
+_BISECT_ITERS = 32
+
+
+def apply_penalties(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"]:
+    """vLLM's repetition (prompt+output), presence and frequency (output only) penalties."""
+    b, v = logits.shape
+    hist = s.history
+    valid = hist >= 0
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], hist.shape)
+    idx = jnp.where(valid, hist, v)  # v is out of range: dropped
+    seen = jnp.zeros((b, v), bool).at[rows, idx].set(True, mode="drop")
+    out_counts = jnp.zeros((b, v), jnp.float32).at[rows, idx].add(
+        (valid & s.history_is_output).astype(jnp.float32), mode="drop")
+    rp = s.repetition_penalty[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / rp, logits * rp), logits)
+    logits = logits - s.frequency_penalty[:, None] * out_counts
+    logits = logits - s.presence_penalty[:, None] * (out_counts > 0)
+    return logits
+
+
+def _threshold_by_count(x: Float[Array, "B V"], k: Int[Array, " B"]) -> Float[Array, " B"]:
+    """Largest t (by bisection) with count(x >= t) >= k: the k-th largest value, ties kept."""
+    lo, hi = x.min(axis=-1), x.max(axis=-1)
+
+    def body(_, c):
+        lo, hi = c
+        mid = 0.5 * (lo + hi)
+        ok = jnp.sum(x >= mid[:, None], axis=-1) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, _BISECT_ITERS, body, (lo, hi))
+    return lo
+
+
+def _threshold_by_mass(p: Float[Array, "B V"], top_p: Float[Array, " B"]) -> Float[Array, " B"]:
+    """Largest t (by bisection) with sum(p[p >= t]) >= top_p: the nucleus floor."""
+    lo, hi = jnp.zeros_like(top_p), p.max(axis=-1)
+
+    def body(_, c):
+        lo, hi = c
+        mid = 0.5 * (lo + hi)
+        ok = jnp.sum(jnp.where(p >= mid[:, None], p, 0.0), axis=-1) >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo, _ = jax.lax.fori_loop(0, _BISECT_ITERS, body, (lo, hi))
+    return jnp.where(top_p >= 1.0, 0.0, lo)
+
+
+def _filter(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"]:
+    """Mask everything outside top-k, the top-p nucleus and the min-p floor to -inf.
+
+    Thresholds come from bisection rather than a full sort of the vocabulary, which costs
+    ~100x more on CPU. Order as vLLM: top-k, then top-p on the renormalised survivors, then min-p.
+    """
+    v = logits.shape[-1]
+    k = jnp.clip(s.top_k, 1, v)
+    kth = jnp.where(k >= v, -jnp.inf, _threshold_by_count(logits, k))
+    logits = jnp.where(logits >= kth[:, None], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    pth = _threshold_by_mass(probs, s.top_p)
+    keep = (probs >= pth[:, None]) & (probs >= s.min_p[:, None] * probs.max(axis=-1,
+                                                                           keepdims=True))
+    return jnp.where(keep, logits, -jnp.inf)
+
+
+def sample(
+    logits: Float[Array, "B V"], s: SamplingBatch, flags: SamplingFlags
+) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"]]:
+    """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates.
+
+    Rows with temperature 0 take the argmax. Filtering and random draws run only when some row
+    needs them (lax.cond), so one compiled step serves every mix of parameters.
+    """
+    logits = logits.astype(jnp.float32)
+    if flags.use_penalties:
+        logits = apply_penalties(logits, s)
+    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    v = logits.shape[-1]
+
+    def draw(_: None) -> Int[Array, " B"]:
+        temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
+        scaled = logits / temp[:, None]
+        needs_filter = jnp.any((s.top_k < v) | (s.top_p < 1.0) | (s.min_p > 0.0))
+        scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s), lambda x: x, scaled)
+        keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(
+            s.seeds.astype(jnp.uint32), s.counters)
+        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,)))(keys)
+        sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        return jnp.where(s.temperature > 0, sampled, greedy_ids)
+
+    ids = jax.lax.cond(jnp.all(s.temperature <= 0), lambda _: greedy_ids, draw, None)
+    chosen_lp = jnp.take_along_axis(logprobs_all, ids[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = jax.lax.top_k(logprobs_all, min(NUM_TOP_LOGPROBS, v))
+    return ids, chosen_lp, top_ids.astype(jnp.int32), top_lp

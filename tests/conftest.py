@@ -1,0 +1,16 @@
+"""Suite-wide settings: a persistent XLA compilation cache shared by every engine in the run."""
+
+import os
+from pathlib import Path
+
+import jax
+
+_CACHE = Path(os.environ.get("JPAGED_TEST_JAX_CACHE", Path(__file__).parent.parent / ".jax_cache"))
+jax.config.update("jax_compilation_cache_dir", str(_CACHE))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+# Shared helpers (tests/helpers.py) are importable from every test package.
+import sys  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parent / "models"))  # tiny_models

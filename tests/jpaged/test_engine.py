@@ -1,0 +1,198 @@
+"""The engine end to end on a tiny random Llama: API shapes, stops, n > 1, seeds, logprobs,
+aborts, priorities, compile counts, the naive baseline, and clear errors for bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import make_llm, tiny
+
+from jpaged import LLM, SamplingParams
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine
+from jpaged.naive import NaiveEngine
+
+VOCAB = 300
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return make_llm(tiny(), max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                    num_gpu_blocks_override=128, block_size=8)
+
+
+def _prompts(rng, n, lo=3, hi=60):
+    return [rng.integers(0, 256, size=int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _free(llm):
+    m = llm.get_metrics()
+    return m["kv_cache_usage"] == 0.0 and m["num_blocks_free"] == m["num_blocks_total"]
+
+
+def test_outputs_in_input_order_with_shapes(llm):
+    outs = llm.generate(["hello", {"prompt": "abc"}, {"prompt_token_ids": [5, 6, 7]}],
+                        SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    assert [o.prompt for o in outs] == ["hello", "abc", None]
+    assert outs[2].prompt_token_ids == [5, 6, 7]
+    for o in outs:
+        c = o.outputs[0]
+        assert o.finished and c.index == 0 and len(c.token_ids) == 5
+        assert c.finish_reason == "length" and isinstance(c.text, str)
+    assert _free(llm)
+
+
+def test_greedy_is_deterministic_and_batch_independent(llm):
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": p} for p in _prompts(rng, 6)]
+    p = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    together = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+    alone = [llm.generate(q, p)[0].outputs[0].token_ids for q in prompts]
+    assert together == alone
+
+
+def test_seeded_sampling_reproducible_and_n_children_differ(llm):
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, max_tokens=16, seed=7, n=3,
+                       ignore_eos=True)
+    a = llm.generate({"prompt_token_ids": [1, 2, 3]}, p)[0]
+    b = llm.generate({"prompt_token_ids": [1, 2, 3]}, p)[0]
+    assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert [c.index for c in a.outputs] == [0, 1, 2]
+    assert len({tuple(c.token_ids) for c in a.outputs}) == 3
+    assert _free(llm)
+
+
+def test_stop_token_ids_stop_strings_and_min_tokens(llm):
+    base = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    ref = llm.generate({"prompt_token_ids": [9, 8, 7]}, base)[0].outputs[0]
+    stop_tok = ref.token_ids[4]
+    first = ref.token_ids.index(stop_tok)
+    out = llm.generate({"prompt_token_ids": [9, 8, 7]},
+                       base.clone(stop_token_ids=[stop_tok]))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_tok
+    assert out.token_ids == ref.token_ids[: first + 1]
+    out = llm.generate({"prompt_token_ids": [9, 8, 7]},
+                       base.clone(stop_token_ids=[stop_tok], min_tokens=first + 2))[0].outputs[0]
+    assert len(out.token_ids) > first + 1
+    # A stop string cut from the reference text ends the request and is not in the output.
+    text = ref.text
+    needle = next((text[i:i + 2] for i in range(3, len(text) - 2)
+                   if text[i:i + 2].strip() and "\ufffd" not in text[i:i + 2]), None)
+    if needle is not None:
+        out = llm.generate({"prompt_token_ids": [9, 8, 7]}, base.clone(stop=[needle]))[0]
+        c = out.outputs[0]
+        assert c.finish_reason == "stop" and c.stop_reason == needle
+        assert c.text == text[: text.index(needle)]
+    assert _free(llm)
+
+
+def test_logprobs_top_n(llm):
+    p = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    c = llm.generate({"prompt_token_ids": [4, 5]}, p)[0].outputs[0]
+    assert len(c.logprobs) == 4
+    for tok, entry in zip(c.token_ids, c.logprobs, strict=True):
+        assert tok in entry and entry[tok].rank == 1  # greedy picks the top candidate
+        assert 3 <= len(entry) <= 4 and all(lp.logprob <= 0 for lp in entry.values())
+    assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
+                                                     zip(c.token_ids, c.logprobs, strict=True)))
+
+
+def test_abort_frees_blocks_and_engine_keeps_serving(llm):
+    eng = llm.llm_engine
+    p = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    eng.add_request("a", {"prompt_token_ids": list(range(40))}, p)
+    eng.add_request("b", {"prompt_token_ids": list(range(30))}, p)
+    for _ in range(3):
+        eng.step()
+    assert llm.get_metrics()["kv_cache_usage"] > 0
+    eng.abort_request("a")
+    done = []
+    while eng.has_unfinished_requests():
+        done += [o.request_id for o in eng.step() if o.finished]
+    assert done == ["b"] and _free(llm)
+    assert eng.get_metrics()["num_requests_aborted"] >= 1
+
+
+def test_priorities_accepted_and_all_finish(llm):
+    outs = llm.generate([{"prompt_token_ids": [i + 1] * 5} for i in range(4)],
+                        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                        priority=[3, 0, 2, 1])
+    assert all(o.finished for o in outs) and _free(llm)
+
+
+def test_no_compilation_after_warmup():
+    llm = make_llm(tiny(), max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64,
+                   num_gpu_blocks_override=80, block_size=8)
+    runner = llm.llm_engine.runner
+    warm = runner.warmup()
+    assert warm == len(runner.plan.all_shapes())
+    rng = np.random.default_rng(3)
+    eng = llm.llm_engine
+    for i in range(40):  # random arrivals, lengths, sampling; a pool small enough to preempt
+        p = SamplingParams(temperature=float(rng.choice([0.0, 0.8])), top_k=int(rng.choice(
+            [-1, 5])), max_tokens=int(rng.integers(1, 30)), seed=i, ignore_eos=True)
+        eng.add_request(f"w{i}", {"prompt_token_ids": _prompts(rng, 1, 2, 120)[0]}, p,
+                        priority=int(rng.integers(0, 3)))
+        for _ in range(int(rng.integers(0, 3))):
+            eng.step()
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert runner.num_compiled == warm
+    assert _free(llm)
+
+
+def test_naive_baseline_matches_paged(llm):
+    rng = np.random.default_rng(5)
+    prompts = _prompts(rng, 5)
+    p = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    paged = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": q} for q in prompts], p)]
+    naive = NaiveEngine(tiny(), max_model_len=256, kv_cache_memory_bytes=3 * 256 * 2 * 2 * 2 * 16
+                        * 4)
+    assert naive.rows == 3
+    assert naive.generate(prompts, p) == paged
+    assert 0 < naive.stats.waste < 1 and naive.stats.max_concurrency == 3
+
+
+@pytest.mark.parametrize("prompt,msg", [
+    ("", "empty"),
+    ({"prompt_token_ids": []}, "empty"),
+    ({"prompt_token_ids": [1, VOCAB]}, "vocabulary"),
+    ({"prompt_token_ids": [-1]}, "vocabulary"),
+    ({"prompt_token_ids": [1] * 256}, "max_model_len"),
+    ({"text": "x"}, "prompt_token_ids"),
+    (42, "str or a dict"),
+])
+def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, msg):
+    with pytest.raises(ValueError, match=msg):
+        llm.generate([{"prompt_token_ids": [1, 2]}, prompt], SamplingParams(max_tokens=2))
+    assert _free(llm) and not llm.llm_engine.has_unfinished_requests()
+    assert llm.generate("ok", SamplingParams(max_tokens=2))[0].finished
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(n=0), "n"),
+    (dict(max_tokens=0), "max_tokens"), (dict(logprobs=-1), "logprobs"),
+])
+def test_bad_sampling_params(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    (dict(block_size=12), "block_size"), (dict(gpu_memory_utilization=0.0),
+                                          "gpu_memory_utilization"),
+    (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    (dict(kv_cache_dtype="int3"), "kv_cache_dtype"), (dict(max_num_seqs=0), "max_num_seqs"),
+    (dict(preemption_mode="drop"), "preemption_mode"), (dict(max_model_len=100000),
+                                                        "max_model_len"),
+])
+def test_bad_engine_args(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        LLMEngine(EngineArgs(**kwargs), loaded=tiny())
+
+
+def test_unknown_engine_argument_is_named():
+    with pytest.raises(TypeError, match="enable_prefix_cachin"):
+        LLM(model="unused", enable_prefix_cachin=True)
