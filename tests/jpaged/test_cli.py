@@ -1,0 +1,65 @@
+"""The `jpaged` command line as a user runs it: a real subprocess, stdout and stderr apart."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import tiny_model_dir
+
+
+def _jpaged(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "jpaged.cli", *args], capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_generate_answers_paris_on_the_embedded_model():
+    r = _jpaged("generate", "What is the capital of France?", "--temperature", "0",
+                "--max-tokens", "24", "--max-model-len", "512")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+
+
+def test_generate_json_and_jsonl_files(tmp_path):
+    model = str(tiny_model_dir())
+    r = _jpaged("generate", "abc", "hello there", "--model", model, "--json", "--raw",
+                "--max-tokens", "4", "--temperature", "0", "--max-model-len", "128")
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["prompt"] for x in lines] == ["abc", "hello there"]
+    assert all(set(x) == {"prompt", "text", "token_ids", "finish_reason"} for x in lines)
+    assert all(len(x["token_ids"]) <= 4 for x in lines)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "one"}\n\n{"prompt": "two"}\n')
+    dst = tmp_path / "out.jsonl"
+    r = _jpaged("generate", "--input", str(src), "--output", str(dst), "--model", model,
+                "--max-tokens", "3", "--max-model-len", "128")
+    assert r.returncode == 0, r.stderr
+    assert [json.loads(x)["prompt"] for x in dst.read_text().splitlines()] == ["one", "two"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["generate", "hi", "--model", "/nonexistent/model"], "not found"),
+    (["generate", "hi", "--block-size", "12"], "block_size"),
+    (["generate"], "PROMPT"),
+])
+def test_bad_input_gives_clear_error(args, needle):
+    r = _jpaged(*args)
+    assert r.returncode != 0
+    assert needle in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_lists_vllm_flags():
+    r = subprocess.run([sys.executable, "-m", "jpaged.cli", "generate", "--help"],
+                       capture_output=True, text=True, timeout=120,
+                       env={**os.environ, "COLUMNS": "200"})
+    assert r.returncode == 0
+    for flag in ("--gpu-memory-utilization", "--block-size", "--enable-prefix-caching",
+                 "--kv-cache-dtype", "--swap-space", "--kv-offloading-size", "--max-num-seqs",
+                 "--max-num-batched-tokens", "--max-model-len", "--tensor-parallel-size",
+                 "--preemption-mode"):
+        assert flag in r.stdout
