@@ -108,8 +108,8 @@ class LLMEngine:
         self._groups: dict[str, _Group] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
         self._counter = 0
-        self.stats = {"num_steps": 0, "prompt_tokens": 0, "generation_tokens": 0,
-                      "num_requests_finished": 0, "num_requests_aborted": 0}
+        # Token and step counters live in the scheduler; these count user-level requests.
+        self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0}
         logger.info("engine ready in %.1fs: %s, %d KV blocks, backend %s",
                     time.perf_counter() - t0, self.loaded.source, num_blocks, self.ops.name)
 
@@ -224,7 +224,6 @@ class LLMEngine:
             for i, s in enumerate(out.scheduled):
                 if s.sample:
                     sampled[s.request.request_id] = int(result.token_ids[i])
-            self.stats["num_steps"] += 1
         updated = self.scheduler.update_from_output(out, sampled)
         if result is not None:
             self._record_logprobs(out, result)
@@ -236,10 +235,8 @@ class LLMEngine:
                 continue
             group = self._groups[key[0]]
             child = group.children[key[1]]
-            if req.request_id in sampled:
-                self.stats["generation_tokens"] += 1
-                if group.first_token_time is None:
-                    group.first_token_time = now
+            if req.request_id in sampled and group.first_token_time is None:
+                group.first_token_time = now
             self._update_child(group, child)
             touched[group.request_id] = None
         outputs = []
@@ -253,7 +250,6 @@ class LLMEngine:
                 for c in group.children:
                     self._child_of.pop(c.request.request_id, None)
                 self.stats["num_requests_finished"] += 1
-                self.stats["prompt_tokens"] += len(group.prompt_token_ids)
         return outputs
 
     def _record_logprobs(self, out: Any, result: Any) -> None:
