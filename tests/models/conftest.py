@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from models import load_model
 from models.loader import embedded_gguf_path
 
 
@@ -19,5 +18,7 @@ def embedded_path():
 
 @pytest.fixture(scope="session")
 def embedded(embedded_path):
-    """The default model (the embedded GGUF) loaded by jpaged in float32."""
-    return load_model(None, dtype="float32")
+    """The default model (the embedded GGUF) loaded by jpaged in float32, shared suite-wide."""
+    from helpers import embedded as shared_embedded
+
+    return shared_embedded()

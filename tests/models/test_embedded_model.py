@@ -6,10 +6,10 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import hf_llama_twin
 from tiny_models import flatten, make_logits_fn, relative_error
 
 from models import DEFAULT_MODEL
-from models.weights import export_weights
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -30,24 +30,7 @@ def hf_model(loaded, tmp_path_factory):
     export_weights copies the float32 Params back out in HF layout: bit-identical to what
     load_gguf returned (tests/models/test_weights.py checks load_gguf against known tensors).
     """
-    from safetensors.numpy import save_file
-
-    spec, weights = loaded.spec, export_weights(loaded.model)
-    config = transformers.LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings,
-        bos_token_id=spec.bos_token_id, eos_token_id=list(spec.eos_token_ids),
-        architectures=["LlamaForCausalLM"],
-    )
-    path = tmp_path_factory.mktemp("embedded_hf")
-    config.save_pretrained(path)
-    # Saving and reloading is HF's fast path (no random init of 135M parameters).
-    save_file(weights, str(path / "model.safetensors"))
-    model = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model = hf_llama_twin(loaded, tmp_path_factory.mktemp("embedded_hf"))
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     return model
 
