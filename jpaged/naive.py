@@ -61,6 +61,20 @@ class NaiveStats:
         return self.waste_sum / max(self.waste_steps, 1)
 
 
+def _write_rows(cache: jax.Array, layer: jax.Array, rows: Int[Array, "B Q"],
+                pos: Int[Array, "B Q"], vals: Float[Array, "BQ kv_heads head_dim"]) -> jax.Array:
+    """Scatter one layer's new K or V into [layers, rows, L, ...]; pos == L is dropped."""
+    rows, pos = rows.reshape(-1), pos.reshape(-1)
+    vals = vals.astype(cache.dtype)
+    if rows.shape[0] == 1:
+        # As in reference.write_kv: a one-row scatter becomes select + dynamic-update-slice,
+        # which inside the layer scan copies the whole cache; a dropped second row prevents it.
+        rows = jnp.concatenate([rows, rows])
+        pos = jnp.concatenate([pos, jnp.full((1,), cache.shape[2], pos.dtype)])
+        vals = jnp.concatenate([vals, vals])
+    return cache.at[layer, rows, pos].set(vals, mode="drop")
+
+
 def _bucket(n: int) -> int:
     return max(16, 1 << (n - 1).bit_length())
 
@@ -109,9 +123,9 @@ class NaiveEngine:
         def attn_fn(i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                     state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, Any]:
             ck, cv = state
-            hkv, d = k.shape[1], k.shape[2]
-            ck = ck.at[i, r, write_pos].set(k.reshape(b, nq, hkv, d).astype(ck.dtype), mode="drop")
-            cv = cv.at[i, r, write_pos].set(v.reshape(b, nq, hkv, d).astype(cv.dtype), mode="drop")
+            d = k.shape[2]
+            ck = _write_rows(ck, i, r, write_pos, k)
+            cv = _write_rows(cv, i, r, write_pos, v)
             out = dense_attention_contiguous(
                 q.reshape(b, nq, q.shape[1], d), ck[i, rows], cv[i, rows], positions, kv_lens,
                 sm_scale=1.0 / math.sqrt(d))

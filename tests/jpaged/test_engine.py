@@ -152,6 +152,8 @@ def test_naive_baseline_matches_paged(llm):
     assert naive.rows == 3
     assert naive.generate(prompts, p) == paged
     assert 0 < naive.stats.waste < 1 and naive.stats.max_concurrency == 3
+    one_row = NaiveEngine(tiny(), max_model_len=256, kv_cache_memory_bytes=10**6, max_rows=1)
+    assert one_row.rows == 1 and one_row.generate(prompts[:2], p) == paged[:2]
 
 
 @pytest.mark.parametrize("prompt,msg", [
