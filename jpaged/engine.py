@@ -90,10 +90,8 @@ class LLMEngine:
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
         config = args.create_engine_config(self.spec.max_position_embeddings)
-        state = nnx.state(self.loaded.model)
-        model_dtype = jax.tree_util.tree_leaves(state)[0].dtype
-        self.kv_dtype = kv_dtype(config.cache.kv_cache_dtype, model_dtype)
-        params_bytes = _param_bytes(state)
+        self.kv_dtype = kv_dtype(config.cache.kv_cache_dtype, self.loaded.model.dtype)
+        params_bytes = _param_bytes(nnx.state(self.loaded.model))
         num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
                                     config.scheduler.max_model_len)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)

@@ -87,8 +87,7 @@ class NaiveEngine:
         self.spec = loaded.spec
         self.tokenizer = loaded.tokenizer
         self.graphdef, self.params = nnx.split(loaded.model)
-        model_dtype = jax.tree_util.tree_leaves(self.params)[0].dtype
-        dtype = kv_dtype(kv_cache_dtype, model_dtype)
+        dtype = kv_dtype(kv_cache_dtype, loaded.model.dtype)
         per_row = (self.spec.num_layers * max_model_len * 2 * self.spec.num_kv_heads
                    * self.spec.head_dim * jnp.dtype(dtype).itemsize)
         rows = kv_cache_memory_bytes // per_row

@@ -95,7 +95,6 @@ def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_
     if cache.num_gpu_blocks_override is not None:
         n = cache.num_gpu_blocks_override
         source = "num_gpu_blocks_override"
-        budget = n * per_block
     else:
         if cache.kv_cache_memory_bytes is not None:
             budget = cache.kv_cache_memory_bytes
