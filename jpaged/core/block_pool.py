@@ -15,7 +15,7 @@ stays uncached (the first mapping wins); it is then an ordinary private block.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from jpaged.core.block_hash import BlockHash
 
@@ -126,6 +126,8 @@ class BlockPool:
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.num_evictions = 0
         self._clock = 0
+        # Called as on_evict(block_id, hash) when a cached block is reused (the offload tier).
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -145,6 +147,8 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
+        if self.on_evict is not None:
+            self.on_evict(block.block_id, block.block_hash)  # type: ignore[arg-type]
         del self.cached_blocks[block.block_hash]  # type: ignore[arg-type]
         block.block_hash = None
         self.num_evictions += 1

@@ -11,6 +11,11 @@ Prefix-cache metrics count TOKENS once per admission (the first ``allocate_slots
 with no blocks), not per ``get_computed_blocks`` call, so a request that has to wait is not
 counted twice. Re-admissions after preemption are counted apart (``preempted_*``) so that the
 hit rate reflects sharing between requests, not a request finding its own freed blocks.
+
+With KV tiers (``offload.KVTiers``): evicting a cached block offloads it to the host tier; a
+lookup continues on the host/disk tiers (``get_offloaded_blocks``), and those hits get fresh
+blocks, registered in the hash map at once (their load runs before this step's forward) and
+counted as prefix hits; ``swap_out``/``swap_in`` move a preempted request's table.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from collections.abc import Sequence
 
 from jpaged.core.block_hash import BlockHash, BlockHasher
 from jpaged.core.block_pool import BlockPool, KVCacheBlock
+from jpaged.core.offload import KVTiers, TransferPlan, empty_tier_stats
 from jpaged.request import Request
 
 RECENT_WINDOW = 1000  # requests in the "recent" hit rate
@@ -75,7 +81,8 @@ class KVCacheManager:
     """
 
     def __init__(self, block_size: int, num_blocks: int, max_model_len: int,
-                 enable_caching: bool = True, hash_algo: str = "sha256") -> None:
+                 enable_caching: bool = True, hash_algo: str = "sha256",
+                 tiers: KVTiers | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"KVCacheManager.block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -92,6 +99,9 @@ class KVCacheManager:
         # Hashes of full blocks being computed in the current step, per request and overall.
         self._in_flight: dict[str, list[BlockHash]] = {}
         self._in_flight_count: dict[BlockHash, int] = {}
+        self.tiers = tiers
+        if tiers is not None and enable_caching:
+            self.block_pool.on_evict = tiers.on_device_evict
 
     # -- lookup ----------------------------------------------------------------------------------
 
@@ -116,6 +126,16 @@ class KVCacheManager:
             out.append(b)
         return out, len(out) * self.block_size
 
+    def get_offloaded_blocks(self, request: Request, num_hit_blocks: int) -> list[int]:
+        """Host slots continuing a `num_hit_blocks` device hit on the host/disk tiers (pinned).
+
+        Pass them to allocate_slots as `offloaded`; disk hits are verified and copied to the host.
+        """
+        if self.tiers is None or not self.enable_caching:
+            return []
+        end = self.max_cache_hit_blocks(request)
+        return self.tiers.fetch_prefix(request.block_hashes[num_hit_blocks:end])
+
     def is_prefix_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
         """True if the block after a `num_hit_blocks` hit is being computed by a running request."""
         if not self._in_flight_count or num_hit_blocks >= self.max_cache_hit_blocks(request):
@@ -126,17 +146,20 @@ class KVCacheManager:
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
-                       num_new_computed_tokens: int = 0) -> list[KVCacheBlock] | None:
+                       num_new_computed_tokens: int = 0,
+                       offloaded: Sequence[int] = ()) -> list[KVCacheBlock] | None:
         """Grow the table to cover num_computed + num_new_computed + num_new_tokens tokens.
 
         Returns the newly allocated blocks ([] if none were needed), or None — changing
         nothing — when the free queue cannot supply them. `new_computed_blocks` (a prefix hit,
         only on admission) are referenced; cached free ones count against the free queue.
+        `offloaded` (host slots from get_offloaded_blocks) continue the hit: the first
+        len(offloaded) new blocks are loaded from them and count as computed.
         """
         rid = request.request_id
         bs = self.block_size
         table = self._tables.get(rid)
-        if table and not new_computed_blocks and num_new_computed_tokens == 0:
+        if table and not new_computed_blocks and num_new_computed_tokens == 0 and not offloaded:
             # Fast path (decodes, most chunks): the new tokens fit in the last block.
             total = request.num_computed_tokens + num_new_tokens
             last = len(table) - 1
@@ -147,11 +170,12 @@ class KVCacheManager:
                     self._mark_in_flight(request, total)
                 return []
         admitting = table is None
-        if new_computed_blocks and not admitting:
+        num_hit = len(new_computed_blocks) + len(offloaded)
+        if num_hit and not admitting:
             raise ValueError(f"prefix hit blocks given for request {rid!r} that already has blocks")
-        if num_new_computed_tokens != len(new_computed_blocks) * bs:
-            raise ValueError("num_new_computed_tokens must equal len(new_computed_blocks) * "
-                             f"block_size, got {num_new_computed_tokens}")
+        if num_new_computed_tokens != num_hit * bs:
+            raise ValueError("num_new_computed_tokens must equal (len(new_computed_blocks) + "
+                             f"len(offloaded)) * block_size, got {num_new_computed_tokens}")
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
         if total > self.max_model_len or total > request.num_tokens:
             raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len "
@@ -171,10 +195,12 @@ class KVCacheManager:
         if admitting:
             table = self._tables[rid] = []
             self._block_ids[rid] = []
-            self._num_cached[rid] = len(new_computed_blocks)
+            self._num_cached[rid] = num_hit
             if self.enable_caching:
                 self.stats.record(request.num_tokens, num_new_computed_tokens,
                                   preempted=request.num_preemptions > 0)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_new_computed_tokens
         assert table is not None
         ids = self._block_ids[rid]
         for b in (*new_computed_blocks, *new_blocks):
@@ -184,10 +210,27 @@ class KVCacheManager:
         first = max(0, (request.num_computed_tokens + num_new_computed_tokens) // bs)
         for i in range(first, len(table)):
             table[i].num_tokens = min(bs, total - i * bs)
+        if offloaded:
+            self._load_offloaded(request, new_blocks, offloaded, len(new_computed_blocks))
 
         if self.enable_caching:
             self._mark_in_flight(request, total)
         return new_blocks
+
+    def _load_offloaded(self, request: Request, new_blocks: Sequence[KVCacheBlock],
+                        slots: Sequence[int], first: int) -> None:
+        # The loads run before this step's forward, so the blocks are shareable at once.
+        tiers = self.tiers
+        assert tiers is not None
+        pool = self.block_pool
+        for i, (slot, b) in enumerate(zip(slots, new_blocks, strict=False)):
+            b.num_tokens = self.block_size
+            tiers.plan_load(slot, b.block_id)
+            h = request.block_hashes[first + i]
+            if h not in pool.cached_blocks:
+                pool.cached_blocks[h] = b
+                b.block_hash = h
+        tiers.record_hits(len(slots), self.block_size)
 
     def _mark_in_flight(self, request: Request, total: int) -> None:
         rid = request.request_id
@@ -231,14 +274,84 @@ class KVCacheManager:
             self._num_cached[rid] = end
 
     def free(self, request: Request) -> None:
-        """Release the request's blocks, tail first (a chain's tail is evicted before its head)."""
+        """Release the request's blocks, tail first (a chain's tail is evicted before its head).
+
+        Also forgets its swap entry, if it was swapped out.
+        """
         rid = request.request_id
+        if self.tiers is not None:
+            self.tiers.drop_swap(rid)
+        self._free_table(rid)
+
+    def _free_table(self, rid: str) -> None:
         self._clear_in_flight(rid)
         table = self._tables.pop(rid, None)
         self._block_ids.pop(rid, None)
         self._num_cached.pop(rid, None)
         if table:
             self.block_pool.free_blocks(reversed(table))
+
+    # -- swap and transfers ----------------------------------------------------------------------
+
+    def swap_out(self, request: Request) -> bool:
+        """Move a running request's computed blocks to the host tier and free its table.
+
+        False — changing nothing — without a host tier or when it cannot take them.
+        """
+        if self.tiers is None:
+            return False
+        rid = request.request_id
+        n = -(-request.num_computed_tokens // self.block_size)
+        ids = self._block_ids.get(rid, [])[:n]
+        if n == 0 or not self.tiers.swap_out(rid, ids, request.num_computed_tokens):
+            return False
+        self._free_table(rid)
+        return True
+
+    def swapped_tokens(self, request_id: str) -> int | None:
+        """Computed tokens a swapped-out request will get back (None: not swapped out)."""
+        return self.tiers.swapped_tokens(request_id) if self.tiers is not None else None
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """Give a swapped-out request a table for its swapped tokens + num_new_tokens and plan
+        the loads; sets num_computed_tokens. None — changing nothing — without enough blocks."""
+        rid = request.request_id
+        restored = self.swapped_tokens(rid)
+        if restored is None or rid in self._tables:
+            raise ValueError(f"request {rid!r} is not swapped out")
+        total = restored + num_new_tokens
+        if total > min(self.max_model_len, request.num_tokens):
+            raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len or the "
+                             "known tokens")
+        need = -(-total // self.block_size)
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+        assert self.tiers is not None
+        blocks = self.block_pool.get_new_blocks(need)
+        n_loaded = -(-restored // self.block_size)
+        self.tiers.swap_in(rid, [b.block_id for b in blocks[:n_loaded]])
+        self._tables[rid] = list(blocks)
+        self._block_ids[rid] = [b.block_id for b in blocks]
+        self._num_cached[rid] = 0  # commit re-offers the full blocks to the hash map
+        for i, b in enumerate(blocks):
+            b.num_tokens = min(self.block_size, total - i * self.block_size)
+        request.num_computed_tokens = restored
+        if self.enable_caching:
+            self._mark_in_flight(request, total)
+        return blocks
+
+    def begin_step(self) -> None:
+        """A new schedule() starts: the previous step's transfers have run."""
+        if self.tiers is not None:
+            self.tiers.begin_step()
+
+    def take_transfers(self) -> TransferPlan | None:
+        """The device transfers this schedule() planned (None without tiers)."""
+        return self.tiers.take_plan() if self.tiers is not None else None
+
+    def tier_stats(self) -> dict[str, float | int]:
+        """Offload/swap/disk metrics (all zero without tiers)."""
+        return self.tiers.get_stats() if self.tiers is not None else empty_tier_stats()
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -270,8 +383,11 @@ class KVCacheManager:
         return self.block_pool.num_evictions
 
     def reset_prefix_cache(self) -> bool:
-        """Drop all cached hashes; False while any block is in use."""
-        return self.block_pool.reset_prefix_cache()
+        """Drop all cached hashes (host-tier entries too); False while any block is in use."""
+        ok = self.block_pool.reset_prefix_cache()
+        if ok and self.tiers is not None:
+            self.tiers.host.clear_prefix_entries()
+        return ok
 
     def check_invariants(self) -> None:
         """Pool invariants plus: ref counts equal the number of tables holding each block."""
@@ -286,3 +402,8 @@ class KVCacheManager:
             if b.ref_count != refs.get(b.block_id, 0):
                 raise AssertionError(f"{b}: ref_count != tables holding it "
                                      f"({refs.get(b.block_id, 0)})")
+        if self.tiers is not None:
+            self.tiers.check_invariants()
+            for rid in self.tiers.host._swap:
+                if rid in self._tables:
+                    raise AssertionError(f"{rid!r} holds device blocks and a swap entry")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jpaged.core.offload import TransferPlan
 from jpaged.request import Request
 
 
@@ -27,9 +28,8 @@ class SchedulerOutput:
     num_scheduled_tokens: int
     preempted: list[str]  # ids preempted (recompute) during this schedule()
     finished_request_ids: list[str] = field(default_factory=list)  # since the last schedule()
-    # (src, dst) block pairs; empty under recompute, room for the swap/offload tiers.
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # Device<->host block moves to run before this step's forward (None without KV tiers).
+    kv_transfers: TransferPlan | None = None
 
     @property
     def is_empty(self) -> bool:

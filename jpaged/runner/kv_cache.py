@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from jpaged.config import CacheConfig
 from models.config import ModelSpec
@@ -28,6 +29,12 @@ logger = logging.getLogger("jpaged")
 # Default KV budget on a CPU backend when none is given (as vLLM's CPU backend, which reserves a
 # fixed KV space rather than a fraction of host RAM).
 CPU_DEFAULT_KV_BYTES = 2 * 2**30
+# gpu_memory_utilization when None: on GPU the fraction used; on CPU the RAM cap of the default.
+DEFAULT_UTILIZATION = 0.9
+# Room left beside params + step activations (allocator slack, small buffers, fragmentation).
+MEMORY_MARGIN_BYTES = 256 * 2**20
+# Floor of a computed fp8 scale (all-zero K or V in the first batch).
+KV_SCALE_EPS = 1e-8
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "k_scale", "v_scale"],
@@ -59,10 +66,26 @@ def kv_dtype(cache_dtype: str, model_dtype: jnp.dtype) -> jnp.dtype:
     return table[cache_dtype]
 
 
-def bytes_per_block(spec: ModelSpec, block_size: int, dtype: jnp.dtype) -> int:
-    """Bytes one block takes across all layers: block_size x 2 x kv_heads x head_dim x bytes."""
-    return spec.num_layers * block_size * 2 * spec.num_kv_heads * spec.head_dim * jnp.dtype(
-        dtype).itemsize
+def amax_scale(x: Float[Array, "T kv_heads head_dim"], valid: Bool[Array, " T"],
+               dtype: jnp.dtype) -> Float[Array, ""]:
+    """An fp8 scale from the valid tokens: max |x| / the dtype's largest finite, >= KV_SCALE_EPS."""
+    fmax = float(jnp.finfo(dtype).max)
+    amax = jnp.max(jnp.where(valid[:, None, None], jnp.abs(x.astype(jnp.float32)), 0.0))
+    return jnp.maximum(amax / fmax, KV_SCALE_EPS)
+
+
+def bytes_per_block(spec: ModelSpec, block_size: int, dtype: jnp.dtype,
+                    kv_head_shards: int = 1) -> int:
+    """Bytes one block takes across all layers: block_size x 2 x kv_heads x head_dim x bytes.
+
+    With the KV heads split `kv_head_shards` ways (tensor parallelism) this is one device's
+    share: ceil(num_kv_heads / kv_head_shards) heads, at least 1 (heads are replicated when
+    there are more devices than heads).
+    """
+    if not isinstance(kv_head_shards, int) or kv_head_shards < 1:
+        raise ValueError(f"kv_head_shards must be an integer >= 1, got {kv_head_shards!r}")
+    heads = max(1, -(-spec.num_kv_heads // kv_head_shards))
+    return spec.num_layers * block_size * 2 * heads * spec.head_dim * jnp.dtype(dtype).itemsize
 
 
 def _available_host_bytes() -> int:
@@ -77,7 +100,7 @@ def _available_host_bytes() -> int:
 
 
 def device_memory_bytes() -> int:
-    """Total memory of the first device (GPU: bytes_limit; CPU: available host RAM)."""
+    """Memory of the first device: the allocator's bytes_limit, else available host RAM (CPU)."""
     dev = jax.devices()[0]
     try:
         stats = dev.memory_stats() or {}
@@ -88,39 +111,123 @@ def device_memory_bytes() -> int:
     return _available_host_bytes()
 
 
-def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_bytes: int,
-                   max_model_len: int) -> int:
-    """Pool size: override, else explicit KV bytes, else a fraction of device memory."""
-    per_block = bytes_per_block(spec, cache.block_size, dtype)
+@dataclass(frozen=True)
+class KVPoolPlan:
+    """How the pool size was found; byte fields are per device. None = not used by `source`."""
+
+    # num_gpu_blocks_override | kv_cache_memory_bytes | gpu_memory_utilization | cpu_default
+    source: str
+    device_bytes: int | None
+    utilization: float | None
+    param_bytes: int
+    activation_bytes: int | None  # temp bytes of the compiled step at the largest bucket
+    margin_bytes: int
+    available_bytes: int | None  # device x utilization - params - activations - margin
+    kv_budget_bytes: int  # cpu_default: min(CPU_DEFAULT_KV_BYTES, available_bytes)
+    bytes_per_block: int
+    num_blocks: int  # per layer, including the null block 0
+    max_model_len: int
+    block_size: int
+
+    @property
+    def max_concurrent_seqs(self) -> int:
+        """max_model_len sequences the pool holds at once (block 0 is never handed out)."""
+        return max(self.num_blocks - 1, 0) // -(-self.max_model_len // self.block_size)
+
+    def log(self) -> None:
+        """The start-up breakdown, at INFO."""
+        gib = 2**30
+
+        def g(x: int | None) -> str:
+            return "n/a" if x is None else f"{x / gib:.3f} GiB"
+
+        budget = f"KV budget {g(self.kv_budget_bytes)}"
+        if self.available_bytes is not None:
+            util = "n/a" if self.utilization is None else f"{self.utilization:g}"
+            cap = (f" (the {g(CPU_DEFAULT_KV_BYTES)} CPU default, capped by that)"
+                   if self.source == "cpu_default" else "")
+            budget = (f"device memory {g(self.device_bytes)} x utilization {util} - params "
+                      f"{g(self.param_bytes)} - activations {g(self.activation_bytes)} - margin "
+                      f"{g(self.margin_bytes)} = {g(self.available_bytes)}; {budget}{cap}")
+        logger.info("KV sizing (%s): %s; %d B/block (%.1f KiB) -> %d blocks of %d tokens; "
+                    "%d concurrent sequences of max_model_len=%d", self.source, budget,
+                    self.bytes_per_block, self.bytes_per_block / 1024, self.num_blocks,
+                    self.block_size, self.max_concurrent_seqs, self.max_model_len)
+
+
+ActivationProbe = Callable[[], "int | None"]
+
+
+def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_bytes: int,
+                 max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
+                 kv_head_shards: int = 1, device_bytes: int | None = None,
+                 platform: str | None = None) -> KVPoolPlan:
+    """Size the pool: override, else explicit KV bytes, else a fraction of device memory.
+
+    budget = device memory x utilization - params - activations - margin. `activation_bytes`
+    may be a callable (the compiled-step probe), called only when the budget depends on it.
+    On CPU, device memory is available RAM plus `param_bytes` (the weights are already loaded
+    into that RAM), and utilization None means min(CPU_DEFAULT_KV_BYTES, what 0.9 of it allows).
+    `param_bytes` and `device_bytes` are per device; `kv_head_shards` splits the KV heads.
+    Raises ValueError when one max_model_len request cannot fit, naming the largest that can.
+    """
+    per_block = bytes_per_block(spec, cache.block_size, dtype, kv_head_shards)
+    platform = platform or jax.default_backend()
+    util = cache.gpu_memory_utilization
+    dev = act = avail = None
+    margin = 0
     if cache.num_gpu_blocks_override is not None:
-        n = cache.num_gpu_blocks_override
-        source = "num_gpu_blocks_override"
+        source, budget = "num_gpu_blocks_override", cache.num_gpu_blocks_override * per_block
+    elif cache.kv_cache_memory_bytes is not None:
+        # The KV budget itself: no probe, nothing else subtracted.
+        source, budget = "kv_cache_memory_bytes", cache.kv_cache_memory_bytes
     else:
-        if cache.kv_cache_memory_bytes is not None:
-            budget = cache.kv_cache_memory_bytes
-            source = "kv_cache_memory_bytes"
-        elif jax.default_backend() == "cpu":
-            budget = min(CPU_DEFAULT_KV_BYTES,
-                         int(device_memory_bytes() * cache.gpu_memory_utilization) - param_bytes)
-            source = "CPU default KV space"
+        on_cpu = platform == "cpu"
+        if device_bytes is not None:
+            dev = device_bytes
         else:
-            total = device_memory_bytes()
-            margin = 256 * 2**20
-            budget = int(total * cache.gpu_memory_utilization) - param_bytes - margin
-            source = f"{cache.gpu_memory_utilization:.2f} x {total / 2**30:.1f} GiB - params"
-        n = budget // per_block
+            dev = device_memory_bytes() + (param_bytes if on_cpu else 0)
+        act = activation_bytes() if callable(activation_bytes) else activation_bytes
+        if act is None:
+            logger.warning("the backend reports no memory analysis for the step; the KV "
+                           "budget counts no activations beyond the %d MiB margin",
+                           MEMORY_MARGIN_BYTES // 2**20)
+        margin = MEMORY_MARGIN_BYTES
+        frac = util if util is not None else DEFAULT_UTILIZATION
+        budget = avail = int(dev * frac) - param_bytes - (act or 0) - margin
+        if on_cpu and util is None:
+            source, budget = "cpu_default", min(CPU_DEFAULT_KV_BYTES, avail)
+        else:
+            source = "gpu_memory_utilization"
+        util = frac
+    n = (cache.num_gpu_blocks_override if cache.num_gpu_blocks_override is not None
+         else max(budget, 0) // per_block)
+    plan = KVPoolPlan(source, dev, util, param_bytes, act, margin, avail, max(budget, 0),
+                      per_block, int(n), max_model_len, cache.block_size)
+    plan.log()
     blocks_per_seq = -(-max_model_len // cache.block_size)
-    logger.info("KV pool: %d blocks x %d tokens, %.1f KiB/block, %.2f GiB (%s)", n,
-                cache.block_size, per_block / 1024, n * per_block / 2**30, source)
-    if n - 1 < blocks_per_seq and cache.num_gpu_blocks_override is None:
-        fit = (max(n - 1, 0)) * cache.block_size
+    if cache.num_gpu_blocks_override is None and n - 1 < blocks_per_seq:
+        fit = max(n - 1, 0) * cache.block_size
+        what = (f"the largest max_model_len that fits is {fit}" if fit > 0
+                else "not even one block fits")
         raise ValueError(
-            f"the KV pool ({n} blocks of {cache.block_size} tokens) cannot hold one request of "
-            f"max_model_len={max_model_len}; the largest max_model_len that fits is {fit}. "
-            "Raise gpu_memory_utilization / kv_cache_memory_bytes or lower max_model_len.")
+            f"the KV pool ({n} blocks of {cache.block_size} tokens, {plan.kv_budget_bytes} "
+            f"bytes from {source}) cannot hold one request of max_model_len={max_model_len}; "
+            f"{what}. Raise gpu_memory_utilization / kv_cache_memory_bytes or lower "
+            "max_model_len.")
     if n < 2:
         raise ValueError(f"the KV pool must have at least 2 blocks (got {n})")
-    return int(n)
+    return plan
+
+
+def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_bytes: int,
+                   max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
+                   kv_head_shards: int = 1, device_bytes: int | None = None,
+                   platform: str | None = None) -> int:
+    """Blocks per layer for this config (see `plan_kv_pool`, which also logs the breakdown)."""
+    return plan_kv_pool(cache, spec, dtype, param_bytes, max_model_len,
+                        activation_bytes=activation_bytes, kv_head_shards=kv_head_shards,
+                        device_bytes=device_bytes, platform=platform).num_blocks
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int,

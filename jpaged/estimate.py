@@ -1,0 +1,344 @@
+"""The KV capacity planner behind `jpaged estimate` (seed 2.2/4.4): no engine, no weights loaded.
+
+Arithmetic, per device (``--gpu-memory`` is the memory of one device):
+
+* bytes per token = 2 (K and V) x layers x kv heads x head_dim x kv dtype bytes;
+  a block holds ``block_size`` TOKENS, so bytes per block = block_size x bytes per token
+  (the seed's "16 KB blocks" mixes the two: a block of LLaMA-13B in bf16 is 13.1 MB).
+* parameter bytes = embedding + lm_head (unless tied) + per layer (q/k/v/o, their biases,
+  q/k norms, gate/up/down, their biases, two RMSNorms) + final norm, times the weights dtype.
+* activation allowance = max_num_batched_tokens x weights dtype bytes x (2 hidden + q/k/v/o
+  widths + 3 intermediate) of one decoder layer (layers run one at a time under ``lax.scan``)
+  + max_num_seqs x vocab x 4 (float32 logits), plus a fixed 256 MiB runtime margin. The engine
+  itself measures the real peak from the compiled step at start-up; this is the planner's guess.
+* KV budget = gpu memory x utilization - parameters - activation allowance - margin;
+  num_blocks = budget // bytes per block; block 0 is the engine's null block, so
+  max concurrent sequences = (num_blocks - 1) // ceil(max_model_len / block_size).
+
+With tensor parallelism the attention heads, MLP columns and vocabulary are split over the
+devices; KV heads are split too, or replicated (one per device) when tp > kv heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+import socket
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from jpaged.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    KV_CACHE_DTYPES,
+    MODEL_DTYPES,
+)
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
+# config.json torch_dtype values -> our names ("half" and "float" appear in old configs).
+_TORCH_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                 "float16": "float16", "half": "float16"}
+RUNTIME_MARGIN_BYTES = 256 * 2**20
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_MEMORY = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]i?b|b)?\s*", re.IGNORECASE)
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class EstimateError(ValueError):
+    """Bad planner input; `flag` is the CLI flag at fault."""
+
+    def __init__(self, flag: str, message: str) -> None:
+        super().__init__(f"{flag}: {message}")
+        self.flag = flag
+
+
+@dataclass(frozen=True)
+class CapacityEstimate:
+    """What fits in the KV pool of one device for a model, dtype and memory budget."""
+
+    model: str
+    architecture: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # weights dtype
+    kv_cache_dtype: str  # resolved (never "auto")
+    block_size: int
+    max_model_len: int
+    avg_len: int | None
+    tensor_parallel_size: int
+    gpu_memory_bytes: int  # per device
+    gpu_memory_utilization: float
+    bytes_per_token: int  # whole model, all devices
+    bytes_per_block: int  # whole model, all devices
+    param_count: int
+    param_bytes: int  # whole model
+    kv_heads_per_device: int
+    bytes_per_token_per_device: int
+    bytes_per_block_per_device: int
+    param_bytes_per_device: int
+    activation_bytes: int  # per device, includes nothing of the margin
+    margin_bytes: int
+    kv_budget_bytes: int  # per device
+    num_blocks: int  # per device; every device holds the same block ids
+    blocks_per_seq: int  # at max_model_len
+    max_concurrent_seqs: int  # at max_model_len
+    blocks_per_avg_seq: int | None
+    max_concurrent_seqs_at_avg_len: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        """One JSON object."""
+        return json.dumps(self.to_dict())
+
+
+def parse_memory(text: str | int, flag: str = "--gpu-memory") -> int:
+    """Bytes in '80GiB', '80GB' (1e9), '512MiB', '1.5TiB' or plain '1024'."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = _MEMORY.fullmatch(str(text))
+        if not m:
+            raise EstimateError(flag, f"cannot parse memory size {text!r}; use e.g. 80GiB, 80GB, "
+                                "512MiB or a plain number of bytes")
+        value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+    if value <= 0:
+        raise EstimateError(flag, f"memory size must be > 0, got {text!r}")
+    return value
+
+
+def load_spec(model: str | None) -> tuple[Any, str | None, str]:
+    """(ModelSpec, config torch_dtype or None, source) from the embedded default, a .gguf, an HF
+    directory, a config.json or a hub repo id (config.json only; never weights)."""
+    from models.config import ModelSpec
+    from models.loader import DEFAULT_MODEL, embedded_gguf_path
+
+    try:
+        if model is None or model == DEFAULT_MODEL:
+            return _gguf_spec(embedded_gguf_path()), None, DEFAULT_MODEL
+        path = Path(model).expanduser()
+        if model.lower().endswith(".gguf"):
+            if not path.is_file():
+                raise FileNotFoundError(f"GGUF file not found: {path}")
+            return _gguf_spec(path), None, str(path)
+        if path.is_dir():
+            path = path / "config.json"
+            if not path.is_file():
+                raise FileNotFoundError(f"config.json not found: {path}")
+        elif not path.exists():
+            if not _REPO_ID.match(model):
+                raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or "
+                                        "HF repo id)")
+            path = _download_config(model)
+        try:
+            cfg = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"cannot read {path} as JSON: {e}") from e
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{path} does not hold a JSON object")
+        torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype")
+        return ModelSpec.from_hf_config(cfg), torch_dtype, str(model)
+    except (ValueError, OSError) as e:
+        raise EstimateError("--model", str(e)) from e
+
+
+def _gguf_spec(path: Path) -> Any:
+    from models.gguf_loader import spec_from_gguf
+    from models.gguf_meta import read_gguf_header
+
+    meta, names = read_gguf_header(path)
+    return spec_from_gguf(meta, names, path)
+
+
+def _download_config(repo_id: str) -> Path:
+    """config.json of a hub repo: the local cache first, then one download (never weights)."""
+    from huggingface_hub import constants, hf_hub_download
+
+    try:
+        return Path(hf_hub_download(repo_id=repo_id, filename="config.json",
+                                    local_files_only=True))
+    except Exception:  # not cached: go online below
+        pass
+    reason = ""
+    host = urlparse(constants.ENDPOINT).hostname or ""
+    try:  # fail fast when offline instead of waiting out the hub client's retries
+        socket.getaddrinfo(host, 443)
+    except OSError as e:
+        reason = f"cannot resolve {host}: {e}"
+    if not reason:
+        try:
+            return Path(hf_hub_download(repo_id=repo_id, filename="config.json"))
+        except Exception as e:  # offline mode, unknown or gated repo, ...
+            reason = type(e).__name__
+    raise OSError(f"{repo_id!r} is not a local path and its config.json could not be downloaded "
+                  f"({reason}); pass a local HF model directory, a config.json or a .gguf file")
+
+
+def _split(n: int, tp: int) -> int:
+    return -(-n // tp)
+
+
+def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
+    """(parameters of the whole model, parameters held by one of `tp` devices)."""
+    d, inter, hd, v = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.vocab_size
+    totals = []
+    for t in (1, tp):
+        q_heads = spec.num_heads // t
+        kv = max(1, spec.num_kv_heads // t)  # replicated (one per device) when t > kv heads
+        ff = _split(inter, t)
+        layer = d * (q_heads + 2 * kv) * hd + q_heads * hd * d  # q, k, v, o
+        if spec.attention_bias:
+            layer += (q_heads + 2 * kv) * hd
+        if spec.o_proj_bias:
+            layer += d  # row-parallel bias: whole on every device
+        if spec.qk_norm:
+            layer += 2 * hd
+        layer += 3 * d * ff + 2 * d  # gate, up, down; two RMSNorms (replicated)
+        if spec.mlp_bias:
+            layer += 2 * ff + d
+        embed = _split(v, t) * d
+        totals.append(spec.num_layers * layer + embed * (1 if spec.tie_word_embeddings else 2) + d)
+    return totals[0], totals[1]
+
+
+def estimate_capacity(
+    model: str | None = None, *, gpu_memory: int | str = "80GiB",
+    gpu_memory_utilization: float = 0.9, block_size: int = DEFAULT_BLOCK_SIZE,
+    kv_cache_dtype: str = "auto", max_model_len: int | None = None, avg_len: int | None = None,
+    tensor_parallel_size: int = 1, dtype: str = "auto",
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+) -> CapacityEstimate:
+    """Plan the KV pool; raises EstimateError (a ValueError naming the flag) on bad input."""
+    mem = parse_memory(gpu_memory)
+    if not 0.0 < gpu_memory_utilization <= 1.0:
+        raise EstimateError("--gpu-memory-utilization", f"must be in (0, 1], got "
+                            f"{gpu_memory_utilization}")
+    if block_size < 1 or block_size & (block_size - 1) or block_size > 1024:
+        raise EstimateError("--block-size", f"must be a power of two in [1, 1024] (tokens), got "
+                            f"{block_size}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise EstimateError("--kv-cache-dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}; "
+                            f"got {kv_cache_dtype!r}")
+    if dtype not in MODEL_DTYPES:
+        raise EstimateError("--dtype", f"must be one of {', '.join(MODEL_DTYPES)}; got {dtype!r}")
+    for flag, value in (("--tensor-parallel-size", tensor_parallel_size),
+                        ("--max-num-batched-tokens", max_num_batched_tokens),
+                        ("--max-num-seqs", max_num_seqs)):
+        if value < 1:
+            raise EstimateError(flag, f"must be >= 1, got {value}")
+    spec, torch_dtype, source = load_spec(model)
+
+    if dtype == "auto":  # the checkpoint's dtype; GGUF weights are dequantized to bf16 on GPUs
+        dtype = _TORCH_DTYPES.get(str(torch_dtype).removeprefix("torch."), "bfloat16")
+    kv_dtype = dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    kv_dtype = "fp8_e4m3" if kv_dtype == "fp8" else kv_dtype
+    wbytes, kvbytes = DTYPE_BYTES[dtype], DTYPE_BYTES[kv_dtype]
+
+    model_max = spec.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = min(model_max, 2048)  # the engine's default
+    if not 1 <= max_model_len <= model_max:
+        raise EstimateError("--max-model-len", f"must be in [1, {model_max}] (the model's "
+                            f"max_position_embeddings), got {max_model_len}")
+    if avg_len is not None and not 1 <= avg_len <= max_model_len:
+        raise EstimateError("--avg-len", f"must be in [1, --max-model-len={max_model_len}], got "
+                            f"{avg_len}")
+
+    tp, kvh = tensor_parallel_size, spec.num_kv_heads
+    if spec.num_heads % tp or (kvh % tp if tp <= kvh else tp % kvh):
+        raise EstimateError("--tensor-parallel-size", f"{tp} must divide the {spec.num_heads} "
+                            f"attention heads and divide (or be a multiple of) the {kvh} KV heads")
+    kv_per_dev = max(1, kvh // tp)
+    per_token = int(spec.kv_bytes_per_token(kvbytes))
+    per_token_dev = 2 * spec.num_layers * kv_per_dev * spec.head_dim * kvbytes
+    n_params, n_params_dev = param_counts(spec, tp)
+    widths = (2 * (spec.num_heads // tp) + 2 * kv_per_dev) * spec.head_dim
+    act = (max_num_batched_tokens * wbytes
+           * (2 * spec.hidden_size + widths + 3 * _split(spec.intermediate_size, tp))
+           + max_num_seqs * spec.vocab_size * 4)
+    budget = int(mem * gpu_memory_utilization) - n_params_dev * wbytes - act - RUNTIME_MARGIN_BYTES
+    block_dev = block_size * per_token_dev
+    blocks_per_seq = -(-max_model_len // block_size)
+    if budget < 2 * block_dev:
+        raise EstimateError("--gpu-memory", f"{mem:,} bytes x {gpu_memory_utilization} minus "
+                            f"{n_params_dev * wbytes:,} bytes of weights, {act:,} of activations "
+                            f"and a {RUNTIME_MARGIN_BYTES:,} margin leaves {budget:,} bytes for "
+                            f"the KV cache: not two blocks of {block_dev:,} bytes (the null block "
+                            "and one more)")
+    num_blocks = budget // block_dev
+    usable = num_blocks - 1  # block 0 is the null block
+    if usable < blocks_per_seq:
+        raise EstimateError("--max-model-len", f"one sequence of {max_model_len} tokens needs "
+                            f"{blocks_per_seq} blocks but only {usable} fit; the largest "
+                            f"max_model_len that fits is {usable * block_size}")
+    per_avg = None if avg_len is None else -(-avg_len // block_size)
+    return CapacityEstimate(
+        model=source, architecture=spec.architecture, num_layers=spec.num_layers,
+        num_kv_heads=kvh, head_dim=spec.head_dim, dtype=dtype, kv_cache_dtype=kv_dtype,
+        block_size=block_size, max_model_len=max_model_len, avg_len=avg_len,
+        tensor_parallel_size=tp, gpu_memory_bytes=mem,
+        gpu_memory_utilization=gpu_memory_utilization, bytes_per_token=per_token,
+        bytes_per_block=block_size * per_token, param_count=n_params,
+        param_bytes=n_params * wbytes, kv_heads_per_device=kv_per_dev,
+        bytes_per_token_per_device=per_token_dev, bytes_per_block_per_device=block_dev,
+        param_bytes_per_device=n_params_dev * wbytes, activation_bytes=act,
+        margin_bytes=RUNTIME_MARGIN_BYTES, kv_budget_bytes=budget, num_blocks=num_blocks,
+        blocks_per_seq=blocks_per_seq, max_concurrent_seqs=usable // blocks_per_seq,
+        blocks_per_avg_seq=per_avg,
+        max_concurrent_seqs_at_avg_len=None if per_avg is None else usable // per_avg,
+    )
+
+
+def human_bytes(n: int) -> str:
+    """'12.5 MiB'-style rendering (binary units)."""
+    if abs(n) < 1024:
+        return f"{n:,} B"
+    exp = min(int(math.log(abs(n), 1024)), 4)
+    return f"{n / 1024**exp:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"
+
+
+def rows(est: CapacityEstimate) -> list[tuple[str, str]]:
+    """(quantity, value) rows for the table; exact figures are in `to_dict()`."""
+    e, tp = est, est.tensor_parallel_size
+    out = [
+        ("model", e.model),
+        ("layers x kv heads x head_dim", f"{e.num_layers} x {e.num_kv_heads} x {e.head_dim}"),
+        ("weights / KV cache dtype", f"{e.dtype} / {e.kv_cache_dtype}"),
+        ("KV bytes per token", f"{e.bytes_per_token:,} B"),
+        (f"KV bytes per block ({e.block_size} tokens)",
+         f"{e.bytes_per_block:,} B = {human_bytes(e.bytes_per_block)}"),
+        ("parameters", f"{e.param_count / 1e9:.2f} billion = {human_bytes(e.param_bytes)}"),
+    ]
+    if tp > 1:
+        out += [
+            ("tensor parallel size", f"{tp} ({e.kv_heads_per_device} KV heads per device)"),
+            ("KV bytes per token, per device", f"{e.bytes_per_token_per_device:,} B"),
+            ("KV bytes per block, per device", human_bytes(e.bytes_per_block_per_device)),
+            ("parameters, per device", human_bytes(e.param_bytes_per_device)),
+        ]
+    dev = " per device" if tp > 1 else ""
+    out += [
+        (f"gpu memory{dev} x utilization",
+         f"{human_bytes(e.gpu_memory_bytes)} x {e.gpu_memory_utilization}"),
+        ("activations + runtime margin",
+         f"{human_bytes(e.activation_bytes)} + {human_bytes(e.margin_bytes)}"),
+        (f"KV budget{dev}", human_bytes(e.kv_budget_bytes)),
+        ("num blocks (incl. 1 null block)", f"{e.num_blocks:,}"),
+        ("pool capacity", f"{(e.num_blocks - 1) * e.block_size:,} tokens"),
+        (f"blocks per {e.max_model_len}-token sequence", f"{e.blocks_per_seq:,}"),
+        (f"max concurrent seqs @ {e.max_model_len} tokens", f"{e.max_concurrent_seqs:,}"),
+    ]
+    if e.avg_len is not None:
+        out += [(f"max concurrent seqs @ {e.avg_len} tokens",
+                 f"{e.max_concurrent_seqs_at_avg_len:,}")]
+    return out

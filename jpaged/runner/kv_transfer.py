@@ -1,0 +1,112 @@
+"""Batched block moves between the device KV pool and the host tier's store.
+
+Per step at most ONE gather (all outgoing blocks: one jitted take over the layer rows, then one
+device_get) and ONE load (one device_put of all incoming blocks, then one jitted scatter with the
+pool donated). Block counts are padded to power-of-4 buckets (4, 16, 64, ...) so the two
+functions compile once per bucket, not per count. A block's host layout is
+``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]`` in the page dtype (fp8 included:
+numpy holds ml_dtypes' float8 types bit for bit); layer l's copy of block b is pool row
+``l * num_blocks + b``.
+
+Order inside ``apply``: gathers, then loads; the engine calls it before the step's forward.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Int
+
+from jpaged.core.offload import TransferPlan
+from jpaged.runner.kv_cache import KVCache
+
+MIN_BUCKET = 4
+
+
+def bucket(n: int) -> int:
+    """The padded block count for n blocks: the smallest power of 4 >= max(n, MIN_BUCKET)."""
+    b = MIN_BUCKET
+    while b < n:
+        b *= 4
+    return b
+
+
+def _rows(ids: Int[Array, " P"], num_layers: int, num_blocks: int) -> Int[Array, "P L"]:
+    return ids[:, None] + jnp.arange(num_layers, dtype=ids.dtype)[None, :] * num_blocks
+
+
+@jax.jit
+def _gather(kv: KVCache, ids: Int[Array, " P"]) -> Array:
+    """[P, L, 2, bs, H, D] copies of blocks `ids` (padding ids point at the null block 0)."""
+    num_layers = kv.k.shape[0] // kv.num_blocks
+    rows = _rows(ids, num_layers, kv.num_blocks).reshape(-1)
+    k = jnp.take(kv.k, rows, axis=0)
+    v = jnp.take(kv.v, rows, axis=0)
+    out = jnp.stack([k, v], axis=1)  # [P*L, 2, bs, H, D]
+    return out.reshape(ids.shape[0], num_layers, *out.shape[1:])
+
+
+def _scatter_impl(kv: KVCache, ids: Int[Array, " P"], data: Array) -> KVCache:
+    num_layers = kv.k.shape[0] // kv.num_blocks
+    rows = _rows(ids, num_layers, kv.num_blocks)
+    # Padding ids are -1: send them past the end, where mode="drop" writes nothing.
+    rows = jnp.where(ids[:, None] < 0, kv.k.shape[0], rows).reshape(-1)
+    flat = data.reshape(-1, *data.shape[2:])  # [P*L, 2, bs, H, D]
+    k = kv.k.at[rows].set(flat[:, 0], mode="drop")
+    v = kv.v.at[rows].set(flat[:, 1], mode="drop")
+    return KVCache(k, v, kv.k_scale, kv.v_scale, kv.num_blocks)
+
+
+_scatter = jax.jit(_scatter_impl, donate_argnames=("kv",))
+
+
+class KVTransfer:
+    """Runs a step's TransferPlan against the device pool and a host store."""
+
+    def __init__(self) -> None:
+        self.num_gathers = 0  # device->host batches run
+        self.num_scatters = 0  # host->device batches run
+
+    @staticmethod
+    def gather(kv: KVCache, block_ids: Sequence[int]) -> np.ndarray:
+        """Host copies [n, L, 2, bs, H, D] of device blocks `block_ids` (one device_get)."""
+        n = len(block_ids)
+        ids = np.zeros(bucket(n), np.int32)
+        ids[:n] = block_ids
+        return np.asarray(jax.device_get(_gather(kv, jnp.asarray(ids))))[:n]
+
+    @staticmethod
+    def scatter(kv: KVCache, block_ids: Sequence[int], data: np.ndarray) -> KVCache:
+        """Write data [n, L, 2, bs, H, D] into device blocks `block_ids`; `kv` is donated."""
+        n = len(block_ids)
+        if data.shape[0] != n:
+            raise ValueError(f"scatter: {data.shape[0]} blocks of data for {n} block ids")
+        p = bucket(n)
+        ids = np.full(p, -1, np.int32)
+        ids[:n] = block_ids
+        padded = np.zeros((p, *data.shape[1:]), data.dtype)
+        padded[:n] = data
+        return _scatter(kv, jnp.asarray(ids), jax.device_put(padded))
+
+    def apply(self, kv: KVCache, plan: TransferPlan, store: np.ndarray) -> KVCache:
+        """Run all gathers (into `store` slots), then all loads (from `store`); returns the pool.
+
+        store: [capacity, L, 2, bs, H, D], the host tier's slots.
+        """
+        if plan.gathers:
+            blocks, slots = zip(*plan.gathers, strict=True)
+            store[list(slots)] = self.gather(kv, blocks)
+            self.num_gathers += 1
+        if plan.loads:
+            slots, blocks = zip(*plan.loads, strict=True)
+            kv = self.scatter(kv, blocks, store[list(slots)])
+            self.num_scatters += 1
+        return kv
+
+    @staticmethod
+    def num_compiled() -> int:
+        """Executables held by the gather and the scatter (one per bucket seen)."""
+        return _gather._cache_size() + _scatter._cache_size()

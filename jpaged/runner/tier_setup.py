@@ -1,0 +1,81 @@
+"""Building the KV tiers of an engine: host tier size, disk tier directory and fingerprint."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jpaged.config import DEFAULT_KV_CACHE_DIR, CacheConfig
+from jpaged.core.disk_tier import DiskTier, model_fingerprint
+from jpaged.core.offload import HostTier, KVTiers
+from jpaged.runner.kv_cache import KVCache
+from models.config import ModelSpec
+
+logger = logging.getLogger("jpaged")
+
+DIGEST_ROWS = 8  # embedding rows hashed at each end of the table for weights_digest
+
+
+def check_tier_config(cache: CacheConfig) -> None:
+    """Refuse tier settings that cannot work, naming the field (before any weights load)."""
+    if cache.preemption_mode == "swap" and cache.kv_offloading_size <= 0:
+        raise ValueError("preemption_mode='swap' needs a host tier: set kv_offloading_size > 0")
+    if cache.swap_space > 0 and cache.kv_offloading_size <= 0:
+        raise ValueError("swap_space > 0 (the disk KV tier) is fed by the host tier: set "
+                         "kv_offloading_size > 0 too")
+
+
+def block_shape(spec: ModelSpec, block_size: int) -> tuple[int, int, int, int, int]:
+    """Host layout of one block: (num_layers, 2, block_size, num_kv_heads, head_dim)."""
+    return (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+
+
+def build_host_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any) -> KVTiers | None:
+    """The host tier of `kv_offloading_size` GiB (None when it is 0)."""
+    if cache.kv_offloading_size <= 0:
+        return None
+    shape = block_shape(spec, cache.block_size)
+    per_block = int(np.prod(shape)) * np.dtype(kv_dtype).itemsize
+    capacity = int(cache.kv_offloading_size * 2**30) // per_block
+    if capacity < 1:
+        raise ValueError(f"kv_offloading_size={cache.kv_offloading_size} GiB holds no KV block "
+                         f"of {per_block} bytes; raise it")
+    logger.info("host KV tier: %d blocks, %.2f GiB", capacity, capacity * per_block / 2**30)
+    return KVTiers(HostTier(capacity, shape, np.dtype(kv_dtype)))
+
+
+def weights_digest(model: nnx.Module) -> str:
+    """sha256 over the first and last DIGEST_ROWS rows of the embedding table (+ its shape)."""
+    leaves = jax.tree_util.tree_leaves_with_path(nnx.state(model))
+    named = [(jax.tree_util.keystr(p), x) for p, x in leaves]
+    embeds = [x for name, x in named if "embed" in name]
+    table = embeds[0] if embeds else min(named, key=lambda t: t[0])[1]
+    arr = np.asarray(jax.device_get(table))
+    h = hashlib.sha256(repr((arr.shape, arr.dtype.name)).encode())
+    h.update(np.ascontiguousarray(arr[:DIGEST_ROWS]).tobytes())
+    h.update(np.ascontiguousarray(arr[-DIGEST_ROWS:]).tobytes())
+    return h.hexdigest()
+
+
+def open_disk_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any, source: str,
+                   model: nnx.Module, kv: KVCache) -> DiskTier:
+    """The disk tier for this model, dtype, block size and the pool's current fp8 scales."""
+    scales = tuple(float(s) for s in np.concatenate(
+        [np.asarray(jax.device_get(kv.k_scale)), np.asarray(jax.device_get(kv.v_scale))]))
+    fp = model_fingerprint(source=os.path.abspath(source) if os.path.exists(source) else source,
+                           spec_repr=repr(spec), kv_dtype=np.dtype(kv_dtype).name,
+                           block_size=cache.block_size,
+                           hash_algo=cache.prefix_caching_hash_algo,
+                           weights_digest=weights_digest(model), kv_scales=scales)
+    directory = os.path.expanduser(cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
+    disk = DiskTier(directory, int(cache.swap_space * 2**30), fp,
+                    block_shape(spec, cache.block_size), np.dtype(kv_dtype))
+    logger.info("disk KV tier: %s/%s, %d blocks found, %.2f GiB", directory, fp[:12], len(disk),
+                cache.swap_space)
+    return disk
