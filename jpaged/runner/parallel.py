@@ -1,0 +1,250 @@
+"""Tensor parallelism over a 1-D JAX device mesh (axis 'tp'), Megatron style.
+
+Parameters are placed with NamedSharding and the step is left to GSPMD, except attention: the
+backend's ops run per device inside `shard_map` over the head axes, so each device writes and
+reads only its own KV heads' pages (the pool is never gathered).
+
+Layout for tensor_parallel_size N (every stacked decoder Param keeps its leading layer axis):
+  q_proj, gate_proj, up_proj   split by output columns  -> each device owns heads / N, ffn / N
+  k_proj, v_proj               split by columns when N <= kv_heads, else replicated
+  o_proj, down_proj            split by input rows      -> partial sums, one all-reduce each
+  embed_tokens, lm_head        split by vocabulary when N divides it (else replicated); the
+                               logits are all-gathered before sampling, which runs replicated
+  norms, o/down biases         replicated
+  KV pool [L*nb, bs, H, D]     split on H; when N > kv_heads each KV head is stored N/kv_heads
+                               times (H = N) so every device holds the one head its queries use
+  fp8 scales, step batch       replicated
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jpaged.runner.kv_cache import KVCache
+from models.config import ModelSpec
+from pallas_kernels.backend import AttentionOps
+
+AXIS = "tp"
+# Pages [blocks, bs, kv_heads, head_dim] and per-token heads [T, heads, head_dim]: split on heads.
+# No trailing None: jit returns the donated pool as P(None, None, 'tp'), and an input sharding
+# spelled differently is a different cache key (one extra compile per shape).
+PAGES = P(None, None, AXIS)
+HEADS = P(None, AXIS)
+
+# Stacked decoder Params (leading layer axis) split Megatron style; everything else replicated.
+_COLUMN_SPLIT = ("q_proj", "gate_proj", "up_proj")  # kernel [L, in, out], bias [L, out]
+_KV_PROJ = ("k_proj", "v_proj")  # column split only when the KV heads themselves split
+_ROW_SPLIT = ("o_proj", "down_proj")  # kernel [L, in, out] split on `in`; bias replicated
+
+
+def check_device_count(tensor_parallel_size: int) -> None:
+    """Raise ValueError when tensor_parallel_size exceeds the devices JAX sees."""
+    devices = jax.devices()
+    if tensor_parallel_size > len(devices):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} devices "
+            f"but only {len(devices)} {devices[0].platform} device(s) exist; on CPU, "
+            "XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices")
+
+
+def _fits(spec: ModelSpec, n: int) -> bool:
+    kv = spec.num_kv_heads
+    return (spec.num_heads % n == 0 and (kv % n == 0 or n % kv == 0)
+            and spec.intermediate_size % n == 0)
+
+
+def valid_tp_sizes(spec: ModelSpec) -> list[int]:
+    """Every tensor_parallel_size the model's head counts and FFN width allow."""
+    return [n for n in range(1, spec.num_heads + 1) if _fits(spec, n)]
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    """How a model's heads split over `size` devices."""
+
+    size: int
+    num_heads: int
+    num_kv_heads: int
+
+    @property
+    def kv_replicas(self) -> int:
+        """Copies of each KV head in the pool (1 unless size > num_kv_heads)."""
+        return max(1, self.size // self.num_kv_heads)
+
+    @property
+    def kv_shards(self) -> int:
+        """Distinct ways the KV heads are split: each device's pool is 1/kv_shards of tp=1's."""
+        return min(self.size, self.num_kv_heads)
+
+    @property
+    def stored_kv_heads(self) -> int:
+        """KV heads of the pool array (num_kv_heads x kv_replicas)."""
+        return self.num_kv_heads * self.kv_replicas
+
+
+def plan_layout(spec: ModelSpec, tensor_parallel_size: int) -> TPLayout:
+    """Validate tensor_parallel_size against the model's heads; raise a ValueError naming both."""
+    n = tensor_parallel_size
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
+    if not _fits(spec, n):
+        why = []
+        if spec.num_heads % n:
+            why.append(f"{spec.num_heads} query heads do not split {n} ways")
+        if spec.num_kv_heads % n and n % spec.num_kv_heads:
+            why.append(f"{spec.num_kv_heads} KV heads neither split {n} ways nor divide {n}")
+        if spec.intermediate_size % n:
+            why.append(f"intermediate_size={spec.intermediate_size} does not split {n} ways")
+        raise ValueError(
+            f"tensor_parallel_size={n} does not fit the model ({spec.num_heads} query heads, "
+            f"{spec.num_kv_heads} KV heads): {'; '.join(why)}. tensor_parallel_size values "
+            f"that work: {', '.join(map(str, valid_tp_sizes(spec)))}")
+    return TPLayout(n, spec.num_heads, spec.num_kv_heads)
+
+
+def make_mesh(tensor_parallel_size: int) -> Mesh:
+    """A 1-D mesh ('tp',) over the first tensor_parallel_size devices."""
+    check_device_count(tensor_parallel_size)
+    return Mesh(np.array(jax.devices()[:tensor_parallel_size]), (AXIS,))
+
+
+def _names(path: tuple[Any, ...]) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+
+
+class TensorParallel:
+    """A mesh plus the head layout: places parameters and the KV pool, wraps attention ops."""
+
+    def __init__(self, spec: ModelSpec, tensor_parallel_size: int) -> None:
+        self.layout = plan_layout(spec, tensor_parallel_size)
+        self.mesh = make_mesh(tensor_parallel_size)
+        self.spec = spec
+        # Embedding and lm_head rows split by vocabulary when it divides evenly.
+        self.split_vocab = spec.vocab_size % tensor_parallel_size == 0
+
+    @property
+    def size(self) -> int:
+        """tensor_parallel_size."""
+        return self.layout.size
+
+    # ------------------------------------------------------------------ parameters
+    def param_spec(self, path: tuple[Any, ...], ndim: int) -> P:
+        """PartitionSpec of one parameter leaf, from its module path and rank."""
+        names = [n for n in _names(path) if n != "value"]
+        module = next((n for n in reversed(names) if n.endswith("_proj")), None)
+        is_bias = "bias" in names
+        column = module in _COLUMN_SPLIT or (module in _KV_PROJ and self.layout.kv_replicas == 1)
+        if column:  # kernel [L, in, out] / bias [L, out]: split `out`
+            return P(*([None] * (ndim - 1)), AXIS)
+        if module in _ROW_SPLIT and not is_bias:  # kernel [L, in, out]: split `in`
+            return P(*([None] * (ndim - 2)), AXIS, None)
+        if self.split_vocab and names[-2:] == ["lm_head", "kernel"]:  # [hidden, vocab]
+            return P(None, AXIS)
+        if self.split_vocab and names[-2:] == ["embed_tokens", "embedding"]:  # [vocab, hidden]
+            return P(AXIS, None)
+        return P()
+
+    def param_shardings(self, params: Any) -> Any:
+        """A NamedSharding for every leaf of an nnx parameter State."""
+        return jax.tree_util.tree_map_with_path(
+            lambda path, x: NamedSharding(self.mesh, self.param_spec(path, x.ndim)), params)
+
+    def shard_params(self, params: Any) -> Any:
+        """Place parameters on the mesh (a copy; the input stays where it was)."""
+        return jax.device_put(params, self.param_shardings(params))
+
+    def param_bytes_per_device(self, params: Any) -> int:
+        """Bytes of parameters each device holds once sharded."""
+        total = 0
+        for path, x in jax.tree_util.tree_leaves_with_path(params):
+            spec = self.param_spec(path, x.ndim)
+            ways = self.size if AXIS in tuple(spec) else 1
+            total += math.ceil(x.size / ways) * x.dtype.itemsize
+        return total
+
+    def gather_logits(self, logits: jax.Array) -> jax.Array:
+        """Logits whole on every device: computed vocab-split, then one all-gather of [B, V].
+
+        Pinning the split first keeps XLA from gathering the lm_head weight instead.
+        """
+        if self.split_vocab:
+            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh,
+                                                                            P(None, AXIS)))
+        return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P()))
+
+    # ------------------------------------------------------------------ KV pool
+    def kv_shardings(self, num_blocks: int) -> KVCache:
+        """Shardings of the KVCache pytree: pages split on heads, scales replicated."""
+        pages, rep = NamedSharding(self.mesh, PAGES), NamedSharding(self.mesh, P())
+        return KVCache(pages, pages, rep, rep, num_blocks)
+
+    def place_kv(self, kv: KVCache) -> KVCache:
+        """Put an existing pool on the mesh; its head axis must already hold stored_kv_heads."""
+        if kv.k.shape[2] != self.layout.stored_kv_heads:
+            raise ValueError(
+                f"the KV pool has {kv.k.shape[2]} heads but tensor_parallel_size={self.size} "
+                f"needs {self.layout.stored_kv_heads} (use TensorParallel.allocate_kv)")
+        return jax.device_put(kv, self.kv_shardings(kv.num_blocks))
+
+    def allocate_kv(self, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVCache:
+        """Zeroed pool made directly in its sharded layout (no device holds the whole pool)."""
+        s = self.spec
+        shape = (s.num_layers * num_blocks, block_size, self.layout.stored_kv_heads, s.head_dim)
+
+        def make() -> KVCache:
+            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                           jnp.ones((s.num_layers,), jnp.float32),
+                           jnp.ones((s.num_layers,), jnp.float32), num_blocks)
+
+        return jax.jit(make, out_shardings=self.kv_shardings(num_blocks))()
+
+    # ------------------------------------------------------------------ attention
+    def wrap_ops(self, ops: AttentionOps) -> AttentionOps:
+        """The backend's ops run per device on its own heads under shard_map."""
+        mesh, rep = self.mesh, self.layout.kv_replicas
+
+        def expand(x: jax.Array) -> jax.Array:
+            # [T, kv_heads, D] -> [T, stored_kv_heads, D]; stored head j is KV head j // rep.
+            return x if rep == 1 else jnp.repeat(x, rep, axis=1)
+
+        def write_kv(k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array,
+                     slot_mapping: jax.Array, k_scale: Any = 1.0, v_scale: Any = 1.0
+                     ) -> tuple[jax.Array, jax.Array]:
+            f = jax.shard_map(ops.write_kv, mesh=mesh,
+                              in_specs=(PAGES, PAGES, HEADS, HEADS, P(), P(), P()),
+                              out_specs=(PAGES, PAGES), check_vma=False)
+            return f(k_pages, v_pages, expand(k), expand(v), slot_mapping,
+                     jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+
+        def attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                      query_start_loc: jax.Array, seq_lens: jax.Array, block_tables: jax.Array,
+                      *, k_scale: Any = 1.0, v_scale: Any = 1.0, **static: Any) -> jax.Array:
+            # Device i holds query heads [i*hq/N, (i+1)*hq/N) and exactly the KV heads they read.
+            def local(q, kp, vp, qsl, lens, tables, ks, vs):  # noqa: ANN001, ANN202
+                return ops.ragged_paged_attention(q, kp, vp, qsl, lens, tables, k_scale=ks,
+                                                  v_scale=vs, **static)
+
+            f = jax.shard_map(local, mesh=mesh,
+                              in_specs=(HEADS, PAGES, PAGES, P(), P(), P(), P(), P()),
+                              out_specs=HEADS, check_vma=False)
+            return f(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables,
+                     jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+
+        return AttentionOps(f"{ops.name}+tp{self.size}", write_kv, attention)
+
+
+def kv_bytes_per_device(kv: KVCache) -> int:
+    """Bytes of the KV pool (pages and scales) held by the first device that holds any."""
+    first = kv.k.addressable_shards[0].device
+    total = 0
+    for x in (kv.k, kv.v, kv.k_scale, kv.v_scale):
+        total += sum(s.data.nbytes for s in x.addressable_shards if s.device == first)
+    return total

@@ -1,0 +1,142 @@
+"""Tensor parallelism: head layout rules here; engine facts from 4 forced CPU devices in a
+subprocess (tp_worker.py), so the rest of the suite keeps its single device."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import tiny_spec
+
+from jpaged.runner.parallel import TensorParallel, plan_layout, valid_tp_sizes
+
+ROOT = Path(__file__).resolve().parents[3]
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+# ------------------------------------------------------------------ layout rules (no devices)
+def test_layout_splits_or_replicates_kv_heads():
+    spec = tiny_spec()  # 4 query heads, 2 KV heads
+    two, four = plan_layout(spec, 2), plan_layout(spec, 4)
+    assert (two.kv_replicas, two.kv_shards, two.stored_kv_heads) == (1, 2, 2)
+    assert (four.kv_replicas, four.kv_shards, four.stored_kv_heads) == (2, 2, 4)
+    assert valid_tp_sizes(spec) == [1, 2, 4]
+    smol = tiny_spec(num_heads=9, num_kv_heads=3, intermediate_size=1536)
+    assert valid_tp_sizes(smol) == [1, 3]
+
+
+def test_layout_error_names_sizes_and_heads():
+    smol = tiny_spec(num_heads=9, num_kv_heads=3, intermediate_size=1536)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*9 query heads, 3 KV heads"
+                       r".*values that work: 1, 3"):
+        plan_layout(smol, 2)
+    with pytest.raises(ValueError, match="intermediate_size=90 does not split 4 ways"):
+        plan_layout(tiny_spec(intermediate_size=90), 4)
+
+
+def test_too_many_devices_is_refused():
+    import jax
+
+    n = jax.device_count()
+    with pytest.raises(ValueError, match=rf"needs {n + 1} devices but only {n} "):
+        TensorParallel(tiny_spec(num_heads=8, num_kv_heads=8), n + 1)
+
+
+def test_megatron_param_specs():
+    from flax import nnx
+    from helpers import tiny
+    from jax.sharding import PartitionSpec as P
+
+    tp = TensorParallel.__new__(TensorParallel)  # specs only: no mesh needed
+    tp.layout, tp.split_vocab = plan_layout(tiny().spec, 2), True
+    params = nnx.state(tiny().model)
+    import jax
+
+    specs = {jax.tree_util.keystr(path): tp.param_spec(path, x.ndim)
+             for path, x in jax.tree_util.tree_leaves_with_path(params)}
+
+    def spec_of(name: str) -> P:
+        return next(v for k, v in specs.items() if f"['{name}']['kernel']" in k)
+
+    assert spec_of("q_proj") == spec_of("k_proj") == spec_of("gate_proj") == P(None, None, "tp")
+    assert spec_of("o_proj") == spec_of("down_proj") == P(None, "tp", None)
+    assert spec_of("lm_head") == P(None, "tp")  # [hidden, vocab]
+    assert next(v for k, v in specs.items() if "embed_tokens" in k) == P("tp", None)
+    assert all(v == P() for k, v in specs.items() if "norm" in k)
+    tp.layout = plan_layout(tiny().spec, 4)  # KV heads replicated: k/v projections too
+    assert tp.param_spec(*next((p, x.ndim) for p, x in jax.tree_util.tree_leaves_with_path(
+        params) if "k_proj" in jax.tree_util.keystr(p))) == P()
+
+
+# ------------------------------------------------------------------ 4 forced CPU devices
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, str(WORKER)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_tiny_greedy_equal_across_tp(facts):
+    assert facts["num_devices"] == 4
+    base = facts["tiny_tp1"]["tokens"]
+    assert all(len(t) == 8 for t in base)
+    for tp in (2, 4):
+        assert facts[f"tiny_tp{tp}"]["tokens"] == base, tp
+        assert facts[f"tiny_tp{tp}"]["tokens_again"] == base, tp
+
+
+def test_each_device_holds_its_share_of_the_pool(facts):
+    one = facts["tiny_tp1"]["kv"]
+    assert one["global_shape"][2] == 2 and one["tensor_parallel_size"] == 1
+    for tp, stored in ((2, 2), (4, 4)):  # tp 4 stores each of the 2 KV heads twice
+        kv = facts[f"tiny_tp{tp}"]["kv"]
+        assert kv["tensor_parallel_size"] == tp
+        assert kv["global_shape"][2] == stored
+        assert kv["shard_devices"] == list(range(tp))
+        assert all(s[:2] == kv["global_shape"][:2] and s[2] == 1 for s in kv["shard_shapes"])
+        assert kv["k_bytes_shard"] * tp == kv["k_bytes_global"]
+        # Per device: K and V of one head, half of tp=1's two heads (scales are replicated).
+        pages = one["k_bytes_global"] * 2
+        scales = one["kv_pool_bytes_per_device"] - pages
+        assert kv["kv_pool_bytes_per_device"] == pages // 2 + scales
+
+
+def test_collectives(facts):
+    for tp in (2, 4):
+        found = facts[f"tiny_tp{tp}"]["collectives"]
+        # [T=16, hidden=64] all-reduces: after o_proj and down_proj (once each in the scanned
+        # layer body) and after the vocab-split embedding lookup. One all-gather: the logits
+        # [B=4, vocab=300]. Nothing gathers the KV pool or a weight.
+        assert sorted(found) == ["all-gather", "all-reduce"], found
+        assert [t.split("{")[0] for t in found["all-reduce"]] == ["f32[16,64]"] * 3, found
+        assert [t.split("{")[0] for t in found["all-gather"]] == ["f32[4,300]"], found
+
+
+def test_no_recompiles_after_warmup(facts):
+    case = facts["tiny_tp4"]
+    assert case["warmup_compiled"] == 4  # (T, B) in (1,1) (4,4) (16,1) (16,4)
+    assert case["compiled"] == case["warmup_compiled"]
+    assert not [w for w in facts["warnings"] if "donat" in w.lower()], facts["warnings"]
+
+
+def test_embedded_tp3_equals_tp1(facts):
+    one, three = facts["embedded_tp1"], facts["embedded_tp3"]
+    assert len(one["tokens"]) == 6 and three["tokens"] == one["tokens"], (one, three)
+    assert three["kv"]["global_shape"][2] == 3
+    assert all(s[2] == 1 for s in three["kv"]["shard_shapes"])
+    assert three["kv"]["k_bytes_shard"] * 3 == one["kv"]["k_bytes_global"]
+
+
+def test_embedded_bad_tp_errors(facts):
+    err2 = facts["embedded_tp2_error"]
+    assert err2 and "tensor_parallel_size=2" in err2 and "9 query heads" in err2
+    assert "values that work: 1, 3" in err2
+    err8 = facts["embedded_tp8_error"]
+    assert err8 and "needs 8 devices but only 4 cpu device(s)" in err8

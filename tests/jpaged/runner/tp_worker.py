@@ -1,0 +1,122 @@
+"""Tensor-parallel facts measured on 4 forced CPU devices; run by test_tensor_parallel.py.
+
+Run as a script in a fresh process with XLA_FLAGS=--xla_force_host_platform_device_count=4 (the
+device count is fixed when jax starts, so the rest of the suite keeps one device). Prints one
+JSON object on the last line of stdout; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+# The repo root first: tests/jpaged would otherwise shadow the jpaged package.
+sys.path[:0] = [str(ROOT)]
+sys.path += [str(ROOT / "tests"), str(ROOT / "tests" / "models")]
+
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir",
+                  os.environ.get("JPAGED_TEST_JAX_CACHE", str(ROOT / ".jax_cache")))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+from helpers import embedded, make_llm, tiny  # noqa: E402
+
+from jpaged import SamplingParams  # noqa: E402
+from jpaged.runner.batch import empty_step  # noqa: E402
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+TINY_PROMPTS = ["Hello there", "abc", "The quick brown fox jumps"]  # 11, 3, 25 byte tokens
+TINY_ARGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
+                 num_gpu_blocks_override=24)
+EMBEDDED_ARGS = dict(max_model_len=32, max_num_seqs=1, max_num_batched_tokens=16,
+                     num_gpu_blocks_override=8)
+COLLECTIVE = re.compile(r"= \S+ (all-reduce|all-gather|all-to-all|reduce-scatter|"
+                        r"collective-permute)(?:-start)?\(")
+
+
+def kv_facts(llm) -> dict:
+    """Global pool shape, each device's shard shape and bytes, and the engine's metrics."""
+    kv = llm.llm_engine.runner.kv
+    metrics = llm.llm_engine.get_metrics()
+    return {
+        "global_shape": list(kv.k.shape),
+        "shard_shapes": [list(s.data.shape) for s in kv.k.addressable_shards],
+        "shard_devices": sorted(s.device.id for s in kv.k.addressable_shards),
+        "k_bytes_global": int(kv.k.nbytes),
+        "k_bytes_shard": int(kv.k.addressable_shards[0].data.nbytes),
+        "tensor_parallel_size": metrics["tensor_parallel_size"],
+        "kv_pool_bytes_per_device": metrics["kv_pool_bytes_per_device"],
+    }
+
+
+def collectives(llm, t: int, b: int) -> dict:
+    """Collective ops in the compiled (partitioned) step of one bucket shape."""
+    r = llm.llm_engine.runner
+    packed = empty_step(r.plan, t, b, r.vocab_size)
+    text = r._jit_step.lower(r.params, r.kv, packed.batch, flags=packed.flags).compile().as_text()
+    found: dict[str, list[str]] = {}
+    for line in text.splitlines():
+        m = COLLECTIVE.search(line)
+        if m:
+            found.setdefault(m.group(1), []).append(line.split("=")[1].split()[0])  # result type
+    return found
+
+
+def tiny_cases(out: dict) -> None:
+    """tp 1, 2, 4 on the 4-query/2-KV-head tiny Llama; tp 4 replicates each KV head twice."""
+    for tp in (1, 2, 4):
+        t0 = time.perf_counter()
+        llm = make_llm(tiny(), tensor_parallel_size=tp, **TINY_ARGS)
+        runner = llm.llm_engine.runner
+        case: dict = {}
+        if tp == 4:  # warm every bucket shape, then a workload must compile nothing
+            case["warmup_compiled"] = runner.warmup()
+        case["tokens"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)]
+        case["tokens_again"] = [o.outputs[0].token_ids
+                                for o in llm.generate(TINY_PROMPTS[::-1], GREEDY)][::-1]
+        case["compiled"] = runner.num_compiled
+        case["kv"] = kv_facts(llm)
+        if tp > 1:
+            case["collectives"] = collectives(llm, 16, 4)
+        case["seconds"] = round(time.perf_counter() - t0, 1)
+        out[f"tiny_tp{tp}"] = case
+
+
+def embedded_cases(out: dict) -> None:
+    """SmolLM2 (9 query / 3 KV heads): tp 3 equals tp 1; tp 2 and tp 8 are refused clearly."""
+    loaded = embedded()
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    for tp in (1, 3):
+        t0 = time.perf_counter()
+        llm = make_llm(loaded, tensor_parallel_size=tp, **EMBEDDED_ARGS)
+        o = llm.generate(["The capital of France is"], params)[0].outputs[0]
+        out[f"embedded_tp{tp}"] = {"tokens": o.token_ids, "text": o.text, "kv": kv_facts(llm),
+                                   "seconds": round(time.perf_counter() - t0, 1)}
+    for tp in (2, 8):
+        try:
+            make_llm(loaded, tensor_parallel_size=tp, **EMBEDDED_ARGS)
+            out[f"embedded_tp{tp}_error"] = None
+        except ValueError as e:
+            out[f"embedded_tp{tp}_error"] = str(e)
+
+
+def main() -> None:
+    """Run every case and print the facts as JSON."""
+    out: dict = {"num_devices": jax.device_count()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tiny_cases(out)
+        embedded_cases(out)
+    out["warnings"] = [str(w.message)[:200] for w in caught]
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
