@@ -1,0 +1,278 @@
+"""AsyncLLMEngine: one background thread steps an LLMEngine; asyncio callers stream its outputs.
+
+Invariants:
+- Only the loop thread touches the LLMEngine (add, abort, step, get_metrics); callers talk to it
+  through a command list guarded by a Condition, so any thread or event loop may submit or abort.
+- Outputs reach a caller's asyncio.Queue through `loop.call_soon_threadsafe`; a queue item is a
+  RequestOutput or an exception (the request failed). A request's last item is either a
+  finished RequestOutput or an exception; after an abort nothing more is promised.
+- An exception from `LLMEngine.step` fails the requests in flight and the loop goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine, PromptType
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger("jpaged.async_engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop is not running (shut down, or crashed beyond recovery)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The engine raised while this request was in flight; the request was aborted."""
+
+
+@dataclass
+class _Sink:
+    """Where one request's outputs go: an asyncio queue owned by `loop`."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the loop is closed: nobody is listening any more
+            pass
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: PromptType
+    params: SamplingParams
+    priority: int
+    sink: _Sink
+    done: concurrent.futures.Future
+
+
+@dataclass
+class _Abort:
+    request_ids: list[str]
+
+
+class AsyncLLMEngine:
+    """Runs an LLMEngine on a background thread and streams outputs to asyncio callers."""
+
+    def __init__(self, engine: LLMEngine, start: bool = True) -> None:
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._cmds: list[_Add | _Abort] = []  # guarded by _cond
+        self._stopping = False  # guarded by _cond
+        self._idle = True  # guarded by _cond: no command pending and the engine has no work
+        self._sinks: dict[str, _Sink] = {}  # loop thread only
+        self._dead: BaseException | None = None
+        self._metrics: dict[str, Any] = self._snapshot()
+        self._thread: threading.Thread | None = None
+        if start:
+            self.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        """Build an engine from EngineArgs and start its loop."""
+        return cls(LLMEngine(args))
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer."""
+        return self.engine.tokenizer
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive and accepting requests."""
+        return self._thread is not None and self._thread.is_alive() and not self._stopping
+
+    @property
+    def dead_error(self) -> BaseException | None:
+        """Why the loop stopped unexpectedly (None while healthy or after a clean shutdown)."""
+        return self._dead
+
+    def start(self) -> None:
+        """Start the loop thread (idempotent)."""
+        if self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="jpaged-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still in flight fail with EngineDeadError."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread is None:  # never started: fail what was submitted
+            with self._cond:
+                cmds, self._cmds = self._cmds, []
+            self._close(cmds)
+        elif self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    # ------------------------------------------------------------------------ caller side
+    def _submit(self, cmd: _Add | _Abort) -> None:
+        with self._cond:
+            if self._stopping or self._dead is not None:
+                raise EngineDeadError("the engine loop is not running") from self._dead
+            self._cmds.append(cmd)
+            self._idle = False
+            self._cond.notify_all()
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0, queue: asyncio.Queue | None = None
+                          ) -> asyncio.Queue:
+        """Queue a request; returns the asyncio.Queue its outputs arrive on.
+
+        Raises what `LLMEngine.add_request` raises (ValueError for bad input). Several requests
+        may share one `queue`; items carry their `request_id`.
+        """
+        queue = asyncio.Queue() if queue is None else queue
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Add(request_id, prompt, params, priority,
+                          _Sink(asyncio.get_running_loop(), queue), done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self.abort(request_id)  # it may have been added after all
+            raise
+        return queue
+
+    async def generate(self, prompt: PromptType, params: SamplingParams,
+                       request_id: str | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
+        """Stream one request's outputs; leaving the loop early aborts the request."""
+        rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
+        queue = await self.add_request(rid, prompt, params, priority)
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    def abort(self, request_id: str | Sequence[str]) -> None:
+        """Abort requests from any thread; their KV blocks are freed on the loop thread."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if not ids:
+            return
+        try:
+            self._submit(_Abort(ids))
+        except EngineDeadError:
+            pass  # nothing runs any more
+
+    def get_metrics(self) -> dict[str, Any]:
+        """The engine's metrics as of the end of the latest loop iteration."""
+        return dict(self._metrics)
+
+    def wait_until_idle(self, timeout: float) -> bool:
+        """Block until no command is pending and the engine has no work; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._idle or self._stopping, timeout)
+
+    # ------------------------------------------------------------------------ loop thread
+    def _snapshot(self) -> dict[str, Any]:
+        m = dict(self.engine.get_metrics())
+        m["num_unfinished_requests"] = self.engine.get_num_unfinished_requests()
+        return m
+
+    def _run(self) -> None:
+        busy = False
+        try:
+            while True:
+                with self._cond:
+                    while not self._cmds and not self._stopping and not busy:
+                        self._idle = True
+                        self._cond.notify_all()
+                        self._cond.wait()
+                    if self._stopping:
+                        break
+                    cmds, self._cmds = self._cmds, []
+                for cmd in cmds:
+                    self._apply(cmd)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+                busy = self.engine.has_unfinished_requests()
+                self._metrics = self._snapshot()
+        except BaseException as e:  # a bug in this loop: stop accepting work, fail everyone
+            logger.exception("engine loop crashed")
+            self._dead = e
+        finally:
+            with self._cond:
+                self._stopping = True
+                cmds, self._cmds = self._cmds, []
+                self._cond.notify_all()
+            self._close(cmds)
+
+    def _apply(self, cmd: _Add | _Abort) -> None:
+        if isinstance(cmd, _Abort):
+            self.engine.abort_request(cmd.request_ids)
+            for rid in cmd.request_ids:
+                self._sinks.pop(rid, None)
+            return
+        if cmd.done.cancelled():
+            return
+        try:
+            self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
+                                    priority=cmd.priority)
+        except Exception as e:
+            cmd.done.set_exception(e)
+            return
+        self._sinks[cmd.request_id] = cmd.sink
+        cmd.done.set_result(None)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; failing %d request(s)", len(self._sinks))
+            self._fail_all(RequestFailedError(f"the engine failed: {type(e).__name__}: {e}"))
+            if self.engine.has_unfinished_requests():
+                raise EngineDeadError("the engine cannot recover after a failed step") from e
+            return
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is None:
+                continue
+            sink.put(out)
+            if out.finished:
+                del self._sinks[out.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        sinks, self._sinks = self._sinks, {}
+        try:
+            self.engine.abort_request(list(sinks))
+        except Exception:
+            logger.exception("abort after a failed step raised")
+        for sink in sinks.values():
+            sink.put(error)
+
+    def _close(self, pending: list[_Add | _Abort]) -> None:
+        error = EngineDeadError("the engine loop stopped")
+        for cmd in pending:
+            if isinstance(cmd, _Add) and not cmd.done.done():
+                cmd.done.set_exception(error)
+        self._fail_all(error)
+        try:
+            self._metrics = self._snapshot()
+        except Exception:
+            pass

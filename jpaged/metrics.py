@@ -1,0 +1,217 @@
+"""Engine metrics: per-step request timings, the periodic stats log line, Prometheus export.
+
+`StatLogger` is fed once per engine step (`LLMEngine.step` calls `on_step`); it keeps the
+time-to-first-token, inter-token and end-to-end latency histograms and logs vLLM's stats line
+every `interval` seconds. `build_registry` exposes every numeric `get_metrics()` key plus those
+histograms under `jpaged:` names in a fresh `CollectorRegistry` (one per server app).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import time
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+from jpaged.config import DEFAULT_LOG_STATS_INTERVAL
+
+logger = logging.getLogger("jpaged.metrics")
+
+MetricsFn = Callable[[], Mapping[str, Any]]
+
+PREFIX = "jpaged:"
+# vLLM's bucket edges (seconds).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+               10.0, 20.0, 40.0, 80.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+# get_metrics() key -> (exported name without prefix, "counter" | "gauge", help).
+# Counters are exposed with a `_total` suffix (prometheus_client adds it).
+KNOWN_METRICS: dict[str, tuple[str, str, str]] = {
+    "num_preemptions": ("num_preemptions", "counter", "Cumulative number of preemptions."),
+    "kv_cache_usage": ("kv_cache_usage_perc", "gauge",
+                       "KV-cache usage: fraction of usable blocks held by requests (1 = 100%)."),
+    "prefix_cache_queries": ("prefix_cache_queries", "counter",
+                             "Prompt tokens looked up in the prefix cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "counter",
+                          "Prompt tokens found in the prefix cache."),
+    "num_requests_running": ("num_requests_running", "gauge", "Requests in the running batch."),
+    "num_requests_waiting": ("num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
+    "prompt_tokens_total": ("prompt_tokens", "counter", "Prefill tokens processed."),
+    "generation_tokens_total": ("generation_tokens", "counter", "Generation tokens produced."),
+    "num_evictions": ("num_evictions", "counter", "Cached blocks evicted for reuse."),
+    "num_steps": ("num_steps", "counter", "Engine steps run."),
+    "num_requests_finished": ("num_requests_finished", "counter", "Requests finished."),
+    "num_requests_aborted": ("num_requests_aborted", "counter", "Requests aborted."),
+    "cache_access_total": ("cache_access", "counter", "Prefix-cache lookups (requests)."),
+    "num_blocks_total": ("num_blocks_usable", "gauge", "KV blocks in the pool (null excluded)."),
+    "num_blocks_free": ("num_blocks_free", "gauge", "KV blocks free (cached ones included)."),
+}
+
+
+# Cumulative get_metrics() keys of the KV tiers (jpaged/core/offload.py): exported as counters.
+TIER_COUNTERS = frozenset({
+    "offload_hits_blocks", "offload_hits_tokens", "offload_bytes_to_host",
+    "offload_bytes_to_device", "offload_dropped", "num_swapped_out", "num_swapped_in",
+    "num_swap_fallbacks", "disk_hits_blocks", "disk_bytes_written", "disk_bytes_read",
+    "disk_corrupt_skipped"})
+
+
+def _sanitize(name: str) -> str:
+    name = re.sub(r"[^a-zA-Z0-9_]", "_", name)
+    return name if not name[:1].isdigit() else f"_{name}"
+
+
+def _numeric(value: Any) -> float | None:
+    """A finite float for ints, floats and bools (and numpy scalars); None otherwise."""
+    if isinstance(value, bool):
+        return float(value)
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        return None
+    if isinstance(value, str) or not math.isfinite(f):
+        return None
+    return f
+
+
+def flatten_numeric(metrics: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[str, float]]:
+    """(key, value) for every numeric entry; nested mappings become `outer_inner` keys."""
+    for key, value in metrics.items():
+        full = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            yield from flatten_numeric(value, f"{full}_")
+            continue
+        f = _numeric(value)
+        if f is not None:
+            yield full, f
+
+
+def describe_metric(key: str) -> tuple[str, str, str]:
+    """(exported name without prefix, kind, help) of a get_metrics() key; unknown ones generic."""
+    if key in KNOWN_METRICS:
+        return KNOWN_METRICS[key]
+    name = _sanitize(key)
+    if key in TIER_COUNTERS:
+        return name, "counter", f"KV tier counter {key}."
+    if name.endswith("_total"):  # a cumulative count by naming convention
+        return name[: -len("_total")], "counter", f"Engine counter {key}."
+    return name, "gauge", f"Engine metric {key}."
+
+
+class StatLogger:
+    """Request timing histograms and the periodic "Avg prompt throughput ..." log line."""
+
+    def __init__(self, metrics_fn: MetricsFn, interval: float = DEFAULT_LOG_STATS_INTERVAL,
+                 log: bool = True, start: float | None = None) -> None:
+        from prometheus_client import Counter, Histogram
+
+        if not interval > 0:
+            raise ValueError(f"StatLogger.interval must be > 0 seconds, got {interval!r}")
+        self.metrics_fn = metrics_fn
+        self.interval = float(interval)
+        self.log_enabled = log
+        # Request -> time its latest token was sampled. Weak keys: aborted requests vanish.
+        self._last_token: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        # Unregistered metrics (registry=None): each server app's registry collects them.
+        self.time_to_first_token = Histogram(
+            f"{PREFIX}time_to_first_token_seconds", "Time to first token per sequence.",
+            buckets=TTFT_BUCKETS, registry=None)
+        self.inter_token_latency = Histogram(
+            f"{PREFIX}inter_token_latency_seconds", "Time between consecutive output tokens.",
+            buckets=ITL_BUCKETS, registry=None)
+        self.e2e_request_latency = Histogram(
+            f"{PREFIX}e2e_request_latency_seconds", "Arrival to last token per sequence.",
+            buckets=E2E_BUCKETS, registry=None)
+        self.request_success = Counter(
+            f"{PREFIX}request_success", "Finished sequences by finish reason.",
+            ["finished_reason"], registry=None)
+        self._last_log = time.monotonic() if start is None else start
+        self._last_prompt = 0.0
+        self._last_gen = 0.0
+
+    def prometheus_metrics(self) -> tuple[Any, ...]:
+        """The prometheus_client metric objects this logger fills."""
+        return (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
+                self.request_success)
+
+    def on_step(self, updated: Iterable[Any], now: float) -> None:
+        """Record one engine step: `updated` requests each got one token at time `now`."""
+        for req in updated:
+            prev = self._last_token.get(req)
+            if prev is None:
+                self.time_to_first_token.observe(max(0.0, now - req.arrival_time))
+            else:
+                self.inter_token_latency.observe(max(0.0, now - prev))
+            if req.is_finished():
+                self._last_token.pop(req, None)
+                self.e2e_request_latency.observe(max(0.0, now - req.arrival_time))
+                self.request_success.labels(req.finish_reason or "unknown").inc()
+            else:
+                self._last_token[req] = now
+        if self.log_enabled and now - self._last_log >= self.interval:
+            self.log(now)
+
+    def log(self, now: float | None = None) -> str:
+        """Log (INFO) and return the stats line for the time since the previous one."""
+        now = time.monotonic() if now is None else now
+        m = self.metrics_fn()
+        elapsed = max(now - self._last_log, 1e-9)
+        prompt = float(m.get("prompt_tokens_total", 0))
+        gen = float(m.get("generation_tokens_total", 0))
+        hit_rate = m.get("prefix_cache_hit_rate_recent", m.get("prefix_cache_hit_rate", 0.0))
+        line = (f"Avg prompt throughput: {(prompt - self._last_prompt) / elapsed:.1f} tokens/s, "
+                f"Avg generation throughput: {(gen - self._last_gen) / elapsed:.1f} tokens/s, "
+                f"Running: {int(m.get('num_requests_running', 0))} reqs, "
+                f"Waiting: {int(m.get('num_requests_waiting', 0))} reqs, "
+                f"KV cache usage: {100.0 * float(m.get('kv_cache_usage', 0.0)):.1f}%, "
+                f"Prefix cache hit rate: {100.0 * float(hit_rate or 0.0):.1f}%")
+        self._last_log, self._last_prompt, self._last_gen = now, prompt, gen
+        logger.info(line)
+        return line
+
+
+class _EngineCollector:
+    """Collects engine gauges/counters at scrape time, plus the StatLogger's histograms."""
+
+    def __init__(self, metrics_fn: MetricsFn, stat_logger: StatLogger | None) -> None:
+        self.metrics_fn = metrics_fn
+        self.stat_logger = stat_logger
+
+    def collect(self) -> Iterator[Any]:
+        """Yield one metric family per numeric engine metric, then the timing metrics."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        seen: set[str] = set()
+        for key, value in flatten_numeric(self.metrics_fn()):
+            name, kind, doc = describe_metric(key)
+            if name in seen:
+                continue
+            seen.add(name)
+            family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
+            yield family(f"{PREFIX}{name}", doc, value=value)
+        if self.stat_logger is not None:
+            for metric in self.stat_logger.prometheus_metrics():
+                yield from metric.collect()
+
+
+def build_registry(metrics_fn: MetricsFn, stat_logger: StatLogger | None = None) -> Any:
+    """A new prometheus CollectorRegistry exposing the engine's metrics under `jpaged:` names."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_EngineCollector(metrics_fn, stat_logger))
+    return registry
+
+
+def render(registry: Any) -> tuple[bytes, str]:
+    """(Prometheus text exposition, its content type) of a registry."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return generate_latest(registry), CONTENT_TYPE_LATEST

@@ -1,0 +1,132 @@
+"""Host-side output state of user requests: n children, detokenized text, stop strings,
+logprobs, and the RequestOutput each step hands back (full or DELTA)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jpaged.request import Request
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass
+class ChildState:
+    """Output state of one sequence (a child of a request with n > 1)."""
+
+    index: int
+    request: Request
+    text: str = ""
+    sent_text_len: int = 0  # chars of `text` already handed out (DELTA) or seen (stop search)
+    sent_tokens: int = 0  # output tokens already handed out (DELTA)
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] | None = None  # one entry per output token when asked
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestGroup:
+    """A user request: its prompt, parameters and n children."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    children: list[ChildState] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        """True once every child has a finish reason."""
+        return all(c.finish_reason is not None for c in self.children)
+
+
+def record_logprobs(group: RequestGroup, child: ChildState, row: int, result: Any,
+                    decode: Callable[[list[int]], str]) -> None:
+    """Add the sampled token of `row` of a StepResult to the child's logprobs."""
+    tok = int(result.token_ids[row])
+    lp = float(result.logprobs[row])
+    child.cumulative_logprob += lp
+    if child.logprobs is None:
+        return
+    entry = {tok: Logprob(lp, None, decode([tok]))}
+    for j in range(group.params.logprobs or 0):
+        cand = int(result.top_ids[row, j])
+        if cand == tok:
+            entry[tok].rank = j + 1
+        entry.setdefault(cand, Logprob(float(result.top_logprobs[row, j]), j + 1,
+                                       decode([cand])))
+    child.logprobs.append(entry)
+
+
+def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
+                 stop_request: Callable[[str], None]) -> None:
+    """Refresh a child's text after new tokens; a stop string found calls stop_request(id)."""
+    req = child.request
+    p = group.params
+    needs_text = bool(p.stop) or req.is_finished() or (
+        p.output_kind != RequestOutputKind.FINAL_ONLY)
+    if needs_text:
+        child.text = tokenizer.decode(req.output_token_ids,
+                                      skip_special_tokens=p.skip_special_tokens)
+    if p.stop and not req.is_finished():
+        _check_stop_strings(child, p, stop_request)
+    if req.is_finished() and child.finish_reason is None:
+        child.finish_reason = req.finish_reason
+        child.stop_reason = req.stop_reason
+        if p.stop and child.stop_reason is None:
+            _check_stop_strings(child, p, None)
+
+
+def _check_stop_strings(child: ChildState, p: SamplingParams,
+                        stop_request: Callable[[str], None] | None) -> None:
+    # stop_request None: the request already finished; search the whole text once.
+    # Otherwise only the tail can hold a stop string that was not there at the previous step.
+    window = max(len(s) for s in p.stop) + 16
+    start = max(0, child.sent_text_len - window) if stop_request is not None else 0
+    best = None
+    for s in p.stop:
+        k = child.text.find(s, start)
+        if k >= 0 and (best is None or k < best[0]):
+            best = (k, s)
+    if best is None:
+        return
+    k, s = best
+    child.text = child.text[: k + len(s)] if p.include_stop_str_in_output else child.text[:k]
+    if stop_request is not None:
+        stop_request(child.request.request_id)
+    child.finish_reason = "stop"
+    child.stop_reason = s
+
+
+def make_output(group: RequestGroup) -> RequestOutput | None:
+    """The RequestOutput for this step (None while a FINAL_ONLY request runs)."""
+    kind = group.params.output_kind
+    if kind == RequestOutputKind.FINAL_ONLY and not group.finished:
+        return None
+    outs = []
+    for c in group.children:
+        ids = list(c.request.output_token_ids)
+        text = c.text
+        lps = c.logprobs
+        if kind == RequestOutputKind.DELTA:
+            # Hold back a trailing partial UTF-8 character until it completes.
+            safe = len(text) if c.finish_reason else len(text.rstrip("\ufffd"))
+            text, c.sent_text_len = text[c.sent_text_len:safe], max(c.sent_text_len, safe)
+            ids, c.sent_tokens = ids[c.sent_tokens:], len(ids)
+            lps = lps[len(lps) - len(ids):] if lps is not None else None
+        else:
+            c.sent_text_len = len(text)
+        outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob,
+                                     list(lps) if lps is not None else None,
+                                     c.finish_reason, c.stop_reason))
+    metrics = {"arrival_time": group.arrival_time}
+    if group.first_token_time is not None:
+        metrics["first_token_time"] = group.first_token_time
+    return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
+                         group.finished, metrics,
+                         num_cached_tokens=group.children[0].request.num_cached_tokens)

@@ -1,0 +1,209 @@
+"""The FastAPI app (OpenAI-compatible routes, /health, /metrics) and uvicorn runners."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import socket
+import threading
+import time
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.types import Send
+
+from jpaged.async_engine import AsyncLLMEngine, EngineDeadError
+from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
+from jpaged.engine import LLMEngine
+from jpaged.metrics import build_registry, render
+from jpaged.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    error_body,
+)
+from jpaged.server.serving import EventStream, Serving
+
+logger = logging.getLogger("jpaged.server")
+
+
+class _EventStreamResponse(StreamingResponse):
+    """text/event-stream whose generator is closed (and requests aborted) however it ends."""
+
+    def __init__(self, stream: EventStream) -> None:
+        super().__init__(stream.events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._stream = stream
+
+    async def stream_response(self, send: Send) -> None:
+        """Send the events; on a disconnect (cancellation) close the generator and abort."""
+        try:
+            await super().stream_response(send)
+        finally:
+            self._stream.close()  # synchronous, so it runs even while being cancelled
+            await self._stream.events.aclose()  # type: ignore[attr-defined]
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    """One line naming each bad field (its first error only), and the first field's name."""
+    parts: dict[str, str] = {}
+    for err in exc.errors():
+        if err.get("type") == "json_invalid":
+            detail = (err.get("ctx") or {}).get("error", "")
+            return f"the request body is not valid JSON ({detail})", None
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        parts.setdefault(loc[0] if loc else "body",
+                         f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
+    param = next((k for k in parts if k != "body"), None)
+    return "; ".join(parts.values()) or "invalid request body", param
+
+
+def default_model_name(engine: LLMEngine) -> str:
+    """The name a model is served under when none is given: its file or directory name."""
+    name = Path(engine.loaded.source).name
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str | None = None,
+              api_key: str | None = None) -> FastAPI:
+    """An OpenAI-compatible FastAPI app over `engine` (an LLMEngine is run and owned by it)."""
+    owned = isinstance(engine, LLMEngine)
+    aengine = AsyncLLMEngine(engine) if owned else engine
+    aengine.start()
+    name = served_model_name or default_model_name(aengine.engine)
+    serving = Serving(aengine, name)
+    registry = build_registry(aengine.get_metrics, aengine.engine.stat_logger)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> Any:
+        yield
+        if owned:
+            aengine.shutdown()
+
+    app = FastAPI(title="jpaged", summary="OpenAI-compatible server of the jpaged engine",
+                  lifespan=lifespan)
+    app.state.engine = aengine
+    app.state.served_model_name = name
+
+    @app.exception_handler(OpenAIError)
+    async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        msg, param = _validation_message(exc)
+        return JSONResponse(error_body(msg, param=param), status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "server_error", code=503), status_code=503)
+
+    async def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise OpenAIError(401, "Incorrect or missing API key (Authorization: Bearer KEY)",
+                              "authentication_error", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+
+    def respond(result: dict[str, Any] | EventStream | None) -> Response:
+        if result is None:  # the client disconnected; its requests were aborted
+            return Response(status_code=499)
+        if isinstance(result, EventStream):
+            return _EventStreamResponse(result)
+        return JSONResponse(result)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        """OpenAI completions: prompt(s) in, text out (stream=true: server-sent events)."""
+        return respond(await serving.completion(body, request))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        """OpenAI chat completions over the model's chat template."""
+        return respond(await serving.chat(body, request))
+
+    @v1.get("/models")
+    async def models() -> dict[str, Any]:
+        """The one served model."""
+        return {"object": "list", "data": [{
+            "id": name, "object": "model", "created": created, "owned_by": "jpaged",
+            "root": aengine.engine.loaded.source,
+            "max_model_len": aengine.engine.config.scheduler.max_model_len}]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine loop runs, else 503."""
+        if aengine.is_running:
+            return Response(status_code=200)
+        return JSONResponse(error_body("the engine loop is not running", "server_error",
+                                       code=503), status_code=503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text exposition of the engine metrics (`jpaged:` names)."""
+        body, content_type = render(registry)
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+def run_server(engine: LLMEngine | AsyncLLMEngine, host: str = DEFAULT_HOST,
+               port: int = DEFAULT_PORT, api_key: str | None = None,
+               served_model_name: str | None = None, log_level: str = "info") -> None:
+    """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking)."""
+    app = build_app(engine, served_model_name, api_key)
+    logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
+                            timeout_graceful_shutdown=5)
+    uvicorn.Server(config).run()
+
+
+class BackgroundServer:
+    """A uvicorn server on a daemon thread (tests, notebooks); port 0 picks a free port."""
+
+    def __init__(self, app: FastAPI, host: str = DEFAULT_HOST, port: int = 0,
+                 log_level: str = "warning", start_timeout: float = 30.0) -> None:
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self.host, self.port = host, self._sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level=log_level,
+                                                    timeout_graceful_shutdown=2))
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self._sock]},
+                                        name="jpaged-uvicorn", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + start_timeout
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"uvicorn did not start on {host}:{self.port}")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        """Base URL, e.g. http://127.0.0.1:41234."""
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Ask uvicorn to exit (running the app's shutdown) and wait for it."""
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self._sock.close()

@@ -1,0 +1,207 @@
+"""OpenAI request bodies (pydantic), their SamplingParams, and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
+
+
+class OpenAIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}`."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = (
+            status, message, type_, param, code)
+
+    def body(self) -> dict[str, Any]:
+        """The JSON body OpenAI clients expect."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    """OpenAI's error object."""
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+_FIELD_RE = re.compile(r"SamplingParams\.(\w+)")
+
+
+def bad_value(e: ValueError, default_param: str | None = None) -> OpenAIError:
+    """A 400 for a ValueError from SamplingParams or the engine; `param` names the field."""
+    msg = str(e)
+    m = _FIELD_RE.search(msg)
+    return OpenAIError(400, msg, param=m.group(1) if m else default_param)
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: whether a final chunk carries usage."""
+
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extra sampling parameters.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: int = 0
+
+    def _unsupported(self) -> None:
+        if self.logit_bias:
+            raise OpenAIError(400, "logit_bias is not supported by this server",
+                              param="logit_bias")
+        if self.stream_options is not None and not self.stream:
+            raise OpenAIError(400, "stream_options is only allowed when stream is true",
+                              param="stream_options")
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """SamplingParams for this request; a bad value raises OpenAIError(400) naming it."""
+        self._unsupported()
+        kw: dict[str, Any] = dict(
+            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=-1 if self.top_k is None else self.top_k,
+            min_p=0.0 if self.min_p is None else self.min_p,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=(1.0 if self.repetition_penalty is None
+                                else self.repetition_penalty),
+            seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise bad_value(e) from None
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed response ends with a usage chunk."""
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingRequest):
+    """Body of POST /v1/completions."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def prompts(self) -> list[str | dict[str, Any]]:
+        """The engine prompts: one per string or token-id list."""
+        p = self.prompt
+        if isinstance(p, str):
+            out: list[Any] = [p]
+        elif not p:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        elif isinstance(p[0], int):
+            out = [{"prompt_token_ids": list(p)}]
+        elif isinstance(p[0], str):
+            out = list(p)
+        else:
+            out = [{"prompt_token_ids": list(ids)} for ids in p]
+        for x in out:
+            if x == "" or (isinstance(x, dict) and not x["prompt_token_ids"]):
+                raise OpenAIError(400, "prompt is empty", param="prompt")
+        return out
+
+    def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams of this completion request."""
+        if self.suffix:
+            raise OpenAIError(400, "suffix is not supported by this server", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise OpenAIError(400, "best_of different from n is not supported", param="best_of")
+        if self.echo and self.logprobs is not None:
+            raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported",
+                              param="echo")
+        return self.sampling_params(self.max_tokens, self.logprobs)
+
+
+class ChatMessage(BaseModel):
+    """One chat message; content is a string or a list of text parts."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        """The message content as plain text (text parts joined)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        parts = []
+        for part in self.content:
+            if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise OpenAIError(400, "only text content parts are supported, got type "
+                                  f"{part.get('type')!r}", param="messages")
+            parts.append(part["text"])
+        return "".join(parts)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """Body of POST /v1/chat/completions."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages as {"role", "content"} dicts for the chat template."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def to_sampling_params(self) -> SamplingParams:
+        """SamplingParams of this chat request."""
+        if self.tools:
+            raise OpenAIError(400, "tools are not supported by this server", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise OpenAIError(400, "only response_format type 'text' is supported",
+                              param="response_format")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
+        max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
+                      else self.max_tokens)
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)
+

@@ -1,0 +1,320 @@
+"""The two generation endpoints: requests in, OpenAI responses or server-sent events out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import jinja2
+from starlette.requests import Request as HTTPRequest
+
+from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jpaged.sampling_params import SamplingParams
+from jpaged.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    bad_value,
+    error_body,
+)
+
+T = TypeVar("T")
+DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class EventStream:
+    """A server-sent event stream and the abort to run however it ends (even unstarted)."""
+
+    events: AsyncIterator[str]
+    close: Callable[[], None]
+
+
+def sse(obj: dict[str, Any]) -> str:
+    """One server-sent event in OpenAI's framing."""
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+class _Batch:
+    """The engine requests behind one HTTP request (one per prompt), on one shared queue."""
+
+    def __init__(self, engine: AsyncLLMEngine, base_id: str, params: SamplingParams,
+                 priority: int) -> None:
+        self.engine, self.base_id, self.params, self.priority = engine, base_id, params, priority
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.index: dict[str, int] = {}  # engine request id -> prompt index
+        self.pending: set[str] = set()  # added and not finished: aborted by close()
+        self.prompt_tokens: dict[int, int] = {}
+        self.cached_tokens = 0
+        self.completion_tokens = 0
+
+    async def start(self, prompts: list[Any], param: str) -> None:
+        """Add every prompt; a bad one aborts those already added and raises OpenAIError."""
+        try:
+            for i, prompt in enumerate(prompts):
+                rid = f"{self.base_id}-{i}"
+                self.pending.add(rid)
+                self.index[rid] = i
+                await self.engine.add_request(rid, prompt, self.params, self.priority,
+                                              queue=self.queue)
+        except ValueError as e:
+            self.close()
+            raise bad_value(e, param) from None
+        except BaseException:
+            self.close()
+            raise
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(prompt index, output) until every request finished; engine failures raise."""
+        while self.pending:
+            item = await self.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            i = self.index[item.request_id]
+            if i not in self.prompt_tokens:
+                self.prompt_tokens[i] = len(item.prompt_token_ids)
+                self.cached_tokens += item.num_cached_tokens
+            self.completion_tokens += sum(len(c.token_ids) for c in item.outputs)
+            if item.finished:
+                self.pending.discard(item.request_id)
+            yield i, item
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI usage counts (prompt tokens once per prompt, all completion tokens)."""
+        prompt = sum(self.prompt_tokens.values())
+        return {"prompt_tokens": prompt, "completion_tokens": self.completion_tokens,
+                "total_tokens": prompt + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def close(self) -> None:
+        """Abort whatever has not finished (synchronous: safe in a generator's cleanup)."""
+        if self.pending:
+            self.engine.abort(sorted(self.pending))
+            self.pending.clear()
+
+
+async def until_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T | None:
+    """Await `work`, cancelling it (None) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if watcher.cancelled() or not watcher.done():
+            raise
+        return None
+
+
+def _stream_error(e: BaseException) -> dict[str, Any]:
+    if isinstance(e, OpenAIError):
+        return e.body()
+    return error_body(str(e), "server_error", code=503 if isinstance(e, EngineDeadError) else 500)
+
+
+# ------------------------------------------------------------------------------ logprobs
+def _token_text(lp: Logprob, tok: int, tokenizer: Any) -> str:
+    return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tok], False)
+
+
+def completion_logprobs(c: CompletionOutput, tokenizer: Any, offset: int) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object for the tokens of `c`, text starting at offset."""
+    if c.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
+        s = _token_text(entry[tok], tok, tokenizer)
+        tokens.append(s)
+        token_lps.append(entry[tok].logprob)
+        tops.append({_token_text(lp, t, tokenizer): lp.logprob for t, lp in entry.items()})
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
+            "text_offset": offsets}
+
+
+def chat_logprobs(c: CompletionOutput, tokenizer: Any) -> dict[str, Any] | None:
+    """The chat `logprobs` object ({"content": [...]}) for the tokens of `c`."""
+    if c.logprobs is None:
+        return None
+
+    def item(t: int, lp: Logprob) -> dict[str, Any]:
+        s = _token_text(lp, t, tokenizer)
+        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8"))}
+
+    content = []
+    for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
+        top = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank is not None)
+        content.append({**item(tok, entry[tok]), "top_logprobs": [item(t, lp)
+                                                                  for _, t, lp in top]})
+    return {"content": content}
+
+
+# ------------------------------------------------------------------------------ completions
+class Serving:
+    """Handlers of /v1/completions and /v1/chat/completions over one AsyncLLMEngine."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def check_model(self, model: str | None) -> None:
+        """404 unless `model` is absent or the served model name."""
+        if model is not None and model != self.model_name:
+            raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
+                              code="model_not_found")
+
+    async def completion(self, req: CompletionRequest, http: HTTPRequest
+                         ) -> dict[str, Any] | EventStream | None:
+        """A completion response dict, an SSE stream, or None if the client went away."""
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompts = req.prompts()
+        batch = _Batch(self.engine, f"cmpl-{uuid.uuid4().hex}", params, req.priority)
+        await batch.start(prompts, "prompt")
+        tok = self.engine.tokenizer
+        echo = [p if isinstance(p, str) else tok.decode(p["prompt_token_ids"], False)
+                for p in prompts] if req.echo else None
+        head = {"id": batch.base_id, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        if req.stream:
+            return EventStream(self._stream_completion(batch, head, echo, req.include_usage),
+                               batch.close)
+        return await until_disconnected(http, self._full_completion(batch, head, echo))
+
+    async def _full_completion(self, batch: _Batch, head: dict[str, Any],
+                               echo: list[str] | None) -> dict[str, Any]:
+        n = batch.params.n
+        choices: list[dict[str, Any]] = []
+        try:
+            async for i, out in batch.outputs():
+                for c in out.outputs:
+                    prefix = echo[i] if echo else ""
+                    choices.append({"index": i * n + c.index, "text": prefix + c.text,
+                                    "logprobs": completion_logprobs(c, self.engine.tokenizer,
+                                                                    len(prefix)),
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+        finally:
+            batch.close()
+        choices.sort(key=lambda ch: ch["index"])
+        return {**head, "choices": choices, "usage": batch.usage()}
+
+    async def _stream_completion(self, batch: _Batch, head: dict[str, Any],
+                                 echo: list[str] | None, include_usage: bool
+                                 ) -> AsyncIterator[str]:
+        n = batch.params.n
+        offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        try:
+            async for i, out in batch.outputs():
+                for c in out.outputs:
+                    idx = i * n + c.index
+                    text = c.text
+                    if idx not in offsets:
+                        offsets[idx] = 0
+                        text = (echo[i] if echo else "") + text
+                    lps = completion_logprobs(c, self.engine.tokenizer,
+                                              offsets[idx] + len(text) - len(c.text))
+                    if not text and c.finish_reason is None and not (lps and c.token_ids):
+                        continue  # a token held back (incomplete UTF-8 character)
+                    offsets[idx] += len(text)
+                    chunk = {**head, "choices": [{
+                        "index": idx, "text": text, "logprobs": lps,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                    if include_usage:
+                        chunk["usage"] = None
+                    yield sse(chunk)
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": batch.usage()})
+        except (OpenAIError, RequestFailedError, EngineDeadError) as e:
+            yield sse(_stream_error(e))
+        finally:
+            batch.close()
+        yield DONE
+
+    # -------------------------------------------------------------------------- chat
+    def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+        if not tok.has_chat_template:
+            raise OpenAIError(400, "this model has no chat template; use /v1/completions",
+                              param="messages")
+        try:
+            text = tok.apply_chat_template(req.conversation(),
+                                           add_generation_prompt=req.add_generation_prompt)
+        except jinja2.TemplateError as e:
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}",
+                              param="messages") from None
+        # The template holds the special tokens already: no second BOS.
+        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+    async def chat(self, req: ChatCompletionRequest, http: HTTPRequest
+                   ) -> dict[str, Any] | EventStream | None:
+        """A chat completion dict, an SSE stream, or None if the client went away."""
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        prompt = self._chat_prompt(req)
+        batch = _Batch(self.engine, f"chatcmpl-{uuid.uuid4().hex}", params, req.priority)
+        await batch.start([prompt], "messages")
+        head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
+        if req.stream:
+            return EventStream(self._stream_chat(batch, head, req.include_usage), batch.close)
+        return await until_disconnected(http, self._full_chat(batch, head))
+
+    async def _full_chat(self, batch: _Batch, head: dict[str, Any]) -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        try:
+            async for _, out in batch.outputs():
+                for c in out.outputs:
+                    choices.append({"index": c.index,
+                                    "message": {"role": "assistant", "content": c.text},
+                                    "logprobs": chat_logprobs(c, self.engine.tokenizer),
+                                    "finish_reason": c.finish_reason,
+                                    "stop_reason": c.stop_reason})
+        finally:
+            batch.close()
+        choices.sort(key=lambda ch: ch["index"])
+        return {**head, "object": "chat.completion", "choices": choices, "usage": batch.usage()}
+
+    async def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool
+                           ) -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk"}
+        extra = {"usage": None} if include_usage else {}
+        try:
+            for i in range(batch.params.n):  # the role comes first, before any token
+                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                      "content": ""},
+                                                "logprobs": None, "finish_reason": None}],
+                           **extra})
+            async for _, out in batch.outputs():
+                for c in out.outputs:
+                    lps = chat_logprobs(c, self.engine.tokenizer)
+                    if not c.text and c.finish_reason is None and not (lps and c.token_ids):
+                        continue
+                    delta = {"content": c.text} if c.text else {}
+                    yield sse({**head, "choices": [{"index": c.index, "delta": delta,
+                                                    "logprobs": lps,
+                                                    "finish_reason": c.finish_reason,
+                                                    "stop_reason": c.stop_reason}], **extra})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": batch.usage()})
+        except (OpenAIError, RequestFailedError, EngineDeadError) as e:
+            yield sse(_stream_error(e))
+        finally:
+            batch.close()
+        yield DONE

@@ -1,0 +1,108 @@
+"""AsyncLLMEngine: streaming, early exit aborts, a failing step fails only its requests,
+shutdown fails what is in flight."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from helpers import tiny
+from serverkit import ENGINE_ARGS
+
+from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
+
+DELTA = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                       output_kind=RequestOutputKind.DELTA)
+
+
+async def _collect(engine: AsyncLLMEngine, prompt: str, params: SamplingParams) -> list:
+    return [out async for out in engine.generate(prompt, params)]
+
+
+def test_generate_streams_deltas_that_add_up(served):
+    engine = served.engine
+    outs = asyncio.run(_collect(engine, "async hello", DELTA))
+    assert len(outs) > 1 and outs[-1].finished and not any(o.finished for o in outs[:-1])
+    final = asyncio.run(_collect(engine, "async hello", DELTA.clone(
+        output_kind=RequestOutputKind.FINAL_ONLY)))
+    assert len(final) == 1
+    assert "".join(o.outputs[0].text for o in outs) == final[0].outputs[0].text
+    assert sum(len(o.outputs[0].token_ids) for o in outs) == 10
+
+
+def test_leaving_early_aborts_and_frees(served):
+    engine = served.engine
+    aborted0 = engine.engine.stats["num_requests_aborted"]
+
+    async def two_then_leave() -> int:
+        n = 0
+        async for _ in engine.generate("leave early", DELTA.clone(max_tokens=100)):
+            n += 1
+            if n == 2:
+                break
+        return n
+
+    assert asyncio.run(two_then_leave()) == 2
+    m = served.wait_drained(timeout=30)
+    assert engine.engine.stats["num_requests_aborted"] == aborted0 + 1
+    assert m["kv_cache_usage"] == 0.0
+
+
+def test_bad_request_raises_value_error_and_adds_nothing(served):
+    with pytest.raises(ValueError, match="max_model_len"):
+        asyncio.run(_collect(served.engine, "x" * 500, DELTA))
+    assert served.engine.get_metrics()["num_unfinished_requests"] == 0
+
+
+def test_failing_step_fails_its_requests_and_the_loop_goes_on(served):
+    engine = served.engine
+    core = engine.engine
+    real_step = core.step
+    calls = {"n": 0}
+
+    def flaky_step():
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected device failure")
+        return real_step()
+
+    async def run() -> list:
+        return await asyncio.gather(
+            *(_collect(engine, f"victim {i}", DELTA.clone(max_tokens=50)) for i in range(3)),
+            return_exceptions=True)
+
+    core.step = flaky_step  # instance attribute: the loop thread calls this one
+    try:
+        results = asyncio.run(run())
+    finally:
+        del core.step
+    assert all(isinstance(r, RequestFailedError) for r in results), results
+    assert "injected device failure" in str(results[0])
+    served.wait_drained(timeout=30)
+    assert engine.is_running
+    outs = asyncio.run(_collect(engine, "after the failure", DELTA))
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length"
+
+
+def test_shutdown_fails_requests_in_flight():
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=tiny()))
+
+    async def run() -> BaseException | None:
+        try:
+            async for _ in engine.generate("shut down", DELTA.clone(max_tokens=100)):
+                await asyncio.to_thread(engine.shutdown)
+        except EngineDeadError as e:
+            return e
+        return None
+
+    assert isinstance(asyncio.run(run()), EngineDeadError)
+    assert not engine.is_running and engine.dead_error is None  # a clean stop, not a crash
+    assert not engine.engine.has_unfinished_requests()
+    with pytest.raises(EngineDeadError):
+        asyncio.run(_collect(engine, "too late", DELTA))
+    unstarted = AsyncLLMEngine(engine.engine, start=False)
+    unstarted.shutdown()
+    assert not unstarted.is_running

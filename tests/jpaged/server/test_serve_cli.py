@@ -1,0 +1,62 @@
+"""`jpaged serve` as a user starts it: a subprocess bound to 127.0.0.1, stopped with Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+from helpers import tiny_model_dir
+from typer.testing import CliRunner
+
+from jpaged.cli import app
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_subprocess_binds_localhost_and_stops_on_sigint():
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jpaged.cli", "serve", "--model", str(tiny_model_dir()),
+         "--port", str(port), "--api-key", "k3y", "--served-model-name", "srv",
+         "--max-model-len", "64", "--num-gpu-blocks-override", "16"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, proc.communicate()[1]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.25)
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/models",
+                      headers={"Authorization": "Bearer k3y"})
+        assert [m["id"] for m in r.json()["data"]] == ["srv"]
+        assert r.json()["data"][0]["max_model_len"] == 64
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert f"http://127.0.0.1:{port}" in err  # the default host
+
+
+def test_serve_help_lists_server_and_engine_flags():
+    r = CliRunner().invoke(app, ["serve", "--help"], env={**os.environ, "COLUMNS": "200"})
+    assert r.exit_code == 0
+    for flag in ("--host", "--port", "--api-key", "--served-model-name", "--disable-log-stats",
+                 "--gpu-memory-utilization", "--block-size", "--enable-prefix-caching",
+                 "--kv-cache-dtype", "--max-num-seqs", "--max-model-len",
+                 "--tensor-parallel-size", "--preemption-mode"):
+        assert flag in r.stdout, flag

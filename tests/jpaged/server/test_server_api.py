@@ -1,0 +1,185 @@
+"""The OpenAI-compatible API through the official `openai` client against a real uvicorn server."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+from serverkit import MODEL
+
+from jpaged.server import BackgroundServer, build_app
+
+GREEDY = dict(model=MODEL, temperature=0, max_tokens=12, extra_body={"ignore_eos": True})
+
+
+def test_completion_stream_equals_full_text_and_usage(served):
+    client = served.client()
+    prompt = "The paged KV cache"
+    full = client.completions.create(prompt=prompt, **GREEDY)
+    assert full.object == "text_completion" and full.model == MODEL
+    choice = full.choices[0]
+    assert choice.finish_reason == "length" and choice.text
+    n_prompt = len(served.engine.tokenizer.encode(prompt))
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (n_prompt, 12)
+    assert full.usage.total_tokens == n_prompt + 12
+
+    chunks = list(client.completions.create(prompt=prompt, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 1  # it streamed
+    assert "".join(c.choices[0].text for c in text_chunks) == choice.text
+    assert [c.choices[0].finish_reason for c in text_chunks][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert chunks[-1].usage.prompt_tokens == n_prompt
+
+
+def test_completion_prompt_list_token_ids_n_and_echo(served):
+    client = served.client()
+    ids = served.engine.tokenizer.encode("token ids", add_special_tokens=False)
+    out = client.completions.create(model=MODEL, prompt=["first", "second"], n=2, max_tokens=5,
+                                    temperature=0.9, seed=7, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    assert out.usage.completion_tokens == 20
+    tok = served.engine.tokenizer
+    assert out.usage.prompt_tokens == len(tok.encode("first")) + len(tok.encode("second"))
+    again = client.completions.create(model=MODEL, prompt=["first", "second"], n=2,
+                                      max_tokens=5, temperature=0.9, seed=7,
+                                      extra_body={"ignore_eos": True})
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]  # seeded
+    by_ids = client.completions.create(prompt=ids, echo=True, **GREEDY)
+    assert by_ids.choices[0].text.startswith("token ids")
+    assert by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_completion_logprobs(served):
+    out = served.client().completions.create(prompt="log probs", logprobs=2, **GREEDY)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 12
+    # Offsets advance by each token's own text (a byte token alone may decode to U+FFFD).
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(12)]
+    for tok, val, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        # Keys are token texts: distinct byte tokens decoding to U+FFFD share one key.
+        assert val <= 0.0 and 1 <= len(top) <= 3 and tok in top
+
+
+def test_chat_stream_equals_full_reply(served):
+    client = served.client()
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
+    full = client.chat.completions.create(messages=msgs, **GREEDY)
+    assert full.object == "chat.completion"
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and msg.content and full.choices[0].finish_reason == "length"
+    prompt = served.engine.tokenizer.apply_chat_template(msgs)
+    n_prompt = len(served.engine.tokenizer.encode(prompt, add_special_tokens=False))
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (n_prompt, 12)
+
+    chunks = list(client.chat.completions.create(messages=msgs, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 **GREEDY))
+    assert all(c.object == "chat.completion.chunk" for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    body = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].delta.content or "" for c in body) == msg.content
+    assert body[-1].choices[0].finish_reason == "length"
+    assert chunks[-1].usage.completion_tokens == 12 and chunks[-1].usage.prompt_tokens == n_prompt
+
+    lp = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=2, **GREEDY)
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 12 and all(len(c.top_logprobs) == 2 for c in content)
+    assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-5)
+
+
+def _post(url: str, path: str, **kw) -> httpx.Response:
+    return httpx.post(f"{url}{path}", timeout=60, **kw)
+
+
+@pytest.mark.parametrize("path,body,status,param", [
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 5}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * 300}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [5, 99999]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL}, 422, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 422, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 422,
+     "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 422, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 422,
+     "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     400, "messages"),
+])
+def test_bad_requests_get_openai_errors(served, path, body, status, param):
+    r = _post(served.url, path, json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    assert served.engine.get_metrics()["num_unfinished_requests"] == 0
+
+
+def test_malformed_json_and_unknown_route_then_still_serving(served):
+    r = _post(served.url, "/v1/completions", content=b"{not json",
+              headers={"content-type": "application/json"})
+    assert r.status_code == 422 and "JSON" in r.json()["error"]["message"]
+    r = _post(served.url, "/v1/nothing-here", json={})
+    assert r.status_code == 404 and r.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        served.client().completions.create(model=MODEL, prompt="x", top_p=3)
+    assert e.value.body["param"] == "top_p"
+    ok = served.client().completions.create(model=MODEL, prompt="still", max_tokens=2)
+    assert ok.choices[0].text is not None
+    assert httpx.get(f"{served.url}/health").status_code == 200
+
+
+def test_api_key(served):
+    server = BackgroundServer(build_app(served.engine, MODEL, api_key="sekrit"))
+    try:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            r = httpx.get(f"{server.url}/v1/models", headers=headers)
+            assert r.status_code == 401
+            assert r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong",
+                          max_retries=0).completions.create(model=MODEL, prompt="x")
+        good = openai.OpenAI(base_url=f"{server.url}/v1", api_key="sekrit", max_retries=0)
+        assert [m.id for m in good.models.list()] == [MODEL]
+        assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).choices
+        assert httpx.get(f"{server.url}/health").status_code == 200  # open, as vLLM's
+        assert httpx.get(f"{server.url}/metrics").status_code == 200
+    finally:
+        server.stop()
+    assert served.engine.is_running  # the app does not own (or stop) a shared engine
+
+
+def test_models_health_and_metrics(served):
+    models = served.client().models.list()
+    assert [m.id for m in models] == [MODEL]
+    assert httpx.get(f"{served.url}/health").status_code == 200
+    before = served.metrics()
+    served.client().completions.create(prompt="count me", **GREEDY)
+    m = served.metrics()
+    for name in ("jpaged:num_preemptions_total", "jpaged:kv_cache_usage_perc",
+                 "jpaged:prefix_cache_queries_total", "jpaged:prefix_cache_hits_total",
+                 "jpaged:num_requests_running", "jpaged:num_requests_waiting",
+                 "jpaged:prompt_tokens_total", "jpaged:generation_tokens_total",
+                 "jpaged:time_to_first_token_seconds_count",
+                 "jpaged:inter_token_latency_seconds_count",
+                 "jpaged:e2e_request_latency_seconds_count", "jpaged:request_success_total",
+                 "jpaged:num_blocks_usable"):
+        assert name in m, name
+    assert m["jpaged:generation_tokens_total"] - before["jpaged:generation_tokens_total"] == 12
+    assert m["jpaged:prompt_tokens_total"] > before["jpaged:prompt_tokens_total"]
+    assert m["jpaged:time_to_first_token_seconds_count"] == (
+        before["jpaged:time_to_first_token_seconds_count"] + 1)
+    assert m["jpaged:inter_token_latency_seconds_count"] == (
+        before["jpaged:inter_token_latency_seconds_count"] + 11)
+    assert m["jpaged:e2e_request_latency_seconds_sum"] > 0
+    assert 0.0 <= m["jpaged:kv_cache_usage_perc"] <= 1.0
+    assert m["jpaged:num_requests_running"] == 0 and m["jpaged:num_preemptions_total"] == 0
+    assert m["jpaged:num_blocks_usable"] == 159

@@ -1,0 +1,85 @@
+"""Many concurrent streams through one engine loop; clients that go away get their requests
+aborted and their KV blocks freed."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from serverkit import MODEL
+
+NUM_STREAMS = 36
+DROP_EVERY = 4  # streams 0, 4, 8, ... close their connection after 3 chunks
+LONG = 100  # a dropped stream would run this many tokens if nobody aborted it
+SHORT = 16
+
+
+async def _one(client, i: int) -> tuple[str, int, str | None, str]:
+    drop = i % DROP_EVERY == 0
+    stream = await client.completions.create(
+        model=MODEL, prompt=f"stream number {i}:", max_tokens=LONG if drop else SHORT,
+        temperature=0.8, seed=i, stream=True, extra_body={"ignore_eos": True})
+    chunks, finish, text = 0, None, ""
+    async for chunk in stream:
+        chunks += 1
+        text += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+        if drop and chunks == 3:
+            await stream.close()  # the HTTP connection goes away mid-stream
+            return "dropped", chunks, finish, text
+    return "done", chunks, finish, text
+
+
+def test_concurrent_streams_with_dropped_clients(served):
+    stats0 = served.engine.engine.stats.copy()
+    gen0 = served.engine.get_metrics()["generation_tokens_total"]
+
+    async def run() -> list:
+        client = served.async_client()
+        try:
+            return await asyncio.gather(*(_one(client, i) for i in range(NUM_STREAMS)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    dropped = [r for r in results if r[0] == "dropped"]
+    done = [r for r in results if r[0] == "done"]
+    assert len(dropped) == NUM_STREAMS // DROP_EVERY and len(done) == NUM_STREAMS - len(dropped)
+    assert all(r[2] == "length" for r in done)
+
+    m = served.wait_drained(timeout=60)
+    assert m["num_requests_running"] == 0 and m["num_requests_waiting"] == 0
+    assert m["kv_cache_usage"] == 0.0
+    assert not served.engine.engine.has_unfinished_requests()
+    stats = served.engine.engine.stats
+    assert stats["num_requests_aborted"] - stats0["num_requests_aborted"] == len(dropped)
+    assert stats["num_requests_finished"] - stats0["num_requests_finished"] == len(done)
+    # The dropped requests stopped early: far fewer tokens than LONG each.
+    generated = m["generation_tokens_total"] - gen0
+    assert len(done) * SHORT <= generated < len(done) * SHORT + len(dropped) * LONG // 2
+    assert served.metrics()["jpaged:kv_cache_usage_perc"] == 0.0
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "prompt": "slow", "max_tokens": LONG,
+                         "ignore_eos": True}),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": LONG, "ignore_eos": True,
+                              "messages": [{"role": "user", "content": "slow"}]}),
+])
+def test_non_streaming_client_that_disconnects_is_aborted(served, path, body):
+    aborted0 = served.engine.engine.stats["num_requests_aborted"]
+
+    async def give_up() -> None:
+        async with httpx.AsyncClient(base_url=served.url) as client:
+            task = asyncio.create_task(client.post(path, json=body, timeout=60))
+            while served.engine.get_metrics()["num_requests_running"] == 0:
+                await asyncio.sleep(0.01)
+            task.cancel()  # closes the connection while the request is being generated
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(give_up())
+    m = served.wait_drained(timeout=30)
+    assert served.engine.engine.stats["num_requests_aborted"] == aborted0 + 1
+    assert m["kv_cache_usage"] == 0.0
