@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -17,6 +18,32 @@ class RequestOutputKind(IntEnum):
 def _check(cond: bool, name: str, allowed: str, value: object) -> None:
     if not cond:
         raise ValueError(f"SamplingParams.{name} must be {allowed}, got {value!r}")
+
+
+# Typed before the range checks, so a wrong type is a ValueError naming the field, not a
+# TypeError from a comparison. numpy scalars are accepted and stored as Python numbers.
+_REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                "repetition_penalty")
+_INT_FIELDS = ("n", "top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+
+
+def _coerce_types(sp: SamplingParams) -> None:
+    for name in _REAL_FIELDS:
+        v = getattr(sp, name)
+        _check(isinstance(v, numbers.Real) and not isinstance(v, bool), name, "a number", v)
+        setattr(sp, name, float(v))
+    for name in _INT_FIELDS + _OPTIONAL_INT_FIELDS:
+        v = getattr(sp, name)
+        if v is None and name in _OPTIONAL_INT_FIELDS:
+            continue
+        _check(isinstance(v, numbers.Integral) and not isinstance(v, bool), name,
+               "an integer" + (" or None" if name in _OPTIONAL_INT_FIELDS else ""), v)
+        setattr(sp, name, int(v))
+    _check(sp.stop is None or isinstance(sp.stop, str | list | tuple), "stop",
+           "a string or a list of strings", sp.stop)
+    _check(sp.stop_token_ids is None or isinstance(sp.stop_token_ids, list | tuple),
+           "stop_token_ids", "a list of integers", sp.stop_token_ids)
 
 
 @dataclass
@@ -46,6 +73,7 @@ class SamplingParams:
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
+        _coerce_types(self)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])

@@ -159,6 +159,8 @@ class ModelSpec:
 
 def _architecture(cfg: dict[str, Any]) -> str:
     archs = cfg.get("architectures") or []
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise ValueError(f"config field 'architectures' must be a list of names, got {archs!r}")
     if archs:
         arch = archs[0]
     elif cfg.get("model_type") in _MODEL_TYPE_TO_ARCH:

@@ -111,7 +111,12 @@ def _load_hf_dir(path: Path, dtype: Any) -> LoadedModel:
         cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
     except ValueError as e:
         raise ValueError(f"invalid JSON in {cfg_file}: {e}") from e
-    spec = ModelSpec.from_hf_config(cfg)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{cfg_file} must hold a JSON object, got {type(cfg).__name__}")
+    try:
+        spec = ModelSpec.from_hf_config(cfg)
+    except ValueError as e:  # name the file: the message alone names only the field
+        raise ValueError(f"{cfg_file}: {e}") from e
     spec = spec.replace(eos_token_ids=_merge_generation_eos(path, spec.eos_token_ids))
     tokenizer = Tokenizer.from_hf_dir(path)
     weights = load_hf_dir_weights(path, spec)
