@@ -79,12 +79,17 @@ def _query_tile_size(num_tokens: int, num_seqs: int) -> int:
     return 1 << (ratio.bit_length() - 1)
 
 
+# Keys visited per chunk of the online softmax. The loop runs only as many chunks as the step's
+# longest sequence needs, so this (not max_model_len) bounds what a short sequence gathers.
+KV_CHUNK_TOKENS = 256
+
+
 def _kv_chunk_blocks(num_tiles: int, tile: int, block_size: int, kv_heads: int, head_dim: int,
                      max_blocks: int) -> int:
-    """Blocks per key chunk so one chunk's gathered K stays near 32 MiB (static)."""
+    """Blocks per key chunk: <= KV_CHUNK_TOKENS keys, and one chunk's gathered K <= 32 MiB."""
     budget = 32 * 2**20 // 4
     per_block = max(1, num_tiles * block_size * kv_heads * head_dim * max(1, tile // 8))
-    c = max(1, min(max_blocks, budget // per_block))
+    c = max(1, min(max_blocks, budget // per_block, KV_CHUNK_TOKENS // block_size))
     return 1 << (c.bit_length() - 1)  # a power of two
 
 
@@ -115,8 +120,9 @@ def ragged_paged_attention(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     tile = _query_tile_size(t_total, num_seqs)
-    # Upper bound on tiles: each sequence adds at most one partial tile.
-    num_tiles = (t_total + tile - 1) // tile + num_seqs
+    # Upper bound on tiles: each sequence adds at most one partial tile (none when tile == 1:
+    # then tiles are tokens, and sum(q_len) <= T).
+    num_tiles = (t_total + tile - 1) // tile + (num_seqs if tile > 1 else 0)
     chunk = _kv_chunk_blocks(num_tiles, tile, bs, hkv, d, max_blocks)
     n_chunks_max = (max_blocks + chunk - 1) // chunk
     padded_blocks = n_chunks_max * chunk

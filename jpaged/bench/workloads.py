@@ -58,3 +58,23 @@ def theoretical_prefix_hits(prompts: Sequence[Sequence[int]], block_size: int) -
         usable = min(best, len(p) - 1)
         hits += (usable // block_size) * block_size
     return hits
+
+
+def mixed_length_requests(vocab_size: int, num_requests: int, seed: int,
+                          prompt_range: tuple[int, int] = (32, 512),
+                          output_range: tuple[int, int] = (32, 512)
+                          ) -> list[tuple[list[int], int]]:
+    """Seeded (prompt token ids, output length) pairs, both lengths uniform in their ranges."""
+    import numpy as np
+
+    for name, (lo, hi) in (("prompt_range", prompt_range), ("output_range", output_range)):
+        if not 1 <= lo <= hi:
+            raise ValueError(f"{name} must satisfy 1 <= lo <= hi, got {(lo, hi)}")
+    if num_requests < 1:
+        raise ValueError(f"num_requests must be >= 1, got {num_requests}")
+    rng = np.random.default_rng(seed)
+    plens = rng.integers(prompt_range[0], prompt_range[1] + 1, num_requests)
+    olens = rng.integers(output_range[0], output_range[1] + 1, num_requests)
+    # Ids from the upper half of the vocabulary: no special tokens (they sit at the start).
+    return [(rng.integers(vocab_size // 2, vocab_size, int(p)).tolist(), int(o))
+            for p, o in zip(plens, olens, strict=True)]

@@ -44,28 +44,34 @@ def _powers(base: int, start: int, cap: int) -> list[int]:
 class BucketPlan:
     """The small set of step shapes; every step is padded up to one of them.
 
-    Pure-decode steps (one token per sequence) use T == B; other steps pick T from the token
-    buckets. max_blocks is fixed at the blocks of one max_model_len sequence.
+    Pure-decode steps (one token per sequence) use T == B with B in powers of 4 from 1. Other
+    steps take T from powers of 4 from 64 and B from powers of 4 from 16 (both capped): on a
+    CPU a 16-token step costs nearly what a 64-token one does, and a few padded rows cost less
+    than the extra executables (<= 16 shapes with the default limits). max_blocks is fixed at
+    the blocks of one max_model_len sequence; the attention visits only as many key chunks as
+    the step's longest sequence needs, so short sequences do not pay for it.
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int) -> None:
         self.seq_buckets = _powers(4, 1, max_num_seqs)
-        self.token_buckets = _powers(4, 16, max(max_num_batched_tokens, max_num_seqs))
+        self.mixed_seq_buckets = _powers(4, 16, max_num_seqs)
+        self.token_buckets = _powers(4, 64, max(max_num_batched_tokens, max_num_seqs))
         self.max_blocks = -(-max_model_len // block_size)
 
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """(T, B) for a step with this many tokens and sequences."""
-        b = self.seq_buckets[bisect.bisect_left(self.seq_buckets, num_seqs)]
         if num_tokens == num_seqs:
+            b = self.seq_buckets[bisect.bisect_left(self.seq_buckets, num_seqs)]
             return b, b
+        b = self.mixed_seq_buckets[bisect.bisect_left(self.mixed_seq_buckets, num_seqs)]
         t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
         return t, b
 
     def all_shapes(self) -> list[tuple[int, int]]:
         """Every (T, B) pair a step can use."""
         shapes = {(b, b) for b in self.seq_buckets}
-        shapes |= {(t, b) for t in self.token_buckets for b in self.seq_buckets if b <= t}
+        shapes |= {(t, b) for t in self.token_buckets for b in self.mixed_seq_buckets if b <= t}
         return sorted(shapes)
 
 
@@ -139,8 +145,8 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         seq_lens[i] = start + k
         logits_idx[i] = cur - 1
         temperature[i] = 0.0 if p.greedy else p.temperature
-        if p.top_k > 0:
-            top_k[i] = p.top_k
+        if p.top_k > 0:  # k >= vocab keeps every token; clamped so it fits int32
+            top_k[i] = min(p.top_k, vocab_size)
         top_p[i], min_p[i] = p.top_p, p.min_p
         seed = p.seed if p.seed is not None else default_seed
         seeds[i] = np.uint32(seed & 0xFFFFFFFF)
