@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jpaged.llm",
     "LLMEngine": "jpaged.engine",
+    "AsyncLLMEngine": "jpaged.async_engine",
     "EngineArgs": "jpaged.config",
     "SamplingParams": "jpaged.sampling_params",
     "RequestOutputKind": "jpaged.sampling_params",

@@ -4,13 +4,20 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from jpaged.config import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_NUM_SEQS
+from jpaged.config import (
+    DEFAULT_BLOCK_SIZE,
+    DEFAULT_HOST,
+    DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    DEFAULT_MAX_NUM_SEQS,
+    DEFAULT_PORT,
+)
 
 app = typer.Typer(help="jpaged: a JAX inference engine with a vLLM-style paged KV cache.",
                   no_args_is_help=True, add_completion=False)
@@ -18,8 +25,9 @@ app = typer.Typer(help="jpaged: a JAX inference engine with a vLLM-style paged K
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", help="HF directory, .gguf file or hub repo id (default: embedded SmolLM2).")]
 BlockSize = Annotated[int, typer.Option("--block-size", help="Tokens per KV block (power of 2).")]
-GpuMem = Annotated[float, typer.Option("--gpu-memory-utilization",
-                                       help="Fraction of device memory for weights + KV pool.")]
+GpuMem = Annotated[float | None, typer.Option(
+    "--gpu-memory-utilization", help="Fraction of device memory for weights + activations + KV "
+    "pool (default 0.9; on CPU a 2 GiB KV space, capped by RAM).")]
 KvBytes = Annotated[int | None, typer.Option(
     "--kv-cache-memory-bytes", help="KV pool size in bytes (overrides the fraction).")]
 Prefix = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
@@ -45,7 +53,16 @@ def _root() -> None:
     """jpaged: a JAX inference engine with a vLLM-style paged KV cache."""
 
 
+# "SamplingParams.top_p must ..." names the field; engine and sampling flags are spelled as
+# their fields (--top-p), so the message can name the flag too.
+_FIELD_RE = re.compile(r"\b(?:SamplingParams|CacheConfig|SchedulerConfig|ModelConfig|"
+                       r"ParallelConfig|EngineArgs)\.(\w+)\b")
+
+
 def _fail(msg: str) -> None:
+    m = _FIELD_RE.search(msg)
+    if m is not None:
+        msg = f"--{m.group(1).replace('_', '-')}: {msg}"
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
 
@@ -63,6 +80,7 @@ def generate(
     temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.7,
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     top_k: Annotated[int, typer.Option("--top-k")] = -1,
+    min_p: Annotated[float, typer.Option("--min-p")] = 0.0,
     n: Annotated[int, typer.Option("--n", help="Completions per prompt.")] = 1,
     raw: Annotated[bool, typer.Option("--raw", help="Do not apply the chat template.")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON object per prompt.")] = False,
@@ -72,7 +90,7 @@ def generate(
                                                      help="Write JSONL results here.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
-    gpu_memory_utilization: GpuMem = 0.9,
+    gpu_memory_utilization: GpuMem = None,
     kv_cache_memory_bytes: KvBytes = None,
     enable_prefix_caching: Prefix = True,
     kv_cache_dtype: KvDtype = "auto",
@@ -101,14 +119,19 @@ def generate(
                 texts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
             except (json.JSONDecodeError, KeyError) as e:
                 _fail(f"{input_file}:{lineno}: expected a JSON object with 'prompt' ({e})")
+            if not isinstance(texts[-1], str):
+                _fail(f"{input_file}:{lineno}: 'prompt' must be a string")
     if not texts:
         _fail("give at least one PROMPT or --input FILE")
+    for i, t in enumerate(texts, 1):  # checked before the model loads
+        if not t:
+            _fail(f"prompt {i} is empty")
     from jpaged.llm import LLM
     from jpaged.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                                max_tokens=max_tokens, seed=seed)
+                                min_p=min_p, max_tokens=max_tokens, seed=seed)
         llm = LLM(model, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
                   kv_cache_memory_bytes=kv_cache_memory_bytes,
                   enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
@@ -126,7 +149,10 @@ def generate(
                 templ = tok.apply_chat_template([{"role": "user", "content": t}])
                 inputs.append({"prompt": t,
                                "prompt_token_ids": tok.encode(templ, add_special_tokens=False)})
-        outs = llm.generate(inputs, params, use_tqdm=len(inputs) > 1 and sys.stderr.isatty())
+        # A batch written to a file always reports progress on stderr (one final line when
+        # stderr is not a terminal); several prompts to a terminal only when it is one.
+        show = output_file is not None or (len(inputs) > 1 and sys.stderr.isatty())
+        outs = llm.generate(inputs, params, use_tqdm=show)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
@@ -145,6 +171,264 @@ def generate(
     finally:
         if sink is not None:
             sink.close()
+
+
+@app.command()
+def estimate(
+    model: Annotated[str | None, typer.Option(
+        "--model", "-m", help="HF directory, config.json, .gguf or hub repo id (config only; "
+        "default: embedded SmolLM2).")] = None,
+    gpu_memory: Annotated[str, typer.Option(
+        "--gpu-memory", help="Memory of one device: 80GiB, 80GB (1e9), 512MiB or bytes.")
+    ] = "80GiB",
+    gpu_memory_utilization: Annotated[float, typer.Option(
+        "--gpu-memory-utilization", help="Fraction of device memory jpaged may use.")] = 0.9,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+    kv_cache_dtype: KvDtype = "auto",
+    max_model_len: MaxLen = None,
+    avg_len: Annotated[int | None, typer.Option(
+        "--avg-len", help="Average sequence length for a second concurrency figure.")] = None,
+    tensor_parallel_size: TP = 1,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="Weights dtype: auto (the config's torch_dtype)|float32|bfloat16|float16")
+    ] = "auto",
+    max_num_batched_tokens: Annotated[int, typer.Option(
+        "--max-num-batched-tokens", help="Token budget per step (sizes the activations).")
+    ] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
+) -> None:
+    """Plan KV capacity: bytes per token/block, blocks that fit, max concurrent sequences."""
+    from jpaged.estimate import EstimateError, estimate_capacity, rows
+
+    try:
+        est = estimate_capacity(
+            model, gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
+            block_size=block_size, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+            avg_len=avg_len, tensor_parallel_size=tensor_parallel_size, dtype=dtype,
+            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    except EstimateError as e:
+        _fail(str(e))
+        return
+    if as_json:
+        typer.echo(est.to_json())
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="jpaged estimate: KV cache capacity")
+    table.add_column("quantity")
+    table.add_column("value", justify="right")
+    for name, value in rows(est):
+        table.add_row(name, value)
+    Console().print(table)
+
+
+def _engine_args(flags: dict[str, Any]) -> Any:
+    """EngineArgs from a command's engine flags (None keeps the EngineArgs default)."""
+    import dataclasses
+
+    from jpaged.config import EngineArgs
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    kw = {k: v for k, v in flags.items()
+          if k in EngineArgs.field_names() and not (v is None and defaults.get(k) is not None)}
+    return EngineArgs(**kw)
+
+
+@app.command()
+def serve(
+    model: Model = None,
+    host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = DEFAULT_PORT,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="JPAGED_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1/* routes.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="Model name clients use (default: --model as given).")
+    ] = None,
+    disable_log_stats: Annotated[bool, typer.Option(
+        "--disable-log-stats", help="No periodic stats line in the log.")] = False,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+    gpu_memory_utilization: GpuMem = None,
+    kv_cache_memory_bytes: KvBytes = None,
+    enable_prefix_caching: Prefix = True,
+    kv_cache_dtype: KvDtype = "auto",
+    swap_space: Swap = 0.0,
+    kv_offloading_size: Offload = 0.0,
+    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: MaxTokens = None,
+    max_model_len: MaxLen = None,
+    tensor_parallel_size: TP = 1,
+    preemption_mode: Preempt = "recompute",
+    attention_backend: Backend = "auto",
+    seed: Seed = 0,
+    num_gpu_blocks_override: Blocks = None,
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
+    flags = dict(locals())
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from jpaged.engine import LLMEngine
+    from jpaged.server import run_server
+
+    try:
+        engine = LLMEngine(_engine_args(flags))
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    try:
+        run_server(engine, host=host, port=port, api_key=api_key,
+                   served_model_name=served_model_name or model)
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+
+
+@app.command()
+def chat(
+    model: Model = None,
+    max_tokens: Annotated[int | None, typer.Option(
+        "--max-tokens", help="Longest reply in tokens (default: up to --max-model-len).")
+    ] = None,
+    temperature: Annotated[float, typer.Option("--temperature", help="0 = greedy.")] = 0.7,
+    top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
+    system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+    gpu_memory_utilization: GpuMem = None,
+    kv_cache_memory_bytes: KvBytes = None,
+    enable_prefix_caching: Prefix = True,
+    kv_cache_dtype: KvDtype = "auto",
+    swap_space: Swap = 0.0,
+    kv_offloading_size: Offload = 0.0,
+    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: MaxTokens = None,
+    max_model_len: MaxLen = None,
+    tensor_parallel_size: TP = 1,
+    preemption_mode: Preempt = "recompute",
+    attention_backend: Backend = "auto",
+    seed: Seed = 0,
+    num_gpu_blocks_override: Blocks = None,
+) -> None:
+    """Chat interactively: replies stream as they are made; /reset, /exit."""
+    flags = dict(locals())
+    _setup_logging(verbose)
+    from jpaged.chat_cli import ChatSession, run_chat
+    from jpaged.engine import LLMEngine
+    from jpaged.sampling_params import SamplingParams
+
+    try:
+        params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
+                                seed=seed)
+        session = ChatSession(LLMEngine(_engine_args({**flags, "disable_log_stats": True})),
+                              params, system=system)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    run_chat(session)
+
+
+@app.command()
+def bench(
+    model: Model = None,
+    num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests in the batch.")] = 64,
+    input_len: Annotated[int, typer.Option("--input-len", help="Prompt tokens each.")] = 128,
+    output_len: Annotated[int, typer.Option("--output-len", help="Generated tokens each.")] = 64,
+    warmup: Annotated[bool, typer.Option(
+        "--warmup/--no-warmup", help="Run an untimed batch of the same shape first.")] = True,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+    gpu_memory_utilization: GpuMem = None,
+    kv_cache_memory_bytes: KvBytes = None,
+    enable_prefix_caching: Prefix = True,
+    kv_cache_dtype: KvDtype = "auto",
+    swap_space: Swap = 0.0,
+    kv_offloading_size: Offload = 0.0,
+    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: MaxTokens = None,
+    max_model_len: MaxLen = None,
+    tensor_parallel_size: TP = 1,
+    preemption_mode: Preempt = "recompute",
+    attention_backend: Backend = "auto",
+    seed: Seed = 0,
+    num_gpu_blocks_override: Blocks = None,
+) -> None:
+    """Offline throughput on random prompts, as `vllm bench throughput` (--seed seeds both)."""
+    flags = dict(locals())
+    _setup_logging(verbose)
+    from jpaged.bench import report
+    from jpaged.bench.throughput import run_throughput, summary_line
+    from jpaged.engine import LLMEngine
+
+    try:
+        engine = LLMEngine(_engine_args({**flags, "disable_log_stats": True}))
+        result = run_throughput(engine, num_prompts, input_len, output_len, seed, warmup)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    if out is not None:
+        report.write(out, result)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+        return
+    typer.echo(summary_line(result))
+    report.print_table(f"jpaged bench: {num_prompts} x ({input_len} in, {output_len} out)",
+                       [(k, v) for k, v in result.items()])
+
+
+@app.command()
+def tune(
+    model: Model = None,
+    workload: Annotated[Path | None, typer.Option(
+        "--workload", help="JSONL of requests: prompt | prompt_token_ids | messages, "
+        "max_tokens.")] = None,
+    synthetic: Annotated[str | None, typer.Option(
+        "--synthetic", help="Random requests: n=64,in=256,out=64,prefix=0,seed=0.")] = None,
+    num_requests: Annotated[int | None, typer.Option(
+        "--num-requests", help="Requests sampled from the workload (default 64; quick 16).")
+    ] = None,
+    max_minutes: Annotated[float, typer.Option(
+        "--max-minutes", help="Stop after this long with the best so far.")] = 10.0,
+    quick: Annotated[bool, typer.Option("--quick", help="Smaller sample, coarser steps.")
+                     ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print {steps, recommended} as JSON.")
+                       ] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+    gpu_memory_utilization: GpuMem = None,
+    kv_cache_memory_bytes: KvBytes = None,
+    enable_prefix_caching: Prefix = True,
+    kv_cache_dtype: KvDtype = "auto",
+    kv_offloading_size: Offload = 0.0,
+    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: MaxTokens = None,
+    max_model_len: MaxLen = None,
+    tensor_parallel_size: TP = 1,
+    preemption_mode: Preempt = "recompute",
+    attention_backend: Backend = "auto",
+    seed: Seed = 0,
+    num_gpu_blocks_override: Blocks = None,
+) -> None:
+    """Find engine flags for a workload (seed 4.3): memory, then max_num_seqs, then features."""
+    flags = dict(locals())
+    _setup_logging(verbose)
+    from jpaged.tune.command import print_report
+    from jpaged.tune.command import tune as run_tune
+
+    try:
+        report, rows, command = run_tune(
+            _engine_args(flags), workload=workload, synthetic_spec=synthetic,
+            num_requests=num_requests, max_minutes=max_minutes, quick=quick,
+            progress=sys.stderr.isatty() or not as_json)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+        return
+    if as_json:
+        typer.echo(json.dumps({**report.to_json(), "command": command}, indent=2))
+        return
+    print_report(report, rows, command)
 
 
 def main() -> None:

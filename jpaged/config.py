@@ -12,6 +12,8 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+DEFAULT_KV_CACHE_DIR = "~/.cache/jpaged/kv"  # the disk KV tier when kv_cache_dir is None
+DEFAULT_LOG_STATS_INTERVAL = 10.0  # seconds between periodic stats log lines
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -29,16 +31,23 @@ def _is_pow2(x: int) -> bool:
     return isinstance(x, int) and x >= 1 and (x & (x - 1)) == 0
 
 
+def _is_num(x: object) -> bool:
+    """A real number (bools excluded): range checks on anything else would raise TypeError."""
+    return isinstance(x, int | float) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """The KV pool: block size, memory budget, dtype, prefix caching and offload tiers."""
 
     block_size: int = DEFAULT_BLOCK_SIZE
-    gpu_memory_utilization: float = 0.9
+    # None: 0.9 on an accelerator; on CPU a fixed 2 GiB KV space capped by what 0.9 of RAM
+    # allows. An explicit value is that fraction of device memory (CPU: available RAM).
+    gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
-    calculate_kv_scales: bool = False
+    calculate_kv_scales: bool = False  # fp8 only: scales from the first batch, then fixed
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
     kv_offloading_size: float = 0.0  # GiB of host RAM for the offload tier
@@ -52,11 +61,14 @@ class CacheConfig:
         c = "CacheConfig"
         if not _is_pow2(self.block_size) or not 1 <= self.block_size <= 1024:
             _fail(c, "block_size", "a power of two in [1, 1024]", self.block_size)
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            _fail(c, "gpu_memory_utilization", "in (0, 1]", self.gpu_memory_utilization)
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
-            _fail(c, "kv_cache_memory_bytes", "> 0 or None", self.kv_cache_memory_bytes)
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 2:
+        u = self.gpu_memory_utilization
+        if u is not None and not (_is_num(u) and 0.0 < u <= 1.0):
+            _fail(c, "gpu_memory_utilization", "in (0, 1] or None (backend default)", u)
+        kv_bytes = self.kv_cache_memory_bytes
+        if kv_bytes is not None and not (_is_num(kv_bytes) and kv_bytes > 0):
+            _fail(c, "kv_cache_memory_bytes", "> 0 or None", kv_bytes)
+        blocks = self.num_gpu_blocks_override
+        if blocks is not None and not (isinstance(blocks, int) and blocks >= 2):
             _fail(c, "num_gpu_blocks_override", ">= 2 (block 0 is the null block) or None",
                   self.num_gpu_blocks_override)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -64,9 +76,9 @@ class CacheConfig:
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             _fail(c, "prefix_caching_hash_algo", f"one of {HASH_ALGOS}",
                   self.prefix_caching_hash_algo)
-        if self.kv_offloading_size < 0:
+        if not (_is_num(self.kv_offloading_size) and self.kv_offloading_size >= 0):
             _fail(c, "kv_offloading_size", ">= 0 (GiB)", self.kv_offloading_size)
-        if self.swap_space < 0:
+        if not (_is_num(self.swap_space) and self.swap_space >= 0):
             _fail(c, "swap_space", ">= 0 (GiB)", self.swap_space)
         if self.preemption_mode not in PREEMPTION_MODES:
             _fail(c, "preemption_mode", f"one of {PREEMPTION_MODES}", self.preemption_mode)
@@ -152,7 +164,7 @@ class EngineArgs:
     seed: int = 0
     attention_backend: str = "auto"
     block_size: int = DEFAULT_BLOCK_SIZE
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float | None = None
     kv_cache_memory_bytes: int | None = None
     num_gpu_blocks_override: int | None = None
     kv_cache_dtype: str = "auto"
@@ -170,6 +182,7 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "priority"
     tensor_parallel_size: int = 1
+    disable_log_stats: bool = False  # no periodic stats line in the log
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -2,62 +2,54 @@
 
 from __future__ import annotations
 
+import functools
 import logging
+import numbers
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 from flax import nnx
 
 from jpaged.config import EngineArgs, EngineConfig
+from jpaged.core.cache_state import snapshot as _cache_snapshot
+from jpaged.core.cache_state import tier_metrics as _tier_metrics
+from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
-from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
+from jpaged.metrics import StatLogger
+from jpaged.output_processor import (
+    ChildState,
+    RequestGroup,
+    make_output,
+    record_logprobs,
+    update_child,
+)
+from jpaged.outputs import RequestOutput
 from jpaged.request import Request, RequestStatus
 from jpaged.runner.batch import BucketPlan
 from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
+from jpaged.runner.kv_transfer import KVTransfer
+from jpaged.runner.memory_probe import step_activation_bytes
 from jpaged.runner.model_runner import ModelRunner
+from jpaged.runner.parallel import TensorParallel, check_device_count, kv_bytes_per_device
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
+from jpaged.sampling_params import SamplingParams
 from models.loader import LoadedModel, load_model
 from pallas_kernels.backend import select_backend
+from pallas_kernels.reference import is_fp8
 
 logger = logging.getLogger("jpaged")
 
 PromptType = str | Mapping[str, Any]
 
 
-@dataclass
-class _Child:
-    """Host-side output state of one sequence (a child of a request with n > 1)."""
-
-    index: int
-    request: Request
-    text: str = ""
-    sent_text_len: int = 0
-    sent_tokens: int = 0
-    cumulative_logprob: float = 0.0
-    logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class _Group:
-    """A user request: its prompt, parameters and n children."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    children: list[_Child] = field(default_factory=list)
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finish_reason is not None for c in self.children)
+def _token_id_list(ids: Any) -> list[Any]:
+    """`prompt_token_ids` as a list (any iterable but a string or a mapping), else ValueError."""
+    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {ids!r}")
+    return list(ids)
 
 
 def _param_bytes(params: Any) -> int:
@@ -66,17 +58,8 @@ def _param_bytes(params: Any) -> int:
 
 def _check_supported(config: EngineConfig) -> None:
     """Refuse settings this version cannot honour, with the field named."""
-    if config.parallel.tensor_parallel_size != 1:
-        raise ValueError("tensor_parallel_size > 1 is not supported yet; use 1")
-    if config.cache.preemption_mode == "swap" and config.cache.kv_offloading_size <= 0:
-        raise ValueError("preemption_mode='swap' needs a host tier: set kv_offloading_size > 0")
-    for name in ("kv_offloading_size", "swap_space"):
-        if getattr(config.cache, name) > 0:
-            raise ValueError(f"{name} > 0 needs the host/disk KV tiers, which this version "
-                             "does not have yet; leave it at 0")
-    if config.cache.preemption_mode == "swap" or config.cache.calculate_kv_scales:
-        raise ValueError("preemption_mode='swap' and calculate_kv_scales are not supported "
-                         "by this version yet")
+    check_device_count(config.parallel.tensor_parallel_size)
+    check_tier_config(config.cache)  # swap needs a host tier; the disk tier needs one too
 
 
 class LLMEngine:
@@ -91,23 +74,48 @@ class LLMEngine:
         self.tokenizer = self.loaded.tokenizer
         config = args.create_engine_config(self.spec.max_position_embeddings)
         self.kv_dtype = kv_dtype(config.cache.kv_cache_dtype, self.loaded.model.dtype)
-        params_bytes = _param_bytes(nnx.state(self.loaded.model))
+        tp = config.parallel.tensor_parallel_size
+        # Sizes below are per device: each holds its share of the params and of the KV heads.
+        self.parallel = TensorParallel(self.spec, tp) if tp > 1 else None
+        params_bytes = (_param_bytes(nnx.state(self.loaded.model)) if self.parallel is None else
+                        self.parallel.param_bytes_per_device(nnx.state(self.loaded.model)))
+        plan = BucketPlan(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                          config.scheduler.max_model_len, config.cache.block_size)
+        self.ops = select_backend(config.model.attention_backend)
+        # Compiles the largest step shape; called only when the budget depends on it.
+        probe = functools.partial(step_activation_bytes, self.loaded.model, self.spec, plan,
+                                  config.cache.block_size, self.kv_dtype, self.ops)
         num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
-                                    config.scheduler.max_model_len)
+                                    config.scheduler.max_model_len, activation_bytes=probe,
+                                    kv_head_shards=tp)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)
-        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks)
-        plan = BucketPlan(self.config.scheduler.max_num_seqs,
-                          self.config.scheduler.max_num_batched_tokens,
-                          self.config.scheduler.max_model_len, self.config.cache.block_size)
-        kv = allocate_kv_cache(self.spec, num_blocks, self.config.cache.block_size, self.kv_dtype)
-        self.ops = select_backend(self.config.model.attention_backend)
+        # KV tiers (host RAM, then disk) below the device pool; None when kv_offloading_size=0.
+        self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype)
+        self.kv_transfer = KVTransfer()
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
+                                   self.tiers)
+        kv = (allocate_kv_cache(self.spec, num_blocks, self.config.cache.block_size, self.kv_dtype)
+              if self.parallel is None else
+              self.parallel.allocate_kv(num_blocks, self.config.cache.block_size, self.kv_dtype))
+        calc_scales = config.cache.calculate_kv_scales and is_fp8(self.kv_dtype)
+        if config.cache.calculate_kv_scales and not calc_scales:
+            logger.info("calculate_kv_scales is ignored: kv_cache_dtype=%s is not fp8 "
+                        "(scales stay 1.0)", config.cache.kv_cache_dtype)
         self.runner = ModelRunner(self.loaded.model, kv, plan, self.config.cache.block_size,
-                                  self.spec.vocab_size, self.ops, self.config.model.seed)
-        self._groups: dict[str, _Group] = {}
+                                  self.spec.vocab_size, self.ops, self.config.model.seed,
+                                  parallel=self.parallel, calculate_kv_scales=calc_scales)
+        # The disk tier is keyed by the fp8 scales too: opened once they are final.
+        self._disk_pending = (self.tiers is not None and self.config.cache.swap_space > 0
+                              and self.config.cache.enable_prefix_caching)
+        self._open_disk_tier()
+        self._groups: dict[str, RequestGroup] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
         self._counter = 0
         # Token and step counters live in the scheduler; these count user-level requests.
         self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0}
+        # Request timing histograms + the periodic stats log line (fed once per step).
+        self.stat_logger = StatLogger(self.get_metrics, log=not args.disable_log_stats)
+        self.metrics_history = MetricsHistory()  # one point per step()
         logger.info("engine ready in %.1fs: %s, %d KV blocks, backend %s",
                     time.perf_counter() - t0, self.loaded.source, num_blocks, self.ops.name)
 
@@ -126,7 +134,7 @@ class LLMEngine:
             if salt is not None and not isinstance(salt, str):
                 raise ValueError("cache_salt must be a string")
             if "prompt_token_ids" in prompt:
-                text, ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+                text, ids = prompt.get("prompt"), _token_id_list(prompt["prompt_token_ids"])
             elif "prompt" in prompt:
                 text, ids = prompt["prompt"], None
             else:
@@ -142,10 +150,11 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty (no tokens)")
         vocab = self.spec.vocab_size
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids contains {t!r}, outside the vocabulary "
-                                 f"[0, {vocab})")
+        for i, t in enumerate(ids):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids[{i}] is {t!r}: token ids must be integers "
+                                 f"in the vocabulary [0, {vocab})")
+        ids = [int(t) for t in ids]  # numpy integers become Python ints
         max_len = self.config.scheduler.max_model_len
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
@@ -174,7 +183,7 @@ class LLMEngine:
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
         base = params.clone(eos_token_ids=eos, max_tokens=max_tokens)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        group = _Group(request_id, text, ids, base, arrival_time=arrival)
+        group = RequestGroup(request_id, text, ids, base, arrival_time=arrival)
         for i in range(params.n):
             self._counter += 1
             seed = (params.seed + i) if params.seed is not None else (
@@ -183,7 +192,7 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, ids, child_params, priority=priority, arrival_time=arrival,
                           cache_salt=salt)
-            group.children.append(_Child(i, req, logprobs=[] if params.logprobs is not None
+            group.children.append(ChildState(i, req, logprobs=[] if params.logprobs is not None
                                          else None))
             self._child_of[child_id] = (request_id, i)
         self._groups[request_id] = group
@@ -203,6 +212,14 @@ class LLMEngine:
                 self._child_of.pop(c.request.request_id, None)
             self.stats["num_requests_aborted"] += 1
 
+    def _open_disk_tier(self) -> None:
+        if not self._disk_pending or self.runner.scales_pending:
+            return
+        self._disk_pending = False
+        self.tiers.attach_disk(open_disk_tier(
+            self.config.cache, self.spec, self.kv_dtype, self.loaded.source, self.loaded.model,
+            self.runner.kv))
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()
@@ -217,12 +234,18 @@ class LLMEngine:
         out = self.scheduler.schedule()
         sampled: dict[str, int] = {}
         result = None
+        if out.kv_transfers is not None and not out.kv_transfers.is_empty:
+            # Gathers, then loads, both before the forward (see jpaged/core/offload.py).
+            self.runner.kv = self.kv_transfer.apply(self.runner.kv, out.kv_transfers,
+                                                    self.tiers.host.store)
         if out.scheduled:
             result = self.runner.execute(out.scheduled)
+            self._open_disk_tier()
             for i, s in enumerate(out.scheduled):
                 if s.sample:
                     sampled[s.request.request_id] = int(result.token_ids[i])
         updated = self.scheduler.update_from_output(out, sampled)
+        self.metrics_history.record(self.scheduler, out.num_scheduled_tokens)
         if result is not None:
             self._record_logprobs(out, result)
         now = time.monotonic()
@@ -235,12 +258,12 @@ class LLMEngine:
             child = group.children[key[1]]
             if req.request_id in sampled and group.first_token_time is None:
                 group.first_token_time = now
-            self._update_child(group, child)
+            update_child(group, child, self.tokenizer, self._stop_request)
             touched[group.request_id] = None
         outputs = []
         for rid in touched:
             group = self._groups[rid]
-            ro = self._make_output(group)
+            ro = make_output(group)
             if ro is not None:
                 outputs.append(ro)
             if group.finished:
@@ -248,91 +271,19 @@ class LLMEngine:
                 for c in group.children:
                     self._child_of.pop(c.request.request_id, None)
                 self.stats["num_requests_finished"] += 1
+        self.stat_logger.on_step(updated, now)
         return outputs
 
     def _record_logprobs(self, out: Any, result: Any) -> None:
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
         for i, s in enumerate(out.scheduled):
             key = self._child_of.get(s.request.request_id)
-            if not s.sample or key is None:
-                continue
-            group = self._groups[key[0]]
-            child = group.children[key[1]]
-            tok = int(result.token_ids[i])
-            lp = float(result.logprobs[i])
-            child.cumulative_logprob += lp
-            if child.logprobs is None:
-                continue
-            entry = {tok: Logprob(lp, None, self.tokenizer.decode([tok], False))}
-            for j in range(group.params.logprobs or 0):
-                cand = int(result.top_ids[i, j])
-                if cand == tok:
-                    entry[tok].rank = j + 1
-                entry.setdefault(cand, Logprob(float(result.top_logprobs[i, j]), j + 1,
-                                               self.tokenizer.decode([cand], False)))
-            child.logprobs.append(entry)
+            if s.sample and key is not None:
+                group = self._groups[key[0]]
+                record_logprobs(group, group.children[key[1]], i, result, decode)
 
-    def _update_child(self, group: _Group, child: _Child) -> None:
-        req = child.request
-        p = group.params
-        needs_text = bool(p.stop) or req.is_finished() or (
-            p.output_kind != RequestOutputKind.FINAL_ONLY)
-        if needs_text:
-            child.text = self.tokenizer.decode(req.output_token_ids,
-                                               skip_special_tokens=p.skip_special_tokens)
-        if p.stop and not req.is_finished():
-            self._check_stop_strings(child, p)
-        if req.is_finished() and child.finish_reason is None:
-            child.finish_reason = req.finish_reason
-            child.stop_reason = req.stop_reason
-            if p.stop and child.stop_reason is None:
-                self._check_stop_strings(child, p, finished=True)
-
-    def _check_stop_strings(self, child: _Child, p: SamplingParams, finished: bool = False) -> None:
-        # Only the tail can contain a stop string that was not there at the previous step.
-        window = max(len(s) for s in p.stop) + 16
-        start = max(0, child.sent_text_len - window) if not finished else 0
-        best = None
-        for s in p.stop:
-            k = child.text.find(s, start)
-            if k >= 0 and (best is None or k < best[0]):
-                best = (k, s)
-        if best is None:
-            return
-        k, s = best
-        child.text = child.text[: k + len(s)] if p.include_stop_str_in_output else child.text[:k]
-        if not finished:
-            self.scheduler.finish_requests([child.request.request_id],
-                                           RequestStatus.FINISHED_STOPPED)
-        child.finish_reason = "stop"
-        child.stop_reason = s
-
-    def _make_output(self, group: _Group) -> RequestOutput | None:
-        kind = group.params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not group.finished:
-            return None
-        outs = []
-        for c in group.children:
-            ids = list(c.request.output_token_ids)
-            text = c.text
-            lps = c.logprobs
-            if kind == RequestOutputKind.DELTA:
-                # Hold back a trailing partial UTF-8 character until it completes.
-                safe = len(text) if c.finish_reason else len(text.rstrip("\ufffd"))
-                text, c.sent_text_len = text[c.sent_text_len:safe], max(c.sent_text_len, safe)
-                ids, c.sent_tokens = ids[c.sent_tokens:], len(ids)
-                lps = lps[len(lps) - len(ids):] if lps is not None else None
-            else:
-                c.sent_text_len = len(text)
-            outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob,
-                                         list(lps) if lps is not None else None,
-                                         c.finish_reason, c.stop_reason))
-        metrics = {"arrival_time": group.arrival_time}
-        if group.first_token_time is not None:
-            metrics["first_token_time"] = group.first_token_time
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                             group.finished, metrics,
-                             num_cached_tokens=getattr(group.children[0].request,
-                                                       "num_cached_tokens", 0))
+    def _stop_request(self, request_id: str) -> None:
+        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
 
     # ----------------------------------------------------------------- metrics
     def get_metrics(self) -> dict[str, Any]:
@@ -341,7 +292,18 @@ class LLMEngine:
         m.update(self.stats)
         m["num_gpu_blocks"] = self.config.cache.num_gpu_blocks
         m["block_size"] = self.config.cache.block_size
+        m["tensor_parallel_size"] = self.config.parallel.tensor_parallel_size
+        m["kv_pool_bytes_per_device"] = kv_bytes_per_device(self.runner.kv)
         return m
+
+    def cache_state(self) -> dict[str, Any]:
+        """Read-only JSON-able snapshot of the KV pool and block tables (see LLM.cache_state)."""
+        state = _cache_snapshot(self.scheduler)
+        for rid, entry in state["requests"].items():
+            key = self._child_of.get(rid)
+            entry["user_request_id"] = key[0] if key is not None else rid
+        state["tiers"] = _tier_metrics(self.get_metrics())
+        return state
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses; False if some are in use."""

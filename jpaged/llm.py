@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from jpaged.config import EngineArgs
@@ -22,6 +22,7 @@ class LLM:
         if unknown:
             raise TypeError(f"unknown engine argument(s): {sorted(unknown)}; valid ones: "
                             f"{sorted(EngineArgs.field_names())}")
+        kwargs.setdefault("disable_log_stats", True)  # offline use: no periodic stats (vLLM)
         self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
@@ -48,13 +49,22 @@ class LLM:
         """Run prompts to completion; outputs come back in input order."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError("prompts must be a str, a prompt dict or a list of them, got "
+                             f"{type(prompts).__name__}")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:
-            params_list = list(sampling_params)
+            listed = isinstance(sampling_params, Iterable) and not isinstance(
+                sampling_params, str | Mapping)
+            params_list = list(sampling_params) if listed else [sampling_params]
+            for p in params_list:
+                if not isinstance(p, SamplingParams):
+                    raise ValueError("sampling_params must be a SamplingParams or a list of "
+                                     f"them, got {type(p).__name__}")
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
                                  "prompts; pass one or one per prompt")
@@ -87,13 +97,13 @@ class LLM:
                     if out.finished and out.request_id in order:
                         results[order[out.request_id]] = out
                         if bar is not None:
-                            bar.advance(bar.task_ids[0])
+                            bar.update(1)
         except BaseException:
             engine.abort_request(added)
             raise
         finally:
             if bar is not None:
-                bar.stop()
+                bar.close()
         return [r for r in results if r is not None]
 
     def chat(
@@ -124,17 +134,68 @@ class LLM:
         """Preemptions, KV usage, prefix-cache hit rate and other engine metrics."""
         return self.llm_engine.get_metrics()
 
+    def cache_state(self) -> dict[str, Any]:
+        """A read-only, JSON-serialisable snapshot of the KV pool (plot it with jpaged.viz).
+
+        Keys (lists indexed by physical block id, 0 .. num_blocks-1; block 0 is the null block):
+
+        - ``version``, ``num_blocks`` (null block included), ``block_size`` (tokens per block)
+        - ``status``: per-block code, 0 null, 1 free, 2 free but cached (reusable prefix),
+          3 in use; ``status_names`` spells them out
+        - ``ref_counts``, ``num_tokens`` (slots filled), ``cached`` (holds a prefix hash)
+        - ``owners``: per block, the ids of the requests whose block table holds it
+          (more than one: a shared prefix block)
+        - ``requests``: for each request holding blocks, ``block_table`` (logical -> physical
+          ids), ``num_tokens``, ``num_computed_tokens``, ``num_prompt_tokens``,
+          ``num_output_tokens``, ``priority``, ``status``, ``user_request_id`` (the id given
+          to generate/add_request; differs from the key only for n > 1 children)
+        - ``waiting``: ids of queued requests holding no blocks; ``swapped``: {id: tokens}
+          of those whose KV waits in the host tier (swap preemption)
+        - ``cached_blocks``: {prefix hash (hex, first 16 chars): block id}
+        - ``free_queue``: free block ids in eviction order (first = evicted first)
+        - ``num_free_blocks``, ``num_cached_free_blocks``, ``num_in_use_blocks``, ``usage``
+        - ``prefix_caching``, ``prefix_cache_hit_rate``, ``prefix_cache_hits``,
+          ``prefix_cache_queries`` (tokens)
+        - ``tiers``: the host/disk KV tier entries of get_metrics() (empty without tiers)
+        """
+        return self.llm_engine.cache_state()
+
+    def metrics_history(self) -> list[dict[str, Any]]:
+        """Per-step points (oldest first, bounded): time, KV usage, queues, preemptions, tokens."""
+        return self.llm_engine.metrics_history.snapshot()
+
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefix blocks (only when no request holds them)."""
         return self.llm_engine.reset_prefix_cache()
 
 
 def _progress(total: int, use_tqdm: bool | Callable[..., Any]) -> Any:
+    """None, or a tqdm-like bar (update(n), close()): `use_tqdm` itself when it is a callable
+    (a tqdm class or factory, as vLLM accepts), else a rich bar on stderr."""
     if not use_tqdm:
         return None
-    from rich.progress import Progress
+    if callable(use_tqdm):
+        return use_tqdm(total=total, desc="Processed prompts")
+    return RichProgressBar(total=total, desc="Processed prompts")
 
-    bar = Progress(transient=True)
-    bar.add_task("generating", total=total)
-    bar.start()
-    return bar
+
+class RichProgressBar:
+    """A tqdm-like progress bar drawn by rich on stderr: `RichProgressBar(total=..., desc=...)`."""
+
+    def __init__(self, total: int, desc: str = "", **_: Any) -> None:
+        from rich import progress as rp
+        from rich.console import Console
+
+        self._progress = rp.Progress(rp.TextColumn("{task.description}"), rp.BarColumn(),
+                                     rp.MofNCompleteColumn(), rp.TimeElapsedColumn(),
+                                     rp.TimeRemainingColumn(), console=Console(stderr=True))
+        self._task = self._progress.add_task(desc, total=total)
+        self._progress.start()
+
+    def update(self, n: int = 1) -> None:
+        """Count n more finished requests."""
+        self._progress.advance(self._task, n)
+
+    def close(self) -> None:
+        """Stop drawing (the final state stays on a terminal)."""
+        self._progress.stop()

@@ -9,7 +9,6 @@ from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
 from models.loader import LoadedModel, load_model
-from models.weights import export_weights
 
 
 @functools.lru_cache(maxsize=1)
@@ -36,33 +35,27 @@ def tiny() -> LoadedModel:
     return load_model(str(tiny_model_dir()), dtype="float32")
 
 
+SIZING_ARGS = ("num_gpu_blocks_override", "kv_cache_memory_bytes", "gpu_memory_utilization")
+
+
 def make_llm(loaded: LoadedModel | None = None, **engine_args) -> LLM:
-    """An LLM over an already loaded model (skips re-reading the weights)."""
+    """An LLM over an already loaded model (skips re-reading the weights).
+
+    Without a sizing argument the pool gets a fixed 256 MiB budget, which skips the start-up
+    memory probe (a compile of the largest step shape; tests/jpaged/runner/test_kv_cache.py
+    covers it).
+    """
+    if not any(k in engine_args for k in SIZING_ARGS):
+        engine_args["kv_cache_memory_bytes"] = 256 * 2**20
     engine = LLMEngine(EngineArgs(**engine_args), loaded=loaded or embedded())
     return LLM.from_engine(engine)
 
 
 def hf_llama_twin(loaded: LoadedModel, tmp: Path):
     """An HF transformers LlamaForCausalLM (torch, float32) holding the same weights."""
-    import torch
-    import transformers
-    from safetensors.numpy import save_file
+    from jpaged.bench.vs_hf import hf_twin
 
-    spec = loaded.spec
-    config = transformers.LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=spec.bos_token_id,
-        eos_token_id=list(spec.eos_token_ids), architectures=["LlamaForCausalLM"])
-    config.save_pretrained(tmp)
-    weights = export_weights(loaded.model)
-    if spec.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    save_file(weights, str(tmp / "model.safetensors"))
-    return transformers.LlamaForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
+    return hf_twin(loaded, tmp)
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: tuple[int, ...]

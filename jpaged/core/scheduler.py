@@ -25,17 +25,22 @@ running request can always proceed, since add_request rejects requests the pool 
 At admission nobody is preempted (admission just stops), except under the ``priority``/``lpm``
 policies, where a new request may preempt running requests of a strictly larger priority value.
 Preemption = RECOMPUTE: blocks freed, num_computed_tokens = 0, outputs kept, status PREEMPTED,
-requeued at the front of its priority class.
+requeued at the front of its priority class. With ``preemption_mode="swap"`` the victim's
+computed blocks go to the host tier first (falling back to recompute, logged, when it is full)
+and come back at re-admission with num_computed_tokens restored (``offload.py``).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.block_pool import KVCacheBlock
 from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.offload import KVTiers
+from jpaged.core.pressure import PressureMonitor
 from jpaged.core.request_queue import QueueKey, WaitingQueue
 from jpaged.core.sched_output import ScheduledRequest, SchedulerOutput
 from jpaged.request import Request, RequestStatus
@@ -43,6 +48,7 @@ from jpaged.request import Request, RequestStatus
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput", "is_decoding"]
 
 RUNNING = RequestStatus.RUNNING
+logger = logging.getLogger("jpaged")
 
 
 class _Step:
@@ -70,7 +76,7 @@ class Scheduler:
     """Decides, each step, which requests compute how many tokens, owning the KVCacheManager."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int) -> None:
+                 num_blocks: int, tiers: KVTiers | None = None) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
@@ -78,14 +84,18 @@ class Scheduler:
         self.policy = scheduler_config.scheduling_policy
         self.enable_caching = cache_config.enable_prefix_caching
         algo = cache_config.prefix_caching_hash_algo
+        self.swap = cache_config.preemption_mode == "swap"
+        if self.swap and tiers is None:
+            raise ValueError("preemption_mode='swap' needs a host tier: set kv_offloading_size > 0")
         self.kv_cache_manager = KVCacheManager(self.block_size, num_blocks, self.max_model_len,
-                                               self.enable_caching, algo)
+                                               self.enable_caching, algo, tiers)
         self._hasher = self.kv_cache_manager.block_hasher
         self.requests: dict[str, Request] = {}  # unfinished requests
         self.waiting = WaitingQueue(self.policy)
         self.running: list[Request] = []
         self._finished_ids: list[str] = []
         self.num_preemptions = 0
+        self.pressure = PressureMonitor(cache_config, num_blocks)  # rate-limited warnings
         self.num_prompt_tokens = 0  # tokens computed in prompt/recompute chunks
         self.num_generation_tokens = 0  # tokens sampled
         self.num_steps = 0
@@ -178,6 +188,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Plan one step: allocate blocks, preempt under memory pressure, admit new requests."""
         self.num_steps += 1
+        self.kv_cache_manager.begin_step()
         st = _Step(self.scheduler_config.max_num_batched_tokens, len(self.running))
         self.running.sort(key=self._key)
         decodes: list[Request] = []
@@ -211,16 +222,22 @@ class Scheduler:
 
         scheduled = list(st.scheduled.values())
         out = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled),
-                              [r.request_id for r in st.preempted], self._finished_ids)
+                              [r.request_id for r in st.preempted], self._finished_ids,
+                              self.kv_cache_manager.take_transfers())
         self._finished_ids = []
+        self.pressure.on_step(self.kv_cache_manager.usage, self.kv_cache_manager.num_evictions,
+                              len(self.waiting))
         return out
 
     def _allocate(self, req: Request, num_new: int, st: _Step,
                   hit_blocks: Sequence[KVCacheBlock] = (), hit_tokens: int = 0,
-                  admission: bool = False) -> bool:
-        """allocate_slots, preempting eligible victims (stage 2, then 3) until it succeeds."""
+                  admission: bool = False, offloaded: Sequence[int] = (),
+                  swapped: bool = False) -> bool:
+        """allocate_slots (or swap_in), preempting eligible victims (stage 2, then 3) until it
+        succeeds."""
         kv = self.kv_cache_manager
-        while kv.allocate_slots(req, num_new, hit_blocks, hit_tokens) is None:
+        while (kv.swap_in(req, num_new) if swapped else
+               kv.allocate_slots(req, num_new, hit_blocks, hit_tokens, offloaded)) is None:
             victim = self._pick_victim(req, st, admission)
             if victim is None:
                 return False
@@ -247,11 +264,20 @@ class Scheduler:
         return None
 
     def _preempt(self, victim: Request, st: _Step) -> None:
-        self.kv_cache_manager.free(victim)
+        kv = self.kv_cache_manager
+        computed = victim.num_computed_tokens > 0
+        swapped = self.swap and computed and kv.swap_out(victim)
+        if not swapped:
+            if self.swap and computed:
+                logger.info("swap preemption of %r fell back to recompute (host tier full)",
+                            victim.request_id)
+            kv.free(victim)
         victim.status = RequestStatus.PREEMPTED
         victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
+        self.pressure.on_preemption(victim.request_id, "swap" if swapped else "recompute",
+                                    self.num_preemptions)
         st.num_running -= 1
         sr = st.scheduled.pop(victim.request_id, None)
         if sr is not None:  # already scheduled this step: give its tokens back
@@ -288,17 +314,28 @@ class Scheduler:
                 # may be admitted (possibly preempting it).
                 self.waiting.push(req, key)
                 break
-            # Fresh lookup: hits stay valid through _allocate (freeing never evicts).
-            hit_blocks, hit_tokens = kv.get_computed_blocks(req)
-            if kv.is_prefix_in_flight(req, len(hit_blocks)):
-                skipped.append((key, req))  # share the block next step instead of copying it
-                continue
+            restored = kv.swapped_tokens(req.request_id)
+            if restored is not None:  # swapped out: its blocks come back from the host tier
+                hit_blocks, hit_tokens, offloaded = [], restored, []
+            else:
+                # Fresh lookup: hits stay valid through _allocate (freeing never evicts).
+                hit_blocks, hit_tokens = kv.get_computed_blocks(req)
+                offloaded = kv.get_offloaded_blocks(req, len(hit_blocks))
+                if kv.is_prefix_in_flight(req, len(hit_blocks) + len(offloaded)):
+                    skipped.append((key, req))  # share the block next step, not a copy
+                    continue
+                hit_tokens += len(offloaded) * self.block_size
             num_new = req.num_tokens - hit_tokens
             if not cfg.enable_chunked_prefill and num_new > st.budget:
                 self.waiting.push(req, key)
                 break
             num_new = min(self._cap_prefill(num_new), st.budget)
-            if not self._allocate(req, num_new, st, hit_blocks, hit_tokens, admission=True):
+            if restored is not None:
+                ok = self._allocate(req, num_new, st, admission=True, swapped=True)
+            else:
+                ok = self._allocate(req, num_new, st, hit_blocks, hit_tokens, admission=True,
+                                    offloaded=offloaded)
+            if not ok:
                 self.waiting.push(req, key)
                 break
             req.status = RUNNING
@@ -386,4 +423,5 @@ class Scheduler:
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generation_tokens,
             "num_steps": self.num_steps,
+            **kv.tier_stats(),
         }

@@ -27,7 +27,8 @@ def test_generate_answers_paris_on_the_embedded_model():
 def test_generate_json_and_jsonl_files(tmp_path):
     model = str(tiny_model_dir())
     r = _jpaged("generate", "abc", "hello there", "--model", model, "--json", "--raw",
-                "--max-tokens", "4", "--temperature", "0", "--max-model-len", "128")
+                "--max-tokens", "4", "--temperature", "0", "--max-model-len", "128",
+                "--kv-cache-memory-bytes", str(64 * 2**20))
     assert r.returncode == 0, r.stderr
     lines = [json.loads(x) for x in r.stdout.splitlines()]
     assert [x["prompt"] for x in lines] == ["abc", "hello there"]
@@ -37,7 +38,8 @@ def test_generate_json_and_jsonl_files(tmp_path):
     src.write_text('{"prompt": "one"}\n\n{"prompt": "two"}\n')
     dst = tmp_path / "out.jsonl"
     r = _jpaged("generate", "--input", str(src), "--output", str(dst), "--model", model,
-                "--max-tokens", "3", "--max-model-len", "128")
+                "--max-tokens", "3", "--max-model-len", "128",
+                "--kv-cache-memory-bytes", str(64 * 2**20))
     assert r.returncode == 0, r.stderr
     assert [json.loads(x)["prompt"] for x in dst.read_text().splitlines()] == ["one", "two"]
 

@@ -50,6 +50,15 @@ def test_hits_equal_theoretical_count(llm, together):
     assert queries == sum(len(p) for p in prompts)
 
 
+def test_request_output_reports_cached_prompt_tokens(llm):
+    llm.reset_prefix_cache()
+    first, second = _shared_prompts(seed=3, n=2)
+    a = llm.generate({"prompt_token_ids": first}, GREEDY)[0]
+    b = llm.generate({"prompt_token_ids": second}, GREEDY)[0]
+    assert a.num_cached_tokens == 0
+    assert b.num_cached_tokens == 3 * BS  # the shared full blocks
+
+
 def test_outputs_identical_with_caching_on_and_off():
     prompts = [{"prompt_token_ids": p} for p in _shared_prompts(n=6, suffix=11, seed=3)]
     on, off = _llm(enable_prefix_caching=True), _llm(enable_prefix_caching=False)
