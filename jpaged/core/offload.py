@@ -89,8 +89,8 @@ class HostTier:
         self.capacity = capacity
         self.block_shape = tuple(block_shape)
         self.dtype = np.dtype(dtype)
-        # On CPU backends numpy memory is the right host store; on GPU backends jax's
-        # pinned_host memory kind would allow async DMA, but numpy stays correct there too.
+        # The slot store is numpy (random access by slot); transfers to and from the device are
+        # staged through jax's pinned_host memory where the device has it (runner/kv_transfer).
         self.store = np.empty((capacity, *self.block_shape), self.dtype)
         self.disk = disk
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first

@@ -9,15 +9,23 @@ numpy holds ml_dtypes' float8 types bit for bit); layer l's copy of block b is p
 ``l * num_blocks + b``.
 
 Order inside ``apply``: gathers, then loads; the engine calls it before the step's forward.
+
+Staging memory: where the pool's device offers jax's ``pinned_host`` memory kind (GPU backends,
+and XLA:CPU too), gathered blocks land in pinned host buffers (the jitted gather's output
+sharding) and loads are put into pinned host memory and moved to the device inside the jitted
+scatter, so the copies are DMA transfers; otherwise (or for a pool sharded over a mesh) plain
+device_get / device_put. The host tier's slot store itself is numpy in both cases.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 from jaxtyping import Array, Int
 
 from jpaged.core.offload import TransferPlan
@@ -38,8 +46,7 @@ def _rows(ids: Int[Array, " P"], num_layers: int, num_blocks: int) -> Int[Array,
     return ids[:, None] + jnp.arange(num_layers, dtype=ids.dtype)[None, :] * num_blocks
 
 
-@jax.jit
-def _gather(kv: KVCache, ids: Int[Array, " P"]) -> Array:
+def _gather_impl(kv: KVCache, ids: Int[Array, " P"]) -> Array:
     """[P, L, 2, bs, H, D] copies of blocks `ids` (padding ids point at the null block 0)."""
     num_layers = kv.k.shape[0] // kv.num_blocks
     rows = _rows(ids, num_layers, kv.num_blocks).reshape(-1)
@@ -47,6 +54,9 @@ def _gather(kv: KVCache, ids: Int[Array, " P"]) -> Array:
     v = jnp.take(kv.v, rows, axis=0)
     out = jnp.stack([k, v], axis=1)  # [P*L, 2, bs, H, D]
     return out.reshape(ids.shape[0], num_layers, *out.shape[1:])
+
+
+_gather = jax.jit(_gather_impl)
 
 
 def _scatter_impl(kv: KVCache, ids: Int[Array, " P"], data: Array) -> KVCache:
@@ -63,23 +73,59 @@ def _scatter_impl(kv: KVCache, ids: Int[Array, " P"], data: Array) -> KVCache:
 _scatter = jax.jit(_scatter_impl, donate_argnames=("kv",))
 
 
+def pinned_staging(kv: KVCache) -> tuple[SingleDeviceSharding, SingleDeviceSharding] | None:
+    """(pinned_host, device) shardings for a single-device pool whose device has pinned memory."""
+    devices = kv.k.sharding.device_set
+    if len(devices) != 1:
+        return None
+    (dev,) = devices
+    try:
+        kinds = {m.kind for m in dev.addressable_memories()}
+    except Exception:  # backends without memory kinds
+        return None
+    if "pinned_host" not in kinds:
+        return None
+    return (SingleDeviceSharding(dev, memory_kind="pinned_host"),
+            SingleDeviceSharding(dev, memory_kind="device"))
+
+
+_PINNED_FNS: dict[tuple[SingleDeviceSharding, SingleDeviceSharding], tuple[Any, Any]] = {}
+
+
+def _pinned_fns(host: SingleDeviceSharding, device: SingleDeviceSharding) -> tuple[Any, Any]:
+    """The jitted (gather, scatter) staging through pinned host memory, one pair per device."""
+    fns = _PINNED_FNS.get((host, device))
+    if fns is None:
+        def scatter(kv: KVCache, ids: Array, data: Array) -> KVCache:
+            return _scatter_impl(kv, ids, jax.device_put(data, device))  # pinned host -> device
+
+        fns = (jax.jit(_gather_impl, out_shardings=host),
+               jax.jit(scatter, donate_argnames=("kv",)))
+        _PINNED_FNS[(host, device)] = fns
+    return fns
+
+
 class KVTransfer:
     """Runs a step's TransferPlan against the device pool and a host store."""
 
-    def __init__(self) -> None:
+    def __init__(self, use_pinned: bool = True) -> None:
         self.num_gathers = 0  # device->host batches run
         self.num_scatters = 0  # host->device batches run
+        self.use_pinned = use_pinned  # stage through pinned_host memory where the device has it
 
-    @staticmethod
-    def gather(kv: KVCache, block_ids: Sequence[int]) -> np.ndarray:
+    def _staging(self, kv: KVCache) -> tuple[SingleDeviceSharding, SingleDeviceSharding] | None:
+        return pinned_staging(kv) if self.use_pinned else None
+
+    def gather(self, kv: KVCache, block_ids: Sequence[int]) -> np.ndarray:
         """Host copies [n, L, 2, bs, H, D] of device blocks `block_ids` (one device_get)."""
         n = len(block_ids)
         ids = np.zeros(bucket(n), np.int32)
         ids[:n] = block_ids
-        return np.asarray(jax.device_get(_gather(kv, jnp.asarray(ids))))[:n]
+        staging = self._staging(kv)
+        fn = _gather if staging is None else _pinned_fns(*staging)[0]
+        return np.asarray(jax.device_get(fn(kv, jnp.asarray(ids))))[:n]
 
-    @staticmethod
-    def scatter(kv: KVCache, block_ids: Sequence[int], data: np.ndarray) -> KVCache:
+    def scatter(self, kv: KVCache, block_ids: Sequence[int], data: np.ndarray) -> KVCache:
         """Write data [n, L, 2, bs, H, D] into device blocks `block_ids`; `kv` is donated."""
         n = len(block_ids)
         if data.shape[0] != n:
@@ -89,7 +135,10 @@ class KVTransfer:
         ids[:n] = block_ids
         padded = np.zeros((p, *data.shape[1:]), data.dtype)
         padded[:n] = data
-        return _scatter(kv, jnp.asarray(ids), jax.device_put(padded))
+        staging = self._staging(kv)
+        if staging is None:
+            return _scatter(kv, jnp.asarray(ids), jax.device_put(padded))
+        return _pinned_fns(*staging)[1](kv, jnp.asarray(ids), jax.device_put(padded, staging[0]))
 
     def apply(self, kv: KVCache, plan: TransferPlan, store: np.ndarray) -> KVCache:
         """Run all gathers (into `store` slots), then all loads (from `store`); returns the pool.
@@ -108,5 +157,6 @@ class KVTransfer:
 
     @staticmethod
     def num_compiled() -> int:
-        """Executables held by the gather and the scatter (one per bucket seen)."""
-        return _gather._cache_size() + _scatter._cache_size()
+        """Executables held by the gathers and the scatters (one per bucket seen)."""
+        fns = [_gather, _scatter, *(f for pair in _PINNED_FNS.values() for f in pair)]
+        return sum(f._cache_size() for f in fns)

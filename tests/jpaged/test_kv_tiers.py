@@ -55,7 +55,7 @@ def _device_blocks(llm, hashes):
     """Host copies of the device blocks now caching `hashes`."""
     eng = llm.llm_engine
     cached = eng.scheduler.kv_cache_manager.block_pool.cached_blocks
-    return KVTransfer.gather(eng.runner.kv, [cached[h].block_id for h in hashes])
+    return KVTransfer().gather(eng.runner.kv, [cached[h].block_id for h in hashes])
 
 
 @pytest.fixture(scope="module")

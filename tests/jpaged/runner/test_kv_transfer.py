@@ -9,7 +9,7 @@ import pytest
 
 from jpaged.core.offload import TransferPlan
 from jpaged.runner.kv_cache import KVCache
-from jpaged.runner.kv_transfer import KVTransfer, bucket
+from jpaged.runner.kv_transfer import KVTransfer, bucket, pinned_staging
 
 L, NB, BS, H, D = 3, 10, 4, 2, 8
 
@@ -30,12 +30,21 @@ def bits(x: np.ndarray) -> np.ndarray:
     return x.view(np.uint8)
 
 
+def test_cpu_pool_stages_through_pinned_host_memory():
+    kv = random_pool(jnp.float32)
+    staging = pinned_staging(kv)
+    assert staging is not None  # XLA:CPU offers the pinned_host memory kind
+    assert staging[0].memory_kind == "pinned_host" and staging[1].memory_kind == "device"
+
+
+@pytest.mark.parametrize("use_pinned", [True, False])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float8_e4m3fn])
-def test_round_trip_is_bit_exact(dtype):
+def test_round_trip_is_bit_exact(dtype, use_pinned):
     kv = random_pool(dtype)
     k0, v0 = host_copy(kv)
     blocks = [7, 2, 9, 1, 5]
-    data = KVTransfer.gather(kv, blocks)
+    t = KVTransfer(use_pinned=use_pinned)
+    data = t.gather(kv, blocks)
     assert data.shape == (5, L, 2, BS, H, D) and data.dtype == np.dtype(dtype)
     for i, b in enumerate(blocks):
         for layer in range(L):
@@ -43,10 +52,10 @@ def test_round_trip_is_bit_exact(dtype):
             assert np.array_equal(bits(data[i, layer, 1]), bits(v0[layer * NB + b]))
     # Load them back permuted: block 7's content into 3, 2 -> 4, 9 -> 6 ...
     targets = [3, 4, 6, 8, 2]
-    kv = KVTransfer.scatter(kv, targets, data)
+    kv = t.scatter(kv, targets, data)
     k1, v1 = host_copy(kv)
     for i, (src, dst) in enumerate(zip(blocks, targets, strict=True)):
-        back = KVTransfer.gather(kv, [dst])[0]
+        back = t.gather(kv, [dst])[0]
         assert np.array_equal(bits(back), bits(data[i]))
         for layer in range(L):
             assert np.array_equal(bits(k1[layer * NB + dst]), bits(k0[layer * NB + src]))
