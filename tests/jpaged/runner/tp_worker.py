@@ -78,6 +78,7 @@ def tiny_cases(out: dict) -> None:
         case: dict = {}
         if tp == 4:  # warm every bucket shape, then a workload must compile nothing
             case["warmup_compiled"] = runner.warmup()
+            case["bucket_shapes"] = len(runner.plan.all_shapes())
         case["tokens"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)]
         case["tokens_again"] = [o.outputs[0].token_ids
                                 for o in llm.generate(TINY_PROMPTS[::-1], GREEDY)][::-1]
