@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 import logging
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -48,6 +51,53 @@ Blocks = Annotated[int | None, typer.Option("--num-gpu-blocks-override",
                                             help="Exact KV pool size in blocks.")]
 
 
+def _engine_flags(
+    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
+    gpu_memory_utilization: GpuMem = None,
+    kv_cache_memory_bytes: KvBytes = None,
+    enable_prefix_caching: Prefix = True,
+    kv_cache_dtype: KvDtype = "auto",
+    swap_space: Swap = 0.0,
+    kv_offloading_size: Offload = 0.0,
+    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
+    max_num_batched_tokens: MaxTokens = None,
+    max_model_len: MaxLen = None,
+    tensor_parallel_size: TP = 1,
+    preemption_mode: Preempt = "recompute",
+    attention_backend: Backend = "auto",
+    seed: Seed = 0,
+    num_gpu_blocks_override: Blocks = None,
+) -> None:
+    """Template of the engine flags every engine command takes, spelled as vLLM's."""
+
+
+ENGINE_FLAGS = inspect.signature(_engine_flags, eval_str=True).parameters
+
+
+def engine_command(*, exclude: tuple[str, ...] = ()) -> Callable[[Callable[..., Any]], Any]:
+    """Register a command whose options are its own plus the engine flags (minus `exclude`).
+
+    The command function takes `engine_flags: dict[str, Any]` instead of one parameter per flag;
+    typer sees the merged signature, so `--help` lists every flag.
+    """
+    def register(fn: Callable[..., Any]) -> Any:
+        own = [p for p in inspect.signature(fn, eval_str=True).parameters.values()
+               if p.name != "engine_flags"]
+        extra = [p for name, p in ENGINE_FLAGS.items() if name not in exclude]
+
+        @functools.wraps(fn)
+        def command(**kwargs: Any) -> Any:
+            flags = {p.name: kwargs.pop(p.name) for p in extra}
+            return fn(engine_flags=flags, **kwargs)
+
+        del command.__wrapped__  # typer must read the merged signature below
+        command.__signature__ = inspect.Signature(own + extra)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in own + extra}
+        return app.command()(command)
+
+    return register
+
+
 @app.callback()
 def _root() -> None:
     """jpaged: a JAX inference engine with a vLLM-style paged KV cache."""
@@ -72,7 +122,7 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
-@app.command()
+@engine_command()
 def generate(
     prompts: Annotated[list[str] | None, typer.Argument(help="Prompts to complete.")] = None,
     model: Model = None,
@@ -89,21 +139,7 @@ def generate(
     output_file: Annotated[Path | None, typer.Option("--output",
                                                      help="Write JSONL results here.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
-    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
-    gpu_memory_utilization: GpuMem = None,
-    kv_cache_memory_bytes: KvBytes = None,
-    enable_prefix_caching: Prefix = True,
-    kv_cache_dtype: KvDtype = "auto",
-    swap_space: Swap = 0.0,
-    kv_offloading_size: Offload = 0.0,
-    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: MaxTokens = None,
-    max_model_len: MaxLen = None,
-    tensor_parallel_size: TP = 1,
-    preemption_mode: Preempt = "recompute",
-    attention_backend: Backend = "auto",
-    seed: Seed = 0,
-    num_gpu_blocks_override: Blocks = None,
+    engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Complete prompts with the paged engine (chat template applied unless --raw)."""
     _setup_logging(verbose)
@@ -130,16 +166,10 @@ def generate(
     from jpaged.sampling_params import SamplingParams
 
     try:
+        flags = engine_flags or {}
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                                min_p=min_p, max_tokens=max_tokens, seed=seed)
-        llm = LLM(model, block_size=block_size, gpu_memory_utilization=gpu_memory_utilization,
-                  kv_cache_memory_bytes=kv_cache_memory_bytes,
-                  enable_prefix_caching=enable_prefix_caching, kv_cache_dtype=kv_cache_dtype,
-                  swap_space=swap_space, kv_offloading_size=kv_offloading_size,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                  max_model_len=max_model_len, tensor_parallel_size=tensor_parallel_size,
-                  preemption_mode=preemption_mode, attention_backend=attention_backend,
-                  seed=seed, num_gpu_blocks_override=num_gpu_blocks_override)
+                                min_p=min_p, max_tokens=max_tokens, seed=flags.get("seed", 0))
+        llm = LLM(model, **flags)
         tok = llm.get_tokenizer()
         inputs: list[Any] = []
         for t in texts:
@@ -236,7 +266,7 @@ def _engine_args(flags: dict[str, Any]) -> Any:
     return EngineArgs(**kw)
 
 
-@app.command()
+@engine_command()
 def serve(
     model: Model = None,
     host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = DEFAULT_HOST,
@@ -249,24 +279,10 @@ def serve(
     ] = None,
     disable_log_stats: Annotated[bool, typer.Option(
         "--disable-log-stats", help="No periodic stats line in the log.")] = False,
-    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
-    gpu_memory_utilization: GpuMem = None,
-    kv_cache_memory_bytes: KvBytes = None,
-    enable_prefix_caching: Prefix = True,
-    kv_cache_dtype: KvDtype = "auto",
-    swap_space: Swap = 0.0,
-    kv_offloading_size: Offload = 0.0,
-    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: MaxTokens = None,
-    max_model_len: MaxLen = None,
-    tensor_parallel_size: TP = 1,
-    preemption_mode: Preempt = "recompute",
-    attention_backend: Backend = "auto",
-    seed: Seed = 0,
-    num_gpu_blocks_override: Blocks = None,
+    engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
-    flags = dict(locals())
+    flags = {**locals(), **(engine_flags or {})}  # own options + the engine flags
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from jpaged.engine import LLMEngine
@@ -284,7 +300,7 @@ def serve(
         pass
 
 
-@app.command()
+@engine_command()
 def chat(
     model: Model = None,
     max_tokens: Annotated[int | None, typer.Option(
@@ -294,24 +310,10 @@ def chat(
     top_p: Annotated[float, typer.Option("--top-p")] = 1.0,
     system: Annotated[str | None, typer.Option("--system", help="System message.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
-    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
-    gpu_memory_utilization: GpuMem = None,
-    kv_cache_memory_bytes: KvBytes = None,
-    enable_prefix_caching: Prefix = True,
-    kv_cache_dtype: KvDtype = "auto",
-    swap_space: Swap = 0.0,
-    kv_offloading_size: Offload = 0.0,
-    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: MaxTokens = None,
-    max_model_len: MaxLen = None,
-    tensor_parallel_size: TP = 1,
-    preemption_mode: Preempt = "recompute",
-    attention_backend: Backend = "auto",
-    seed: Seed = 0,
-    num_gpu_blocks_override: Blocks = None,
+    engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Chat interactively: replies stream as they are made; /reset, /exit."""
-    flags = dict(locals())
+    flags = {**locals(), **(engine_flags or {})}  # own options + the engine flags
     _setup_logging(verbose)
     from jpaged.chat_cli import ChatSession, run_chat
     from jpaged.engine import LLMEngine
@@ -319,7 +321,7 @@ def chat(
 
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
-                                seed=seed)
+                                seed=flags["seed"])
         session = ChatSession(LLMEngine(_engine_args({**flags, "disable_log_stats": True})),
                               params, system=system)
     except (ValueError, FileNotFoundError) as e:
@@ -328,7 +330,7 @@ def chat(
     run_chat(session)
 
 
-@app.command()
+@engine_command()
 def bench(
     model: Model = None,
     num_prompts: Annotated[int, typer.Option("--num-prompts", help="Requests in the batch.")] = 64,
@@ -339,24 +341,10 @@ def bench(
     as_json: Annotated[bool, typer.Option("--json", help="Print the results as JSON.")] = False,
     out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
-    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
-    gpu_memory_utilization: GpuMem = None,
-    kv_cache_memory_bytes: KvBytes = None,
-    enable_prefix_caching: Prefix = True,
-    kv_cache_dtype: KvDtype = "auto",
-    swap_space: Swap = 0.0,
-    kv_offloading_size: Offload = 0.0,
-    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: MaxTokens = None,
-    max_model_len: MaxLen = None,
-    tensor_parallel_size: TP = 1,
-    preemption_mode: Preempt = "recompute",
-    attention_backend: Backend = "auto",
-    seed: Seed = 0,
-    num_gpu_blocks_override: Blocks = None,
+    engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Offline throughput on random prompts, as `vllm bench throughput` (--seed seeds both)."""
-    flags = dict(locals())
+    flags = {**locals(), **(engine_flags or {})}  # own options + the engine flags
     _setup_logging(verbose)
     from jpaged.bench import report
     from jpaged.bench.throughput import run_throughput, summary_line
@@ -364,7 +352,8 @@ def bench(
 
     try:
         engine = LLMEngine(_engine_args({**flags, "disable_log_stats": True}))
-        result = run_throughput(engine, num_prompts, input_len, output_len, seed, warmup)
+        result = run_throughput(engine, num_prompts, input_len, output_len, flags["seed"],
+                                warmup)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
@@ -378,7 +367,7 @@ def bench(
                        [(k, v) for k, v in result.items()])
 
 
-@app.command()
+@engine_command(exclude=("swap_space",))
 def tune(
     model: Model = None,
     workload: Annotated[Path | None, typer.Option(
@@ -396,23 +385,10 @@ def tune(
     as_json: Annotated[bool, typer.Option("--json", help="Print {steps, recommended} as JSON.")
                        ] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
-    block_size: BlockSize = DEFAULT_BLOCK_SIZE,
-    gpu_memory_utilization: GpuMem = None,
-    kv_cache_memory_bytes: KvBytes = None,
-    enable_prefix_caching: Prefix = True,
-    kv_cache_dtype: KvDtype = "auto",
-    kv_offloading_size: Offload = 0.0,
-    max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
-    max_num_batched_tokens: MaxTokens = None,
-    max_model_len: MaxLen = None,
-    tensor_parallel_size: TP = 1,
-    preemption_mode: Preempt = "recompute",
-    attention_backend: Backend = "auto",
-    seed: Seed = 0,
-    num_gpu_blocks_override: Blocks = None,
+    engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Find engine flags for a workload (seed 4.3): memory, then max_num_seqs, then features."""
-    flags = dict(locals())
+    flags = {**locals(), **(engine_flags or {})}  # own options + the engine flags
     _setup_logging(verbose)
     from jpaged.tune.command import print_report
     from jpaged.tune.command import tune as run_tune
