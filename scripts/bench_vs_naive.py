@@ -32,7 +32,7 @@ def main() -> None:
     args = ap.parse_args()
     max_len = 2048
     if args.quick:
-        n, rows, prompt_range, output_range, repeats = 10, 2, (32, 256), (16, 32), 1
+        n, rows, prompt_range, output_range, repeats = 10, 2, (32, 512), (32, 64), 1
     else:
         n, rows, prompt_range, output_range, repeats = 48, 4, (32, 512), (32, 512), 1
     repeats = args.repeats or repeats
