@@ -29,4 +29,4 @@ def test_pallas_backend_equals_reference_tiny():
 
 @pytest.mark.slow
 def test_pallas_backend_equals_reference_embedded():
-    _compare(embedded(), (5, 17, 40), 6)
+    _compare(embedded(), (5, 20), 4)  # interpret mode over 30 layers: keep it short
