@@ -216,37 +216,51 @@ class Serving:
         choices.sort(key=lambda ch: ch["index"])
         return {**head, "choices": choices, "usage": batch.usage()}
 
-    async def _stream_completion(self, batch: _Batch, head: dict[str, Any],
-                                 echo: list[str] | None, include_usage: bool
-                                 ) -> AsyncIterator[str]:
-        n = batch.params.n
-        offsets: dict[int, int] = {}  # choice index -> characters sent so far
+    @staticmethod
+    async def _framed(chunks: AsyncIterator[str], batch: _Batch, head: dict[str, Any],
+                      include_usage: bool) -> AsyncIterator[str]:
+        """An SSE body: the chunks, the usage chunk when asked, an error chunk if the request
+        failed, then [DONE]; the batch is closed however the stream ends."""
         try:
-            async for i, out in batch.outputs():
-                for c in out.outputs:
-                    idx = i * n + c.index
-                    text = c.text
-                    if idx not in offsets:
-                        offsets[idx] = 0
-                        text = (echo[i] if echo else "") + text
-                    lps = completion_logprobs(c, self.engine.tokenizer,
-                                              offsets[idx] + len(text) - len(c.text))
-                    if not text and c.finish_reason is None and not (lps and c.token_ids):
-                        continue  # a token held back (incomplete UTF-8 character)
-                    offsets[idx] += len(text)
-                    chunk = {**head, "choices": [{
-                        "index": idx, "text": text, "logprobs": lps,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
+            async for chunk in chunks:
+                yield chunk
             if include_usage:
                 yield sse({**head, "choices": [], "usage": batch.usage()})
         except (OpenAIError, RequestFailedError, EngineDeadError) as e:
             yield sse(_stream_error(e))
         finally:
             batch.close()
+            await chunks.aclose()  # type: ignore[attr-defined]
         yield DONE
+
+    def _stream_completion(self, batch: _Batch, head: dict[str, Any], echo: list[str] | None,
+                           include_usage: bool) -> AsyncIterator[str]:
+        return self._framed(self._completion_chunks(batch, head, echo, include_usage), batch,
+                            head, include_usage)
+
+    async def _completion_chunks(self, batch: _Batch, head: dict[str, Any],
+                                 echo: list[str] | None, include_usage: bool
+                                 ) -> AsyncIterator[str]:
+        n = batch.params.n
+        offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        async for i, out in batch.outputs():
+            for c in out.outputs:
+                idx = i * n + c.index
+                text = c.text
+                if idx not in offsets:
+                    offsets[idx] = 0
+                    text = (echo[i] if echo else "") + text
+                lps = completion_logprobs(c, self.engine.tokenizer,
+                                          offsets[idx] + len(text) - len(c.text))
+                if not text and c.finish_reason is None and not (lps and c.token_ids):
+                    continue  # a token held back (incomplete UTF-8 character)
+                offsets[idx] += len(text)
+                chunk = {**head, "choices": [{
+                    "index": idx, "text": text, "logprobs": lps,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield sse(chunk)
 
     # -------------------------------------------------------------------------- chat
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
@@ -291,30 +305,27 @@ class Serving:
         choices.sort(key=lambda ch: ch["index"])
         return {**head, "object": "chat.completion", "choices": choices, "usage": batch.usage()}
 
-    async def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool
-                           ) -> AsyncIterator[str]:
+    def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool
+                     ) -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
+        return self._framed(self._chat_chunks(batch, head, include_usage), batch, head,
+                            include_usage)
+
+    async def _chat_chunks(self, batch: _Batch, head: dict[str, Any], include_usage: bool
+                           ) -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
-        try:
-            for i in range(batch.params.n):  # the role comes first, before any token
-                yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                      "content": ""},
-                                                "logprobs": None, "finish_reason": None}],
-                           **extra})
-            async for _, out in batch.outputs():
-                for c in out.outputs:
-                    lps = chat_logprobs(c, self.engine.tokenizer)
-                    if not c.text and c.finish_reason is None and not (lps and c.token_ids):
-                        continue
-                    delta = {"content": c.text} if c.text else {}
-                    yield sse({**head, "choices": [{"index": c.index, "delta": delta,
-                                                    "logprobs": lps,
-                                                    "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}], **extra})
-            if include_usage:
-                yield sse({**head, "choices": [], "usage": batch.usage()})
-        except (OpenAIError, RequestFailedError, EngineDeadError) as e:
-            yield sse(_stream_error(e))
-        finally:
-            batch.close()
-        yield DONE
+        for i in range(batch.params.n):  # the role comes first, before any token
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                  "content": ""},
+                                            "logprobs": None, "finish_reason": None}],
+                       **extra})
+        async for _, out in batch.outputs():
+            for c in out.outputs:
+                lps = chat_logprobs(c, self.engine.tokenizer)
+                if not c.text and c.finish_reason is None and not (lps and c.token_ids):
+                    continue
+                delta = {"content": c.text} if c.text else {}
+                yield sse({**head, "choices": [{"index": c.index, "delta": delta,
+                                                "logprobs": lps,
+                                                "finish_reason": c.finish_reason,
+                                                "stop_reason": c.stop_reason}], **extra})
