@@ -45,7 +45,7 @@ MaxTokens = Annotated[int | None, typer.Option("--max-num-batched-tokens",
 MaxLen = Annotated[int | None, typer.Option("--max-model-len", help="Context length limit.")]
 TP = Annotated[int, typer.Option("--tensor-parallel-size", help="Devices for tensor parallelism.")]
 Preempt = Annotated[str, typer.Option("--preemption-mode", help="recompute|swap")]
-Backend = Annotated[str, typer.Option("--attention-backend", help="auto|pallas|reference")]
+Backend = Annotated[str, typer.Option("--attention-backend", help="auto|pallas|reference|xla")]
 Seed = Annotated[int, typer.Option("--seed", help="Engine seed.")]
 Blocks = Annotated[int | None, typer.Option("--num-gpu-blocks-override",
                                             help="Exact KV pool size in blocks.")]

@@ -17,7 +17,7 @@ DEFAULT_LOG_STATS_INTERVAL = 10.0  # seconds between periodic stats log lines
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("recompute", "swap")
-ATTENTION_BACKENDS = ("auto", "pallas", "reference")
+ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla")
 HASH_ALGOS = ("sha256", "xxhash")
 SCHEDULING_POLICIES = ("priority", "fcfs", "lpm")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import jax
 
-from pallas_kernels import reference
+from pallas_kernels import reference, xla_attention
 
 # jax.default_backend() says "gpu" on CUDA and ROCm; lowering platforms say "cuda"/"rocm".
 _GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -24,18 +24,23 @@ class AttentionOps:
 
 
 def select_backend(name: str = "auto", platform: str | None = None) -> AttentionOps:
-    """'reference', 'pallas', or 'auto' (Pallas on GPU, the reference elsewhere).
+    """'xla', 'reference', 'pallas', or 'auto' (Pallas on GPU, 'xla' elsewhere).
 
-    'pallas' off GPU runs the same kernels in interpret mode.
+    'xla' is the chunk-skipping jnp attention (`xla_attention`), 'reference' the simple one the
+    kernels are tested against; both write K/V with `reference.write_kv`. 'pallas' off GPU runs
+    the same kernels in interpret mode.
     """
     platform = platform or jax.default_backend()
-    if name not in ("auto", "pallas", "reference"):
-        raise ValueError(f"attention_backend must be one of auto, pallas, reference; got {name!r}")
+    if name not in ("auto", "pallas", "reference", "xla"):
+        raise ValueError("attention_backend must be one of auto, pallas, reference, xla; "
+                         f"got {name!r}")
     on_gpu = platform in _GPU_PLATFORMS
     if name == "auto":
-        name = "pallas" if on_gpu else "reference"
+        name = "pallas" if on_gpu else "xla"
     if name == "reference":
         return AttentionOps("reference", reference.write_kv, reference.ragged_paged_attention)
+    if name == "xla":
+        return AttentionOps("xla", reference.write_kv, xla_attention.ragged_paged_attention)
     # Imported here so that the reference path never pulls in the Pallas machinery.
     from pallas_kernels import kv_write, ragged_paged_attention
 

@@ -1,4 +1,4 @@
-"""select_backend('pallas') gives the kernels with the reference's signatures."""
+"""select_backend gives the Pallas kernels and the XLA attention with the reference's signatures."""
 
 import functools
 
@@ -12,7 +12,8 @@ from pallas_kernels import select_backend
 
 
 def test_backend_names():
-    assert select_backend("auto", "cpu").name == "reference"
+    assert select_backend("auto", "cpu").name == "xla"
+    assert select_backend("reference", "cpu").name == "reference"
     assert select_backend("auto", "gpu").name == "pallas"
     assert select_backend("pallas", "cpu").name == "pallas"
     with pytest.raises(ValueError, match="attention_backend"):
@@ -36,7 +37,7 @@ def test_pallas_step_matches_reference_step():
     slots = jnp.asarray(slots + [-1] * (t - len(slots)), jnp.int32)
 
     outs = {}
-    for name in ("reference", "pallas"):
+    for name in ("reference", "pallas", "xla"):
         ops = select_backend(name, "cpu")
 
         @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -48,7 +49,9 @@ def test_pallas_step_matches_reference_step():
 
         outs[name] = step(case.k_pages.copy(), case.v_pages.copy(), case.q, case.qsl,
                           case.seq_lens, case.tables)
-    ref, pal = outs["reference"], outs["pallas"]
-    for a, b in zip(ref[:2], pal[:2], strict=True):
-        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
-    assert rel_err(pal[2], ref[2]) < 2e-5
+    ref = outs["reference"]
+    for other in (outs["pallas"], outs["xla"]):
+        for a, b in zip(ref[:2], other[:2], strict=True):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8),
+                                          np.asarray(b).view(np.uint8))
+        assert rel_err(other[2], ref[2]) < 2e-5

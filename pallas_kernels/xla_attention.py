@@ -1,0 +1,138 @@
+"""Paged attention in plain XLA that skips the key chunks a query tile cannot see (CPU path).
+
+Same inputs and result as `reference.ragged_paged_attention`, but the work is a list of
+(query tile, key chunk) items rather than every tile against every chunk up to the step's
+longest sequence. The reference pays for that rectangle: a short sequence next to a long one,
+and the upper (causal) half of every long prompt, are computed and then masked away. Here a tile
+visits only the chunks below its last query position, so a 1,000-token prompt costs about half
+the reference's attention and a step mixing short and long sequences pays for each one's own
+length.
+
+Schedule. Tiles are sorted by how many chunks they need (descending), so the tiles that need
+chunk c are a prefix of that order. Chunk c's tiles are processed in groups of `group` tiles per
+loop iteration (the last group of a chunk padded with a dummy tile), chunk 0 first; the loop runs
+only the iterations the step needs. Within one iteration the tiles are distinct, so each tile's
+online-softmax state (running max, sum, accumulator) is gathered, updated and scattered back
+without conflicts, and every tile sees its chunks in increasing order.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels.reference import _query_tile_size, dequantize
+
+# Keys per chunk: smaller chunks waste less on the causal diagonal (a tile's last chunk is only
+# partly visible) and on each sequence's last chunk, but make more loop iterations.
+CHUNK_TOKENS = 128
+# Query rows (tiles x tile size) one loop iteration works on. Decode tiles (one token) take
+# smaller groups: then the gathered K/V chunks stay in cache (on the 2-core CPU 16 beat 32 and
+# 64 for decode batches), while prefill tiles need larger ones to amortize the iteration.
+ROWS_PER_ITER = 128
+DECODE_ROWS_PER_ITER = 16
+
+
+def ragged_paged_attention(
+    q: Float[Array, "T q_heads head_dim"],
+    k_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    v_pages: Float[Array, "blocks bs kv_heads head_dim"],
+    query_start_loc: Int[Array, " B+1"],
+    seq_lens: Int[Array, " B"],
+    block_tables: Int[Array, "B max_blocks"],
+    *,
+    sm_scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int | None = None,
+    k_scale: Float[Array, ""] | float = 1.0,
+    v_scale: Float[Array, ""] | float = 1.0,
+    chunk_tokens: int = CHUNK_TOKENS,
+    rows_per_iter: int | None = None,
+) -> Float[Array, "T q_heads head_dim"]:
+    """Causal attention of each sequence's new tokens over its paged K/V; see the module doc."""
+    t_total, hq, d = q.shape
+    num_seqs, max_blocks = block_tables.shape
+    _, bs, hkv, _ = k_pages.shape
+    g = hq // hkv
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    tile = _query_tile_size(t_total, num_seqs)
+    num_tiles = (t_total + tile - 1) // tile + (num_seqs if tile > 1 else 0)
+    chunk = max(1, min(max_blocks, chunk_tokens // bs))  # blocks per key chunk
+    ck = chunk * bs
+    n_chunks_max = (max_blocks + chunk - 1) // chunk
+    tables = jnp.pad(block_tables, ((0, 0), (0, n_chunks_max * chunk - max_blocks)))
+    if rows_per_iter is None:
+        rows_per_iter = DECODE_ROWS_PER_ITER if tile == 1 else ROWS_PER_ITER
+    group = max(1, min(num_tiles, rows_per_iter // tile))
+
+    # Tiles: as in the reference, each holds up to `tile` consecutive new tokens of one sequence.
+    q_len = query_start_loc[1:] - query_start_loc[:-1]
+    tiles_per_seq = (q_len + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles_per_seq)
+    tile_ids = jnp.arange(num_tiles)
+    tile_seq = jnp.searchsorted(tile_end, tile_ids, side="right")  # == B for unused tiles
+    tile_valid = tile_seq < num_seqs
+    tseq = jnp.minimum(tile_seq, num_seqs - 1)
+    q_off = (tile_ids - (tile_end[tseq] - tiles_per_seq[tseq])) * tile
+    q_in_seq = q_off[:, None] + jnp.arange(tile)[None, :]  # [NT, tile]
+    row_valid = tile_valid[:, None] & (q_in_seq < q_len[tseq][:, None])
+    tok = jnp.where(row_valid, query_start_loc[tseq][:, None] + q_in_seq, t_total)
+    q_pos = seq_lens[tseq][:, None] - q_len[tseq][:, None] + q_in_seq  # [NT, tile]
+
+    # Chunks each tile needs: through its last valid query position (0 for an unused tile).
+    last_pos = jnp.max(jnp.where(row_valid, q_pos, -1), axis=1)
+    need = jnp.where(last_pos >= 0, jnp.minimum(last_pos // ck + 1, n_chunks_max), 0)
+    order = jnp.argsort(-need, stable=True)  # tiles needing chunk c are order[:active[c]]
+    active = jnp.sum(need[None, :] > jnp.arange(n_chunks_max)[:, None], axis=1)  # [chunks]
+    iters = (active + group - 1) // group
+    iter_end = jnp.cumsum(iters)
+    num_iters = iter_end[-1]
+
+    qt = jnp.take(q, jnp.minimum(tok, t_total - 1), axis=0).astype(jnp.float32)
+    qt = qt.reshape(num_tiles, tile, hkv, g, d) * sm_scale
+    slot = jnp.arange(group)
+
+    def body(i, state):
+        m, lsum, acc = state
+        c = jnp.searchsorted(iter_end, i, side="right")  # this iteration's key chunk
+        rank = (i - (iter_end[c] - iters[c])) * group + slot
+        ok = rank < active[c]
+        tiles = order[jnp.minimum(rank, num_tiles - 1)]  # distinct where ok
+        ids = jax.lax.dynamic_slice_in_dim(tables[tseq[tiles]], c * chunk, chunk, axis=1)
+        kc = dequantize(k_pages[ids], k_scale).reshape(group, ck, hkv, d)
+        vc = dequantize(v_pages[ids], v_scale).reshape(group, ck, hkv, d)
+        s = jnp.einsum("nqkgd,nskd->nkgqs", qt[tiles], kc)  # [group, hkv, g, tile, ck]
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        k_pos = c * ck + jnp.arange(ck)
+        qp = q_pos[tiles]
+        mask = (k_pos[None, None, :] <= qp[:, :, None]) & row_valid[tiles][:, :, None]
+        if sliding_window is not None:
+            mask &= k_pos[None, None, :] > qp[:, :, None] - sliding_window
+        mask = mask[:, None, None, :, :] & ok[:, None, None, None, None]
+        s = jnp.where(mask, s, -jnp.inf)
+        m_old, l_old, a_old = m[tiles], lsum[tiles], acc[tiles]
+        m_new = jnp.maximum(m_old, s.max(axis=-1))
+        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+        alpha = jnp.where(jnp.isfinite(m_old), jnp.exp(m_old - m_safe), 0.0)
+        l_new = l_old * alpha + p.sum(axis=-1)
+        a_new = a_old * alpha[..., None] + jnp.einsum("nkgqs,nskd->nkgqd", p, vc)
+        dst = jnp.where(ok, tiles, num_tiles)  # padding slots write nowhere
+        return (m.at[dst].set(m_new, mode="drop"), lsum.at[dst].set(l_new, mode="drop"),
+                acc.at[dst].set(a_new, mode="drop"))
+
+    init = (
+        jnp.full((num_tiles, hkv, g, tile), -jnp.inf, jnp.float32),
+        jnp.zeros((num_tiles, hkv, g, tile), jnp.float32),
+        jnp.zeros((num_tiles, hkv, g, tile, d), jnp.float32),
+    )
+    _, lsum, acc = jax.lax.fori_loop(0, num_iters, body, init)
+    out = acc / jnp.where(lsum > 0, lsum, 1.0)[..., None]  # [NT, hkv, g, tile, d]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tile, hq, d)
+    res = jnp.zeros((t_total, hq, d), q.dtype)
+    return res.at[tok.reshape(-1)].set(out.astype(q.dtype), mode="drop")
