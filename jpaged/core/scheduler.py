@@ -3,6 +3,8 @@ priorities, and preemption by recompute.
 
 One step (``schedule``):
 
+0. With ``token_buckets`` and chunked prefill, the token budget is first cut so the step fills
+   a bucket rather than padding far up to the next one (``token_budget.py``).
 1. Running requests, decodes first then in-progress prefills, each group in priority order
    (``fcfs``: arrival order). Decodes cost one token each, so a long prefill never starves them.
 2. If step 1 preempted nobody, admit waiting requests in queue order
@@ -43,6 +45,7 @@ from jpaged.core.offload import KVTiers
 from jpaged.core.pressure import PressureMonitor
 from jpaged.core.request_queue import QueueKey, WaitingQueue
 from jpaged.core.sched_output import ScheduledRequest, SchedulerOutput
+from jpaged.core.token_budget import fit_token_budget
 from jpaged.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput", "is_decoding"]
@@ -76,8 +79,12 @@ class Scheduler:
     """Decides, each step, which requests compute how many tokens, owning the KVCacheManager."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 num_blocks: int, tiers: KVTiers | None = None) -> None:
+                 num_blocks: int, tiers: KVTiers | None = None,
+                 token_buckets: Sequence[int] | None = None) -> None:
         self.scheduler_config = scheduler_config
+        # Step token buckets (BucketPlan): with chunked prefill, each step's budget is fitted
+        # to them (token_budget.py); None keeps the plain max_num_batched_tokens budget.
+        self.token_buckets = tuple(sorted(token_buckets)) if token_buckets else None
         self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
@@ -189,7 +196,10 @@ class Scheduler:
         """Plan one step: allocate blocks, preempt under memory pressure, admit new requests."""
         self.num_steps += 1
         self.kv_cache_manager.begin_step()
-        st = _Step(self.scheduler_config.max_num_batched_tokens, len(self.running))
+        budget = self.scheduler_config.max_num_batched_tokens
+        if self.token_buckets is not None and self.scheduler_config.enable_chunked_prefill:
+            budget = self._fitted_budget(budget)
+        st = _Step(budget, len(self.running))
         self.running.sort(key=self._key)
         decodes: list[Request] = []
         prompts: list[Request] = []
@@ -228,6 +238,21 @@ class Scheduler:
         self.pressure.on_step(self.kv_cache_manager.usage, self.kv_cache_manager.num_evictions,
                               len(self.waiting))
         return out
+
+    def _fitted_budget(self, budget: int) -> int:
+        """This step's budget cut so the step fills a token bucket (see token_budget.py)."""
+        num_decodes = sum(map(is_decoding, self.running))
+        demand = num_decodes + sum(self._cap_prefill(r.num_tokens - r.num_computed_tokens)
+                                   for r in self.running if not is_decoding(r))
+        # Plus the waiting requests that could join, in queue order, prefix cache ignored (an
+        # over-estimate only makes fitting rarer); pushed back with their keys: order unchanged.
+        taken, room = [], self.scheduler_config.max_num_seqs - len(self.running)
+        while demand < budget and len(taken) < room and (item := self.waiting.pop()):
+            taken.append(item)
+            demand += self._cap_prefill(item[1].num_tokens - item[1].num_computed_tokens)
+        for key, req in taken:
+            self.waiting.push(req, key)
+        return fit_token_budget(demand, budget, self.token_buckets, num_decodes)
 
     def _allocate(self, req: Request, num_new: int, st: _Step,
                   hit_blocks: Sequence[KVCacheBlock] = (), hit_tokens: int = 0,

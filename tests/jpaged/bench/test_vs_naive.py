@@ -20,8 +20,10 @@ def test_paged_fits_more_and_wastes_less_at_equal_memory():
     paged = paged_engine(loaded, budget, max_len, max_num_seqs=8)
     naive = NaiveEngine(loaded, max_len, budget)
     assert naive.rows == 2 and paged.config.cache.num_gpu_blocks == 2 * max_len // 16
-    # <= 22 tokens each: 2 blocks, so all 8 fit in the 15 usable blocks.
-    work = mixed_length_requests(loaded.spec.vocab_size, 7, 0, (8, 16), (2, 6))
+    # <= 24 tokens each: 2 blocks, so all 7 fit in the 15 usable blocks. The prompts (~80
+    # tokens) take two steps (the first one fills the 64-token bucket); outputs of >= 4 tokens
+    # keep the first-step requests running until the rest are admitted.
+    work = mixed_length_requests(loaded.spec.vocab_size, 7, 0, (8, 16), (4, 8))
     p = run_paged(paged, work, "p")
     n = run_naive(naive, work, "n")
     want = sum(o for _, o in work)
