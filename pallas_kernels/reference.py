@@ -1,4 +1,4 @@
-"""Pure-jnp paged attention and KV write: the truth for kernel tests and the engine's CPU path.
+"""Pure-jnp paged attention and KV write: the truth for kernel tests; write_kv is the CPU KV write.
 
 Page layout (one layer, K and V separately):
     pages: [num_blocks, block_size, num_kv_heads, head_dim]
@@ -132,7 +132,8 @@ def ragged_paged_attention(
     tiles_per_seq = (q_len + tile - 1) // tile
     tile_end = jnp.cumsum(tiles_per_seq)  # [B]
     tile_ids = jnp.arange(num_tiles)
-    tile_seq = jnp.searchsorted(tile_end, tile_ids, side="right")  # [NT]; == B for unused tiles
+    # [NT]; == B for unused tiles
+    tile_seq = jnp.searchsorted(tile_end, tile_ids, side="right", method="compare_all")
     tile_valid = tile_seq < num_seqs
     tseq = jnp.minimum(tile_seq, num_seqs - 1)
     tile_first = tile_end[tseq] - tiles_per_seq[tseq]

@@ -18,9 +18,10 @@ STEPS = {
 
 
 @pytest.mark.parametrize("kind", sorted(STEPS))
-@pytest.mark.parametrize("chunk_tokens,rows", [(16, 4), (32, 64), (128, 64)])
+# Short chunks and small groups (many loop iterations per tile), and the defaults.
+@pytest.mark.parametrize("chunk_tokens,rows", [(16, 4), (128, None)])
 def test_matches_reference(kind, chunk_tokens, rows):
-    rng = np.random.default_rng(len(kind) * 31 + chunk_tokens + rows)
+    rng = np.random.default_rng(len(kind) * 31 + chunk_tokens + (rows or 0))
     case = make_case(rng, STEPS[kind], bs=8, hq=6, hkv=2, d=16, pad_seqs=2, pad_tokens=5)
     want = jax.jit(reference.ragged_paged_attention)(*case.ragged_args())
     fn = jax.jit(lambda *a: xla_attention.ragged_paged_attention(
