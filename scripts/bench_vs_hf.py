@@ -9,7 +9,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from jpaged.bench import report, vs_hf
+from jpaged.bench import bound, report, vs_hf
 from jpaged.bench.workloads import mixed_length_requests
 from models.loader import load_model
 
@@ -56,6 +56,10 @@ def main() -> None:
         runs["hf_generate_batch"].append(vs_hf.run_hf_generate_batch(hf, ps, output_len, pad))
         agree.append(vs_hf.agreement(runs["jpaged"][-1]["token_ids"],
                                      runs["hf_generate"][-1]["token_ids"]))
+    # The zero-overhead bound for jpaged on these prompts at this machine's measured rates.
+    rates = bound.machine_rates()
+    limit = bound.workload_bound(loaded.spec, [len(p) for p in prompts(args.seed)], output_len,
+                                 rates)
     med = report.median
     tps = {k: med([x["tokens_per_s"] for x in v]) for k, v in runs.items()}
     ttft = {k: med([x["ttft_s"] for x in v]) for k, v in runs.items()}
@@ -66,7 +70,12 @@ def main() -> None:
         "ratio_vs_generate_batch": tps["jpaged"] / tps["hf_generate_batch"],
         "jpaged_ttft_s": ttft["jpaged"], "hf_generate_ttft_s": ttft["hf_generate"],
         "hf_generate_batch_ttft_s": ttft["hf_generate_batch"],
-        "greedy_agreement_vs_generate": min(agree), "num_requests": n,
+        "greedy_agreement_vs_generate": min(agree),
+        "jpaged_bound_tokens_per_s": limit["bound_tokens_per_s"],
+        "bound_ratio_vs_generate": limit["bound_tokens_per_s"] / tps["hf_generate"],
+        "bound_ratio_vs_generate_batch": limit["bound_tokens_per_s"] / tps["hf_generate_batch"],
+        "matmul_gflops": rates["matmul_flops_per_s"] / 1e9,
+        "read_gb_per_s": rates["read_bytes_per_s"] / 1e9, "num_requests": n,
         "prompt_range": prompt_range, "output_len": output_len, "threads": threads,
         "repeats": repeats, "quick": args.quick,
         "wall_s": {k: [x["wall_s"] for x in v] for k, v in runs.items()},
