@@ -14,10 +14,11 @@ Padded sequences have q_len 0 and seq_len 0. Tokens past query_start_loc[-1] are
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Bool, Float, Int
 
 FP8_DTYPES = (jnp.float8_e4m3fn, jnp.float8_e5m2)
 
@@ -79,6 +80,39 @@ def _query_tile_size(num_tokens: int, num_seqs: int) -> int:
     return 1 << (ratio.bit_length() - 1)
 
 
+class QueryTiles(NamedTuple):
+    """A step's new tokens cut into tiles of `tile` consecutive tokens of one sequence each."""
+
+    seq: Int[Array, " NT"]  # the tile's sequence (clamped to B - 1 for unused tiles)
+    row_valid: Bool[Array, "NT tile"]  # a real query token (unused tiles: all False)
+    tok: Int[Array, "NT tile"]  # its row in q; T (out of range) for invalid rows
+    q_pos: Int[Array, "NT tile"]  # its absolute position in the sequence
+    q: Float[Array, "NT tile kv_heads group head_dim"]  # float32 queries times sm_scale
+
+
+def tile_queries(q: Float[Array, "T q_heads head_dim"], query_start_loc: Int[Array, " B+1"],
+                 seq_lens: Int[Array, " B"], tile: int, num_tiles: int, kv_heads: int,
+                 sm_scale: float) -> QueryTiles:
+    """Cut the flattened batch into query tiles; tiles past the real tokens are unused."""
+    t_total, hq, d = q.shape
+    num_seqs = seq_lens.shape[0]
+    q_len = query_start_loc[1:] - query_start_loc[:-1]  # [B]
+    tiles_per_seq = (q_len + tile - 1) // tile
+    tile_end = jnp.cumsum(tiles_per_seq)  # [B]
+    tile_ids = jnp.arange(num_tiles)
+    # == B for unused tiles (compare_all compiles faster than the default scan at these sizes)
+    tile_seq = jnp.searchsorted(tile_end, tile_ids, side="right", method="compare_all")
+    tseq = jnp.minimum(tile_seq, num_seqs - 1)
+    q_off = (tile_ids - (tile_end[tseq] - tiles_per_seq[tseq])) * tile  # in the new tokens
+    q_in_seq = q_off[:, None] + jnp.arange(tile)[None, :]  # [NT, tile]
+    row_valid = (tile_seq < num_seqs)[:, None] & (q_in_seq < q_len[tseq][:, None])
+    tok = jnp.where(row_valid, query_start_loc[tseq][:, None] + q_in_seq, t_total)
+    q_pos = seq_lens[tseq][:, None] - q_len[tseq][:, None] + q_in_seq
+    qt = jnp.take(q, jnp.minimum(tok, t_total - 1), axis=0).astype(jnp.float32)
+    qt = qt.reshape(num_tiles, tile, kv_heads, hq // kv_heads, d) * sm_scale
+    return QueryTiles(tseq, row_valid, tok, q_pos, qt)
+
+
 # Keys visited per chunk of the online softmax. The loop runs only as many chunks as the step's
 # longest sequence needs, so this (not max_model_len) bounds what a short sequence gathers.
 KV_CHUNK_TOKENS = 256
@@ -128,24 +162,8 @@ def ragged_paged_attention(
     padded_blocks = n_chunks_max * chunk
     tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
 
-    q_len = query_start_loc[1:] - query_start_loc[:-1]  # [B]
-    tiles_per_seq = (q_len + tile - 1) // tile
-    tile_end = jnp.cumsum(tiles_per_seq)  # [B]
-    tile_ids = jnp.arange(num_tiles)
-    # [NT]; == B for unused tiles
-    tile_seq = jnp.searchsorted(tile_end, tile_ids, side="right", method="compare_all")
-    tile_valid = tile_seq < num_seqs
-    tseq = jnp.minimum(tile_seq, num_seqs - 1)
-    tile_first = tile_end[tseq] - tiles_per_seq[tseq]
-    q_off = (tile_ids - tile_first) * tile  # offset of the tile inside its sequence's new tokens
-    j = jnp.arange(tile)
-    q_in_seq = q_off[:, None] + j[None, :]  # [NT, tile]
-    row_valid = tile_valid[:, None] & (q_in_seq < q_len[tseq][:, None])
-    tok = jnp.where(row_valid, query_start_loc[tseq][:, None] + q_in_seq, t_total)  # [NT, tile]
-    q_pos = seq_lens[tseq][:, None] - q_len[tseq][:, None] + q_in_seq  # absolute positions
-
-    qt = jnp.take(q, jnp.minimum(tok, t_total - 1), axis=0).astype(jnp.float32)  # [NT,tile,hq,d]
-    qt = qt.reshape(num_tiles, tile, hkv, g, d) * sm_scale
+    tq = tile_queries(q, query_start_loc, seq_lens, tile, num_tiles, hkv, sm_scale)
+    tseq, row_valid, tok, q_pos, qt = tq.seq, tq.row_valid, tq.tok, tq.q_pos, tq.q
     tile_tables = tables[tseq]  # [NT, padded_blocks]
     ck = chunk * bs
 

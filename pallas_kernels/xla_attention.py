@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.reference import _query_tile_size, dequantize
+from pallas_kernels.reference import _query_tile_size, dequantize, tile_queries
 
 # Keys per chunk: smaller chunks waste less on the causal diagonal (a tile's last chunk is only
 # partly visible) and on each sequence's last chunk, but make more loop iterations.
@@ -70,19 +70,8 @@ def ragged_paged_attention(
     group = max(1, min(num_tiles, rows_per_iter // tile))
 
     # Tiles: as in the reference, each holds up to `tile` consecutive new tokens of one sequence.
-    q_len = query_start_loc[1:] - query_start_loc[:-1]
-    tiles_per_seq = (q_len + tile - 1) // tile
-    tile_end = jnp.cumsum(tiles_per_seq)
-    tile_ids = jnp.arange(num_tiles)
-    # == B for unused tiles (compare_all: compiles faster than the default scan)
-    tile_seq = jnp.searchsorted(tile_end, tile_ids, side="right", method="compare_all")
-    tile_valid = tile_seq < num_seqs
-    tseq = jnp.minimum(tile_seq, num_seqs - 1)
-    q_off = (tile_ids - (tile_end[tseq] - tiles_per_seq[tseq])) * tile
-    q_in_seq = q_off[:, None] + jnp.arange(tile)[None, :]  # [NT, tile]
-    row_valid = tile_valid[:, None] & (q_in_seq < q_len[tseq][:, None])
-    tok = jnp.where(row_valid, query_start_loc[tseq][:, None] + q_in_seq, t_total)
-    q_pos = seq_lens[tseq][:, None] - q_len[tseq][:, None] + q_in_seq  # [NT, tile]
+    tq = tile_queries(q, query_start_loc, seq_lens, tile, num_tiles, hkv, sm_scale)
+    tseq, row_valid, tok, q_pos, qt = tq.seq, tq.row_valid, tq.tok, tq.q_pos, tq.q
 
     # Chunks each tile needs: through its last valid query position (0 for an unused tile).
     last_pos = jnp.max(jnp.where(row_valid, q_pos, -1), axis=1)
@@ -93,8 +82,6 @@ def ragged_paged_attention(
     iter_end = jnp.cumsum(iters)
     num_iters = iter_end[-1]
 
-    qt = jnp.take(q, jnp.minimum(tok, t_total - 1), axis=0).astype(jnp.float32)
-    qt = qt.reshape(num_tiles, tile, hkv, g, d) * sm_scale
     slot = jnp.arange(group)
 
     def body(i, state):
