@@ -113,6 +113,67 @@ def tile_queries(q: Float[Array, "T q_heads head_dim"], query_start_loc: Int[Arr
     return QueryTiles(tseq, row_valid, tok, q_pos, qt)
 
 
+def init_tile_state(q_tiles: Float[Array, "NT tile kv_heads group head_dim"]
+                    ) -> tuple[Array, Array, Array]:
+    """Empty online-softmax state per query row: max -inf, sum 0, accumulator 0."""
+    nt, tile, hkv, g, d = q_tiles.shape
+    return (jnp.full((nt, hkv, g, tile), -jnp.inf, jnp.float32),
+            jnp.zeros((nt, hkv, g, tile), jnp.float32),
+            jnp.zeros((nt, hkv, g, tile, d), jnp.float32))
+
+
+def attend_chunk(
+    state: tuple[Array, Array, Array],
+    q_tiles: Float[Array, "n tile kv_heads group head_dim"],
+    k_pages: Array,
+    v_pages: Array,
+    ids: Int[Array, "n chunk"],
+    first_key: Int[Array, ""],
+    q_pos: Int[Array, "n tile"],
+    row_valid: Bool[Array, "n tile"],
+    *,
+    soft_cap: float | None,
+    sliding_window: int | None,
+    k_scale: Float[Array, ""] | float,
+    v_scale: Float[Array, ""] | float,
+) -> tuple[Array, Array, Array]:
+    """Fold one key chunk (pages `ids`, keys from `first_key`) into n tiles' softmax state.
+
+    Invariant: acc / sum is the softmax-weighted mean of the visible values seen so far, max
+    the running max of visible logits (-inf while none); invisible keys weigh exactly 0.
+    """
+    m, lsum, acc = state
+    n, _, hkv, _, d = q_tiles.shape
+    kc = dequantize(k_pages[ids], k_scale).reshape(n, -1, hkv, d)
+    vc = dequantize(v_pages[ids], v_scale).reshape(n, -1, hkv, d)
+    s = jnp.einsum("nqkgd,nskd->nkgqs", q_tiles, kc)  # [n, hkv, g, tile, ck]
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    k_pos = first_key + jnp.arange(kc.shape[1])
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [n, tile, ck]
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+    mask = (mask & row_valid[:, :, None])[:, None, None, :, :]
+    s = jnp.where(mask, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
+    alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+    lsum = lsum * alpha + p.sum(axis=-1)
+    acc = acc * alpha[..., None] + jnp.einsum("nkgqs,nskd->nkgqd", p, vc)
+    return m_new, lsum, acc
+
+
+def tiles_to_tokens(lsum: Array, acc: Array, tok: Int[Array, "NT tile"],
+                    like: Float[Array, "T q_heads head_dim"]) -> Array:
+    """Normalize each row's accumulator and scatter the tiles back to token rows (padding 0)."""
+    nt, hkv, g, tile, d = acc.shape
+    out = acc / jnp.where(lsum > 0, lsum, 1.0)[..., None]  # [NT, hkv, g, tile, d]
+    out = out.transpose(0, 3, 1, 2, 4).reshape(nt * tile, hkv * g, d)
+    res = jnp.zeros(like.shape, like.dtype)
+    return res.at[tok.reshape(-1)].set(out.astype(like.dtype), mode="drop")
+
+
 # Keys visited per chunk of the online softmax. The loop runs only as many chunks as the step's
 # longest sequence needs, so this (not max_model_len) bounds what a short sequence gathers.
 KV_CHUNK_TOKENS = 256
@@ -150,7 +211,6 @@ def ragged_paged_attention(
     t_total, hq, d = q.shape
     num_seqs, max_blocks = block_tables.shape
     _, bs, hkv, _ = k_pages.shape
-    g = hq // hkv
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     tile = _query_tile_size(t_total, num_seqs)
@@ -168,40 +228,15 @@ def ragged_paged_attention(
     ck = chunk * bs
 
     def body(c, carry):
-        m, lsum, acc = carry
         ids = jax.lax.dynamic_slice_in_dim(tile_tables, c * chunk, chunk, axis=1)  # [NT, chunk]
-        kc = dequantize(k_pages[ids], k_scale).reshape(num_tiles, ck, hkv, d)
-        vc = dequantize(v_pages[ids], v_scale).reshape(num_tiles, ck, hkv, d)
-        s = jnp.einsum("nqkgd,nskd->nkgqs", qt, kc)  # [NT, hkv, g, tile, ck]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        k_pos = c * ck + jnp.arange(ck)
-        mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [NT, tile, ck]
-        if sliding_window is not None:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
-        mask &= row_valid[:, :, None]
-        mask = mask[:, None, None, :, :]
-        s = jnp.where(mask, s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-        alpha = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
-        lsum = lsum * alpha + p.sum(axis=-1)
-        acc = acc * alpha[..., None] + jnp.einsum("nkgqs,nskd->nkgqd", p, vc)
-        return m_new, lsum, acc
+        return attend_chunk(carry, qt, k_pages, v_pages, ids, c * ck, q_pos, row_valid,
+                            soft_cap=soft_cap, sliding_window=sliding_window, k_scale=k_scale,
+                            v_scale=v_scale)
 
-    init = (
-        jnp.full((num_tiles, hkv, g, tile), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tiles, hkv, g, tile), jnp.float32),
-        jnp.zeros((num_tiles, hkv, g, tile, d), jnp.float32),
-    )
     # Only as many key chunks as the longest sequence of this step needs.
     n_chunks = jnp.minimum((jnp.max(seq_lens) + ck - 1) // ck, n_chunks_max)
-    _, lsum, acc = jax.lax.fori_loop(0, n_chunks, body, init)
-    out = acc / jnp.where(lsum > 0, lsum, 1.0)[..., None]  # [NT, hkv, g, tile, d]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tile, hq, d)
-    res = jnp.zeros((t_total, hq, d), q.dtype)
-    return res.at[tok.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+    _, lsum, acc = jax.lax.fori_loop(0, n_chunks, body, init_tile_state(qt))
+    return tiles_to_tokens(lsum, acc, tok, q)
 
 
 def dense_attention_contiguous(

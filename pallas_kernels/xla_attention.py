@@ -24,7 +24,13 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.reference import _query_tile_size, dequantize, tile_queries
+from pallas_kernels.reference import (
+    _query_tile_size,
+    attend_chunk,
+    init_tile_state,
+    tile_queries,
+    tiles_to_tokens,
+)
 
 # Keys per chunk: smaller chunks waste less on the causal diagonal (a tile's last chunk is only
 # partly visible) and on each sequence's last chunk, but make more loop iterations.
@@ -56,7 +62,6 @@ def ragged_paged_attention(
     t_total, hq, d = q.shape
     num_seqs, max_blocks = block_tables.shape
     _, bs, hkv, _ = k_pages.shape
-    g = hq // hkv
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
     tile = _query_tile_size(t_total, num_seqs)
@@ -91,36 +96,13 @@ def ragged_paged_attention(
         ok = rank < active[c]
         tiles = order[jnp.minimum(rank, num_tiles - 1)]  # distinct where ok
         ids = jax.lax.dynamic_slice_in_dim(tables[tseq[tiles]], c * chunk, chunk, axis=1)
-        kc = dequantize(k_pages[ids], k_scale).reshape(group, ck, hkv, d)
-        vc = dequantize(v_pages[ids], v_scale).reshape(group, ck, hkv, d)
-        s = jnp.einsum("nqkgd,nskd->nkgqs", qt[tiles], kc)  # [group, hkv, g, tile, ck]
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        k_pos = c * ck + jnp.arange(ck)
-        qp = q_pos[tiles]
-        mask = (k_pos[None, None, :] <= qp[:, :, None]) & row_valid[tiles][:, :, None]
-        if sliding_window is not None:
-            mask &= k_pos[None, None, :] > qp[:, :, None] - sliding_window
-        mask = mask[:, None, None, :, :] & ok[:, None, None, None, None]
-        s = jnp.where(mask, s, -jnp.inf)
-        m_old, l_old, a_old = m[tiles], lsum[tiles], acc[tiles]
-        m_new = jnp.maximum(m_old, s.max(axis=-1))
-        m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-        p = jnp.where(mask, jnp.exp(s - m_safe[..., None]), 0.0)
-        alpha = jnp.where(jnp.isfinite(m_old), jnp.exp(m_old - m_safe), 0.0)
-        l_new = l_old * alpha + p.sum(axis=-1)
-        a_new = a_old * alpha[..., None] + jnp.einsum("nkgqs,nskd->nkgqd", p, vc)
+        m_new, l_new, a_new = attend_chunk(
+            (m[tiles], lsum[tiles], acc[tiles]), qt[tiles], k_pages, v_pages, ids, c * ck,
+            q_pos[tiles], row_valid[tiles] & ok[:, None], soft_cap=soft_cap,
+            sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
         dst = jnp.where(ok, tiles, num_tiles)  # padding slots write nowhere
         return (m.at[dst].set(m_new, mode="drop"), lsum.at[dst].set(l_new, mode="drop"),
                 acc.at[dst].set(a_new, mode="drop"))
 
-    init = (
-        jnp.full((num_tiles, hkv, g, tile), -jnp.inf, jnp.float32),
-        jnp.zeros((num_tiles, hkv, g, tile), jnp.float32),
-        jnp.zeros((num_tiles, hkv, g, tile, d), jnp.float32),
-    )
-    _, lsum, acc = jax.lax.fori_loop(0, num_iters, body, init)
-    out = acc / jnp.where(lsum > 0, lsum, 1.0)[..., None]  # [NT, hkv, g, tile, d]
-    out = out.transpose(0, 3, 1, 2, 4).reshape(num_tiles * tile, hq, d)
-    res = jnp.zeros((t_total, hq, d), q.dtype)
-    return res.at[tok.reshape(-1)].set(out.astype(q.dtype), mode="drop")
+    _, lsum, acc = jax.lax.fori_loop(0, num_iters, body, init_tile_state(qt))
+    return tiles_to_tokens(lsum, acc, tok, q)
