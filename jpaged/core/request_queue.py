@@ -63,6 +63,21 @@ class WaitingQueue:
         self._prune()
         return self._heap[0][2] if self._heap else None
 
+    def first_n(self, k: int) -> list[Request]:
+        """The first k requests in order, left in place (O(k log k) plus stale entries met)."""
+        heap, live, out = self._heap, self._live, []
+        # Best-first walk of the heap tree: a node is only reached after its parent, and every
+        # entry is <= its children, so entries leave the frontier in sorted order.
+        frontier = [(heap[0], 0)] if heap else []
+        while frontier and len(out) < k:
+            entry, i = heapq.heappop(frontier)
+            if live.get(entry[2].request_id) == entry[1]:
+                out.append(entry[2])
+            for c in (2 * i + 1, 2 * i + 2):
+                if c < len(heap):
+                    heapq.heappush(frontier, (heap[c], c))
+        return out
+
     def remove(self, request_id: str) -> bool:
         """Drop a request (lazily, amortised O(1)); False if it was not waiting."""
         if self._live.pop(request_id, None) is None:

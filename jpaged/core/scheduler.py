@@ -245,13 +245,12 @@ class Scheduler:
         demand = num_decodes + sum(self._cap_prefill(r.num_tokens - r.num_computed_tokens)
                                    for r in self.running if not is_decoding(r))
         # Plus the waiting requests that could join, in queue order, prefix cache ignored (an
-        # over-estimate only makes fitting rarer); pushed back with their keys: order unchanged.
-        taken, room = [], self.scheduler_config.max_num_seqs - len(self.running)
-        while demand < budget and len(taken) < room and (item := self.waiting.pop()):
-            taken.append(item)
-            demand += self._cap_prefill(item[1].num_tokens - item[1].num_computed_tokens)
-        for key, req in taken:
-            self.waiting.push(req, key)
+        # over-estimate only makes fitting rarer).
+        room = self.scheduler_config.max_num_seqs - len(self.running)
+        for req in self.waiting.first_n(max(room, 0)):
+            if demand >= budget:
+                break
+            demand += self._cap_prefill(req.num_tokens - req.num_computed_tokens)
         return fit_token_budget(demand, budget, self.token_buckets, num_decodes)
 
     def _allocate(self, req: Request, num_new: int, st: _Step,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from core_sim import EOS, Sim, make_request, make_scheduler, reference_output
 
@@ -107,6 +109,24 @@ def test_waiting_queue_front_of_class():
     assert [r.request_id for r in q] == ["a", "d", "b", "c"]
     assert q.remove("b") and not q.remove("b") and "b" not in q and len(q) == 3
     assert [q.pop()[1].request_id for _ in range(3)] == ["a", "d", "c"] and q.pop() is None
+
+
+def test_waiting_queue_first_n_matches_pop_order_and_leaves_the_queue():
+    rng = random.Random(0)
+    q = WaitingQueue("priority")
+    reqs = [make_request(f"r{i}", [1], priority=rng.randrange(3), arrival=rng.random())
+            for i in range(40)]
+    for r in reqs:
+        q.push(r)
+    for r in reqs[::3]:
+        q.push_front(r)  # re-pushed: its old heap entry goes stale
+    for r in reqs[1::5]:
+        q.remove(r.request_id)
+    expect = [r.request_id for r in q]
+    for k in (0, 1, 7, len(q), len(q) + 5):
+        assert [r.request_id for r in q.first_n(k)] == expect[:k]
+    assert [q.pop()[1].request_id for _ in range(len(expect))] == expect and q.pop() is None
+    assert q.first_n(3) == []
 
 
 def test_stop_tokens_min_tokens_and_lengths():
