@@ -53,5 +53,5 @@ def write(out: Path, data: dict[str, Any], plot: Callable[[Any], None] | None = 
         fig, ax = plt.subplots(figsize=(6, 3.6))
         plot(ax)
         fig.tight_layout()
-        fig.savefig(out.with_suffix(".png"), dpi=110)
+        fig.savefig(out.with_suffix(".png"), dpi=110, bbox_inches="tight")  # no clipped labels
         plt.close(fig)
