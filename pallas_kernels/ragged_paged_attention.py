@@ -143,8 +143,8 @@ def ragged_kernel_attention(
     check_dot_tiles(rows, pages_per_block * bs, interpret)
     # Each sequence adds at most one partial tile.
     num_tiles = -(-t_total // q_tile) + num_seqs
-    padded_blocks = -(-max_blocks // pages_per_block) * pages_per_block
-    tables = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, padded_blocks - max_blocks)))
+    tables, _ = reference.chunked_tables(block_tables.astype(jnp.int32), pages_per_block)
+    padded_blocks = tables.shape[1]
     meta, first_tok = tile_metadata(query_start_loc.astype(jnp.int32),
                                     seq_lens.astype(jnp.int32), q_tile, num_tiles)
     meta = meta.at[:, _META_VALID].multiply(jnp.asarray(active, jnp.int32))

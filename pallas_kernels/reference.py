@@ -70,14 +70,25 @@ def write_kv(
     return kf.reshape(nb, bs, h, d), vf.reshape(nb, bs, h, d)
 
 
-def _query_tile_size(num_tokens: int, num_seqs: int) -> int:
-    """Static tile size: tokens per sequence of the shape, a power of two in [1, 32].
+def query_tiling(num_tokens: int, num_seqs: int) -> tuple[int, int]:
+    """Static (tile size, tile count) for a step shape; the size is a power of two in [1, 32].
 
-    Every sequence may leave one partly used tile, so the padded query rows stay below
-    num_tokens + num_seqs x tile <= 2 x num_tokens.
+    The size is about the tokens per sequence. Every sequence may leave one partly used tile,
+    so the count is an upper bound with num_seqs spare tiles, and the padded query rows stay
+    below num_tokens + num_seqs x tile <= 2 x num_tokens. With one-token tiles no tile is
+    partial (sum(q_len) <= num_tokens), so no spare tiles.
     """
     ratio = max(1, min(32, num_tokens // max(num_seqs, 1)))
-    return 1 << (ratio.bit_length() - 1)
+    tile = 1 << (ratio.bit_length() - 1)
+    return tile, (num_tokens + tile - 1) // tile + (num_seqs if tile > 1 else 0)
+
+
+def chunked_tables(block_tables: Int[Array, "B max_blocks"], chunk: int
+                   ) -> tuple[Int[Array, "B padded_blocks"], int]:
+    """Block tables padded to whole key chunks of `chunk` blocks, and the chunk count."""
+    max_blocks = block_tables.shape[1]
+    n_chunks = (max_blocks + chunk - 1) // chunk
+    return jnp.pad(block_tables, ((0, 0), (0, n_chunks * chunk - max_blocks))), n_chunks
 
 
 class QueryTiles(NamedTuple):
@@ -213,14 +224,9 @@ def ragged_paged_attention(
     _, bs, hkv, _ = k_pages.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
-    tile = _query_tile_size(t_total, num_seqs)
-    # Upper bound on tiles: each sequence adds at most one partial tile (none when tile == 1:
-    # then tiles are tokens, and sum(q_len) <= T).
-    num_tiles = (t_total + tile - 1) // tile + (num_seqs if tile > 1 else 0)
+    tile, num_tiles = query_tiling(t_total, num_seqs)
     chunk = _kv_chunk_blocks(num_tiles, tile, bs, hkv, d, max_blocks)
-    n_chunks_max = (max_blocks + chunk - 1) // chunk
-    padded_blocks = n_chunks_max * chunk
-    tables = jnp.pad(block_tables, ((0, 0), (0, padded_blocks - max_blocks)))
+    tables, n_chunks_max = chunked_tables(block_tables, chunk)
 
     tq = tile_queries(q, query_start_loc, seq_lens, tile, num_tiles, hkv, sm_scale)
     tseq, row_valid, tok, q_pos, qt = tq.seq, tq.row_valid, tq.tok, tq.q_pos, tq.q

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.reference import (
-    _query_tile_size,
     attend_chunk,
+    chunked_tables,
     init_tile_state,
+    query_tiling,
     tile_queries,
     tiles_to_tokens,
 )
@@ -64,12 +65,10 @@ def ragged_paged_attention(
     _, bs, hkv, _ = k_pages.shape
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
-    tile = _query_tile_size(t_total, num_seqs)
-    num_tiles = (t_total + tile - 1) // tile + (num_seqs if tile > 1 else 0)
+    tile, num_tiles = query_tiling(t_total, num_seqs)
     chunk = max(1, min(max_blocks, chunk_tokens // bs))  # blocks per key chunk
     ck = chunk * bs
-    n_chunks_max = (max_blocks + chunk - 1) // chunk
-    tables = jnp.pad(block_tables, ((0, 0), (0, n_chunks_max * chunk - max_blocks)))
+    tables, n_chunks_max = chunked_tables(block_tables, chunk)
     if rows_per_iter is None:
         rows_per_iter = DECODE_ROWS_PER_ITER if tile == 1 else ROWS_PER_ITER
     group = max(1, min(num_tiles, rows_per_iter // tile))
