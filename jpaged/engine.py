@@ -92,10 +92,9 @@ class LLMEngine:
         # KV tiers (host RAM, then disk) below the device pool; None when kv_offloading_size=0.
         self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype)
         self.kv_transfer = KVTransfer()
-        # Chunked prefill: each step's token budget is fitted to the step buckets.
+        # With chunked prefill the scheduler fits each step's token budget to these buckets.
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
-                                   self.tiers, token_buckets=plan.token_buckets
-                                   if config.scheduler.enable_chunked_prefill else None)
+                                   self.tiers, token_buckets=plan.token_buckets)
         kv = (allocate_kv_cache(self.spec, num_blocks, self.config.cache.block_size, self.kv_dtype)
               if self.parallel is None else
               self.parallel.allocate_kv(num_blocks, self.config.cache.block_size, self.kv_dtype))

@@ -83,7 +83,8 @@ class Scheduler:
                  token_buckets: Sequence[int] | None = None) -> None:
         self.scheduler_config = scheduler_config
         # Step token buckets (BucketPlan): with chunked prefill, each step's budget is fitted
-        # to them (token_budget.py); None keeps the plain max_num_batched_tokens budget.
+        # to them (token_budget.py); None, or chunked prefill off, keeps the plain
+        # max_num_batched_tokens budget (schedule() checks both).
         self.token_buckets = tuple(sorted(token_buckets)) if token_buckets else None
         self.cache_config = cache_config
         self.block_size = cache_config.block_size

@@ -49,8 +49,8 @@ def reset_host_state(engine: LLMEngine, num_blocks: int, max_num_seqs: int,
     sched = dataclasses.replace(cfg.scheduler, max_num_seqs=max_num_seqs)
     engine.config = dataclasses.replace(cfg, cache=cache, scheduler=sched)
     engine.tiers = build_host_tier(cache, engine.spec, engine.kv_dtype)
-    buckets = engine.runner.plan.token_buckets if sched.enable_chunked_prefill else None
-    engine.scheduler = Scheduler(sched, cache, num_blocks, engine.tiers, token_buckets=buckets)
+    engine.scheduler = Scheduler(sched, cache, num_blocks, engine.tiers,
+                                 token_buckets=engine.runner.plan.token_buckets)
 
 
 class EngineReplayer:
