@@ -7,14 +7,13 @@ after a warm-up call. The figures are per layer; an engine step runs it once per
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jpaged.bench.report import median
+from jpaged.bench.timing import median_call_s
 from pallas_kernels import reference, xla_attention
 from pallas_kernels.bench_inputs import paged_batch
 
@@ -44,14 +43,7 @@ def run(repeats: int = 5, cases: dict[str, tuple[list[int], list[int], int]] | N
                 batch.tables[0])
         ms = {}
         for impl, fn in IMPLS.items():
-            f = jax.jit(fn)
-            jax.block_until_ready(f(*args))  # compile
-            times = []
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(*args))
-                times.append(time.perf_counter() - t0)
-            ms[impl] = 1e3 * median(times)
+            ms[impl] = 1e3 * median_call_s(jax.jit(fn), *args, repeats=repeats)
         rows.append({"case": name, "reference_ms": ms["reference"], "xla_ms": ms["xla"],
                      "speedup": ms["reference"] / ms["xla"]})
     return rows

@@ -10,25 +10,14 @@ with a baseline's measured speed says which ratios are reachable at all.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from jpaged.bench.report import median
+from jpaged.bench.timing import median_call_s
 from jpaged.estimate import param_counts
-
-
-def _timed(f: Any, *args: Any, repeats: int = 5) -> float:
-    jax.block_until_ready(f(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(f(*args))
-        times.append(time.perf_counter() - t0)
-    return median(times)
 
 
 def machine_rates(hidden: int = 576, inter: int = 1536, tokens: int = 1024,
@@ -36,9 +25,9 @@ def machine_rates(hidden: int = 576, inter: int = 1536, tokens: int = 1024,
     """float32 matmul FLOP/s ([tokens, hidden] x [hidden, inter]) and read bandwidth (B/s)."""
     a = jnp.ones((tokens, hidden), jnp.float32)
     b = jnp.ones((hidden, inter), jnp.float32)
-    mm = _timed(jax.jit(lambda x, y: x @ y), a, b)
+    mm = median_call_s(jax.jit(lambda x, y: x @ y), a, b)
     x = jnp.ones((stream_bytes // 4,), jnp.float32)
-    rd = _timed(jax.jit(jnp.sum), x)
+    rd = median_call_s(jax.jit(jnp.sum), x)
     return {"matmul_flops_per_s": 2 * tokens * hidden * inter / mm,
             "read_bytes_per_s": stream_bytes / rd}
 

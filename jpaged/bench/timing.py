@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 # jax's own duration events for one compilation: trace, lowering, XLA backend compile.
 COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
@@ -44,3 +45,18 @@ def stopwatch() -> Iterator[Stopwatch]:
     finally:
         sw.wall_s = time.perf_counter() - t0
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+def median_call_s(f: Callable[..., Any], *args: Any, repeats: int = 5) -> float:
+    """Median seconds of `repeats` calls of jitted `f(*args)` after one warm-up (compile) call."""
+    import jax
+
+    from jpaged.bench.report import median
+
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return median(times)

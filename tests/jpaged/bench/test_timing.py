@@ -1,10 +1,10 @@
-"""The compile-aware stopwatch and the mixed-length workload."""
+"""The compile-aware stopwatch, the call timer and the mixed-length workload."""
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from jpaged.bench.timing import stopwatch
+from jpaged.bench.timing import median_call_s, stopwatch
 from jpaged.bench.workloads import mixed_length_requests
 
 
@@ -26,3 +26,14 @@ def test_mixed_length_requests_are_seeded_and_in_range():
     assert all(500 <= t < 1000 for p, _ in a for t in p)
     with pytest.raises(ValueError, match="output_range"):
         mixed_length_requests(1000, 2, 0, (3, 9), (5, 4))
+
+
+def test_median_call_s_warms_up_once_then_times_each_repeat():
+    calls = []
+
+    def f(x):
+        calls.append(1)
+        return x + 1
+
+    s = median_call_s(f, jnp.ones(4), repeats=3)
+    assert len(calls) == 4 and s >= 0.0
