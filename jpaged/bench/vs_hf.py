@@ -4,7 +4,8 @@ HF runs in PyTorch float32 on the CPU with `torch.set_num_threads` equal to the 
 uses, two ways: `generate` on one left-padded batch of every prompt, and `generate_batch`, HF's
 own paged continuous batching. Every request generates exactly `output_len` tokens. Throughput
 is generated tokens / wall seconds of the whole batch; TTFT is per request (first token time −
-submission), for `generate` the time of a one-token `generate` on the same batch. jpaged is
+submission), for `generate` the time its first new token reaches a streamer in the timed call
+(one batch, so every request gets its first token at that moment). jpaged is
 warmed on other prompts of the same lengths first, so its timed run compiles nothing.
 """
 
@@ -78,9 +79,29 @@ def run_jpaged(engine: LLMEngine, prompts: list[list[int]], output_len: int, tag
             "ttft_s": float(np.median(ttft)), "token_ids": tokens}
 
 
+def _first_token_clock() -> Any:
+    """A `generate` streamer that notes when the first new tokens arrive (after the prompt)."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class FirstTokenClock(BaseStreamer):
+        def __init__(self) -> None:
+            self.puts = 0
+            self.first_token_at: float | None = None
+
+        def put(self, value: Any) -> None:
+            self.puts += 1
+            if self.puts == 2:  # put 1 is the prompt batch; put 2 the first sampled tokens
+                self.first_token_at = time.perf_counter()
+
+        def end(self) -> None:
+            pass
+
+    return FirstTokenClock()
+
+
 def run_hf_generate(model: Any, prompts: list[list[int]], output_len: int, pad_id: int
                     ) -> dict[str, Any]:
-    """One left-padded `generate` batch; TTFT from a one-token `generate` on the same batch."""
+    """One left-padded `generate` batch; TTFT from a streamer inside the same timed call."""
     import torch
 
     width = max(map(len, prompts))
@@ -89,17 +110,19 @@ def run_hf_generate(model: Any, prompts: list[list[int]], output_len: int, pad_i
     for i, p in enumerate(prompts):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    common = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+    clock = _first_token_clock()
     with torch.no_grad():
         t0 = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, min_new_tokens=1, **common)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=output_len, min_new_tokens=output_len, **common)
+        out = model.generate(ids, attention_mask=mask, do_sample=False, pad_token_id=pad_id,
+                             eos_token_id=None, max_new_tokens=output_len,
+                             min_new_tokens=output_len, streamer=clock)
         wall = time.perf_counter() - t0
+    if clock.first_token_at is None:
+        raise RuntimeError("HF generate never streamed a generated token; cannot time TTFT")
     tokens = out[:, width:].tolist()
-    return {"tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall, "ttft_s": ttft,
-            "token_ids": tokens}
+    # t0 <= first_token_at <= the end of the call, so 0 < ttft <= wall holds by construction.
+    return {"tokens_per_s": sum(map(len, tokens)) / wall, "wall_s": wall,
+            "ttft_s": clock.first_token_at - t0, "token_ids": tokens}
 
 
 def run_hf_generate_batch(model: Any, prompts: list[list[int]], output_len: int, pad_id: int
