@@ -44,9 +44,13 @@ class WaitingQueue:
         """Add a preempted request ahead of every other request of its class."""
         self.push(request, self.key_front(request))
 
+    def _is_live(self, entry: tuple[QueueKey, int, Request]) -> bool:
+        """Whether a heap entry is its request's current one (not removed, not re-pushed)."""
+        return self._live.get(entry[2].request_id) == entry[1]
+
     def _prune(self) -> None:
-        heap, live = self._heap, self._live
-        while heap and live.get(heap[0][2].request_id) != heap[0][1]:
+        heap = self._heap
+        while heap and not self._is_live(heap[0]):
             heapq.heappop(heap)
 
     def pop(self) -> tuple[QueueKey, Request] | None:
@@ -65,13 +69,13 @@ class WaitingQueue:
 
     def first_n(self, k: int) -> list[Request]:
         """The first k requests in order, left in place (O(k log k) plus stale entries met)."""
-        heap, live, out = self._heap, self._live, []
+        heap, out = self._heap, []
         # Best-first walk of the heap tree: a node is only reached after its parent, and every
         # entry is <= its children, so entries leave the frontier in sorted order.
         frontier = [(heap[0], 0)] if heap else []
         while frontier and len(out) < k:
             entry, i = heapq.heappop(frontier)
-            if live.get(entry[2].request_id) == entry[1]:
+            if self._is_live(entry):
                 out.append(entry[2])
             for c in (2 * i + 1, 2 * i + 2):
                 if c < len(heap):
@@ -83,8 +87,7 @@ class WaitingQueue:
         if self._live.pop(request_id, None) is None:
             return False
         if len(self._heap) > 2 * len(self._live) + 64:  # bound the stale entries
-            live = self._live
-            self._heap = [e for e in self._heap if live.get(e[2].request_id) == e[1]]
+            self._heap = [e for e in self._heap if self._is_live(e)]
             heapq.heapify(self._heap)
         return True
 
@@ -103,6 +106,4 @@ class WaitingQueue:
 
     def __iter__(self) -> Iterator[Request]:
         """Requests in order (O(n log n); for inspection)."""
-        live = self._live
-        entries = sorted(e for e in self._heap if live.get(e[2].request_id) == e[1])
-        return iter([e[2] for e in entries])
+        return iter(self.first_n(len(self)))
