@@ -28,6 +28,21 @@ def is_fp8(dtype: jnp.dtype) -> bool:
     return jnp.dtype(dtype) in tuple(jnp.dtype(d) for d in FP8_DTYPES)
 
 
+def bits_dtype(dtype: jnp.dtype) -> jnp.dtype | None:
+    """The unsigned type that carries `dtype`'s bits when pages move, or None if none is needed.
+
+    XLA:CPU gathers and scatters fp8 and bfloat16 arrays only after widening the operand (the
+    whole pool) to f16 / f32 and narrowing it back; their bit patterns as uint8 / uint16 move
+    as they are. float16 and float32 need no such detour.
+    """
+    dtype = jnp.dtype(dtype)
+    if is_fp8(dtype):
+        return jnp.dtype(jnp.uint8)
+    if dtype == jnp.dtype(jnp.bfloat16):
+        return jnp.dtype(jnp.uint16)
+    return None
+
+
 def quantize(x: Float[Array, "..."], dtype: jnp.dtype, scale: Float[Array, ""] | float = 1.0
              ) -> Array:
     """Cast new K/V to the page dtype; fp8 divides by `scale` and saturates to the finite range."""
@@ -42,6 +57,21 @@ def dequantize(x: Array, scale: Float[Array, ""] | float = 1.0) -> Float[Array, 
     """Pages back to float32; fp8 multiplies by `scale`."""
     y = x.astype(jnp.float32)
     return y * scale if is_fp8(x.dtype) else y
+
+
+def gather_blocks(pages: Float[Array, "blocks bs kv_heads head_dim"], ids: Int[Array, "..."]
+                  ) -> Float[Array, "... bs kv_heads head_dim"]:
+    """pages[ids], in the pages' dtype.
+
+    fp8 and bf16 pages are gathered as their bit patterns (`bits_dtype`): XLA:CPU would widen
+    the gather's operand, the WHOLE pool (hoisted out of the attention loop, still a pool-sized
+    conversion per layer per step); the bitcasts are free and fold with the caller's.
+    """
+    bits = bits_dtype(pages.dtype)
+    if bits is None:
+        return pages[ids]
+    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(pages, bits)[ids],
+                                        pages.dtype)
 
 
 def write_kv(
@@ -65,9 +95,26 @@ def write_kv(
         # an in-place scatter.
         idx = jnp.concatenate([idx, jnp.full((1,), total, idx.dtype)])
         kq, vq = jnp.concatenate([kq, kq]), jnp.concatenate([vq, vq])
-    kf = k_pages.reshape(total, h, d).at[idx].set(kq, mode="drop")
-    vf = v_pages.reshape(total, h, d).at[idx].set(vq, mode="drop")
-    return kf.reshape(nb, bs, h, d), vf.reshape(nb, bs, h, d)
+    return _scatter_rows(k_pages, idx, kq), _scatter_rows(v_pages, idx, vq)
+
+
+def _scatter_rows(pages: Array, idx: Int[Array, " T"], rows: Array) -> Array:
+    """pages with token slots `idx` set to `rows` (same dtype); out-of-range slots dropped.
+
+    fp8 and bf16 pages are scattered as their bit patterns (`bits_dtype`): XLA:CPU would widen
+    the WHOLE pool and narrow it back around the scatter (a pool-sized copy per layer per step),
+    while the bitcasts are free and the integer scatter updates the donated buffer in place.
+    """
+    bs = pages.shape[1]
+    blk, off = idx // bs, idx % bs  # idx == total (dropped) gives blk == num_blocks
+    bits = bits_dtype(pages.dtype)
+    if bits is None:
+        return pages.at[blk, off].set(rows, mode="drop")
+    # No reshape between the bitcasts: adjacent bitcast-converts fold away, split by a reshape
+    # they become a pool-sized copy.
+    stored = jax.lax.bitcast_convert_type(pages, bits)
+    new = jax.lax.bitcast_convert_type(rows, bits)
+    return jax.lax.bitcast_convert_type(stored.at[blk, off].set(new, mode="drop"), pages.dtype)
 
 
 def query_tiling(num_tokens: int, num_seqs: int) -> tuple[int, int]:
@@ -155,8 +202,8 @@ def attend_chunk(
     """
     m, lsum, acc = state
     n, _, hkv, _, d = q_tiles.shape
-    kc = dequantize(k_pages[ids], k_scale).reshape(n, -1, hkv, d)
-    vc = dequantize(v_pages[ids], v_scale).reshape(n, -1, hkv, d)
+    kc = dequantize(gather_blocks(k_pages, ids), k_scale).reshape(n, -1, hkv, d)
+    vc = dequantize(gather_blocks(v_pages, ids), v_scale).reshape(n, -1, hkv, d)
     s = jnp.einsum("nqkgd,nskd->nkgqs", q_tiles, kc)  # [n, hkv, g, tile, ck]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)

@@ -23,6 +23,7 @@ from jaxtyping import Array, Bool, Float
 
 from jpaged.config import CacheConfig
 from models.config import ModelSpec
+from pallas_kernels.reference import bits_dtype
 
 logger = logging.getLogger("jpaged")
 
@@ -37,17 +38,56 @@ MEMORY_MARGIN_BYTES = 256 * 2**20
 KV_SCALE_EPS = 1e-8
 
 
+def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype the pool arrays are stored in: uint8 for fp8 pages, uint16 for bf16, else the
+    page dtype.
+
+    Such pools are held as their bit patterns (vLLM holds fp8 caches as uint8 tensors too):
+    XLA:CPU gathers and scatters fp8 and bf16 only after widening the operand, the whole pool,
+    and a bitcast-convert between the float and the integer type is a real copy there. So the
+    arrays and the jitted step's loop carry stay integers; the ops see page-dtype views made by
+    bitcasts next to their own (XLA folds them; on GPU a bitcast-convert is free anyway).
+    """
+    dtype = jnp.dtype(dtype)
+    return bits_dtype(dtype) or dtype
+
+
+def as_pages(stored: Array, dtype: jnp.dtype) -> Array:
+    """The page-dtype view of a stored pool array (a bitcast for fp8 / bf16, else itself)."""
+    dtype = jnp.dtype(dtype)
+    return jax.lax.bitcast_convert_type(stored, dtype) if stored.dtype != dtype else stored
+
+
+def as_stored(pages: Array) -> Array:
+    """The storage view of a page-dtype array (bit patterns for fp8 / bf16, else itself)."""
+    dt = storage_dtype(pages.dtype)
+    return jax.lax.bitcast_convert_type(pages, dt) if pages.dtype != dt else pages
+
+
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "k_scale", "v_scale"],
-         meta_fields=["num_blocks"])
+         meta_fields=["num_blocks", "dtype"])
 @dataclass
 class KVCache:
-    """K and V pages of every layer, per-layer fp8 scales, and the per-layer block count."""
+    """K and V pages of every layer, per-layer fp8 scales, the block count and page dtype.
+
+    Invariant: k and v have dtype storage_dtype(dtype); `k_pages()` / `v_pages()` are the
+    page-dtype views.
+    """
 
     k: Float[Array, "layers_x_blocks bs kv_heads head_dim"]
     v: Float[Array, "layers_x_blocks bs kv_heads head_dim"]
     k_scale: Float[Array, " layers"]
     v_scale: Float[Array, " layers"]
     num_blocks: int  # blocks per layer, including the null block 0
+    dtype: jnp.dtype  # the page dtype (what the ops and the host tiers see)
+
+    def k_pages(self) -> Array:
+        """K pages in the page dtype (fp8 included)."""
+        return as_pages(self.k, self.dtype)
+
+    def v_pages(self) -> Array:
+        """V pages in the page dtype (fp8 included)."""
+        return as_pages(self.v, self.dtype)
 
 
 def kv_dtype(cache_dtype: str, model_dtype: jnp.dtype) -> jnp.dtype:
@@ -234,10 +274,12 @@ def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int,
                       dtype: jnp.dtype) -> KVCache:
     """Zeroed pages for every layer, scales 1.0."""
     shape = (spec.num_layers * num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    stored = storage_dtype(dtype)
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=jnp.zeros(shape, stored),
+        v=jnp.zeros(shape, stored),
         k_scale=jnp.ones((spec.num_layers,), jnp.float32),
         v_scale=jnp.ones((spec.num_layers,), jnp.float32),
         num_blocks=num_blocks,
+        dtype=jnp.dtype(dtype),
     )

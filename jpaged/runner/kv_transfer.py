@@ -5,7 +5,8 @@ device_get) and ONE load (one device_put of all incoming blocks, then one jitted
 pool donated). Block counts are padded to power-of-4 buckets (4, 16, 64, ...) so the two
 functions compile once per bucket, not per count. A block's host layout is
 ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]`` in the page dtype (fp8 included:
-numpy holds ml_dtypes' float8 types bit for bit); layer l's copy of block b is pool row
+numpy holds ml_dtypes' float8 types bit for bit; the device pool's uint8 storage is bitcast on
+device, blocks only); layer l's copy of block b is pool row
 ``l * num_blocks + b``.
 
 Order inside ``apply``: gathers, then loads; the engine calls it before the step's forward.
@@ -19,6 +20,7 @@ device_get / device_put. The host tier's slot store itself is numpy in both case
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +31,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxtyping import Array, Int
 
 from jpaged.core.offload import TransferPlan
-from jpaged.runner.kv_cache import KVCache
+from jpaged.runner.kv_cache import KVCache, as_pages, as_stored
 
 MIN_BUCKET = 4
 
@@ -52,7 +54,7 @@ def _gather_impl(kv: KVCache, ids: Int[Array, " P"]) -> Array:
     rows = _rows(ids, num_layers, kv.num_blocks).reshape(-1)
     k = jnp.take(kv.k, rows, axis=0)
     v = jnp.take(kv.v, rows, axis=0)
-    out = jnp.stack([k, v], axis=1)  # [P*L, 2, bs, H, D]
+    out = as_pages(jnp.stack([k, v], axis=1), kv.dtype)  # [P*L, 2, bs, H, D], page dtype
     return out.reshape(ids.shape[0], num_layers, *out.shape[1:])
 
 
@@ -64,10 +66,10 @@ def _scatter_impl(kv: KVCache, ids: Int[Array, " P"], data: Array) -> KVCache:
     rows = _rows(ids, num_layers, kv.num_blocks)
     # Padding ids are -1: send them past the end, where mode="drop" writes nothing.
     rows = jnp.where(ids[:, None] < 0, kv.k.shape[0], rows).reshape(-1)
-    flat = data.reshape(-1, *data.shape[2:])  # [P*L, 2, bs, H, D]
+    flat = as_stored(data.reshape(-1, *data.shape[2:]))  # [P*L, 2, bs, H, D], stored dtype
     k = kv.k.at[rows].set(flat[:, 0], mode="drop")
     v = kv.v.at[rows].set(flat[:, 1], mode="drop")
-    return KVCache(k, v, kv.k_scale, kv.v_scale, kv.num_blocks)
+    return dataclasses.replace(kv, k=k, v=v)
 
 
 _scatter = jax.jit(_scatter_impl, donate_argnames=("kv",))

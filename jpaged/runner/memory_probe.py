@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.runner.batch import BucketPlan, empty_step
-from jpaged.runner.kv_cache import KVCache
+from jpaged.runner.kv_cache import KVCache, storage_dtype
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.sampler import SamplingFlags
 from models.config import ModelSpec
@@ -36,9 +36,9 @@ def _abstract(x: object) -> jax.ShapeDtypeStruct:
 def abstract_kv(spec: ModelSpec, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVCache:
     """A KVCache of ShapeDtypeStructs (nothing allocated), shaped as `allocate_kv_cache`'s."""
     shape = (spec.num_layers * num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    pages = jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+    pages = jax.ShapeDtypeStruct(shape, storage_dtype(dtype))
     scale = jax.ShapeDtypeStruct((spec.num_layers,), jnp.float32)
-    return KVCache(pages, pages, scale, scale, num_blocks)
+    return KVCache(pages, pages, scale, scale, num_blocks, jnp.dtype(dtype))
 
 
 def largest_shape(plan: BucketPlan) -> tuple[int, int]:

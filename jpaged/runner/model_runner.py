@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.runner.batch import BucketPlan, StepBatch, empty_step, pack_step
-from jpaged.runner.kv_cache import KVCache, amax_scale
+from jpaged.runner.kv_cache import KVCache, amax_scale, as_pages, as_stored
 from jpaged.runner.sampler import SamplingFlags, sample
 from pallas_kernels.backend import AttentionOps
 
@@ -69,7 +69,9 @@ class ModelRunner:
 
         def attn_fn(i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                     pages: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
-            k_pages, v_pages, k_scale, v_scale = pages
+            # The carry holds the stored arrays (uint8 for fp8); the ops see page-dtype views.
+            k_stored, v_stored, k_scale, v_scale = pages
+            k_pages, v_pages = as_pages(k_stored, kv.dtype), as_pages(v_stored, kv.dtype)
             if calc_scales:  # this batch's own amax sets layer i's scales before its write
                 valid = batch.slot_mapping >= 0
                 k_scale = k_scale.at[i].set(amax_scale(k, valid, k_pages.dtype))
@@ -83,7 +85,7 @@ class ModelRunner:
                 q, k_pages, v_pages, batch.query_start_loc, batch.seq_lens,
                 batch.block_tables + i * nb, sm_scale=sm_scale, k_scale=k_scale[i],
                 v_scale=v_scale[i])
-            return out, (k_pages, v_pages, k_scale, v_scale)
+            return out, (as_stored(k_pages), as_stored(v_pages), k_scale, v_scale)
 
         hidden, (k_pages, v_pages, k_scale, v_scale) = model(
             batch.input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale))
@@ -91,7 +93,7 @@ class ModelRunner:
         if self.parallel is not None:  # vocab-split lm_head: whole logits on every device
             logits = self.parallel.gather_logits(logits)
         ids, lp, top_ids, top_lp = sample(logits, batch.sampling, flags)
-        new_kv = KVCache(k_pages, v_pages, k_scale, v_scale, kv.num_blocks)
+        new_kv = KVCache(k_pages, v_pages, k_scale, v_scale, kv.num_blocks, kv.dtype)
         return (ids, lp, top_ids, top_lp), new_kv
 
     @property

@@ -19,6 +19,7 @@ Layout for tensor_parallel_size N (every stacked decoder Param keeps its leading
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jpaged.runner.kv_cache import KVCache
+from jpaged.runner.kv_cache import KVCache, storage_dtype
 from models.config import ModelSpec
 from pallas_kernels.backend import AttentionOps
 
@@ -110,10 +111,24 @@ def plan_layout(spec: ModelSpec, tensor_parallel_size: int) -> TPLayout:
     return TPLayout(n, spec.num_heads, spec.num_kv_heads)
 
 
-def make_mesh(tensor_parallel_size: int) -> Mesh:
-    """A 1-D mesh ('tp',) over the first tensor_parallel_size devices."""
-    check_device_count(tensor_parallel_size)
-    return Mesh(np.array(jax.devices()[:tensor_parallel_size]), (AXIS,))
+def make_mesh(tensor_parallel_size: int, devices: Sequence[Any] | None = None) -> Mesh:
+    """A 1-D mesh ('tp',) over the first tensor_parallel_size devices (of `devices` if given)."""
+    if devices is None:
+        check_device_count(tensor_parallel_size)
+        devices = jax.devices()
+    elif len(devices) < tensor_parallel_size:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs "
+                         f"{tensor_parallel_size} devices; {len(devices)} were given")
+    return Mesh(np.array(list(devices)[:tensor_parallel_size]), (AXIS,))
+
+
+def _place(tree: Any, shardings: Any) -> Any:
+    """device_put, or for abstract trees (ShapeDtypeStructs) the same structs with shardings."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                            tree, shardings)
+    return jax.device_put(tree, shardings)
 
 
 def _names(path: tuple[Any, ...]) -> list[str]:
@@ -123,9 +138,11 @@ def _names(path: tuple[Any, ...]) -> list[str]:
 class TensorParallel:
     """A mesh plus the head layout: places parameters and the KV pool, wraps attention ops."""
 
-    def __init__(self, spec: ModelSpec, tensor_parallel_size: int) -> None:
+    def __init__(self, spec: ModelSpec, tensor_parallel_size: int,
+                 devices: Sequence[Any] | None = None) -> None:
         self.layout = plan_layout(spec, tensor_parallel_size)
-        self.mesh = make_mesh(tensor_parallel_size)
+        # `devices`: explicit (e.g. abstract GPUs of a deviceless compile); default jax.devices().
+        self.mesh = make_mesh(tensor_parallel_size, devices)
         self.spec = spec
         # Embedding and lm_head rows split by vocabulary when it divides evenly.
         self.split_vocab = spec.vocab_size % tensor_parallel_size == 0
@@ -159,7 +176,7 @@ class TensorParallel:
 
     def shard_params(self, params: Any) -> Any:
         """Place parameters on the mesh (a copy; the input stays where it was)."""
-        return jax.device_put(params, self.param_shardings(params))
+        return _place(params, self.param_shardings(params))
 
     def param_bytes_per_device(self, params: Any) -> int:
         """Bytes of parameters each device holds once sharded."""
@@ -181,10 +198,10 @@ class TensorParallel:
         return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P()))
 
     # ------------------------------------------------------------------ KV pool
-    def kv_shardings(self, num_blocks: int) -> KVCache:
+    def kv_shardings(self, num_blocks: int, dtype: jnp.dtype) -> KVCache:
         """Shardings of the KVCache pytree: pages split on heads, scales replicated."""
         pages, rep = NamedSharding(self.mesh, PAGES), NamedSharding(self.mesh, P())
-        return KVCache(pages, pages, rep, rep, num_blocks)
+        return KVCache(pages, pages, rep, rep, num_blocks, jnp.dtype(dtype))
 
     def place_kv(self, kv: KVCache) -> KVCache:
         """Put an existing pool on the mesh; its head axis must already hold stored_kv_heads."""
@@ -192,19 +209,21 @@ class TensorParallel:
             raise ValueError(
                 f"the KV pool has {kv.k.shape[2]} heads but tensor_parallel_size={self.size} "
                 f"needs {self.layout.stored_kv_heads} (use TensorParallel.allocate_kv)")
-        return jax.device_put(kv, self.kv_shardings(kv.num_blocks))
+        return _place(kv, self.kv_shardings(kv.num_blocks, kv.dtype))
 
     def allocate_kv(self, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVCache:
         """Zeroed pool made directly in its sharded layout (no device holds the whole pool)."""
         s = self.spec
         shape = (s.num_layers * num_blocks, block_size, self.layout.stored_kv_heads, s.head_dim)
 
-        def make() -> KVCache:
-            return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
-                           jnp.ones((s.num_layers,), jnp.float32),
-                           jnp.ones((s.num_layers,), jnp.float32), num_blocks)
+        stored = storage_dtype(dtype)
 
-        return jax.jit(make, out_shardings=self.kv_shardings(num_blocks))()
+        def make() -> KVCache:
+            return KVCache(jnp.zeros(shape, stored), jnp.zeros(shape, stored),
+                           jnp.ones((s.num_layers,), jnp.float32),
+                           jnp.ones((s.num_layers,), jnp.float32), num_blocks, jnp.dtype(dtype))
+
+        return jax.jit(make, out_shardings=self.kv_shardings(num_blocks, dtype))()
 
     # ------------------------------------------------------------------ attention
     def wrap_ops(self, ops: AttentionOps) -> AttentionOps:

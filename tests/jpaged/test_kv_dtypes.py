@@ -13,7 +13,7 @@ from helpers import make_llm, tiny
 
 from jpaged import SamplingParams
 from jpaged.config import KV_CACHE_DTYPES
-from jpaged.runner.kv_cache import kv_dtype
+from jpaged.runner.kv_cache import kv_dtype, storage_dtype
 
 BS = 8
 # Few bucket shapes (T in 16/64, B in 1/4) so the engines below share compiled steps.
@@ -40,7 +40,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def fp32_outputs(prompts):
     llm = _llm("auto")
-    assert llm.llm_engine.runner.kv.k.dtype == jnp.float32  # auto follows the model
+    assert llm.llm_engine.runner.kv.dtype == jnp.float32  # auto follows the model
     return _run(llm, prompts)
 
 
@@ -60,7 +60,8 @@ def test_dtype_names():
 @pytest.mark.parametrize("dtype,tol", [("float32", 0.0), ("float16", 1e-2), ("bfloat16", 6e-2)])
 def test_16_bit_pages_stay_close_to_float32(prompts, fp32_outputs, dtype, tol):
     llm = _llm(dtype)
-    assert llm.llm_engine.runner.kv.k.dtype == jnp.dtype(dtype)
+    assert llm.llm_engine.runner.kv.dtype == jnp.dtype(dtype)
+    assert llm.llm_engine.runner.kv.k.dtype == storage_dtype(dtype)  # bf16 as uint16 bits
     outs = _run(llm, prompts)
     for got, ref in zip(outs, fp32_outputs, strict=True):
         assert got.token_ids == ref.token_ids
@@ -71,8 +72,8 @@ def test_16_bit_pages_stay_close_to_float32(prompts, fp32_outputs, dtype, tol):
 
 def _pages_absmax(kv, layer: int) -> tuple[float, float]:
     rows = slice(layer * kv.num_blocks, (layer + 1) * kv.num_blocks)
-    k = np.abs(np.asarray(kv.k[rows]).astype(np.float32)).max()
-    v = np.abs(np.asarray(kv.v[rows]).astype(np.float32)).max()
+    k = np.abs(np.asarray(kv.k_pages()[rows]).astype(np.float32)).max()
+    v = np.abs(np.asarray(kv.v_pages()[rows]).astype(np.float32)).max()
     return float(k), float(v)
 
 
@@ -96,7 +97,7 @@ def _first_batch_sets_the_scales(llm, prompts: list[list[int]]) -> None:
     assert not runner.scales_pending
     for x in (runner.kv.k_scale, runner.kv.v_scale):
         assert (np.asarray(x) > 0).all() and (np.asarray(x) != 1.0).all()
-    fmax = float(jnp.finfo(runner.kv.k.dtype).max)
+    fmax = float(jnp.finfo(runner.kv.dtype).max)
     for layer in range(tiny().spec.num_layers):
         assert _pages_absmax(runner.kv, layer) == (fmax, fmax)
     scales = np.asarray(runner.kv.k_scale)
@@ -117,7 +118,8 @@ def test_fp8_with_prefix_caching_matches_without(dtype, calc):
     prompts = _shared_prefix_prompts()
     on = _llm(dtype, enable_prefix_caching=True, calculate_kv_scales=calc)
     off = _llm(dtype, enable_prefix_caching=False, calculate_kv_scales=calc)
-    assert on.llm_engine.runner.kv.k.dtype == kv_dtype(dtype, jnp.float32)
+    assert on.llm_engine.runner.kv.dtype == kv_dtype(dtype, jnp.float32)
+    assert on.llm_engine.runner.kv.k.dtype == jnp.uint8  # fp8 pages stored as bit patterns
     if calc:
         _first_batch_sets_the_scales(on, prompts)
     a = [o.token_ids for o in _run(on, prompts)]  # later prompts reuse the first's blocks

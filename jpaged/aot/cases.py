@@ -1,0 +1,213 @@
+"""The engine's real jitted step (and KV tier programs) on abstract weights, lowered for a target.
+
+Nothing is allocated: the model is built with `nnx.eval_shape`, the pool and the step batch are
+ShapeDtypeStructs, and each carries the sharding of the device it is compiled for (an abstract
+H200 of `target.h200_target`, or the local CPU). The step is `ModelRunner._jit_step` itself, with
+the engine's bucket plan from EngineArgs defaults, so what compiles here is what the engine runs.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jpaged.config import EngineArgs, EngineConfig
+from jpaged.runner.batch import BucketPlan, empty_step
+from jpaged.runner.kv_cache import KVCache, kv_dtype, storage_dtype
+from jpaged.runner.kv_transfer import _gather_impl, _scatter_impl
+from jpaged.runner.model_runner import ModelRunner
+from jpaged.runner.parallel import TensorParallel
+from jpaged.runner.sampler import SamplingFlags
+from models.config import ModelSpec
+from models.registry import get_model_class
+from pallas_kernels.backend import select_backend
+
+# Meta-Llama-3-8B's config.json fields that shape the model (no weights are needed).
+LLAMA3_8B_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+    "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "max_position_embeddings": 8192, "tie_word_embeddings": False, "bos_token_id": 128000,
+    "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+MODELS = ("smollm2-135m", "llama3-8b")
+
+# XLA's short names of the pool storage dtypes.
+_XLA_DTYPE = {"uint8": "u8", "uint16": "u16", "bfloat16": "bf16", "float16": "f16",
+              "float32": "f32"}
+
+
+def model_source(name: str) -> str | None:
+    """What `jpaged estimate --model` takes for a model name (None = the embedded default)."""
+    if name == "smollm2-135m":
+        return None
+    if name == "llama3-8b":
+        path = Path(tempfile.gettempdir()) / "jpaged-aot-llama3-8b" / "config.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(LLAMA3_8B_CONFIG))
+        return str(path)
+    raise ValueError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
+
+
+def model_spec(name: str) -> ModelSpec:
+    """The ModelSpec of a named shape: the embedded GGUF's header, or Llama-3-8B's config."""
+    if name == "smollm2-135m":
+        from jpaged.estimate import load_spec
+
+        return load_spec(None)[0]
+    model_source(name)  # validates the name
+    return ModelSpec.from_hf_config(LLAMA3_8B_CONFIG)
+
+
+def engine_config(spec: ModelSpec, **engine_args: Any) -> EngineConfig:
+    """The engine's config for this model from EngineArgs defaults (plus overrides)."""
+    return EngineArgs(**engine_args).create_engine_config(spec.max_position_embeddings)
+
+
+def bucket_plan(config: EngineConfig) -> BucketPlan:
+    """The bucket plan ModelRunner gets from the engine for this config."""
+    s = config.scheduler
+    return BucketPlan(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
+                      config.cache.block_size)
+
+
+def pool_shape(spec: ModelSpec, num_blocks: int, block_size: int, kv_heads: int,
+               dtype: jnp.dtype) -> str:
+    """XLA's text of one pool array's shape per device, e.g. u8[61440,16,3,64]."""
+    dims = (spec.num_layers * num_blocks, block_size, kv_heads, spec.head_dim)
+    return f"{_XLA_DTYPE[storage_dtype(dtype).name]}[{','.join(map(str, dims))}]"
+
+
+@dataclass
+class StepBuilder:
+    """One engine configuration (model, dtypes, backend, devices, pool) whose steps are lowered.
+
+    `devices`: abstract GPU devices (a deviceless compile) or None for the local default backend.
+    """
+
+    spec: ModelSpec
+    model_dtype: Any
+    kv_cache_dtype: str
+    backend: str
+    num_blocks: int
+    devices: Sequence[Any] | None = None
+    tensor_parallel_size: int = 1
+    config: EngineConfig | None = None
+
+    def __post_init__(self) -> None:
+        self.config = self.config or engine_config(self.spec)
+        self.plan = bucket_plan(self.config)
+        self.block_size = self.config.cache.block_size
+        self.page_dtype = kv_dtype(self.kv_cache_dtype, self.model_dtype)
+        gpu = self.devices is not None
+        self.platform = "cuda" if gpu else jax.default_backend()
+        self.ops = select_backend(self.backend, platform=self.platform)
+
+    @cached_property
+    def parallel(self) -> TensorParallel | None:
+        """The tensor-parallel layout over the first N devices (None for one device)."""
+        if self.tensor_parallel_size == 1:
+            return None
+        devices = self.devices if self.devices is not None else jax.devices()
+        return TensorParallel(self.spec, self.tensor_parallel_size, devices)
+
+    def _single(self) -> SingleDeviceSharding | None:
+        return SingleDeviceSharding(self.devices[0]) if self.devices is not None else None
+
+    def _abstract(self, x: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=self._single())
+
+    @property
+    def stored_kv_heads(self) -> int:
+        """KV heads of the pool array (replicated heads included under tensor parallelism)."""
+        tp = self.parallel
+        return self.spec.num_kv_heads if tp is None else tp.layout.stored_kv_heads
+
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads of one device's shard of the pool."""
+        return self.stored_kv_heads // self.tensor_parallel_size
+
+    def abstract_kv(self) -> KVCache:
+        """The pool as ShapeDtypeStructs (per-device placement added by ModelRunner for TP)."""
+        shape = (self.spec.num_layers * self.num_blocks, self.block_size, self.stored_kv_heads,
+                 self.spec.head_dim)
+        pages = jax.ShapeDtypeStruct(shape, storage_dtype(self.page_dtype),
+                                     sharding=self._single())
+        scale = jax.ShapeDtypeStruct((self.spec.num_layers,), jnp.float32,
+                                     sharding=self._single())
+        return KVCache(pages, pages, scale, scale, self.num_blocks, jnp.dtype(self.page_dtype))
+
+    @cached_property
+    def runner(self) -> ModelRunner:
+        """A ModelRunner on abstract weights and pool (its jitted step is the engine's)."""
+        cls = get_model_class(self.spec.architecture)
+        model = nnx.eval_shape(lambda: cls(self.spec, dtype=self.model_dtype, rngs=nnx.Rngs(0)))
+        if self.parallel is None and self.devices is not None:
+            graphdef, state = nnx.split(model)
+            model = nnx.merge(graphdef, jax.tree.map(self._abstract, state))
+        return ModelRunner(model, self.abstract_kv(), self.plan, self.block_size,
+                           self.spec.vocab_size, self.ops, parallel=self.parallel)
+
+    @property
+    def param_bytes(self) -> int:
+        """Parameter bytes per device."""
+        params = self.runner.params
+        if self.parallel is not None:
+            return self.parallel.param_bytes_per_device(params)
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+
+    @property
+    def pool_bytes(self) -> int:
+        """Bytes of K and V pages per device."""
+        per = (self.spec.num_layers * self.num_blocks * self.block_size * self.local_kv_heads
+               * self.spec.head_dim * storage_dtype(self.page_dtype).itemsize)
+        return 2 * per
+
+    def pool_shape(self) -> str:
+        """One pool array's XLA shape per device."""
+        return pool_shape(self.spec, self.num_blocks, self.block_size, self.local_kv_heads,
+                          self.page_dtype)
+
+    def _batch(self, tokens: int, seqs: int) -> Any:
+        batch = empty_step(self.plan, tokens, seqs, self.spec.vocab_size).batch
+        if self.parallel is not None:  # replicated over the mesh
+            from jax.sharding import NamedSharding
+            from jax.sharding import PartitionSpec as P
+
+            rep = NamedSharding(self.parallel.mesh, P())
+            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                                               sharding=rep), batch)
+        return jax.tree.map(self._abstract, batch)
+
+    def lower_step(self, tokens: int, seqs: int) -> Any:
+        """The engine step of bucket shape (tokens, seqs), lowered (call inside the target's
+        lowering context for abstract GPUs)."""
+        r = self.runner
+        return r._jit_step.trace(r.params, r.kv, self._batch(tokens, seqs),
+                                 flags=SamplingFlags(), calc_scales=False).lower(
+            lowering_platforms=(self.platform,))
+
+    def lower_transfer(self, kind: str, num_blocks: int) -> Any:
+        """The KV tier's batched gather ('gather') or donated scatter ('scatter') program."""
+        kv = self.runner.kv
+        ids = self._abstract(np.zeros(num_blocks, np.int32))
+        if kind == "gather":
+            return jax.jit(_gather_impl).trace(kv, ids).lower(
+                lowering_platforms=(self.platform,))
+        block = (num_blocks, self.spec.num_layers, 2, self.block_size, self.stored_kv_heads,
+                 self.spec.head_dim)
+        data = jax.ShapeDtypeStruct(block, jnp.dtype(self.page_dtype), sharding=self._single())
+        return jax.jit(_scatter_impl, donate_argnames=("kv",)).trace(kv, ids, data).lower(
+            lowering_platforms=(self.platform,))

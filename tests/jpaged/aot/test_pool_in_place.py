@@ -1,0 +1,60 @@
+"""The engine's compiled CPU step updates the KV pool in place: no pool-sized copy or conversion,
+for every KV dtype and attention path, and for the KV tier transfer programs.
+
+A copy would make every step cost in proportion to the pool (fp8 once did: 389 s for 8 tokens
+at the default 2 GiB pool). The pool has 4099 blocks, more elements than any activation here, so
+any buffer that large is the pool again (jpaged.aot.buffers).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+from tiny_models import tiny_spec
+
+from jpaged.aot.cases import StepBuilder, engine_config
+from jpaged.aot.report import compile_lowered
+
+NUM_BLOCKS = 4099
+SPEC = tiny_spec(max_position_embeddings=256)
+CONFIG = engine_config(SPEC, max_num_seqs=16, max_num_batched_tokens=64)
+
+
+def _builder(kv_dtype: str, backend: str) -> StepBuilder:
+    return StepBuilder(SPEC, jnp.float32, kv_dtype, backend, NUM_BLOCKS, config=CONFIG)
+
+
+def _check(builder: StepBuilder, lower) -> dict:
+    row = compile_lowered(lower, False, None, builder.pool_shape())
+    assert row["compiled"], row.get("error")
+    assert row["pool_copies"] == [], row["pool_copies"]
+    return row
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "float16", "fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("shape", [(16, 16), (64, 16)], ids=["decode", "mixed"])
+def test_xla_step_updates_the_pool_in_place(kv_dtype, shape):
+    b = _builder(kv_dtype, "xla")
+    assert shape in b.plan.all_shapes()
+    row = _check(b, lambda: b.lower_step(*shape))
+    assert row["pool_aliased"]
+
+
+def test_step_activations_do_not_grow_with_the_pool():
+    small, big = _builder("fp8_e4m3", "xla"), _builder("fp8_e4m3", "xla")
+    big.num_blocks = 2 * NUM_BLOCKS
+    temps = [_check(b, lambda b=b: b.lower_step(64, 16))["temp_bytes"] for b in (small, big)]
+    assert temps[0] == temps[1]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8_e4m3"])
+def test_reference_step_updates_the_pool_in_place(kv_dtype):
+    b = _builder(kv_dtype, "reference")
+    assert _check(b, lambda: b.lower_step(64, 16))["pool_aliased"]
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "fp8_e4m3"])
+def test_tier_transfers_touch_only_their_blocks(kv_dtype):
+    b = _builder(kv_dtype, "xla")
+    _check(b, lambda: b.lower_transfer("gather", 16))
+    assert _check(b, lambda: b.lower_transfer("scatter", 16))["pool_aliased"]
