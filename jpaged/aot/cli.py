@@ -1,0 +1,47 @@
+"""`scripts/gpu_aot.py`: argument parsing and the JSON / table output of `report.run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+from jpaged.aot.target import cuda_plugin_error
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the deviceless H200 compile check; exit 1 on a problem, 2 when it cannot run."""
+    p = argparse.ArgumentParser(description="Compile every engine step for an H200, deviceless.")
+    p.add_argument("--quick", action="store_true",
+                   help="a decode and the largest mixed shape per configuration")
+    p.add_argument("--out", type=Path, help="write the JSON here")
+    p.add_argument("--only", help="only configurations whose model/kv_dtype/backend contain this")
+    p.add_argument("-v", "--verbose", action="store_true")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    why = cuda_plugin_error()
+    if why:
+        print(f"gpu_aot: {why}", file=sys.stderr)
+        return 2
+    from jpaged.aot.report import run
+
+    t0 = time.perf_counter()
+    doc = run(args.quick, only=args.only)
+    doc["wall_s"] = round(time.perf_counter() - t0, 1)
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1))
+    for s in doc["sizing"]:
+        print(f"  sizing {s['model']} {s['kv_cache_dtype']} {s['backend']} "
+              f"tp{s['tensor_parallel_size']}: act GPU {s['activation_bytes_gpu']} "
+              f"CPU {s.get('activation_bytes_cpu_probe')} estimate "
+              f"{s['estimate_activation_bytes']}; blocks {s['num_blocks']} "
+              f"(estimate {s['estimate_num_blocks']})")
+    print(f"gpu_aot: {len(doc['cases'])} programs, {len(doc['problems'])} problems, "
+          f"{doc['wall_s']} s (jax {doc['jax_version']})")
+    for line in doc["problems"]:
+        print(f"  PROBLEM {line}")
+    return 1 if doc["problems"] else 0

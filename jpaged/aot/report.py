@@ -1,0 +1,275 @@
+"""Compile a list of cases for an abstract H200 and report each one (scripts/gpu_aot.py).
+
+Per case: compiled or the exact error, compile seconds, XLA's memory analysis, the KV pool's
+bytes and whether it is aliased in place (`buffers.pool_report`), and every Pallas kernel's
+registers, spills, shared memory and threads (`kernels.kernel_resources`). Before the cases of
+one engine configuration, its largest bucket is compiled on a 2-block pool (what the engine's
+start-up probe does) to size the pool the engine would choose on the H200 at
+gpu_memory_utilization=0.9; the cases then run at that pool, so the check sees real pool sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jpaged.aot.buffers import (
+    dump_dir,
+    dump_options,
+    find_dump,
+    no_persistent_cache,
+    pool_report,
+)
+from jpaged.aot.cases import StepBuilder, model_source, model_spec
+from jpaged.aot.kernels import capture_stderr, find_ptxas, kernel_resources
+from jpaged.aot.target import TARGET_NAME, GpuTarget, h200_target
+from jpaged.runner.kv_cache import DEFAULT_UTILIZATION, plan_kv_pool
+from jpaged.runner.memory_probe import PROBE_BLOCKS
+
+logger = logging.getLogger("jpaged.aot")
+
+# Largest pool block count the Pallas Triton lowering indexes with 32-bit offsets is not ours to
+# choose; the engine's default JAX allocator takes this fraction of the card (XLA's default).
+DEFAULT_MEM_FRACTION = 0.75
+MAX_REGISTERS = 255
+SHARED_MEMORY_OPTIN = 232448
+
+
+@dataclass(frozen=True)
+class Config:
+    """One engine configuration whose bucket shapes are compiled."""
+
+    model: str
+    kv_cache_dtype: str
+    backend: str
+    tensor_parallel_size: int = 1
+
+
+def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
+                    keep_dump: Path | None = None, target: GpuTarget | None = None
+                    ) -> dict[str, Any]:
+    """Lower (inside the target's context) and compile one program; its report fields."""
+    row: dict[str, Any] = {"compiled": False}
+    t0 = time.perf_counter()
+    try:
+        with dump_dir(keep_dump) as d, no_persistent_cache():
+            ctx = target.lowering() if target is not None else _null()
+            with ctx, capture_stderr() as log:
+                lowered = lower()
+                compiled = lowered.compile(dump_options(d, gpu=gpu))
+            row["compile_s"] = round(time.perf_counter() - t0, 2)
+            row["compiled"] = True
+            stats = compiled.memory_analysis()
+            for key, attr in (("argument_bytes", "argument_size_in_bytes"),
+                              ("output_bytes", "output_size_in_bytes"),
+                              ("temp_bytes", "temp_size_in_bytes"),
+                              ("alias_bytes", "alias_size_in_bytes")):
+                row[key] = int(getattr(stats, attr)) if stats is not None else None
+            ba = find_dump(d, "after_optimizations-buffer-assignment.txt").read_text()
+            rep = pool_report(ba, compiled.as_text(), pool_shape)
+            row["pool_aliased"] = rep.pool_aliased
+            row["pool_copies"] = [f"{v.name}: {v.shape}" for v in rep.copies]
+            row["largest_temps"] = [f"{v.name}: {v.shape} = {v.size} B"
+                                    for v in rep.largest_temps]
+            if gpu:
+                row["kernels"] = [k.as_dict() for k in kernel_resources(d, ptxas, log[0])]
+    except Exception as e:  # noqa: BLE001 - each case reports its own failure
+        row["compile_s"] = round(time.perf_counter() - t0, 2)
+        row["error"] = f"{type(e).__name__}: {e}"[:4000]
+        logger.debug("case failed:\n%s", traceback.format_exc())
+    return row
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def _mem_fraction() -> float:
+    return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
+
+
+def size_pool(cfg: Config, target: GpuTarget, ptxas: str | None,
+              cpu_probe: bool = True) -> tuple[int, dict[str, Any]]:
+    """(num_blocks, sizing row): the pool LLM(gpu_memory_utilization=0.9) would pick on the
+    target, from the compiled largest step; beside it `jpaged estimate` and the CPU probe."""
+    from jpaged.estimate import estimate_capacity
+    from jpaged.runner.memory_probe import largest_shape
+
+    spec = model_spec(cfg.model)
+    probe = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, PROBE_BLOCKS,
+                        target.devices, cfg.tensor_parallel_size)
+    t, b = largest_shape(probe.plan)
+    row = compile_lowered(lambda: probe.lower_step(t, b), True, None, probe.pool_shape(),
+                          target=target)
+    act = row.get("temp_bytes")
+    device_bytes = int(target.device_memory_bytes * _mem_fraction())
+    config = probe.config
+    plan = plan_kv_pool(config.cache, spec, probe.page_dtype, probe.param_bytes,
+                        config.scheduler.max_model_len, activation_bytes=act,
+                        kv_head_shards=cfg.tensor_parallel_size, device_bytes=device_bytes,
+                        platform="cuda")
+    est = estimate_capacity(model_source(cfg.model), gpu_memory=device_bytes,
+                            gpu_memory_utilization=DEFAULT_UTILIZATION, dtype="bfloat16",
+                            kv_cache_dtype=cfg.kv_cache_dtype,
+                            tensor_parallel_size=cfg.tensor_parallel_size)
+    sizing = {
+        "model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "device_memory_bytes": target.device_memory_bytes, "mem_fraction": _mem_fraction(),
+        "device_bytes": device_bytes, "gpu_memory_utilization": DEFAULT_UTILIZATION,
+        "param_bytes": probe.param_bytes, "probe_shape": [t, b],
+        "activation_bytes_gpu": act, "probe_error": row.get("error"),
+        "probe_largest_temps": row.get("largest_temps"),
+        "margin_bytes": plan.margin_bytes, "kv_budget_bytes": plan.kv_budget_bytes,
+        "bytes_per_block": plan.bytes_per_block, "num_blocks": plan.num_blocks,
+        "max_concurrent_seqs": plan.max_concurrent_seqs,
+        "max_model_len": plan.max_model_len,
+        "estimate_activation_bytes": est.activation_bytes,
+        "estimate_param_bytes": est.param_bytes_per_device,
+        "estimate_num_blocks": est.num_blocks,
+        "estimate_max_concurrent_seqs": est.max_concurrent_seqs,
+    }
+    if cpu_probe and cfg.tensor_parallel_size == 1:
+        sizing["activation_bytes_cpu_probe"] = cpu_probe_bytes(cfg)
+    return plan.num_blocks, sizing
+
+
+def cpu_probe_bytes(cfg: Config) -> int | None:
+    """What the engine's start-up probe measures on this CPU for the same model and KV dtype
+    (bf16 weights, the CPU's own attention path 'xla')."""
+    spec = model_spec(cfg.model)
+    cpu = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, "xla", PROBE_BLOCKS)
+    from jpaged.runner.memory_probe import largest_shape
+
+    t, b = largest_shape(cpu.plan)
+    compiled = cpu.lower_step(t, b).compile()
+    stats = compiled.memory_analysis()
+    return None if stats is None else int(stats.temp_size_in_bytes)
+
+
+def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
+               ptxas: str | None, transfers: bool, cpu_probe: bool) -> tuple[list[dict],
+                                                                             dict[str, Any]]:
+    """Size the pool, then compile every shape (and the tier transfer programs)."""
+    num_blocks, sizing = size_pool(cfg, target, ptxas, cpu_probe=cpu_probe)
+    spec = model_spec(cfg.model)
+    builder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
+                          target.devices, cfg.tensor_parallel_size)
+    base = {"model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
+            "tensor_parallel_size": cfg.tensor_parallel_size, "num_blocks": num_blocks,
+            "pool_bytes": builder.pool_bytes}
+    rows = []
+    for t, b in shapes:
+        row = {**base, "program": "step", "tokens": t, "seqs": b}
+        row.update(compile_lowered(lambda t=t, b=b: builder.lower_step(t, b), True, ptxas,
+                                   builder.pool_shape(), target=target))
+        if (t, b) == tuple(sizing["probe_shape"]):
+            row["temp_bytes_at_probe_pool"] = sizing["activation_bytes_gpu"]
+        rows.append(row)
+        _log_row(row)
+    if transfers and cfg.tensor_parallel_size == 1:
+        for kind in ("gather", "scatter"):
+            row = {**base, "program": f"kv_{kind}", "tokens": 64, "seqs": 0}
+            row.update(compile_lowered(lambda kind=kind: builder.lower_transfer(kind, 64), True,
+                                       ptxas, builder.pool_shape(), target=target))
+            if kind == "gather":  # not donated: only the absence of copies matters
+                row["pool_aliased"] = None if not row.get("pool_copies") else False
+            rows.append(row)
+            _log_row(row)
+    return rows, sizing
+
+
+def _log_row(row: dict[str, Any]) -> None:
+    status = "ok" if row.get("compiled") else f"FAILED {row.get('error', '')[:200]}"
+    ks = ", ".join(f"{k['name']} r{k['registers']} s{k['spill_bytes']} "
+                   f"smem{k['shared_memory_bytes']}" for k in row.get("kernels", []))
+    print(f"  {row['model']:13s} {row['kv_cache_dtype']:9s} {row['backend']:6s} "
+          f"tp{row['tensor_parallel_size']} {row['program']:8s} T={row['tokens']:<5d} "
+          f"B={row['seqs']:<4d} {row.get('compile_s', 0):6.1f}s "
+          f"aliased={row.get('pool_aliased')} {status} {ks}", flush=True)
+
+
+def check_rows(rows: list[dict[str, Any]]) -> list[str]:
+    """What fails the issue's bar: not compiled, pool not aliased, registers, spills, smem."""
+    bad = []
+    for r in rows:
+        tag = (f"{r['model']}/{r['kv_cache_dtype']}/{r['backend']}/tp{r['tensor_parallel_size']}"
+               f"/{r['program']} T={r['tokens']} B={r['seqs']}")
+        if not r.get("compiled"):
+            bad.append(f"{tag}: did not compile: {r.get('error', '')[:300]}")
+            continue
+        if r["program"] != "kv_gather" and r.get("pool_aliased") is not True:
+            bad.append(f"{tag}: pool not aliased in place (copies: {r.get('pool_copies')})")
+        if r["program"] == "kv_gather" and r.get("pool_copies"):
+            bad.append(f"{tag}: pool copied: {r['pool_copies']}")
+        for k in r.get("kernels", []):
+            if k["registers"] is None or k["registers"] > MAX_REGISTERS:
+                bad.append(f"{tag}: {k['name']} registers {k['registers']}")
+            if k["spill_bytes"]:
+                bad.append(f"{tag}: {k['name']} spills {k['spill_bytes']} bytes")
+            if k["shared_memory_bytes"] > SHARED_MEMORY_OPTIN:
+                bad.append(f"{tag}: {k['name']} shared memory {k['shared_memory_bytes']} B")
+    return bad
+
+
+def plan_configs(quick: bool) -> list[tuple[Config, str]]:
+    """(configuration, shape set) pairs: both models x bf16/fp8 x pallas/xla; TP 2 on the 8B."""
+    out = []
+    for model in ("smollm2-135m", "llama3-8b"):
+        for kvd in ("bfloat16", "fp8_e4m3"):
+            for be in ("pallas", "xla"):
+                out.append((Config(model, kvd, be), "quick" if quick else "all"))
+    for be in ("pallas", "xla"):
+        out.append((Config("llama3-8b", "bfloat16", be, 2), "decode" if quick else "all"))
+    return out
+
+
+def shapes_for(builder_plan: Any, which: str) -> list[tuple[int, int]]:
+    """Bucket shapes: 'all' of the plan; 'quick' = a decode and the largest mixed shape (every
+    kernel and both attention paths); 'decode' = the batch-64 decode shape."""
+    all_shapes = builder_plan.all_shapes()
+    decode = (64, 64) if (64, 64) in all_shapes else all_shapes[0]
+    if which == "all":
+        return all_shapes
+    if which == "decode":
+        return [decode]
+    return [decode, max(all_shapes)]
+
+
+def run(quick: bool, keep_going: bool = True, only: str | None = None) -> dict[str, Any]:
+    """Every case of the plan for one abstract H200 (two for TP); the JSON document."""
+    ptxas = find_ptxas()
+    targets = {1: h200_target(1)}
+    try:
+        targets[2] = h200_target(2)
+    except Exception as e:  # noqa: BLE001 - TP 2 is reported as not available
+        logger.warning("no 2-device topology: %s", e)
+    cases, sizing = [], []
+    for cfg, which in plan_configs(quick):
+        if only and only not in f"{cfg.model}/{cfg.kv_cache_dtype}/{cfg.backend}":
+            continue
+        target = targets.get(cfg.tensor_parallel_size)
+        if target is None:
+            continue
+        spec = model_spec(cfg.model)
+        plan = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, PROBE_BLOCKS,
+                           target.devices, cfg.tensor_parallel_size).plan
+        rows, size = run_config(cfg, shapes_for(plan, which), target, ptxas,
+                                transfers=(cfg.backend == "xla"), cpu_probe=cfg.backend == "xla")
+        cases += rows
+        sizing.append(size)
+    return {"jax_version": jax.__version__, "target": TARGET_NAME,
+            "ptxas": ptxas, "mode": "quick" if quick else "full",
+            "cases": cases, "sizing": sizing, "problems": check_rows(cases)}

@@ -1,0 +1,105 @@
+"""Deviceless H200 compiles: the log and dump readers on text, and one real case when a CUDA
+plugin is installed (`make gpu-aot` makes such an environment; CI's has none and skips it)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import pytest
+
+from jpaged.aot.kernels import capture_stderr, is_pallas_kernel, parse_ptxas, parse_thunks
+from jpaged.aot.report import check_rows, plan_configs, shapes_for
+from jpaged.aot.target import cuda_plugin_error, h200_target_config, target_field
+
+THUNKS = """\
+021: kCustomKernel [prev=020 (1)  | next=022 (1)] kv_write grid: [16, 3, 1] threads: [32, 1, 1]  \
+shared_memory: 0 bytes
+040: kCustomKernel [prev=039 (1)  | next=042 (2)] ragged_paged_qt16_ppb4 grid: [17, 3, 1] \
+threads: [128, 1, 1]  shared_memory: 40960 bytes
+041: kCustomKernel [source       | next=005 (4)] loop_cosine_sine_fusion grid: [4, 1, 1] \
+threads: [128, 1, 1]  shared_memory: 0 bytes
+"""
+PTXAS = """\
+I1201 subprocess_compilation.cc:356] ptxas info    : 960 bytes gmem
+ptxas info    : Compiling entry function 'paged_decode_ppb8_ppp8' for 'sm_90a'
+ptxas info    : Function properties for paged_decode_ppb8_ppp8
+    0 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 255 registers, used 1 barriers, 16 bytes smem
+ptxas info    : Compiling entry function 'kv_write' for 'sm_90a'
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 16 registers, used 0 barriers
+"""
+
+
+def test_thunk_and_ptxas_readers():
+    launches = parse_thunks(THUNKS)
+    assert [(x.name, x.grid, x.threads, x.dyn_smem) for x in launches] == [
+        ("kv_write", (16, 3, 1), 32, 0), ("ragged_paged_qt16_ppb4", (17, 3, 1), 128, 40960),
+        ("loop_cosine_sine_fusion", (4, 1, 1), 128, 0)]
+    assert [is_pallas_kernel(x.name) for x in launches] == [True, True, False]
+    got = parse_ptxas(PTXAS)
+    assert got["paged_decode_ppb8_ppp8"] == {"smem": 16, "stack": 0, "spill": 12,
+                                             "registers": 255}
+    assert got["kv_write"]["registers"] == 16 and got["kv_write"]["spill"] == 0
+
+
+def test_check_rows_names_every_failure():
+    ok = {"model": "m", "kv_cache_dtype": "bfloat16", "backend": "pallas",
+          "tensor_parallel_size": 1, "program": "step", "tokens": 64, "seqs": 64,
+          "compiled": True, "pool_aliased": True, "pool_copies": [],
+          "kernels": [{"name": "kv_write", "registers": 16, "spill_bytes": 0,
+                       "shared_memory_bytes": 0}]}
+    assert check_rows([ok]) == []
+    bad = {**ok, "pool_aliased": False, "kernels": [
+        {"name": "paged_decode_x", "registers": 256, "spill_bytes": 8,
+         "shared_memory_bytes": 300000}]}
+    problems = check_rows([bad, {**ok, "compiled": False, "error": "boom"}])
+    assert len(problems) == 5 and "did not compile: boom" in problems[-1]
+
+
+def test_plan_covers_both_models_dtypes_backends_and_tp2():
+    cfgs = [c for c, _ in plan_configs(quick=True)]
+    assert {(c.model, c.kv_cache_dtype, c.backend) for c in cfgs if c.tensor_parallel_size == 1
+            } == {(m, d, b) for m in ("smollm2-135m", "llama3-8b")
+                  for d in ("bfloat16", "fp8_e4m3") for b in ("pallas", "xla")}
+    assert any(c.tensor_parallel_size == 2 for c in cfgs)
+
+    class Plan:
+        def all_shapes(self):
+            return [(1, 1), (4, 4), (16, 16), (64, 16), (64, 64), (2048, 256)]
+
+    assert shapes_for(Plan(), "quick") == [(64, 64), (2048, 256)]  # decode + largest mixed
+    assert shapes_for(Plan(), "all") == Plan().all_shapes()
+
+
+def test_target_config_is_an_h200():
+    cfg = h200_target_config()
+    assert 'device_description_str: "NVIDIA H200"' in cfg
+    assert target_field("core_count") == 132
+    assert target_field("shared_memory_per_block_optin") == 232448
+    assert target_field("device_memory_size") == 143771 * 2**20
+
+
+def test_capture_stderr_reads_file_descriptor_2():
+    import os
+
+    with capture_stderr() as out:
+        os.write(2, b"ptxas info    : Used 7 registers\n")
+    assert "Used 7 registers" in out[0]
+
+
+@pytest.mark.skipif(cuda_plugin_error() is not None, reason="no CUDA plugin for jax here")
+def test_one_step_compiles_for_an_h200():
+    from jpaged.aot.cases import StepBuilder, model_spec
+    from jpaged.aot.report import compile_lowered
+    from jpaged.aot.target import h200_target
+
+    target = h200_target(1)
+    b = StepBuilder(model_spec("smollm2-135m"), jnp.bfloat16, "fp8_e4m3", "pallas", 4099,
+                    target.devices)
+    row = compile_lowered(lambda: b.lower_step(16, 16), True, None, b.pool_shape(),
+                          target=target)
+    assert row["compiled"], row.get("error")
+    assert row["pool_aliased"] and row["pool_copies"] == []
+    names = {k["name"].split("_ppb")[0].split("_qt")[0] for k in row["kernels"]}
+    assert names == {"kv_write", "ragged_paged", "paged_decode"}
+    assert all(k["shared_memory_bytes"] <= 232448 for k in row["kernels"])
