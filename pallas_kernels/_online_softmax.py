@@ -8,13 +8,20 @@ import jax.numpy as jnp
 from pallas_kernels._compat import MASK_VALUE, mm
 
 
-def load_kv_block(pages_ref, ids: jax.Array, dtype: jnp.dtype) -> jax.Array:
-    """Gather pages `ids` ([pages]) of one kv head as [pages * block_size, head_dim] in `dtype`.
+def load_kv_block(pages_ref, ids: jax.Array, head: jax.Array, page_dtype: jnp.dtype,
+                  dtype: jnp.dtype) -> jax.Array:
+    """Gather pages `ids` ([pages]) of kv head `head` as [pages * block_size, head_dim] in `dtype`.
 
-    `pages_ref` is [num_blocks, block_size, head_dim] (the kv-head axis squeezed by the BlockSpec).
-    fp8 pages widen exactly to bf16 here; their scale is applied outside the product.
+    `pages_ref` is the whole pool [num_blocks, block_size, kv_heads, head_dim]: its BlockSpec is
+    the full array, so the Pallas interpreter passes it through without copying (a per-head
+    block would be sliced out of the pool and written back by every program). fp8 and bf16
+    pools arrive as their bit patterns (`reference.bits_dtype`) and are bitcast to `page_dtype`
+    after the gather. fp8 pages widen exactly to bf16 here; their scale is applied outside the
+    product.
     """
-    blk = pages_ref[ids]  # [pages, block_size, head_dim]
+    blk = pages_ref[ids, :, head, :]  # [pages, block_size, head_dim]
+    if blk.dtype != page_dtype:
+        blk = jax.lax.bitcast_convert_type(blk, page_dtype)
     n, bs, d = blk.shape
     return blk.reshape(n * bs, d).astype(dtype)
 

@@ -10,6 +10,8 @@ uses -1) writes nothing.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
@@ -17,6 +19,7 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels import reference
 from pallas_kernels._compat import is_pow2, pallas_call, triton_unsupported
+from pallas_kernels.reference import from_bits, to_bits
 
 
 def _quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array) -> jax.Array:
@@ -28,8 +31,12 @@ def _quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array) -> jax.Array:
 
 
 def _write_kernel(scale_ref, slot_ref, k_ref, v_ref, k_in_ref, v_in_ref,  # inputs
-                  k_out_ref, v_out_ref) -> None:  # outputs (aliases of k_in_ref, v_in_ref)
-    """Store one token's rows of one head group; only the named slot is touched."""
+                  k_out_ref, v_out_ref,  # outputs (aliases of k_in_ref, v_in_ref)
+                  *, page_dtype: jnp.dtype) -> None:
+    """Store one token's rows of one head group; only the named slot is touched.
+
+    The pool refs hold `page_dtype`, or its bit patterns for fp8 / bf16 (`reference.to_bits`).
+    """
     del k_in_ref, v_in_ref  # read through the aliased outputs
     nb, bs, _, _ = k_out_ref.shape
     hp = k_ref.shape[0]
@@ -41,8 +48,11 @@ def _write_kernel(scale_ref, slot_ref, k_ref, v_ref, k_in_ref, v_in_ref,  # inpu
         blk = slot // bs
         off = slot % bs
         heads = pl.ds(grp * hp, hp)
-        k_out_ref[blk, off, heads, :] = _quantize(k_ref[...], k_out_ref.dtype, scale_ref[0])
-        v_out_ref[blk, off, heads, :] = _quantize(v_ref[...], v_out_ref.dtype, scale_ref[1])
+        for src, dst, scale in ((k_ref, k_out_ref, scale_ref[0]), (v_ref, v_out_ref, scale_ref[1])):
+            row = _quantize(src[...], page_dtype, scale)
+            if dst.dtype != page_dtype:
+                row = jax.lax.bitcast_convert_type(row, dst.dtype)
+            dst[blk, off, heads, :] = row
 
 
 def write_kv(
@@ -68,11 +78,12 @@ def write_kv(
     hp = heads_per_program or (hkv if (interpret or is_pow2(hkv)) else 1)
     if hkv % hp:
         raise ValueError(f"heads_per_program={hp} must divide kv_heads={hkv}")
+    bits = to_bits(k_pages)  # fp8 / bf16 pools move as bit patterns (in place on CPU too)
     scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
     page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda t, g: (0, 0, 0, 0))
     row_spec = pl.BlockSpec((None, hp, d), lambda t, g: (t, g, 0))
-    return pallas_call(
-        _write_kernel,
+    kb, vb = pallas_call(
+        functools.partial(_write_kernel, page_dtype=k_pages.dtype),
         grid=(t_total, hkv // hp),
         in_specs=[
             pl.BlockSpec((2,), lambda t, g: (0,)),  # k_scale, v_scale
@@ -80,9 +91,10 @@ def write_kv(
             row_spec, row_spec, page_spec, page_spec,
         ],
         out_specs=[page_spec, page_spec],
-        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
-                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, bits.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, bits.dtype)],
         input_output_aliases={4: 0, 5: 1},
         interpret=interpret, num_warps=num_warps, num_stages=1,
         name="kv_write",
-    )(scales, slot_mapping.astype(jnp.int32), k, v, k_pages, v_pages)
+    )(scales, slot_mapping.astype(jnp.int32), k, v, bits, to_bits(v_pages))
+    return from_bits(kb, k_pages.dtype), from_bits(vb, v_pages.dtype)

@@ -29,6 +29,7 @@ from pallas_kernels._compat import (
     triton_unsupported,
 )
 from pallas_kernels._online_softmax import init_carry, load_kv_block, softmax_step
+from pallas_kernels.reference import to_bits
 
 # Aim for at least this many programs, so that a small batch still fills an H200's 132 SMs.
 _TARGET_PROGRAMS = 1024
@@ -37,7 +38,7 @@ _TARGET_PROGRAMS = 1024
 def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs
                    acc_ref, m_ref, l_ref,  # outputs
                    *, pages_per_block: int, soft_cap: float | None,
-                   sliding_window: int | None) -> None:
+                   sliding_window: int | None, page_dtype: jnp.dtype) -> None:
     """One (sequence, kv head, partition): partial attention of G heads over <= P pages."""
     part = pl.program_id(2)
     rows, head_dim = q_ref.shape
@@ -54,10 +55,12 @@ def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     q = q_ref[...]
     qk_scale = scale_ref[0]
 
+    head = pl.program_id(1)
+
     def body(i, carry):
         ids = tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
-        k = load_kv_block(k_ref, ids, q.dtype)
-        v = load_kv_block(v_ref, ids, q.dtype)
+        k = load_kv_block(k_ref, ids, head, page_dtype, q.dtype)
+        v = load_kv_block(v_ref, ids, head, page_dtype, q.dtype)
         k_pos = start + i * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
         mask = k_pos < seq_len
         if sliding_window is not None:
@@ -148,8 +151,9 @@ def paged_decode_attention(
     qg = q.reshape(b, hkv, g, d).astype(dt)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [B, K, rows, D]
     kernel = functools.partial(_decode_kernel, pages_per_block=pages_per_block,
-                               soft_cap=soft_cap, sliding_window=sliding_window)
-    page_spec = pl.BlockSpec((nb, bs, None, d), lambda i, h, p: (0, 0, h, 0))
+                               soft_cap=soft_cap, sliding_window=sliding_window,
+                               page_dtype=k_pages.dtype)
+    page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda i, h, p: (0, 0, 0, 0))  # whole pool
     part_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, p: (i, h, p, 0))
     acc, m, lsum = pallas_call(
         kernel,
@@ -172,7 +176,8 @@ def paged_decode_attention(
         ],
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
         name=f"paged_decode_ppb{pages_per_block}_ppp{pages_per_partition}",
-    )(scale_array(qk_scale), seq_lens.astype(jnp.int32), tables, qg, k_pages, v_pages)
+    )(scale_array(qk_scale), seq_lens.astype(jnp.int32), tables, qg, to_bits(k_pages),
+      to_bits(v_pages))
     # Padded head rows are dropped before the merge, so it reads only the G real rows.
     out = merge_partitions(acc[:, :, :, :g], m[:, :, :, :g], lsum[:, :, :, :g])
     if reference.is_fp8(v_pages.dtype):

@@ -37,6 +37,7 @@ from pallas_kernels._compat import (
 )
 from pallas_kernels._online_softmax import init_carry, load_kv_block, softmax_step
 from pallas_kernels.paged_attention import paged_decode_attention
+from pallas_kernels.reference import to_bits
 
 # Tile metadata columns: [sequence, absolute position of the tile's first token, valid tokens,
 # unused]; four so that the row is a power of two.
@@ -46,7 +47,7 @@ _META_SEQ, _META_POS, _META_VALID, _META_COLS = 0, 1, 2, 4
 def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs
                    o_ref,  # output
                    *, heads_pad: int, pages_per_block: int, soft_cap: float | None,
-                   sliding_window: int | None) -> None:
+                   sliding_window: int | None, page_dtype: jnp.dtype) -> None:
     """One (query tile, kv head): causal attention of the tile's rows over their keys."""
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -65,10 +66,12 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     q_pos = pos0 + tok  # [rows, bk]
     row_ok = tok < n_valid
 
+    head = pl.program_id(1)
+
     def body(i, carry):
         ids = tables_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]
-        k = load_kv_block(k_ref, ids, q.dtype)
-        v = load_kv_block(v_ref, ids, q.dtype)
+        k = load_kv_block(k_ref, ids, head, page_dtype, q.dtype)
+        v = load_kv_block(v_ref, ids, head, page_dtype, q.dtype)
         k_pos = i * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
         mask = row_ok & (k_pos <= q_pos)
         if sliding_window is not None:
@@ -158,8 +161,9 @@ def ragged_kernel_attention(
     qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, hkv, rows, d)
 
     kernel = functools.partial(_ragged_kernel, heads_pad=gp, pages_per_block=pages_per_block,
-                               soft_cap=soft_cap, sliding_window=sliding_window)
-    page_spec = pl.BlockSpec((nb, bs, None, d), lambda t, h: (0, 0, h, 0))
+                               soft_cap=soft_cap, sliding_window=sliding_window,
+                               page_dtype=k_pages.dtype)
+    page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda t, h: (0, 0, 0, 0))  # whole pool
     out_tiles = pallas_call(
         kernel,
         grid=(num_tiles, hkv),
@@ -174,7 +178,8 @@ def ragged_kernel_attention(
         out_shape=jax.ShapeDtypeStruct((num_tiles, hkv, rows, d), jnp.float32),
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
         name=f"ragged_paged_qt{q_tile}_ppb{pages_per_block}",
-    )(scale_array(sm_scale * k_scale if fp8 else sm_scale), meta, tables, qt, k_pages, v_pages)
+    )(scale_array(sm_scale * k_scale if fp8 else sm_scale), meta, tables, qt, to_bits(k_pages),
+      to_bits(v_pages))
 
     # Token t of sequence b sits in tile first_tile[b] + (t - qsl[b]) // q_tile.
     qsl = query_start_loc.astype(jnp.int32)

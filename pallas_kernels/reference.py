@@ -43,6 +43,18 @@ def bits_dtype(dtype: jnp.dtype) -> jnp.dtype | None:
     return None
 
 
+def to_bits(x: Array) -> Array:
+    """x as its bit patterns (`bits_dtype`) where it has such a type, else x itself."""
+    bits = bits_dtype(x.dtype)
+    return x if bits is None else jax.lax.bitcast_convert_type(x, bits)
+
+
+def from_bits(x: Array, dtype: jnp.dtype) -> Array:
+    """The `dtype` view of bit patterns made by `to_bits` (x itself when already `dtype`)."""
+    dtype = jnp.dtype(dtype)
+    return x if x.dtype == dtype else jax.lax.bitcast_convert_type(x, dtype)
+
+
 def quantize(x: Float[Array, "..."], dtype: jnp.dtype, scale: Float[Array, ""] | float = 1.0
              ) -> Array:
     """Cast new K/V to the page dtype; fp8 divides by `scale` and saturates to the finite range."""
@@ -67,11 +79,7 @@ def gather_blocks(pages: Float[Array, "blocks bs kv_heads head_dim"], ids: Int[A
     the gather's operand, the WHOLE pool (hoisted out of the attention loop, still a pool-sized
     conversion per layer per step); the bitcasts are free and fold with the caller's.
     """
-    bits = bits_dtype(pages.dtype)
-    if bits is None:
-        return pages[ids]
-    return jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(pages, bits)[ids],
-                                        pages.dtype)
+    return from_bits(to_bits(pages)[ids], pages.dtype)
 
 
 def write_kv(
@@ -107,14 +115,9 @@ def _scatter_rows(pages: Array, idx: Int[Array, " T"], rows: Array) -> Array:
     """
     bs = pages.shape[1]
     blk, off = idx // bs, idx % bs  # idx == total (dropped) gives blk == num_blocks
-    bits = bits_dtype(pages.dtype)
-    if bits is None:
-        return pages.at[blk, off].set(rows, mode="drop")
     # No reshape between the bitcasts: adjacent bitcast-converts fold away, split by a reshape
     # they become a pool-sized copy.
-    stored = jax.lax.bitcast_convert_type(pages, bits)
-    new = jax.lax.bitcast_convert_type(rows, bits)
-    return jax.lax.bitcast_convert_type(stored.at[blk, off].set(new, mode="drop"), pages.dtype)
+    return from_bits(to_bits(pages).at[blk, off].set(to_bits(rows), mode="drop"), pages.dtype)
 
 
 def query_tiling(num_tokens: int, num_seqs: int) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float
 
 from jpaged.config import CacheConfig
 from models.config import ModelSpec
-from pallas_kernels.reference import bits_dtype
+from pallas_kernels.reference import bits_dtype, from_bits, to_bits
 
 logger = logging.getLogger("jpaged")
 
@@ -54,14 +54,12 @@ def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
 
 def as_pages(stored: Array, dtype: jnp.dtype) -> Array:
     """The page-dtype view of a stored pool array (a bitcast for fp8 / bf16, else itself)."""
-    dtype = jnp.dtype(dtype)
-    return jax.lax.bitcast_convert_type(stored, dtype) if stored.dtype != dtype else stored
+    return from_bits(stored, dtype)
 
 
 def as_stored(pages: Array) -> Array:
     """The storage view of a page-dtype array (bit patterns for fp8 / bf16, else itself)."""
-    dt = storage_dtype(pages.dtype)
-    return jax.lax.bitcast_convert_type(pages, dt) if pages.dtype != dt else pages
+    return to_bits(pages)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "k_scale", "v_scale"],
