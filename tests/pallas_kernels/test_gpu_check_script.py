@@ -1,4 +1,5 @@
-"""scripts/gpu_check.py imports and configures (its --cpu-smoke run takes minutes: not here)."""
+"""scripts/gpu_check.py imports and configures (its --cpu-smoke run is part of
+tests/jpaged/bench/test_device_check.py)."""
 
 import argparse
 import importlib.util

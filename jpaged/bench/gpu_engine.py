@@ -1,0 +1,203 @@
+"""The engine end to end on random weights of a named shape: the device check's engine half.
+
+No checkpoint is read (none can travel to the GPU machine): the model is initialized with random
+weights on the device and a 258-token byte tokenizer stands in (ids it does not know decode to
+nothing). Per KV dtype: the Pallas and the XLA attention paths run the same greedy mixed batch
+(prompts of 17..700 tokens, so chunked prefill and decode mix) and must give the same tokens;
+the Pallas engine then measures output tokens/s at several batch sizes, and each engine reports
+the pool it chose. `--cpu-smoke` runs the same on a tiny shape with the Pallas interpreter.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from tokenizers import AddedToken, decoders, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+from tokenizers.models import BPE
+
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine
+from jpaged.llm import LLM
+from jpaged.sampling_params import SamplingParams
+from models.config import ModelSpec
+from models.loader import LoadedModel
+from models.registry import get_model_class
+from models.tokenizer import Tokenizer, byte_to_unicode
+
+# A Llama-shaped model small enough for the Pallas interpreter (GQA 4, head_dim 16).
+TINY_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+    "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 8,
+    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "max_position_embeddings": 1024, "tie_word_embeddings": False, "bos_token_id": 256,
+    "eos_token_id": 257,
+}
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer (256 bytes + <s>, </s>; no merges)."""
+    vocab = {ch: b for b, ch in byte_to_unicode().items()}
+    backend = Backend(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<s>", special=True),
+                                AddedToken("</s>", special=True)])
+    return Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+
+
+def random_model(spec: ModelSpec, dtype: Any, seed: int = 0) -> LoadedModel:
+    """The architecture of `spec` with random weights on the default device (jitted init)."""
+    cls = get_model_class(spec.architecture)
+
+    @nnx.jit
+    def init() -> nnx.Module:
+        return cls(spec, dtype=dtype, rngs=nnx.Rngs(seed))
+
+    return LoadedModel(spec, init(), byte_tokenizer(), f"random:{spec.architecture}")
+
+
+@dataclass(frozen=True)
+class EngineCheckConfig:
+    """Shapes and sizes of one run (GPU or CPU smoke)."""
+
+    spec: ModelSpec
+    prompt_lens: tuple[int, ...]  # the mixed greedy batch
+    new_tokens: int
+    batches: tuple[int, ...]  # throughput batch sizes
+    bench_prompt: int
+    bench_new: int
+    engine_args: dict[str, Any]
+
+
+def _prompts(lens: tuple[int, ...], vocab: int, seed: int) -> list[dict[str, list[int]]]:
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(0, min(vocab, 50000), n).tolist()} for n in lens]
+
+
+def _engine(loaded: LoadedModel, kv_dtype: str, backend: str, args: dict[str, Any]) -> LLM:
+    engine = LLMEngine(EngineArgs(kv_cache_dtype=kv_dtype, attention_backend=backend,
+                                  disable_log_stats=True, **args), loaded=loaded)
+    return LLM.from_engine(engine)
+
+
+def _greedy(llm: LLM, prompts: list[dict[str, list[int]]], n: int) -> list[list[int]]:
+    sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def _throughput(llm: LLM, cfg: EngineCheckConfig, batch: int) -> dict[str, Any]:
+    prompts = _prompts((cfg.bench_prompt,) * batch, cfg.spec.vocab_size, seed=batch)
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg.bench_new, ignore_eos=True)
+    llm.generate(prompts, sp, use_tqdm=False)  # compiles this batch's shapes
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    toks = sum(len(o.outputs[0].token_ids) for o in outs)
+    return {"batch": batch, "prompt_tokens": cfg.bench_prompt, "new_tokens": cfg.bench_new,
+            "wall_s": round(wall, 4), "output_tokens_per_s": round(toks / wall, 1)}
+
+
+def _pool(llm: LLM) -> dict[str, Any]:
+    m = llm.get_metrics()
+    kv = llm.llm_engine.runner.kv
+    return {"num_blocks": int(m["num_blocks_total"]),
+            "pool_bytes": int(kv.k.nbytes + kv.v.nbytes),
+            "block_size": llm.llm_engine.config.cache.block_size}
+
+
+def run_engine_check(cfg: EngineCheckConfig, kv_dtypes: tuple[str, ...], model_dtype: Any,
+                     budget_s: float = 1e9) -> dict[str, Any]:
+    """Greedy Pallas-vs-XLA equality, tokens/s and the chosen pool, per KV dtype."""
+    t_start = time.perf_counter()
+    loaded = random_model(cfg.spec, model_dtype)
+    prompts = _prompts(cfg.prompt_lens, cfg.spec.vocab_size, seed=1)
+    out: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+                           "model": f"random {cfg.spec.architecture} {cfg.spec.num_layers}L "
+                                    f"{cfg.spec.num_heads}q/{cfg.spec.num_kv_heads}kv "
+                                    f"d{cfg.spec.head_dim}",
+                           "prompt_lens": list(cfg.prompt_lens), "runs": []}
+    for kvd in kv_dtypes:
+        tokens: dict[str, list[list[int]]] = {}
+        run: dict[str, Any] = {"kv_cache_dtype": kvd}
+        for backend in ("xla", "pallas"):
+            t0 = time.perf_counter()
+            llm = _engine(loaded, kvd, backend, cfg.engine_args)
+            run[f"{backend}_start_s"] = round(time.perf_counter() - t0, 2)
+            run[f"{backend}_pool"] = _pool(llm)
+            tokens[backend] = _greedy(llm, prompts, cfg.new_tokens)
+            if backend == "pallas":
+                run["throughput"] = []
+                for b in cfg.batches:
+                    if time.perf_counter() - t_start > budget_s:
+                        run["throughput"].append({"batch": b, "skipped": "time budget"})
+                        continue
+                    run["throughput"].append(_throughput(llm, cfg, b))
+            llm.llm_engine.runner.kv = None  # free the pool before the next engine's
+            del llm
+            gc.collect()
+        same = [a == b for a, b in zip(tokens["xla"], tokens["pallas"], strict=True)]
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+                      for a, b in zip(tokens["xla"], tokens["pallas"], strict=True)]
+        run.update(greedy_equal=all(same), equal_per_prompt=same, first_difference=first_diff,
+                   tokens_pallas=tokens["pallas"], tokens_xla=tokens["xla"])
+        out["runs"].append(run)
+    out["wall_s"] = round(time.perf_counter() - t_start, 1)
+    return out
+
+
+def gpu_config() -> EngineCheckConfig:
+    """Llama-3-8B's shape in bf16 on the GPU: a mixed batch and batches 1, 32, 128."""
+    from jpaged.aot.cases import LLAMA3_8B_CONFIG
+
+    return EngineCheckConfig(
+        spec=ModelSpec.from_hf_config(LLAMA3_8B_CONFIG), prompt_lens=(17, 100, 300, 700),
+        new_tokens=16, batches=(1, 32, 128), bench_prompt=128, bench_new=64,
+        engine_args={"max_model_len": 1024, "max_num_seqs": 128})
+
+
+def smoke_config() -> EngineCheckConfig:
+    """A tiny shape for the CPU rehearsal (small pool, few tokens)."""
+    return EngineCheckConfig(
+        spec=ModelSpec.from_hf_config(TINY_CONFIG), prompt_lens=(5, 17, 40), new_tokens=4,
+        batches=(1, 4), bench_prompt=16, bench_new=4,
+        engine_args={"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 64,
+                     "kv_cache_memory_bytes": 16 * 2**20})
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the check; exit 1 when the Pallas and XLA greedy tokens differ."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    import jax.numpy as jnp
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shape, Pallas interpreter")
+    p.add_argument("--out", type=Path, help="write the results as JSON here")
+    p.add_argument("--budget-s", type=float, default=270.0, help="skip throughput after this")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        jax.config.update("jax_platforms", "cpu")
+    cfg = smoke_config() if args.cpu_smoke else gpu_config()
+    dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
+    res = run_engine_check(cfg, ("bfloat16", "fp8_e4m3"), dtype, budget_s=args.budget_s)
+    res["mode"] = "cpu-smoke" if args.cpu_smoke else "gpu"
+    if args.out:
+        args.out.write_text(json.dumps(res, indent=1))
+    print(f"engine check on {res['device']} (jax {res['jax']}): {res['model']}")
+    for run in res["runs"]:
+        tput = ", ".join(f"B={t['batch']}: {t.get('output_tokens_per_s', t.get('skipped'))}"
+                         for t in run["throughput"])
+        print(f"  kv {run['kv_cache_dtype']:9s} pallas==xla greedy: {run['greedy_equal']} "
+              f"(first differences {run['first_difference']}); pool {run['pallas_pool']}; "
+              f"tokens/s {tput}")
+    print(f"  done in {res['wall_s']} s")
+    return 0 if all(r["greedy_equal"] for r in res["runs"]) else 1

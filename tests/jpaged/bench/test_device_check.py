@@ -1,0 +1,38 @@
+"""scripts/device_check.sh end to end in its CPU smoke mode: the same steps as on a lent GPU
+(kernel checks and timings, the engine on random weights, one merged JSON), tiny shapes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+SCRIPT = ROOT / "scripts" / "device_check.sh"
+
+
+def test_device_check_cpu_smoke(tmp_path):
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(["bash", str(SCRIPT), "--cpu-smoke"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    doc = json.loads((tmp_path / "device_check.json").read_text())
+    assert doc["kernels_rc"] == 0 and doc["engine_rc"] == 0
+    kernels, engine = doc["kernels"], doc["engine"]
+    assert kernels["mode"] == "cpu-smoke" and kernels["failures"] == []
+    assert len(kernels["checks"]) >= 10 and all(c["ok"] for c in kernels["checks"])
+    assert {t["impl"] for t in kernels["timings"]} >= {"pallas-decode", "pallas-ragged",
+                                                       "pallas-kv_write"}
+    assert engine["mode"] == "cpu-smoke"
+    assert [r["kv_cache_dtype"] for r in engine["runs"]] == ["bfloat16", "fp8_e4m3"]
+    for run in engine["runs"]:
+        assert run["greedy_equal"], run
+        assert all(len(t) == 4 for t in run["tokens_pallas"])  # ignore_eos: every new token
+        assert [t["batch"] for t in run["throughput"]] == [1, 4]
+        assert all(t["output_tokens_per_s"] > 0 for t in run["throughput"])
+        # fp8 pages are half as big: the same 16 MiB buys twice the blocks.
+        assert run["pallas_pool"] == run["xla_pool"]
+    assert engine["runs"][1]["pallas_pool"]["num_blocks"] > engine["runs"][0]["pallas_pool"][
+        "num_blocks"]
