@@ -266,9 +266,9 @@ def configure(args) -> dict:
     if args.cpu_smoke:
         return dict(interpret=True, hq=8, hkv=2, d=64, long=[21], chunks=[7],
                     timing=dict(max_reps=1, repeats=1), copy_bytes=2**22,
-                    gqa=[(4, 4), (8, 1)], decode=[(2, 16, 4), (1, 40, 8)],
+                    gqa=[(4, 4), (8, 1)], decode=[(2, 16, 4)],
                     ragged_lens=[(3, 24, 4)], mixed=(1, 5, 8, 2, 20), write_tokens=8,
-                    tune_shape=(2, 32), tune_grid=[(2, 4, 2, None), (4, 4, 2, 8)])
+                    tune_shape=(2, 32), tune_grid=[(4, 4, 2, 8)])
     # Llama-3-8B attention: 32 query heads, 8 kv heads, head_dim 128, bf16.
     decode = [(64, 4096, 16), (1, 4096, 16), (64, 4096, 32), (128, 16384, 16)]
     tune = [(p, w, s, None) for p in (4, 8, 16) for w in (4, 8) for s in (2, 3)]

@@ -19,8 +19,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="a decode and the largest mixed shape per configuration")
     p.add_argument("--out", type=Path, help="write the JSON here")
     p.add_argument("--only", help="only configurations whose model/kv_dtype/backend contain this")
+    p.add_argument("--markdown", type=Path, metavar="JSON",
+                   help="print the tables of an earlier run's JSON as markdown, compile nothing")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    if args.markdown:
+        from jpaged.aot.markdown import render
+
+        print(render(json.loads(args.markdown.read_text())))
+        return 0
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     why = cuda_plugin_error()

@@ -103,3 +103,23 @@ def test_one_step_compiles_for_an_h200():
     names = {k["name"].split("_ppb")[0].split("_qt")[0] for k in row["kernels"]}
     assert names == {"kv_write", "ragged_paged", "paged_decode"}
     assert all(k["shared_memory_bytes"] <= 232448 for k in row["kernels"])
+
+
+def test_markdown_tables_of_a_run():
+    from jpaged.aot.markdown import render
+
+    case = {"model": "m", "kv_cache_dtype": "fp8_e4m3", "backend": "pallas",
+            "tensor_parallel_size": 1, "program": "step", "tokens": 64, "seqs": 64,
+            "compiled": True, "compile_s": 6.0, "temp_bytes": 2**20, "pool_bytes": 2**30,
+            "pool_aliased": True, "kernels": [{"name": "kv_write", "registers": 16,
+                                               "spill_bytes": 0, "shared_memory_bytes": 0,
+                                               "threads": 32}]}
+    sizing = {"model": "m", "kv_cache_dtype": "fp8_e4m3", "backend": "pallas",
+              "tensor_parallel_size": 1, "param_bytes": 2**30, "activation_bytes_gpu": 2**20,
+              "estimate_activation_bytes": 2**21, "kv_budget_bytes": 2**33, "num_blocks": 1000,
+              "estimate_num_blocks": 990, "max_concurrent_seqs": 7, "max_model_len": 2048}
+    text = render({"jax_version": "0", "target": "t", "mode": "quick", "cases": [case],
+                   "sizing": [sizing], "problems": []})
+    assert "| m | fp8_e4m3 | pallas | 1 | 1 | 1/1 | 1/1 | 1.00 GiB |" in text
+    assert "| `kv_write` | 16 | 0 | 0 | 32 | 64x64 |" in text
+    assert "1,000 (990)" in text

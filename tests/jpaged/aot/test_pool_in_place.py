@@ -41,9 +41,10 @@ def _check(builder: StepBuilder, lower) -> dict:
     return row
 
 
-@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
-@pytest.mark.parametrize("shape", [(16, 16), (64, 16)], ids=["decode", "mixed"])
+@pytest.mark.parametrize("kv_dtype,shape", [
+    *[(d, (64, 16)) for d in KV_DTYPES], ("float32", (16, 16)), ("fp8_e4m3", (16, 16))])
 def test_xla_step_updates_the_pool_in_place(kv_dtype, shape):
+    """Mixed steps in every KV dtype, decode steps in two (the same ops, other shapes)."""
     b = _builder(kv_dtype, "xla")
     assert shape in b.plan.all_shapes()
     row = _check(b, lambda: b.lower_step(*shape))

@@ -1,0 +1,78 @@
+"""Markdown tables of a gpu_aot JSON (for docs/kernels.md): kernels, programs, pool sizing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _gib(x: int | None) -> str:
+    return "-" if x is None else f"{x / 2**30:.2f} GiB"
+
+
+def _mib(x: int | None) -> str:
+    return "-" if x is None else f"{x / 2**20:.0f} MiB"
+
+
+def kernel_table(doc: dict[str, Any]) -> str:
+    """One row per distinct (configuration, kernel name): its compiled resources."""
+    seen: dict[tuple, dict[str, Any]] = {}
+    for c in doc["cases"]:
+        for k in c.get("kernels", []):
+            key = (c["model"], c["kv_cache_dtype"], c["tensor_parallel_size"], k["name"])
+            if key not in seen:
+                seen[key] = {**k, "shapes": []}
+            seen[key]["shapes"].append(f"{c['tokens']}x{c['seqs']}")
+    lines = ["| model | KV | tp | kernel | registers | spill B | shared mem B | threads | "
+             "seen in T x B |", "|---|---|---|---|---|---|---|---|---|"]
+    for (model, kvd, tp, name), k in seen.items():
+        shapes = k["shapes"]
+        where = ", ".join(shapes) if len(shapes) <= 3 else f"{len(shapes)} shapes"
+        lines.append(f"| {model} | {kvd} | {tp} | `{name}` | {k['registers']} | "
+                     f"{k['spill_bytes']} | {k['shared_memory_bytes']} | {k['threads']} | "
+                     f"{where} |")
+    return "\n".join(lines)
+
+
+def program_table(doc: dict[str, Any]) -> str:
+    """One row per configuration: programs compiled, in place, compile seconds, temp range."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for c in doc["cases"]:
+        key = (c["model"], c["kv_cache_dtype"], c["backend"], c["tensor_parallel_size"])
+        groups.setdefault(key, []).append(c)
+    lines = ["| model | KV | path | tp | programs | compiled | pool in place | pool per device | "
+             "compile s (max) | temp bytes (min..max) |", "|---" * 10 + "|"]
+    for (model, kvd, be, tp), rows in groups.items():
+        ok = sum(bool(r.get("compiled")) for r in rows)
+        steps = [r for r in rows if r["program"] != "kv_gather"]
+        inplace = sum(r.get("pool_aliased") is True for r in steps)
+        temps = [r["temp_bytes"] for r in rows if r.get("temp_bytes") is not None]
+        secs = [r.get("compile_s", 0) for r in rows]
+        lines.append(f"| {model} | {kvd} | {be} | {tp} | {len(rows)} | {ok}/{len(rows)} | "
+                     f"{inplace}/{len(steps)} | {_gib(rows[0]['pool_bytes'])} | "
+                     f"{max(secs):.1f} | {_mib(min(temps)) if temps else '-'}.."
+                     f"{_mib(max(temps)) if temps else '-'} |")
+    return "\n".join(lines)
+
+
+def sizing_table(doc: dict[str, Any]) -> str:
+    """What LLM(gpu_memory_utilization=0.9) picks on the H200, beside jpaged estimate."""
+    lines = ["| model | KV | path | tp | params / device | activations: GPU step / CPU probe / "
+             "estimate | KV budget | blocks (estimate) | seqs of max_model_len |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for s in doc["sizing"]:
+        lines.append(
+            f"| {s['model']} | {s['kv_cache_dtype']} | {s['backend']} | "
+            f"{s['tensor_parallel_size']} | {_gib(s['param_bytes'])} | "
+            f"{_mib(s['activation_bytes_gpu'])} / {_mib(s.get('activation_bytes_cpu_probe'))} / "
+            f"{_mib(s['estimate_activation_bytes'])} | {_gib(s['kv_budget_bytes'])} | "
+            f"{s['num_blocks']:,} ({s['estimate_num_blocks']:,}) | "
+            f"{s['max_concurrent_seqs']:,} @ {s['max_model_len']} |")
+    return "\n".join(lines)
+
+
+def render(doc: dict[str, Any]) -> str:
+    """All three tables with a heading line naming the run."""
+    head = (f"jax {doc['jax_version']}, {doc['target']}, mode {doc['mode']}, "
+            f"{len(doc['cases'])} programs, {len(doc['problems'])} problems, "
+            f"{doc.get('wall_s', '?')} s")
+    return "\n\n".join([head, program_table(doc), kernel_table(doc), sizing_table(doc)])
