@@ -36,8 +36,8 @@ from jpaged.runner.memory_probe import PROBE_BLOCKS
 
 logger = logging.getLogger("jpaged.aot")
 
-# Largest pool block count the Pallas Triton lowering indexes with 32-bit offsets is not ours to
-# choose; the engine's default JAX allocator takes this fraction of the card (XLA's default).
+# The fraction of the card JAX's default allocator preallocates (its bytes_limit, which the
+# engine's device_memory_bytes() reads) unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise.
 DEFAULT_MEM_FRACTION = 0.75
 MAX_REGISTERS = 255
 SHARED_MEMORY_OPTIN = 232448
@@ -57,7 +57,12 @@ def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
                     keep_dump: Path | None = None, target: GpuTarget | None = None
                     ) -> dict[str, Any]:
     """Lower (inside the target's context) and compile one program; its report fields."""
-    row: dict[str, Any] = {"compiled": False}
+    # Every key is present whatever happens; a failed case keeps None and its `error`.
+    row: dict[str, Any] = {"compiled": False, "compile_s": None, "argument_bytes": None,
+                           "output_bytes": None, "temp_bytes": None, "alias_bytes": None,
+                           "pool_aliased": None, "pool_copies": None, "largest_temps": None}
+    if gpu:
+        row["kernels"] = []
     t0 = time.perf_counter()
     try:
         with dump_dir(keep_dump) as d, no_persistent_cache():

@@ -5,8 +5,8 @@ device_get) and ONE load (one device_put of all incoming blocks, then one jitted
 pool donated). Block counts are padded to power-of-4 buckets (4, 16, 64, ...) so the two
 functions compile once per bucket, not per count. A block's host layout is
 ``[num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]`` in the page dtype (fp8 included:
-numpy holds ml_dtypes' float8 types bit for bit; the device pool's uint8 storage is bitcast on
-device, blocks only); layer l's copy of block b is pool row
+numpy holds ml_dtypes' float8 types bit for bit; the device pool's fp8/bf16 bit-pattern storage
+is bitcast on device, the moved blocks only); layer l's copy of block b is pool row
 ``l * num_blocks + b``.
 
 Order inside ``apply``: gathers, then loads; the engine calls it before the step's forward.

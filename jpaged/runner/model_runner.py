@@ -69,7 +69,7 @@ class ModelRunner:
 
         def attn_fn(i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                     pages: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
-            # The carry holds the stored arrays (uint8 for fp8); the ops see page-dtype views.
+            # The carry holds the stored arrays (fp8/bf16 as bits); the ops see page-dtype views.
             k_stored, v_stored, k_scale, v_scale = pages
             k_pages, v_pages = as_pages(k_stored, kv.dtype), as_pages(v_stored, kv.dtype)
             if calc_scales:  # this batch's own amax sets layer i's scales before its write
