@@ -56,6 +56,21 @@ def byte_to_unicode() -> dict[int, str]:
     return table
 
 
+def byte_level_backend() -> Backend:
+    """A 258-token byte-level tokenizer: the 256 bytes (ids 0-255), then <s> and </s>.
+
+    No merges. It stands in where no real tokenizer exists (random-weight models, tests); ids
+    it does not know decode to nothing.
+    """
+    vocab = {ch: b for b, ch in byte_to_unicode().items()}
+    backend = Backend(BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken("<s>", special=True),
+                                AddedToken("</s>", special=True)])
+    return backend
+
+
 def _render_tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
                    separators: Any = None, sort_keys: bool = False) -> str:
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,

@@ -18,9 +18,6 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from tokenizers import AddedToken, decoders, pre_tokenizers
-from tokenizers import Tokenizer as Backend
-from tokenizers.models import BPE
 
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
@@ -29,7 +26,7 @@ from jpaged.sampling_params import SamplingParams
 from models.config import ModelSpec
 from models.loader import LoadedModel
 from models.registry import get_model_class
-from models.tokenizer import Tokenizer, byte_to_unicode
+from models.tokenizer import Tokenizer, byte_level_backend
 
 # A Llama-shaped model small enough for the Pallas interpreter (GQA 4, head_dim 16).
 TINY_CONFIG: dict[str, Any] = {
@@ -43,13 +40,7 @@ TINY_CONFIG: dict[str, Any] = {
 
 def byte_tokenizer() -> Tokenizer:
     """A byte-level tokenizer (256 bytes + <s>, </s>; no merges)."""
-    vocab = {ch: b for b, ch in byte_to_unicode().items()}
-    backend = Backend(BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken("<s>", special=True),
-                                AddedToken("</s>", special=True)])
-    return Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+    return Tokenizer(byte_level_backend(), bos_token="<s>", eos_token="</s>")
 
 
 def random_model(spec: ModelSpec, dtype: Any, seed: int = 0) -> LoadedModel:

@@ -9,12 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from tokenizers import AddedToken, decoders, pre_tokenizers
 from tokenizers import Tokenizer as Backend
-from tokenizers.models import BPE
 
 from models import dense_causal_attention
-from models.tokenizer import byte_to_unicode
+from models.tokenizer import byte_level_backend, byte_to_unicode
 
 VOCAB = 300  # 256 byte tokens + <s>, </s> + unused ids
 BOS, EOS = 256, 257
@@ -42,12 +40,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
 
 def byte_tokenizer() -> Backend:
     """A 258-token byte-level tokenizer (no merges) with <s> and </s>."""
-    vocab = {ch: b for b, ch in byte_to_unicode().items()}
-    backend = Backend(BPE(vocab=vocab, merges=[]))
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    return backend
+    return byte_level_backend()
 
 
 def save_byte_tokenizer(path: Path) -> None:
