@@ -263,10 +263,16 @@ def tune_decode(cfg, copy_bw: float) -> None:
 # ------------------------------------------------------------------------------------ main
 def configure(args) -> dict:
     """Shapes and repetitions for --cpu-smoke, --quick or the full run."""
+    variants = [(jnp.float8_e4m3fn, jnp.bfloat16, {}),
+                (jnp.float8_e5m2, jnp.bfloat16, {"soft_cap": 30.0}),
+                (jnp.float32, jnp.float32, {"soft_cap": 20.0, "sliding_window": 500}),
+                (jnp.bfloat16, jnp.bfloat16, {"sliding_window": 700})]
     if args.cpu_smoke:
+        # A rehearsal of every step of the script: one check per code path (the kernels'
+        # interpret-mode tests cover the GQA ratios and dtypes at length).
         return dict(interpret=True, hq=8, hkv=2, d=64, long=[21], chunks=[7],
                     timing=dict(max_reps=1, repeats=1), copy_bytes=2**22,
-                    gqa=[(4, 4), (8, 1)], decode=[(2, 16, 4)],
+                    variants=[variants[0], variants[2]], gqa=[], decode=[(2, 16, 4)],
                     ragged_lens=[(3, 24, 4)], mixed=(1, 5, 8, 2, 20), write_tokens=8,
                     tune_shape=(2, 32), tune_grid=[(4, 4, 2, 8)])
     # Llama-3-8B attention: 32 query heads, 8 kv heads, head_dim 128, bf16.
@@ -280,6 +286,7 @@ def configure(args) -> dict:
                    (64, 512, 16), (64, 16384, 16), (128, 4096, 16), (1, 16384, 32),
                    (128, 2048, 32)]
     return dict(interpret=False, hq=32, hkv=8, d=128, long=[1000, 3001], chunks=[300, 77],
+                variants=variants,
                 timing=dict(max_reps=200, repeats=5), copy_bytes=2**31,
                 gqa=[(8, 8), (24, 3)], decode=decode, ragged_lens=[(64, 4096, 16)],
                 mixed=(4, 512, 1536, 60, 4096), write_tokens=2048, tune_shape=(64, 4096),
@@ -309,10 +316,7 @@ def main() -> int:
         for kind in ("decode", "mixed"):
             _guard(f"check {kind} G={hq // hkv}", check_attention, cfg, kind, jnp.bfloat16,
                    jnp.bfloat16, 16, hq, hkv)
-    for pd, qd, opts in [(jnp.float8_e4m3fn, jnp.bfloat16, {}),
-                         (jnp.float8_e5m2, jnp.bfloat16, {"soft_cap": 30.0}),
-                         (jnp.float32, jnp.float32, {"soft_cap": 20.0, "sliding_window": 500}),
-                         (jnp.bfloat16, jnp.bfloat16, {"sliding_window": 700})]:
+    for pd, qd, opts in cfg["variants"]:
         for kind in ("decode", "mixed"):
             _guard(f"check {kind}", check_attention, cfg, kind, pd, qd, 32, hq0, hkv0, **opts)
     for pd in (jnp.bfloat16, jnp.float8_e4m3fn):

@@ -42,9 +42,9 @@ def _check(builder: StepBuilder, lower) -> dict:
 
 
 @pytest.mark.parametrize("kv_dtype,shape", [
-    *[(d, (64, 16)) for d in KV_DTYPES], ("float32", (16, 16)), ("fp8_e4m3", (16, 16))])
+    *[(d, (64, 16)) for d in KV_DTYPES], ("fp8_e4m3", (16, 16))])
 def test_xla_step_updates_the_pool_in_place(kv_dtype, shape):
-    """Mixed steps in every KV dtype, decode steps in two (the same ops, other shapes)."""
+    """Mixed steps in every KV dtype, and a decode step (the same ops at another shape)."""
     b = _builder(kv_dtype, "xla")
     assert shape in b.plan.all_shapes()
     row = _check(b, lambda: b.lower_step(*shape))
@@ -68,7 +68,7 @@ def test_pallas_interpreter_step_updates_the_pool_in_place(kv_dtype):
     assert _check(b, lambda: b.lower_step(64, 16))["pool_aliased"]
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "fp8_e4m3"])
+@pytest.mark.parametrize("kv_dtype", ["fp8_e4m3"])
 def test_reference_step_updates_the_pool_in_place(kv_dtype):
     b = _builder(kv_dtype, "reference")
     assert _check(b, lambda: b.lower_step(64, 16))["pool_aliased"]
@@ -91,7 +91,7 @@ def test_tensor_parallel_step_updates_each_shard_in_place():
                           text=True, env=env, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == 8
+    assert len(rows) == 4
     for r in rows:
         assert r["compiled"], r.get("error")
         assert r["pool_shape"].endswith(",16,1,16]")  # one of the 3 KV heads per device

@@ -22,7 +22,7 @@ def test_device_check_cpu_smoke(tmp_path):
     assert doc["kernels_rc"] == 0 and doc["engine_rc"] == 0
     kernels, engine = doc["kernels"], doc["engine"]
     assert kernels["mode"] == "cpu-smoke" and kernels["failures"] == []
-    assert len(kernels["checks"]) >= 10 and all(c["ok"] for c in kernels["checks"])
+    assert len(kernels["checks"]) >= 8 and all(c["ok"] for c in kernels["checks"])
     assert {t["impl"] for t in kernels["timings"]} >= {"pallas-decode", "pallas-ragged",
                                                        "pallas-kv_write"}
     assert engine["mode"] == "cpu-smoke"
