@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from jpaged.detokenizer import IncrementalDetokenizer
 from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jpaged.request import Request
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -25,6 +26,8 @@ class ChildState:
     logprobs: list[dict[int, Logprob]] | None = None  # one entry per output token when asked
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    detok: IncrementalDetokenizer | None = None  # made on the first update that needs text
+    stop_checked_len: int = 0  # chars of `text` already searched for stop strings
 
 
 @dataclass
@@ -71,8 +74,11 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     needs_text = bool(p.stop) or req.is_finished() or (
         p.output_kind != RequestOutputKind.FINAL_ONLY)
     if needs_text:
-        child.text = tokenizer.decode(req.output_token_ids,
-                                      skip_special_tokens=p.skip_special_tokens)
+        if child.detok is None:
+            child.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
+        if child.finish_reason is None:  # a stop string may have cut the text already
+            child.detok.update(req.output_token_ids, final=req.is_finished())
+            child.text = child.detok.text
     if p.stop and not req.is_finished():
         _check_stop_strings(child, p, stop_request)
     if req.is_finished() and child.finish_reason is None:
@@ -84,10 +90,11 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
 
 def _check_stop_strings(child: ChildState, p: SamplingParams,
                         stop_request: Callable[[str], None] | None) -> None:
-    # stop_request None: the request already finished; search the whole text once.
-    # Otherwise only the tail can hold a stop string that was not there at the previous step.
-    window = max(len(s) for s in p.stop) + 16
-    start = max(0, child.sent_text_len - window) if stop_request is not None else 0
+    # Only text added since the last search can complete a stop string: search from the last
+    # searched length, backed up by the longest stop string less one char (a match that
+    # straddles the boundary). The final search (stop_request None) uses the same tail.
+    start = max(0, child.stop_checked_len - max(len(s) for s in p.stop) + 1)
+    child.stop_checked_len = len(child.text)
     best = None
     for s in p.stop:
         k = child.text.find(s, start)

@@ -11,6 +11,7 @@ from jpaged import LLM, SamplingParams
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 from jpaged.naive import NaiveEngine
+from jpaged.sampling_params import RequestOutputKind
 
 VOCAB = 300
 
@@ -83,6 +84,27 @@ def test_stop_token_ids_stop_strings_and_min_tokens(llm):
         c = out.outputs[0]
         assert c.finish_reason == "stop" and c.stop_reason == needle
         assert c.text == text[: text.index(needle)]
+    assert _free(llm)
+
+
+def test_stop_strings_that_straddle_steps_end_exactly_there(llm):
+    """The stop search looks at the new tail only (plus the longest stop string less one
+    char); a stop string spread over several tokens must still be found where it starts."""
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = llm.generate({"prompt_token_ids": [3, 1, 4]}, base)[0].outputs[0]
+    text = ref.text
+    cases = [(start, text[start:start + length]) for start in range(2, len(text) - 7)
+             for length in (3, 7)]
+    cases = [(k, n) for k, n in cases
+             if "\ufffd" not in n and n.strip() and text.index(n) == k]
+    assert len(cases) >= 4, text
+    for start, needle in cases[:: max(1, len(cases) // 6)]:
+        for kind in (RequestOutputKind.FINAL_ONLY, RequestOutputKind.CUMULATIVE):
+            c = llm.generate({"prompt_token_ids": [3, 1, 4]},
+                             base.clone(stop=["never there", needle],
+                                        output_kind=kind))[0].outputs[0]
+            assert (c.finish_reason, c.stop_reason, c.text) == ("stop", needle,
+                                                                text[:start]), kind
     assert _free(llm)
 
 

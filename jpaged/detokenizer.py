@@ -1,0 +1,57 @@
+"""Incremental detokenization: a request's text grows by O(new tokens) work per step.
+
+Decoding a request's whole output on every step is quadratic in its length. Here each update
+decodes only a short window (vLLM's prefix/read offsets): the tokens already turned into text
+since the previous emission (`ids[prefix:read]`, the context) and the same window extended by
+the new tokens (`ids[prefix:]`); the difference is the new text. Both decodes start at the same
+token, so a decoder that strips a leading space at the start of a decode strips it from both.
+While the window's text ends in U+FFFD (a multi-byte character split across byte-level or
+byte-fallback tokens) nothing is emitted and the window grows until the character completes; a
+final update emits whatever is left, as a full decode would.
+
+Invariant: `text` == tokenizer.decode(ids[:read_offset]) for the ids seen so far, and `text`
+never ends in a half-made character unless the update was final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Text of one growing token list; `update` returns the newly completed text."""
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.prefix_offset = 0  # first token of the decode window (context)
+        self.read_offset = 0  # tokens already turned into `text`
+        self.text = ""
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def update(self, ids: Sequence[int], final: bool = False) -> str:
+        """Feed the whole token list (it only grows); return the text it adds.
+
+        `final`: no more tokens will come, so a trailing partial character is emitted as the
+        full decode has it (U+FFFD).
+        """
+        if len(ids) < self.read_offset:  # the list was replaced: start over
+            self.prefix_offset = self.read_offset = 0
+            self.text = ""
+        if len(ids) == self.read_offset and not final:
+            return ""
+        prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) and not final:
+            return ""  # e.g. special tokens skipped: nothing to show yet
+        if new_text.endswith(REPLACEMENT_CHAR) and not final:
+            return ""  # wait for the rest of the character
+        delta = new_text[len(prefix_text):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        self.text += delta
+        return delta

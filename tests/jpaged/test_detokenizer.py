@@ -1,0 +1,110 @@
+"""Incremental detokenization: at every prefix of a long output the text is what a full decode
+gives (held back only while a multi-byte character is incomplete), never a half-made character,
+and the text work per token does not grow with the output."""
+
+from __future__ import annotations
+
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+from jpaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from models.tokenizer import Tokenizer
+
+TEXT = ("Zürich, 東京 and São Paulo 🙂🎉 — naïve façade ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 الْعَرَبِيَّة "
+        "Ελληνικά 한국어 x² ≠ ∞ … ") * 12
+
+
+class CountingTokenizer:
+    """A tokenizer whose decode counts the ids it is given."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner, self.decoded = inner, 0
+
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        self.decoded += len(ids)
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def byte_fallback_tokenizer() -> Tokenizer:
+    """A Llama-2-style tokenizer: a few words, <0xNN> byte fallback, Metaspace spaces."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for w in ["▁", "▁and", "▁São", "a", "e", "i", "o", "r", "n", "t", "▁Z", "ü", "h", "c"]:
+        vocab.setdefault(w, len(vocab))
+    backend = Backend(BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                         decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+
+
+def _tokenizers():
+    from helpers import embedded
+
+    return [("smollm2 byte-level BPE", embedded().tokenizer),
+            ("byte fallback", byte_fallback_tokenizer())]
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["byte-level", "byte-fallback"])
+def test_every_prefix_matches_a_full_decode(which):
+    name, tok = _tokenizers()[which]
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    assert len(ids) > 500, name
+    final = tok.decode(ids)
+    assert final == TEXT.rstrip() or final.strip() == TEXT.strip()  # the tokenizer round-trips
+    detok = IncrementalDetokenizer(tok)
+    pieces = []
+    held_back = 0
+    for n in range(1, len(ids) + 1):
+        pieces.append(detok.update(ids[:n]))
+        full = tok.decode(ids[:n])
+        # Never a half-made character: what was emitted stays a prefix of the final text.
+        assert final.startswith(detok.text), (name, n)
+        if full.endswith(REPLACEMENT_CHAR):  # the prefix ends inside a character: wait
+            held_back += 1  # (a byte-fallback decode turns its whole byte run into U+FFFD)
+        else:  # nothing incomplete: nothing held back
+            assert detok.text == full, (name, n)
+    assert held_back > 0, "the text has split characters: some prefixes must wait"
+    assert "".join(pieces) == detok.text == final
+    assert REPLACEMENT_CHAR not in detok.text
+
+
+def test_final_update_emits_an_incomplete_tail_as_a_full_decode_does():
+    from helpers import embedded
+
+    tok = embedded().tokenizer
+    ids = tok.encode("ok 東京", add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith(REPLACEMENT_CHAR))
+    detok = IncrementalDetokenizer(tok)
+    assert REPLACEMENT_CHAR not in detok.update(ids[:cut])
+    detok.update(ids[:cut], final=True)
+    assert detok.text == tok.decode(ids[:cut]) and detok.text.endswith(REPLACEMENT_CHAR)
+
+
+def test_text_work_per_token_stays_constant():
+    from helpers import embedded
+
+    tok = CountingTokenizer(embedded().tokenizer)
+    ids = tok.inner.encode(TEXT * 4, add_special_tokens=False)
+    detok = IncrementalDetokenizer(tok)
+    for n in range(1, len(ids) + 1):
+        detok.update(ids[:n])
+    # A full decode per step would decode n(n+1)/2 ids (~8 million here).
+    assert tok.decoded < 12 * len(ids), (tok.decoded, len(ids))
+    assert detok.text == tok.inner.decode(ids)
+
+
+def test_special_tokens_skipped_or_kept():
+    from helpers import embedded
+
+    tok = embedded().tokenizer
+    eos = tok.eos_token_id
+    ids = tok.encode("Hello there", add_special_tokens=False) + [eos]
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        for n in range(1, len(ids) + 1):
+            detok.update(ids[:n])
+        assert detok.text == tok.decode(ids, skip_special_tokens=skip)
