@@ -105,8 +105,8 @@ def _mem_fraction() -> float:
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
 
 
-def size_pool(cfg: Config, target: GpuTarget, ptxas: str | None,
-              cpu_probe: bool = True) -> tuple[int, dict[str, Any]]:
+def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
+              ) -> tuple[int, dict[str, Any]]:
     """(num_blocks, sizing row): the pool LLM(gpu_memory_utilization=0.9) would pick on the
     target, from the compiled largest step; beside it `jpaged estimate` and the CPU probe."""
     from jpaged.estimate import estimate_capacity
@@ -168,7 +168,7 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
                ptxas: str | None, transfers: bool, cpu_probe: bool) -> tuple[list[dict],
                                                                              dict[str, Any]]:
     """Size the pool, then compile every shape (and the tier transfer programs)."""
-    num_blocks, sizing = size_pool(cfg, target, ptxas, cpu_probe=cpu_probe)
+    num_blocks, sizing = size_pool(cfg, target, cpu_probe=cpu_probe)
     spec = model_spec(cfg.model)
     builder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
                           target.devices, cfg.tensor_parallel_size)
@@ -253,7 +253,7 @@ def shapes_for(builder_plan: Any, which: str) -> list[tuple[int, int]]:
     return [decode, max(all_shapes)]
 
 
-def run(quick: bool, keep_going: bool = True, only: str | None = None) -> dict[str, Any]:
+def run(quick: bool, only: str | None = None) -> dict[str, Any]:
     """Every case of the plan for one abstract H200 (two for TP); the JSON document."""
     ptxas = find_ptxas()
     targets = {1: h200_target(1)}
