@@ -79,8 +79,7 @@ class LLMEngine:
         self.parallel = TensorParallel(self.spec, tp) if tp > 1 else None
         params_bytes = (_param_bytes(nnx.state(self.loaded.model)) if self.parallel is None else
                         self.parallel.param_bytes_per_device(nnx.state(self.loaded.model)))
-        plan = BucketPlan(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                          config.scheduler.max_model_len, config.cache.block_size)
+        plan = BucketPlan.for_config(config)
         self.ops = select_backend(config.model.attention_backend)
         # Compiles the largest step shape; called only when the budget depends on it.
         probe = functools.partial(step_activation_bytes, self.loaded.model, self.spec, plan,

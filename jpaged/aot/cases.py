@@ -75,13 +75,6 @@ def engine_config(spec: ModelSpec, **engine_args: Any) -> EngineConfig:
     return EngineArgs(**engine_args).create_engine_config(spec.max_position_embeddings)
 
 
-def bucket_plan(config: EngineConfig) -> BucketPlan:
-    """The bucket plan ModelRunner gets from the engine for this config."""
-    s = config.scheduler
-    return BucketPlan(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
-                      config.cache.block_size)
-
-
 def pool_shape(spec: ModelSpec, num_blocks: int, block_size: int, kv_heads: int,
                dtype: jnp.dtype) -> str:
     """XLA's text of one pool array's shape per device, e.g. u8[61440,16,3,64]."""
@@ -107,7 +100,7 @@ class StepBuilder:
 
     def __post_init__(self) -> None:
         self.config = self.config or engine_config(self.spec)
-        self.plan = bucket_plan(self.config)
+        self.plan = BucketPlan.for_config(self.config)
         self.block_size = self.config.cache.block_size
         self.page_dtype = kv_dtype(self.kv_cache_dtype, self.model_dtype)
         gpu = self.devices is not None

@@ -59,6 +59,13 @@ class BucketPlan:
         self.token_buckets = _powers(4, 64, max(max_num_batched_tokens, max_num_seqs))
         self.max_blocks = -(-max_model_len // block_size)
 
+    @classmethod
+    def for_config(cls, config: Any) -> BucketPlan:
+        """The plan of an EngineConfig (its scheduler limits and block size)."""
+        s = config.scheduler
+        return cls(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
+                   config.cache.block_size)
+
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """(T, B) for a step with this many tokens and sequences."""
         if num_tokens == num_seqs:
