@@ -26,6 +26,7 @@ from jpaged.config import EngineArgs, EngineConfig
 from jpaged.runner.batch import BucketPlan, empty_step
 from jpaged.runner.kv_cache import KVCache, kv_dtype, storage_dtype
 from jpaged.runner.kv_transfer import _gather_impl, _scatter_impl
+from jpaged.runner.memory_probe import abstract_kv
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.parallel import TensorParallel
 from jpaged.runner.sampler import SamplingFlags
@@ -134,19 +135,19 @@ class StepBuilder:
 
     def abstract_kv(self) -> KVCache:
         """The pool as ShapeDtypeStructs (per-device placement added by ModelRunner for TP)."""
-        shape = (self.spec.num_layers * self.num_blocks, self.block_size, self.stored_kv_heads,
-                 self.spec.head_dim)
-        pages = jax.ShapeDtypeStruct(shape, storage_dtype(self.page_dtype),
-                                     sharding=self._single())
-        scale = jax.ShapeDtypeStruct((self.spec.num_layers,), jnp.float32,
-                                     sharding=self._single())
-        return KVCache(pages, pages, scale, scale, self.num_blocks, jnp.dtype(self.page_dtype))
+        return abstract_kv(self.spec, self.num_blocks, self.block_size, self.page_dtype,
+                           kv_heads=self.stored_kv_heads, sharding=self._single())
+
+    @cached_property
+    def abstract_model(self) -> nnx.Module:
+        """The model with ShapeDtypeStruct weights (nothing allocated, nothing initialized)."""
+        cls = get_model_class(self.spec.architecture)
+        return nnx.eval_shape(lambda: cls(self.spec, dtype=self.model_dtype, rngs=nnx.Rngs(0)))
 
     @cached_property
     def runner(self) -> ModelRunner:
         """A ModelRunner on abstract weights and pool (its jitted step is the engine's)."""
-        cls = get_model_class(self.spec.architecture)
-        model = nnx.eval_shape(lambda: cls(self.spec, dtype=self.model_dtype, rngs=nnx.Rngs(0)))
+        model = self.abstract_model
         if self.parallel is None and self.devices is not None:
             graphdef, state = nnx.split(model)
             model = nnx.merge(graphdef, jax.tree.map(self._abstract, state))

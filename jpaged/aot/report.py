@@ -10,6 +10,7 @@ gpu_memory_utilization=0.9; the cases then run at that pool, so the check sees r
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -28,11 +29,12 @@ from jpaged.aot.buffers import (
     no_persistent_cache,
     pool_report,
 )
-from jpaged.aot.cases import StepBuilder, model_source, model_spec
+from jpaged.aot.cases import StepBuilder, engine_config, model_source, model_spec
 from jpaged.aot.kernels import capture_stderr, find_ptxas, kernel_resources
 from jpaged.aot.target import TARGET_NAME, GpuTarget, h200_target
+from jpaged.runner.batch import BucketPlan
 from jpaged.runner.kv_cache import DEFAULT_UTILIZATION, plan_kv_pool
-from jpaged.runner.memory_probe import PROBE_BLOCKS
+from jpaged.runner.memory_probe import PROBE_BLOCKS, largest_shape, step_activation_bytes
 
 logger = logging.getLogger("jpaged.aot")
 
@@ -66,7 +68,7 @@ def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
     t0 = time.perf_counter()
     try:
         with dump_dir(keep_dump) as d, no_persistent_cache():
-            ctx = target.lowering() if target is not None else _null()
+            ctx = target.lowering() if target is not None else contextlib.nullcontext()
             with ctx, capture_stderr() as log:
                 lowered = lower()
                 compiled = lowered.compile(dump_options(d, gpu=gpu))
@@ -93,14 +95,6 @@ def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
     return row
 
 
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 def _mem_fraction() -> float:
     return float(os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", DEFAULT_MEM_FRACTION))
 
@@ -110,7 +104,6 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
     """(num_blocks, sizing row): the pool LLM(gpu_memory_utilization=0.9) would pick on the
     target, from the compiled largest step; beside it `jpaged estimate` and the CPU probe."""
     from jpaged.estimate import estimate_capacity
-    from jpaged.runner.memory_probe import largest_shape
 
     spec = model_spec(cfg.model)
     probe = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, PROBE_BLOCKS,
@@ -152,16 +145,12 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
 
 
 def cpu_probe_bytes(cfg: Config) -> int | None:
-    """What the engine's start-up probe measures on this CPU for the same model and KV dtype
-    (bf16 weights, the CPU's own attention path 'xla')."""
-    spec = model_spec(cfg.model)
-    cpu = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, "xla", PROBE_BLOCKS)
-    from jpaged.runner.memory_probe import largest_shape
-
-    t, b = largest_shape(cpu.plan)
-    compiled = cpu.lower_step(t, b).compile()
-    stats = compiled.memory_analysis()
-    return None if stats is None else int(stats.temp_size_in_bytes)
+    """What the engine's start-up probe (`step_activation_bytes`) measures on this CPU for the
+    same model and KV dtype (bf16 weights, the CPU's own attention path 'xla')."""
+    cpu = StepBuilder(model_spec(cfg.model), jnp.bfloat16, cfg.kv_cache_dtype, "xla",
+                      PROBE_BLOCKS)
+    return step_activation_bytes(cpu.abstract_model, cpu.spec, cpu.plan, cpu.block_size,
+                                 cpu.page_dtype, cpu.ops)
 
 
 def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
@@ -268,9 +257,7 @@ def run(quick: bool, only: str | None = None) -> dict[str, Any]:
         target = targets.get(cfg.tensor_parallel_size)
         if target is None:
             continue
-        spec = model_spec(cfg.model)
-        plan = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, PROBE_BLOCKS,
-                           target.devices, cfg.tensor_parallel_size).plan
+        plan = BucketPlan.for_config(engine_config(model_spec(cfg.model)))
         rows, size = run_config(cfg, shapes_for(plan, which), target, ptxas,
                                 transfers=(cfg.backend == "xla"), cpu_probe=cfg.backend == "xla")
         cases += rows

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +34,17 @@ def _abstract(x: object) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # type: ignore[attr-defined]
 
 
-def abstract_kv(spec: ModelSpec, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVCache:
-    """A KVCache of ShapeDtypeStructs (nothing allocated), shaped as `allocate_kv_cache`'s."""
-    shape = (spec.num_layers * num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    pages = jax.ShapeDtypeStruct(shape, storage_dtype(dtype))
-    scale = jax.ShapeDtypeStruct((spec.num_layers,), jnp.float32)
+def abstract_kv(spec: ModelSpec, num_blocks: int, block_size: int, dtype: jnp.dtype, *,
+                kv_heads: int | None = None, sharding: Any = None) -> KVCache:
+    """A KVCache of ShapeDtypeStructs (nothing allocated), shaped as `allocate_kv_cache`'s.
+
+    `kv_heads`: the pool's head count when it differs from the model's (tensor parallelism
+    stores replicated heads); `sharding`: placed on every leaf (a deviceless compile's device).
+    """
+    heads = spec.num_kv_heads if kv_heads is None else kv_heads
+    shape = (spec.num_layers * num_blocks, block_size, heads, spec.head_dim)
+    pages = jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
+    scale = jax.ShapeDtypeStruct((spec.num_layers,), jnp.float32, sharding=sharding)
     return KVCache(pages, pages, scale, scale, num_blocks, jnp.dtype(dtype))
 
 
