@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float
 
 from jpaged.config import CacheConfig
 from models.config import ModelSpec
-from pallas_kernels.reference import bits_dtype, from_bits, to_bits
+from pallas_kernels.reference import bits_dtype, from_bits
 
 logger = logging.getLogger("jpaged")
 
@@ -40,7 +40,7 @@ KV_SCALE_EPS = 1e-8
 
 def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
     """The dtype the pool arrays are stored in: uint8 for fp8 pages, uint16 for bf16, else the
-    page dtype.
+    page dtype. `pallas_kernels.reference.from_bits` / `to_bits` convert between the two.
 
     Such pools are held as their bit patterns (vLLM holds fp8 caches as uint8 tensors too):
     XLA:CPU gathers and scatters fp8 and bf16 only after widening the operand, the whole pool,
@@ -50,16 +50,6 @@ def storage_dtype(dtype: jnp.dtype) -> jnp.dtype:
     """
     dtype = jnp.dtype(dtype)
     return bits_dtype(dtype) or dtype
-
-
-def as_pages(stored: Array, dtype: jnp.dtype) -> Array:
-    """The page-dtype view of a stored pool array (a bitcast for fp8 / bf16, else itself)."""
-    return from_bits(stored, dtype)
-
-
-def as_stored(pages: Array) -> Array:
-    """The storage view of a page-dtype array (bit patterns for fp8 / bf16, else itself)."""
-    return to_bits(pages)
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "k_scale", "v_scale"],
@@ -81,11 +71,11 @@ class KVCache:
 
     def k_pages(self) -> Array:
         """K pages in the page dtype (fp8 included)."""
-        return as_pages(self.k, self.dtype)
+        return from_bits(self.k, self.dtype)
 
     def v_pages(self) -> Array:
         """V pages in the page dtype (fp8 included)."""
-        return as_pages(self.v, self.dtype)
+        return from_bits(self.v, self.dtype)
 
 
 def kv_dtype(cache_dtype: str, model_dtype: jnp.dtype) -> jnp.dtype:

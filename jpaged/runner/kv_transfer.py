@@ -31,7 +31,8 @@ from jax.sharding import SingleDeviceSharding
 from jaxtyping import Array, Int
 
 from jpaged.core.offload import TransferPlan
-from jpaged.runner.kv_cache import KVCache, as_pages, as_stored
+from jpaged.runner.kv_cache import KVCache
+from pallas_kernels.reference import from_bits, to_bits
 
 MIN_BUCKET = 4
 
@@ -54,7 +55,7 @@ def _gather_impl(kv: KVCache, ids: Int[Array, " P"]) -> Array:
     rows = _rows(ids, num_layers, kv.num_blocks).reshape(-1)
     k = jnp.take(kv.k, rows, axis=0)
     v = jnp.take(kv.v, rows, axis=0)
-    out = as_pages(jnp.stack([k, v], axis=1), kv.dtype)  # [P*L, 2, bs, H, D], page dtype
+    out = from_bits(jnp.stack([k, v], axis=1), kv.dtype)  # [P*L, 2, bs, H, D], page dtype
     return out.reshape(ids.shape[0], num_layers, *out.shape[1:])
 
 
@@ -66,7 +67,7 @@ def _scatter_impl(kv: KVCache, ids: Int[Array, " P"], data: Array) -> KVCache:
     rows = _rows(ids, num_layers, kv.num_blocks)
     # Padding ids are -1: send them past the end, where mode="drop" writes nothing.
     rows = jnp.where(ids[:, None] < 0, kv.k.shape[0], rows).reshape(-1)
-    flat = as_stored(data.reshape(-1, *data.shape[2:]))  # [P*L, 2, bs, H, D], stored dtype
+    flat = to_bits(data.reshape(-1, *data.shape[2:]))  # [P*L, 2, bs, H, D], stored dtype
     k = kv.k.at[rows].set(flat[:, 0], mode="drop")
     v = kv.v.at[rows].set(flat[:, 1], mode="drop")
     return dataclasses.replace(kv, k=k, v=v)

@@ -15,9 +15,10 @@ import numpy as np
 from flax import nnx
 
 from jpaged.runner.batch import BucketPlan, StepBatch, empty_step, pack_step
-from jpaged.runner.kv_cache import KVCache, amax_scale, as_pages, as_stored
+from jpaged.runner.kv_cache import KVCache, amax_scale
 from jpaged.runner.sampler import SamplingFlags, sample
 from pallas_kernels.backend import AttentionOps
+from pallas_kernels.reference import from_bits, to_bits
 
 if TYPE_CHECKING:
     from jpaged.runner.parallel import TensorParallel
@@ -71,7 +72,7 @@ class ModelRunner:
                     pages: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
             # The carry holds the stored arrays (fp8/bf16 as bits); the ops see page-dtype views.
             k_stored, v_stored, k_scale, v_scale = pages
-            k_pages, v_pages = as_pages(k_stored, kv.dtype), as_pages(v_stored, kv.dtype)
+            k_pages, v_pages = from_bits(k_stored, kv.dtype), from_bits(v_stored, kv.dtype)
             if calc_scales:  # this batch's own amax sets layer i's scales before its write
                 valid = batch.slot_mapping >= 0
                 k_scale = k_scale.at[i].set(amax_scale(k, valid, k_pages.dtype))
@@ -85,7 +86,7 @@ class ModelRunner:
                 q, k_pages, v_pages, batch.query_start_loc, batch.seq_lens,
                 batch.block_tables + i * nb, sm_scale=sm_scale, k_scale=k_scale[i],
                 v_scale=v_scale[i])
-            return out, (as_stored(k_pages), as_stored(v_pages), k_scale, v_scale)
+            return out, (to_bits(k_pages), to_bits(v_pages), k_scale, v_scale)
 
         hidden, (k_pages, v_pages, k_scale, v_scale) = model(
             batch.input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale))

@@ -19,7 +19,7 @@ from jpaged.aot.buffers import (
     parse_buffer_assignment,
     pool_report,
 )
-from jpaged.runner.kv_cache import as_pages, as_stored, storage_dtype
+from jpaged.runner.kv_cache import storage_dtype
 from pallas_kernels import reference
 
 POOL = (4099, 16, 2, 16)  # an element count no activation here has
@@ -54,8 +54,9 @@ def test_fp8_scatter_on_fp8_pages_is_flagged():
 def test_reference_write_on_stored_pages_is_in_place(dtype, xla):
     """As the engine calls it: fp8 pages live as uint8 and the op sees a bitcast view."""
     def write(kp, vp, k, v, slots):
-        kp, vp = reference.write_kv(as_pages(kp, dtype), as_pages(vp, dtype), k, v, slots)
-        return as_stored(kp), as_stored(vp)
+        kp, vp = reference.write_kv(reference.from_bits(kp, dtype),
+                                    reference.from_bits(vp, dtype), k, v, slots)
+        return reference.to_bits(kp), reference.to_bits(vp)
 
     s = jax.ShapeDtypeStruct
     pages = s(POOL, storage_dtype(dtype))

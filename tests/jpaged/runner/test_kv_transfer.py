@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from jpaged.core.offload import TransferPlan
-from jpaged.runner.kv_cache import KVCache, as_stored
+from jpaged.runner.kv_cache import KVCache
 from jpaged.runner.kv_transfer import KVTransfer, bucket, pinned_staging
+from pallas_kernels.reference import to_bits
 
 L, NB, BS, H, D = 3, 10, 4, 2, 8
 
@@ -19,7 +20,7 @@ def random_pool(dtype, seed=0) -> KVCache:
     shape = (L * NB, BS, H, D)
     k = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
     v = jnp.asarray(rng.standard_normal(shape, np.float32)).astype(dtype)
-    return KVCache(as_stored(k), as_stored(v), jnp.ones(L), jnp.ones(L), NB, jnp.dtype(dtype))
+    return KVCache(to_bits(k), to_bits(v), jnp.ones(L), jnp.ones(L), NB, jnp.dtype(dtype))
 
 
 def host_copy(kv: KVCache) -> tuple[np.ndarray, np.ndarray]:
