@@ -145,12 +145,8 @@ def no_persistent_cache() -> Iterator[None]:
 
 
 @contextmanager
-def dump_dir(keep: Path | None = None) -> Iterator[Path]:
-    """A fresh directory for one compile's XLA dump; removed afterwards unless `keep` names it."""
-    if keep is not None:
-        keep.mkdir(parents=True, exist_ok=True)
-        yield keep
-        return
+def dump_dir() -> Iterator[Path]:
+    """A fresh directory for one compile's XLA dump, removed afterwards."""
     path = Path(tempfile.mkdtemp(prefix="jpaged-xla-dump-"))
     try:
         yield path

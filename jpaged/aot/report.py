@@ -16,7 +16,6 @@ import os
 import time
 import traceback
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -56,8 +55,7 @@ class Config:
 
 
 def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
-                    keep_dump: Path | None = None, target: GpuTarget | None = None
-                    ) -> dict[str, Any]:
+                    target: GpuTarget | None = None) -> dict[str, Any]:
     """Lower (inside the target's context) and compile one program; its report fields."""
     # Every key is present whatever happens; a failed case keeps None and its `error`.
     row: dict[str, Any] = {"compiled": False, "compile_s": None, "argument_bytes": None,
@@ -67,7 +65,7 @@ def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
         row["kernels"] = []
     t0 = time.perf_counter()
     try:
-        with dump_dir(keep_dump) as d, no_persistent_cache():
+        with dump_dir() as d, no_persistent_cache():
             ctx = target.lowering() if target is not None else contextlib.nullcontext()
             with ctx, capture_stderr() as log:
                 lowered = lower()
