@@ -47,6 +47,10 @@ TP = Annotated[int, typer.Option("--tensor-parallel-size", help="Devices for ten
 Preempt = Annotated[str, typer.Option("--preemption-mode", help="recompute|swap")]
 Backend = Annotated[str, typer.Option("--attention-backend", help="auto|pallas|reference|xla")]
 Seed = Annotated[int, typer.Option("--seed", help="Engine seed.")]
+Async = Annotated[bool, typer.Option(
+    "--async-scheduling/--no-async-scheduling",
+    help="Overlap the host with the device: dispatch the next step before reading this one's "
+    "tokens (--no-async-scheduling: the synchronous reference loop).")]
 Blocks = Annotated[int | None, typer.Option("--num-gpu-blocks-override",
                                             help="Exact KV pool size in blocks.")]
 
@@ -67,6 +71,7 @@ def _engine_flags(
     attention_backend: Backend = "auto",
     seed: Seed = 0,
     num_gpu_blocks_override: Blocks = None,
+    async_scheduling: Async = True,
 ) -> None:
     """Template of the engine flags every engine command takes, spelled as vLLM's."""
 

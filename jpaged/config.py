@@ -95,6 +95,8 @@ class SchedulerConfig:
     # Longest prompt chunk one request may take in a step (None: the whole token budget).
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "priority"
+    # Overlapped loop: step N+1 is dispatched before step N's tokens reach the host.
+    async_scheduling: bool = True
 
     def __post_init__(self) -> None:
         c = "SchedulerConfig"
@@ -109,6 +111,8 @@ class SchedulerConfig:
                   "chunked prefill is disabled", self.max_num_batched_tokens)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             _fail(c, "scheduling_policy", f"one of {SCHEDULING_POLICIES}", self.scheduling_policy)
+        if not isinstance(self.async_scheduling, bool):
+            _fail(c, "async_scheduling", "True or False", self.async_scheduling)
 
 
 @dataclass(frozen=True)
@@ -182,6 +186,7 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "priority"
     tensor_parallel_size: int = 1
+    async_scheduling: bool = True
     disable_log_stats: bool = False  # no periodic stats line in the log
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -226,6 +231,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 long_prefill_token_threshold=self.long_prefill_token_threshold,
                 scheduling_policy=self.scheduling_policy,
+                async_scheduling=self.async_scheduling,
             ),
             parallel=ParallelConfig(self.tensor_parallel_size),
         )

@@ -9,6 +9,10 @@ While the window's text ends in U+FFFD (a multi-byte character split across byte
 byte-fallback tokens) nothing is emitted and the window grows until the character completes; a
 final update emits whatever is left, as a full decode would.
 
+Where the tokenizer is backed by HF `tokenizers` (every tokenizer jpaged builds), its Rust
+`DecodeStream` runs the same window algorithm in one call per token instead of two decodes; a
+final update with a character still incomplete falls back to one full decode.
+
 Invariant: `text` == tokenizer.decode(ids[:read_offset]) for the ids seen so far, and `text`
 never ends in a half-made character unless the update was final.
 """
@@ -30,6 +34,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # first token of the decode window (context)
         self.read_offset = 0  # tokens already turned into `text`
         self.text = ""
+        backend = getattr(tokenizer, "backend", None)
+        self._backend = backend if _DecodeStream is not None and hasattr(
+            backend, "decode_batch") else None
+        self._stream = (_DecodeStream(skip_special_tokens=skip_special_tokens)
+                        if self._backend is not None else None)
+        self._fed = 0  # tokens given to the stream
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -40,6 +50,8 @@ class IncrementalDetokenizer:
         `final`: no more tokens will come, so a trailing partial character is emitted as the
         full decode has it (U+FFFD).
         """
+        if self._stream is not None:
+            return self._update_stream(ids, final)
         if len(ids) < self.read_offset:  # the list was replaced: start over
             self.prefix_offset = self.read_offset = 0
             self.text = ""
@@ -55,3 +67,27 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self.text += delta
         return delta
+
+    def _update_stream(self, ids: Sequence[int], final: bool) -> str:
+        if len(ids) < self._fed:  # the list was replaced: start over
+            self._stream = _DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self._fed = self.read_offset = 0
+            self.text = ""
+        old = len(self.text)
+        step, backend = self._stream.step, self._backend
+        for i in range(self._fed, len(ids)):
+            piece = step(backend, ids[i])
+            if piece:
+                self.text += piece
+                self.read_offset = i + 1
+        self._fed = len(ids)
+        if final and self.read_offset < len(ids):  # an incomplete character: as a full decode
+            self.text = self._decode(ids)
+            self.read_offset = len(ids)
+        return self.text[old:]
+
+
+try:  # tokenizers >= 0.21
+    from tokenizers.decoders import DecodeStream as _DecodeStream
+except ImportError:  # pragma: no cover - older tokenizers: the two-decode window
+    _DecodeStream = None

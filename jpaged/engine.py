@@ -31,7 +31,7 @@ from jpaged.runner.batch import BucketPlan
 from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
 from jpaged.runner.kv_transfer import KVTransfer
 from jpaged.runner.memory_probe import step_activation_bytes
-from jpaged.runner.model_runner import ModelRunner
+from jpaged.runner.model_runner import ModelRunner, PendingStep
 from jpaged.runner.parallel import TensorParallel, check_device_count, kv_bytes_per_device
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
@@ -108,6 +108,9 @@ class LLMEngine:
         self._disk_pending = (self.tiers is not None and self.config.cache.swap_space > 0
                               and self.config.cache.enable_prefix_caching)
         self._open_disk_tier()
+        # Async scheduling: the dispatched step whose tokens the next step() reads.
+        self.async_scheduling = self.config.scheduler.async_scheduling
+        self._in_flight: tuple[Any, PendingStep] | None = None
         self._groups: dict[str, RequestGroup] = {}
         self._child_of: dict[str, tuple[str, int]] = {}
         self._counter = 0
@@ -230,34 +233,75 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
-        """Schedule, run one device step, update, and return outputs of updated requests."""
+        """Schedule and dispatch one device step; return outputs of the requests it updated.
+
+        With async scheduling the outputs are those of the step dispatched by the previous
+        call: this step is on the device while the host reads them (and learns of stops one
+        step late; a token computed past a request's end is dropped).
+        """
+        if not self.async_scheduling:
+            cur = self._dispatch(advance=False)
+            outputs = self._process(*cur)
+        else:
+            cur = self._dispatch(advance=True)
+            prev, self._in_flight = self._in_flight, (cur if cur[1] is not None else None)
+            if prev is None and cur[1] is not None:
+                outputs = self._process(None, None)  # the first step of a run: nothing back yet
+            else:
+                outputs = self._process(*(prev if prev is not None else cur))
+        # One point per call, for the step dispatched by it.
+        self.metrics_history.record(self.scheduler, cur[0].num_scheduled_tokens)
+        return outputs
+
+    def _dispatch(self, advance: bool) -> tuple[Any, PendingStep | None]:
+        """Schedule one step and launch it (advance: as if it had run, for async scheduling)."""
         out = self.scheduler.schedule()
-        sampled: dict[str, int] = {}
-        result = None
         if out.kv_transfers is not None and not out.kv_transfers.is_empty:
             # Gathers, then loads, both before the forward (see jpaged/core/offload.py).
             self.runner.kv = self.kv_transfer.apply(self.runner.kv, out.kv_transfers,
                                                     self.tiers.host.store)
-        if out.scheduled:
-            result = self.runner.execute(out.scheduled)
+        # Packed from the requests as scheduled; only then advanced past this step.
+        self.runner.remove_requests(out.finished_request_ids)
+        self.runner.remove_requests(out.preempted)  # re-admitted with a new block table
+        pending = self.runner.dispatch(out.scheduled) if out.scheduled else None
+        if advance:
+            self.scheduler.update_after_schedule(out)
+        return out, pending
+
+    def _process(self, out: Any, pending: PendingStep | None) -> list[RequestOutput]:
+        """Apply a step's sampled tokens: requests, text, stop strings, outputs, metrics."""
+        if out is None:
+            self.stat_logger.on_step([], time.monotonic())
+            return []
+        sampled: dict[str, int] = {}
+        rows: dict[str, int] = {}  # request id -> its row of the step's results
+        result = None
+        ids: list[int] = []
+        lps: list[float] = []
+        if pending is not None:
+            result = pending.result()
             self._open_disk_tier()
+            ids = result.token_ids.tolist()
+            lps = result.logprobs.tolist()
             for i, s in enumerate(out.scheduled):
                 if s.sample:
-                    sampled[s.request.request_id] = int(result.token_ids[i])
+                    rid = s.request.request_id
+                    sampled[rid] = ids[i]
+                    rows[rid] = i
         updated = self.scheduler.update_from_output(out, sampled)
-        self.metrics_history.record(self.scheduler, out.num_scheduled_tokens)
-        if result is not None:
-            self._record_logprobs(out, result)
         now = time.monotonic()
         touched: dict[str, None] = {}
-        for req in updated:
+        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        for req in updated:  # only these got a token: dropped ones get no logprobs either
             key = self._child_of.get(req.request_id)
             if key is None:
                 continue
             group = self._groups[key[0]]
             child = group.children[key[1]]
-            if req.request_id in sampled and group.first_token_time is None:
+            if group.first_token_time is None:
                 group.first_token_time = now
+            row = rows[req.request_id]
+            record_logprobs(group, child, ids[row], lps[row], row, result, decode)
             update_child(group, child, self.tokenizer, self._stop_request)
             touched[group.request_id] = None
         outputs = []
@@ -273,14 +317,6 @@ class LLMEngine:
                 self.stats["num_requests_finished"] += 1
         self.stat_logger.on_step(updated, now)
         return outputs
-
-    def _record_logprobs(self, out: Any, result: Any) -> None:
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
-        for i, s in enumerate(out.scheduled):
-            key = self._child_of.get(s.request.request_id)
-            if s.sample and key is not None:
-                group = self._groups[key[0]]
-                record_logprobs(group, group.children[key[1]], i, result, decode)
 
     def _stop_request(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)

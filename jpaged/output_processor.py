@@ -41,26 +41,36 @@ class RequestGroup:
     children: list[ChildState] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # Fixed by the params (read per request per step): text wanted before the end; the
+    # longest stop string.
+    needs_text: bool = field(init=False)
+    max_stop_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.params
+        self.needs_text = bool(p.stop) or p.output_kind != RequestOutputKind.FINAL_ONLY
+        self.max_stop_len = max(map(len, p.stop)) if p.stop else 0
 
     @property
     def finished(self) -> bool:
         """True once every child has a finish reason."""
-        return all(c.finish_reason is not None for c in self.children)
+        for c in self.children:  # a loop, not all(): this runs per request per step
+            if c.finish_reason is None:
+                return False
+        return True
 
 
-def record_logprobs(group: RequestGroup, child: ChildState, row: int, result: Any,
-                    decode: Callable[[list[int]], str]) -> None:
-    """Add the sampled token of `row` of a StepResult to the child's logprobs."""
-    tok = int(result.token_ids[row])
-    lp = float(result.logprobs[row])
-    child.cumulative_logprob += lp
+def record_logprobs(group: RequestGroup, child: ChildState, token: int, logprob: float,
+                    row: int, result: Any, decode: Callable[[list[int]], str]) -> None:
+    """Add a sampled token (row `row` of a StepResult) to the child's logprobs."""
+    child.cumulative_logprob += logprob
     if child.logprobs is None:
         return
-    entry = {tok: Logprob(lp, None, decode([tok]))}
+    entry = {token: Logprob(logprob, None, decode([token]))}
     for j in range(group.params.logprobs or 0):
         cand = int(result.top_ids[row, j])
-        if cand == tok:
-            entry[tok].rank = j + 1
+        if cand == token:
+            entry[token].rank = j + 1
         entry.setdefault(cand, Logprob(float(result.top_logprobs[row, j]), j + 1,
                                        decode([cand])))
     child.logprobs.append(entry)
@@ -71,30 +81,34 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     """Refresh a child's text after new tokens; a stop string found calls stop_request(id)."""
     req = child.request
     p = group.params
-    needs_text = bool(p.stop) or req.is_finished() or (
-        p.output_kind != RequestOutputKind.FINAL_ONLY)
-    if needs_text:
+    finished = req.is_finished()
+    if finished or group.needs_text:
         if child.detok is None:
             child.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
         if child.finish_reason is None:  # a stop string may have cut the text already
-            child.detok.update(req.output_token_ids, final=req.is_finished())
+            child.detok.update(req.output_token_ids, final=finished)
             child.text = child.detok.text
-    if p.stop and not req.is_finished():
-        _check_stop_strings(child, p, stop_request)
-    if req.is_finished() and child.finish_reason is None:
+    if not finished:
+        if p.stop:
+            _check_stop_strings(child, group, stop_request)
+    elif child.finish_reason is None:
         child.finish_reason = req.finish_reason
         child.stop_reason = req.stop_reason
         if p.stop and child.stop_reason is None:
-            _check_stop_strings(child, p, None)
+            _check_stop_strings(child, group, None)
 
 
-def _check_stop_strings(child: ChildState, p: SamplingParams,
+def _check_stop_strings(child: ChildState, group: RequestGroup,
                         stop_request: Callable[[str], None] | None) -> None:
     # Only text added since the last search can complete a stop string: search from the last
     # searched length, backed up by the longest stop string less one char (a match that
     # straddles the boundary). The final search (stop_request None) uses the same tail.
-    start = max(0, child.stop_checked_len - max(len(s) for s in p.stop) + 1)
-    child.stop_checked_len = len(child.text)
+    p = group.params
+    n = len(child.text)
+    if n == child.stop_checked_len:
+        return  # no new text (e.g. a character still incomplete)
+    start = max(0, child.stop_checked_len - group.max_stop_len + 1)
+    child.stop_checked_len = n
     best = None
     for s in p.stop:
         k = child.text.find(s, start)
@@ -113,20 +127,22 @@ def _check_stop_strings(child: ChildState, p: SamplingParams,
 def make_output(group: RequestGroup) -> RequestOutput | None:
     """The RequestOutput for this step (None while a FINAL_ONLY request runs)."""
     kind = group.params.output_kind
-    if kind == RequestOutputKind.FINAL_ONLY and not group.finished:
+    if kind is RequestOutputKind.FINAL_ONLY and not group.finished:
         return None
     outs = []
     for c in group.children:
-        ids = list(c.request.output_token_ids)
+        out_ids = c.request.output_token_ids
         text = c.text
         lps = c.logprobs
-        if kind == RequestOutputKind.DELTA:
+        if kind is RequestOutputKind.DELTA:
             # Hold back a trailing partial UTF-8 character until it completes.
-            safe = len(text) if c.finish_reason else len(text.rstrip("\ufffd"))
+            safe = len(text) if c.finish_reason or not text.endswith("\ufffd") else len(
+                text.rstrip("\ufffd"))
             text, c.sent_text_len = text[c.sent_text_len:safe], max(c.sent_text_len, safe)
-            ids, c.sent_tokens = ids[c.sent_tokens:], len(ids)
+            ids, c.sent_tokens = out_ids[c.sent_tokens:], len(out_ids)  # only the new ones
             lps = lps[len(lps) - len(ids):] if lps is not None else None
         else:
+            ids = list(out_ids)
             c.sent_text_len = len(text)
         outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob,
                                      list(lps) if lps is not None else None,

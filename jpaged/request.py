@@ -32,6 +32,8 @@ class RequestStatus(enum.Enum):
 
 _FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
                        RequestStatus.FINISHED_ABORTED})
+_STOPPED, _LENGTH, _ABORTED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                               RequestStatus.FINISHED_ABORTED)
 _FINISH_REASON = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH: "length",
                   RequestStatus.FINISHED_ABORTED: "abort"}
 
@@ -40,7 +42,8 @@ class Request:
     """One sequence being generated: prompt + outputs, computed-token count, status, hashes.
 
     Invariants: all_token_ids == prompt_token_ids + output_token_ids;
-    0 <= num_computed_tokens <= num_tokens; block_hashes[i] is the chain hash of full block i of
+    0 <= num_computed_tokens <= num_tokens_with_placeholders;
+    block_hashes[i] is the chain hash of full block i of
     all_token_ids (len(block_hashes) == num_tokens // block_size once a hasher is set).
     """
 
@@ -62,6 +65,9 @@ class Request:
         # prompt + outputs, appended in place so append_output_token is O(1).
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        # Tokens sampled by a dispatched step whose ids have not reached the host yet (async
+        # scheduling: 0 or 1). They follow all_token_ids; num_computed_tokens may count them.
+        self.num_output_placeholders = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
@@ -97,6 +103,11 @@ class Request:
         return len(self._all_token_ids)
 
     @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Known tokens plus those sampled on device but not yet on the host."""
+        return len(self._all_token_ids) + self.num_output_placeholders
+
+    @property
     def max_tokens(self) -> int | None:
         """Generation limit from the sampling params (None: only max_model_len limits it)."""
         return self.sampling_params.max_tokens
@@ -128,7 +139,9 @@ class Request:
 
     def is_finished(self) -> bool:
         """True once the request reached a terminal status."""
-        return self.status in _FINISHED
+        # Identity tests: hashing an Enum member runs Python code (this is on the hot path).
+        s = self.status
+        return s is _STOPPED or s is _LENGTH or s is _ABORTED
 
     @property
     def finish_reason(self) -> str | None:

@@ -78,6 +78,10 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(self.output_kind in set(RequestOutputKind.__members__.values())
+               and not isinstance(self.output_kind, bool), "output_kind",
+               "a RequestOutputKind (0 cumulative, 1 delta, 2 final only)", self.output_kind)
+        self.output_kind = RequestOutputKind(self.output_kind)  # members compare by identity
         _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
         _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)

@@ -174,22 +174,23 @@ class StepBuilder:
         return pool_shape(self.spec, self.num_blocks, self.block_size, self.local_kv_heads,
                           self.page_dtype)
 
-    def _batch(self, tokens: int, seqs: int) -> Any:
-        batch = empty_step(self.plan, tokens, seqs, self.spec.vocab_size).batch
-        if self.parallel is not None:  # replicated over the mesh
-            from jax.sharding import NamedSharding
-            from jax.sharding import PartitionSpec as P
+    def _step_input(self, x: Any) -> jax.ShapeDtypeStruct:
+        """A step-batch leaf as an abstract value: replicated over the mesh, or on one device."""
+        if self.parallel is None:
+            return self._abstract(x)
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
 
-            rep = NamedSharding(self.parallel.mesh, P())
-            return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype,
-                                                               sharding=rep), batch)
-        return jax.tree.map(self._abstract, batch)
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                                    sharding=NamedSharding(self.parallel.mesh, P()))
 
     def lower_step(self, tokens: int, seqs: int) -> Any:
         """The engine step of bucket shape (tokens, seqs), lowered (call inside the target's
         lowering context for abstract GPUs)."""
         r = self.runner
-        return r._jit_step.trace(r.params, r.kv, self._batch(tokens, seqs),
+        batch = jax.tree.map(self._step_input,
+                             empty_step(self.plan, tokens, seqs, self.spec.vocab_size).batch)
+        return r._jit_step.trace(r.params, r.kv, batch, self._step_input(r.last_tokens_spec()),
                                  flags=SamplingFlags(), calc_scales=False).lower(
             lowering_platforms=(self.platform,))
 

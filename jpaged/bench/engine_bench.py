@@ -7,9 +7,11 @@ every bucket shape (`compiles_total`, the whole set a server ever needs) and the
 with new prompts runs again: `compiles_after_warmup` must be 0.
 
 Host overhead: `batch` requests decode together; each `LLMEngine.step()` is timed whole and
-split into device time (`ModelRunner.last_device_s`: dispatch of the jitted step until its
-results are on the host) and host time (the rest: scheduling, batch packing, updating requests
-and building outputs). `host_share` is the median over steps of host / step wall time.
+split into the seconds it waited for the device (`ModelRunner.last_wait_s`: reading a step's
+sampled tokens) and host time (the rest: scheduling, batch packing, dispatch, updating requests
+and building outputs). `host_share` is the median over steps of host / step wall time;
+`device_ms` is the median of `ModelRunner.last_device_s` (a step's dispatch until its results
+are on the host; with async scheduling that spans the next step's host work).
 """
 
 from __future__ import annotations
@@ -103,10 +105,10 @@ def host_overhead(engine: LLMEngine, batch: int, steps: int = 8, prompt_len: int
         t0 = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - t0
-        dev = engine.runner.last_device_s
-        host.append(wall - dev)
-        device.append(dev)
-        shares.append((wall - dev) / wall)
+        own = wall - engine.runner.last_wait_s
+        host.append(own)
+        device.append(engine.runner.last_device_s)
+        shares.append(own / wall)
     while engine.has_unfinished_requests():
         engine.step()
     return {"batch": batch, "host_share": median(shares), "host_ms": median(host) * 1e3,

@@ -163,7 +163,8 @@ class KVCacheManager:
             # Fast path (decodes, most chunks): the new tokens fit in the last block.
             total = request.num_computed_tokens + num_new_tokens
             last = len(table) - 1
-            if last * bs < total <= (last + 1) * bs and total <= request.num_tokens \
+            if last * bs < total <= (last + 1) * bs \
+                    and total <= request.num_tokens_with_placeholders \
                     and total <= self.max_model_len:
                 table[last].num_tokens = total - last * bs
                 if self.enable_caching and total // bs > self._num_cached[rid]:
@@ -177,7 +178,7 @@ class KVCacheManager:
             raise ValueError("num_new_computed_tokens must equal (len(new_computed_blocks) + "
                              f"len(offloaded)) * block_size, got {num_new_computed_tokens}")
         total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        if total > self.max_model_len or total > request.num_tokens:
+        if total > self.max_model_len or total > request.num_tokens_with_placeholders:
             raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len "
                              f"({self.max_model_len}) or the known tokens ({request.num_tokens})")
         have = 0 if admitting else len(table)  # type: ignore[arg-type]

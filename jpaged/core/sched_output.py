@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from jpaged.core.offload import TransferPlan
 from jpaged.request import Request
 
+# Stands in ScheduledRequest.token_ids for a token sampled by the step still in flight (async
+# scheduling); the jitted step reads it from its device-side buffer of last sampled tokens.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(slots=True)
 class ScheduledRequest:
@@ -15,7 +19,9 @@ class ScheduledRequest:
     request: Request
     start_pos: int  # == num_computed_tokens at schedule time (prefix-cache hits included)
     num_tokens: int
-    token_ids: list[int]  # [num_tokens] == request.all_token_ids[start_pos:start_pos+num_tokens]
+    # [num_tokens] == request.all_token_ids[start_pos:start_pos+num_tokens], then
+    # PLACEHOLDER_TOKEN for a last token still on device
+    token_ids: list[int]
     block_ids: list[int]  # [cdiv(start_pos + num_tokens, block_size)] the whole block table
     sample: bool  # start_pos + num_tokens == request.num_tokens: this step yields a token
 
@@ -30,6 +36,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)  # since the last schedule()
     # Device<->host block moves to run before this step's forward (None without KV tiers).
     kv_transfers: TransferPlan | None = None
+    # True once Scheduler.update_after_schedule advanced its requests (async scheduling).
+    advanced: bool = False
 
     @property
     def is_empty(self) -> bool:

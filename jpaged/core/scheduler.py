@@ -44,7 +44,7 @@ from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.offload import KVTiers
 from jpaged.core.pressure import PressureMonitor
 from jpaged.core.request_queue import QueueKey, WaitingQueue
-from jpaged.core.sched_output import ScheduledRequest, SchedulerOutput
+from jpaged.core.sched_output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from jpaged.core.token_budget import fit_token_budget
 from jpaged.request import Request, RequestStatus
 
@@ -72,7 +72,19 @@ class _Step:
 
 def is_decoding(request: Request) -> bool:
     """True if the request has output and only its last sampled token lacks KV."""
-    return request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+    ph = request.num_output_placeholders
+    return (request.num_output_tokens + ph > 0
+            and request.num_computed_tokens == request.num_tokens + ph - 1)
+
+
+def _finishes_by_length(request: Request, max_model_len: int) -> bool:
+    """True if the request's token still on device will end it by max_tokens / max_model_len."""
+    if not request.num_output_placeholders:
+        return False
+    n = request.num_tokens_with_placeholders
+    mt = request.sampling_params.max_tokens
+    return n >= max_model_len or (
+        mt is not None and request.num_output_tokens + request.num_output_placeholders >= mt)
 
 
 class Scheduler:
@@ -214,7 +226,9 @@ class Scheduler:
                 break
             if req.status is not RUNNING:
                 continue  # preempted earlier in this step
-            num_new = req.num_tokens - req.num_computed_tokens
+            if _finishes_by_length(req, self.max_model_len):
+                continue  # async: its last token (on device) ends it; computing more is waste
+            num_new = req.num_tokens_with_placeholders - req.num_computed_tokens
             if num_new > 1:
                 num_new = self._cap_prefill(num_new)
             num_new = min(num_new, st.budget)
@@ -243,8 +257,9 @@ class Scheduler:
     def _fitted_budget(self, budget: int) -> int:
         """This step's budget cut so the step fills a token bucket (see token_budget.py)."""
         num_decodes = sum(map(is_decoding, self.running))
-        demand = num_decodes + sum(self._cap_prefill(r.num_tokens - r.num_computed_tokens)
-                                   for r in self.running if not is_decoding(r))
+        demand = num_decodes + sum(
+            self._cap_prefill(r.num_tokens_with_placeholders - r.num_computed_tokens)
+            for r in self.running if not is_decoding(r))
         # Plus the waiting requests that could join, in queue order, prefix cache ignored (an
         # over-estimate only makes fitting rarer).
         room = self.scheduler_config.max_num_seqs - len(self.running)
@@ -312,9 +327,12 @@ class Scheduler:
     def _add_scheduled(self, req: Request, num_new: int, st: _Step) -> None:
         start = req.num_computed_tokens
         end = start + num_new
+        ids = req.all_token_ids[start:end]
+        if end > req.num_tokens:  # the token still on device: the runner feeds it there
+            ids.extend([PLACEHOLDER_TOKEN] * (end - req.num_tokens))
         st.scheduled[req.request_id] = ScheduledRequest(
-            req, start, num_new, req.all_token_ids[start:end],
-            self.kv_cache_manager.get_block_ids(req.request_id), end == req.num_tokens)
+            req, start, num_new, ids, self.kv_cache_manager.get_block_ids(req.request_id),
+            end == req.num_tokens_with_placeholders)
         st.budget -= num_new
 
     def _admit(self, st: _Step) -> None:
@@ -333,6 +351,10 @@ class Scheduler:
             if item is None:
                 break
             key, req = item
+            if req.num_output_placeholders:
+                # Preempted while its last step runs: admitted once that token is known.
+                skipped.append((key, req))
+                continue
             if st.stall_priority is not None and (
                     self.policy == "fcfs" or req.priority >= st.stall_priority):
                 # Memory is short for a running request: only a strictly more important one
@@ -375,36 +397,73 @@ class Scheduler:
 
     # -- results ---------------------------------------------------------------------------------
 
+    def update_after_schedule(self, output: SchedulerOutput) -> None:
+        """Async scheduling: advance the scheduled requests as if the step had run.
+
+        Called once its step is dispatched, before its sampled tokens are on the host: each
+        request's computed count moves past the step, a sampling request gets a placeholder for
+        its token (fed to the next step on device), and full blocks of known tokens are cached
+        (device steps run in dispatch order, so any later step reads them written).
+        """
+        if output.advanced:
+            raise ValueError("update_after_schedule called twice for one step")
+        output.advanced = True
+        for sr in output.scheduled:
+            self._advance(sr)
+            if sr.sample:
+                sr.request.num_output_placeholders += 1
+
+    def _advance(self, sr: ScheduledRequest) -> None:
+        req = sr.request
+        if req.num_computed_tokens != sr.start_pos:
+            raise ValueError(f"request {req.request_id!r}: output applied twice or out of order")
+        if not (sr.sample and sr.num_tokens == 1 and req.num_output_tokens):
+            self.num_prompt_tokens += sr.num_tokens  # a prompt or recompute chunk
+        req.num_computed_tokens += sr.num_tokens
+        self.kv_cache_manager.commit(req)  # its KV is written (or will be, in order)
+
     def update_from_output(self, output: SchedulerOutput,
                            sampled_token_ids: Mapping[str, int]) -> list[Request]:
         """Commit a computed step: advance, append sampled tokens, stop, cache, free.
 
+        After `update_after_schedule` (async) only the tokens are applied: a request finished
+        or aborted meanwhile drops its token; one preempted meanwhile keeps it (its KV was
+        computed before the preemption, as the synchronous loop would have it).
         Returns the requests that got a new token (finished ones included).
         """
         kv = self.kv_cache_manager
         changed: list[Request] = []
         finished = False
+        advanced = output.advanced
         for sr in output.scheduled:
             req = sr.request
             rid = req.request_id
-            if req.status is not RUNNING or self.requests.get(rid) is not req:
-                continue  # finished or aborted since schedule()
-            if req.num_computed_tokens != sr.start_pos:
-                raise ValueError(f"request {rid!r}: output applied twice or out of order")
-            if not (sr.sample and sr.num_tokens == 1 and req.num_output_tokens):
-                self.num_prompt_tokens += sr.num_tokens  # a prompt or recompute chunk
-            req.num_computed_tokens += sr.num_tokens
-            kv.commit(req)  # its KV is written now: full blocks become shareable
-            if not sr.sample:
-                continue
+            live = self.requests.get(rid) is req
+            if advanced:
+                if sr.sample:
+                    req.num_output_placeholders -= 1
+                if not live or req.is_finished() or not sr.sample:
+                    continue
+            else:
+                if req.status is not RUNNING or not live:
+                    continue  # finished or aborted since schedule()
+                self._advance(sr)
+                if not sr.sample:
+                    continue
             if rid not in sampled_token_ids:
                 raise KeyError(f"no sampled token for scheduled request {rid!r}")
             req.append_output_token(int(sampled_token_ids[rid]))
             self.num_generation_tokens += 1
             changed.append(req)
+            running = req.status is RUNNING
+            if advanced and running and req.num_tokens % self.block_size == 0:
+                kv.commit(req)  # the token completed a block: it is shareable now
             if self._check_stop(req):
+                if running:
+                    finished = True
+                else:  # preempted: it waits in the queue
+                    self.waiting.remove(rid)
                 self._release(req)
-                finished = True
         if finished:
             self.running = [r for r in self.running if r.status is RUNNING]
         return changed

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import bisect
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,6 +11,7 @@ import jax
 import numpy as np
 from jaxtyping import Array, Int
 
+from jpaged.core.sched_output import PLACEHOLDER_TOKEN
 from jpaged.runner.sampler import SamplingBatch, SamplingFlags
 
 # Sampling history (penalties) is padded to a power of two no smaller than this.
@@ -29,6 +30,9 @@ class StepBatch:
     seq_lens: Int[Array, " B"]  # tokens of each sequence after this step (0 for padding)
     block_tables: Int[Array, "B max_blocks"]  # 0 (the null block) past a sequence's blocks
     logits_indices: Int[Array, " B"]  # the last new token of each sequence
+    # Async scheduling: row of the device's last-token buffer holding this sequence's last new
+    # token (sampled by the step still in flight), or -1 when input_ids has it.
+    feed_rows: Int[Array, " B"]
     sampling: SamplingBatch
 
 
@@ -102,7 +106,8 @@ def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int
                              np.zeros((b, 0), bool))
     batch = StepBatch(np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32),
                       np.zeros(b + 1, np.int32), np.zeros(b, np.int32),
-                      np.zeros((b, plan.max_blocks), np.int32), np.zeros(b, np.int32), sampling)
+                      np.zeros((b, plan.max_blocks), np.int32), np.zeros(b, np.int32),
+                      np.full(b, -1, np.int32), sampling)
     return PackedStep(batch, SamplingFlags(), 0, 0)
 
 
@@ -111,8 +116,12 @@ def _next_pow2(x: int, floor: int) -> int:
 
 
 def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab_size: int,
-              default_seed: int) -> PackedStep:
-    """Pack scheduled requests (duck-typed ScheduledRequest) into numpy arrays of bucket shape."""
+              default_seed: int, prev_rows: Mapping[str, int] | None = None) -> PackedStep:
+    """Pack scheduled requests (duck-typed ScheduledRequest) into numpy arrays of bucket shape.
+
+    A PLACEHOLDER_TOKEN (always a sequence's last new token) is read on device from row
+    `prev_rows[request_id]` of the last-token buffer: the row it had in the previous step.
+    """
     n = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
     t_pad, b_pad = plan.pick(num_tokens, n)
@@ -124,6 +133,7 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     seq_lens = np.zeros(b_pad, np.int32)
     tables = np.zeros((b_pad, mb), np.int32)
     logits_idx = np.zeros(b_pad, np.int32)
+    feed_rows = np.full(b_pad, -1, np.int32)
 
     temperature = np.zeros(b_pad, np.float32)
     top_k = np.full(b_pad, vocab_size, np.int32)
@@ -142,6 +152,12 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         p = req.sampling_params
         start, k = s.start_pos, s.num_tokens
         input_ids[cur:cur + k] = s.token_ids
+        if s.token_ids[-1] == PLACEHOLDER_TOKEN:
+            if prev_rows is None or req.request_id not in prev_rows:
+                raise ValueError(f"request {req.request_id!r}: a token on device but no row "
+                                 "of the previous step holds it")
+            feed_rows[i] = prev_rows[req.request_id]
+            input_ids[cur + k - 1] = 0
         pos = np.arange(start, start + k, dtype=np.int32)
         positions[cur:cur + k] = pos
         blocks = np.asarray(s.block_ids, np.int32)
@@ -157,14 +173,15 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         top_p[i], min_p[i] = p.top_p, p.min_p
         seed = p.seed if p.seed is not None else default_seed
         seeds[i] = np.uint32(seed & 0xFFFFFFFF)
-        counters[i] = req.num_output_tokens
+        counters[i] = req.num_output_tokens + req.num_output_placeholders
         rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
         if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             use_pen = True
     qsl[n + 1:] = cur
 
     if use_pen:
-        hmax = max(s.request.num_tokens for s in scheduled)
+        # A fed token's column (seq_len - 1) is filled on device; its is_output flag is set here.
+        hmax = max(s.request.num_tokens_with_placeholders for s in scheduled)
         h = _next_pow2(hmax, MIN_HISTORY_BUCKET)
         history = np.full((b_pad, h), -1, np.int32)
         is_out = np.zeros((b_pad, h), bool)
@@ -172,7 +189,7 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
             req = s.request
             toks = req.all_token_ids
             history[i, :len(toks)] = toks
-            is_out[i, req.num_prompt_tokens:len(toks)] = True
+            is_out[i, req.num_prompt_tokens:req.num_tokens_with_placeholders] = True
     else:
         history = np.zeros((b_pad, 0), np.int32)
         is_out = np.zeros((b_pad, 0), bool)
@@ -180,6 +197,6 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
                              history, is_out)
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
-                      sampling)
+                      feed_rows, sampling)
     flags = SamplingFlags(use_penalties=use_pen)
     return PackedStep(batch, flags, n, num_tokens)

@@ -62,7 +62,8 @@ def step_activation_bytes(model: nnx.Module, spec: ModelSpec, plan: BucketPlan, 
     t, b = largest_shape(plan)
     batch = jax.tree.map(_abstract, empty_step(plan, t, b, spec.vocab_size).batch)
     params = jax.tree.map(_abstract, runner.params)
-    compiled = runner._jit_step.lower(params, kv, batch, flags=SamplingFlags()).compile()
+    compiled = runner._jit_step.lower(params, kv, batch, runner.last_tokens_spec(),
+                                      flags=SamplingFlags()).compile()
     try:
         stats = compiled.memory_analysis()
     except Exception as e:  # some backends raise instead of returning None

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.runner.batch import BucketPlan, StepBatch, empty_step, pack_step
+from jpaged.runner.batch import BucketPlan, StepBatch, empty_step
+from jpaged.runner.input_batch import InputBatch
 from jpaged.runner.kv_cache import KVCache, amax_scale
 from jpaged.runner.sampler import SamplingFlags, sample
 from pallas_kernels.backend import AttentionOps
@@ -36,6 +38,33 @@ class StepResult:
     top_logprobs: np.ndarray  # [n, N] float32
 
 
+class PendingStep:
+    """A dispatched step whose sampled tokens are still on device; `result()` waits for them."""
+
+    def __init__(self, outs: tuple[jax.Array, ...], num_seqs: int, t_dispatch: float,
+                 runner: ModelRunner) -> None:
+        self._outs = outs
+        self.num_seqs = num_seqs
+        self._t_dispatch = t_dispatch
+        self._runner = runner
+        self._result: StepResult | None = None
+        self.wait_s = 0.0  # seconds result() blocked on the device
+
+    def result(self) -> StepResult:
+        """Host copies of the step's sampled tokens (blocks until the device has them)."""
+        if self._result is None:
+            t0 = time.perf_counter()
+            ids, lp, top_ids, top_lp = (np.asarray(x) for x in self._outs)
+            t1 = time.perf_counter()
+            self.wait_s = self._runner.last_wait_s = t1 - t0
+            # Device seconds: dispatch until the results are on the host.
+            self._runner.last_device_s = t1 - self._t_dispatch
+            n = self.num_seqs
+            self._result = StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n])
+            self._outs = ()
+        return self._result
+
+
 class ModelRunner:
     """Owns the parameters and the KV pool on device and runs one jitted call per engine step."""
 
@@ -55,15 +84,49 @@ class ModelRunner:
             self.params = parallel.shard_params(self.params)
             self.kv = parallel.place_kv(kv)
             self.ops = parallel.wrap_ops(ops)
-        self.last_pack_s = self.last_device_s = 0.0  # timings of the latest execute()
+        self.last_pack_s = self.last_device_s = 0.0  # timings of the latest step
+        self.last_wait_s = 0.0  # seconds the latest result read blocked on the device
+        # Device buffer of the tokens the latest step sampled, by its batch row; the next step
+        # reads its PLACEHOLDER_TOKEN inputs from it (async scheduling). Rows are the previous
+        # step's rows of the requests in `_prev_rows`.
+        self.last_tokens: jax.Array | None = None  # made by the first step (see _buffer)
+        self._prev_rows: dict[str, int] = {}
+        self.input_batch = InputBatch(plan, block_size, vocab_size, seed)
         # True until the first real step has computed the fp8 scales (then they stay fixed).
         self.scales_pending = calculate_kv_scales
         self._jit_step = jax.jit(self._step, static_argnames=("flags", "calc_scales"),
-                                 donate_argnames=("kv",))
+                                 donate_argnames=("kv", "last_tokens"))
 
-    def _step(self, params: Any, kv: KVCache, batch: StepBatch, flags: SamplingFlags,
-              calc_scales: bool = False):
+    @property
+    def num_rows(self) -> int:
+        """Rows of the last-token buffer: the most sequences any step shape holds."""
+        return max(self.plan.seq_buckets[-1], self.plan.mixed_seq_buckets[-1])
+
+    def last_tokens_spec(self) -> jax.ShapeDtypeStruct:
+        """Shape and dtype of the last-token buffer (for lowering the step abstractly)."""
+        return jax.ShapeDtypeStruct((self.num_rows,), jnp.int32)
+
+    def _buffer(self) -> jax.Array:
+        if self.last_tokens is None:
+            x = jnp.zeros(self.num_rows, jnp.int32)
+            self.last_tokens = x if self.parallel is None else self.parallel.replicate(x)
+        return self.last_tokens
+
+    def _step(self, params: Any, kv: KVCache, batch: StepBatch, last_tokens: jax.Array,
+              flags: SamplingFlags, calc_scales: bool = False):
         model = nnx.merge(self.graphdef, params)
+        # Tokens sampled by the previous step (never seen by the host) enter here.
+        fed = batch.feed_rows >= 0
+        fed_ids = jnp.take(last_tokens, jnp.maximum(batch.feed_rows, 0))
+        input_ids = batch.input_ids.at[jnp.where(fed, batch.logits_indices,
+                                                 batch.input_ids.shape[0])].set(fed_ids,
+                                                                                mode="drop")
+        sampling = batch.sampling
+        if flags.use_penalties:  # the fed token is the last of its row's history too
+            b, h = sampling.history.shape
+            col = jnp.where(fed, batch.seq_lens - 1, h)
+            sampling = dataclasses.replace(sampling, history=sampling.history.at[
+                jnp.arange(b), col].set(fed_ids, mode="drop"))
         head_dim, nb, bs = kv.k.shape[-1], kv.num_blocks, kv.k.shape[1]
         sm_scale = 1.0 / math.sqrt(head_dim)
         ops = self.ops
@@ -89,13 +152,14 @@ class ModelRunner:
             return out, (to_bits(k_pages), to_bits(v_pages), k_scale, v_scale)
 
         hidden, (k_pages, v_pages, k_scale, v_scale) = model(
-            batch.input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale))
+            input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale))
         logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0))
         if self.parallel is not None:  # vocab-split lm_head: whole logits on every device
             logits = self.parallel.gather_logits(logits)
-        ids, lp, top_ids, top_lp = sample(logits, batch.sampling, flags)
+        ids, lp, top_ids, top_lp = sample(logits, sampling, flags)
         new_kv = KVCache(k_pages, v_pages, k_scale, v_scale, kv.num_blocks, kv.dtype)
-        return (ids, lp, top_ids, top_lp), new_kv
+        last_tokens = jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
+        return (ids, lp, top_ids, top_lp), new_kv, last_tokens
 
     @property
     def num_compiled(self) -> int:
@@ -107,24 +171,38 @@ class ModelRunner:
         for t, b in shapes if shapes is not None else self.plan.all_shapes():
             packed = empty_step(self.plan, t, b, self.vocab_size)
             # calc_scales passed as execute() passes it: the kwargs are part of the cache key.
-            outs, self.kv = self._jit_step(self.params, self.kv, packed.batch, flags=packed.flags,
-                                           calc_scales=False)
+            outs, self.kv, self.last_tokens = self._jit_step(
+                self.params, self.kv, packed.batch, self._buffer(), flags=packed.flags,
+                calc_scales=False)
             jax.block_until_ready(outs)
+        self._prev_rows = {}  # the buffer now holds padding rows' tokens
         return self.num_compiled
 
-    def execute(self, scheduled: Sequence[Any]) -> StepResult:
-        """Run one step for the scheduled requests; returns one sampled token per request."""
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget requests finished, aborted or preempted (their persistent-batch rows)."""
+        self.input_batch.remove(request_ids)
+
+    def dispatch(self, scheduled: Sequence[Any]) -> PendingStep:
+        """Pack and launch one step; returns at once, its tokens still on device.
+
+        Its sampled tokens land in `last_tokens` too, so the next step may be dispatched before
+        this one's result is read (its PLACEHOLDER_TOKEN inputs are read from there). Call
+        `remove_requests` first for the requests that left since the previous step.
+        """
         t0 = time.perf_counter()
-        packed = pack_step(scheduled, self.plan, self.block_size, self.vocab_size, self.seed)
+        packed = self.input_batch.pack(scheduled, self._prev_rows)
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
-        outs, self.kv = self._jit_step(self.params, self.kv, packed.batch, flags=packed.flags,
-                                       calc_scales=calc)
+        outs, self.kv, self.last_tokens = self._jit_step(
+            self.params, self.kv, packed.batch, self._buffer(), flags=packed.flags,
+            calc_scales=calc)
         if calc:
             logger.info("fp8 KV scales from the first batch: k=%s v=%s",
                         np.asarray(self.kv.k_scale).tolist(), np.asarray(self.kv.v_scale).tolist())
-        ids, lp, top_ids, top_lp = (np.asarray(x) for x in outs)
-        # Host seconds packing the batch, and device seconds (dispatch to results on the host).
-        self.last_pack_s, self.last_device_s = t1 - t0, time.perf_counter() - t1
-        n = packed.num_seqs
-        return StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n])
+        self._prev_rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.sample}
+        self.last_pack_s = t1 - t0  # host seconds packing the batch
+        return PendingStep(outs, packed.num_seqs, t1, self)
+
+    def execute(self, scheduled: Sequence[Any]) -> StepResult:
+        """Run one step for the scheduled requests; returns one sampled token per request."""
+        return self.dispatch(scheduled).result()

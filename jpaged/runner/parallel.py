@@ -197,6 +197,10 @@ class TensorParallel:
                                                                             P(None, AXIS)))
         return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P()))
 
+    def replicate(self, x: jax.Array) -> jax.Array:
+        """`x` whole on every device of the mesh."""
+        return jax.device_put(x, NamedSharding(self.mesh, P()))
+
     # ------------------------------------------------------------------ KV pool
     def kv_shardings(self, num_blocks: int, dtype: jnp.dtype) -> KVCache:
         """Shardings of the KVCache pytree: pages split on heads, scales replicated."""

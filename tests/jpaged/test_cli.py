@@ -39,7 +39,7 @@ def test_generate_json_and_jsonl_files(tmp_path):
     dst = tmp_path / "out.jsonl"
     r = _jpaged("generate", "--input", str(src), "--output", str(dst), "--model", model,
                 "--max-tokens", "3", "--max-model-len", "128",
-                "--kv-cache-memory-bytes", str(64 * 2**20))
+                "--kv-cache-memory-bytes", str(64 * 2**20), "--no-async-scheduling")
     assert r.returncode == 0, r.stderr
     assert [json.loads(x)["prompt"] for x in dst.read_text().splitlines()] == ["one", "two"]
 
@@ -63,5 +63,5 @@ def test_help_lists_vllm_flags():
     for flag in ("--gpu-memory-utilization", "--block-size", "--enable-prefix-caching",
                  "--kv-cache-dtype", "--swap-space", "--kv-offloading-size", "--max-num-seqs",
                  "--max-num-batched-tokens", "--max-model-len", "--tensor-parallel-size",
-                 "--preemption-mode"):
+                 "--preemption-mode", "--async-scheduling", "--no-async-scheduling"):
         assert flag in r.stdout

@@ -48,14 +48,17 @@ def _tokenizers():
             ("byte fallback", byte_fallback_tokenizer())]
 
 
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "two-decode window"])
 @pytest.mark.parametrize("which", [0, 1], ids=["byte-level", "byte-fallback"])
-def test_every_prefix_matches_a_full_decode(which):
+def test_every_prefix_matches_a_full_decode(which, stream):
     name, tok = _tokenizers()[which]
     ids = tok.encode(TEXT, add_special_tokens=False)
     assert len(ids) > 500, name
     final = tok.decode(ids)
     assert final == TEXT.rstrip() or final.strip() == TEXT.strip()  # the tokenizer round-trips
-    detok = IncrementalDetokenizer(tok)
+    # Without a `backend` (a wrapper) the detokenizer runs its own window algorithm.
+    detok = IncrementalDetokenizer(tok if stream else CountingTokenizer(tok))
+    assert (detok._stream is not None) == stream
     pieces = []
     held_back = 0
     for n in range(1, len(ids) + 1):

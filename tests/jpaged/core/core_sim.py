@@ -4,6 +4,11 @@ The simulator keeps a fake KV pool (one token id per slot) and checks, each step
 scheduled request READS exactly its own token history in the slots of its block table (so a
 prefix-cache hit must point at blocks written in an EARLIER step), that no cached block is ever
 written, and that the scheduler's limits and the pool invariants hold.
+
+With ``async_scheduling`` it drives the scheduler as the overlapped engine loop does: each step
+is advanced right after it is "dispatched" (``update_after_schedule``), and its sampled tokens
+are applied only after the NEXT step has been scheduled; a token still in flight is fed to that
+step from the fake device (``device_last``), as the jitted step does from its buffer.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 from jpaged.config import CacheConfig, SchedulerConfig
+from jpaged.core.sched_output import PLACEHOLDER_TOKEN
 from jpaged.core.scheduler import Scheduler, SchedulerOutput
 from jpaged.request import Request, RequestStatus
 from jpaged.sampling_params import SamplingParams
@@ -64,8 +70,11 @@ def make_request(rid: str, prompt: list[int], max_tokens: int | None = 8, *, pri
 class Sim:
     """Drives a Scheduler with fake_next, checking every step."""
 
-    def __init__(self, sched: Scheduler) -> None:
+    def __init__(self, sched: Scheduler, async_scheduling: bool = False) -> None:
         self.sched = sched
+        self.async_scheduling = async_scheduling
+        self.device_last: dict[str, int] = {}  # token each request sampled in the last step
+        self.in_flight: tuple[SchedulerOutput, dict[str, int]] | None = None
         bs = sched.block_size
         self.kv = np.full((sched.kv_cache_manager.block_pool.num_blocks, bs), -1, np.int64)
         self.outputs: list[SchedulerOutput] = []
@@ -95,12 +104,14 @@ class Sim:
             r = x.request
             assert r.status is RequestStatus.RUNNING
             assert x.start_pos == r.num_computed_tokens and x.num_tokens > 0
-            assert x.token_ids == r.all_token_ids[x.start_pos:x.start_pos + x.num_tokens]
             end = x.start_pos + x.num_tokens
+            assert x.token_ids == r.all_token_ids[x.start_pos:end] + [PLACEHOLDER_TOKEN] * max(
+                0, end - r.num_tokens)
+            assert end <= r.num_tokens_with_placeholders
             assert len(x.block_ids) == -(-end // bs), "table must be exactly cdiv(tokens, bs)"
             assert x.block_ids == kvm.get_block_ids(r.request_id)
             assert 0 not in x.block_ids
-            assert x.sample == (end == r.num_tokens)
+            assert x.sample == (end == r.num_tokens_with_placeholders)
             pos = np.arange(x.start_pos)
             got = self.kv[np.asarray(x.block_ids)[pos // bs], pos % bs]
             assert got.tolist() == r.all_token_ids[:x.start_pos], f"{r.request_id} reads bad KV"
@@ -114,16 +125,41 @@ class Sim:
                 assert pool.blocks[b].ref_count == 1, f"write into shared block {b}"
                 assert (b, o) not in written
                 written.add((b, o))
-                self.kv[b, o] = x.request.all_token_ids[p]
+                r = x.request
+                self.kv[b, o] = (r.all_token_ids[p] if p < r.num_tokens
+                                 else self.device_last[r.request_id])
         self.max_used_blocks = max(self.max_used_blocks, pool.num_blocks - 1 - kvm.num_free_blocks)
-        sampled = {x.request.request_id: fake_next(x.request.all_token_ids)
-                   for x in out.scheduled if x.sample}
-        for r in s.update_from_output(out, sampled):
+        sampled = {}
+        for x in out.scheduled:
+            if x.sample:
+                r = x.request
+                hist = r.all_token_ids + ([self.device_last[r.request_id]]
+                                          if x.token_ids[-1] == PLACEHOLDER_TOKEN else [])
+                sampled[r.request_id] = fake_next(hist)
+        if self.async_scheduling:
+            s.update_after_schedule(out)
+            self.device_last.update(sampled)
+            prev, self.in_flight = self.in_flight, (out, sampled) if out.scheduled else None
+            if prev is not None:
+                self._apply(*prev)
+            elif not out.scheduled:
+                self._apply(out, sampled)
+        else:
+            self._apply(out, sampled)
+        return out
+
+    def _apply(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
+        for r in self.sched.update_from_output(out, sampled):
             if r.is_finished():
                 self.finished[r.request_id] = r
-        kvm.check_invariants()
+        self.sched.kv_cache_manager.check_invariants()
         self._check_running()
-        return out
+
+    def flush(self) -> None:
+        """Apply the tokens of a step still in flight (async scheduling)."""
+        prev, self.in_flight = self.in_flight, None
+        if prev is not None:
+            self._apply(*prev)
 
     def _check_running(self) -> None:
         s = self.sched
@@ -136,6 +172,8 @@ class Sim:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert kvm.num_blocks_held(r.request_id) == 0 and r.num_computed_tokens == 0
         assert s.num_running + s.num_waiting == s.get_num_unfinished_requests()
+        if self.in_flight is None:
+            assert all(not r.num_output_placeholders for r in s.requests.values())
 
     def run(self, max_steps: int = 10_000) -> dict[str, Request]:
         """Step until nothing is left; then every block must be free."""
@@ -150,6 +188,7 @@ class Sim:
 
     def assert_drained(self) -> None:
         """No leaks: every block back in the free queue, invariants hold."""
+        self.flush()
         kvm = self.sched.kv_cache_manager
         assert kvm.usage == 0.0
         assert kvm.num_free_blocks == kvm.block_pool.num_blocks - 1

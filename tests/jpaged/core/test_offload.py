@@ -42,8 +42,8 @@ def scheduler(num_blocks: int, t: KVTiers | None, *, swap: bool = False, caching
 class TierSim(Sim):
     """Sim that executes each step's TransferPlan on the fake pool before the forward."""
 
-    def __init__(self, sched: Scheduler) -> None:
-        super().__init__(sched)
+    def __init__(self, sched: Scheduler, async_scheduling: bool = False) -> None:
+        super().__init__(sched, async_scheduling)
         self.tokens_of: dict[bytes, list[int]] = {}  # block hash -> its tokens
         self.refilled = 0  # blocks gathered and re-filled (load or forward) in the same step
         inner = sched.schedule
@@ -54,6 +54,16 @@ class TierSim(Sim):
             return out
 
         sched.schedule = schedule
+
+    def _note_hashes(self, requests) -> None:
+        for r in list(requests):
+            for i, h in enumerate(r.block_hashes):
+                self.tokens_of[h] = r.all_token_ids[i * BS:(i + 1) * BS]
+
+    def _apply(self, out, sampled) -> None:
+        super()._apply(out, sampled)
+        # Async: a request may hash its last block and finish before the next schedule().
+        self._note_hashes(x.request for x in out.scheduled)
 
     def _transfer(self, out) -> None:
         kvm = self.sched.kv_cache_manager
@@ -71,9 +81,7 @@ class TierSim(Sim):
             written |= {x.block_ids[p // BS] for p in range(x.start_pos, end)}
         self.refilled += len(gathered & written)
         # Every host prefix entry holds its block's tokens.
-        for r in list(self.sched.requests.values()):
-            for i, h in enumerate(r.block_hashes):
-                self.tokens_of[h] = r.all_token_ids[i * BS:(i + 1) * BS]
+        self._note_hashes(self.sched.requests.values())
         for h, slot in t.host._lru.items():
             assert store[slot].tolist() == self.tokens_of[h], "host entry holds wrong tokens"
 

@@ -100,13 +100,15 @@ def run_workload(seed: int, mode: str, policy: str, tmp_path) -> None:
                          long_prefill_token_threshold=threshold, scheduling_policy=policy)
     cc = CacheConfig(block_size=bs, enable_prefix_caching=caching,
                      preemption_mode="swap" if mode == "swap" else "recompute")
+    async_scheduling = rng.random() < 0.5  # the overlapped loop's order of updates
+    FIGURES["async_runs"] += async_scheduling
     if mode == "recompute":
         s = Scheduler(sc, cc, num_blocks)
-        sim: Sim = Sim(s)
+        sim: Sim = Sim(s, async_scheduling)
     else:  # TierSim's fake pool has blocks of 4 tokens
         disk = disk_tier(tmp_path / f"d{seed}", rng.randint(1, 8)) if rng.random() < 0.4 else None
         s = Scheduler(sc, cc, num_blocks, tiers(rng.randint(1, 3 * need), disk))
-        sim = TierSim(s)
+        sim = TierSim(s, async_scheduling)
 
     pending = sorted(specs, key=lambda x: x[4])
     objs: dict[str, Request] = {}

@@ -32,9 +32,10 @@ request_st = st.tuples(
     policy=st.sampled_from(["priority", "fcfs", "lpm"]),
     threshold=st.one_of(st.none(), st.integers(1, 8)),
     max_num_seqs=st.integers(1, 6),
+    async_scheduling=st.booleans(),
 )
 def test_random_workloads(reqs, block_size, extra_blocks, budget, chunked, caching, policy,
-                          threshold, max_num_seqs):
+                          threshold, max_num_seqs, async_scheduling):
     specs = []
     for i, (base, share, suffix, max_tokens, prio, arrive, abort) in enumerate(reqs):
         p = (BASES[base][:share] + suffix)[:MAX_LEN] or [7]
@@ -44,7 +45,7 @@ def test_random_workloads(reqs, block_size, extra_blocks, budget, chunked, cachi
                        max_num_batched_tokens=budget if chunked else max(budget, MAX_LEN),
                        max_model_len=MAX_LEN, caching=caching, policy=policy, chunked=chunked,
                        threshold=threshold, max_num_seqs=max_num_seqs)
-    sim = Sim(s)
+    sim = Sim(s, async_scheduling)
     pending = sorted(specs, key=lambda x: x[4])
     aborted = set()
     step = 0

@@ -60,7 +60,8 @@ def collectives(llm, t: int, b: int) -> dict:
     """Collective ops in the compiled (partitioned) step of one bucket shape."""
     r = llm.llm_engine.runner
     packed = empty_step(r.plan, t, b, r.vocab_size)
-    text = r._jit_step.lower(r.params, r.kv, packed.batch, flags=packed.flags).compile().as_text()
+    text = r._jit_step.lower(r.params, r.kv, packed.batch, r._buffer(),
+                             flags=packed.flags).compile().as_text()
     found: dict[str, list[str]] = {}
     for line in text.splitlines():
         m = COLLECTIVE.search(line)

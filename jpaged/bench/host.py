@@ -1,0 +1,219 @@
+"""Host work per engine step, synchronous loop vs async scheduling (the overlapped loop).
+
+Host rows: a tiny random Llama (one layer, hidden 64) makes the device step cost next to
+nothing, so what is measured is the engine's own host path: schedule, pack, dispatch, read the
+tokens, update requests, detokenize, search stop strings, build DELTA outputs. `batch` requests
+decode together with streaming (DELTA) and a stop string on; each `LLMEngine.step()` is timed
+whole, less the seconds it spent blocked on the device (`ModelRunner.last_wait_s`): that is the
+host's own work per step.
+
+Embedded rows: the embedded model runs the same greedy workload with both loops in one process;
+output tokens/s of each, their ratio, and whether the outputs are identical token for token.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from jpaged.bench.gpu_engine import random_model
+from jpaged.bench.report import median
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine
+from jpaged.llm import LLM
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from models.config import ModelSpec
+from models.loader import LoadedModel
+
+# The cheapest Llama the engine runs: the device step is a rounding error next to the host.
+HOST_MODEL_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 258, "hidden_size": 64,
+    "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "max_position_embeddings": 1024, "tie_word_embeddings": True, "bos_token_id": 256,
+    "eos_token_id": 257,
+}
+PROMPT_LEN = 16
+STOP = ["\U0001F600 jpaged-host-bench"]  # searched every step; random bytes never spell it
+
+
+def host_model() -> LoadedModel:
+    """The tiny random model of HOST_MODEL_CONFIG with a byte-level tokenizer."""
+    import jax.numpy as jnp
+
+    return random_model(ModelSpec.from_hf_config(HOST_MODEL_CONFIG), jnp.float32)
+
+
+def host_engine(loaded: LoadedModel, async_scheduling: bool, max_batch: int) -> LLMEngine:
+    """An engine sized for `max_batch` decoding requests, its decode shapes compiled."""
+    engine = LLMEngine(EngineArgs(
+        max_num_seqs=max_batch, max_model_len=512, max_num_batched_tokens=max(512, max_batch),
+        num_gpu_blocks_override=max_batch * 8 + 16, block_size=16, disable_log_stats=True,
+        async_scheduling=async_scheduling), loaded=loaded)
+    engine.runner.warmup([(b, b) for b in engine.runner.plan.seq_buckets])
+    return engine
+
+
+def measure_host(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> dict[str, Any]:
+    """Median host µs per decode step (and per request per step) with `batch` requests."""
+    if engine.has_unfinished_requests():
+        raise ValueError("the engine has unfinished requests; benchmark an idle engine")
+    rng = np.random.default_rng(seed)
+    # Nobody finishes while timed: every step decodes all `batch` requests (aborted after).
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, stop=STOP,
+                            output_kind=RequestOutputKind.DELTA)
+    ids = [f"host-{batch}-{seed}-{i}" for i in range(batch)]
+    for rid in ids:
+        prompt = rng.integers(0, 256, PROMPT_LEN).tolist()
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    sched = engine.scheduler
+    # Untimed until every request decodes (prefill done, and the overlap under way).
+    while sched.num_waiting or any(r.num_output_tokens < 2 for r in sched.running):
+        engine.step()
+    host = []
+    streamed = 0
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        outs = engine.step()
+        wall = time.perf_counter() - t0
+        host.append(wall - engine.runner.last_wait_s)
+        streamed += len(outs)
+    engine.abort_request(ids)
+    engine.step()  # drain a step still in flight
+    us = median(host) * 1e6
+    return {"batch": batch, "mode": "async" if engine.async_scheduling else "sync",
+            "host_us_per_step": round(us, 1), "host_us_per_request_step": round(us / batch, 2),
+            "outputs_per_step": streamed / steps, "steps": steps}
+
+
+def host_rows(batches: tuple[int, ...], steps: int) -> list[dict[str, Any]]:
+    """measure_host for every batch, both loops (one engine per loop, reused)."""
+    loaded = host_model()
+    rows = []
+    for mode in ("sync", "async"):
+        engine = host_engine(loaded, mode == "async", max(batches))
+        for b in batches:
+            measure_host(engine, b, 2, seed=99)  # warm the Python paths of this batch size
+            rows.append(measure_host(engine, b, steps))
+    return rows
+
+
+def embedded_rows(num_prompts: int, max_tokens: int, loaded: LoadedModel | None = None
+                  ) -> dict[str, Any]:
+    """Tokens/s of both loops on the embedded model, same greedy workload, outputs compared."""
+    from models.loader import load_model
+
+    loaded = loaded or load_model(None, dtype="float32")
+    rng = np.random.default_rng(0)
+    prompts = [{"prompt_token_ids": rng.integers(100, 20000, int(n)).tolist()}
+               for n in rng.integers(8, 64, num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    res: dict[str, Any] = {"num_prompts": num_prompts, "max_tokens": max_tokens}
+    outputs = {}
+    for mode in ("sync", "async"):
+        llm = LLM.from_engine(LLMEngine(EngineArgs(
+            max_num_seqs=max(16, num_prompts), max_model_len=512, disable_log_stats=True,
+            kv_cache_memory_bytes=256 * 2**20, async_scheduling=mode == "async"),
+            loaded=loaded))
+        llm.generate(prompts[:2], params.clone(max_tokens=2), use_tqdm=False)  # compile
+        best = None
+        for _ in range(2):  # best of two: the CPU is shared with nothing but noise
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            best = wall if best is None else min(best, wall)
+        outputs[mode] = [o.outputs[0].token_ids for o in outs]
+        res[f"tokens_per_s_{mode}"] = round(sum(map(len, outputs[mode])) / best, 2)
+    res["async_ratio"] = round(res["tokens_per_s_async"] / res["tokens_per_s_sync"], 3)
+    res["outputs_identical"] = outputs["sync"] == outputs["async"]
+    return res
+
+
+def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[dict[str, Any]]:
+    """Host phases and device spans of `steps` decode steps with `batch` requests.
+
+    The engine's own methods are wrapped for the run (and restored): `schedule`, the runner's
+    `dispatch` (pack + the jitted call), the result read (waiting on the device) and the output
+    processing. A step's device span runs from its dispatch until its results reach the host:
+    an upper bound on the device's busy time (it may have finished earlier).
+    """
+    events: list[dict[str, Any]] = []
+    sched, runner = engine.scheduler, engine.runner
+    real_schedule, real_dispatch, real_process = sched.schedule, runner.dispatch, engine._process
+    step_no = [0]
+
+    def span(lane: str, name: str, fn: Any, *a: Any) -> Any:
+        t0 = time.perf_counter()
+        res = fn(*a)
+        events.append({"lane": lane, "name": name, "step": step_no[0], "t0": t0,
+                       "t1": time.perf_counter()})
+        return res
+
+    def dispatch(scheduled: Any) -> Any:
+        pending = span("host", "pack + dispatch", real_dispatch, scheduled)
+        k, t_d = step_no[0], time.perf_counter()
+        real_result = pending.result
+
+        def result() -> Any:
+            res = span("host", "wait for tokens", real_result)
+            events.append({"lane": "device", "name": f"step {k}", "step": k, "t0": t_d,
+                           "t1": events[-1]["t1"]})
+            return res
+
+        pending.result = result
+        return pending
+
+    sched.schedule = lambda: span("host", "schedule", real_schedule)
+    runner.dispatch = dispatch
+    engine._process = lambda out, pending: span("host", "process outputs", real_process, out,
+                                                 pending)
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True, stop=STOP,
+                            output_kind=RequestOutputKind.DELTA)
+    try:
+        for i in range(batch):
+            prompt = rng.integers(0, 256, PROMPT_LEN).tolist()
+            engine.add_request(f"tl-{i}", {"prompt_token_ids": prompt}, params)
+        while sched.num_waiting or any(r.num_output_tokens < 2 for r in sched.running):
+            engine.step()
+        events.clear()
+        for _ in range(steps):
+            step_no[0] += 1
+            engine.step()
+    finally:
+        del sched.schedule, runner.dispatch, engine._process
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.step()
+    t_start = min(e["t0"] for e in events)
+    return [dict(e, t0=round((e["t0"] - t_start) * 1e3, 3), t1=round((e["t1"] - t_start) * 1e3, 3))
+            for e in events]
+
+
+def plot_timeline(ax: Any, events: list[dict[str, Any]], title: str) -> None:
+    """Host phases (one lane) above device spans (one lane), in ms."""
+    colors = {"schedule": "#e08a2c", "pack + dispatch": "#c0392b", "wait for tokens": "#bbbbbb",
+              "process outputs": "#8e44ad"}
+    seen = set()
+    prev_end = float("-inf")
+    for e in sorted(events, key=lambda e: (e["lane"], e["t0"])):
+        if e["lane"] == "device":  # one stream: a step queued behind another starts after it
+            e = dict(e, t0=max(e["t0"], prev_end))
+            prev_end = e["t1"]
+        if e["lane"] == "host":
+            label = e["name"] if e["name"] not in seen else None
+            seen.add(e["name"])
+            ax.barh(1, e["t1"] - e["t0"], left=e["t0"], color=colors[e["name"]], label=label)
+        else:
+            ax.barh(0, e["t1"] - e["t0"], left=e["t0"], color="#2a7ab9",
+                    edgecolor="white", label="device step (until its tokens are on the host)"
+                    if "device" not in seen else None)
+            seen.add("device")
+            ax.text((e["t0"] + e["t1"]) / 2, 0, e["name"], ha="center", va="center",
+                    color="white", fontsize=7)
+    ax.set_yticks([0, 1], ["device", "host"])
+    ax.set_xlabel("ms")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)

@@ -1,0 +1,206 @@
+"""The persistent batch: per-request rows of block table and sampling parameters kept between
+steps, so a step packs with little per-request Python (vLLM V1's InputBatch, in spirit).
+
+A request gets a row the first time it is scheduled and keeps it until it finishes, is aborted
+or is preempted (its table is then rebuilt on re-admission). Its sampling parameters are written
+once, when the row is made; its block table row only grows: a step writes just the block ids
+added since the previous step (tables only ever grow by appending, see KVCacheManager). A step's
+arrays are then numpy gathers over the rows of its requests, plus one short Python loop for the
+values that change every step (position, token, RNG counter).
+
+`pack_step` in batch.py builds the same arrays from scratch; it stays the reference the tests
+compare this against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jpaged.core.sched_output import PLACEHOLDER_TOKEN
+from jpaged.runner.batch import (
+    MIN_HISTORY_BUCKET,
+    BucketPlan,
+    PackedStep,
+    StepBatch,
+    _next_pow2,
+)
+from jpaged.runner.sampler import SamplingBatch, SamplingFlags
+
+
+class InputBatch:
+    """Rows of the requests the runner has seen, reused step after step."""
+
+    def __init__(self, plan: BucketPlan, block_size: int, vocab_size: int,
+                 default_seed: int) -> None:
+        self.plan = plan
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.default_seed = default_seed
+        # Rows grow on demand (doubling): the scheduler caps the running set at max_num_seqs,
+        # but a preempted request's row may outlive its slot until its removal is reported.
+        self.capacity = 0
+        self.row_of: dict[str, int] = {}
+        self._free: list[int] = []
+        self._nblocks: list[int] = []  # block ids written into each row's table
+        self.tables = np.zeros((0, plan.max_blocks), np.int32)
+        self._sampling = np.zeros((0, 7), np.float32)  # temp, top_p, min_p, rep, pres, freq, pen
+        self._top_k = np.zeros(0, np.int32)
+        self._seeds = np.zeros(0, np.uint32)
+
+    def _grow(self) -> None:
+        old = self.capacity
+        new = max(16, 2 * old)
+        self.tables = np.concatenate([self.tables, np.zeros((new - old, self.plan.max_blocks),
+                                                            np.int32)])
+        self._sampling = np.concatenate([self._sampling, np.zeros((new - old, 7), np.float32)])
+        self._top_k = np.concatenate([self._top_k, np.zeros(new - old, np.int32)])
+        self._seeds = np.concatenate([self._seeds, np.zeros(new - old, np.uint32)])
+        self._nblocks.extend([0] * (new - old))
+        self._free.extend(range(new - 1, old - 1, -1))  # pop() hands out low rows first
+        self.capacity = new
+
+    def _add(self, request: Any) -> int:
+        if not self._free:
+            self._grow()
+        row = self._free.pop()
+        self.row_of[request.request_id] = row
+        p = request.sampling_params
+        pen = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
+               or p.frequency_penalty != 0.0)
+        self._sampling[row] = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
+                               p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
+                               float(pen))
+        # k >= vocab keeps every token; clamped so it fits int32.
+        self._top_k[row] = min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
+        seed = p.seed if p.seed is not None else self.default_seed
+        self._seeds[row] = np.uint32(seed & 0xFFFFFFFF)
+        self._nblocks[row] = 0
+        self.tables[row] = 0
+        return row
+
+    def remove(self, request_ids: Iterable[str]) -> None:
+        """Free the rows of requests that finished, were aborted or were preempted."""
+        for rid in request_ids:
+            row = self.row_of.pop(rid, None)
+            if row is not None:
+                self._free.append(row)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows in use."""
+        return len(self.row_of)
+
+    def pack(self, scheduled: Sequence[Any], prev_rows: Mapping[str, int] | None = None
+             ) -> PackedStep:
+        """The step batch of `scheduled` (duck-typed ScheduledRequest), as pack_step has it."""
+        n = len(scheduled)
+        bs = self.block_size
+        row_of, nblocks, tables = self.row_of, self._nblocks, self.tables
+        rows: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        counters: list[int] = []
+        last_ids: list[int] = []
+        feed: list[tuple[int, int]] = []
+        for i, s in enumerate(scheduled):
+            req = s.request
+            rid = req.request_id
+            row = row_of.get(rid)
+            if row is None:
+                row = self._add(req)
+                tables = self.tables  # _add may have grown it
+            ids = s.block_ids
+            have = nblocks[row]
+            if len(ids) != have:  # grown since the last step: write only the new block ids
+                tables[row, have:len(ids)] = ids[have:]
+                nblocks[row] = len(ids)
+            rows.append(row)
+            starts.append(s.start_pos)
+            lens.append(s.num_tokens)
+            counters.append(req.num_output_tokens + req.num_output_placeholders)
+            last = s.token_ids[-1]
+            if last == PLACEHOLDER_TOKEN:
+                if prev_rows is None or rid not in prev_rows:
+                    raise ValueError(f"request {rid!r}: a token on device but no row of the "
+                                     "previous step holds it")
+                feed.append((i, prev_rows[rid]))
+            last_ids.append(last)
+        num_tokens = sum(lens)
+        t_pad, b_pad = self.plan.pick(num_tokens, n)
+        mb = self.plan.max_blocks
+        r = np.asarray(rows, np.intp)
+        start = np.asarray(starts, np.int32)
+        k = np.asarray(lens, np.int32)
+        step_tables = np.zeros((b_pad, mb), np.int32)
+        step_tables[:n] = tables[r]
+        qsl = np.zeros(b_pad + 1, np.int32)
+        np.cumsum(k, out=qsl[1:n + 1])
+        qsl[n + 1:] = num_tokens
+        seq_lens = np.zeros(b_pad, np.int32)
+        seq_lens[:n] = start + k
+        logits_idx = np.zeros(b_pad, np.int32)
+        logits_idx[:n] = qsl[1:n + 1] - 1
+        input_ids = np.zeros(t_pad, np.int32)
+        positions = np.zeros(t_pad, np.int32)
+        slot_mapping = np.full(t_pad, -1, np.int32)
+        if num_tokens == n:  # pure decode: one token per row, no per-token loop
+            input_ids[:n] = last_ids
+            positions[:n] = start
+            seq_rows = np.arange(n)
+        else:
+            seq_rows = np.repeat(np.arange(n), k)
+            # Position of each token: its sequence's start plus its offset in the chunk.
+            pos = np.arange(num_tokens, dtype=np.int32) - np.repeat(qsl[:n], k) + np.repeat(
+                start, k)
+            positions[:num_tokens] = pos
+            cur = 0
+            for s, kk in zip(scheduled, lens, strict=True):
+                input_ids[cur:cur + kk] = s.token_ids
+                cur += kk
+        pos = positions[:num_tokens]
+        slot_mapping[:num_tokens] = step_tables[seq_rows, pos // bs] * bs + pos % bs
+        feed_rows = np.full(b_pad, -1, np.int32)
+        for i, prev in feed:
+            feed_rows[i] = prev
+            input_ids[logits_idx[i]] = 0
+
+        samp = self._sampling[r]  # [n, 7]
+        temperature = np.zeros(b_pad, np.float32)
+        top_p = np.ones(b_pad, np.float32)
+        min_p = np.zeros(b_pad, np.float32)
+        rep = np.ones(b_pad, np.float32)
+        pres = np.zeros(b_pad, np.float32)
+        freq = np.zeros(b_pad, np.float32)
+        for col, arr in enumerate((temperature, top_p, min_p, rep, pres, freq)):
+            arr[:n] = samp[:, col]
+        top_k = np.full(b_pad, self.vocab_size, np.int32)
+        top_k[:n] = self._top_k[r]
+        seeds = np.zeros(b_pad, np.uint32)
+        seeds[:n] = self._seeds[r]
+        ctr = np.zeros(b_pad, np.int32)
+        ctr[:n] = counters
+        use_pen = bool(n) and bool(samp[:, 6].any())
+        history, is_out = _history(scheduled, b_pad) if use_pen else (
+            np.zeros((b_pad, 0), np.int32), np.zeros((b_pad, 0), bool))
+        sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
+                                 history, is_out)
+        batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
+                          logits_idx, feed_rows, sampling)
+        return PackedStep(batch, SamplingFlags(use_penalties=use_pen), n, num_tokens)
+
+
+def _history(scheduled: Sequence[Any], b_pad: int) -> tuple[np.ndarray, np.ndarray]:
+    """Penalty history rows: prompt + known outputs; a fed token's column is set on device."""
+    h = _next_pow2(max(s.request.num_tokens_with_placeholders for s in scheduled),
+                   MIN_HISTORY_BUCKET)
+    history = np.full((b_pad, h), -1, np.int32)
+    is_out = np.zeros((b_pad, h), bool)
+    for i, s in enumerate(scheduled):
+        req = s.request
+        toks = req.all_token_ids
+        history[i, :len(toks)] = toks
+        is_out[i, req.num_prompt_tokens:req.num_tokens_with_placeholders] = True
+    return history, is_out

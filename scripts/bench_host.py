@@ -1,0 +1,75 @@
+"""Host work per engine step, synchronous vs overlapped loop, and the embedded model's tokens/s.
+
+    python scripts/bench_host.py [--quick] [--out docs/bench/host.json]
+
+Writes `rows` (batch, mode, host_us_per_step, host_us_per_request_step), `embedded`
+(tokens_per_s_sync, tokens_per_s_async, async_ratio, outputs_identical) and `timeline` (the
+host phases and device spans of a few overlapped steps of the embedded model), plus two plots:
+OUT.png (host µs per request per step) and OUT_timeline.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from jpaged.bench import report
+from jpaged.bench.host import (
+    embedded_rows,
+    host_rows,
+    plot_timeline,
+    timeline,
+)
+from models.loader import load_model
+
+BATCHES = (1, 16, 64, 256)
+
+
+def main() -> None:
+    """Parse flags, measure, write JSON + PNGs, print the tables."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps and tokens (~2 min)")
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/host.json"))
+    args = ap.parse_args()
+    steps = 8 if args.quick else 24
+    rows = host_rows(BATCHES, steps)
+    loaded = load_model(None, dtype="float32")
+    emb = embedded_rows(8 if args.quick else 16, 16 if args.quick else 48, loaded)
+    from jpaged.config import EngineArgs
+    from jpaged.engine import LLMEngine
+
+    tl_engine = LLMEngine(EngineArgs(max_num_seqs=16, max_model_len=512,
+                                     kv_cache_memory_bytes=256 * 2**20, disable_log_stats=True),
+                          loaded=loaded)
+    tl = timeline(tl_engine, batch=16, steps=4)
+    data = {"quick": args.quick, "steps": steps, "rows": rows, "embedded": emb,
+            "timeline": tl, "timeline_setup": "embedded SmolLM2, async scheduling, 16 decoding"}
+
+    def plot(ax):
+        for mode, color in (("sync", "#e08a2c"), ("async", "#2a7ab9")):
+            pts = [r for r in rows if r["mode"] == mode]
+            ax.plot([r["batch"] for r in pts], [r["host_us_per_request_step"] for r in pts],
+                    "o-", color=color, label=mode)
+        ax.axhline(10, color="grey", ls=":", lw=1, label="target (async, batch 256)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("decoding requests")
+        ax.set_ylabel("host µs per request per step")
+        ax.set_title(f"host work per step (tiny model); embedded model async/sync tokens/s "
+                     f"{emb['async_ratio']:.2f}x", fontsize=9)
+        ax.legend(fontsize=8)
+
+    report.write(args.out, data, plot)
+    tl_out = args.out.with_name(args.out.stem + "_timeline.json")
+    report.write(tl_out, {"timeline": tl}, lambda ax: plot_timeline(
+        ax, tl, "4 overlapped decode steps, embedded SmolLM2, 16 requests (XLA:CPU)"))
+    tl_out.unlink()  # the JSON is in OUT already; only the plot is kept
+    report.print_table("host µs per step", [
+        (f"{r['mode']} batch {r['batch']}",
+         f"{r['host_us_per_step']} µs/step, {r['host_us_per_request_step']} µs/request")
+        for r in rows])
+    report.print_table("embedded model", list(emb.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""The persistent batch packs exactly what pack_step builds from scratch, step after step, over
+random scheduler workloads: chunked prefill, preemption, aborts, prefix hits, penalties, seeds,
+and the async loop's placeholders."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "core"))
+from core_sim import Sim, make_request, make_scheduler  # noqa: E402
+
+from jpaged.runner.batch import BucketPlan, pack_step  # noqa: E402
+from jpaged.runner.input_batch import InputBatch  # noqa: E402
+
+VOCAB = 1000
+
+
+class PackingSim(Sim):
+    """Sim that packs every scheduled step both ways and compares the arrays."""
+
+    def __init__(self, sched, async_scheduling: bool) -> None:
+        super().__init__(sched, async_scheduling)
+        cfg = sched.scheduler_config
+        self.plan = BucketPlan(cfg.max_num_seqs, cfg.max_num_batched_tokens, cfg.max_model_len,
+                               sched.block_size)
+        self.batch = InputBatch(self.plan, sched.block_size, VOCAB, default_seed=5)
+        self.prev_rows: dict[str, int] = {}
+        self.packed = 0
+        inner = sched.schedule
+
+        def schedule():
+            out = inner()
+            self._pack(out)
+            return out
+
+        sched.schedule = schedule
+
+    def _pack(self, out) -> None:
+        self.batch.remove(out.finished_request_ids)
+        self.batch.remove(out.preempted)
+        if not out.scheduled:
+            return
+        got = self.batch.pack(out.scheduled, self.prev_rows)
+        want = pack_step(out.scheduled, self.plan, self.sched.block_size, VOCAB, 5,
+                         self.prev_rows)
+        assert (got.num_seqs, got.num_tokens, got.flags) == (want.num_seqs, want.num_tokens,
+                                                             want.flags)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
+                                jax.tree_util.tree_leaves(want.batch), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, path
+            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+        assert self.batch.num_rows <= len(self.sched.requests)
+        self.prev_rows = {s.request.request_id: i for i, s in enumerate(out.scheduled)
+                          if s.sample}
+        self.packed += 1
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_persistent_batch_packs_like_pack_step(seed):
+    rng = random.Random(seed)
+    async_scheduling = seed % 2 == 1
+    s = make_scheduler([18, 18, 24, 24, 60, 60][seed], block_size=4, max_num_seqs=6,
+                       max_num_batched_tokens=rng.choice([8, 24, 64]), max_model_len=64)
+    sim = PackingSim(s, async_scheduling)
+    pending = []
+    for i in range(14):
+        prompt = [rng.randrange(900) for _ in range(rng.randint(1, 30))]
+        if i % 3 == 0:
+            prompt = list(range(20)) + prompt  # a shared prefix: cache hits
+        sp = {}
+        if i % 4 == 1:
+            sp = dict(temperature=0.7, seed=i, repetition_penalty=1.2, frequency_penalty=0.1)
+        elif i % 4 == 2:
+            sp = dict(temperature=1.0, top_k=5, top_p=0.8, min_p=0.1)
+        pending.append((rng.randint(0, 10), make_request(f"q{i}", prompt, rng.randint(1, 12),
+                                                         priority=rng.randint(0, 1), **sp)))
+    step = 0
+    while pending or s.has_unfinished_requests():
+        for _, req in [p for p in pending if p[0] <= step]:
+            s.add_request(req)
+        pending = [p for p in pending if p[0] > step]
+        if step == 6:
+            s.abort_requests([r for r in list(s.requests)[:1]])
+        if s.has_unfinished_requests():
+            sim.step()
+        step += 1
+        assert step < 1000
+    sim.assert_drained()
+    assert sim.packed > 5
+    if seed < 2:  # the smallest pool: requests are preempted and come back with new tables
+        assert sim.events
+    sim.batch.remove(list(sim.batch.row_of))  # what the next schedule would report
+    assert sim.batch.num_rows == 0
