@@ -290,33 +290,44 @@ class LLMEngine:
                     rows[rid] = i
         updated = self.scheduler.update_from_output(out, sampled)
         now = time.monotonic()
-        touched: dict[str, None] = {}
-        decode = functools.partial(self.tokenizer.decode, skip_special_tokens=False)
+        outputs: list[RequestOutput] = []
+        multi: dict[str, RequestGroup] = {}  # n > 1: one output once all children are updated
+        groups, child_of, tokenizer = self._groups, self._child_of, self.tokenizer
+        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
         for req in updated:  # only these got a token: dropped ones get no logprobs either
-            key = self._child_of.get(req.request_id)
+            key = child_of.get(req.request_id)
             if key is None:
                 continue
-            group = self._groups[key[0]]
+            group = groups[key[0]]
             child = group.children[key[1]]
             if group.first_token_time is None:
                 group.first_token_time = now
             row = rows[req.request_id]
-            record_logprobs(group, child, ids[row], lps[row], row, result, decode)
-            update_child(group, child, self.tokenizer, self._stop_request)
-            touched[group.request_id] = None
-        outputs = []
-        for rid in touched:
-            group = self._groups[rid]
-            ro = make_output(group)
-            if ro is not None:
-                outputs.append(ro)
-            if group.finished:
-                del self._groups[rid]
-                for c in group.children:
-                    self._child_of.pop(c.request.request_id, None)
-                self.stats["num_requests_finished"] += 1
+            if child.logprobs is None:
+                child.cumulative_logprob += lps[row]
+            else:
+                record_logprobs(group, child, ids[row], lps[row], row, result, decode)
+            update_child(group, child, tokenizer, self._stop_request)
+            if len(group.children) == 1:
+                self._emit(group, outputs)
+            else:
+                multi[group.request_id] = group
+        for group in multi.values():
+            self._emit(group, outputs)
         self.stat_logger.on_step(updated, now)
         return outputs
+
+    def _emit(self, group: RequestGroup, outputs: list[RequestOutput]) -> None:
+        """Append the group's output of this step; forget the group once it is finished."""
+        finished = group.finished
+        ro = make_output(group, finished)
+        if ro is not None:
+            outputs.append(ro)
+        if finished:
+            del self._groups[group.request_id]
+            for c in group.children:
+                self._child_of.pop(c.request.request_id, None)
+            self.stats["num_requests_finished"] += 1
 
     def _stop_request(self, request_id: str) -> None:
         self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)

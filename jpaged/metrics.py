@@ -12,7 +12,6 @@ import logging
 import math
 import re
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -105,6 +104,21 @@ def describe_metric(key: str) -> tuple[str, str, str]:
     return name, "gauge", f"Engine metric {key}."
 
 
+def _observe_many(hist: Any, value: float, count: int) -> None:
+    """`hist.observe(value)` `count` times, as one update where prometheus_client allows."""
+    bounds, buckets, total = (getattr(hist, a, None) for a in ("_upper_bounds", "_buckets",
+                                                                 "_sum"))
+    if bounds is None or buckets is None or total is None or count == 1:
+        for _ in range(count):
+            hist.observe(value)
+        return
+    total.inc(value * count)
+    for i, bound in enumerate(bounds):
+        if value <= bound:
+            buckets[i].inc(count)
+            break
+
+
 class StatLogger:
     """Request timing histograms and the periodic "Avg prompt throughput ..." log line."""
 
@@ -117,8 +131,6 @@ class StatLogger:
         self.metrics_fn = metrics_fn
         self.interval = float(interval)
         self.log_enabled = log
-        # Request -> time its latest token was sampled. Weak keys: aborted requests vanish.
-        self._last_token: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
         # Unregistered metrics (registry=None): each server app's registry collects them.
         self.time_to_first_token = Histogram(
             f"{PREFIX}time_to_first_token_seconds", "Time to first token per sequence.",
@@ -143,18 +155,21 @@ class StatLogger:
 
     def on_step(self, updated: Iterable[Any], now: float) -> None:
         """Record one engine step: `updated` requests each got one token at time `now`."""
+        # Requests of one step mostly share the time of their previous token: one histogram
+        # update per distinct gap rather than per request (this runs per request per step).
+        gaps: dict[float, int] = {}
         for req in updated:
-            prev = self._last_token.get(req)
+            prev = req.last_token_time  # a Request field this logger owns
             if prev is None:
                 self.time_to_first_token.observe(max(0.0, now - req.arrival_time))
             else:
-                self.inter_token_latency.observe(max(0.0, now - prev))
+                gaps[prev] = gaps.get(prev, 0) + 1
             if req.is_finished():
-                self._last_token.pop(req, None)
                 self.e2e_request_latency.observe(max(0.0, now - req.arrival_time))
                 self.request_success.labels(req.finish_reason or "unknown").inc()
-            else:
-                self._last_token[req] = now
+            req.last_token_time = now
+        for prev, count in gaps.items():
+            _observe_many(self.inter_token_latency, max(0.0, now - prev), count)
         if self.log_enabled and now - self._last_log >= self.interval:
             self.log(now)
 

@@ -13,7 +13,7 @@ from jpaged.request import Request
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
-@dataclass
+@dataclass(slots=True)
 class ChildState:
     """Output state of one sequence (a child of a request with n > 1)."""
 
@@ -30,7 +30,7 @@ class ChildState:
     stop_checked_len: int = 0  # chars of `text` already searched for stop strings
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestGroup:
     """A user request: its prompt, parameters and n children."""
 
@@ -45,11 +45,15 @@ class RequestGroup:
     # longest stop string.
     needs_text: bool = field(init=False)
     max_stop_len: int = field(init=False)
+    # Characters a running request's shown text holds back: the start of a stop string that
+    # may complete in a later step would otherwise be shown and then cut (vLLM's stop buffer).
+    stop_hold: int = field(init=False)
 
     def __post_init__(self) -> None:
         p = self.params
         self.needs_text = bool(p.stop) or p.output_kind != RequestOutputKind.FINAL_ONLY
         self.max_stop_len = max(map(len, p.stop)) if p.stop else 0
+        self.stop_hold = 0 if p.include_stop_str_in_output else max(0, self.max_stop_len - 1)
 
     @property
     def finished(self) -> bool:
@@ -83,13 +87,14 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     p = group.params
     finished = req.is_finished()
     if finished or group.needs_text:
-        if child.detok is None:
-            child.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
+        detok = child.detok
+        if detok is None:
+            detok = child.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
         if child.finish_reason is None:  # a stop string may have cut the text already
-            child.detok.update(req.output_token_ids, final=finished)
-            child.text = child.detok.text
+            detok.update(req.output_token_ids, final=finished)
+            child.text = detok.text
     if not finished:
-        if p.stop:
+        if group.max_stop_len:
             _check_stop_strings(child, group, stop_request)
     elif child.finish_reason is None:
         child.finish_reason = req.finish_reason
@@ -124,32 +129,44 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
     child.stop_reason = s
 
 
-def make_output(group: RequestGroup) -> RequestOutput | None:
-    """The RequestOutput for this step (None while a FINAL_ONLY request runs)."""
+_DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
+    """The RequestOutput for this step (None while a FINAL_ONLY request runs).
+
+    `finished`: group.finished, which the caller has at hand.
+    """
     kind = group.params.output_kind
-    if kind is RequestOutputKind.FINAL_ONLY and not group.finished:
+    if kind is _FINAL_ONLY and not finished:
         return None
+    hold = group.stop_hold
     outs = []
     for c in group.children:
         out_ids = c.request.output_token_ids
         text = c.text
         lps = c.logprobs
-        if kind is RequestOutputKind.DELTA:
-            # Hold back a trailing partial UTF-8 character until it completes.
-            safe = len(text) if c.finish_reason or not text.endswith("\ufffd") else len(
-                text.rstrip("\ufffd"))
-            text, c.sent_text_len = text[c.sent_text_len:safe], max(c.sent_text_len, safe)
+        # The detokenizer never leaves a half-made character in `text` (a U+FFFD there is in
+        # the full decode too); only a possible stop-string start is held back.
+        end = len(text)
+        if hold and c.finish_reason is None:
+            end = max(c.sent_text_len, end - hold)
+        if kind is _DELTA:
+            text, c.sent_text_len = text[c.sent_text_len:end], end
             ids, c.sent_tokens = out_ids[c.sent_tokens:], len(out_ids)  # only the new ones
-            lps = lps[len(lps) - len(ids):] if lps is not None else None
+            if lps is not None:
+                lps = lps[len(lps) - len(ids):]
         else:
+            if end < len(text):
+                text = text[:end]
             ids = list(out_ids)
-            c.sent_text_len = len(text)
-        outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob,
-                                     list(lps) if lps is not None else None,
+            c.sent_text_len = end
+            if lps is not None:
+                lps = list(lps)
+        outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps,
                                      c.finish_reason, c.stop_reason))
     metrics = {"arrival_time": group.arrival_time}
     if group.first_token_time is not None:
         metrics["first_token_time"] = group.first_token_time
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                         group.finished, metrics,
-                         num_cached_tokens=group.children[0].request.num_cached_tokens)
+                         finished, metrics, group.children[0].request.num_cached_tokens)

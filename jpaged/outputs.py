@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
-@dataclass
+@dataclass(slots=True)
 class Logprob:
     """Log-probability of one candidate token, its rank, and its text."""
 
@@ -14,7 +14,7 @@ class Logprob:
     decoded_token: str | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class CompletionOutput:
     """One completion of a request (a request with n > 1 has n of them)."""
 
@@ -31,7 +31,7 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
     """The state of one request after an engine step (cumulative unless asked for deltas)."""
 

@@ -61,6 +61,10 @@ class Request:
         self.cache_salt = cache_salt
         self.extra_keys = tuple(extra_keys)
         self.seq = next(_REQUEST_SEQ)
+        # Ordering keys, fixed at creation (priority and arrival never change): plain tuples
+        # so that sorting the running batch every step calls no Python per request.
+        self.sort_key: tuple[int, float, int] = (self.priority, self.arrival_time, self.seq)
+        self.fcfs_key: tuple[float, int] = (self.arrival_time, self.seq)
         self.output_token_ids: list[int] = []
         # prompt + outputs, appended in place so append_output_token is O(1).
         self._all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -72,6 +76,7 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        self.last_token_time: float | None = None  # when its latest token reached the host
         # Snapshot: SamplingParams.all_stop_token_ids builds a set on every call.
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.all_stop_token_ids)
         self.block_hashes: list[BlockHash] = []
@@ -147,11 +152,6 @@ class Request:
     def finish_reason(self) -> str | None:
         """"stop", "length" or "abort" once finished (as vLLM), else None."""
         return _FINISH_REASON.get(self.status)
-
-    @property
-    def sort_key(self) -> tuple[int, float, int]:
-        """Priority-scheduling order, lower first: (priority, arrival_time, creation counter)."""
-        return (self.priority, self.arrival_time, self.seq)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, status={self.status.name}, "

@@ -261,15 +261,16 @@ class KVCacheManager:
     def commit(self, request: Request) -> None:
         """After a step: cache the request's blocks made full by its computed tokens."""
         rid = request.request_id
-        table = self._tables.get(rid)
-        if table is None:
+        if rid in self._in_flight:
+            self._clear_in_flight(rid)
+        start = self._num_cached.get(rid)  # None: no table (caching off keeps it at 0)
+        if start is None or not self.enable_caching:
             return
-        self._clear_in_flight(rid)
-        if not self.enable_caching:
+        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        if end <= start:  # most calls (decodes inside a block) end here
             return
-        start = self._num_cached[rid]
-        end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes),
-                  len(table))
+        table = self._tables[rid]
+        end = min(end, len(table))
         if end > start:
             self.block_pool.cache_full_blocks(request.block_hashes, table, start, end)
             self._num_cached[rid] = end

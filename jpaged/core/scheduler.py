@@ -37,6 +37,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
+from operator import attrgetter
 
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.block_pool import KVCacheBlock
@@ -72,9 +73,9 @@ class _Step:
 
 def is_decoding(request: Request) -> bool:
     """True if the request has output and only its last sampled token lacks KV."""
-    ph = request.num_output_placeholders
-    return (request.num_output_tokens + ph > 0
-            and request.num_computed_tokens == request.num_tokens + ph - 1)
+    # num_tokens_with_placeholders - 1 == computed, and some output (known or on device).
+    n = request.num_tokens_with_placeholders
+    return request.num_computed_tokens == n - 1 and n > request.num_prompt_tokens
 
 
 def _finishes_by_length(request: Request, max_model_len: int) -> bool:
@@ -102,6 +103,8 @@ class Scheduler:
         self.block_size = cache_config.block_size
         self.max_model_len = scheduler_config.max_model_len
         self.policy = scheduler_config.scheduling_policy
+        # Request.sort_key: (priority, arrival, seq); fcfs_key: (arrival, seq). Lower first.
+        self._sort_key = attrgetter("fcfs_key" if self.policy == "fcfs" else "sort_key")
         self.enable_caching = cache_config.enable_prefix_caching
         algo = cache_config.prefix_caching_hash_algo
         self.swap = cache_config.preemption_mode == "swap"
@@ -198,7 +201,7 @@ class Scheduler:
     # -- scheduling ------------------------------------------------------------------------------
 
     def _key(self, r: Request) -> tuple:
-        return (r.arrival_time, r.seq) if self.policy == "fcfs" else r.sort_key
+        return r.fcfs_key if self.policy == "fcfs" else r.sort_key
 
     def _cap_prefill(self, n: int) -> int:
         cfg = self.scheduler_config
@@ -210,29 +213,31 @@ class Scheduler:
         self.num_steps += 1
         self.kv_cache_manager.begin_step()
         budget = self.scheduler_config.max_num_batched_tokens
-        if self.token_buckets is not None and self.scheduler_config.enable_chunked_prefill:
-            budget = self._fitted_budget(budget)
-        st = _Step(budget, len(self.running))
-        self.running.sort(key=self._key)
+        self.running.sort(key=self._sort_key)
         decodes: list[Request] = []
         prompts: list[Request] = []
         for r in self.running:
             (decodes if is_decoding(r) else prompts).append(r)
+        if self.token_buckets is not None and self.scheduler_config.enable_chunked_prefill:
+            budget = self._fitted_budget(budget, len(decodes), prompts)
+        st = _Step(budget, len(self.running))
         st.victims = [prompts, decodes]
         st.tails = [len(prompts) - 1, len(decodes) - 1]
 
+        kv = self.kv_cache_manager
         for req in chain(decodes, prompts):
             if st.budget <= 0:
                 break
             if req.status is not RUNNING:
                 continue  # preempted earlier in this step
-            if _finishes_by_length(req, self.max_model_len):
+            if req.num_output_placeholders and _finishes_by_length(req, self.max_model_len):
                 continue  # async: its last token (on device) ends it; computing more is waste
             num_new = req.num_tokens_with_placeholders - req.num_computed_tokens
             if num_new > 1:
                 num_new = self._cap_prefill(num_new)
             num_new = min(num_new, st.budget)
-            if self._allocate(req, num_new, st):
+            # First try without preempting (None changes nothing); then the preempting loop.
+            if kv.allocate_slots(req, num_new) is not None or self._allocate(req, num_new, st):
                 self._add_scheduled(req, num_new, st)
             elif st.stall_priority is None or req.priority < st.stall_priority:
                 st.stall_priority = req.priority  # it keeps its blocks, retries next step
@@ -254,12 +259,11 @@ class Scheduler:
                               len(self.waiting))
         return out
 
-    def _fitted_budget(self, budget: int) -> int:
+    def _fitted_budget(self, budget: int, num_decodes: int, prompts: Sequence[Request]) -> int:
         """This step's budget cut so the step fills a token bucket (see token_budget.py)."""
-        num_decodes = sum(map(is_decoding, self.running))
         demand = num_decodes + sum(
             self._cap_prefill(r.num_tokens_with_placeholders - r.num_computed_tokens)
-            for r in self.running if not is_decoding(r))
+            for r in prompts)
         # Plus the waiting requests that could join, in queue order, prefix cache ignored (an
         # over-estimate only makes fitting rarer).
         room = self.scheduler_config.max_num_seqs - len(self.running)
@@ -327,12 +331,13 @@ class Scheduler:
     def _add_scheduled(self, req: Request, num_new: int, st: _Step) -> None:
         start = req.num_computed_tokens
         end = start + num_new
-        ids = req.all_token_ids[start:end]
-        if end > req.num_tokens:  # the token still on device: the runner feeds it there
-            ids.extend([PLACEHOLDER_TOKEN] * (end - req.num_tokens))
+        known = req.all_token_ids
+        ids = known[start:end]
+        if end > len(known):  # the token still on device: the runner feeds it there
+            ids.extend([PLACEHOLDER_TOKEN] * (end - len(known)))
         st.scheduled[req.request_id] = ScheduledRequest(
             req, start, num_new, ids, self.kv_cache_manager.get_block_ids(req.request_id),
-            end == req.num_tokens_with_placeholders)
+            end == len(known) + req.num_output_placeholders)
         st.budget -= num_new
 
     def _admit(self, st: _Step) -> None:

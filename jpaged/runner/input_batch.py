@@ -100,17 +100,11 @@ class InputBatch:
         bs = self.block_size
         row_of, nblocks, tables = self.row_of, self._nblocks, self.tables
         rows: list[int] = []
-        starts: list[int] = []
-        lens: list[int] = []
-        counters: list[int] = []
-        last_ids: list[int] = []
-        feed: list[tuple[int, int]] = []
-        for i, s in enumerate(scheduled):
-            req = s.request
-            rid = req.request_id
+        for s in scheduled:  # the only per-request loop with branches: rows and new blocks
+            rid = s.request.request_id
             row = row_of.get(rid)
             if row is None:
-                row = self._add(req)
+                row = self._add(s.request)
                 tables = self.tables  # _add may have grown it
             ids = s.block_ids
             have = nblocks[row]
@@ -118,16 +112,20 @@ class InputBatch:
                 tables[row, have:len(ids)] = ids[have:]
                 nblocks[row] = len(ids)
             rows.append(row)
-            starts.append(s.start_pos)
-            lens.append(s.num_tokens)
-            counters.append(req.num_output_tokens + req.num_output_placeholders)
-            last = s.token_ids[-1]
-            if last == PLACEHOLDER_TOKEN:
-                if prev_rows is None or rid not in prev_rows:
-                    raise ValueError(f"request {rid!r}: a token on device but no row of the "
-                                     "previous step holds it")
-                feed.append((i, prev_rows[rid]))
-            last_ids.append(last)
+        starts = [s.start_pos for s in scheduled]
+        lens = [s.num_tokens for s in scheduled]
+        counters = [s.request.num_output_tokens + s.request.num_output_placeholders
+                    for s in scheduled]
+        last_ids = [s.token_ids[-1] for s in scheduled]
+        feed: list[tuple[int, int]] = []
+        if PLACEHOLDER_TOKEN in last_ids:
+            for i, s in enumerate(scheduled):
+                if last_ids[i] == PLACEHOLDER_TOKEN:
+                    rid = s.request.request_id
+                    if prev_rows is None or rid not in prev_rows:
+                        raise ValueError(f"request {rid!r}: a token on device but no row of "
+                                         "the previous step holds it")
+                    feed.append((i, prev_rows[rid]))
         num_tokens = sum(lens)
         t_pad, b_pad = self.plan.pick(num_tokens, n)
         mb = self.plan.max_blocks

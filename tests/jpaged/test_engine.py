@@ -108,6 +108,34 @@ def test_stop_strings_that_straddle_steps_end_exactly_there(llm):
     assert _free(llm)
 
 
+def test_streamed_text_never_shows_a_stop_string_start_that_is_cut(llm):
+    """While a stop string may still complete, its first characters are held back: every
+    cumulative text is a prefix of the final one and the deltas add up to it exactly."""
+    base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ref = llm.generate({"prompt_token_ids": [3, 1, 4]}, base)[0].outputs[0]
+    text = ref.text
+    starts = [k for k in range(3, len(text) - 8) if "\ufffd" not in text[k:k + 3]
+              and text[k:k + 3].strip() and text.index(text[k:k + 3]) == k]
+    assert starts, text
+    engine = llm.llm_engine
+    for k in starts[:: max(1, len(starts) // 4)]:
+        needle = text[k:k + 3]
+        shown = {}
+        for kind in (RequestOutputKind.DELTA, RequestOutputKind.CUMULATIVE):
+            engine.add_request(f"hold-{k}-{kind.name}", {"prompt_token_ids": [3, 1, 4]},
+                               base.clone(stop=[needle], output_kind=kind))
+            shown[kind] = []
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                shown[RequestOutputKind[out.request_id.split("-")[2]]].append(
+                    out.outputs[0].text)
+        engine.step()
+        assert "".join(shown[RequestOutputKind.DELTA]) == text[:k]
+        assert all(text[:k].startswith(t) for t in shown[RequestOutputKind.CUMULATIVE])
+        assert shown[RequestOutputKind.CUMULATIVE][-1] == text[:k]
+    assert _free(llm)
+
+
 def test_logprobs_top_n(llm):
     p = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
     c = llm.generate({"prompt_token_ids": [4, 5]}, p)[0].outputs[0]

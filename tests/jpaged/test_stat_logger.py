@@ -94,3 +94,20 @@ def test_every_numeric_engine_metric_is_exported():
     assert fams["jpaged:bytes_moved"][0] == "counter"
     assert fams["jpaged:weird_key_1"][1] == {("jpaged:weird_key_1", ()): 2.5}
     assert not any("model" in k or "nothing" in k or "name" in k for k in fams)
+
+
+def test_gaps_shared_by_a_batch_count_once_per_token():
+    reqs = [Request(f"r{i}", [1], SamplingParams(max_tokens=9), arrival_time=0.0)
+            for i in range(3)]
+    sl = StatLogger(dict, log=False, start=0.0)
+    sl.on_step(reqs, 1.0)  # three first tokens
+    sl.on_step(reqs, 1.03)  # three gaps of 0.03 (one bucket update for the three)
+    sl.on_step(reqs[:1], 1.2)  # one gap of 0.17
+    fams = _scrape(build_registry(dict, sl))
+    _, itl = fams["jpaged:inter_token_latency_seconds"]
+    name = "jpaged:inter_token_latency_seconds"
+    assert itl[(f"{name}_count", ())] == 4
+    assert itl[(f"{name}_sum", ())] == pytest.approx(3 * 0.03 + 0.17)
+    assert itl[(f"{name}_bucket", (("le", "0.025"),))] == 0
+    assert itl[(f"{name}_bucket", (("le", "0.05"),))] == 3
+    assert itl[(f"{name}_bucket", (("le", "0.2"),))] == 4

@@ -1,0 +1,35 @@
+"""The host benchmark's pieces on tiny shapes: rows with their keys, both loops agree, and a
+timeline with host phases and device spans (numbers are not asserted: no timing in tests)."""
+
+from __future__ import annotations
+
+from helpers import tiny
+
+from jpaged.bench.host import embedded_rows, host_engine, host_model, measure_host, timeline
+
+
+def test_host_rows_and_timeline():
+    loaded = host_model()
+    for mode in ("sync", "async"):
+        engine = host_engine(loaded, mode == "async", 4)
+        row = measure_host(engine, 4, steps=3)
+        assert row["mode"] == mode and row["batch"] == 4
+        assert row["host_us_per_step"] > 0 and row["host_us_per_request_step"] > 0
+        assert row["outputs_per_step"] == 4  # every request streams a delta every step
+        assert not engine.has_unfinished_requests()
+        m = engine.get_metrics()
+        assert m["num_blocks_free"] == m["num_blocks_total"]
+    events = timeline(engine, batch=4, steps=3)
+    names = {e["name"] for e in events if e["lane"] == "host"}
+    assert names == {"schedule", "pack + dispatch", "wait for tokens", "process outputs"}
+    device = [e for e in events if e["lane"] == "device"]
+    assert len(device) >= 3 and all(e["t1"] >= e["t0"] >= 0 for e in events)
+    # The wrappers are gone again.
+    assert "schedule" not in engine.scheduler.__dict__ and "_process" not in engine.__dict__
+
+
+def test_embedded_rows_compare_both_loops():
+    res = embedded_rows(num_prompts=3, max_tokens=4, loaded=tiny(), rounds=1)
+    assert res["outputs_identical"] is True
+    assert res["tokens_per_s_sync"] > 0 and res["tokens_per_s_async"] > 0
+    assert res["async_ratio"] > 0
