@@ -3,8 +3,9 @@
     python scripts/bench_host.py [--quick] [--out docs/bench/host.json]
 
 Writes `rows` (batch, mode, host_us_per_step, host_us_per_request_step), `embedded`
-(tokens_per_s_sync, tokens_per_s_async, async_ratio, outputs_identical) and `timeline` (the
-host phases and device spans of a few overlapped steps of the embedded model), plus two plots:
+(tokens_per_s_sync, tokens_per_s_async, async_ratio, outputs_identical) and `timelines` (the
+host phases and device spans of a few overlapped steps of the embedded model, device-bound,
+and of the tiny model at batch 256, host-bound), plus two plots:
 OUT.png (host µs per request per step) and OUT_timeline.png. Host µs are the engine thread's
 CPU time per `step()` (`time.thread_time`): waiting for the device is not counted.
 """
@@ -24,6 +25,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
 from jpaged.bench import report  # noqa: E402
 from jpaged.bench.host import (  # noqa: E402
     embedded_rows,
+    host_engine,
+    host_model,
     host_rows,
     plot_timeline,
     timeline,
@@ -49,9 +52,11 @@ def main() -> None:
     tl_engine = LLMEngine(EngineArgs(max_num_seqs=16, max_model_len=512,
                                      kv_cache_memory_bytes=256 * 2**20, disable_log_stats=True),
                           loaded=loaded)
-    tl = timeline(tl_engine, batch=16, steps=4)
+    timelines = {"embedded SmolLM2, 16 requests": timeline(tl_engine, batch=16, steps=4),
+                 "tiny model, 256 requests": timeline(host_engine(host_model(), True, 256),
+                                                      batch=256, steps=4)}
     data = {"quick": args.quick, "steps": steps, "rows": rows, "embedded": emb,
-            "timeline": tl, "timeline_setup": "embedded SmolLM2, async scheduling, 16 decoding"}
+            "timelines": timelines}
 
     def plot(ax):
         for mode, color in (("sync", "#e08a2c"), ("async", "#2a7ab9")):
@@ -68,15 +73,27 @@ def main() -> None:
         ax.legend(fontsize=8)
 
     report.write(args.out, data, plot)
-    tl_out = args.out.with_name(args.out.stem + "_timeline.json")
-    report.write(tl_out, {"timeline": tl}, lambda ax: plot_timeline(
-        ax, tl, "4 overlapped decode steps, embedded SmolLM2, 16 requests (XLA:CPU)"))
-    tl_out.unlink()  # the JSON is in OUT already; only the plot is kept
+    plot_timelines(args.out.with_name(args.out.stem + "_timeline.png"), timelines)
     report.print_table("host µs per step", [
         (f"{r['mode']} batch {r['batch']}",
          f"{r['host_us_per_step']} µs/step, {r['host_us_per_request_step']} µs/request")
         for r in rows])
     report.print_table("embedded model", list(emb.items()))
+
+
+def plot_timelines(out: Path, timelines: dict) -> None:
+    """One panel per timeline: host phases above device spans."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(7, 2.6 * len(timelines)))
+    for ax, (title, events) in zip(axes, timelines.items(), strict=True):
+        plot_timeline(ax, events, f"4 overlapped decode steps: {title} (XLA:CPU)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 if __name__ == "__main__":

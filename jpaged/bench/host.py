@@ -249,4 +249,4 @@ def plot_timeline(ax: Any, events: list[dict[str, Any]], title: str) -> None:
     ax.set_yticks([0, 1], ["device", "host"])
     ax.set_xlabel("ms")
     ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncol=3)

@@ -106,10 +106,13 @@ class ModelRunner:
         """Shape and dtype of the last-token buffer (for lowering the step abstractly)."""
         return jax.ShapeDtypeStruct((self.num_rows,), jnp.int32)
 
+    def _new_buffer(self) -> jax.Array:
+        x = jnp.zeros(self.num_rows, jnp.int32)
+        return x if self.parallel is None else self.parallel.replicate(x)
+
     def _buffer(self) -> jax.Array:
         if self.last_tokens is None:
-            x = jnp.zeros(self.num_rows, jnp.int32)
-            self.last_tokens = x if self.parallel is None else self.parallel.replicate(x)
+            self.last_tokens = self._new_buffer()
         return self.last_tokens
 
     def _step(self, params: Any, kv: KVCache, batch: StepBatch, last_tokens: jax.Array,
@@ -168,14 +171,15 @@ class ModelRunner:
 
     def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
         """Compile the step for every bucket shape (or the given ones); returns the count."""
+        # A scratch token buffer: a step in flight (async scheduling) keeps its tokens.
+        scratch = self._new_buffer()
         for t, b in shapes if shapes is not None else self.plan.all_shapes():
             packed = empty_step(self.plan, t, b, self.vocab_size)
             # calc_scales passed as execute() passes it: the kwargs are part of the cache key.
-            outs, self.kv, self.last_tokens = self._jit_step(
-                self.params, self.kv, packed.batch, self._buffer(), flags=packed.flags,
+            outs, self.kv, scratch = self._jit_step(
+                self.params, self.kv, packed.batch, scratch, flags=packed.flags,
                 calc_scales=False)
             jax.block_until_ready(outs)
-        self._prev_rows = {}  # the buffer now holds padding rows' tokens
         return self.num_compiled
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:

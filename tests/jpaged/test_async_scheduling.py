@@ -189,3 +189,26 @@ def test_no_token_computed_past_max_tokens(engines):
         del e.runner.dispatch
     assert all(len(o.outputs[0].token_ids) == 7 for o in final.values())
     assert sum(rows) == 28
+
+
+def test_warmup_while_a_step_is_in_flight(engines):
+    # warmup() compiles with a scratch token buffer: the step in flight keeps its tokens.
+    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = _prompts(7, 3)
+    ref, _ = _run(engines["sync"], [(p, sp) for p in prompts])
+    e = engines["async"]
+    for i, p in enumerate(prompts):
+        e.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
+    final = {}
+    for k in range(200):
+        if k == 4:
+            assert e._in_flight is not None
+            e.runner.warmup([(1, 1), (4, 4)])
+        for out in e.step():
+            if out.finished:
+                final[out.request_id] = out
+        if not e.has_unfinished_requests():
+            break
+    e.step()
+    assert _tokens(final) == _tokens(ref)
+    _assert_idle(e)
