@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jpaged.config import EngineArgs, EngineConfig
-from jpaged.runner.batch import BucketPlan, empty_step
+from jpaged.runner.batch import BucketPlan, empty_step, flatten_step
 from jpaged.runner.kv_cache import KVCache, kv_dtype, storage_dtype
 from jpaged.runner.kv_transfer import _gather_impl, _scatter_impl
 from jpaged.runner.memory_probe import abstract_kv
@@ -189,7 +189,8 @@ class StepBuilder:
         lowering context for abstract GPUs)."""
         r = self.runner
         batch = jax.tree.map(self._step_input,
-                             empty_step(self.plan, tokens, seqs, self.spec.vocab_size).batch)
+                             flatten_step(empty_step(self.plan, tokens, seqs,
+                                                     self.spec.vocab_size).batch))
         return r._jit_step.trace(r.params, r.kv, batch, self._step_input(r.last_tokens_spec()),
                                  flags=SamplingFlags(), calc_scales=False).lower(
             lowering_platforms=(self.platform,))

@@ -413,8 +413,9 @@ class Scheduler:
         if output.advanced:
             raise ValueError("update_after_schedule called twice for one step")
         output.advanced = True
+        advance = self._advance
         for sr in output.scheduled:
-            self._advance(sr)
+            advance(sr)
             if sr.sample:
                 sr.request.num_output_placeholders += 1
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -200,3 +200,60 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
                       feed_rows, sampling)
     flags = SamplingFlags(use_penalties=use_pen)
     return PackedStep(batch, flags, n, num_tokens)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class FlatStep:
+    """A StepBatch as two host buffers (int32 and float32) plus its static shape.
+
+    The jitted step takes this and slices the fields back out on device: two host-to-device
+    copies per step instead of one per field (twenty), which is what a step's dispatch costs
+    on a GPU. Layout (row-major, in this order): ints = input_ids[T], positions[T],
+    slot_mapping[T], query_start_loc[B+1], seq_lens[B], logits_indices[B], feed_rows[B],
+    top_k[B], seeds[B] (uint32 bits), counters[B], block_tables[B*M], history[B*H],
+    history_is_output[B*H] (0/1); floats = temperature, top_p, min_p, repetition, presence,
+    frequency penalties, [B] each.
+    """
+
+    ints: Int[Array, " N"]
+    floats: Array
+    num_tokens: int = field(metadata={"static": True})
+    num_seqs: int = field(metadata={"static": True})
+    max_blocks: int = field(metadata={"static": True})
+    history_len: int = field(metadata={"static": True})
+
+
+def flatten_step(batch: StepBatch) -> FlatStep:
+    """The two host buffers of a (numpy) StepBatch."""
+    s = batch.sampling
+    t, (b, m), h = batch.input_ids.shape[0], batch.block_tables.shape, s.history.shape[1]
+    ints = np.concatenate([
+        batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
+        batch.seq_lens, batch.logits_indices, batch.feed_rows, s.top_k,
+        np.asarray(s.seeds, np.uint32).view(np.int32), s.counters,
+        batch.block_tables.reshape(-1), s.history.reshape(-1),
+        s.history_is_output.reshape(-1)], dtype=np.int32)
+    floats = np.concatenate([s.temperature, s.top_p, s.min_p, s.repetition_penalty,
+                             s.presence_penalty, s.frequency_penalty], dtype=np.float32)
+    return FlatStep(ints, floats, t, b, m, h)
+
+
+def unflatten_step(flat: FlatStep) -> StepBatch:
+    """The StepBatch of a FlatStep (inside the jitted step: static slices)."""
+    import jax.numpy as jnp
+
+    t, b, m, h = flat.num_tokens, flat.num_seqs, flat.max_blocks, flat.history_len
+    sizes = [t, t, t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h]
+    parts, off = [], 0
+    for n in sizes:
+        parts.append(flat.ints[off:off + n])
+        off += n
+    (ids, pos, slots, qsl, lens, logits_idx, feed, top_k, seeds, counters, tables, hist,
+     is_out) = parts
+    f = flat.floats.reshape(6, b)
+    sampling = SamplingBatch(f[0], top_k, f[1], f[2],
+                             jax.lax.bitcast_convert_type(seeds, jnp.uint32), counters,
+                             f[3], f[4], f[5], hist.reshape(b, h), is_out.reshape(b, h) != 0)
+    return StepBatch(ids, pos, slots, qsl, lens, tables.reshape(b, m), logits_idx, feed,
+                     sampling)

@@ -117,15 +117,19 @@ class InputBatch:
         counters = [s.request.num_output_tokens + s.request.num_output_placeholders
                     for s in scheduled]
         last_ids = [s.token_ids[-1] for s in scheduled]
-        feed: list[tuple[int, int]] = []
-        if PLACEHOLDER_TOKEN in last_ids:
-            for i, s in enumerate(scheduled):
-                if last_ids[i] == PLACEHOLDER_TOKEN:
-                    rid = s.request.request_id
-                    if prev_rows is None or rid not in prev_rows:
-                        raise ValueError(f"request {rid!r}: a token on device but no row of "
-                                         "the previous step holds it")
-                    feed.append((i, prev_rows[rid]))
+        # Sequences whose last token is still on device: read from the previous step's rows.
+        fed = np.flatnonzero(np.asarray(last_ids) == PLACEHOLDER_TOKEN)
+        fed_from: list[int] = []
+        if len(fed):
+            try:
+                fed_from = [prev_rows[scheduled[i].request.request_id]  # type: ignore[index]
+                            for i in fed]
+            except (KeyError, TypeError):
+                bad = next(scheduled[i].request.request_id for i in fed
+                           if prev_rows is None or scheduled[i].request.request_id
+                           not in prev_rows)
+                raise ValueError(f"request {bad!r}: a token on device but no row of the "
+                                 "previous step holds it") from None
         num_tokens = sum(lens)
         t_pad, b_pad = self.plan.pick(num_tokens, n)
         mb = self.plan.max_blocks
@@ -161,9 +165,9 @@ class InputBatch:
         pos = positions[:num_tokens]
         slot_mapping[:num_tokens] = step_tables[seq_rows, pos // bs] * bs + pos % bs
         feed_rows = np.full(b_pad, -1, np.int32)
-        for i, prev in feed:
-            feed_rows[i] = prev
-            input_ids[logits_idx[i]] = 0
+        if len(fed):
+            feed_rows[fed] = fed_from
+            input_ids[logits_idx[fed]] = 0
 
         samp = self._sampling[r]  # [n, 7]
         temperature = np.zeros(b_pad, np.float32)

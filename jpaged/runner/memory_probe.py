@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.runner.batch import BucketPlan, empty_step
+from jpaged.runner.batch import BucketPlan, empty_step, flatten_step
 from jpaged.runner.kv_cache import KVCache, storage_dtype
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.sampler import SamplingFlags
@@ -60,7 +60,7 @@ def step_activation_bytes(model: nnx.Module, spec: ModelSpec, plan: BucketPlan, 
     kv = abstract_kv(spec, PROBE_BLOCKS, block_size, dtype)
     runner = ModelRunner(model, kv, plan, block_size, spec.vocab_size, ops)
     t, b = largest_shape(plan)
-    batch = jax.tree.map(_abstract, empty_step(plan, t, b, spec.vocab_size).batch)
+    batch = jax.tree.map(_abstract, flatten_step(empty_step(plan, t, b, spec.vocab_size).batch))
     params = jax.tree.map(_abstract, runner.params)
     compiled = runner._jit_step.lower(params, kv, batch, runner.last_tokens_spec(),
                                       flags=SamplingFlags()).compile()

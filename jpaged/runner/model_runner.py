@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.runner.batch import BucketPlan, StepBatch, empty_step
+from jpaged.runner.batch import BucketPlan, FlatStep, empty_step, flatten_step, unflatten_step
 from jpaged.runner.input_batch import InputBatch
 from jpaged.runner.kv_cache import KVCache, amax_scale
 from jpaged.runner.sampler import SamplingFlags, sample
@@ -115,8 +115,9 @@ class ModelRunner:
             self.last_tokens = self._new_buffer()
         return self.last_tokens
 
-    def _step(self, params: Any, kv: KVCache, batch: StepBatch, last_tokens: jax.Array,
+    def _step(self, params: Any, kv: KVCache, flat: FlatStep, last_tokens: jax.Array,
               flags: SamplingFlags, calc_scales: bool = False):
+        batch = unflatten_step(flat)  # two host buffers in, the step's fields sliced out here
         model = nnx.merge(self.graphdef, params)
         # Tokens sampled by the previous step (never seen by the host) enter here.
         fed = batch.feed_rows >= 0
@@ -177,7 +178,7 @@ class ModelRunner:
             packed = empty_step(self.plan, t, b, self.vocab_size)
             # calc_scales passed as execute() passes it: the kwargs are part of the cache key.
             outs, self.kv, scratch = self._jit_step(
-                self.params, self.kv, packed.batch, scratch, flags=packed.flags,
+                self.params, self.kv, flatten_step(packed.batch), scratch, flags=packed.flags,
                 calc_scales=False)
             jax.block_until_ready(outs)
         return self.num_compiled
@@ -198,7 +199,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
         outs, self.kv, self.last_tokens = self._jit_step(
-            self.params, self.kv, packed.batch, self._buffer(), flags=packed.flags,
+            self.params, self.kv, flatten_step(packed.batch), self._buffer(), flags=packed.flags,
             calc_scales=calc)
         if calc:
             logger.info("fp8 KV scales from the first batch: k=%s v=%s",

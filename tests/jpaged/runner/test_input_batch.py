@@ -15,7 +15,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "core"))
 from core_sim import Sim, make_request, make_scheduler  # noqa: E402
 
-from jpaged.runner.batch import BucketPlan, pack_step  # noqa: E402
+from jpaged.runner.batch import (  # noqa: E402
+    BucketPlan,
+    flatten_step,
+    pack_step,
+    unflatten_step,
+)
 from jpaged.runner.input_batch import InputBatch  # noqa: E402
 
 VOCAB = 1000
@@ -55,6 +60,12 @@ class PackingSim(Sim):
                                 jax.tree_util.tree_leaves(want.batch), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape, path
             np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+        # What the jitted step receives: two buffers that give the same fields back.
+        back = unflatten_step(flatten_step(got.batch))
+        for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(got.batch),
+                        strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape
+            np.testing.assert_array_equal(np.asarray(a), b)
         assert self.batch.num_rows <= len(self.sched.requests)
         self.prev_rows = {s.request.request_id: i for i, s in enumerate(out.scheduled)
                           if s.sample}
@@ -75,7 +86,9 @@ def test_persistent_batch_packs_like_pack_step(seed):
             prompt = list(range(20)) + prompt  # a shared prefix: cache hits
         sp = {}
         if i % 4 == 1:
-            sp = dict(temperature=0.7, seed=i, repetition_penalty=1.2, frequency_penalty=0.1)
+            # A seed past 2**31: its uint32 bits travel in the int32 buffer.
+            sp = dict(temperature=0.7, seed=2**32 - 1 - i, repetition_penalty=1.2,
+                      frequency_penalty=0.1)
         elif i % 4 == 2:
             sp = dict(temperature=1.0, top_k=5, top_p=0.8, min_p=0.1)
         pending.append((rng.randint(0, 10), make_request(f"q{i}", prompt, rng.randint(1, 12),

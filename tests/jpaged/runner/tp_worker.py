@@ -29,7 +29,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 from helpers import embedded, make_llm, tiny  # noqa: E402
 
 from jpaged import SamplingParams  # noqa: E402
-from jpaged.runner.batch import empty_step  # noqa: E402
+from jpaged.runner.batch import empty_step, flatten_step  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 TINY_PROMPTS = ["Hello there", "abc", "The quick brown fox jumps"]  # 11, 3, 25 byte tokens
@@ -60,7 +60,7 @@ def collectives(llm, t: int, b: int) -> dict:
     """Collective ops in the compiled (partitioned) step of one bucket shape."""
     r = llm.llm_engine.runner
     packed = empty_step(r.plan, t, b, r.vocab_size)
-    text = r._jit_step.lower(r.params, r.kv, packed.batch, r._buffer(),
+    text = r._jit_step.lower(r.params, r.kv, flatten_step(packed.batch), r._buffer(),
                              flags=packed.flags).compile().as_text()
     found: dict[str, list[str]] = {}
     for line in text.splitlines():
