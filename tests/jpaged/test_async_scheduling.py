@@ -62,10 +62,25 @@ def _assert_idle(engine):
     assert m["num_blocks_free"] == m["num_blocks_total"] and not engine.has_unfinished_requests()
 
 
+COUNTERS = ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries",
+            "prefix_cache_hits", "num_requests_finished")
+
+
 def _both(engines, work, **kw):
+    for e in engines.values():  # the same (empty) prefix cache for both
+        assert e.reset_prefix_cache()
+    before = {m: {k: e.get_metrics()[k] for k in COUNTERS} for m, e in engines.items()}
     res = {mode: _run(e, work, **kw) for mode, e in engines.items()}
     for e in engines.values():
         _assert_idle(e)
+    # The counters move alike (a dropped token is not generated; a fed decode is no prompt).
+    delta = {m: {k: e.get_metrics()[k] - before[m][k] for k in COUNTERS}
+             for m, e in engines.items()}
+    if kw.get("abort_at"):  # an abort at the same call finds one token fewer applied (async)
+        for d in delta.values():
+            d.pop("generation_tokens_total")
+    if not any(e.get_metrics()["num_preemptions"] for e in engines.values()):
+        assert delta["sync"] == delta["async"]
     return res["sync"], res["async"]
 
 
