@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/bench/host.json"))
     args = ap.parse_args()
     steps = 8 if args.quick else 24
-    rows = host_rows(BATCHES, steps)
+    rows = host_rows(BATCHES, steps, rounds=1 if args.quick else 3)
     loaded = load_model(None, dtype="float32")
     emb = embedded_rows(16, 16 if args.quick else 48, loaded, rounds=3 if args.quick else 5)
     from jpaged.config import EngineArgs

@@ -112,15 +112,29 @@ def measure_host(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> di
             "outputs_per_step": streamed / steps, "steps": steps}
 
 
-def host_rows(batches: tuple[int, ...], steps: int) -> list[dict[str, Any]]:
-    """measure_host for every batch, both loops (one engine per loop, reused)."""
+def host_rows(batches: tuple[int, ...], steps: int, rounds: int = 3) -> list[dict[str, Any]]:
+    """measure_host for every batch and both loops, the loops in turn `rounds` times.
+
+    The machine's speed drifts between minutes; alternating the two loops and keeping each
+    one's median round makes the comparison fair. One engine per loop, reused.
+    """
     loaded = host_model()
+    engines = {mode: host_engine(loaded, mode == "async", max(batches))
+               for mode in ("sync", "async")}
     rows = []
-    for mode in ("sync", "async"):
-        engine = host_engine(loaded, mode == "async", max(batches))
-        for b in batches:
-            measure_host(engine, b, 2, seed=99)  # warm the Python paths of this batch size
-            rows.append(measure_host(engine, b, steps))
+    for b in batches:
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in engines}
+        for e in engines.values():
+            measure_host(e, b, 2, seed=99)  # warm the Python paths of this batch size
+        for r in range(rounds):
+            for mode, e in engines.items():
+                runs[mode].append(measure_host(e, b, steps, seed=r))
+        for rs in runs.values():
+            rs.sort(key=lambda x: x["host_us_per_step"])
+            row = dict(rs[len(rs) // 2])
+            row["host_us_per_request_step_rounds"] = [x["host_us_per_request_step"] for x in rs]
+            rows.append(row)
+    rows.sort(key=lambda x: (x["mode"] != "sync", x["batch"]))
     return rows
 
 

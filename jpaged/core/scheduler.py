@@ -78,14 +78,14 @@ def is_decoding(request: Request) -> bool:
     return request.num_computed_tokens == n - 1 and n > request.num_prompt_tokens
 
 
-def _finishes_by_length(request: Request, max_model_len: int) -> bool:
-    """True if the request's token still on device will end it by max_tokens / max_model_len."""
-    if not request.num_output_placeholders:
-        return False
-    n = request.num_tokens_with_placeholders
+def _finishes_by_length(request: Request, num_tokens: int, max_model_len: int) -> bool:
+    """True if the request's token still on device will end it by max_tokens / max_model_len.
+
+    num_tokens: request.num_tokens_with_placeholders.
+    """
     mt = request.sampling_params.max_tokens
-    return n >= max_model_len or (
-        mt is not None and request.num_output_tokens + request.num_output_placeholders >= mt)
+    return num_tokens >= max_model_len or (
+        mt is not None and num_tokens - request.num_prompt_tokens >= mt)
 
 
 class Scheduler:
@@ -230,9 +230,10 @@ class Scheduler:
                 break
             if req.status is not RUNNING:
                 continue  # preempted earlier in this step
-            if req.num_output_placeholders and _finishes_by_length(req, self.max_model_len):
+            n = req.num_tokens_with_placeholders
+            if req.num_output_placeholders and _finishes_by_length(req, n, self.max_model_len):
                 continue  # async: its last token (on device) ends it; computing more is waste
-            num_new = req.num_tokens_with_placeholders - req.num_computed_tokens
+            num_new = n - req.num_computed_tokens
             if num_new > 1:
                 num_new = self._cap_prefill(num_new)
             num_new = min(num_new, st.budget)
@@ -486,13 +487,14 @@ class Scheduler:
         return changed
 
     def _check_stop(self, req: Request) -> bool:
-        tok = req.output_token_ids[-1]
+        out = req.output_token_ids
+        tok = out[-1]
         sp = req.sampling_params
-        if tok in req.stop_token_ids and req.num_output_tokens >= sp.min_tokens:
+        if tok in req.stop_token_ids and len(out) >= sp.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
             req.stop_reason = tok if tok in (sp.stop_token_ids or ()) else None
             return True
-        if (sp.max_tokens is not None and req.num_output_tokens >= sp.max_tokens) or \
+        if (sp.max_tokens is not None and len(out) >= sp.max_tokens) or \
                 req.num_tokens >= self.max_model_len:
             req.status = RequestStatus.FINISHED_LENGTH
             return True

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from helpers import tiny
 
-from jpaged.bench.host import embedded_rows, host_engine, host_model, measure_host, timeline
+from jpaged.bench.host import (
+    embedded_rows,
+    host_engine,
+    host_model,
+    host_rows,
+    measure_host,
+    timeline,
+)
 
 
 def test_host_rows_and_timeline():
@@ -33,3 +40,12 @@ def test_embedded_rows_compare_both_loops():
     assert res["outputs_identical"] is True
     assert res["tokens_per_s_sync"] > 0 and res["tokens_per_s_async"] > 0
     assert res["async_ratio"] > 0
+
+
+def test_host_rows_alternate_the_loops():
+    rows = host_rows((1, 2), steps=2, rounds=3)
+    assert [(r["mode"], r["batch"]) for r in rows] == [("sync", 1), ("sync", 2), ("async", 1),
+                                                       ("async", 2)]
+    for r in rows:  # the reported round is the median one of three
+        assert len(r["host_us_per_request_step_rounds"]) == 3
+        assert r["host_us_per_request_step"] == sorted(r["host_us_per_request_step_rounds"])[1]
