@@ -23,6 +23,11 @@ from collections.abc import Sequence
 from typing import Any
 
 REPLACEMENT_CHAR = "\ufffd"
+# Tokens a character may still be waiting for: UTF-8 characters are at most 4 bytes, one token
+# each in the worst case (byte fallback). A longer run that still ends in U+FFFD never becomes
+# text (a model emitting invalid bytes), so it is emitted as the full decode shows it instead of
+# re-decoding an ever longer window each step.
+MAX_PENDING_TOKENS = 8
 
 
 class IncrementalDetokenizer:
@@ -57,7 +62,8 @@ class IncrementalDetokenizer:
                 piece = stream.step(self._backend, ids[-1])
                 self._fed = n
                 if not piece:
-                    return ""
+                    return self._flush_stuck(ids) if n - self.read_offset > (
+                        MAX_PENDING_TOKENS) else ""
                 self.text += piece
                 self.read_offset = n
                 return piece
@@ -71,7 +77,8 @@ class IncrementalDetokenizer:
         new_text = self._decode(ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) and not final:
             return ""  # e.g. special tokens skipped: nothing to show yet
-        if new_text.endswith(REPLACEMENT_CHAR) and not final:
+        if new_text.endswith(REPLACEMENT_CHAR) and not final and (
+                len(ids) - self.read_offset <= MAX_PENDING_TOKENS):
             return ""  # wait for the rest of the character
         delta = new_text[len(prefix_text):]
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
@@ -94,7 +101,25 @@ class IncrementalDetokenizer:
         if final and self.read_offset < len(ids):  # an incomplete character: as a full decode
             self.text = self._decode(ids)
             self.read_offset = len(ids)
+        elif len(ids) - self.read_offset > MAX_PENDING_TOKENS:
+            self._flush_stuck(ids)
         return self.text[old:]
+
+    def _flush_stuck(self, ids: Sequence[int]) -> str:
+        """Emit a pending run that can no longer complete; go on with the window algorithm.
+
+        (A fresh DecodeStream cannot be given the context tokens without emitting them again,
+        so a request that emits invalid bytes continues on the two-decode window, whose
+        pending run is bounded the same way.)
+        """
+        ctx = max(0, self.read_offset - 4)  # context, as the window algorithm decodes
+        before = self._decode(ids[ctx:self.read_offset])
+        after = self._decode(ids[ctx:])
+        delta = after[len(before):]
+        self.text += delta
+        self._stream = None
+        self.prefix_offset, self.read_offset = self.read_offset, len(ids)
+        return delta
 
 
 try:  # tokenizers >= 0.21

@@ -111,3 +111,31 @@ def test_special_tokens_skipped_or_kept():
         for n in range(1, len(ids) + 1):
             detok.update(ids[:n])
         assert detok.text == tok.decode(ids, skip_special_tokens=skip)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "two-decode window"])
+def test_a_byte_run_that_never_completes_is_emitted_not_held(stream):
+    """Invalid UTF-8 (a model emitting lone continuation bytes) never completes a character:
+    after MAX_PENDING_TOKENS it is shown as a full decode shows it, and the work per token
+    stays bounded instead of re-decoding an ever longer window."""
+    from helpers import embedded
+
+    from jpaged.detokenizer import MAX_PENDING_TOKENS
+
+    tok = embedded().tokenizer
+    bad = next(i for i in range(200, tok.vocab_size)
+               if tok.decode([i] * 3) == REPLACEMENT_CHAR * 3)
+    good = tok.encode("The paged cache", add_special_tokens=False)
+    ids = good + [bad] * 300 + tok.encode(" works", add_special_tokens=False)
+    counting = CountingTokenizer(tok)
+    detok = IncrementalDetokenizer(tok if stream else counting)
+    for n in range(1, len(ids) + 1):
+        detok.update(ids[:n])
+        if n == len(good) + MAX_PENDING_TOKENS + 2:
+            assert detok.text.startswith("The paged cache" + REPLACEMENT_CHAR)
+    # Pieces of an invalid run may show more U+FFFD than the full decode (a known limit).
+    middle = detok.text[len("The paged cache"):-len(" works")]
+    assert detok.text.startswith("The paged cache") and detok.text.endswith(" works")
+    assert middle and set(middle) == {REPLACEMENT_CHAR}
+    if not stream:  # linear: a held window would decode ~n^2/2 = 45,000+ ids here
+        assert counting.decoded < 40 * len(ids), counting.decoded
