@@ -55,18 +55,7 @@ class IncrementalDetokenizer:
         `final`: no more tokens will come, so a trailing partial character is emitted as the
         full decode has it (U+FFFD).
         """
-        stream = self._stream
-        if stream is not None:
-            n = len(ids)
-            if n == self._fed + 1 and not final:  # the common case: one new token
-                piece = stream.step(self._backend, ids[-1])
-                self._fed = n
-                if not piece:
-                    return self._flush_stuck(ids) if n - self.read_offset > (
-                        MAX_PENDING_TOKENS) else ""
-                self.text += piece
-                self.read_offset = n
-                return piece
+        if self._stream is not None:
             return self._update_stream(ids, final)
         if len(ids) < self.read_offset:  # the list was replaced: start over
             self.prefix_offset = self.read_offset = 0

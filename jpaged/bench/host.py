@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from jpaged.bench.gpu_engine import random_model
+from jpaged.bench.gpu_engine import TINY_CONFIG, random_model
 from jpaged.bench.report import median
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
@@ -31,12 +31,8 @@ from models.tokenizer import Tokenizer
 
 # The cheapest Llama the engine runs: the device step is a rounding error next to the host.
 HOST_MODEL_CONFIG: dict[str, Any] = {
-    "architectures": ["LlamaForCausalLM"], "vocab_size": 258, "hidden_size": 64,
-    "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-    "max_position_embeddings": 1024, "tie_word_embeddings": True, "bos_token_id": 256,
-    "eos_token_id": 257,
-}
+    **TINY_CONFIG, "vocab_size": 258, "intermediate_size": 64, "num_hidden_layers": 1,
+    "num_attention_heads": 4, "tie_word_embeddings": True}
 PROMPT_LEN = 16
 STOP = [" w999 w0"]  # searched every step, never found: the vocabulary stops at w255
 

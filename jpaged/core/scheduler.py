@@ -416,16 +416,6 @@ class Scheduler:
         output.advanced = True
         advance = self._advance
         for sr in output.scheduled:
-            if sr.num_tokens == 1 and sr.token_ids[0] == PLACEHOLDER_TOKEN:
-                # A decode fed on device (the common case): no prompt tokens, and no block of
-                # known tokens completed (its input token is not known yet), so nothing to commit.
-                req = sr.request
-                if req.num_computed_tokens != sr.start_pos:
-                    raise ValueError(f"request {req.request_id!r}: output applied twice or out "
-                                     "of order")
-                req.num_computed_tokens += 1
-                req.num_output_placeholders += 1
-                continue
             advance(sr)
             if sr.sample:
                 sr.request.num_output_placeholders += 1
@@ -434,6 +424,11 @@ class Scheduler:
         req = sr.request
         if req.num_computed_tokens != sr.start_pos:
             raise ValueError(f"request {req.request_id!r}: output applied twice or out of order")
+        if sr.num_tokens == 1 and sr.token_ids[0] == PLACEHOLDER_TOKEN:
+            # A decode fed on device (async): no prompt tokens, and no block of known tokens
+            # completed (its input token is not on the host yet), so nothing to commit.
+            req.num_computed_tokens += 1
+            return
         if not (sr.sample and sr.num_tokens == 1
                 and req.num_output_tokens + req.num_output_placeholders):
             self.num_prompt_tokens += sr.num_tokens  # a prompt or recompute chunk

@@ -115,6 +115,40 @@ def _next_pow2(x: int, floor: int) -> int:
     return max(floor, 1 << max(0, (x - 1).bit_length()))
 
 
+def sampling_row(params: Any, vocab_size: int, default_seed: int
+                 ) -> tuple[float, int, float, float, int, float, float, float, bool]:
+    """A request's sampling values as the step batch holds them: (temperature, top_k, top_p,
+    min_p, uint32 seed, repetition, presence, frequency penalty, uses penalties)."""
+    p = params
+    # k >= vocab keeps every token; clamped so it fits int32.
+    top_k = min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
+    seed = p.seed if p.seed is not None else default_seed
+    pen = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+    return (0.0 if p.greedy else p.temperature, top_k, p.top_p, p.min_p, seed & 0xFFFFFFFF,
+            p.repetition_penalty, p.presence_penalty, p.frequency_penalty, pen)
+
+
+def penalty_history(scheduled: Sequence[Any], b_pad: int, use_penalties: bool
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """Penalty history rows (prompt + known outputs, -1 padded) and their is-output flags.
+
+    A token still on device is the last of its row: its column (seq_len - 1) is filled in the
+    jitted step, its is-output flag here. Without penalties both are [b_pad, 0].
+    """
+    if not use_penalties:
+        return np.zeros((b_pad, 0), np.int32), np.zeros((b_pad, 0), bool)
+    h = _next_pow2(max(s.request.num_tokens_with_placeholders for s in scheduled),
+                   MIN_HISTORY_BUCKET)
+    history = np.full((b_pad, h), -1, np.int32)
+    is_out = np.zeros((b_pad, h), bool)
+    for i, s in enumerate(scheduled):
+        req = s.request
+        toks = req.all_token_ids
+        history[i, :len(toks)] = toks
+        is_out[i, req.num_prompt_tokens:req.num_tokens_with_placeholders] = True
+    return history, is_out
+
+
 def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab_size: int,
               default_seed: int, prev_rows: Mapping[str, int] | None = None) -> PackedStep:
     """Pack scheduled requests (duck-typed ScheduledRequest) into numpy arrays of bucket shape.
@@ -167,32 +201,12 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         qsl[i + 1] = cur
         seq_lens[i] = start + k
         logits_idx[i] = cur - 1
-        temperature[i] = 0.0 if p.greedy else p.temperature
-        if p.top_k > 0:  # k >= vocab keeps every token; clamped so it fits int32
-            top_k[i] = min(p.top_k, vocab_size)
-        top_p[i], min_p[i] = p.top_p, p.min_p
-        seed = p.seed if p.seed is not None else default_seed
-        seeds[i] = np.uint32(seed & 0xFFFFFFFF)
+        (temperature[i], top_k[i], top_p[i], min_p[i], seeds[i], rep[i], pres[i], freq[i],
+         pen) = sampling_row(p, vocab_size, default_seed)
+        use_pen = use_pen or pen
         counters[i] = req.num_output_tokens + req.num_output_placeholders
-        rep[i], pres[i], freq[i] = p.repetition_penalty, p.presence_penalty, p.frequency_penalty
-        if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
-            use_pen = True
     qsl[n + 1:] = cur
-
-    if use_pen:
-        # A fed token's column (seq_len - 1) is filled on device; its is_output flag is set here.
-        hmax = max(s.request.num_tokens_with_placeholders for s in scheduled)
-        h = _next_pow2(hmax, MIN_HISTORY_BUCKET)
-        history = np.full((b_pad, h), -1, np.int32)
-        is_out = np.zeros((b_pad, h), bool)
-        for i, s in enumerate(scheduled):
-            req = s.request
-            toks = req.all_token_ids
-            history[i, :len(toks)] = toks
-            is_out[i, req.num_prompt_tokens:req.num_tokens_with_placeholders] = True
-    else:
-        history = np.zeros((b_pad, 0), np.int32)
-        is_out = np.zeros((b_pad, 0), bool)
+    history, is_out = penalty_history(scheduled, b_pad, use_pen)
 
     sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
                              history, is_out)

@@ -21,11 +21,11 @@ import numpy as np
 
 from jpaged.core.sched_output import PLACEHOLDER_TOKEN
 from jpaged.runner.batch import (
-    MIN_HISTORY_BUCKET,
     BucketPlan,
     PackedStep,
     StepBatch,
-    _next_pow2,
+    penalty_history,
+    sampling_row,
 )
 from jpaged.runner.sampler import SamplingBatch, SamplingFlags
 
@@ -67,16 +67,11 @@ class InputBatch:
             self._grow()
         row = self._free.pop()
         self.row_of[request.request_id] = row
-        p = request.sampling_params
-        pen = (p.repetition_penalty != 1.0 or p.presence_penalty != 0.0
-               or p.frequency_penalty != 0.0)
-        self._sampling[row] = (0.0 if p.greedy else p.temperature, p.top_p, p.min_p,
-                               p.repetition_penalty, p.presence_penalty, p.frequency_penalty,
-                               float(pen))
-        # k >= vocab keeps every token; clamped so it fits int32.
-        self._top_k[row] = min(p.top_k, self.vocab_size) if p.top_k > 0 else self.vocab_size
-        seed = p.seed if p.seed is not None else self.default_seed
-        self._seeds[row] = np.uint32(seed & 0xFFFFFFFF)
+        temp, top_k, top_p, min_p, seed, rep, pres, freq, pen = sampling_row(
+            request.sampling_params, self.vocab_size, self.default_seed)
+        self._sampling[row] = (temp, top_p, min_p, rep, pres, freq, float(pen))
+        self._top_k[row] = top_k
+        self._seeds[row] = seed
         self._nblocks[row] = 0
         self.tables[row] = 0
         return row
@@ -185,24 +180,10 @@ class InputBatch:
         ctr = np.zeros(b_pad, np.int32)
         ctr[:n] = counters
         use_pen = bool(n) and bool(samp[:, 6].any())
-        history, is_out = _history(scheduled, b_pad) if use_pen else (
-            np.zeros((b_pad, 0), np.int32), np.zeros((b_pad, 0), bool))
+        history, is_out = penalty_history(scheduled, b_pad, use_pen)
         sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
                                  history, is_out)
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
                           logits_idx, feed_rows, sampling)
         return PackedStep(batch, SamplingFlags(use_penalties=use_pen), n, num_tokens)
 
-
-def _history(scheduled: Sequence[Any], b_pad: int) -> tuple[np.ndarray, np.ndarray]:
-    """Penalty history rows: prompt + known outputs; a fed token's column is set on device."""
-    h = _next_pow2(max(s.request.num_tokens_with_placeholders for s in scheduled),
-                   MIN_HISTORY_BUCKET)
-    history = np.full((b_pad, h), -1, np.int32)
-    is_out = np.zeros((b_pad, h), bool)
-    for i, s in enumerate(scheduled):
-        req = s.request
-        toks = req.all_token_ids
-        history[i, :len(toks)] = toks
-        is_out[i, req.num_prompt_tokens:req.num_tokens_with_placeholders] = True
-    return history, is_out

@@ -48,7 +48,6 @@ class PendingStep:
         self._t_dispatch = t_dispatch
         self._runner = runner
         self._result: StepResult | None = None
-        self.wait_s = 0.0  # seconds result() blocked on the device
 
     def result(self) -> StepResult:
         """Host copies of the step's sampled tokens (blocks until the device has them)."""
@@ -56,7 +55,7 @@ class PendingStep:
             t0 = time.perf_counter()
             ids, lp, top_ids, top_lp = (np.asarray(x) for x in self._outs)
             t1 = time.perf_counter()
-            self.wait_s = self._runner.last_wait_s = t1 - t0
+            self._runner.last_wait_s = t1 - t0
             # Device seconds: dispatch until the results are on the host.
             self._runner.last_device_s = t1 - self._t_dispatch
             n = self.num_seqs
@@ -207,7 +206,3 @@ class ModelRunner:
         self._prev_rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.sample}
         self.last_pack_s = t1 - t0  # host seconds packing the batch
         return PendingStep(outs, packed.num_seqs, t1, self)
-
-    def execute(self, scheduled: Sequence[Any]) -> StepResult:
-        """Run one step for the scheduled requests; returns one sampled token per request."""
-        return self.dispatch(scheduled).result()

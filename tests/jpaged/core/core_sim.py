@@ -89,6 +89,7 @@ class Sim:
         bs = s.block_size
         kvm = s.kv_cache_manager
         out = s.schedule()
+        self.on_schedule(out)
         step = len(self.outputs)
         self.outputs.append(out)
         self.events += [(step, rid) for rid in out.preempted]
@@ -147,6 +148,9 @@ class Sim:
         else:
             self._apply(out, sampled)
         return out
+
+    def on_schedule(self, out: SchedulerOutput) -> None:
+        """Called with each step's plan before anything is checked or run (subclasses' hook)."""
 
     def _apply(self, out: SchedulerOutput, sampled: dict[str, int]) -> None:
         for r in self.sched.update_from_output(out, sampled):

@@ -46,14 +46,6 @@ class TierSim(Sim):
         super().__init__(sched, async_scheduling)
         self.tokens_of: dict[bytes, list[int]] = {}  # block hash -> its tokens
         self.refilled = 0  # blocks gathered and re-filled (load or forward) in the same step
-        inner = sched.schedule
-
-        def schedule():
-            out = inner()
-            self._transfer(out)
-            return out
-
-        sched.schedule = schedule
 
     def _note_hashes(self, requests) -> None:
         for r in list(requests):
@@ -65,7 +57,8 @@ class TierSim(Sim):
         # Async: a request may hash its last block and finish before the next schedule().
         self._note_hashes(x.request for x in out.scheduled)
 
-    def _transfer(self, out) -> None:
+    def on_schedule(self, out) -> None:
+        """Execute the step's TransferPlan on the fake pool (before the forward)."""
         kvm = self.sched.kv_cache_manager
         t = kvm.tiers
         plan = out.kv_transfers

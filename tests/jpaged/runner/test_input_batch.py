@@ -37,16 +37,9 @@ class PackingSim(Sim):
         self.batch = InputBatch(self.plan, sched.block_size, VOCAB, default_seed=5)
         self.prev_rows: dict[str, int] = {}
         self.packed = 0
-        inner = sched.schedule
 
-        def schedule():
-            out = inner()
-            self._pack(out)
-            return out
-
-        sched.schedule = schedule
-
-    def _pack(self, out) -> None:
+    def on_schedule(self, out) -> None:
+        """Pack the step both ways and compare."""
         self.batch.remove(out.finished_request_ids)
         self.batch.remove(out.preempted)
         if not out.scheduled:
