@@ -239,6 +239,7 @@ class LLMEngine:
         call: this step is on the device while the host reads them (and learns of stops one
         step late; a token computed past a request's end is dropped).
         """
+        self.runner.last_wait_s = 0.0
         if not self.async_scheduling:
             cur = self._dispatch(advance=False)
             outputs = self._process(*cur)

@@ -55,7 +55,7 @@ class PendingStep:
             t0 = time.perf_counter()
             ids, lp, top_ids, top_lp = (np.asarray(x) for x in self._outs)
             t1 = time.perf_counter()
-            self._runner.last_wait_s = t1 - t0
+            self._runner.last_wait_s += t1 - t0
             # Device seconds: dispatch until the results are on the host.
             self._runner.last_device_s = t1 - self._t_dispatch
             n = self.num_seqs
@@ -84,11 +84,18 @@ class ModelRunner:
             self.kv = parallel.place_kv(kv)
             self.ops = parallel.wrap_ops(ops)
         self.last_pack_s = self.last_device_s = 0.0  # timings of the latest step
-        self.last_wait_s = 0.0  # seconds the latest result read blocked on the device
+        # Seconds blocked on the device (dispatch waits + result reads) since the engine zeroed
+        # it at the start of its latest step.
+        self.last_wait_s = 0.0
         # Device buffer of the tokens the latest step sampled, by its batch row; the next step
         # reads its PLACEHOLDER_TOKEN inputs from it (async scheduling). Rows are the previous
         # step's rows of the requests in `_prev_rows`.
         self.last_tokens: jax.Array | None = None  # made by the first step (see _buffer)
+        # On XLA:CPU the "device" is the host's own cores: a step queued behind the running one
+        # gains nothing there and measurably slows both (docs/benchmarks.md, host work), so a
+        # dispatch first waits for the running step. The host's packing before it and output
+        # processing after it still overlap a running step; on a GPU steps queue.
+        self.wait_before_dispatch = jax.default_backend() == "cpu"
         self._prev_rows: dict[str, int] = {}
         self.input_batch = InputBatch(plan, block_size, vocab_size, seed)
         # True until the first real step has computed the fp8 scales (then they stay fixed).
@@ -197,6 +204,10 @@ class ModelRunner:
         packed = self.input_batch.pack(scheduled, self._prev_rows)
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
+        if self.wait_before_dispatch and self.last_tokens is not None:
+            w0 = time.perf_counter()
+            self.last_tokens.block_until_ready()  # the running step (it writes this buffer)
+            self.last_wait_s += time.perf_counter() - w0
         outs, self.kv, self.last_tokens = self._jit_step(
             self.params, self.kv, flatten_step(packed.batch), self._buffer(), flags=packed.flags,
             calc_scales=calc)
