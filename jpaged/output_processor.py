@@ -19,7 +19,6 @@ class ChildState:
 
     index: int
     request: Request
-    text: str = ""
     sent_text_len: int = 0  # chars of `text` already handed out (DELTA) or seen (stop search)
     sent_tokens: int = 0  # output tokens already handed out (DELTA)
     cumulative_logprob: float = 0.0
@@ -28,6 +27,24 @@ class ChildState:
     stop_reason: int | str | None = None
     detok: IncrementalDetokenizer | None = None  # made on the first update that needs text
     stop_checked_len: int = 0  # chars of `text` already searched for stop strings
+    # The text is detok's, cut here by a stop string (-1: not cut). Reads of its newest part
+    # (text_len, text_slice) cost what they return, not the text's length.
+    cut: int = -1
+
+    @property
+    def text_len(self) -> int:
+        """Length of the text so far."""
+        n = 0 if self.detok is None else self.detok.buf.length
+        return n if self.cut < 0 else min(n, self.cut)
+
+    def text_slice(self, start: int, end: int) -> str:
+        """text[start:end], in O(end - start)."""
+        return "" if self.detok is None else self.detok.buf.slice(start, end)
+
+    @property
+    def text(self) -> str:
+        """The whole text so far (O(len))."""
+        return self.text_slice(0, self.text_len)
 
 
 @dataclass(slots=True)
@@ -92,7 +109,6 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
             detok = child.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
         if child.finish_reason is None:  # a stop string may have cut the text already
             detok.update(req.output_token_ids, final=finished)
-            child.text = detok.text
     if not finished:
         if group.max_stop_len:
             _check_stop_strings(child, group, stop_request)
@@ -109,20 +125,21 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
     # searched length, backed up by the longest stop string less one char (a match that
     # straddles the boundary). The final search (stop_request None) uses the same tail.
     p = group.params
-    n = len(child.text)
+    n = child.text_len
     if n == child.stop_checked_len:
         return  # no new text (e.g. a character still incomplete)
     start = max(0, child.stop_checked_len - group.max_stop_len + 1)
     child.stop_checked_len = n
+    tail = child.text_slice(start, n)
     best = None
     for s in p.stop:
-        k = child.text.find(s, start)
+        k = tail.find(s)
         if k >= 0 and (best is None or k < best[0]):
             best = (k, s)
     if best is None:
         return
     k, s = best
-    child.text = child.text[: k + len(s)] if p.include_stop_str_in_output else child.text[:k]
+    child.cut = start + k + (len(s) if p.include_stop_str_in_output else 0)
     if stop_request is not None:
         stop_request(child.request.request_id)
     child.finish_reason = "stop"
@@ -144,21 +161,19 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
     outs = []
     for c in group.children:
         out_ids = c.request.output_token_ids
-        text = c.text
         lps = c.logprobs
-        # The detokenizer never leaves a half-made character in `text` (a U+FFFD there is in
+        # The detokenizer never leaves a half-made character in the text (a U+FFFD there is in
         # the full decode too); only a possible stop-string start is held back.
-        end = len(text)
+        end = c.text_len
         if hold and c.finish_reason is None:
             end = max(c.sent_text_len, end - hold)
         if kind is _DELTA:
-            text, c.sent_text_len = text[c.sent_text_len:end], end
+            text, c.sent_text_len = c.text_slice(c.sent_text_len, end), end
             ids, c.sent_tokens = out_ids[c.sent_tokens:], len(out_ids)  # only the new ones
             if lps is not None:
                 lps = lps[len(lps) - len(ids):]
         else:
-            if end < len(text):
-                text = text[:end]
+            text = c.text_slice(0, end)
             ids = list(out_ids)
             c.sent_text_len = end
             if lps is not None:

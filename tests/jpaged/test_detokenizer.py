@@ -4,12 +4,13 @@ and the text work per token does not grow with the output."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 
-from jpaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from jpaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, TextBuffer
 from models.tokenizer import Tokenizer
 
 TEXT = ("Zürich, 東京 and São Paulo 🙂🎉 — naïve façade ✓ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢 الْعَرَبِيَّة "
@@ -139,3 +140,25 @@ def test_a_byte_run_that_never_completes_is_emitted_not_held(stream):
     assert middle and set(middle) == {REPLACEMENT_CHAR}
     if not stream:  # linear: a held window would decode ~n^2/2 = 45,000+ ids here
         assert counting.decoded < 40 * len(ids), counting.decoded
+
+
+@pytest.mark.parametrize("small", [0, 16, TextBuffer.SMALL])
+def test_text_buffer_reads_what_a_str_would(small, monkeypatch):
+    """Appends and reads of any range equal a plain str's, before and after the text moves
+    from a str into the StringIO (multi-byte and astral characters included)."""
+    monkeypatch.setattr(TextBuffer, "SMALL", small)
+    rng = np.random.default_rng(small)
+    alphabet = ["a", " ", "é", "日本", "🙂", "\n", "xyz"]
+    buf, ref = TextBuffer(), ""
+    for step in range(600):
+        piece = "".join(rng.choice(alphabet, int(rng.integers(0, 4))))
+        buf.append(piece)
+        ref += piece
+        assert buf.length == len(ref)
+        a = int(rng.integers(0, len(ref) + 1))
+        b = int(rng.integers(a, len(ref) + 2))
+        assert buf.slice(a, b) == ref[a:b] and buf.slice(a) == ref[a:]
+        if step % 97 == 0:
+            assert buf.value() == ref
+    assert (buf._io is not None) == (len(ref) > small)
+    assert TextBuffer(ref).value() == ref

@@ -9,6 +9,7 @@ from helpers import make_llm, tiny
 
 from jpaged import LLM, SamplingParams
 from jpaged.config import EngineArgs
+from jpaged.detokenizer import TextBuffer
 from jpaged.engine import LLMEngine
 from jpaged.naive import NaiveEngine
 from jpaged.sampling_params import RequestOutputKind
@@ -87,9 +88,12 @@ def test_stop_token_ids_stop_strings_and_min_tokens(llm):
     assert _free(llm)
 
 
-def test_stop_strings_that_straddle_steps_end_exactly_there(llm):
+@pytest.mark.parametrize("small", [TextBuffer.SMALL, 5], ids=["str", "stringio"])
+def test_stop_strings_that_straddle_steps_end_exactly_there(llm, small, monkeypatch):
     """The stop search looks at the new tail only (plus the longest stop string less one
-    char); a stop string spread over several tokens must still be found where it starts."""
+    char); a stop string spread over several tokens must still be found where it starts.
+    Run with texts kept as a str and moved into the StringIO early (TextBuffer.SMALL)."""
+    monkeypatch.setattr(TextBuffer, "SMALL", small)
     base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = llm.generate({"prompt_token_ids": [3, 1, 4]}, base)[0].outputs[0]
     text = ref.text
@@ -108,9 +112,11 @@ def test_stop_strings_that_straddle_steps_end_exactly_there(llm):
     assert _free(llm)
 
 
-def test_streamed_text_never_shows_a_stop_string_start_that_is_cut(llm):
+@pytest.mark.parametrize("small", [TextBuffer.SMALL, 5], ids=["str", "stringio"])
+def test_streamed_text_never_shows_a_stop_string_start_that_is_cut(llm, small, monkeypatch):
     """While a stop string may still complete, its first characters are held back: every
     cumulative text is a prefix of the final one and the deltas add up to it exactly."""
+    monkeypatch.setattr(TextBuffer, "SMALL", small)
     base = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     ref = llm.generate({"prompt_token_ids": [3, 1, 4]}, base)[0].outputs[0]
     text = ref.text
