@@ -138,8 +138,8 @@ def embedded_rows(num_prompts: int, max_tokens: int, loaded: LoadedModel | None 
                   rounds: int = 3) -> dict[str, Any]:
     """Tokens/s of both loops on the embedded model, same greedy workload, outputs compared.
 
-    The two engines run in turn, `rounds` times (so drift in the machine's speed hits both);
-    each loop's tokens/s is from its median wall time.
+    The two engines run in turn, `rounds` times, alternating which goes first (so drift in the
+    machine's speed hits both); each loop's tokens/s is from its median wall time.
     """
     from models.loader import load_model
 
@@ -157,8 +157,11 @@ def embedded_rows(num_prompts: int, max_tokens: int, loaded: LoadedModel | None 
     walls: dict[str, list[float]] = {mode: [] for mode in llms}
     for llm in llms.values():  # compile every shape the workload uses
         llm.generate(prompts, params, use_tqdm=False)
-    for _ in range(rounds):
-        for mode, llm in llms.items():
+    for r in range(rounds):
+        # Each loop goes first in every other round, so neither always runs on a warmer (or
+        # colder) machine than the other.
+        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
+            llm = llms[mode]
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
             walls[mode].append(time.perf_counter() - t0)
@@ -170,6 +173,10 @@ def embedded_rows(num_prompts: int, max_tokens: int, loaded: LoadedModel | None 
                                             2)
         res[f"wall_s_{mode}"] = [round(w, 3) for w in walls[mode]]
     res["async_ratio"] = round(res["tokens_per_s_async"] / res["tokens_per_s_sync"], 3)
+    # The same ratio within each round (its two runs are back to back, so the machine's drift
+    # between rounds cancels).
+    res["async_ratio_per_round"] = [round(s / a, 3)
+                                    for s, a in zip(walls["sync"], walls["async"], strict=True)]
     res["outputs_identical"] = outputs["sync"] == outputs["async"]
     return res
 
@@ -178,9 +185,10 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
     """Host phases and device spans of `steps` decode steps with `batch` requests.
 
     The engine's own methods are wrapped for the run (and restored): `schedule`, the runner's
-    `dispatch` (pack + the jitted call), the result read (waiting on the device) and the output
-    processing. A step's device span runs from its dispatch until its results reach the host:
-    an upper bound on the device's busy time (it may have finished earlier).
+    `dispatch` (pack + the jitted call; on XLA:CPU the wait for the running step before it is
+    shown apart), the result read (waiting on the device) and the output processing. A step's
+    device span runs from its dispatch until the host first sees it done (the wait before the
+    next dispatch, or its result read): an upper bound on the device's busy time.
     """
     events: list[dict[str, Any]] = []
     sched, runner = engine.scheduler, engine.runner
@@ -194,15 +202,23 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
                        "t1": time.perf_counter()})
         return res
 
+    ready: dict[int, float] = {}  # dispatched step -> when a wait before the next saw it done
+    last = [0]  # the latest dispatched step
+
     def dispatch(scheduled: Any) -> Any:
+        if runner.wait_before_dispatch and runner.last_tokens is not None:
+            # XLA:CPU: the dispatch would wait for the running step; show that wait apart.
+            span("host", "wait for previous step", runner.last_tokens.block_until_ready)
+            ready[last[0]] = events[-1]["t1"]
         pending = span("host", "pack + dispatch", real_dispatch, scheduled)
         k, t_d = step_no[0], time.perf_counter()
+        last[0] = k
         real_result = pending.result
 
         def result() -> Any:
             res = span("host", "wait for tokens", real_result)
             events.append({"lane": "device", "name": f"step {k}", "step": k, "t0": t_d,
-                           "t1": events[-1]["t1"]})
+                           "t1": min(events[-1]["t1"], ready.get(k, float("inf")))})
             return res
 
         pending.result = result
@@ -238,7 +254,7 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
 def plot_timeline(ax: Any, events: list[dict[str, Any]], title: str) -> None:
     """Host phases (one lane) above device spans (one lane), in ms."""
     colors = {"schedule": "#e08a2c", "pack + dispatch": "#c0392b", "wait for tokens": "#bbbbbb",
-              "process outputs": "#8e44ad"}
+              "wait for previous step": "#dddddd", "process outputs": "#8e44ad"}
     seen = set()
     prev_end = float("-inf")
     for e in sorted(events, key=lambda e: (e["lane"], e["t0"])):
@@ -251,7 +267,7 @@ def plot_timeline(ax: Any, events: list[dict[str, Any]], title: str) -> None:
             ax.barh(1, e["t1"] - e["t0"], left=e["t0"], color=colors[e["name"]], label=label)
         else:
             ax.barh(0, e["t1"] - e["t0"], left=e["t0"], color="#2a7ab9",
-                    edgecolor="white", label="device step (until its tokens are on the host)"
+                    edgecolor="white", label="device step (until the host sees it done)"
                     if "device" not in seen else None)
             seen.add("device")
             ax.text((e["t0"] + e["t1"]) / 2, 0, e["name"], ha="center", va="center",

@@ -28,7 +28,8 @@ def test_host_rows_and_timeline():
         assert m["num_blocks_free"] == m["num_blocks_total"]
     events = timeline(engine, batch=4, steps=3)
     names = {e["name"] for e in events if e["lane"] == "host"}
-    assert names == {"schedule", "pack + dispatch", "wait for tokens", "process outputs"}
+    assert names == {"schedule", "pack + dispatch", "wait for tokens", "process outputs",
+                     "wait for previous step"}  # the last one: XLA:CPU (wait_before_dispatch)
     device = [e for e in events if e["lane"] == "device"]
     assert len(device) >= 3 and all(e["t1"] >= e["t0"] >= 0 for e in events)
     # The wrappers are gone again.
