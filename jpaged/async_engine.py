@@ -119,6 +119,7 @@ class AsyncLLMEngine:
             self._close(cmds)
         elif self._thread is not threading.current_thread():
             self._thread.join(timeout)
+        self.engine.shutdown()  # the KV event publisher, if any
 
     # ------------------------------------------------------------------------ caller side
     def _submit(self, cmd: _Add | _Abort) -> None:

@@ -53,6 +53,10 @@ Async = Annotated[bool, typer.Option(
     "tokens (--no-async-scheduling: the synchronous reference loop).")]
 Blocks = Annotated[int | None, typer.Option("--num-gpu-blocks-override",
                                             help="Exact KV pool size in blocks.")]
+KvEvents = Annotated[str | None, typer.Option(
+    "--kv-events-config",
+    help="KV cache events as JSON, vLLM's: e.g. '{\"enable_kv_cache_events\": true, "
+    "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' (docs/distributed.md).")]
 
 
 def _engine_flags(
@@ -72,6 +76,7 @@ def _engine_flags(
     seed: Seed = 0,
     num_gpu_blocks_override: Blocks = None,
     async_scheduling: Async = True,
+    kv_events_config: KvEvents = None,
 ) -> None:
     """Template of the engine flags every engine command takes, spelled as vLLM's."""
 
@@ -111,13 +116,13 @@ def _root() -> None:
 # "SamplingParams.top_p must ..." names the field; engine and sampling flags are spelled as
 # their fields (--top-p), so the message can name the flag too.
 _FIELD_RE = re.compile(r"\b(?:SamplingParams|CacheConfig|SchedulerConfig|ModelConfig|"
-                       r"ParallelConfig|EngineArgs)\.(\w+)\b")
+                       r"ParallelConfig|EngineArgs)\.(\w+)\b|\b(kv_events_config)\b")
 
 
 def _fail(msg: str) -> None:
     m = _FIELD_RE.search(msg)
     if m is not None:
-        msg = f"--{m.group(1).replace('_', '-')}: {msg}"
+        msg = f"--{(m.group(1) or m.group(2)).replace('_', '-')}: {msg}"
     typer.secho(f"error: {msg}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code=2)
 

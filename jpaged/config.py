@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from jpaged.kv_events import KVEventsConfig
+
 # Defaults live here and nowhere else (house rule 8).
 DEFAULT_BLOCK_SIZE = 16
 DEFAULT_MAX_NUM_SEQS = 256
@@ -152,6 +154,7 @@ class EngineConfig:
     cache: CacheConfig
     scheduler: SchedulerConfig
     parallel: ParallelConfig
+    kv_events: KVEventsConfig | None = None  # KV cache events (None: none)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """The same config with the pool size filled in."""
@@ -187,6 +190,8 @@ class EngineArgs:
     scheduling_policy: str = "priority"
     tensor_parallel_size: int = 1
     async_scheduling: bool = True
+    # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text (jpaged/kv_events.py)
+    kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False  # no periodic stats line in the log
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -234,4 +239,5 @@ class EngineArgs:
                 async_scheduling=self.async_scheduling,
             ),
             parallel=ParallelConfig(self.tensor_parallel_size),
+            kv_events=KVEventsConfig.parse(self.kv_events_config),
         )

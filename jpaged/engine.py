@@ -6,7 +6,7 @@ import functools
 import logging
 import numbers
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -17,6 +17,7 @@ from jpaged.core.cache_state import snapshot as _cache_snapshot
 from jpaged.core.cache_state import tier_metrics as _tier_metrics
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
+from jpaged.kv_events import KVEventBatch, KVEventHub
 from jpaged.metrics import StatLogger
 from jpaged.output_processor import (
     ChildState,
@@ -60,6 +61,10 @@ def _check_supported(config: EngineConfig) -> None:
     """Refuse settings this version cannot honour, with the field named."""
     check_device_count(config.parallel.tensor_parallel_size)
     check_tier_config(config.cache)  # swap needs a host tier; the disk tier needs one too
+    ev = config.kv_events
+    if ev is not None and ev.enable_kv_cache_events and not config.cache.enable_prefix_caching:
+        raise ValueError("kv_events_config: KV cache events need enable_prefix_caching "
+                         "(without it no block is ever cached)")
 
 
 class LLMEngine:
@@ -94,6 +99,12 @@ class LLMEngine:
         # With chunked prefill the scheduler fits each step's token budget to these buckets.
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
                                    self.tiers, token_buckets=plan.token_buckets)
+        # KV cache events: set before the disk tier opens, so its blocks are stated too.
+        self.kv_events: KVEventHub | None = None
+        ev = self.config.kv_events
+        if ev is not None and ev.enable_kv_cache_events:
+            self.kv_events = KVEventHub(ev, self.config.cache.block_size)
+            self.scheduler.kv_cache_manager.set_events(self.kv_events.collector)
         kv = (allocate_kv_cache(self.spec, num_blocks, self.config.cache.block_size, self.kv_dtype)
               if self.parallel is None else
               self.parallel.allocate_kv(num_blocks, self.config.cache.block_size, self.kv_dtype))
@@ -252,6 +263,8 @@ class LLMEngine:
                 outputs = self._process(*(prev if prev is not None else cur))
         # One point per call, for the step dispatched by it.
         self.metrics_history.record(self.scheduler, cur[0].num_scheduled_tokens)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # this step's cache changes, as one batch
         return outputs
 
     def _dispatch(self, advance: bool) -> tuple[Any, PendingStep | None]:
@@ -355,4 +368,27 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses; False if some are in use."""
-        return self.scheduler.reset_prefix_cache()
+        ok = self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return ok
+
+    # ----------------------------------------------------------------- KV cache events
+    def subscribe_kv_events(self, fn: Callable[[KVEventBatch], None]) -> Callable[[], None]:
+        """Call fn(batch) with every later KVEventBatch, in order; returns the unsubscribe.
+
+        Batches are handed over on the engine's thread at the end of the step that made them.
+        """
+        if self.kv_events is None:
+            raise ValueError("KV cache events are off: start the engine with "
+                             "kv_events_config={'enable_kv_cache_events': True}")
+        return self.kv_events.subscribe(fn)
+
+    def cached_block_hashes(self) -> dict[str, set[bytes]]:
+        """The block hashes each tier holds now ("GPU", "CPU", "DISK"), read off the pool."""
+        return self.scheduler.kv_cache_manager.cached_hashes()
+
+    def shutdown(self) -> None:
+        """Stop the engine's background parts (the KV event publisher); idempotent."""
+        if self.kv_events is not None:
+            self.kv_events.close()

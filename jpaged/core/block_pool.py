@@ -16,8 +16,12 @@ stays uncached (the first mapping wins); it is then an ordinary private block.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 from jpaged.core.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from jpaged.kv_events import KVEventCollector
 
 
 class KVCacheBlock:
@@ -128,6 +132,8 @@ class BlockPool:
         self._clock = 0
         # Called as on_evict(block_id, hash) when a cached block is reused (the offload tier).
         self.on_evict: Callable[[int, BlockHash], None] | None = None
+        # Where BlockStored / BlockRemoved of this pool go (medium "GPU"); None: no events.
+        self.events: KVEventCollector | None = None
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -150,6 +156,8 @@ class BlockPool:
         if self.on_evict is not None:
             self.on_evict(block.block_id, block.block_hash)  # type: ignore[arg-type]
         del self.cached_blocks[block.block_hash]  # type: ignore[arg-type]
+        if self.events is not None:  # after on_evict: a lower tier has taken it first
+            self.events.removed([block.block_hash], "GPU")  # type: ignore[list-item]
         block.block_hash = None
         self.num_evictions += 1
 
@@ -194,14 +202,17 @@ class BlockPool:
         return self.cached_blocks.get(block_hash)
 
     def cache_full_blocks(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
-                          num_cached_blocks: int, num_full_blocks: int) -> None:
+                          num_cached_blocks: int, num_full_blocks: int,
+                          token_ids: Sequence[int] | None = None) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i].
 
         The first mapping of a hash wins: a block whose hash is already mapped stays uncached.
+        `token_ids` (the sequence's tokens) are only read for KV events.
         """
         if not self.enable_caching:
             return
         cached = self.cached_blocks
+        run: list[int] = []  # newly mapped block indices, for the events
         for i in range(num_cached_blocks, num_full_blocks):
             b = blocks[i]
             if b.block_hash is not None or b.is_null:
@@ -211,6 +222,24 @@ class BlockPool:
                 continue  # duplicate content: keep the first mapping
             cached[h] = b
             b.block_hash = h
+            run.append(i)
+        if self.events is not None and run:
+            self._stored_events(block_hashes, run, token_ids or ())
+
+    def _stored_events(self, hashes: Sequence[BlockHash], run: list[int],
+                       token_ids: Sequence[int]) -> None:
+        # One BlockStored per stretch of consecutive block indices (its own chain).
+        bs = self.events.block_size  # type: ignore[union-attr]
+        start = prev = run[0]
+        for i in [*run[1:], None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            self.events.stored_chain(  # type: ignore[union-attr]
+                hashes[start:prev + 1], hashes[start - 1] if start else None,
+                token_ids[start * bs:(prev + 1) * bs], "GPU")
+            if i is not None:
+                start = prev = i
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash; refused (False) while any block is in use."""

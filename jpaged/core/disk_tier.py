@@ -37,9 +37,13 @@ import time
 import uuid
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import xxhash
+
+if TYPE_CHECKING:
+    from jpaged.kv_events import KVEventCollector
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +131,7 @@ class DiskTier:
             ("bytes_written", "bytes_read", "hits", "misses", "evictions", "corrupt_skipped",
              "write_errors"), 0)
         self.directory.mkdir(parents=True, exist_ok=True)
+        self.events: KVEventCollector | None = None  # entries in and out ("DISK")
         self._scan()
 
     # ---------------------------------------------------------------- public API
@@ -138,6 +143,17 @@ class DiskTier:
     def __len__(self) -> int:
         """Number of blocks in the index."""
         return len(self._index)
+
+    def hashes(self) -> list[bytes]:
+        """The hashes in the index, least recently used first."""
+        with self._lock:
+            return list(self._index)
+
+    def attach_events(self, events: KVEventCollector) -> None:
+        """Report index changes to `events` from now on; the blocks indexed now are stated."""
+        with self._lock:
+            self.events = events
+            events.stored(list(self._index), "DISK")
 
     def put(self, block_hash: bytes, data: np.ndarray) -> bool:
         """Store one block atomically, evicting LRU files; False if it cannot be stored."""
@@ -162,6 +178,8 @@ class DiskTier:
                 self._bytes_used -= victim_size
                 self._counters["evictions"] += 1
                 self._unlink(self._path(victim))
+                if self.events is not None:
+                    self.events.removed([victim], "DISK")
             payload = np.ascontiguousarray(data).view(np.uint8).reshape(-1).data
             blob = self._encode(block_hash, payload)
             if not self._write_atomic(self._path(block_hash), blob):
@@ -169,6 +187,8 @@ class DiskTier:
             self._index[block_hash] = size
             self._bytes_used += size
             self._counters["bytes_written"] += size
+            if self.events is not None:
+                self.events.stored([block_hash], "DISK")
             return True
 
     def get(self, block_hash: bytes) -> np.ndarray | None:
@@ -220,6 +240,8 @@ class DiskTier:
     def clear(self) -> None:
         """Delete every block file of this fingerprint and empty the index."""
         with self._lock:
+            if self.events is not None:
+                self.events.removed(list(self._index), "DISK")
             self._index.clear()
             self._bytes_used = 0
             try:
@@ -330,6 +352,8 @@ class DiskTier:
     def _forget(self, block_hash: bytes) -> None:
         size = self._index.pop(block_hash)
         self._bytes_used -= size
+        if self.events is not None:
+            self.events.removed([block_hash], "DISK")
 
     def _reject(self, block_hash: bytes, path: Path, reason: str) -> None:
         logger.warning("disk KV tier: skipping %s: %s; file deleted", path, reason)

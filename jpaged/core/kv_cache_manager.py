@@ -22,11 +22,15 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from jpaged.core.block_hash import BlockHash, BlockHasher
 from jpaged.core.block_pool import BlockPool, KVCacheBlock
 from jpaged.core.offload import KVTiers, TransferPlan, empty_tier_stats
 from jpaged.request import Request
+
+if TYPE_CHECKING:
+    from jpaged.kv_events import KVEventCollector
 
 RECENT_WINDOW = 1000  # requests in the "recent" hit rate
 
@@ -223,14 +227,12 @@ class KVCacheManager:
         # The loads run before this step's forward, so the blocks are shareable at once.
         tiers = self.tiers
         assert tiers is not None
-        pool = self.block_pool
-        for i, (slot, b) in enumerate(zip(slots, new_blocks, strict=False)):
+        for slot, b in zip(slots, new_blocks, strict=False):
             b.num_tokens = self.block_size
             tiers.plan_load(slot, b.block_id)
-            h = request.block_hashes[first + i]
-            if h not in pool.cached_blocks:
-                pool.cached_blocks[h] = b
-                b.block_hash = h
+        # Table positions first.. hold them (after the device hit blocks).
+        self.block_pool.cache_full_blocks(request.block_hashes, self._tables[request.request_id],
+                                          first, first + len(slots), request.all_token_ids)
         tiers.record_hits(len(slots), self.block_size)
 
     def _mark_in_flight(self, request: Request, total: int) -> None:
@@ -272,7 +274,8 @@ class KVCacheManager:
         table = self._tables[rid]
         end = min(end, len(table))
         if end > start:
-            self.block_pool.cache_full_blocks(request.block_hashes, table, start, end)
+            self.block_pool.cache_full_blocks(request.block_hashes, table, start, end,
+                                              request.all_token_ids)
             self._num_cached[rid] = end
 
     def free(self, request: Request) -> None:
@@ -389,7 +392,33 @@ class KVCacheManager:
         ok = self.block_pool.reset_prefix_cache()
         if ok and self.tiers is not None:
             self.tiers.host.clear_prefix_entries()
+        events = self.block_pool.events
+        if ok and events is not None:
+            survivors: dict[str, list[BlockHash]] = {}
+            if self.tiers is not None:  # pinned host entries and the disk tier stay
+                survivors["CPU"] = self.tiers.host.prefix_hashes()
+                if self.tiers.disk is not None:
+                    survivors["DISK"] = self.tiers.disk.hashes()
+            events.cleared(survivors)
         return ok
+
+    def cached_hashes(self) -> dict[str, set[BlockHash]]:
+        """The prefix-cache hashes each tier holds ("GPU", "CPU", "DISK")."""
+        out = {"GPU": set(self.block_pool.cached_blocks), "CPU": set(), "DISK": set()}
+        if self.tiers is not None:
+            out["CPU"] = set(self.tiers.host.prefix_hashes())
+            if self.tiers.disk is not None:
+                out["DISK"] = set(self.tiers.disk.hashes())
+        return out
+
+    def set_events(self, events: KVEventCollector) -> None:
+        """Report every cached-block change of the pool and the tiers to `events` from now on.
+
+        Blocks the tiers already hold are stated at once.
+        """
+        self.block_pool.events = events
+        if self.tiers is not None:
+            self.tiers.set_events(events)
 
     def check_invariants(self) -> None:
         """Pool invariants plus: ref counts equal the number of tables holding each block."""

@@ -33,11 +33,14 @@ import logging
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from jpaged.core.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from jpaged.kv_events import KVEventCollector
 
 logger = logging.getLogger("jpaged")
 
@@ -47,6 +50,8 @@ class DiskStore(Protocol):
 
     def __contains__(self, block_hash: object) -> bool: ...
     def __len__(self) -> int: ...
+    def hashes(self) -> list[bytes]: ...
+    def attach_events(self, events: KVEventCollector) -> None: ...
     def put(self, block_hash: bytes, data: np.ndarray) -> bool: ...
     def get(self, block_hash: bytes) -> np.ndarray | None: ...
     @property
@@ -99,6 +104,7 @@ class HostTier:
         self._pinned: set[int] = set()
         self._released: list[int] = []  # freed while pinned: free at the next begin_step
         self.num_spilled = 0
+        self.events: KVEventCollector | None = None  # prefix entries in and out ("CPU")
 
     @property
     def bytes_per_block(self) -> int:
@@ -132,6 +138,8 @@ class HostTier:
             if slot not in self._pinned:
                 del self._lru[h]
                 self._spill(h, slot)
+                if self.events is not None:  # after the spill: the disk has stated it first
+                    self.events.removed([h], "CPU")
                 return slot
         return None
 
@@ -162,13 +170,23 @@ class HostTier:
         if block_hash in self._lru:
             raise ValueError("HostTier.insert: hash already present")
         self._lru[block_hash] = slot
+        if self.events is not None:
+            self.events.stored([block_hash], "CPU")
+
+    def prefix_hashes(self) -> list[BlockHash]:
+        """The hashes of the prefix entries, least recently used first."""
+        return list(self._lru)
 
     def clear_prefix_entries(self) -> None:
         """Drop every unpinned prefix entry (no spill)."""
+        dropped = []
         for h, slot in list(self._lru.items()):
             if slot not in self._pinned:
                 del self._lru[h]
                 self._free.append(slot)
+                dropped.append(h)
+        if self.events is not None:
+            self.events.removed(dropped, "CPU")
 
     # -- swap entries ----------------------------------------------------------------------------
 
@@ -233,6 +251,15 @@ class KVTiers:
     def attach_disk(self, disk: DiskStore) -> None:
         """Add the disk tier (lazily, e.g. once fp8 scales are known)."""
         self.host.disk = disk
+        if self.host.events is not None:
+            disk.attach_events(self.host.events)
+
+    def set_events(self, events: KVEventCollector) -> None:
+        """Report the host and disk tiers' prefix entries to `events`; state the current ones."""
+        self.host.events = events
+        events.stored(self.host.prefix_hashes(), "CPU")
+        if self.host.disk is not None:
+            self.host.disk.attach_events(events)
 
     def begin_step(self) -> None:
         """Start a new plan; the previous one has been executed."""

@@ -48,6 +48,8 @@ def test_generate_json_and_jsonl_files(tmp_path):
     (["generate", "hi", "--model", "/nonexistent/model"], "not found"),
     (["generate", "hi", "--block-size", "12"], "block_size"),
     (["generate"], "PROMPT"),
+    (["generate", "hi", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": 1}'],
+     "--kv-events-config: kv_events_config.publisher must be one of"),
 ])
 def test_bad_input_gives_clear_error(args, needle):
     r = _jpaged(*args)
@@ -63,5 +65,6 @@ def test_help_lists_vllm_flags():
     for flag in ("--gpu-memory-utilization", "--block-size", "--enable-prefix-caching",
                  "--kv-cache-dtype", "--swap-space", "--kv-offloading-size", "--max-num-seqs",
                  "--max-num-batched-tokens", "--max-model-len", "--tensor-parallel-size",
-                 "--preemption-mode", "--async-scheduling", "--no-async-scheduling"):
+                 "--preemption-mode", "--async-scheduling", "--no-async-scheduling",
+                 "--kv-events-config"):
         assert flag in r.stdout

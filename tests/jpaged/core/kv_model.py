@@ -22,6 +22,7 @@ import numpy as np
 from jpaged.core.disk_tier import SUFFIX, DiskTier
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.offload import HostTier, KVTiers
+from jpaged.kv_events import BlockStored, CacheIndex, KVEventCollector
 from jpaged.request import Request
 from jpaged.sampling_params import SamplingParams
 
@@ -64,6 +65,11 @@ class KVModel:
                                      (block_size,), np.int64)
             tiers = KVTiers(HostTier(host, (block_size,), np.int64, self.disk))
         self.m = KVCacheManager(block_size, num_blocks, MAX_LEN, caching, tiers=tiers)
+        # KV cache events, replayed into an index as a router would (check_events).
+        self.events = KVEventCollector(block_size)
+        self.index = CacheIndex()
+        if caching:
+            self.m.set_events(self.events)
         self.fake = np.full((num_blocks, block_size), -1, np.int64)  # the device pool
         self.reqs: dict[str, Request] = {}  # live requests
         self.where: dict[str, str] = {}  # rid -> "waiting" | "running" | "swapped"
@@ -291,6 +297,26 @@ class KVModel:
                 assert content(slot)[:n] == toks[k * self.bs:k * self.bs + n], "swap entry"
         if self.disk is not None:
             assert all(h in self.tokens_of for h in self.disk._index)
+
+    def check_events(self) -> None:
+        """Replaying the events so far gives every tier's hashes exactly; stored blocks carry
+        their own tokens and their chain's parent."""
+        bs = self.bs
+        for e in self.events.take():
+            if isinstance(e, BlockStored):
+                assert e.block_size == bs and e.medium in ("GPU", "CPU", "DISK")
+                if e.medium == "GPU":  # device blocks are always stated with their tokens
+                    assert len(e.token_ids) == bs * len(e.block_hashes)
+                for k, h in enumerate(e.block_hashes):
+                    if e.token_ids:
+                        assert e.token_ids[k * bs:(k + 1) * bs] == self.tokens_of[h]
+                        parent = e.parent_block_hash if k == 0 else e.block_hashes[k - 1]
+                        chain = self.chain_of[h]
+                        assert (parent is None) == (len(chain) == bs)
+                        if parent is not None:
+                            assert self.chain_of[parent] == chain[:-bs]
+            self.index.apply(e)
+        assert self.index.blocks == self.m.cached_hashes(), "events replay != the pool's state"
 
     def check_drained(self) -> None:
         """Free everything: every block returns to the free queue, no host slot leaks."""

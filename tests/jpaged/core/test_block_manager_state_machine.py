@@ -266,6 +266,11 @@ class BlockManagerMachine(KVModel, RuleBasedStateMachine):
         """Cached device blocks, host entries and swap entries hold the tokens they stand for."""
         self.check_content()
 
+    @invariant()
+    def events_replay_the_cache(self) -> None:
+        """The KV cache events so far, replayed, give each tier's cached hashes exactly."""
+        self.check_events()
+
     def teardown(self) -> None:
         """Free everything: every block returns to the free queue, no host slot leaks."""
         if hasattr(self, "m"):
