@@ -92,6 +92,26 @@ class AsyncLLMEngine:
         return self.engine.tokenizer
 
     @property
+    def model_source(self) -> str:
+        """Where the model was loaded from (a .gguf file or a directory)."""
+        return self.engine.loaded.source
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context limit."""
+        return self.engine.config.scheduler.max_model_len
+
+    def health(self) -> tuple[bool, dict[str, Any] | None]:
+        """(healthy, details) for /health: the loop runs; no details for one engine."""
+        return self.is_running, None
+
+    def metrics_registry(self) -> Any:
+        """A prometheus registry of this engine's metrics and timing histograms."""
+        from jpaged.metrics import build_registry
+
+        return build_registry(self.get_metrics, self.engine.stat_logger)
+
+    @property
     def is_running(self) -> bool:
         """True while the loop thread is alive and accepting requests."""
         return self._thread is not None and self._thread.is_alive() and not self._stopping

@@ -289,6 +289,17 @@ def serve(
     ] = None,
     disable_log_stats: Annotated[bool, typer.Option(
         "--disable-log-stats", help="No periodic stats line in the log.")] = False,
+    data_parallel_size: Annotated[int, typer.Option(
+        "--data-parallel-size", "-dp",
+        help="Engine replicas behind one router (each its own process, devices and cache).")
+    ] = 1,
+    data_parallel_backend: Annotated[str, typer.Option(
+        "--data-parallel-backend", help="How replicas run: ray (the only backend).")] = "ray",
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="Join this Ray cluster (default: start a local one).")] = None,
+    routing_policy: Annotated[str, typer.Option(
+        "--routing-policy", help="kv_aware | round_robin | least_load (data parallel).")
+    ] = "kv_aware",
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -299,7 +310,19 @@ def serve(
     from jpaged.server import run_server
 
     try:
-        engine = LLMEngine(_engine_args(flags))
+        if data_parallel_backend != "ray":
+            raise ValueError(f"--data-parallel-backend must be ray, got {data_parallel_backend!r}")
+        if data_parallel_size > 1 or ray_address is not None:
+            from jpaged.dp.client import DPEngineClient
+            from jpaged.dp.router import ROUTING_POLICIES
+
+            if routing_policy not in ROUTING_POLICIES:
+                raise ValueError(f"--routing-policy must be one of {ROUTING_POLICIES}, "
+                                 f"got {routing_policy!r}")
+            engine = DPEngineClient(_engine_args(flags), data_parallel_size, routing_policy,
+                                    ray_address=ray_address)
+        else:
+            engine = LLMEngine(_engine_args(flags))
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return

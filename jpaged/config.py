@@ -122,11 +122,17 @@ class ParallelConfig:
     """Device mesh: tensor parallel size."""
 
     tensor_parallel_size: int = 1
+    # This engine's rank among data-parallel replicas (None: not a replica); it tags its KV
+    # cache events (jpaged/dp).
+    data_parallel_rank: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
             _fail("ParallelConfig", "tensor_parallel_size", "an integer >= 1",
                   self.tensor_parallel_size)
+        r = self.data_parallel_rank
+        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
+            _fail("ParallelConfig", "data_parallel_rank", "an integer >= 0 or None", r)
 
 
 @dataclass(frozen=True)
@@ -189,6 +195,7 @@ class EngineArgs:
     long_prefill_token_threshold: int | None = None
     scheduling_policy: str = "priority"
     tensor_parallel_size: int = 1
+    data_parallel_rank: int | None = None
     async_scheduling: bool = True
     # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text (jpaged/kv_events.py)
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
@@ -238,6 +245,6 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 async_scheduling=self.async_scheduling,
             ),
-            parallel=ParallelConfig(self.tensor_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_rank),
             kv_events=KVEventsConfig.parse(self.kv_events_config),
         )

@@ -103,7 +103,8 @@ class LLMEngine:
         self.kv_events: KVEventHub | None = None
         ev = self.config.kv_events
         if ev is not None and ev.enable_kv_cache_events:
-            self.kv_events = KVEventHub(ev, self.config.cache.block_size)
+            self.kv_events = KVEventHub(ev, self.config.cache.block_size,
+                                        self.config.parallel.data_parallel_rank)
             self.scheduler.kv_cache_manager.set_events(self.kv_events.collector)
         kv = (allocate_kv_cache(self.spec, num_blocks, self.config.cache.block_size, self.kv_dtype)
               if self.parallel is None else

@@ -9,7 +9,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI
@@ -19,10 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import Send
 
-from jpaged.async_engine import AsyncLLMEngine, EngineDeadError
+from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
 from jpaged.engine import LLMEngine
-from jpaged.metrics import build_registry, render
+from jpaged.metrics import render
 from jpaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,6 +30,9 @@ from jpaged.server.protocol import (
     error_body,
 )
 from jpaged.server.serving import EventStream, Serving
+
+if TYPE_CHECKING:
+    from jpaged.dp.client import DPEngineClient
 
 logger = logging.getLogger("jpaged.server")
 
@@ -65,21 +68,27 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts.values()) or "invalid request body", param
 
 
-def default_model_name(engine: LLMEngine) -> str:
+def default_model_name(engine: LLMEngine | str) -> str:
     """The name a model is served under when none is given: its file or directory name."""
-    name = Path(engine.loaded.source).name
+    name = Path(engine if isinstance(engine, str) else engine.loaded.source).name
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
-def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str | None = None,
-              api_key: str | None = None) -> FastAPI:
-    """An OpenAI-compatible FastAPI app over `engine` (an LLMEngine is run and owned by it)."""
-    owned = isinstance(engine, LLMEngine)
-    aengine = AsyncLLMEngine(engine) if owned else engine
+def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
+              served_model_name: str | None = None, api_key: str | None = None,
+              owned: bool | None = None) -> FastAPI:
+    """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
+    owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
+
+    `owned`: shut the engine down with the app (default: only an LLMEngine it wraps itself).
+    """
+    wrapped = isinstance(engine, LLMEngine)
+    owned = wrapped if owned is None else owned
+    aengine = AsyncLLMEngine(engine) if wrapped else engine
     aengine.start()
-    name = served_model_name or default_model_name(aengine.engine)
+    name = served_model_name or default_model_name(aengine.model_source)
     serving = Serving(aengine, name)
-    registry = build_registry(aengine.get_metrics, aengine.engine.stat_logger)
+    registry = aengine.metrics_registry()
     created = int(time.time())
 
     @asynccontextmanager
@@ -107,6 +116,11 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str | None 
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestFailedError)
+    async def _failed(_: Request, exc: RequestFailedError) -> JSONResponse:
+        # The engine (or a data-parallel replica) failed while running this request.
+        return JSONResponse(error_body(str(exc), "server_error", code=500), status_code=500)
 
     @app.exception_handler(EngineDeadError)
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -144,18 +158,20 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str | None 
         """The one served model."""
         return {"object": "list", "data": [{
             "id": name, "object": "model", "created": created, "owned_by": "jpaged",
-            "root": aengine.engine.loaded.source,
-            "max_model_len": aengine.engine.config.scheduler.max_model_len}]}
+            "root": aengine.model_source, "max_model_len": aengine.max_model_len}]}
 
     app.include_router(v1)
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine loop runs, else 503."""
-        if aengine.is_running:
-            return Response(status_code=200)
-        return JSONResponse(error_body("the engine loop is not running", "server_error",
-                                       code=503), status_code=503)
+        """200 while the engine loop runs (data parallel: any replica; JSON per replica)."""
+        ok, details = aengine.health()
+        if ok:
+            return Response(status_code=200) if details is None else JSONResponse(details)
+        body = error_body("the engine loop is not running", "server_error", code=503)
+        if details is not None:
+            body.update(details)
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -166,11 +182,12 @@ def build_app(engine: LLMEngine | AsyncLLMEngine, served_model_name: str | None 
     return app
 
 
-def run_server(engine: LLMEngine | AsyncLLMEngine, host: str = DEFAULT_HOST,
+def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = DEFAULT_HOST,
                port: int = DEFAULT_PORT, api_key: str | None = None,
                served_model_name: str | None = None, log_level: str = "info") -> None:
-    """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking)."""
-    app = build_app(engine, served_model_name, api_key)
+    """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
+    is shut down when the server stops."""
+    app = build_app(engine, served_model_name, api_key, owned=True)
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)

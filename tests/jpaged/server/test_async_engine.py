@@ -106,3 +106,30 @@ def test_shutdown_fails_requests_in_flight():
     unstarted = AsyncLLMEngine(engine.engine, start=False)
     unstarted.shutdown()
     assert not unstarted.is_running
+
+
+def test_a_request_the_engine_failed_gets_a_json_500(served):
+    """Over HTTP, a non-streaming request whose step failed gets OpenAI's error body, naming
+    the failure, and the server keeps answering."""
+    import httpx
+    from serverkit import MODEL
+
+    core = served.engine.engine
+
+    def failing_step():
+        del core.step  # fail once
+        raise RuntimeError("injected device failure")
+
+    core.step = failing_step
+    try:
+        r = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "fails", "max_tokens": 5})
+    finally:
+        core.__dict__.pop("step", None)
+    assert r.status_code == 500
+    err = r.json()["error"]
+    assert err["type"] == "server_error" and "injected device failure" in err["message"]
+    served.wait_drained(timeout=30)
+    ok = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
+        "model": MODEL, "prompt": "works", "max_tokens": 3})
+    assert ok.status_code == 200

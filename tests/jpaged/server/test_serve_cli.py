@@ -58,5 +58,18 @@ def test_serve_help_lists_server_and_engine_flags():
     for flag in ("--host", "--port", "--api-key", "--served-model-name", "--disable-log-stats",
                  "--gpu-memory-utilization", "--block-size", "--enable-prefix-caching",
                  "--kv-cache-dtype", "--max-num-seqs", "--max-model-len",
-                 "--tensor-parallel-size", "--preemption-mode"):
+                 "--tensor-parallel-size", "--preemption-mode", "--data-parallel-size",
+                 "--data-parallel-backend", "--ray-address", "--routing-policy",
+                 "--kv-events-config"):
         assert flag in r.stdout, flag
+
+
+def test_serve_refuses_bad_data_parallel_flags_before_starting_anything():
+    for args, msg in ((["--data-parallel-size", "2", "--routing-policy", "random"],
+                       "--routing-policy must be one of"),
+                      (["--data-parallel-backend", "mp"], "--data-parallel-backend must be ray"),
+                      (["--data-parallel-size", "2", "--kv-events-config",
+                        '{"enable_kv_cache_events": true}'], "kv_events_config is set by")):
+        r = CliRunner().invoke(app, ["serve", *args])
+        assert r.exit_code == 2, r.output
+        assert msg in r.output and "Traceback" not in r.output

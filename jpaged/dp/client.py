@@ -1,0 +1,500 @@
+"""The front end of data-parallel serving: N engine replicas as Ray actors behind one router.
+
+`DPEngineClient` offers what the OpenAI server needs of an engine (`add_request` onto an
+asyncio queue, `abort`, metrics, health, the tokenizer), as `AsyncLLMEngine` does for one
+engine, so `build_app` serves either. Each request is routed (`router.py`), added to its
+replica, and its outputs are pumped from the replica's streaming call into the caller's queue.
+
+Threads: the caller's event loop routes and pumps; one thread reads every replica's KV events
+(ZMQ SUB sockets, replaying any gap from the replica's replay socket) into the router's index;
+one thread checks each replica every `HEALTH_INTERVAL_S` (a Ray call with a timeout) and
+refreshes its metrics. The router is shared under one lock.
+
+Faults: a replica that dies fails the requests it was serving with `RequestFailedError`
+(naming the replica); the others keep serving. Ray restarts the actor (a fresh engine, empty
+cache); the health thread sees the new process, the router forgets what the old one held and
+re-reads the new one's events from their start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from jpaged.async_engine import EngineDeadError, RequestFailedError
+from jpaged.config import EngineArgs
+from jpaged.dp.replica import EngineReplica
+from jpaged.dp.router import Route, Router
+from jpaged.engine import PromptType
+from jpaged.kv_events import END_OF_REPLAY, decode_batch
+from jpaged.metrics import PREFIX, describe_metric, flatten_numeric
+from jpaged.sampling_params import SamplingParams
+
+logger = logging.getLogger("jpaged.dp")
+
+HEALTH_INTERVAL_S = 0.5  # how often each replica is checked (and its metrics read)
+HEALTH_TIMEOUT_S = 5.0  # a replica that does not answer within this is marked down
+REPLAY_TIMEOUT_MS = 5000
+
+
+class DPEngineClient:
+    """N replicas of one engine on Ray, one router; the server's engine for --data-parallel-size."""
+
+    def __init__(self, args: EngineArgs, data_parallel_size: int,
+                 routing_policy: str = "kv_aware", ray_address: str | None = None,
+                 ray_init_kwargs: Mapping[str, Any] | None = None, replica_cpus: float = 1.0,
+                 ready_timeout: float = 600.0, load_weight: float = 1.0) -> None:
+        import ray
+
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be an integer >= 1, "
+                             f"got {data_parallel_size!r}")
+        if args.kv_events_config is not None:
+            raise ValueError("kv_events_config is set by data-parallel serving itself (each "
+                             "replica publishes to the router); leave it unset")
+        args.create_engine_config(2**31 - 1)  # bad engine flags fail here, before Ray starts
+        self.size = data_parallel_size
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            kw = dict(ray_init_kwargs or {})
+            kw.setdefault("include_dashboard", False)
+            kw.setdefault("configure_logging", False)
+            ray.init(address=ray_address, **kw)
+        # Events sockets on loopback for a cluster of this machine only; else the node's address.
+        local = ray_address is None
+        gpus = ray.cluster_resources().get("GPU", 0) > 0
+        options: dict[str, Any] = {"max_restarts": -1, "max_task_retries": 0,
+                                   "num_cpus": replica_cpus, "max_concurrency": 10_000}
+        if gpus:
+            options["num_gpus"] = args.tensor_parallel_size
+        actor_cls = ray.remote(EngineReplica).options(**options)
+        engine_args = {k: v for k, v in vars(args).items() if k != "extra"}
+        engine_args.update(args.extra)
+        self._actors = [actor_cls.remote(engine_args, r, "127.0.0.1" if local else None)
+                        for r in range(data_parallel_size)]
+        try:
+            infos = ray.get([a.info.remote() for a in self._actors], timeout=ready_timeout)
+            self.tokenizer = ray.get(self._actors[0].tokenizer.remote(), timeout=ready_timeout)
+        except ray.exceptions.GetTimeoutError:
+            self._kill_all()
+            asks = {k: options[k] for k in ("num_cpus", "num_gpus") if k in options}
+            raise RuntimeError(
+                f"the {data_parallel_size} replicas did not start within {ready_timeout:.0f} s; "
+                f"each asks Ray for {asks}, and Ray has {ray.available_resources()} free"
+            ) from None
+        except ray.exceptions.RayTaskError as e:  # the engine refused its arguments
+            self._kill_all()
+            raise _cause(e) from None
+        except Exception:
+            self._kill_all()
+            raise
+        first = infos[0]
+        self.model_source: str = first["source"]
+        self.max_model_len: int = first["max_model_len"]
+        self.router = Router(data_parallel_size, routing_policy, first["block_size"],
+                             first["hash_algo"], load_weight=load_weight)
+        self._lock = threading.Lock()  # guards the router
+        self._infos: list[dict[str, Any] | None] = list(infos)
+        self._metrics: list[dict[str, Any]] = [{} for _ in range(data_parallel_size)]
+        self._errors: list[str | None] = [None] * data_parallel_size
+        self._tasks: dict[str, tuple[asyncio.Task, asyncio.AbstractEventLoop, int]] = {}
+        self._stopping = threading.Event()
+        self._events = _EventReader(self)
+        for r, info in enumerate(infos):
+            self._events.follow(r, info)
+        self._health = threading.Thread(target=self._watch, name="jpaged-dp-health",
+                                        daemon=True)
+        self._health.start()
+
+    # -- what the server needs -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Nothing to do: the replicas run from construction (the server calls this)."""
+
+    @property
+    def is_running(self) -> bool:
+        """True while at least one replica is healthy."""
+        return not self._stopping.is_set() and any(self.router.healthy)
+
+    def health(self) -> tuple[bool, dict[str, Any]]:
+        """(any replica up, per-replica status) for /health."""
+        reps = []
+        for r in range(self.size):
+            info = self._infos[r]
+            reps.append({"replica": r, "healthy": self.router.healthy[r],
+                         "pid": info["pid"] if info else None,
+                         "requests_routed": self.router.routed[r],
+                         "in_flight": self.router.loads[r].in_flight,
+                         "error": self._errors[r]})
+        return self.is_running, {"replicas": reps}
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Totals over the replicas (fractions averaged), plus the router's per-replica counts."""
+        out = _totals([m for m, ok in zip(self._metrics, self.router.healthy, strict=True)
+                       if ok and m])
+        out["num_unfinished_requests"] = len(self._tasks)
+        out["data_parallel_size"] = self.size
+        out["num_replicas_healthy"] = sum(self.router.healthy)
+        return out
+
+    def replica_metrics(self) -> list[dict[str, Any]]:
+        """Each replica's latest metrics ({} while it is down)."""
+        return [dict(m) if ok else {} for m, ok in zip(self._metrics, self.router.healthy,
+                                                        strict=True)]
+
+    def metrics_registry(self) -> Any:
+        """A prometheus registry: every series per replica (label engine) and its total."""
+        from prometheus_client import CollectorRegistry
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_ReplicaCollector(self))
+        return registry
+
+    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                          priority: int = 0, queue: asyncio.Queue | None = None
+                          ) -> asyncio.Queue:
+        """Route and add a request; its outputs (or an exception) arrive on the queue."""
+        import ray
+
+        if self._stopping.is_set():
+            raise EngineDeadError("the data-parallel engine is shut down")
+        queue = asyncio.Queue() if queue is None else queue
+        ids, salt, payload = self._for_routing(prompt)
+        tried: set[int] = set()
+        while True:
+            with self._lock:
+                route = self.router.choose(ids, salt) if len(tried) < self.size else None
+                if route is not None and route.replica in tried:
+                    route = None
+                if route is not None:
+                    self.router.started(request_id, route)
+            if route is None:
+                raise EngineDeadError("no replica could take the request")
+            actor = self._actors[route.replica]
+            try:
+                await actor.add.remote(request_id, payload, params, priority)
+                break
+            except ray.exceptions.RayTaskError as e:  # the engine refused it (bad input)
+                self._end(request_id, route.replica)
+                raise _cause(e) from None
+            except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+                self._end(request_id, route.replica)
+                self._down(route.replica, e)
+                tried.add(route.replica)  # try another replica
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._pump(request_id, route, actor, queue))
+        self._tasks[request_id] = (task, loop, route.replica)
+        return queue
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Abort requests from any thread (their replicas forget them too)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        by_replica: dict[int, list[str]] = {}
+        for rid in ids:
+            entry = self._tasks.get(rid)
+            if entry is None:
+                continue
+            task, loop, r = entry
+            by_replica.setdefault(r, []).append(rid)
+            try:
+                loop.call_soon_threadsafe(task.cancel)
+            except RuntimeError:  # its loop is closed
+                pass
+        for r, rids in by_replica.items():
+            self._actors[r].abort.remote(rids)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop the replicas and the threads (and Ray, if this client started it)."""
+        import ray
+
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        self._health.join(timeout)
+        self._events.close()
+        for r in range(self.size):
+            try:
+                ray.get(self._actors[r].shutdown.remote(), timeout=timeout)
+            except Exception:  # dead or stuck: killed below anyway
+                pass
+        self._kill_all()
+        if self._owns_ray:
+            ray.shutdown()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _for_routing(self, prompt: PromptType) -> tuple[list[int] | None, str | None, Any]:
+        """Token ids and salt the router hashes, and the prompt sent on (with those ids, so the
+        replica computes exactly the tokens that were routed)."""
+        if isinstance(prompt, str):
+            if not prompt:
+                return None, None, prompt  # the replica names the problem
+            ids = list(self.tokenizer.encode(prompt))
+            return ids, None, {"prompt": prompt, "prompt_token_ids": ids}
+        if isinstance(prompt, Mapping):
+            salt = prompt.get("cache_salt")
+            salt = salt if isinstance(salt, str) else None
+            ids = prompt.get("prompt_token_ids")
+            if ids is None and isinstance(prompt.get("prompt"), str) and prompt["prompt"]:
+                ids = list(self.tokenizer.encode(prompt["prompt"]))
+                return ids, salt, {**prompt, "prompt_token_ids": ids}
+            if isinstance(ids, list) and all(isinstance(t, int) for t in ids):
+                return ids, salt, prompt
+        return None, None, prompt
+
+    async def _pump(self, request_id: str, route: Route, actor: Any,
+                    queue: asyncio.Queue) -> None:
+        import ray
+
+        r = route.replica
+        gen = actor.stream.remote(request_id)
+        first = True
+        try:
+            async for ref in gen:
+                outs = await ref
+                if first:
+                    first = False
+                    with self._lock:
+                        self.router.first_output(request_id, r)
+                for out in outs:
+                    queue.put_nowait(out)
+        except asyncio.CancelledError:
+            ray.cancel(gen)
+            raise
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self._down(r, e)
+            queue.put_nowait(RequestFailedError(
+                f"replica {r} failed while serving this request ({type(e).__name__}); "
+                "the other replicas keep serving"))
+        except ray.exceptions.RayTaskError as e:
+            queue.put_nowait(_cause(e))
+        except Exception as e:  # never leave the caller waiting
+            queue.put_nowait(RequestFailedError(f"replica {r}: {type(e).__name__}: {e}"))
+        finally:
+            self._end(request_id, r)
+
+    def _end(self, request_id: str, replica: int) -> None:
+        with self._lock:
+            self.router.finished(request_id, replica)
+        entry = self._tasks.get(request_id)
+        if entry is not None and entry[2] == replica:
+            del self._tasks[request_id]
+
+    def _down(self, replica: int, error: BaseException | str) -> None:
+        with self._lock:
+            was = self.router.healthy[replica]
+            self.router.set_healthy(replica, False)
+        self._errors[replica] = str(error).splitlines()[0][:300] if str(error) else repr(error)
+        self._events.unfollow(replica)
+        if was:
+            logger.warning("replica %d is down: %s", replica, self._errors[replica])
+
+    def _watch(self) -> None:
+        import ray
+
+        while not self._stopping.wait(HEALTH_INTERVAL_S):
+            for r, actor in enumerate(self._actors):
+                try:
+                    info, metrics = ray.get([actor.info.remote(), actor.metrics.remote()],
+                                            timeout=HEALTH_TIMEOUT_S)
+                except Exception as e:
+                    if self.router.healthy[r]:
+                        self._down(r, e)
+                    continue
+                old = self._infos[r]
+                self._metrics[r] = metrics
+                if not info["running"]:
+                    self._down(r, "its engine loop stopped")
+                    continue
+                if not self.router.healthy[r] or old is None or old["pid"] != info["pid"]:
+                    # Up again (or restarted under us): a fresh engine, its events from 0.
+                    self._infos[r] = info
+                    self._events.unfollow(r)
+                    with self._lock:
+                        self.router.index.drop_replica(r)
+                    self._events.follow(r, info)
+                    with self._lock:
+                        self.router.healthy[r] = True
+                    self._errors[r] = None
+                    logger.info("replica %d is up (pid %d)", r, info["pid"])
+
+    def _kill_all(self) -> None:
+        import ray
+
+        for a in self._actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:
+                pass
+
+
+def _cause(e: BaseException) -> BaseException:
+    """The exception a replica raised (ValueError for bad input), without Ray's wrapping."""
+    cause = getattr(e, "cause", None)
+    return cause if isinstance(cause, BaseException) else e
+
+
+def _is_fraction(key: str) -> bool:
+    return "usage" in key or "rate" in key or "perc" in key
+
+
+def _totals(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
+    """Counters and counts summed, fractions averaged."""
+    out: dict[str, Any] = {}
+    if not per_replica:
+        return out
+    for key, _ in flatten_numeric(per_replica[0]):
+        vals = [v for m in per_replica for k, v in flatten_numeric(m) if k == key]
+        out[key] = sum(vals) / len(vals) if _is_fraction(key) else sum(vals)
+    return out
+
+
+class _ReplicaCollector:
+    """Every engine metric with an `engine` label per replica, plus engine="total"."""
+
+    def __init__(self, client: DPEngineClient) -> None:
+        self.client = client
+
+    def collect(self) -> Iterator[Any]:
+        """Yield one family per metric, a sample per replica and the total."""
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        per = self.client.replica_metrics()
+        rows: dict[str, list[tuple[str, float]]] = {}
+        for r, m in enumerate(per):
+            for key, value in flatten_numeric(m):
+                rows.setdefault(key, []).append((str(r), value))
+        totals = dict(flatten_numeric(self.client.get_metrics()))
+        seen: set[str] = set()
+        for key in list(rows) + [k for k in totals if k not in rows]:
+            name, kind, doc = describe_metric(key)
+            if name in seen:
+                continue
+            seen.add(name)
+            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
+                f"{PREFIX}{name}", doc, labels=["engine"])
+            for label, value in rows.get(key, []):
+                family.add_metric([label], value)
+            if key in totals:
+                family.add_metric(["total"], totals[key])
+            yield family
+
+
+class _EventReader:
+    """Reads every followed replica's KV events into the router's index (one thread)."""
+
+    def __init__(self, client: DPEngineClient) -> None:
+        import zmq
+
+        self.client = client
+        self.ctx = zmq.Context()
+        self._lock = threading.Lock()
+        self._subs: dict[int, Any] = {}  # replica -> SUB socket
+        self._replay: dict[int, str] = {}
+        self._next: dict[int, int] = {}  # replica -> next expected sequence number
+        # (replica, "drop" or None, events endpoint, replay endpoint): changes for the thread
+        self._pending: list[tuple[int, str | None, str, str]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="jpaged-dp-events",
+                                        daemon=True)
+        self._thread.start()
+
+    def follow(self, replica: int, info: Mapping[str, Any]) -> None:
+        """Start reading a replica's events from their beginning."""
+        if info.get("events_endpoint") is None:
+            return
+        with self._lock:
+            self._pending.append((replica, None, info["events_endpoint"],
+                                  info["replay_endpoint"]))
+
+    def unfollow(self, replica: int) -> None:
+        """Stop reading a replica (it is down); its index entries are dropped by the caller."""
+        with self._lock:
+            self._pending.append((replica, "drop", "", ""))
+
+    def close(self) -> None:
+        """Stop the thread and close the sockets."""
+        self._closed = True
+        self._thread.join(5.0)
+        for s in self._subs.values():
+            s.close(0)
+        self.ctx.term()
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        while not self._closed:
+            with self._lock:
+                pending, self._pending = self._pending, []
+            for r, what, endpoint, replay in pending:
+                old = self._subs.pop(r, None)
+                if old is not None:
+                    poller.unregister(old)
+                    old.close(0)
+                self._next.pop(r, None)
+                if what == "drop":
+                    continue
+                sub = self.ctx.socket(zmq.SUB)
+                sub.setsockopt(zmq.SUBSCRIBE, b"")
+                sub.connect(endpoint)
+                self._subs[r], self._replay[r] = sub, replay
+                poller.register(sub, zmq.POLLIN)
+                self._catch_up(r, 0)
+            try:
+                ready = dict(poller.poll(50))
+            except zmq.ZMQError:
+                continue
+            for r, sub in list(self._subs.items()):
+                if sub not in ready:
+                    continue
+                while True:
+                    try:
+                        _, seq_b, payload = sub.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    seq = int.from_bytes(seq_b, "big")
+                    expected = self._next.get(r, 0)
+                    if seq < expected:
+                        continue  # already applied (from a replay)
+                    if seq > expected:  # a gap: fetch what was missed first
+                        self._catch_up(r, expected)
+                        if seq < self._next.get(r, 0):
+                            continue
+                    self._apply(r, seq, payload)
+
+    def _apply(self, replica: int, seq: int, payload: bytes) -> None:
+        batch = decode_batch(payload)
+        with self.client._lock:
+            for e in batch.events:
+                self.client.router.index.apply(replica, e)
+        self._next[replica] = seq + 1
+
+    def _catch_up(self, replica: int, start: int) -> None:
+        """Replay a replica's batches from `start` (its replay socket) and apply them."""
+        import zmq
+
+        dealer = self.ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
+        dealer.setsockopt(zmq.LINGER, 0)
+        try:
+            dealer.connect(self._replay[replica])
+            dealer.send(start.to_bytes(8, "big"))
+            self._next.setdefault(replica, start)
+            while True:
+                _, seq_b, payload = dealer.recv_multipart()
+                seq = int.from_bytes(seq_b, "big", signed=True)
+                if seq == END_OF_REPLAY:
+                    break
+                if seq > self._next[replica]:  # older than the replay buffer keeps
+                    logger.warning("replica %d: KV events %d..%d are gone; its index entries "
+                                   "may be incomplete", replica, self._next[replica], seq - 1)
+                if seq >= self._next[replica]:
+                    self._apply(replica, seq, payload)
+        except zmq.Again:
+            logger.warning("replica %d: no answer from its KV event replay socket", replica)
+        finally:
+            dealer.close(0)

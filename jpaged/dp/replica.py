@@ -1,0 +1,94 @@
+"""One data-parallel replica: an engine in its own process (a Ray actor), driven by the front end.
+
+The actor owns an AsyncLLMEngine (its own device set, scheduler and KV pool) and publishes its
+KV cache events on a ZMQ socket of its own, which the front end's router indexes. A request is
+added in one call (`add`: validation errors come back at once, as from a local engine) and its
+outputs are then read from a streaming call (`stream`), which yields lists of RequestOutputs:
+whatever the engine produced since the last yield, so a busy replica does not pay one Ray
+message per token. Cancelling the stream (the client went away) aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jpaged.async_engine import AsyncLLMEngine
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine, PromptType
+from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import SamplingParams
+
+
+class EngineReplica:
+    """The body of a replica actor (`ray.remote(EngineReplica)`); usable in-process too."""
+
+    def __init__(self, engine_args: dict[str, Any], rank: int, events_host: str) -> None:
+        ev = {"enable_kv_cache_events": True, "publisher": "zmq",
+              "endpoint": f"tcp://{events_host}:*", "replay_endpoint": f"tcp://{events_host}:*"}
+        args = EngineArgs(**{**engine_args, "kv_events_config": ev, "data_parallel_rank": rank})
+        self.rank = rank
+        self.engine = AsyncLLMEngine(LLMEngine(args))
+        self._queues: dict[str, asyncio.Queue] = {}
+
+    def info(self) -> dict[str, Any]:
+        """What the front end needs: events endpoints, model, limits, pid."""
+        e = self.engine.engine
+        pub = e.kv_events.publisher if e.kv_events is not None else None
+        cache = e.config.cache
+        return {"rank": self.rank, "pid": os.getpid(), "source": e.loaded.source,
+                "max_model_len": e.config.scheduler.max_model_len,
+                "block_size": cache.block_size, "hash_algo": cache.prefix_caching_hash_algo,
+                "events_endpoint": pub.endpoint if pub is not None else None,
+                "replay_endpoint": pub.replay_endpoint if pub is not None else None,
+                "running": self.engine.is_running}
+
+    def tokenizer(self) -> Any:
+        """The model's tokenizer (pickled to the front end)."""
+        return self.engine.tokenizer
+
+    async def add(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                  priority: int = 0) -> None:
+        """Queue a request; raises ValueError for bad input, as LLMEngine.add_request."""
+        self._queues[request_id] = await self.engine.add_request(request_id, prompt, params,
+                                                                 priority)
+
+    async def stream(self, request_id: str) -> AsyncIterator[list[RequestOutput]]:
+        """The request's outputs, in batches, until it finishes; cancelled: it is aborted."""
+        queue = self._queues.get(request_id)
+        if queue is None:
+            raise KeyError(f"request {request_id!r} was not added to replica {self.rank}")
+        finished = False
+        try:
+            while not finished:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                outs = []
+                for item in items:
+                    if isinstance(item, BaseException):
+                        finished = True
+                        raise item
+                    outs.append(item)
+                    finished = finished or item.finished
+                yield outs
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self.engine.abort(request_id)
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Abort requests (unknown ids are ignored)."""
+        for rid in request_ids:
+            self._queues.pop(rid, None)
+        self.engine.abort(request_ids)
+
+    def metrics(self) -> dict[str, Any]:
+        """The engine's metrics as of its latest loop iteration."""
+        return self.engine.get_metrics()
+
+    def shutdown(self) -> None:
+        """Stop the engine loop and the event publisher."""
+        self.engine.shutdown()

@@ -1,0 +1,216 @@
+"""Data-parallel serving on a real local Ray cluster (2 CPUs) and a real server on 127.0.0.1,
+driven by the official openai client: two replicas answer what one engine answers, streams and
+client disconnects pass through the router, kv_aware sends a shared prefix where it is cached,
+/health and /metrics report per replica, and a replica killed mid-stream fails only its own
+requests while the server keeps answering and Ray restarts it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import openai
+import pytest
+from helpers import tiny_model_dir
+
+from jpaged import SamplingParams
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine
+from jpaged.server import BackgroundServer, build_app
+
+ray = pytest.importorskip("ray")
+# ray.init starts its processes with subprocess (fork + exec at once): JAX's warning about
+# fork in a threaded process does not apply.
+pytestmark = pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
+
+MODEL = "tiny-dp"
+ARGS = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64, block_size=8,
+            num_gpu_blocks_override=96, disable_log_stats=True)
+WAIT_S = 120  # bound on every wait here
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster of 2 CPUs for this module; the workers share the suite's XLA cache."""
+    import jax
+
+    cache = jax.config.jax_compilation_cache_dir  # set by tests/conftest.py
+    ray.init(num_cpus=2, include_dashboard=False, configure_logging=False,
+             runtime_env={"env_vars": {"JAX_COMPILATION_CACHE_DIR": str(cache),
+                                       "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+                                       "JAX_PLATFORMS": "cpu"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _serve(policy: str):
+    from jpaged.dp.client import DPEngineClient
+
+    # Half a CPU each: two servers' replicas fit the 2-CPU cluster at once.
+    client = DPEngineClient(EngineArgs(model=str(tiny_model_dir()), **ARGS), 2, policy,
+                            ready_timeout=WAIT_S, replica_cpus=0.5)
+    return client, BackgroundServer(build_app(client, MODEL, owned=True))
+
+
+@pytest.fixture(scope="module")
+def rr(cluster):
+    """DP=2 behind a round-robin router (so both replicas get requests, deterministically)."""
+    client, server = _serve("round_robin")
+    try:
+        yield client, server
+    finally:
+        server.stop()
+
+
+def _oai(server: BackgroundServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                         timeout=WAIT_S)
+
+
+PROMPTS = ["one two three four", "five six seven", "eight nine ten eleven twelve", "a b c"]
+
+
+def _wait(pred, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_dp2_answers_equal_one_engines(rr):
+    client, server = rr
+    oai = _oai(server)
+    got = [oai.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0,
+                                  extra_body={"ignore_eos": True}).choices[0].text
+           for p in PROMPTS]
+    chat = oai.chat.completions.create(model=MODEL, max_tokens=6, temperature=0,
+                                       messages=[{"role": "user", "content": "hello there"}])
+    one = LLMEngine(EngineArgs(model=str(tiny_model_dir()), **ARGS))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    from jpaged import LLM
+
+    llm = LLM.from_engine(one)
+    want = [o.outputs[0].text for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == want
+    want_chat = llm.chat([{"role": "user", "content": "hello there"}],
+                         SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert chat.choices[0].message.content == want_chat[0].outputs[0].text
+    # Both replicas served (round robin), and /health lists them.
+    health = httpx.get(f"{server.url}/health", timeout=30).json()["replicas"]
+    assert [h["healthy"] for h in health] == [True, True]
+    assert all(h["requests_routed"] >= 2 for h in health)
+
+
+def test_streams_and_disconnects_pass_through_the_router(rr):
+    client, server = rr
+
+    async def run() -> tuple[list[str], int]:
+        oai = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                 timeout=WAIT_S)
+        try:
+            async def one(i: int) -> str:
+                stream = await oai.completions.create(
+                    model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=40 if i % 2
+                    else 8, temperature=0, stream=True, extra_body={"ignore_eos": True})
+                text, chunks = "", 0
+                async for chunk in stream:
+                    text += chunk.choices[0].text
+                    chunks += 1
+                    if i % 2 and chunks == 2:
+                        await stream.close()  # hang up mid-stream
+                        return "dropped"
+                return text
+            return list(await asyncio.gather(*(one(i) for i in range(8)))), 0
+        finally:
+            await oai.close()
+
+    texts, _ = asyncio.run(run())
+    assert texts[1::2] == ["dropped"] * 4 and all(t and t != "dropped" for t in texts[::2])
+    # The hung-up requests were aborted on their replicas: nothing runs, no block is held.
+    _wait(lambda: client.get_metrics().get("num_unfinished_requests") == 0
+          and all(m.get("kv_cache_usage") == 0.0 and m.get("num_requests_running") == 0
+                  for m in client.replica_metrics()), "the replicas to drain")
+    assert client.get_metrics()["num_requests_aborted"] >= 4
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    assert 'jpaged:num_requests_running{engine="0"}' in text
+    assert 'jpaged:num_requests_running{engine="1"}' in text
+    assert 'engine="total"' in text
+
+
+def test_kv_aware_routes_a_shared_prefix_to_the_replica_that_holds_it(cluster):
+    client, server = _serve("kv_aware")
+    try:
+        oai = _oai(server)
+        system = " ".join(f"w{i}" for i in range(20))  # a shared prefix of several blocks
+        first = oai.completions.create(model=MODEL, prompt=system + " q0", max_tokens=2,
+                                       temperature=0)
+        _wait(lambda: any(client.router.index.hashes_of(r) for r in range(2)),
+              "the first replica's events")
+        holder = next(r for r in range(2) if client.router.index.hashes_of(r))
+        for i in range(1, 4):  # one at a time: no load to weigh, the prefix decides
+            r = oai.completions.create(model=MODEL, prompt=f"{system} q{i}", max_tokens=2,
+                                       temperature=0)
+            assert r.usage.prompt_tokens_details.cached_tokens > 0
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        assert client.router.routed[holder] == 4
+    finally:
+        server.stop()
+
+
+def test_a_killed_replica_fails_only_its_requests(rr):
+    client, server = rr
+    pids = [h["pid"] for h in httpx.get(f"{server.url}/health", timeout=30).json()["replicas"]]
+
+    async def run() -> list[tuple[str, str]]:
+        oai = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                                 timeout=WAIT_S)
+        started: set[int] = set()
+        try:
+            async def one(i: int) -> tuple[str, str]:
+                stream = await oai.completions.create(
+                    model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=120,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+                text = ""
+                try:
+                    async for chunk in stream:
+                        text += chunk.choices[0].text
+                        started.add(i)
+                        if i == 0 and len(started) == 4 and pids[1] is not None:
+                            os.kill(pids[1], signal.SIGKILL)  # replica 1, every stream running
+                            pids[1] = None
+                except openai.APIError as e:
+                    return "error", str(e)
+                return "done", text
+            return list(await asyncio.gather(*(one(i) for i in range(4))))
+        finally:
+            await oai.close()
+
+    results = asyncio.run(run())
+    assert pids[1] is None, "the streams ended before all four had started"
+    # Round robin put two streams on each replica: replica 1's fail, naming it; the others end.
+    kinds = sorted(kind for kind, _ in results)
+    assert kinds == ["done", "done", "error", "error"], results
+    assert all("replica 1" in detail for kind, detail in results if kind == "error")
+    assert all(len(detail) > 0 for kind, detail in results if kind == "done")
+    # The server keeps answering (on replica 0) while replica 1 restarts ...
+    ok = _oai(server).completions.create(model=MODEL, prompt="one two", max_tokens=3,
+                                         temperature=0)
+    assert ok.choices[0].text
+
+    # ... and Ray brings replica 1 back: a new process, healthy, serving again.
+    def back() -> bool:
+        reps = httpx.get(f"{server.url}/health", timeout=30).json()["replicas"]
+        return reps[1]["healthy"] and reps[1]["pid"] not in (None, old_pid)
+
+    old_pid = [h["pid"] for h in client.health()[1]["replicas"]][1]
+    _wait(back, "replica 1 to restart")
+    before = client.router.routed[1]
+    outs = [_oai(server).completions.create(model=MODEL, prompt="five six", max_tokens=3,
+                                            temperature=0).choices[0].text for _ in range(2)]
+    assert outs[0] == outs[1] and client.router.routed[1] == before + 1
