@@ -78,6 +78,25 @@ def build_model(spec: ModelSpec, weights: dict, dtype: Any) -> nnx.Module:
     return model
 
 
+def check_model_source(model: str | None) -> None:
+    """Raise what load_model would for a model that is not there, without loading anything
+    (a hub repo id is not checked: it is fetched when loaded)."""
+    if model is None or model == DEFAULT_MODEL:
+        embedded_gguf_path()
+        return
+    path = Path(model).expanduser()
+    if model.lower().endswith(".gguf"):
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {path}")
+    elif path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"config.json not found: {path / 'config.json'}")
+    elif path.exists():
+        raise ValueError(f"model {model!r} is neither a .gguf file nor a model directory")
+    elif not _REPO_ID.match(model):
+        raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or HF repo id)")
+
+
 def load_model(model: str | None = None, dtype: str = "auto") -> LoadedModel:
     """Load the embedded default (None), a .gguf file, an HF directory or an HF repo id."""
     jdtype = resolve_dtype(dtype)

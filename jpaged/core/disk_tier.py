@@ -18,10 +18,19 @@ header layout is deterministic, the exact file size is known in advance, so trun
 zero-length files are also caught by a cheap size check when the directory is scanned at
 start-up.
 
-Several processes may share a directory (a warm restart while the old engine exits): files are
-written to a unique ``*.tmp`` name and moved into place with ``os.replace`` (atomic on POSIX), and
-a file that another process deleted between our index and our read is an ordinary miss. Each
-process keeps its own index and its own byte accounting.
+Several processes may share a directory (data-parallel replicas, or a warm restart while the old
+engine exits): files are written to a unique ``*.tmp`` name and moved into place with
+``os.replace`` (atomic on POSIX), and a file that another process deleted between our index and
+our read is an ordinary miss. Each process keeps its own index, which follows the directory:
+
+* a lookup that misses the index looks for the file (one ``stat``): a block another process
+  wrote is adopted, so a prefix one replica wrote is a disk hit for the others;
+* every ``RESCAN_EVERY`` writes the index is rebuilt from the directory (files others wrote
+  join it, files others deleted leave it), ordered by modification time, which every process
+  refreshes on a read: the byte limit and the LRU order are then the directory's, not one
+  process's (a rescan lists every file, so it is not done per write). Between rescans the
+  directory can exceed ``capacity_bytes`` by what other processes wrote since this one's last
+  rescan, and blocks written within the same clock tick tie in the LRU order.
 """
 
 from __future__ import annotations
@@ -51,6 +60,7 @@ MAGIC = b"JPKVBLK\0"
 FORMAT_VERSION = 1
 SUFFIX = ".kvb"
 TMP_SUFFIX = ".tmp"
+RESCAN_EVERY = 256  # writes between two rebuilds of the index from the shared directory
 PAYLOAD_ALIGN = 64
 _PREFIX = struct.Struct("<8sHH")  # magic, version, header length
 _CHECKSUM_BYTES = 16
@@ -132,13 +142,33 @@ class DiskTier:
              "write_errors"), 0)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.events: KVEventCollector | None = None  # entries in and out ("DISK")
+        self._puts = 0
         self._scan()
 
     # ---------------------------------------------------------------- public API
 
     def __contains__(self, block_hash: bytes) -> bool:
-        """Whether the block is in this tier's index (O(1); the file is not touched)."""
-        return block_hash in self._index
+        """Whether the block is in the index, or its file is (another process wrote it: then
+        it is adopted). O(1) on a hit; one stat on a miss."""
+        if block_hash in self._index:
+            return True
+        return self._adopt(block_hash)
+
+    def _adopt(self, block_hash: bytes) -> bool:
+        try:
+            self._check_hash(block_hash)
+            size = os.stat(self._path(block_hash)).st_size
+        except (OSError, ValueError):
+            return False
+        if size != self._file_size(len(block_hash)):
+            return False  # being replaced, or bad: a read would reject it anyway
+        with self._lock:
+            if block_hash not in self._index:
+                self._index[block_hash] = size
+                self._bytes_used += size
+                if self.events is not None:
+                    self.events.stored([block_hash], "DISK")
+        return True
 
     def __len__(self) -> int:
         """Number of blocks in the index."""
@@ -173,6 +203,9 @@ class DiskTier:
                 return True
             if size > self.capacity_bytes:
                 return False
+            self._puts += 1
+            if self._puts % RESCAN_EVERY == 0:
+                self._rescan()  # the directory's files and LRU order, not only this process's
             while self._index and self._bytes_used + size > self.capacity_bytes:
                 victim, victim_size = self._index.popitem(last=False)
                 self._bytes_used -= victim_size
@@ -362,8 +395,32 @@ class DiskTier:
         self._counters["misses"] += 1
         self._unlink(path)
 
+    def _rescan(self) -> None:
+        """Rebuild the index from the directory (other processes' writes and deletions)."""
+        found = self._list_files()
+        on_disk = {h for _, h, _ in found}
+        gone = [h for h in self._index if h not in on_disk]
+        new = [h for _, h, _ in found if h not in self._index]
+        self._index = OrderedDict((h, size) for _, h, size in found)
+        self._bytes_used = sum(self._index.values())
+        if self.events is not None:
+            self.events.removed(gone, "DISK")
+            self.events.stored(new, "DISK")
+
     def _scan(self) -> None:
-        """Rebuild the index from the files on disk, oldest mtime first (= LRU first)."""
+        """Build the index from the files on disk, oldest mtime first (= LRU first)."""
+        for _, block_hash, size in self._list_files():
+            self._index[block_hash] = size
+            self._bytes_used += size
+        while self._index and self._bytes_used > self.capacity_bytes:
+            victim, size = self._index.popitem(last=False)
+            self._bytes_used -= size
+            self._counters["evictions"] += 1
+            self._unlink(self._path(victim))
+
+    def _list_files(self) -> list[tuple[float, bytes, int]]:
+        """(mtime, hash, size) of every well-formed block file, oldest first; stale partial
+        files and files of the wrong size are deleted."""
         found: list[tuple[float, bytes, int]] = []
         now = time.time()
         for entry in os.scandir(self.directory):
@@ -391,11 +448,4 @@ class DiskTier:
                 continue
             found.append((st.st_mtime, block_hash, expected))
         found.sort(key=lambda t: t[0])
-        for _, block_hash, size in found:
-            self._index[block_hash] = size
-            self._bytes_used += size
-        while self._index and self._bytes_used > self.capacity_bytes:
-            victim, size = self._index.popitem(last=False)
-            self._bytes_used -= size
-            self._counters["evictions"] += 1
-            self._unlink(self._path(victim))
+        return found

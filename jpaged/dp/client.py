@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import threading
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -55,7 +56,11 @@ class DPEngineClient:
         if args.kv_events_config is not None:
             raise ValueError("kv_events_config is set by data-parallel serving itself (each "
                              "replica publishes to the router); leave it unset")
-        args.create_engine_config(2**31 - 1)  # bad engine flags fail here, before Ray starts
+        # Bad engine flags and a missing model fail here, before Ray starts.
+        args.create_engine_config(2**31 - 1)
+        from models.loader import check_model_source
+
+        check_model_source(args.model)
         self.size = data_parallel_size
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
@@ -88,6 +93,11 @@ class DPEngineClient:
         except ray.exceptions.RayTaskError as e:  # the engine refused its arguments
             self._kill_all()
             raise _cause(e) from None
+        except ray.exceptions.RayActorError as e:
+            self._kill_all()
+            if getattr(e, "_actor_init_failed", False):  # the engine refused to start
+                raise _init_error(str(e)) from None
+            raise
         except Exception:
             self._kill_all()
             raise
@@ -306,8 +316,9 @@ class DPEngineClient:
                     continue
                 old = self._infos[r]
                 self._metrics[r] = metrics
-                if not info["running"]:
-                    self._down(r, "its engine loop stopped")
+                if not info["running"]:  # the actor lives but its engine loop died
+                    self._down(r, "its engine loop stopped; restarting it")
+                    ray.kill(actor, no_restart=False)  # Ray starts a fresh one
                     continue
                 if not self.router.healthy[r] or old is None or old["pid"] != info["pid"]:
                     # Up again (or restarted under us): a fresh engine, its events from 0.
@@ -335,6 +346,21 @@ def _cause(e: BaseException) -> BaseException:
     """The exception a replica raised (ValueError for bad input), without Ray's wrapping."""
     cause = getattr(e, "cause", None)
     return cause if isinstance(cause, BaseException) else e
+
+
+_ERROR_LINE = re.compile(r"^(ValueError|FileNotFoundError|RuntimeError): ", re.M)
+
+
+def _init_error(message: str) -> Exception:
+    """The error a replica's engine raised while starting, from Ray's report of it (its last
+    'ValueError: ...' and what follows), as that type."""
+    found = list(_ERROR_LINE.finditer(message))
+    if not found:
+        return RuntimeError(f"a replica failed to start: {message}")
+    kind, text = found[-1].group(1), message[found[-1].end():].strip()
+    cls = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(kind,
+                                                                                RuntimeError)
+    return cls(f"a replica failed to start: {' '.join(text.split())}")
 
 
 def _is_fraction(key: str) -> bool:

@@ -7,7 +7,8 @@ engine could keep. A prompt's block hashes come from `hash_request_blocks`, the 
 engine's own requests use (same tokenizer, block size, hash algorithm and `cache_salt`), so a
 prefix a replica cached is found under the same hashes.
 
-kv_aware: each healthy replica scores its cached prefix of the prompt (tokens) minus
+kv_aware: each healthy replica scores its cached prefix of the prompt (tokens; blocks that a
+request routed there is computing count too, until their events arrive) minus
 `load_weight` times its load (the prompt tokens it still has to compute for the requests in
 flight there, plus `decode_cost` per such request); the best score wins, ties to the replica
 with fewer requests in flight. So a hot prefix stays on the replica that holds it until that
@@ -33,6 +34,11 @@ class PrefixIndex:
     def __init__(self) -> None:
         self._where: dict[bytes, dict[int, set[str]]] = {}
         self._of: dict[int, set[bytes]] = {}  # replica -> hashes it holds (any tier)
+        # Blocks a replica is computing now: hash -> {replica: requests routed there with it}.
+        # A request's prompt blocks are cached one step after its prefill, and their events
+        # arrive later still; until then these stand in for them, so a burst of one prefix is
+        # not spread over replicas before the first copy is even cached.
+        self._pending: dict[bytes, dict[int, int]] = {}
 
     def apply(self, replica: int, event: KVEvent) -> None:
         """Apply one event of `replica`."""
@@ -65,17 +71,38 @@ class PrefixIndex:
                 if not reps:
                     del self._where[h]
 
+    def add_pending(self, replica: int, hashes: Sequence[bytes]) -> None:
+        """A request with these prompt blocks was routed to `replica` (it will cache them)."""
+        for h in hashes:
+            reps = self._pending.setdefault(h, {})
+            reps[replica] = reps.get(replica, 0) + 1
+
+    def remove_pending(self, replica: int, hashes: Sequence[bytes]) -> None:
+        """That request ended: its blocks are in the events by now (or were never cached)."""
+        for h in hashes:
+            reps = self._pending.get(h)
+            if reps is None or replica not in reps:
+                continue
+            reps[replica] -= 1
+            if not reps[replica]:
+                del reps[replica]
+                if not reps:
+                    del self._pending[h]
+
     def hashes_of(self, replica: int) -> set[bytes]:
         """The hashes `replica` holds on any tier."""
         return set(self._of.get(replica, ()))
 
     def match(self, hashes: Sequence[bytes]) -> dict[int, int]:
-        """Per replica, how many leading blocks of `hashes` it holds (on any tier)."""
+        """Per replica, how many leading blocks of `hashes` it holds (on any tier) or is
+        computing for a request routed there."""
         out: dict[int, int] = {}
         alive: set[int] | None = None
         for i, h in enumerate(hashes):
-            reps = self._where.get(h)
+            reps, pending = self._where.get(h), self._pending.get(h)
             here = set(reps) if reps else set()
+            if pending:
+                here.update(pending)
             alive = here if alive is None else alive & here
             if not alive:
                 break
@@ -105,6 +132,7 @@ class Route:
     replica: int
     cached_tokens: int  # the prefix the index says the replica holds
     prompt_tokens: int
+    hashes: list[bytes] = field(default_factory=list)  # the prompt's full blocks (kv_aware)
 
 
 class Router:
@@ -128,6 +156,7 @@ class Router:
         self.healthy = [True] * num_replicas
         self._rr = itertools.count()
         self.routed = [0] * num_replicas
+        self._hashes: dict[str, list[bytes]] = {}  # request in flight -> its pending blocks
 
     def prompt_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None
                       ) -> list[bytes]:
@@ -141,10 +170,12 @@ class Router:
             raise RuntimeError("no replica is healthy")
         n = len(token_ids) if token_ids is not None else 0
         matched: dict[int, int] = {}
+        hashes: list[bytes] = []
         if token_ids is not None and self.policy == "kv_aware":
             # The last prompt token is always computed, so at most n - 1 tokens can be cached.
             full = (n - 1) // self.block_size
-            matched = self.index.match(self.prompt_hashes(token_ids, cache_salt)[:full])
+            hashes = self.prompt_hashes(token_ids, cache_salt)[:full]
+            matched = self.index.match(hashes)
         if self.policy == "round_robin":
             start = next(self._rr)
             r = min(live, key=lambda i: (i - start) % len(self.healthy))
@@ -158,7 +189,7 @@ class Router:
                 return (cached - self.load_weight * load, -self.loads[i].in_flight, -i)
             r = max(live, key=score)
         cached = min(matched.get(r, 0) * self.block_size, max(0, n - 1))
-        return Route(r, cached, n)
+        return Route(r, cached, n, hashes)
 
     # -- load bookkeeping ------------------------------------------------------------------------
 
@@ -170,6 +201,8 @@ class Router:
         load.prefill_tokens += prefill
         load.pending_prefill[request_id] = prefill
         self.routed[route.replica] += 1
+        self.index.add_pending(route.replica, route.hashes)
+        self._hashes[request_id] = route.hashes
 
     def first_output(self, request_id: str, replica: int) -> None:
         """The request's prompt is computed: its prefill no longer loads the replica."""
@@ -180,6 +213,7 @@ class Router:
         """The request ended (finished, aborted or failed)."""
         self.first_output(request_id, replica)
         self.loads[replica].in_flight -= 1
+        self.index.remove_pending(replica, self._hashes.pop(request_id, ()))
 
     def set_healthy(self, replica: int, ok: bool) -> None:
         """Mark a replica up or down; a down replica's index entries are dropped."""

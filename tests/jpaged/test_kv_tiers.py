@@ -131,3 +131,20 @@ def test_disk_tier_round_trip_warm_restart_and_corrupt_file(tmp_path, baseline):
 def test_bad_tier_settings_are_refused(kw, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine(EngineArgs(max_model_len=64, num_gpu_blocks_override=16, **kw), loaded=tiny())
+
+
+def test_two_engines_share_one_disk_tier(tmp_path, baseline):
+    """Two engines (as two replicas) over one kv_cache_dir: a prefix one of them spilled to
+    disk is a disk hit for the other, which was running before the files existed."""
+    args = dict(kv_offloading_size=gib(16), swap_space=gib(200), kv_cache_dir=str(tmp_path))
+    writer, reader = _llm(**args), _llm(**args)
+    _gen(reader, [FILLERS[0]])  # the reader's disk tier is open and indexed (empty) first
+    assert _gen(writer, [LONG]) == baseline[0]
+    for p in FILLERS + MORE_FILLERS:  # LONG's blocks: writer's device -> host -> disk
+        _gen(writer, [p])
+    hashes = hash_request_blocks(LONG, BS)[:12]
+    assert all(h in writer.llm_engine.tiers.disk._index for h in hashes)
+    assert not any(h in reader.llm_engine.tiers.disk._index for h in hashes)
+    assert _gen(reader, [LONG]) == baseline[0]  # found on disk, written by the other
+    m = _drained(reader)
+    assert m["disk_hits_blocks"] == 12 and m["offload_hits_blocks"] == 12

@@ -214,3 +214,43 @@ def test_a_killed_replica_fails_only_its_requests(rr):
     outs = [_oai(server).completions.create(model=MODEL, prompt="five six", max_tokens=3,
                                             temperature=0).choices[0].text for _ in range(2)]
     assert outs[0] == outs[1] and client.router.routed[1] == before + 1
+
+
+def test_bench_dp_routes_tenants_and_reports_every_field(cluster):
+    """scripts/bench_dp.py's logic on the tiny model: the fields it reports, and kv_aware
+    keeping each tenant on one replica where round robin computes each prefix twice."""
+    from jpaged.bench.dp import run_policy, tenant_workload
+
+    work = tenant_workload(tenants=3, questions=3, system_len=32, question_len=4,
+                           vocab=(0, 256), seed=1)
+    assert sorted(t for t, _ in work[:3]) == [0, 1, 2] and len(work) == 9
+    warm = [p for _, p in tenant_workload(2, 1, 32, 4, vocab=(0, 256), seed=2)]
+    args = EngineArgs(model=str(tiny_model_dir()), **ARGS)
+    # One request at a time, so what each policy does does not depend on timing; 3 tenants
+    # over 2 replicas make round robin move every tenant between replicas.
+    rows = {p: run_policy(args, 2, p, work, warm, max_tokens=2, concurrency=1,
+                          replica_cpus=0.5) for p in ("kv_aware", "round_robin")}
+    for r in rows.values():
+        assert r["requests"] == 9 and r["prompt_tokens"] == 9 * 36
+        assert sum(r["replica_share"]) == pytest.approx(1.0, abs=0.01)
+        assert r["ttft_p50_s"] > 0 and r["tokens_per_s"] > 0
+    # Each tenant's 4 full blocks: computed once per tenant (kv_aware: 6 of 9 requests hit
+    # 32 tokens), once per replica it visits (round robin).
+    assert rows["kv_aware"]["hit_rate"] == pytest.approx(6 * 32 / (9 * 36), abs=1e-3)
+    assert rows["kv_aware"]["hit_rate"] > rows["round_robin"]["hit_rate"]
+    assert rows["kv_aware"]["prefill_tokens"] < rows["round_robin"]["prefill_tokens"]
+
+
+def test_bad_replica_settings_fail_with_the_engines_message(cluster):
+    """A missing model fails before any actor starts; an engine that refuses its settings
+    while starting fails the client with its own message, and no replica is left behind."""
+    from jpaged.dp.client import DPEngineClient
+
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        DPEngineClient(EngineArgs(model="/nonexistent/m.gguf"), 2, replica_cpus=0.5)
+    free = ray.available_resources().get("CPU")
+    with pytest.raises(ValueError, match="a replica failed to start: the KV pool"):
+        DPEngineClient(EngineArgs(model=str(tiny_model_dir()), max_model_len=64,
+                                  kv_cache_memory_bytes=1000), 2, replica_cpus=0.5,
+                       ready_timeout=WAIT_S)
+    _wait(lambda: ray.available_resources().get("CPU") == free, "the failed replicas to go")

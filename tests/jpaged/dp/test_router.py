@@ -126,3 +126,19 @@ def test_index_tracks_tiers_and_drops_a_replica():
     assert idx.match(h) == {} and not idx.hashes_of(0)
     with pytest.raises(ValueError, match="routing_policy"):
         Router(2, "random", BS)
+
+
+def test_a_burst_of_one_prefix_follows_the_first_request_before_its_events():
+    """Requests routed but not yet cached count for their replica, so a burst of one tenant
+    is not spread over replicas while the first copy of its prefix is being computed."""
+    router = Router(2, "kv_aware", BS)
+    busy = Route(0, 0, 0)
+    router.started("other", busy)  # replica 0 is busier: a new prefix goes to replica 1
+    router.loads[0].prefill_tokens += 20
+    first = router.choose(SYS_B + _prompt(30, 5))
+    assert first.replica == 1 and first.cached_tokens == 0
+    router.started("b0", first)
+    follow = router.choose(SYS_B + _prompt(31, 5))  # no event yet: the pending blocks count
+    assert follow.replica == 1 and follow.cached_tokens == 48
+    router.finished("b0", 1)  # ended: its blocks are in the events by now, or not cached at all
+    assert router.index.match(first.hashes) == {}
