@@ -28,7 +28,7 @@ from typing import Any
 from jpaged.async_engine import EngineDeadError, RequestFailedError
 from jpaged.config import EngineArgs
 from jpaged.dp.replica import EngineReplica
-from jpaged.dp.router import Route, Router
+from jpaged.dp.router import ROUTING_POLICIES, Route, Router
 from jpaged.engine import PromptType
 from jpaged.kv_events import END_OF_REPLAY, decode_batch
 from jpaged.metrics import PREFIX, describe_metric, flatten_numeric
@@ -57,6 +57,9 @@ class DPEngineClient:
             raise ValueError("kv_events_config is set by data-parallel serving itself (each "
                              "replica publishes to the router); leave it unset")
         # Bad engine flags and a missing model fail here, before Ray starts.
+        if routing_policy not in ROUTING_POLICIES:
+            raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, "
+                             f"got {routing_policy!r}")
         args.create_engine_config(2**31 - 1)
         from models.loader import check_model_source
 
@@ -84,22 +87,22 @@ class DPEngineClient:
             infos = ray.get([a.info.remote() for a in self._actors], timeout=ready_timeout)
             self.tokenizer = ray.get(self._actors[0].tokenizer.remote(), timeout=ready_timeout)
         except ray.exceptions.GetTimeoutError:
-            self._kill_all()
+            self._abandon()
             asks = {k: options[k] for k in ("num_cpus", "num_gpus") if k in options}
             raise RuntimeError(
                 f"the {data_parallel_size} replicas did not start within {ready_timeout:.0f} s; "
                 f"each asks Ray for {asks}, and Ray has {ray.available_resources()} free"
             ) from None
         except ray.exceptions.RayTaskError as e:  # the engine refused its arguments
-            self._kill_all()
+            self._abandon()
             raise _cause(e) from None
         except ray.exceptions.RayActorError as e:
-            self._kill_all()
+            self._abandon()
             if getattr(e, "_actor_init_failed", False):  # the engine refused to start
                 raise _init_error(str(e)) from None
             raise
         except Exception:
-            self._kill_all()
+            self._abandon()
             raise
         first = infos[0]
         self.model_source: str = first["source"]
@@ -331,6 +334,14 @@ class DPEngineClient:
                         self.router.healthy[r] = True
                     self._errors[r] = None
                     logger.info("replica %d is up (pid %d)", r, info["pid"])
+
+    def _abandon(self) -> None:
+        """Start-up failed: kill the replicas, and stop Ray if this client started it."""
+        import ray
+
+        self._kill_all()
+        if self._owns_ray:
+            ray.shutdown()
 
     def _kill_all(self) -> None:
         import ray

@@ -130,13 +130,16 @@ def test_streams_and_disconnects_pass_through_the_router(rr):
         finally:
             await oai.close()
 
+    before = client.get_metrics()
     texts, _ = asyncio.run(run())
     assert texts[1::2] == ["dropped"] * 4 and all(t and t != "dropped" for t in texts[::2])
     # The hung-up requests were aborted on their replicas: nothing runs, no block is held.
-    _wait(lambda: client.get_metrics().get("num_unfinished_requests") == 0
+    # (Replica metrics are polled twice a second: wait for the aborts to show in them.)
+    aborted0 = before.get("num_requests_aborted", 0)
+    _wait(lambda: client.get_metrics().get("num_requests_aborted", 0) >= aborted0 + 4
+          and client.get_metrics().get("num_unfinished_requests") == 0
           and all(m.get("kv_cache_usage") == 0.0 and m.get("num_requests_running") == 0
-                  for m in client.replica_metrics()), "the replicas to drain")
-    assert client.get_metrics()["num_requests_aborted"] >= 4
+                  for m in client.replica_metrics()), "the aborts and an idle pool")
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
     assert 'jpaged:num_requests_running{engine="0"}' in text
     assert 'jpaged:num_requests_running{engine="1"}' in text
@@ -210,10 +213,14 @@ def test_a_killed_replica_fails_only_its_requests(rr):
 
     old_pid = [h["pid"] for h in client.health()[1]["replicas"]][1]
     _wait(back, "replica 1 to restart")
+    assert not client.router.index.hashes_of(1)  # what the dead process held is forgotten
     before = client.router.routed[1]
-    outs = [_oai(server).completions.create(model=MODEL, prompt="five six", max_tokens=3,
+    long = " ".join(["five six seven"] * 8)  # several full blocks
+    outs = [_oai(server).completions.create(model=MODEL, prompt=long, max_tokens=3,
                                             temperature=0).choices[0].text for _ in range(2)]
     assert outs[0] == outs[1] and client.router.routed[1] == before + 1
+    # The new process's events reach the router: its blocks are indexed again.
+    _wait(lambda: bool(client.router.index.hashes_of(1)), "replica 1's new events")
 
 
 def test_bench_dp_routes_tenants_and_reports_every_field(cluster):
