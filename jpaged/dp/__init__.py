@@ -1,0 +1,1 @@
+"""Data-parallel serving: engine replicas as Ray actors behind one KV-cache-aware router."""
