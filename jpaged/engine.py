@@ -89,9 +89,10 @@ class LLMEngine:
         # Compiles the largest step shape; called only when the budget depends on it.
         probe = functools.partial(step_activation_bytes, self.loaded.model, self.spec, plan,
                                   config.cache.block_size, self.kv_dtype, self.ops)
+        # Forced CPU devices share the machine's RAM: the CPU budget is split between them.
         num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
                                     config.scheduler.max_model_len, activation_bytes=probe,
-                                    kv_head_shards=tp)
+                                    kv_head_shards=tp, host_devices=tp)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)
         # KV tiers (host RAM, then disk) below the device pool; None when kv_offloading_size=0.
         self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype)

@@ -151,11 +151,12 @@ class KVPoolPlan:
     activation_bytes: int | None  # temp bytes of the compiled step at the largest bucket
     margin_bytes: int
     available_bytes: int | None  # device x utilization - params - activations - margin
-    kv_budget_bytes: int  # cpu_default: min(CPU_DEFAULT_KV_BYTES, available_bytes)
+    kv_budget_bytes: int  # cpu_default: min(CPU_DEFAULT_KV_BYTES / host_devices, available)
     bytes_per_block: int
     num_blocks: int  # per layer, including the null block 0
     max_model_len: int
     block_size: int
+    host_devices: int = 1  # CPU devices sharing the machine's RAM (the budget is one's share)
 
     @property
     def max_concurrent_seqs(self) -> int:
@@ -172,7 +173,9 @@ class KVPoolPlan:
         budget = f"KV budget {g(self.kv_budget_bytes)}"
         if self.available_bytes is not None:
             util = "n/a" if self.utilization is None else f"{self.utilization:g}"
-            cap = (f" (the {g(CPU_DEFAULT_KV_BYTES)} CPU default, capped by that)"
+            shared = (f" shared by {self.host_devices} devices" if self.host_devices > 1
+                      else "")
+            cap = (f" (the {g(CPU_DEFAULT_KV_BYTES)} CPU default{shared}, capped by that)"
                    if self.source == "cpu_default" else "")
             budget = (f"device memory {g(self.device_bytes)} x utilization {util} - params "
                       f"{g(self.param_bytes)} - activations {g(self.activation_bytes)} - margin "
@@ -189,7 +192,7 @@ ActivationProbe = Callable[[], "int | None"]
 def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_bytes: int,
                  max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                  kv_head_shards: int = 1, device_bytes: int | None = None,
-                 platform: str | None = None) -> KVPoolPlan:
+                 platform: str | None = None, host_devices: int = 1) -> KVPoolPlan:
     """Size the pool: override, else explicit KV bytes, else a fraction of device memory.
 
     budget = device memory x utilization - params - activations - margin. `activation_bytes`
@@ -197,8 +200,13 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
     On CPU, device memory is available RAM plus `param_bytes` (the weights are already loaded
     into that RAM), and utilization None means min(CPU_DEFAULT_KV_BYTES, what 0.9 of it allows).
     `param_bytes` and `device_bytes` are per device; `kv_head_shards` splits the KV heads.
+    `host_devices`: on CPU, how many of the mesh's devices share this machine's RAM (forced
+    CPU devices): the RAM and the CPU default KV space are the machine's, split between them,
+    so tensor parallelism over N CPU devices takes the same memory as one device, not N times.
     Raises ValueError when one max_model_len request cannot fit, naming the largest that can.
     """
+    if not isinstance(host_devices, int) or host_devices < 1:
+        raise ValueError(f"host_devices must be an integer >= 1, got {host_devices!r}")
     per_block = bytes_per_block(spec, cache.block_size, dtype, kv_head_shards)
     platform = platform or jax.default_backend()
     util = cache.gpu_memory_utilization
@@ -211,10 +219,11 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
         source, budget = "kv_cache_memory_bytes", cache.kv_cache_memory_bytes
     else:
         on_cpu = platform == "cpu"
+        share = host_devices if on_cpu else 1
         if device_bytes is not None:
             dev = device_bytes
-        else:
-            dev = device_memory_bytes() + (param_bytes if on_cpu else 0)
+        else:  # on CPU: this device's share of the machine's RAM, plus its own weights
+            dev = device_memory_bytes() // share + (param_bytes if on_cpu else 0)
         act = activation_bytes() if callable(activation_bytes) else activation_bytes
         if act is None:
             logger.warning("the backend reports no memory analysis for the step; the KV "
@@ -224,14 +233,15 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
         frac = util if util is not None else DEFAULT_UTILIZATION
         budget = avail = int(dev * frac) - param_bytes - (act or 0) - margin
         if on_cpu and util is None:
-            source, budget = "cpu_default", min(CPU_DEFAULT_KV_BYTES, avail)
+            source, budget = "cpu_default", min(CPU_DEFAULT_KV_BYTES // share, avail)
         else:
             source = "gpu_memory_utilization"
         util = frac
     n = (cache.num_gpu_blocks_override if cache.num_gpu_blocks_override is not None
          else max(budget, 0) // per_block)
     plan = KVPoolPlan(source, dev, util, param_bytes, act, margin, avail, max(budget, 0),
-                      per_block, int(n), max_model_len, cache.block_size)
+                      per_block, int(n), max_model_len, cache.block_size,
+                      host_devices if platform == "cpu" else 1)
     plan.log()
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if cache.num_gpu_blocks_override is None and n - 1 < blocks_per_seq:
@@ -251,11 +261,12 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
 def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_bytes: int,
                    max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                    kv_head_shards: int = 1, device_bytes: int | None = None,
-                   platform: str | None = None) -> int:
+                   platform: str | None = None, host_devices: int = 1) -> int:
     """Blocks per layer for this config (see `plan_kv_pool`, which also logs the breakdown)."""
     return plan_kv_pool(cache, spec, dtype, param_bytes, max_model_len,
                         activation_bytes=activation_bytes, kv_head_shards=kv_head_shards,
-                        device_bytes=device_bytes, platform=platform).num_blocks
+                        device_bytes=device_bytes, platform=platform,
+                        host_devices=host_devices).num_blocks
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int,

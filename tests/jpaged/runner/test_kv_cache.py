@@ -91,6 +91,28 @@ def test_cpu_default_is_2gib_capped_by_ram():
     assert explicit.kv_budget_bytes == 32 * GIB - MEMORY_MARGIN_BYTES
 
 
+def test_cpu_devices_split_the_machines_ram_and_default(monkeypatch):
+    """On CPU, host_devices devices share the RAM and the 2 GiB default; a GPU ignores it."""
+    import jpaged.runner.kv_cache as kc
+
+    monkeypatch.setattr(kc, "device_memory_bytes", lambda: 30 * GIB)
+    one = plan_kv_pool(CacheConfig(), SPEC, F32, GIB, 256, activation_bytes=0,
+                       platform="cpu")
+    three = plan_kv_pool(CacheConfig(), SPEC, F32, GIB // 3, 256, activation_bytes=0,
+                         kv_head_shards=3, platform="cpu", host_devices=3)
+    assert one.kv_budget_bytes == CPU_DEFAULT_KV_BYTES
+    assert three.kv_budget_bytes == CPU_DEFAULT_KV_BYTES // 3 and three.host_devices == 3
+    assert three.device_bytes == 10 * GIB + GIB // 3  # its share of the RAM, plus its weights
+    tight = plan_kv_pool(CacheConfig(gpu_memory_utilization=0.5), SPEC, F32, 0, 256,
+                         activation_bytes=0, platform="cpu", host_devices=3)
+    assert tight.kv_budget_bytes == 5 * GIB - MEMORY_MARGIN_BYTES
+    gpu = plan_kv_pool(CacheConfig(), SPEC, F32, 0, 256, activation_bytes=0,
+                       device_bytes=10 * GIB, platform="gpu", host_devices=3)
+    assert gpu.kv_budget_bytes == 9 * GIB - MEMORY_MARGIN_BYTES and gpu.host_devices == 1
+    with pytest.raises(ValueError, match="host_devices"):
+        plan_kv_pool(CacheConfig(), SPEC, F32, 0, 256, platform="cpu", host_devices=0)
+
+
 def test_missing_memory_analysis_counts_zero_with_a_warning(caplog):
     with caplog.at_level(logging.WARNING, logger="jpaged"):
         plan = plan_kv_pool(CacheConfig(gpu_memory_utilization=0.5), SPEC, F32, 0, 256,

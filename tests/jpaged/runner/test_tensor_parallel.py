@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from tiny_models import tiny_spec
 
+from jpaged.runner.kv_cache import CPU_DEFAULT_KV_BYTES
 from jpaged.runner.parallel import TensorParallel, plan_layout, valid_tp_sizes
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -140,3 +141,12 @@ def test_embedded_bad_tp_errors(facts):
     assert "values that work: 1, 3" in err2
     err8 = facts["embedded_tp8_error"]
     assert err8 and "needs 8 devices but only 4 cpu device(s)" in err8
+
+
+def test_cpu_devices_share_the_default_kv_space(facts):
+    """Forced CPU devices share one machine's RAM: at tp 2 each device takes half the 2 GiB
+    default, so the pool has as many blocks as at tp 1 (it had twice as many before)."""
+    one, two = facts["default_pool_tp1"], facts["default_pool_tp2"]
+    assert one["num_gpu_blocks"] == two["num_gpu_blocks"]
+    assert two["bytes_per_device"] * 2 <= one["bytes_per_device"] * 1.01
+    assert one["bytes_per_device"] <= CPU_DEFAULT_KV_BYTES + 1024  # + the fp8 scales

@@ -109,6 +109,24 @@ def embedded_cases(out: dict) -> None:
             out[f"embedded_tp{tp}_error"] = str(e)
 
 
+def default_pool_cases(out: dict) -> None:
+    """The CPU default KV space (2 GiB) at tp 1 and 2: the forced devices share the machine's
+    RAM, so tp 2 takes the same total pool (each device half), not twice it."""
+    import gc
+
+    from jpaged.config import EngineArgs
+    from jpaged.engine import LLMEngine
+
+    for tp in (1, 2):  # no sizing argument: the default (make_llm would fix 256 MiB a device)
+        llm = LLMEngine(EngineArgs(tensor_parallel_size=tp, max_model_len=64, max_num_seqs=4,
+                                   max_num_batched_tokens=16, block_size=8), loaded=tiny())
+        m = llm.get_metrics()
+        out[f"default_pool_tp{tp}"] = {"num_gpu_blocks": m["num_gpu_blocks"],
+                                       "bytes_per_device": m["kv_pool_bytes_per_device"]}
+        del llm, m
+        gc.collect()
+
+
 def main() -> None:
     """Run every case and print the facts as JSON."""
     out: dict = {"num_devices": jax.device_count()}
@@ -116,6 +134,7 @@ def main() -> None:
         warnings.simplefilter("always")
         tiny_cases(out)
         embedded_cases(out)
+        default_pool_cases(out)
     out["warnings"] = [str(w.message)[:200] for w in caught]
     print(json.dumps(out))
 
