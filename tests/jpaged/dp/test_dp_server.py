@@ -261,3 +261,39 @@ def test_bad_replica_settings_fail_with_the_engines_message(cluster):
                                   kv_cache_memory_bytes=1000), 2, replica_cpus=0.5,
                        ready_timeout=WAIT_S)
     _wait(lambda: ray.available_resources().get("CPU") == free, "the failed replicas to go")
+
+
+def test_two_replicas_share_a_disk_tier(cluster, tmp_path):
+    """Replicas with one kv_cache_dir: a prefix replica 0 spilled to disk is a disk hit on
+    replica 1, which never computed it, with the same tokens."""
+    from jpaged.dp.client import DPEngineClient
+
+    block = 2 * 2 * 8 * 2 * 16 * 4  # tiny(): layers x K/V x block 8 x 2 heads x 16 x f32
+    tiers = dict(ARGS, num_gpu_blocks_override=24, kv_offloading_size=4 * block / 2**30,
+                 swap_space=200 * block / 2**30, kv_cache_dir=str(tmp_path))
+    client = DPEngineClient(EngineArgs(model=str(tiny_model_dir()), **tiers), 2, "round_robin",
+                            ready_timeout=WAIT_S, replica_cpus=0.5)
+    server = BackgroundServer(build_app(client, MODEL, owned=True))
+    oai = _oai(server)
+
+    def ask(prompt: list[int], on: int) -> str:
+        if sum(client.router.routed) % 2 != on:  # round robin: line up the next replica
+            oai.completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=1)
+        out = oai.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+        assert client.router.routed[on] > 0
+        return out
+
+    try:
+        shared = list(range(10, 74))  # 8 full blocks
+        first = ask(shared, 0)
+        for i in range(6):  # replica 0's device and host tiers turn over: shared goes to disk
+            ask([100 + i] * 60, 0)
+        _wait(lambda: client.replica_metrics()[0].get("disk_bytes_written", 0) > 0,
+              "replica 0 to spill to disk")
+        hits0 = client.replica_metrics()[1].get("disk_hits_blocks", 0)
+        assert ask(shared, 1) == first
+        _wait(lambda: client.replica_metrics()[1].get("disk_hits_blocks", 0) > hits0,
+              "replica 1's disk hits to show")
+    finally:
+        server.stop()
