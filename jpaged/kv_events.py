@@ -286,7 +286,10 @@ class ZmqEventPublisher:
 
         self.config = config
         self._topic = config.topic.encode()
-        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(config.max_queue_size)
+        # (seq, batch); None stops the thread. A batch's seq is taken when it is published, so
+        # one dropped from a full queue leaves a gap subscribers see.
+        self._queue: queue.Queue[tuple[int, KVEventBatch] | None] = queue.Queue(
+            config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._seq = 0
         self.num_dropped = 0  # batches dropped because the queue was full
@@ -314,8 +317,10 @@ class ZmqEventPublisher:
 
     def publish(self, batch: KVEventBatch) -> None:
         """Queue a batch for sending (never blocks the engine; a full queue drops it)."""
+        seq = self._seq
+        self._seq += 1
         try:
-            self._queue.put_nowait(batch)
+            self._queue.put_nowait((seq, batch))
         except queue.Full:
             self.num_dropped += 1
             logger.warning("kv events: send queue full, batch dropped (subscribers see a gap)")
@@ -325,15 +330,14 @@ class ZmqEventPublisher:
 
         while True:
             try:
-                batch = self._queue.get(timeout=0.05)
+                item = self._queue.get(timeout=0.05)
             except queue.Empty:
-                batch = ...
-            if batch is None:
+                item = ...
+            if item is None:
                 return
-            if batch is not ...:
+            if item is not ...:
+                seq, batch = item
                 payload = encode_batch(batch)
-                seq = self._seq
-                self._seq += 1
                 self._buffer.append((seq, payload))
                 try:
                     self._pub.send_multipart([self._topic, seq.to_bytes(8, "big"), payload],

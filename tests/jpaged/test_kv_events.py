@@ -266,3 +266,28 @@ def test_a_failing_subscriber_does_not_stop_the_engine(tmp_path, caplog):
     n = len(good)
     _gen(llm, QUESTIONS[1:2])
     assert len(good) == n
+
+
+def test_a_dropped_batch_leaves_a_gap_in_the_sequence():
+    """Each batch takes its sequence number when published: one dropped from a full send queue
+    is a gap a subscriber sees, never a number given to the next batch."""
+    from jpaged.kv_events import ZmqEventPublisher
+
+    pub = ZmqEventPublisher(KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint="tcp://127.0.0.1:*",
+        replay_endpoint="tcp://127.0.0.1:*", max_queue_size=1, buffer_steps=100))
+    batches = [KVEventBatch(float(i), [BlockRemoved([bytes([i]) * 32], "GPU")])
+               for i in range(50)]
+    for b in batches:  # faster than the sender thread drains a queue of one
+        pub.publish(b)
+    ctx = zmq.Context()
+    try:
+        got = _replay(ctx, pub.replay_endpoint, 0)
+    finally:
+        ctx.term()
+        pub.close()
+    seqs = [s for s, _ in got]
+    assert seqs == sorted(set(seqs)) and set(seqs) <= set(range(50))
+    assert len(seqs) + pub.num_dropped == 50
+    for s, b in got:  # each number belongs to the batch published with it
+        assert b.events == batches[s].events
