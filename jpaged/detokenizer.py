@@ -154,7 +154,7 @@ class IncrementalDetokenizer:
             self._flush_stuck(ids)
         return self.buf.slice(old)
 
-    def _flush_stuck(self, ids: Sequence[int]) -> str:
+    def _flush_stuck(self, ids: Sequence[int]) -> None:
         """Emit a pending run that can no longer complete; go on with the window algorithm.
 
         (A fresh DecodeStream cannot be given the context tokens without emitting them again,
@@ -164,11 +164,9 @@ class IncrementalDetokenizer:
         ctx = max(0, self.read_offset - 4)  # context, as the window algorithm decodes
         before = self._decode(ids[ctx:self.read_offset])
         after = self._decode(ids[ctx:])
-        delta = after[len(before):]
-        self.buf.append(delta)
+        self.buf.append(after[len(before):])
         self._stream = None
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
-        return delta
 
 
 try:  # tokenizers >= 0.21

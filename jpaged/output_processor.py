@@ -41,11 +41,6 @@ class ChildState:
         """text[start:end], in O(end - start)."""
         return "" if self.detok is None else self.detok.buf.slice(start, end)
 
-    @property
-    def text(self) -> str:
-        """The whole text so far (O(len))."""
-        return self.text_slice(0, self.text_len)
-
 
 @dataclass(slots=True)
 class RequestGroup:

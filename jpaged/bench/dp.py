@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -78,10 +78,6 @@ async def _drive(url: str, model: str, prompts: Sequence[list[int]], max_tokens:
     return ttfts, tokens, time.perf_counter() - t0
 
 
-def _counters(per_replica: Sequence[Mapping[str, Any]]) -> dict[str, float]:
-    return {k: float(sum(m.get(k, 0) for m in per_replica)) for k in COUNTERS}
-
-
 def run_policy(args: EngineArgs, replicas: int, policy: str,
                workload: Sequence[tuple[int, list[int]]], warmup: Sequence[list[int]],
                max_tokens: int, concurrency: int, replica_cpus: float = 1.0
@@ -96,16 +92,17 @@ def run_policy(args: EngineArgs, replicas: int, policy: str,
         # Compile the step shapes first (unrelated prompts: no prefix is shared with the run).
         asyncio.run(_drive(server.url, "bench", warmup, max_tokens, concurrency))
         _wait_idle(client)
-        before, routed0 = _counters(client.replica_metrics()), list(client.router.routed)
+        # The counters summed over the replicas (DPEngineClient.get_metrics).
+        before, routed0 = client.get_metrics(), list(client.router.routed)
         ttfts, tokens, wall = asyncio.run(_drive(server.url, "bench",
                                                  [p for _, p in workload], max_tokens,
                                                  concurrency))
         _wait_idle(client)
-        after = _counters(client.replica_metrics())
+        after = client.get_metrics()
         routed = [b - a for a, b in zip(routed0, client.router.routed, strict=True)]
     finally:
         server.stop()
-    d = {k: after[k] - before[k] for k in COUNTERS}
+    d = {k: float(after.get(k, 0) - before.get(k, 0)) for k in COUNTERS}
     n = sum(routed)
     return {"policy": policy, "replicas": replicas, "requests": n,
             "hit_rate": round(d["prefix_cache_hits"] / max(1.0, d["prefix_cache_queries"]), 4),

@@ -380,11 +380,10 @@ def _is_fraction(key: str) -> bool:
 
 def _totals(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
     """Counters and counts summed, fractions averaged."""
+    flat = [dict(flatten_numeric(m)) for m in per_replica]
     out: dict[str, Any] = {}
-    if not per_replica:
-        return out
-    for key, _ in flatten_numeric(per_replica[0]):
-        vals = [v for m in per_replica for k, v in flatten_numeric(m) if k == key]
+    for key in flat[0] if flat else ():
+        vals = [m[key] for m in flat if key in m]
         out[key] = sum(vals) / len(vals) if _is_fraction(key) else sum(vals)
     return out
 

@@ -114,17 +114,12 @@ class InputBatch:
         last_ids = [s.token_ids[-1] for s in scheduled]
         # Sequences whose last token is still on device: read from the previous step's rows.
         fed = np.flatnonzero(np.asarray(last_ids) == PLACEHOLDER_TOKEN)
-        fed_from: list[int] = []
-        if len(fed):
-            try:
-                fed_from = [prev_rows[scheduled[i].request.request_id]  # type: ignore[index]
-                            for i in fed]
-            except (KeyError, TypeError):
-                bad = next(scheduled[i].request.request_id for i in fed
-                           if prev_rows is None or scheduled[i].request.request_id
-                           not in prev_rows)
-                raise ValueError(f"request {bad!r}: a token on device but no row of the "
-                                 "previous step holds it") from None
+        prev = prev_rows or {}
+        fed_from = [prev.get(scheduled[i].request.request_id, -1) for i in fed]
+        if -1 in fed_from:
+            bad = scheduled[fed[fed_from.index(-1)]].request.request_id
+            raise ValueError(f"request {bad!r}: a token on device but no row of the "
+                             "previous step holds it")
         num_tokens = sum(lens)
         t_pad, b_pad = self.plan.pick(num_tokens, n)
         mb = self.plan.max_blocks

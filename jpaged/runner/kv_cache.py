@@ -209,6 +209,7 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
         raise ValueError(f"host_devices must be an integer >= 1, got {host_devices!r}")
     per_block = bytes_per_block(spec, cache.block_size, dtype, kv_head_shards)
     platform = platform or jax.default_backend()
+    share = host_devices if platform == "cpu" else 1  # devices splitting this RAM
     util = cache.gpu_memory_utilization
     dev = act = avail = None
     margin = 0
@@ -219,7 +220,6 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
         source, budget = "kv_cache_memory_bytes", cache.kv_cache_memory_bytes
     else:
         on_cpu = platform == "cpu"
-        share = host_devices if on_cpu else 1
         if device_bytes is not None:
             dev = device_bytes
         else:  # on CPU: this device's share of the machine's RAM, plus its own weights
@@ -240,8 +240,7 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
     n = (cache.num_gpu_blocks_override if cache.num_gpu_blocks_override is not None
          else max(budget, 0) // per_block)
     plan = KVPoolPlan(source, dev, util, param_bytes, act, margin, avail, max(budget, 0),
-                      per_block, int(n), max_model_len, cache.block_size,
-                      host_devices if platform == "cpu" else 1)
+                      per_block, int(n), max_model_len, cache.block_size, share)
     plan.log()
     blocks_per_seq = -(-max_model_len // cache.block_size)
     if cache.num_gpu_blocks_override is None and n - 1 < blocks_per_seq:

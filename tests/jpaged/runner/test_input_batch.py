@@ -103,3 +103,32 @@ def test_persistent_batch_packs_like_pack_step(seed):
         assert sim.events
     sim.batch.remove(list(sim.batch.row_of))  # what the next schedule would report
     assert sim.batch.num_rows == 0
+
+
+def test_a_fed_token_without_a_previous_row_is_refused():
+    """A sequence whose input token is on device must name a row of the previous step; a
+    missing one is refused, naming the request (with no rows at all, or without its own)."""
+    from jpaged.core.sched_output import PLACEHOLDER_TOKEN
+
+    class Checking(PackingSim):
+        checked = 0
+
+        def on_schedule(self, out) -> None:
+            fed = [s for s in out.scheduled if s.token_ids[-1] == PLACEHOLDER_TOKEN]
+            if fed:
+                rid = fed[0].request.request_id
+                for prev in (None, {k: v for k, v in self.prev_rows.items() if k != rid}):
+                    fresh = InputBatch(self.plan, self.sched.block_size, VOCAB, default_seed=5)
+                    with pytest.raises(ValueError, match=f"request '{rid}': a token on device"):
+                        fresh.pack(out.scheduled, prev)
+                self.checked += 1
+            super().on_schedule(out)
+
+    s = make_scheduler(40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                       max_model_len=64)
+    sim = Checking(s, async_scheduling=True)
+    for i in range(3):
+        s.add_request(make_request(f"r{i}", list(range(5 + i)), 6))
+    while s.has_unfinished_requests():
+        sim.step()
+    assert sim.checked > 0
