@@ -248,14 +248,17 @@ def test_bench_dp_routes_tenants_and_reports_every_field(cluster):
     assert rows["kv_aware"]["prefill_tokens"] < rows["round_robin"]["prefill_tokens"]
 
 
-def test_bad_replica_settings_fail_with_the_engines_message(cluster):
+def test_bad_replica_settings_fail_with_the_engines_message(rr):
     """A missing model fails before any actor starts; an engine that refuses its settings
     while starting fails the client with its own message, and no replica is left behind."""
     from jpaged.dp.client import DPEngineClient
 
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         DPEngineClient(EngineArgs(model="/nonexistent/m.gguf"), 2, replica_cpus=0.5)
-    free = ray.available_resources().get("CPU")
+    # Only rr's two replicas (half a CPU each) hold CPUs. Known exactly rather than read now:
+    # replicas an earlier test shut down may still be handing theirs back.
+    free = ray.cluster_resources()["CPU"] - 2 * 0.5
+    _wait(lambda: ray.available_resources().get("CPU") == free, "earlier replicas to go")
     with pytest.raises(ValueError, match="a replica failed to start: the KV pool"):
         DPEngineClient(EngineArgs(model=str(tiny_model_dir()), max_model_len=64,
                                   kv_cache_memory_bytes=1000), 2, replica_cpus=0.5,
