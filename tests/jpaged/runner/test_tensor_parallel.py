@@ -150,3 +150,25 @@ def test_cpu_devices_share_the_default_kv_space(facts):
     assert one["num_gpu_blocks"] == two["num_gpu_blocks"]
     assert two["bytes_per_device"] * 2 <= one["bytes_per_device"] * 1.01
     assert one["bytes_per_device"] <= CPU_DEFAULT_KV_BYTES + 1024  # + the fp8 scales
+
+
+def test_sharded_safetensors_load_straight_into_each_devices_share(facts):
+    """tp 3 from a 2-file safetensors checkpoint: every split parameter is a third on each
+    device, nothing whole was left on device 0, and the tokens equal tp 1's."""
+    case = facts["sharded_load"]
+    assert len(case["index_files"]) == 2
+    split = [leaf for leaf in case["leaves"] if leaf["split"]]
+    assert {leaf["name"].split("'")[-4] for leaf in split} >= {
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    for leaf in case["leaves"]:
+        assert leaf["devices"] == [0, 1, 2], leaf
+        share = leaf["bytes"] // 3 if leaf["split"] else leaf["bytes"]
+        assert leaf["shard_bytes"] == [share] * 3, leaf
+    total = sum(leaf["bytes"] for leaf in case["leaves"])
+    mine = sum(leaf["shard_bytes"][0] for leaf in case["leaves"])
+    assert mine < total / 2  # the replicated norms are small
+    # Device 0 grew by its parameter share and its pool share, plus a few small buffers:
+    # no whole copy of the model (which would add `total`).
+    assert case["device0_grown"] < mine + case["kv_bytes_per_device"] + total / 10, case
+    assert case["runner_uses_loaded_arrays"]
+    assert case["tokens_tp3"] == case["tokens_tp1"] and len(case["tokens_tp1"][0]) == 8

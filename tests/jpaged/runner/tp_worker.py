@@ -26,9 +26,10 @@ jax.config.update("jax_compilation_cache_dir",
                   os.environ.get("JPAGED_TEST_JAX_CACHE", str(ROOT / ".jax_cache")))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
+from flax import nnx  # noqa: E402
 from helpers import embedded, make_llm, tiny  # noqa: E402
 
-from jpaged import SamplingParams  # noqa: E402
+from jpaged import LLM, SamplingParams  # noqa: E402
 from jpaged.runner.batch import empty_step, flatten_step  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -127,11 +128,60 @@ def default_pool_cases(out: dict) -> None:
         gc.collect()
 
 
+def device_bytes(device) -> int:
+    """Bytes of every live array's shards on `device`."""
+    return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards
+               if s.device == device)
+
+
+def sharded_load_cases(out: dict) -> None:
+    """A 2-file safetensors model (6 query / 3 KV heads) loaded at tp 3 by the engine itself:
+    each device receives its share of the parameters and nothing whole lands on device 0.
+    Runs first, so device 0 holds nothing else yet."""
+    import tempfile
+
+    from tiny_models import random_weights, tiny_spec, write_hf_dir
+
+    from jpaged.config import EngineArgs
+    from jpaged.engine import LLMEngine
+    from jpaged.runner.parallel import AXIS, kv_bytes_per_device
+
+    spec = tiny_spec(hidden_size=96, num_heads=6, num_kv_heads=3, intermediate_size=96)
+    path = write_hf_dir(Path(tempfile.mkdtemp(prefix="jpaged-tp3-")) / "m", spec,
+                        random_weights(spec, seed=3), shards=2)
+    dev0 = jax.devices()[0]
+    args = dict(model=str(path), dtype="float32", kv_cache_memory_bytes=2**20, **{
+        k: v for k, v in TINY_ARGS.items() if k != "num_gpu_blocks_override"})
+    before = device_bytes(dev0)
+    engine = LLMEngine(EngineArgs(tensor_parallel_size=3, **args))
+    grown = device_bytes(dev0) - before
+    runner = engine.runner
+    leaves = []
+    for p, x in jax.tree_util.tree_leaves_with_path(runner.params):
+        split = AXIS in tuple(x.sharding.spec)
+        leaves.append({"name": jax.tree_util.keystr(p), "bytes": int(x.nbytes), "split": split,
+                       "shard_bytes": [int(s.data.nbytes) for s in x.addressable_shards],
+                       "devices": sorted(s.device.id for s in x.addressable_shards)})
+    loaded = jax.tree_util.tree_leaves(nnx.state(engine.loaded.model))
+    ran = jax.tree_util.tree_leaves(runner.params)
+    three = LLM.from_engine(engine).generate(TINY_PROMPTS, GREEDY)
+    one = LLM.from_engine(LLMEngine(EngineArgs(**args))).generate(TINY_PROMPTS, GREEDY)
+    out["sharded_load"] = {
+        "index_files": sorted(f.name for f in path.glob("*.safetensors")),
+        "leaves": leaves, "device0_grown": grown,
+        "kv_bytes_per_device": kv_bytes_per_device(runner.kv),
+        "runner_uses_loaded_arrays": all(a is b for a, b in zip(loaded, ran, strict=True)),
+        "tokens_tp3": [o.outputs[0].token_ids for o in three],
+        "tokens_tp1": [o.outputs[0].token_ids for o in one],
+    }
+
+
 def main() -> None:
     """Run every case and print the facts as JSON."""
     out: dict = {"num_devices": jax.device_count()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        sharded_load_cases(out)
         tiny_cases(out)
         embedded_cases(out)
         default_pool_cases(out)
