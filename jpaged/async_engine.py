@@ -23,6 +23,7 @@ from typing import Any
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine, PromptType
 from jpaged.outputs import RequestOutput
+from jpaged.runner.multiprocess import ProcessGroupError, exit_soon
 from jpaged.sampling_params import SamplingParams
 
 logger = logging.getLogger("jpaged.async_engine")
@@ -264,6 +265,11 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+        except ProcessGroupError as e:  # the mesh is broken: nothing can run any more
+            logger.error("%s", e)
+            self._fail_all(RequestFailedError(str(e)))
+            exit_soon(e)
+            raise EngineDeadError(str(e)) from e
         except Exception as e:
             logger.exception("engine step failed; failing %d request(s)", len(self._sinks))
             self._fail_all(RequestFailedError(f"the engine failed: {type(e).__name__}: {e}"))

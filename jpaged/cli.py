@@ -16,7 +16,10 @@ import typer
 
 from jpaged.config import (
     DEFAULT_BLOCK_SIZE,
+    DEFAULT_DISTRIBUTED_TIMEOUT_S,
     DEFAULT_HOST,
+    DEFAULT_MASTER_ADDR,
+    DEFAULT_MASTER_PORT,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PORT,
@@ -58,6 +61,19 @@ KvEvents = Annotated[str | None, typer.Option(
     help="KV cache events as JSON, vLLM's: e.g. '{\"enable_kv_cache_events\": true, "
     "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' (docs/distributed.md).")]
 
+Nnodes = Annotated[int, typer.Option(
+    "--nnodes", help="Processes (hosts) one model spans; each runs this same command.")]
+NodeRank = Annotated[int, typer.Option(
+    "--node-rank", help="This process's rank: 0 schedules and serves, the others only run "
+    "the steps process 0 sends them.")]
+MasterAddr = Annotated[str, typer.Option(
+    "--master-addr", help="Process 0's address (JAX coordinator on --master-port, the step "
+    "channel on --master-port + 1).")]
+MasterPort = Annotated[int, typer.Option("--master-port", help="Process 0's coordinator port.")]
+DistTimeout = Annotated[float, typer.Option(
+    "--distributed-timeout-s", help="Seconds to wait for every process to join, and to notice "
+    "a dead one.")]
+
 
 def _engine_flags(
     block_size: BlockSize = DEFAULT_BLOCK_SIZE,
@@ -77,6 +93,11 @@ def _engine_flags(
     num_gpu_blocks_override: Blocks = None,
     async_scheduling: Async = True,
     kv_events_config: KvEvents = None,
+    nnodes: Nnodes = 1,
+    node_rank: NodeRank = 0,
+    master_addr: MasterAddr = DEFAULT_MASTER_ADDR,
+    master_port: MasterPort = DEFAULT_MASTER_PORT,
+    distributed_timeout_s: DistTimeout = DEFAULT_DISTRIBUTED_TIMEOUT_S,
 ) -> None:
     """Template of the engine flags every engine command takes, spelled as vLLM's."""
 
@@ -119,6 +140,33 @@ _FIELD_RE = re.compile(r"\b(?:SamplingParams|CacheConfig|SchedulerConfig|ModelCo
                        r"ParallelConfig|EngineArgs)\.(\w+)\b|\b(kv_events_config)\b")
 
 
+def _run_worker_if_not_rank0(model: str | None, flags: dict[str, Any]) -> bool:
+    """Processes 1..nnodes-1 of a multi-process run: run the steps process 0 sends until it
+    says stop (True), or exit with the error; process 0 and single-process runs: False."""
+    if flags.get("nnodes", 1) <= 1 or flags.get("node_rank", 0) == 0:
+        return False
+    from jpaged.runner.multiprocess import ProcessGroupError, run_worker
+
+    try:
+        run_worker(_engine_args({**flags, "model": model}))
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    except ProcessGroupError as e:
+        _exit_after_group_error(e)
+    return True
+
+
+def _exit_after_group_error(e: BaseException) -> None:
+    """Print a multi-process failure and end the process at once: JAX's own shutdown would
+    wait on (and then abort over) the process that is gone."""
+    import os
+
+    typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
+
+
 def _fail(msg: str) -> None:
     m = _FIELD_RE.search(msg)
     if m is not None:
@@ -153,6 +201,8 @@ def generate(
 ) -> None:
     """Complete prompts with the paged engine (chat template applied unless --raw)."""
     _setup_logging(verbose)
+    if _run_worker_if_not_rank0(model, engine_flags or {}):
+        return
     texts = list(prompts or [])
     if input_file is not None:
         if not input_file.exists():
@@ -173,6 +223,7 @@ def generate(
         if not t:
             _fail(f"prompt {i} is empty")
     from jpaged.llm import LLM
+    from jpaged.runner.multiprocess import ProcessGroupError
     from jpaged.sampling_params import SamplingParams
 
     try:
@@ -193,6 +244,10 @@ def generate(
         # stderr is not a terminal); several prompts to a terminal only when it is one.
         show = output_file is not None or (len(inputs) > 1 and sys.stderr.isatty())
         outs = llm.generate(inputs, params, use_tqdm=show)
+        llm.llm_engine.shutdown()  # a multi-process run: the other processes stop too
+    except ProcessGroupError as e:
+        _exit_after_group_error(e)
+        return
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
@@ -306,7 +361,10 @@ def serve(
     flags = {**locals(), **(engine_flags or {})}  # own options + the engine flags
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if _run_worker_if_not_rank0(model, engine_flags or {}):
+        return
     from jpaged.engine import LLMEngine
+    from jpaged.runner.multiprocess import ProcessGroupError
     from jpaged.server import run_server
 
     try:
@@ -323,6 +381,9 @@ def serve(
                                     ray_address=ray_address)
         else:
             engine = LLMEngine(_engine_args(flags))
+    except ProcessGroupError as e:
+        _exit_after_group_error(e)
+        return
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return

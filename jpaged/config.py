@@ -16,6 +16,11 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_KV_CACHE_DIR = "~/.cache/jpaged/kv"  # the disk KV tier when kv_cache_dir is None
 DEFAULT_LOG_STATS_INTERVAL = 10.0  # seconds between periodic stats log lines
+# Multi-process runs: vLLM's --master-addr/--master-port defaults; the bound on joining and on
+# noticing a dead process (jpaged/runner/multiprocess.py).
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29501
+DEFAULT_DISTRIBUTED_TIMEOUT_S = 120.0
 
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "fp8", "fp8_e4m3", "fp8_e5m2")
 PREEMPTION_MODES = ("recompute", "swap")
@@ -27,6 +32,10 @@ MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 def _fail(cls: str, name: str, allowed: str, value: object) -> None:
     raise ValueError(f"{cls}.{name} must be {allowed}, got {value!r}")
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_pow2(x: int) -> bool:
@@ -126,13 +135,34 @@ class ParallelConfig:
     # cache events (jpaged/dp).
     data_parallel_rank: int | None = None
 
+    # Several processes, one model (jpaged/runner/multiprocess.py); vLLM's flag names.
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    distributed_timeout_s: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
+
     def __post_init__(self) -> None:
-        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
-            _fail("ParallelConfig", "tensor_parallel_size", "an integer >= 1",
-                  self.tensor_parallel_size)
+        c = "ParallelConfig"
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            _fail(c, "tensor_parallel_size", "an integer >= 1", self.tensor_parallel_size)
         r = self.data_parallel_rank
-        if r is not None and (not isinstance(r, int) or isinstance(r, bool) or r < 0):
-            _fail("ParallelConfig", "data_parallel_rank", "an integer >= 0 or None", r)
+        if r is not None and (not _is_int(r) or r < 0):
+            _fail(c, "data_parallel_rank", "an integer >= 0 or None", r)
+        if not _is_int(self.nnodes) or self.nnodes < 1:
+            _fail(c, "nnodes", "an integer >= 1", self.nnodes)
+        if not _is_int(self.node_rank) or not 0 <= self.node_rank < self.nnodes:
+            _fail(c, "node_rank", f"an integer in [0, nnodes={self.nnodes})", self.node_rank)
+        if not isinstance(self.master_addr, str) or not self.master_addr:
+            _fail(c, "master_addr", "a host name or address", self.master_addr)
+        if not _is_int(self.master_port) or not 1 <= self.master_port < 65535:
+            _fail(c, "master_port", "a port in [1, 65534] (the step channel uses port + 1)",
+                  self.master_port)
+        t = self.distributed_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not t > 0:
+            _fail(c, "distributed_timeout_s", "a number of seconds > 0", t)
+        if self.nnodes > 1 and self.data_parallel_rank is not None:
+            _fail(c, "nnodes", "1 for a data-parallel replica (one process each)", self.nnodes)
 
 
 @dataclass(frozen=True)
@@ -196,6 +226,11 @@ class EngineArgs:
     scheduling_policy: str = "priority"
     tensor_parallel_size: int = 1
     data_parallel_rank: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = DEFAULT_MASTER_ADDR
+    master_port: int = DEFAULT_MASTER_PORT
+    distributed_timeout_s: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
     async_scheduling: bool = True
     # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text (jpaged/kv_events.py)
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
@@ -245,6 +280,8 @@ class EngineArgs:
                 scheduling_policy=self.scheduling_policy,
                 async_scheduling=self.async_scheduling,
             ),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_rank),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_rank,
+                                    self.nnodes, self.node_rank, self.master_addr,
+                                    self.master_port, self.distributed_timeout_s),
             kv_events=KVEventsConfig.parse(self.kv_events_config),
         )

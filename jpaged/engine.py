@@ -33,6 +33,7 @@ from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
 from jpaged.runner.kv_transfer import KVTransfer
 from jpaged.runner.memory_probe import step_activation_bytes
 from jpaged.runner.model_runner import ModelRunner, PendingStep
+from jpaged.runner.multiprocess import ProcessGroup, ProcessGroupError
 from jpaged.runner.parallel import TensorParallel, check_device_count, kv_bytes_per_device
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
@@ -57,6 +58,22 @@ def _param_bytes(params: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
 
 
+def _check_multiprocess(config: EngineConfig, loaded: LoadedModel | None) -> None:
+    """Refuse what a multi-process run cannot do, before joining the others."""
+    p = config.parallel
+    if p.node_rank != 0:
+        raise ValueError(
+            f"ParallelConfig.node_rank={p.node_rank}: only process 0 builds an LLM or an engine; "
+            "the other processes run jpaged.runner.multiprocess.run_worker(args) (CLI: the same "
+            "command with --node-rank N)")
+    if loaded is not None:
+        raise ValueError("a preloaded model cannot span several processes (nnodes > 1): "
+                         "each process loads its own slices; pass model= instead")
+    if config.cache.kv_offloading_size > 0 or config.cache.swap_space > 0:
+        raise ValueError("CacheConfig.kv_offloading_size: the host and disk KV tiers are not "
+                         "supported with nnodes > 1 (their copies would run on process 0 only)")
+
+
 def _check_supported(config: EngineConfig) -> None:
     """Refuse settings this version cannot honour, with the field named."""
     check_device_count(config.parallel.tensor_parallel_size)
@@ -70,10 +87,23 @@ def _check_supported(config: EngineConfig) -> None:
 class LLMEngine:
     """The engine behind `LLM` and the server: one jitted device step per `step()` call."""
 
-    def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, *,
+                 group: ProcessGroup | None = None) -> None:
         args = args or EngineArgs()
         t0 = time.perf_counter()
-        _check_supported(args.create_engine_config(model_max_len=2**31 - 1))  # before loading
+        early = args.create_engine_config(model_max_len=2**31 - 1)  # validated before loading
+        # Several processes, one model: join them before any device use (group: a process
+        # other than 0 joined already, in run_worker).
+        self.group = group
+        if early.parallel.nnodes > 1 and group is None:
+            _check_multiprocess(early, loaded)
+            self.group = ProcessGroup(args)
+        if self.group is not None and jax.device_count() != early.parallel.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={early.parallel.tensor_parallel_size} must equal the "
+                f"{jax.device_count()} devices of the {early.parallel.nnodes} processes "
+                "(the mesh spans every process's devices)")
+        _check_supported(early)
         # With tensor parallelism the weights load straight into their shards.
         self.loaded = loaded or load_model(args.model, args.dtype, args.tensor_parallel_size)
         self.spec = self.loaded.spec
@@ -95,6 +125,8 @@ class LLMEngine:
                                     config.scheduler.max_model_len, activation_bytes=probe,
                                     kv_head_shards=tp, host_devices=tp)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)
+        if self.group is not None and self.group.is_leader:
+            self.group.send_config(num_blocks)  # every process allocates the same pool
         # KV tiers (host RAM, then disk) below the device pool; None when kv_offloading_size=0.
         self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype)
         self.kv_transfer = KVTransfer()
@@ -104,7 +136,8 @@ class LLMEngine:
         # KV cache events: set before the disk tier opens, so its blocks are stated too.
         self.kv_events: KVEventHub | None = None
         ev = self.config.kv_events
-        if ev is not None and ev.enable_kv_cache_events:
+        if ev is not None and ev.enable_kv_cache_events and (self.group is None
+                                                             or self.group.is_leader):
             self.kv_events = KVEventHub(ev, self.config.cache.block_size,
                                         self.config.parallel.data_parallel_rank)
             self.scheduler.kv_cache_manager.set_events(self.kv_events.collector)
@@ -118,6 +151,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.loaded.model, kv, plan, self.config.cache.block_size,
                                   self.spec.vocab_size, self.ops, self.config.model.seed,
                                   parallel=self.parallel, calculate_kv_scales=calc_scales)
+        if self.group is not None and self.group.is_leader:
+            self.runner.announce = self.group.announce_step  # the others launch it too
         # The disk tier is keyed by the fp8 scales too: opened once they are final.
         self._disk_pending = (self.tiers is not None and self.config.cache.swap_space > 0
                               and self.config.cache.enable_prefix_caching)
@@ -280,10 +315,22 @@ class LLMEngine:
         # Packed from the requests as scheduled; only then advanced past this step.
         self.runner.remove_requests(out.finished_request_ids)
         self.runner.remove_requests(out.preempted)  # re-admitted with a new block table
-        pending = self.runner.dispatch(out.scheduled) if out.scheduled else None
+        pending = (self._on_device(self.runner.dispatch, out.scheduled) if out.scheduled
+                   else None)
         if advance:
             self.scheduler.update_after_schedule(out)
         return out, pending
+
+    def _on_device(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args); in a multi-process run a failure is the mesh's (ProcessGroupError)."""
+        if self.group is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except ProcessGroupError:
+            raise
+        except Exception as e:
+            raise self.group.failed(e) from e
 
     def _process(self, out: Any, pending: PendingStep | None) -> list[RequestOutput]:
         """Apply a step's sampled tokens: requests, text, stop strings, outputs, metrics."""
@@ -296,7 +343,7 @@ class LLMEngine:
         ids: list[int] = []
         lps: list[float] = []
         if pending is not None:
-            result = pending.result()
+            result = self._on_device(pending.result)
             self._open_disk_tier()
             ids = result.token_ids.tolist()
             lps = result.logprobs.tolist()
@@ -392,6 +439,9 @@ class LLMEngine:
         return self.scheduler.kv_cache_manager.cached_hashes()
 
     def shutdown(self) -> None:
-        """Stop the engine's background parts (the KV event publisher); idempotent."""
+        """Stop the engine's background parts (the KV event publisher; in a multi-process run,
+        the other processes' loops); idempotent."""
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.group is not None:
+            self.group.stop()

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -98,6 +98,9 @@ class ModelRunner:
         self.wait_before_dispatch = jax.default_backend() == "cpu"
         self._prev_rows: dict[str, int] = {}
         self.input_batch = InputBatch(plan, block_size, vocab_size, seed)
+        # Multi-process (process 0): tells the other processes to launch the same step first.
+        # Arguments: the step, its flags, calc_scales, scratch (see launch).
+        self.announce: Callable[[FlatStep, SamplingFlags, bool, bool], None] | None = None
         # True until the first real step has computed the fp8 scales (then they stay fixed).
         self.scales_pending = calculate_kv_scales
         self._jit_step = jax.jit(self._step, static_argnames=("flags", "calc_scales"),
@@ -178,16 +181,32 @@ class ModelRunner:
 
     def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
         """Compile the step for every bucket shape (or the given ones); returns the count."""
-        # A scratch token buffer: a step in flight (async scheduling) keeps its tokens.
-        scratch = self._new_buffer()
         for t, b in shapes if shapes is not None else self.plan.all_shapes():
             packed = empty_step(self.plan, t, b, self.vocab_size)
-            # calc_scales passed as execute() passes it: the kwargs are part of the cache key.
-            outs, self.kv, scratch = self._jit_step(
-                self.params, self.kv, flatten_step(packed.batch), scratch, flags=packed.flags,
-                calc_scales=False)
-            jax.block_until_ready(outs)
+            flat = flatten_step(packed.batch)
+            if self.announce is not None:
+                self.announce(flat, packed.flags, False, True)
+            # calc_scales passed as dispatch() passes it: the kwargs are part of the cache key.
+            jax.block_until_ready(self.launch(flat, packed.flags, False, scratch=True))
         return self.num_compiled
+
+    def launch(self, flat: FlatStep, flags: SamplingFlags, calc_scales: bool,
+               scratch: bool = False) -> tuple[jax.Array, ...]:
+        """Run one packed step on the device (returns at once); the pool and the last-token
+        buffer are replaced by the step's (scratch: a throwaway token buffer, for warm-up
+        steps, so a step in flight keeps its tokens). The other processes of a multi-process
+        mesh call this with what process 0 announced."""
+        if scratch:
+            outs, self.kv, _ = self._jit_step(self.params, self.kv, flat, self._new_buffer(),
+                                              flags=flags, calc_scales=calc_scales)
+            return outs
+        if self.wait_before_dispatch and self.last_tokens is not None:
+            w0 = time.perf_counter()
+            self.last_tokens.block_until_ready()  # the running step (it writes this buffer)
+            self.last_wait_s += time.perf_counter() - w0
+        outs, self.kv, self.last_tokens = self._jit_step(
+            self.params, self.kv, flat, self._buffer(), flags=flags, calc_scales=calc_scales)
+        return outs
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Forget requests finished, aborted or preempted (their persistent-batch rows)."""
@@ -204,13 +223,10 @@ class ModelRunner:
         packed = self.input_batch.pack(scheduled, self._prev_rows)
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
-        if self.wait_before_dispatch and self.last_tokens is not None:
-            w0 = time.perf_counter()
-            self.last_tokens.block_until_ready()  # the running step (it writes this buffer)
-            self.last_wait_s += time.perf_counter() - w0
-        outs, self.kv, self.last_tokens = self._jit_step(
-            self.params, self.kv, flatten_step(packed.batch), self._buffer(), flags=packed.flags,
-            calc_scales=calc)
+        flat = flatten_step(packed.batch)
+        if self.announce is not None:
+            self.announce(flat, packed.flags, calc, False)
+        outs = self.launch(flat, packed.flags, calc)
         if calc:
             logger.info("fp8 KV scales from the first batch: k=%s v=%s",
                         np.asarray(self.kv.k_scale).tolist(), np.asarray(self.kv.v_scale).tolist())

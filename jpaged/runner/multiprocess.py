@@ -1,0 +1,323 @@
+"""One model over several processes: JAX's multi-controller runtime plus process 0's step batches.
+
+Every process runs `jax.distributed.initialize` before touching a device; the mesh then spans
+every process's devices and each process places only its own parameter slices and KV heads.
+Process 0 alone owns the scheduler, block tables and prefix cache. For every device program it
+launches (a step, a warm-up step) it first sends the other processes the same call over a ZMQ
+channel (a small msgpack header: op, bucket shape, flags; then the two step buffers), so all of
+them run the same executable on the same inputs, as multi-controller JAX requires. The others
+loop on "receive, launch" until process 0 says stop.
+
+Ports: the JAX coordinator listens on master_port (process 0), the step channel on
+master_port + 1 (process 0).
+
+Faults, with `timeout_s` = distributed_timeout_s (default 120 s):
+- a process that never joins: every other process's `jax.distributed.initialize` gives up after
+  timeout_s, and process 0 raises ProcessGroupError naming which ranks never said hello;
+- a process that dies mid-run: the next step's collective fails at once on the others (the
+  peer's socket is gone); process 0 raises ProcessGroupError from that step; if nothing is
+  running, JAX's coordination service notices the missing heartbeats within timeout_s and ends
+  every other process;
+- mismatched flags or models: process 0 compares every process's fingerprint at start-up and
+  refuses, naming the first field that differs and the two values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import numpy as np
+
+if TYPE_CHECKING:
+    from jpaged.config import EngineArgs
+    from jpaged.runner.batch import FlatStep
+    from jpaged.runner.sampler import SamplingFlags
+
+logger = logging.getLogger("jpaged")
+
+CHANNEL_PORT_OFFSET = 1  # the step channel listens on master_port + this
+# EngineArgs fields allowed to differ between processes: who this process is, and what only
+# process 0 uses (its scheduler, cache bookkeeping and logs; it sends the pool size itself).
+_LOCAL_FIELDS = ("node_rank", "extra", "disable_log_stats", "kv_events_config",
+                 "scheduling_policy", "enable_prefix_caching", "prefix_caching_hash_algo",
+                 "preemption_mode", "long_prefill_token_threshold", "async_scheduling",
+                 "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override")
+
+
+class ProcessGroupError(RuntimeError):
+    """A process of a multi-process mesh failed, never joined or left: the run cannot go on."""
+
+
+def model_identity(model: str | None) -> dict[str, Any]:
+    """What a process will load: the model name and, for local files, their names and sizes
+    (cheap to compare; a different checkpoint under the same path shows in its sizes)."""
+    from models.loader import DEFAULT_MODEL, embedded_gguf_path
+
+    if model is None or model == DEFAULT_MODEL:
+        path: Path | None = embedded_gguf_path()
+    else:
+        path = Path(model).expanduser()
+        if not path.exists():
+            return {"model": model}
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    root = path if path.is_dir() else path.parent
+    return {"model": model or DEFAULT_MODEL,
+            "files": {str(p.relative_to(root)): p.stat().st_size for p in files}}
+
+
+def fingerprint(args: EngineArgs) -> dict[str, Any]:
+    """Every engine argument a process must share with process 0, plus its model's identity."""
+    out = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)
+           if f.name not in _LOCAL_FIELDS}
+    out["model_identity"] = model_identity(args.model)
+    return out
+
+
+def first_difference(mine: dict[str, Any], theirs: dict[str, Any]) -> str | None:
+    """'field: A != B' for the first field that differs, else None."""
+    for key in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(key), theirs.get(key)
+        if a != b:
+            if isinstance(a, dict) and isinstance(b, dict):
+                inner = first_difference(a, b)
+                return f"{key}.{inner}" if inner else f"{key}: {a!r} != {b!r}"
+            return f"{key}: {a!r} (process 0) != {b!r}"
+    return None
+
+
+def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int,
+               timeout_s: float) -> None:
+    """jax.distributed.initialize for this process (CPU: collectives over gloo); call before any
+    device use. Raises ProcessGroupError when the coordinator cannot be reached in time."""
+    import jax
+
+    if jax.distributed.is_initialized():
+        return
+    # Only the CPU client reads this; on a GPU the collectives are NCCL's.
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    t = max(1, int(timeout_s))
+    try:
+        jax.distributed.initialize(f"{master_addr}:{master_port}", nnodes, node_rank,
+                                   initialization_timeout=t, heartbeat_timeout_seconds=t)
+        # Every process starts its backend now, together: a backend's start-up exchanges
+        # device topologies with all the others (process 0 would wait for them otherwise).
+        jax.devices()
+    except Exception as e:
+        raise ProcessGroupError(
+            f"process {node_rank} of {nnodes} could not join the JAX coordinator at "
+            f"{master_addr}:{master_port} within {t} s ({type(e).__name__}: {e}); start every "
+            "process with the same --nnodes/--master-addr/--master-port") from e
+
+
+class StepChannel:
+    """Process 0's ROUTER socket to the other processes' DEALERs: hello, refuse, steps, stop."""
+
+    def __init__(self, nnodes: int, node_rank: int, master_addr: str, master_port: int,
+                 timeout_s: float) -> None:
+        import zmq
+
+        self.nnodes, self.rank, self.timeout_s = nnodes, node_rank, timeout_s
+        self._ctx = zmq.Context()
+        endpoint = f"tcp://{master_addr}:{master_port + CHANNEL_PORT_OFFSET}"
+        if node_rank == 0:
+            self._sock = self._ctx.socket(zmq.ROUTER)
+            self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a gone peer raises
+            self._sock.bind(endpoint)
+        else:
+            self._sock = self._ctx.socket(zmq.DEALER)
+            self._sock.setsockopt(zmq.IDENTITY, str(node_rank).encode())
+            self._sock.connect(endpoint)
+        self._sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+        self.endpoint = endpoint
+
+    # -- start-up -------------------------------------------------------------------------------
+    def gather_hellos(self, mine: dict[str, Any]) -> None:
+        """Process 0: wait for every other process's fingerprint; refuse any that differs."""
+        import zmq
+
+        deadline = time.monotonic() + self.timeout_s
+        seen: dict[int, dict[str, Any]] = {}
+        while len(seen) < self.nnodes - 1:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000), zmq.POLLIN):
+                missing = sorted(set(range(1, self.nnodes)) - set(seen))
+                raise ProcessGroupError(
+                    f"process(es) {missing} never said hello on {self.endpoint} within "
+                    f"{self.timeout_s:.0f} s")
+            ident, raw = self._sock.recv_multipart()
+            seen[int(ident)] = msgpack.unpackb(raw)
+        problems = {r: d for r, fp in seen.items() if (d := first_difference(mine, fp))}
+        for r in seen:
+            reply = ({"op": "refuse", "reason": self._refusal(problems)} if problems else
+                     {"op": "welcome"})
+            self._sock.send_multipart([str(r).encode(), msgpack.packb(reply)])
+        if problems:
+            raise ValueError(self._refusal(problems))
+
+    @staticmethod
+    def _refusal(problems: dict[int, str]) -> str:
+        return "the processes disagree on their settings: " + "; ".join(
+            f"process {r} differs from process 0 in {d}" for r, d in sorted(problems.items()))
+
+    def hello(self, mine: dict[str, Any]) -> None:
+        """Another process: send the fingerprint, wait for process 0's welcome or refusal."""
+        self._sock.send(msgpack.packb(mine, default=str))
+        reply = self._recv_header(self.timeout_s, "process 0's welcome")
+        if reply["op"] == "refuse":
+            raise ValueError(reply["reason"])
+
+    # -- steps ----------------------------------------------------------------------------------
+    def send(self, header: dict[str, Any], *buffers: np.ndarray) -> None:
+        """Process 0: the same message to every other process, in rank order."""
+        import zmq
+
+        frames = [msgpack.packb(header), *(np.ascontiguousarray(b) for b in buffers)]
+        for r in range(1, self.nnodes):
+            try:
+                self._sock.send_multipart([str(r).encode(), *frames], copy=False)
+            except zmq.ZMQError as e:  # ROUTER_MANDATORY: that peer is gone
+                raise ProcessGroupError(f"process {r} is gone (its step channel closed: "
+                                        f"{e})") from e
+
+    def recv(self) -> tuple[dict[str, Any], list[bytes]]:
+        """Another process: the next message from process 0 (blocks; see the module's faults)."""
+        header, *buffers = self._sock.recv_multipart()
+        return msgpack.unpackb(header), buffers
+
+    def _recv_header(self, timeout_s: float, what: str) -> dict[str, Any]:
+        import zmq
+
+        if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise ProcessGroupError(f"process {self.rank}: no {what} from {self.endpoint} "
+                                    f"within {timeout_s:.0f} s")
+        return msgpack.unpackb(self._sock.recv_multipart()[0])
+
+    def close(self) -> None:
+        """Close the socket and its context."""
+        self._sock.close()
+        self._ctx.term()
+
+
+class ProcessGroup:
+    """This process's place in a multi-process mesh: rank, the JAX runtime, the step channel."""
+
+    def __init__(self, args: EngineArgs) -> None:
+        self.nnodes, self.rank = args.nnodes, args.node_rank
+        self.timeout_s = args.distributed_timeout_s
+        initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                   self.timeout_s)
+        self.channel = StepChannel(args.nnodes, args.node_rank, args.master_addr,
+                                   args.master_port, self.timeout_s)
+        mine = fingerprint(args)
+        if self.is_leader:
+            self.channel.gather_hellos(msgpack.unpackb(msgpack.packb(mine, default=str)))
+        else:
+            self.channel.hello(mine)
+        self._stopped = False
+
+    @property
+    def is_leader(self) -> bool:
+        """True on process 0 (scheduler, requests, outputs)."""
+        return self.rank == 0
+
+    def send_config(self, num_blocks: int) -> None:
+        """Process 0: the pool size it settled on (every process must allocate the same)."""
+        self.channel.send({"op": "config", "num_blocks": num_blocks})
+
+    def recv_config(self) -> int:
+        """Another process: process 0's pool size."""
+        header, _ = self.channel.recv()
+        if header["op"] != "config":
+            raise ProcessGroupError(f"expected the pool size from process 0, got {header}")
+        return int(header["num_blocks"])
+
+    def announce_step(self, flat: FlatStep, flags: SamplingFlags, calc_scales: bool,
+                      scratch: bool) -> None:
+        """Process 0: tell the others to launch this step (before launching it here)."""
+        self.channel.send({"op": "step", "shape": [flat.num_tokens, flat.num_seqs,
+                                                   flat.max_blocks, flat.history_len],
+                           "flags": dataclasses.asdict(flags), "calc": calc_scales,
+                           "scratch": scratch}, flat.ints, flat.floats)
+
+    def failed(self, e: BaseException) -> ProcessGroupError:
+        """The error process 0 raises when a step failed across processes."""
+        return ProcessGroupError(
+            f"a multi-process step failed: another process died or left the mesh "
+            f"({type(e).__name__}: {str(e).splitlines()[0][:300]}); the run cannot continue")
+
+    def stop(self) -> None:
+        """Process 0: tell the others to exit their loops (once); close the channel."""
+        if self._stopped:
+            return
+        self._stopped = True
+        if self.is_leader:
+            try:
+                self.channel.send({"op": "stop"})
+            except ProcessGroupError:
+                pass  # a gone process needs no stop
+        self.channel.close()
+
+
+# Seconds a server on process 0 of a broken mesh keeps running so clients get their errors.
+EXIT_GRACE_S = 2.0
+
+
+def exit_soon(error: BaseException, grace_s: float = EXIT_GRACE_S) -> None:
+    """End this process with status 1 after `grace_s` (process 0 of a broken mesh, serving):
+    JAX's own shutdown at exit would wait on the process that is gone and then abort."""
+    import sys
+    import threading
+
+    def bye() -> None:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+    threading.Timer(grace_s, bye).start()
+
+
+def decode_step(header: dict[str, Any], buffers: list[bytes]) -> tuple[FlatStep, SamplingFlags]:
+    """The step process 0 announced: its FlatStep and flags."""
+    from jpaged.runner.batch import FlatStep
+    from jpaged.runner.sampler import SamplingFlags
+
+    t, b, m, h = header["shape"]
+    ints = np.frombuffer(buffers[0], np.int32)
+    floats = np.frombuffer(buffers[1], np.float32)
+    return FlatStep(ints, floats, t, b, m, h), SamplingFlags(**header["flags"])
+
+
+def run_worker(args: EngineArgs, on_ready: Callable[[], None] | None = None) -> None:
+    """A process other than 0: join, build the same engine, launch every step process 0 sends,
+    return when it says stop. Raises ProcessGroupError / ValueError as described above."""
+    from jpaged.engine import LLMEngine
+
+    if args.nnodes < 2 or args.node_rank == 0:
+        raise ValueError("run_worker is for processes 1..nnodes-1 of a multi-process run "
+                         f"(got nnodes={args.nnodes}, node_rank={args.node_rank})")
+    group = ProcessGroup(args)
+    num_blocks = group.recv_config()
+    engine = LLMEngine(dataclasses.replace(args, num_gpu_blocks_override=num_blocks),
+                       group=group)
+    if on_ready is not None:
+        on_ready()
+    runner = engine.runner
+    steps = 0
+    while True:
+        header, buffers = group.channel.recv()
+        if header["op"] == "stop":
+            break
+        if header["op"] != "step":
+            raise ProcessGroupError(f"unexpected message from process 0: {header}")
+        flat, flags = decode_step(header, buffers)
+        runner.launch(flat, flags, header["calc"], scratch=header["scratch"])
+        steps += 1
+    logger.info("process %d: %d steps, process 0 said stop", group.rank, steps)
+    group.stop()
+    engine.shutdown()
