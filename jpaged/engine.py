@@ -74,7 +74,8 @@ class LLMEngine:
         args = args or EngineArgs()
         t0 = time.perf_counter()
         _check_supported(args.create_engine_config(model_max_len=2**31 - 1))  # before loading
-        self.loaded = loaded or load_model(args.model, args.dtype)
+        self.loaded = loaded or load_model(args.model, args.dtype,
+                                           tensor_parallel_size=args.tensor_parallel_size)
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
         config = args.create_engine_config(self.spec.max_position_embeddings)

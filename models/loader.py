@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .checkpoint import MARKER as CHECKPOINT_MARKER
+from .checkpoint import load_checkpoint, read_manifest
 from .config import ModelSpec
 from .registry import get_model_class
 from .tokenizer import Tokenizer
@@ -85,6 +87,9 @@ def check_model_source(model: str | None) -> None:
         embedded_gguf_path()
         return
     path = Path(model).expanduser()
+    if (path / CHECKPOINT_MARKER).is_file():  # a jpaged checkpoint, before any HF reading
+        read_manifest(path)
+        return
     if model.lower().endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -97,12 +102,20 @@ def check_model_source(model: str | None) -> None:
         raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or HF repo id)")
 
 
-def load_model(model: str | None = None, dtype: str = "auto") -> LoadedModel:
-    """Load the embedded default (None), a .gguf file, an HF directory or an HF repo id."""
+def load_model(
+    model: str | None = None, dtype: str = "auto", tensor_parallel_size: int = 1
+) -> LoadedModel:
+    """Load the embedded default (None), a jpaged checkpoint, a .gguf, an HF dir or repo id.
+
+    A jpaged checkpoint (`jpaged convert`) is restored straight into the shardings of
+    `tensor_parallel_size` devices; the other formats load onto the default device.
+    """
     jdtype = resolve_dtype(dtype)
     if model is None or model == DEFAULT_MODEL:
         return _load_gguf_model(embedded_gguf_path(), jdtype)
     path = Path(model).expanduser()
+    if (path / CHECKPOINT_MARKER).is_file():  # checked first: a checkpoint has a config.json too
+        return load_checkpoint(path, jdtype, tensor_parallel_size)
     if model.lower().endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
