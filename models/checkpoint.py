@@ -3,7 +3,7 @@
 A converted directory OUT holds (written in this order; the manifest last, so a directory
 without it is an interrupted conversion, never a checkpoint):
 
-  params/                 orbax (StandardCheckpointer) checkpoint of `nnx.state(model)` as a
+  params/                 orbax checkpoint (OCDBT, uncompressed) of `nnx.state(model)` as a
                           pure dict, jpaged's layout: decoder Params stacked [num_layers, ...],
                           Linear kernels [in, out]
   tokenizer.json          the `tokenizers` backend, post-processor (BOS/EOS adding) included
@@ -155,9 +155,10 @@ def save_checkpoint(loaded: LoadedModel, out: str | Path, *, overwrite: bool = F
     params = nnx.to_pure_dict(nnx.state(loaded.model))
     dtype = jnp.dtype(loaded.model.dtype).name
     t0 = time.perf_counter()
-    with ocp.StandardCheckpointer() as ckptr:
+    # Uncompressed: loading is the point of this format, and zstd costs more to undo than the
+    # extra bytes cost to read. The save is synchronous (returns once committed).
+    with ocp.PyTreeCheckpointer(use_compression=False) as ckptr:
         ckptr.save(out / PARAMS_DIR, params)
-        ckptr.wait_until_finished()
     save_s = time.perf_counter() - t0
     save_tokenizer(loaded.tokenizer, out)
     (out / "config.json").write_text(json.dumps(hf_config(loaded.spec, dtype), indent=2))
