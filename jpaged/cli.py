@@ -319,6 +319,53 @@ def estimate(
     Console().print(table)
 
 
+@app.command()
+def convert(
+    src: Annotated[str, typer.Argument(
+        help="Model to convert: 'embedded' (the default SmolLM2), a .gguf file, an HF "
+        "directory or hub repo id.")],
+    out: Annotated[Path, typer.Argument(help="Directory to write the jpaged checkpoint to.")],
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="Dtype the parameters are stored in: float32|bfloat16|float16.")
+    ] = "float32",
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Replace the checkpoint files of an existing, non-empty OUT.")
+    ] = False,
+) -> None:
+    """Write SRC as an orbax checkpoint that --model OUT loads faster (docs/distributed.md)."""
+    import time
+
+    from models.checkpoint import MARKER, PARAMS_DIR, save_checkpoint
+    from models.loader import DEFAULT_MODEL, DTYPES, load_model
+
+    if dtype not in DTYPES:
+        _fail(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
+    if out.exists() and not out.is_dir():
+        _fail(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        _fail(f"output directory {out} exists and is not empty; pass --overwrite to replace "
+              "a checkpoint there, or choose another directory")
+    model = None if src in ("embedded", DEFAULT_MODEL) else src
+    try:
+        t0 = time.perf_counter()
+        loaded = load_model(model, dtype)
+        t1 = time.perf_counter()
+        path = save_checkpoint(loaded, out, overwrite=overwrite)
+        t2 = time.perf_counter()
+    except (ValueError, FileNotFoundError, FileExistsError, OSError) as e:
+        _fail(str(e))
+        return
+    params = json.loads((path / MARKER).read_text())["params"]
+    on_disk = sum(f.stat().st_size for f in (path / PARAMS_DIR).rglob("*") if f.is_file())
+    typer.echo(str(path))
+    typer.echo(f"source {loaded.source}: {loaded.spec.architecture}, "
+               f"{params['num_params'] / 1e6:.1f}M params in {params['num_tensors']} tensors, "
+               f"{dtype}; {params['bytes'] / 2**20:.1f} MiB in memory, "
+               f"{on_disk / 2**20:.1f} MiB on disk")
+    typer.echo(f"loaded in {t1 - t0:.2f} s, written in {t2 - t1:.2f} s; "
+               f"use it with --model {path}")
+
+
 def _engine_args(flags: dict[str, Any]) -> Any:
     """EngineArgs from a command's engine flags (None keeps the EngineArgs default)."""
     import dataclasses

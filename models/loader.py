@@ -15,6 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from .checkpoint import MARKER as CHECKPOINT_MARKER
+from .checkpoint import load_checkpoint, read_manifest
 from .config import ModelSpec
 from .registry import get_model_class
 from .tokenizer import Tokenizer
@@ -99,6 +101,9 @@ def check_model_source(model: str | None) -> None:
         embedded_gguf_path()
         return
     path = Path(model).expanduser()
+    if (path / CHECKPOINT_MARKER).is_file():  # a jpaged checkpoint, before any HF reading
+        read_manifest(path)
+        return
     if model.lower().endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
@@ -113,15 +118,18 @@ def check_model_source(model: str | None) -> None:
 
 def load_model(model: str | None = None, dtype: str = "auto",
                tensor_parallel_size: int = 1) -> LoadedModel:
-    """Load the embedded default (None), a .gguf file, an HF directory or an HF repo id.
+    """Load the embedded default (None), a jpaged checkpoint, a .gguf, an HF dir or repo id.
 
-    tensor_parallel_size > 1 places the parameters straight into their sharded layout.
+    tensor_parallel_size > 1 places the parameters straight into their sharded layout (a
+    jpaged checkpoint (`jpaged convert`) through orbax's sharded restore).
     """
     jdtype = resolve_dtype(dtype)
     tp = tensor_parallel_size
     if model is None or model == DEFAULT_MODEL:
         return _load_gguf_model(embedded_gguf_path(), jdtype, tp)
     path = Path(model).expanduser()
+    if (path / CHECKPOINT_MARKER).is_file():  # checked first: a checkpoint has a config.json too
+        return load_checkpoint(path, jdtype, tensor_parallel_size)
     if model.lower().endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")

@@ -1,0 +1,276 @@
+"""jpaged's own checkpoint format: an orbax checkpoint of the NNX parameters plus config files.
+
+A converted directory OUT holds (written in this order; the manifest last, so a directory
+without it is an interrupted conversion, never a checkpoint):
+
+  params/                 orbax checkpoint (OCDBT, uncompressed) of `nnx.state(model)` as a
+                          pure dict, jpaged's layout: decoder Params stacked [num_layers, ...],
+                          Linear kernels [in, out]
+  tokenizer.json          the `tokenizers` backend, post-processor (BOS/EOS adding) included
+  tokenizer_config.json   bos/eos/unk/pad tokens and the chat template (`Tokenizer.from_hf_dir`)
+  config.json             an HF-style config of the spec (for tools that read only a config)
+  jpaged_checkpoint.json  the marker: format version, architecture, stored dtype, the exact
+                          ModelSpec, the source it was converted from and a tensor summary
+
+Loading builds the model abstractly and restores every array straight into its target sharding
+(each device reads only its own shard), cast to the requested dtype on the way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from .config import ModelSpec
+from .registry import get_model_class
+from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # loader imports this module when it meets a checkpoint
+    from .loader import LoadedModel
+
+MARKER = "jpaged_checkpoint.json"
+PARAMS_DIR = "params"
+FORMAT = "jpaged-orbax"
+FORMAT_VERSION = 1
+# Every name save_checkpoint writes; --overwrite removes exactly these and nothing else.
+WRITTEN = (MARKER, PARAMS_DIR, "tokenizer.json", "tokenizer_config.json", "config.json")
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    """Whether `path` is a directory holding a jpaged checkpoint marker."""
+    path = Path(path).expanduser()
+    return path.is_dir() and (path / MARKER).is_file()
+
+
+# ---------------------------------------------------------------------------- spec <-> JSON
+def spec_to_json(spec: ModelSpec) -> dict[str, Any]:
+    """Every ModelSpec field as JSON values (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(spec)))
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def spec_from_json(fields: dict[str, Any]) -> ModelSpec:
+    """The ModelSpec `spec_to_json` wrote, equal to the original (lists back to tuples)."""
+    known = {f.name for f in dataclasses.fields(ModelSpec)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise ValueError(f"unknown ModelSpec fields {unknown}")
+    return ModelSpec(**{k: _tuples(v) for k, v in fields.items()})
+
+
+def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
+    """An HF transformers config.json for `spec` (ModelSpec.from_hf_config reads it back)."""
+    cfg: dict[str, Any] = {
+        "architectures": [spec.architecture],
+        "model_type": _MODEL_TYPES[spec.architecture],
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "tie_word_embeddings": spec.tie_word_embeddings,
+        "attention_bias": spec.attention_bias,
+        "mlp_bias": spec.mlp_bias,
+        "bos_token_id": spec.bos_token_id,
+        "eos_token_id": list(spec.eos_token_ids),
+        "torch_dtype": dtype,
+    }
+    if spec.rope_scaling is not None:
+        cfg["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
+                               for k, v in spec.rope_scaling}
+    return cfg
+
+
+# ---------------------------------------------------------------------------- tokenizer
+def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
+    """tokenizer.json + tokenizer_config.json from which `Tokenizer.from_hf_dir` rebuilds it."""
+    tokenizer.backend.save(str(out / "tokenizer.json"))
+    config = {
+        "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+        "unk_token": tokenizer.unk_token, "pad_token": tokenizer.pad_token,
+        "chat_template": tokenizer.chat_template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False),
+                                               encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------- save
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dict -> {"model/layers/mlp/up_proj/kernel": leaf}."""
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flat(value, name + "/"))
+        else:
+            out[name] = value
+    return out
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(
+                f"output directory {out} exists and is not empty; pass overwrite=True "
+                "(--overwrite) to replace a checkpoint there, or choose another directory")
+        for name in WRITTEN:
+            target = out / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def save_checkpoint(loaded: LoadedModel, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Write `loaded` (a LoadedModel) as a jpaged orbax checkpoint directory; return its path."""
+    import orbax.checkpoint as ocp
+
+    out = Path(out).expanduser().resolve()  # orbax wants an absolute path
+    _prepare_out(out, overwrite)
+    params = nnx.to_pure_dict(nnx.state(loaded.model))
+    dtype = jnp.dtype(loaded.model.dtype).name
+    t0 = time.perf_counter()
+    # Uncompressed: loading is the point of this format, and zstd costs more to undo than the
+    # extra bytes cost to read. The save is synchronous (returns once committed).
+    with ocp.PyTreeCheckpointer(use_compression=False) as ckptr:
+        ckptr.save(out / PARAMS_DIR, params)
+    save_s = time.perf_counter() - t0
+    save_tokenizer(loaded.tokenizer, out)
+    (out / "config.json").write_text(json.dumps(hf_config(loaded.spec, dtype), indent=2))
+    tensors = {name: {"shape": list(x.shape), "dtype": jnp.dtype(x.dtype).name}
+               for name, x in _flat(params).items()}
+    manifest = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "architecture": loaded.spec.architecture,
+        "dtype": dtype,
+        "spec": spec_to_json(loaded.spec),
+        "source": loaded.source,
+        "params": {
+            "num_tensors": len(tensors),
+            "num_params": sum(x.size for x in jax.tree.leaves(params)),
+            "bytes": sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)),
+            "save_s": round(save_s, 3),
+            "tensors": tensors,
+        },
+    }
+    # Written last: its presence means every other file is complete.
+    (out / MARKER).write_text(json.dumps(manifest, indent=2))
+    return out
+
+
+# ---------------------------------------------------------------------------- load
+def read_manifest(path: str | Path) -> dict[str, Any]:
+    """The checked manifest of checkpoint directory `path` (ValueError naming what is wrong)."""
+    path = Path(path).expanduser()
+    file = path / MARKER
+    if not file.is_file():
+        raise FileNotFoundError(f"not a jpaged checkpoint: {file} not found")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"corrupt checkpoint manifest {file}: {e}") from e
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise ValueError(f"corrupt checkpoint manifest {file}: 'format' is not {FORMAT!r}")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ValueError(f"checkpoint {path} has format_version {version!r}; this jpaged reads "
+                         f"version {FORMAT_VERSION} (convert the source again)")
+    for key in ("spec", "dtype", "architecture"):
+        if key not in manifest:
+            raise ValueError(f"corrupt checkpoint manifest {file}: no {key!r}")
+    if not (path / PARAMS_DIR).is_dir():
+        raise FileNotFoundError(f"checkpoint {path} has no parameters: {path / PARAMS_DIR} "
+                                "not found")
+    return manifest
+
+
+def load_checkpoint(path: str | Path, dtype: Any = "auto",
+                    tensor_parallel_size: int = 1) -> LoadedModel:
+    """A LoadedModel from a jpaged checkpoint, params restored straight into their shardings.
+
+    `dtype` is a name ('auto' | 'float32' | 'bfloat16' | 'float16') or a jnp dtype; arrays
+    stored in another dtype are cast while they are read.
+    """
+    import orbax.checkpoint as ocp
+    from jax.sharding import SingleDeviceSharding
+
+    from .loader import LoadedModel, resolve_dtype
+
+    path = Path(path).expanduser().resolve()
+    manifest = read_manifest(path)
+    try:
+        spec = spec_from_json(manifest["spec"])
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"corrupt checkpoint manifest {path / MARKER}: spec: {e}") from e
+    jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
+    cls = get_model_class(spec.architecture)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(spec, dtype=jdtype,
+                                                            rngs=nnx.Rngs(0))))
+    if tensor_parallel_size > 1:
+        from jpaged.runner.parallel import TensorParallel
+
+        shardings = TensorParallel(spec, tensor_parallel_size).param_shardings(state)
+    else:
+        one = SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: one, state)
+    # Abstract target: shape, requested dtype and sharding per leaf; orbax reads each device's
+    # shard of the stored array and casts it (no whole host copy, no reshard afterwards).
+    target = nnx.to_pure_dict(jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings))
+    params_dir = path / PARAMS_DIR
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            stored = ckptr.metadata(params_dir).item_metadata.tree
+        except Exception as e:  # orbax/tensorstore errors of a damaged directory
+            raise ValueError(f"corrupt checkpoint parameters {params_dir}: {e}") from e
+        _check_tree(path, _flat(stored), _flat(target))
+        try:
+            restored = ckptr.restore(params_dir, target)
+        except Exception as e:
+            raise ValueError(f"reading checkpoint parameters {params_dir} failed: {e}") from e
+    nnx.replace_by_pure_dict(state, restored)
+    model = nnx.merge(graphdef, state)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    return LoadedModel(spec, model, tokenizer, str(path))
+
+
+def _check_tree(path: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:
+    """The stored tensors are exactly the model's, with the model's shapes."""
+    missing = [n for n in wanted if n not in stored]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks tensor {missing[0]!r}"
+                         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""))
+    extra = [n for n in stored if n not in wanted]
+    if extra:
+        raise ValueError(f"checkpoint {path} holds tensor {extra[0]!r} the model does not have")
+    for name, want in wanted.items():
+        shape = tuple(stored[name].shape)
+        if shape != tuple(want.shape):
+            raise ValueError(f"tensor {name!r} in checkpoint {path} has shape {shape}, "
+                             f"expected {tuple(want.shape)} for the spec in its manifest")
