@@ -33,7 +33,12 @@ from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
 from jpaged.runner.kv_transfer import KVTransfer
 from jpaged.runner.memory_probe import step_activation_bytes
 from jpaged.runner.model_runner import ModelRunner, PendingStep
-from jpaged.runner.multiprocess import ProcessGroup, ProcessGroupError
+from jpaged.runner.multiprocess import (
+    ProcessGroup,
+    ProcessGroupError,
+    peak_rss_bytes,
+    rss_bytes,
+)
 from jpaged.runner.parallel import TensorParallel, check_device_count, kv_bytes_per_device
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
@@ -105,7 +110,14 @@ class LLMEngine:
                 "(the mesh spans every process's devices)")
         _check_supported(early)
         # With tensor parallelism the weights load straight into their shards.
+        rss_before = rss_bytes()
         self.loaded = loaded or load_model(args.model, args.dtype, args.tensor_parallel_size)
+        if self.group is not None:  # what loading took from this process (docs/distributed.md)
+            mine = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(nnx.state(
+                self.loaded.model)) for s in x.addressable_shards)
+            logger.info("process %d of %d loaded its parameter slices: %d bytes on its devices; "
+                        "peak RSS %d bytes, %d before loading", self.group.rank,
+                        self.group.nnodes, mine, peak_rss_bytes(), rss_before)
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
         config = args.create_engine_config(self.spec.max_position_embeddings)

@@ -158,6 +158,30 @@ def spec_from_gguf(
     )
 
 
+# Rows dequantized at a time: the temporaries stay a few MiB, whatever the tensor's size.
+_DEQUANT_ROWS = 4096
+
+
+def _dequantize(path: Path, t: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """One tensor as float32 `shape`. Its bytes are read from the file (not through the
+    reader's memory map, which would keep every page read resident in this process) and
+    dequantized a slab of rows at a time, so the whole float32 tensor is the only big
+    allocation."""
+    layout = t.data  # a memory-mapped view: its shape and dtype, no page touched
+    raw = np.fromfile(path, dtype=layout.dtype, count=layout.size,
+                      offset=int(t.data_offset)).reshape(layout.shape)
+    out = np.empty(shape, np.float32)
+    if raw.ndim < 2:
+        out.reshape(-1)[:] = gguf.quants.dequantize(raw, t.tensor_type).reshape(-1)
+        return out
+    rows = out.reshape(raw.shape[0], -1)  # invariant: axis 0 of the bytes is the row axis
+    for i in range(0, raw.shape[0], _DEQUANT_ROWS):
+        part = raw[i:i + _DEQUANT_ROWS]
+        rows[i:i + part.shape[0]] = gguf.quants.dequantize(part, t.tensor_type).reshape(
+            part.shape[0], -1)
+    return out
+
+
 def load_gguf(path: str | Path, lazy: bool = False
               ) -> tuple[ModelSpec, TensorDict | LazyTensors, dict[str, Any]]:
     """(spec, float32 tensors in HF naming, metadata) of a GGUF file; q/k un-permuted for llama.
@@ -179,8 +203,7 @@ def load_gguf(path: str | Path, lazy: bool = False
         t = tensors[name]
         want = tuple(int(d) for d in reversed(t.shape))  # numpy order of the GGUF dims
         try:
-            arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)
-            return arr.reshape(want)
+            return _dequantize(path, t, want)
         except Exception as e:
             raise ValueError(f"cannot read tensor {name!r} from GGUF file {path}: {e}") from e
 

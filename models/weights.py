@@ -246,10 +246,13 @@ def place_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: Mo
                     buf[...] = arr[tuple(slice(a, b) for a, b in key)]
                 else:  # invariant: the layer axis is whole in every slice
                     buf[entry.layer] = arr[tuple(slice(a, b) for a, b in key[1:])]
-        shards = [jax.device_put(bufs[_index_key(index, shape)], device)
-                  for device, index in index_of.items()]
+            del arr  # the whole tensor goes before the next is made
+        shards = []
+        for device, index in index_of.items():
+            shards.append(jax.device_put(bufs[_index_key(index, shape)], device))
+            shards[-1].block_until_ready()
+        del bufs  # host slices go once their devices hold them
         param.set_value(jax.make_array_from_single_device_arrays(shape, sharding, shards))
-        del bufs, shards
 
 
 def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[int, int], ...]:

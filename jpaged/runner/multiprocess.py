@@ -12,8 +12,10 @@ Ports: the JAX coordinator listens on master_port (process 0), the step channel 
 master_port + 1 (process 0).
 
 Faults, with `timeout_s` = distributed_timeout_s (default 120 s):
-- a process that never joins: every other process's `jax.distributed.initialize` gives up after
-  timeout_s, and process 0 raises ProcessGroupError naming which ranks never said hello;
+- a process that never joins: process 0 raises ProcessGroupError after timeout_s naming the
+  ranks that never said hello on the step channel (checked before JAX starts, since JAX's own
+  start-up aborts a process it cannot register); the others raise it after timeout_s without
+  process 0's welcome;
 - a process that dies mid-run: the next step's collective fails at once on the others (the
   peer's socket is gone); process 0 raises ProcessGroupError from that step; if nothing is
   running, JAX's coordination service notices the missing heartbeats within timeout_s and ends
@@ -53,6 +55,27 @@ _LOCAL_FIELDS = ("node_rank", "extra", "disable_log_stats", "kv_events_config",
 
 class ProcessGroupError(RuntimeError):
     """A process of a multi-process mesh failed, never joined or left: the run cannot go on."""
+
+
+def rss_bytes() -> int:
+    """This process's resident memory now (Linux; 0 where /proc is missing)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux's VmHWM: unlike getrusage's
+    ru_maxrss, not inherited from the parent across fork and exec; 0 where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def model_identity(model: str | None) -> dict[str, Any]:
@@ -134,7 +157,8 @@ class StepChannel:
             self._sock = self._ctx.socket(zmq.DEALER)
             self._sock.setsockopt(zmq.IDENTITY, str(node_rank).encode())
             self._sock.connect(endpoint)
-        self._sock.setsockopt(zmq.LINGER, int(timeout_s * 1000))
+        # Unsent messages are kept at most 1 s at close (a refusal must still go out).
+        self._sock.setsockopt(zmq.LINGER, 1000)
         self.endpoint = endpoint
 
     # -- start-up -------------------------------------------------------------------------------
@@ -169,7 +193,7 @@ class StepChannel:
     def hello(self, mine: dict[str, Any]) -> None:
         """Another process: send the fingerprint, wait for process 0's welcome or refusal."""
         self._sock.send(msgpack.packb(mine, default=str))
-        reply = self._recv_header(self.timeout_s, "process 0's welcome")
+        reply = self._recv_header(self.timeout_s, "welcome from process 0")
         if reply["op"] == "refuse":
             raise ValueError(reply["reason"])
 
@@ -195,7 +219,7 @@ class StepChannel:
         import zmq
 
         if not self._sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise ProcessGroupError(f"process {self.rank}: no {what} from {self.endpoint} "
+            raise ProcessGroupError(f"process {self.rank}: no {what} on {self.endpoint} "
                                     f"within {timeout_s:.0f} s")
         return msgpack.unpackb(self._sock.recv_multipart()[0])
 
@@ -211,16 +235,22 @@ class ProcessGroup:
     def __init__(self, args: EngineArgs) -> None:
         self.nnodes, self.rank = args.nnodes, args.node_rank
         self.timeout_s = args.distributed_timeout_s
-        initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port,
-                   self.timeout_s)
+        self._stopped = False
+        # The channel's handshake first: a missing process or a mismatch is our clear error
+        # within timeout_s (JAX's own start-up aborts the process instead); then JAX.
         self.channel = StepChannel(args.nnodes, args.node_rank, args.master_addr,
                                    args.master_port, self.timeout_s)
         mine = fingerprint(args)
-        if self.is_leader:
-            self.channel.gather_hellos(msgpack.unpackb(msgpack.packb(mine, default=str)))
-        else:
-            self.channel.hello(mine)
-        self._stopped = False
+        try:
+            if self.is_leader:
+                self.channel.gather_hellos(msgpack.unpackb(msgpack.packb(mine, default=str)))
+            else:
+                self.channel.hello(mine)
+        except BaseException:
+            self.channel.close()
+            raise
+        initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+                   self.timeout_s)
 
     @property
     def is_leader(self) -> bool:
