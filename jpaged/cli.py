@@ -456,6 +456,8 @@ def chat(
     """Chat interactively: replies stream as they are made; /reset, /exit."""
     flags = {**locals(), **(engine_flags or {})}  # own options + the engine flags
     _setup_logging(verbose)
+    if _run_worker_if_not_rank0(model, engine_flags or {}):
+        return
     from jpaged.chat_cli import ChatSession, run_chat
     from jpaged.engine import LLMEngine
     from jpaged.sampling_params import SamplingParams
@@ -463,12 +465,13 @@ def chat(
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                 seed=flags["seed"])
-        session = ChatSession(LLMEngine(_engine_args({**flags, "disable_log_stats": True})),
-                              params, system=system)
+        engine = LLMEngine(_engine_args({**flags, "disable_log_stats": True}))
+        session = ChatSession(engine, params, system=system)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
     run_chat(session)
+    engine.shutdown()  # a multi-process run: the other processes stop too
 
 
 @engine_command()
@@ -487,6 +490,8 @@ def bench(
     """Offline throughput on random prompts, as `vllm bench throughput` (--seed seeds both)."""
     flags = {**locals(), **(engine_flags or {})}  # own options + the engine flags
     _setup_logging(verbose)
+    if _run_worker_if_not_rank0(model, engine_flags or {}):
+        return
     from jpaged.bench import report
     from jpaged.bench.throughput import run_throughput, summary_line
     from jpaged.engine import LLMEngine
@@ -495,6 +500,7 @@ def bench(
         engine = LLMEngine(_engine_args({**flags, "disable_log_stats": True}))
         result = run_throughput(engine, num_prompts, input_len, output_len, flags["seed"],
                                 warmup)
+        engine.shutdown()  # a multi-process run: the other processes stop too
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
@@ -508,7 +514,9 @@ def bench(
                        [(k, v) for k, v in result.items()])
 
 
-@engine_command(exclude=("swap_space",))
+# tune builds engine after engine in one process: never over several processes.
+@engine_command(exclude=("swap_space", "nnodes", "node_rank", "master_addr", "master_port",
+                         "distributed_timeout_s"))
 def tune(
     model: Model = None,
     workload: Annotated[Path | None, typer.Option(

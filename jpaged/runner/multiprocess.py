@@ -125,6 +125,10 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int,
         return
     # Only the CPU client reads this; on a GPU the collectives are NCCL's.
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # A dead process must not make JAX's coordination service abort the others at a moment
+    # of its choosing: the failed step raises on process 0, which ends the run itself (the
+    # module's faults).
+    jax.config.update("jax_enable_recoverability", True)
     t = max(1, int(timeout_s))
     try:
         jax.distributed.initialize(f"{master_addr}:{master_port}", nnodes, node_rank,
@@ -160,6 +164,9 @@ class StepChannel:
         # Unsent messages are kept at most 1 s at close (a refusal must still go out).
         self._sock.setsockopt(zmq.LINGER, 1000)
         self.endpoint = endpoint
+        self._monitor: Any = None  # PAIR socket of disconnect events, once watched
+        self._watcher: Any = None  # process 0's thread reading it
+        self._closing = False
 
     # -- start-up -------------------------------------------------------------------------------
     def gather_hellos(self, mine: dict[str, Any]) -> None:
@@ -211,9 +218,51 @@ class StepChannel:
                                         f"{e})") from e
 
     def recv(self) -> tuple[dict[str, Any], list[bytes]]:
-        """Another process: the next message from process 0 (blocks; see the module's faults)."""
-        header, *buffers = self._sock.recv_multipart()
-        return msgpack.unpackb(header), buffers
+        """Another process: the next message from process 0; ProcessGroupError as soon as the
+        connection to process 0 drops (it died) with nothing left to read."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        if self._monitor is None:
+            self._monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
+        while True:
+            ready = dict(poller.poll())
+            if self._sock in ready:  # what process 0 sent before it went is still read
+                header, *buffers = self._sock.recv_multipart()
+                return msgpack.unpackb(header), buffers
+            if recv_monitor_message(self._monitor)["event"] == zmq.EVENT_DISCONNECTED:
+                raise ProcessGroupError(f"process {self.rank}: process 0 is gone (the step "
+                                        f"channel {self.endpoint} closed); the run cannot "
+                                        "continue")
+
+    def watch(self, on_lost: Callable[[], None]) -> None:
+        """Process 0: call `on_lost` (on a daemon thread) when another process's connection
+        drops before `close`: it died, even while no step runs."""
+        import threading
+
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        self._monitor = monitor = self._sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+        def run() -> None:
+            try:
+                while True:
+                    event = recv_monitor_message(monitor)["event"]
+                    if event == zmq.EVENT_MONITOR_STOPPED:  # close() was called
+                        return
+                    if event == zmq.EVENT_DISCONNECTED and not self._closing:
+                        on_lost()
+                        return
+            finally:
+                monitor.close(linger=0)
+
+        self._watcher = threading.Thread(target=run, name="jpaged-step-channel-watch",
+                                         daemon=True)
+        self._watcher.start()
 
     def _recv_header(self, timeout_s: float, what: str) -> dict[str, Any]:
         import zmq
@@ -224,9 +273,17 @@ class StepChannel:
         return msgpack.unpackb(self._sock.recv_multipart()[0])
 
     def close(self) -> None:
-        """Close the socket and its context."""
+        """Close the socket and its context (a disconnect from here on is expected)."""
+        self._closing = True
+        if self._monitor is not None:
+            self._sock.disable_monitor()  # the watcher reads MONITOR_STOPPED and closes it
+            if self._watcher is not None:
+                self._watcher.join(timeout=1.0)
+            else:
+                self._monitor.close(linger=0)
         self._sock.close()
-        self._ctx.term()
+        if self._watcher is None or not self._watcher.is_alive():  # else term() would wait
+            self._ctx.term()
 
 
 class ProcessGroup:
@@ -251,6 +308,10 @@ class ProcessGroup:
             raise
         initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port,
                    self.timeout_s)
+        if self.is_leader:  # a process that dies while nothing runs still ends the run
+            self.channel.watch(lambda: exit_soon(ProcessGroupError(
+                "a process of the mesh is gone (its step channel to process 0 closed); the "
+                "run cannot continue")))
 
     @property
     def is_leader(self) -> bool:
@@ -346,7 +407,10 @@ def run_worker(args: EngineArgs, on_ready: Callable[[], None] | None = None) -> 
         if header["op"] != "step":
             raise ProcessGroupError(f"unexpected message from process 0: {header}")
         flat, flags = decode_step(header, buffers)
-        runner.launch(flat, flags, header["calc"], scratch=header["scratch"])
+        try:
+            runner.launch(flat, flags, header["calc"], scratch=header["scratch"])
+        except Exception as e:  # a collective with a process that is gone
+            raise group.failed(e) from e
         steps += 1
     logger.info("process %d: %d steps, process 0 said stop", group.rank, steps)
     group.stop()

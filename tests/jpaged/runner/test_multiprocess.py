@@ -18,7 +18,7 @@ import jax
 import openai
 import pytest
 from flax import nnx
-from helpers import embedded, make_llm
+from helpers import embedded, make_llm, tiny_model_dir
 
 from jpaged import SamplingParams
 
@@ -52,6 +52,7 @@ class Procs:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, []
+        tmp.mkdir(parents=True, exist_ok=True)
         self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
@@ -204,3 +205,37 @@ def test_a_process_that_never_joins_is_named_in_bounded_time(tmp_path):
         assert procs.wait(lead, 60) == 1
         assert time.monotonic() - t0 < 60
         assert "process(es) [1] never said hello" in procs.text("p0")
+
+
+def _serve_pair(procs: Procs) -> tuple[subprocess.Popen, subprocess.Popen]:
+    """The tiny model served over 2 processes (tp 2); returns (process 0, process 1) once up."""
+    port, http = str(_free_port()), _free_port(1)
+    flags = ["serve", "--model", str(tiny_model_dir()), "--tensor-parallel-size", "2",
+             "--nnodes", "2", "--master-port", port, "--max-model-len", "64",
+             "--distributed-timeout-s", "60"]
+    other = procs.start("p1", *flags, "--node-rank", "1")
+    lead = procs.start("p0", *flags, "--node-rank", "0", "--port", str(http))
+    deadline = time.monotonic() + WAIT_S
+    while "Uvicorn running" not in procs.text("p0"):
+        assert lead.poll() is None and other.poll() is None, procs.text("p0")[-3000:]
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.3)
+    return lead, other
+
+
+def test_a_process_dying_while_idle_ends_the_others(tmp_path):
+    """No step running: process 1 killed -> process 0 exits 1 naming it; process 0 killed ->
+    process 1 ends, in bounded time: our error (exit 1) or JAX's coordination client, which
+    loses the service process 0 hosted and aborts the process itself (whichever is first)."""
+    with Procs(tmp_path / "a") as procs:
+        lead, other = _serve_pair(procs)
+        os.kill(other.pid, signal.SIGKILL)
+        assert procs.wait(lead, 60) == 1
+        assert "a process of the mesh is gone" in procs.text("p0"), procs.text("p0")[-2000:]
+    with Procs(tmp_path / "b") as procs:
+        lead, other = _serve_pair(procs)
+        os.kill(lead.pid, signal.SIGKILL)
+        assert procs.wait(other, 60) in (1, -signal.SIGABRT)
+        err = procs.text("p1")
+        assert ("process 0 is gone" in err
+                or "JAX distributed service detected fatal errors" in err), err[-2000:]
