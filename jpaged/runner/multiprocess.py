@@ -17,9 +17,11 @@ Faults, with `timeout_s` = distributed_timeout_s (default 120 s):
   start-up aborts a process it cannot register); the others raise it after timeout_s without
   process 0's welcome;
 - a process that dies mid-run: the next step's collective fails at once on the others (the
-  peer's socket is gone); process 0 raises ProcessGroupError from that step; if nothing is
-  running, JAX's coordination service notices the missing heartbeats within timeout_s and ends
-  every other process;
+  peer's socket is gone); process 0 raises ProcessGroupError from that step. Whether or not a
+  step runs, process 0 sees the step channel's connection drop and ends itself (exit_soon);
+  the others raise ProcessGroupError when process 0's connection drops. JAX runs recoverable,
+  so its coordination service does not abort the survivors first (though a process that loses
+  process 0, which hosts that service, may still be aborted by JAX's client);
 - mismatched flags or models: process 0 compares every process's fingerprint at start-up and
   refuses, naming the first field that differs and the two values.
 """
@@ -384,7 +386,7 @@ def decode_step(header: dict[str, Any], buffers: list[bytes]) -> tuple[FlatStep,
     return FlatStep(ints, floats, t, b, m, h), SamplingFlags(**header["flags"])
 
 
-def run_worker(args: EngineArgs, on_ready: Callable[[], None] | None = None) -> None:
+def run_worker(args: EngineArgs) -> None:
     """A process other than 0: join, build the same engine, launch every step process 0 sends,
     return when it says stop. Raises ProcessGroupError / ValueError as described above."""
     from jpaged.engine import LLMEngine
@@ -396,8 +398,6 @@ def run_worker(args: EngineArgs, on_ready: Callable[[], None] | None = None) -> 
     num_blocks = group.recv_config()
     engine = LLMEngine(dataclasses.replace(args, num_gpu_blocks_override=num_blocks),
                        group=group)
-    if on_ready is not None:
-        on_ready()
     runner = engine.runner
     steps = 0
     while True:
