@@ -147,6 +147,7 @@ def _load_gguf_model(path: Path, dtype: Any, tp: int) -> LoadedModel:
     # Lazy: each tensor is dequantized when placed, so one whole f32 tensor is held at a time.
     spec, weights, metadata = load_gguf(path, lazy=True)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
+    del metadata  # the vocabulary's strings: not held while the weights are read
     return LoadedModel(spec, build_model(spec, weights, dtype, tp), tokenizer, str(path))
 
 
