@@ -132,13 +132,16 @@ class LLMEngine:
         # Compiles the largest step shape; called only when the budget depends on it.
         probe = functools.partial(step_activation_bytes, self.loaded.model, self.spec, plan,
                                   config.cache.block_size, self.kv_dtype, self.ops)
-        # Forced CPU devices share the machine's RAM: the CPU budget is split between them.
-        num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
-                                    config.scheduler.max_model_len, activation_bytes=probe,
-                                    kv_head_shards=tp, host_devices=tp)
+        if self.group is not None and not self.group.is_leader:
+            num_blocks = self.group.recv_config()  # every process allocates process 0's pool
+        else:
+            # Forced CPU devices share the machine's RAM: the CPU budget is split between them.
+            num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
+                                        config.scheduler.max_model_len, activation_bytes=probe,
+                                        kv_head_shards=tp, host_devices=tp)
+            if self.group is not None:
+                self.group.send_config(num_blocks)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)
-        if self.group is not None and self.group.is_leader:
-            self.group.send_config(num_blocks)  # every process allocates the same pool
         # KV tiers (host RAM, then disk) below the device pool; None when kv_offloading_size=0.
         self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype)
         self.kv_transfer = KVTransfer()

@@ -3,9 +3,9 @@
 A converted directory OUT holds (written in this order; the manifest last, so a directory
 without it is an interrupted conversion, never a checkpoint):
 
-  params/                 orbax checkpoint (OCDBT, uncompressed) of `nnx.state(model)` as a
-                          pure dict, jpaged's layout: decoder Params stacked [num_layers, ...],
-                          Linear kernels [in, out]
+  params/                 orbax checkpoint (OCDBT, uncompressed, 4 MiB chunks) of
+                          `nnx.state(model)` as a pure dict, jpaged's layout: decoder Params
+                          stacked [num_layers, ...], Linear kernels [in, out]
   tokenizer.json          the `tokenizers` backend, post-processor (BOS/EOS adding) included
   tokenizer_config.json   bos/eos/unk/pad tokens and the chat template (`Tokenizer.from_hf_dir`)
   config.json             an HF-style config of the spec (for tools that read only a config)
@@ -40,6 +40,7 @@ MARKER = "jpaged_checkpoint.json"
 PARAMS_DIR = "params"
 FORMAT = "jpaged-orbax"
 FORMAT_VERSION = 1
+CHUNK_BYTES = 4 * 2**20  # the largest stored chunk of any array
 # Every name save_checkpoint writes; --overwrite removes exactly these and nothing else.
 WRITTEN = (MARKER, PARAMS_DIR, "tokenizer.json", "tokenizer_config.json", "config.json")
 
@@ -157,8 +158,11 @@ def save_checkpoint(loaded: LoadedModel, out: str | Path, *, overwrite: bool = F
     t0 = time.perf_counter()
     # Uncompressed: loading is the point of this format, and zstd costs more to undo than the
     # extra bytes cost to read. The save is synchronous (returns once committed).
+    # Chunks of at most CHUNK_BYTES: a process restoring its slice decodes only the chunks it
+    # touches, one at a time, never a whole stacked array (one chunk would be all of it).
+    save_args = jax.tree.map(lambda _: ocp.SaveArgs(chunk_byte_size=CHUNK_BYTES), params)
     with ocp.PyTreeCheckpointer(use_compression=False) as ckptr:
-        ckptr.save(out / PARAMS_DIR, params)
+        ckptr.save(out / PARAMS_DIR, params, save_args=save_args)
     save_s = time.perf_counter() - t0
     save_tokenizer(loaded.tokenizer, out)
     (out / "config.json").write_text(json.dumps(hf_config(loaded.spec, dtype), indent=2))

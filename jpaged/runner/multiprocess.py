@@ -395,9 +395,8 @@ def run_worker(args: EngineArgs) -> None:
         raise ValueError("run_worker is for processes 1..nnodes-1 of a multi-process run "
                          f"(got nnodes={args.nnodes}, node_rank={args.node_rank})")
     group = ProcessGroup(args)
-    num_blocks = group.recv_config()
-    engine = LLMEngine(dataclasses.replace(args, num_gpu_blocks_override=num_blocks),
-                       group=group)
+    # Loads alongside process 0 (an orbax restore is collective), then takes its pool size.
+    engine = LLMEngine(args, group=group)
     runner = engine.runner
     steps = 0
     while True:

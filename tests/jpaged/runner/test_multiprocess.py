@@ -136,15 +136,21 @@ def test_generate_over_three_processes_equals_tp1(tmp_path, tp1_tokens):
 
 
 def test_serve_over_three_processes_then_a_killed_process_ends_the_run(tmp_path, tp1_tokens):
-    """`jpaged serve` over 3 processes answers the openai client with tp 1's tokens; SIGKILL of
-    process 2 mid-stream fails that stream and ends process 0 with the documented error."""
+    """`jpaged serve` over 3 processes, from a `jpaged convert` checkpoint (each process
+    restores its shards with orbax, collectively), answers the openai client with tp 1's
+    tokens; SIGKILL of process 2 mid-stream fails that stream and ends process 0 with the
+    documented error."""
+    from models.checkpoint import save_checkpoint
+
+    ckpt = str(save_checkpoint(embedded(), tmp_path / "ckpt"))
     port = str(_free_port())
     http = _free_port(1)
     with Procs(tmp_path) as procs:
-        workers = [procs.start(f"s{r}", "serve", *FLAGS, "--node-rank", str(r),
-                               "--master-port", port) for r in (1, 2)]
-        lead = procs.start("s0", "serve", *FLAGS, "--node-rank", "0", "--master-port", port,
-                           "--port", str(http), "--served-model-name", "m")
+        workers = [procs.start(f"s{r}", "serve", "--model", ckpt, *FLAGS, "--node-rank",
+                               str(r), "--master-port", port) for r in (1, 2)]
+        lead = procs.start("s0", "serve", "--model", ckpt, *FLAGS, "--node-rank", "0",
+                           "--master-port", port, "--port", str(http),
+                           "--served-model-name", "m")
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{http}/v1", api_key="none",
                                max_retries=0, timeout=WAIT_S)
         deadline = time.monotonic() + WAIT_S
