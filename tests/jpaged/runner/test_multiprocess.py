@@ -245,3 +245,44 @@ def test_a_process_dying_while_idle_ends_the_others(tmp_path):
         err = procs.text("p1")
         assert ("process 0 is gone" in err
                 or "JAX distributed service detected fatal errors" in err), err[-2000:]
+
+
+# ---- no processes started: settings refused before joining anyone ------------------------------
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(nnodes=0), "nnodes"),
+    (dict(nnodes=2, node_rank=2), "node_rank"),
+    (dict(nnodes=2, master_port=65535), "master_port"),
+    (dict(nnodes=2, master_addr=""), "master_addr"),
+    (dict(nnodes=2, distributed_timeout_s=0), "distributed_timeout_s"),
+    (dict(nnodes=2, data_parallel_rank=0), "nnodes"),
+])
+def test_bad_multiprocess_settings_name_the_field(kwargs, field):
+    from jpaged.config import EngineArgs
+
+    with pytest.raises(ValueError, match=rf"ParallelConfig\.{field} must be"):
+        EngineArgs(**kwargs).create_engine_config(1024)
+
+
+def test_what_only_process_0_may_build_is_refused_before_joining():
+    from jpaged.config import EngineArgs
+    from jpaged.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="run_worker"):
+        LLMEngine(EngineArgs(nnodes=2, node_rank=1))
+    with pytest.raises(ValueError, match="host and disk KV tiers are not supported"):
+        LLMEngine(EngineArgs(nnodes=2, kv_offloading_size=1.0))
+    with pytest.raises(ValueError, match="preloaded model"):
+        LLMEngine(EngineArgs(nnodes=2), loaded=embedded())
+
+
+def test_fingerprints_differ_only_where_it_matters():
+    from jpaged.config import EngineArgs
+    from jpaged.runner.multiprocess import fingerprint, first_difference
+
+    base = fingerprint(EngineArgs(nnodes=2))
+    assert first_difference(base, fingerprint(EngineArgs(nnodes=2, node_rank=1,
+                                                          async_scheduling=False))) is None
+    assert first_difference(base, fingerprint(EngineArgs(nnodes=2, block_size=32))) == \
+        "block_size: 16 (process 0) != 32"
+    other = fingerprint(EngineArgs(nnodes=2, model=str(tiny_model_dir())))
+    assert first_difference(base, other).startswith("model: ")
