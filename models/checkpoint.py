@@ -117,6 +117,24 @@ def save_tokenizer(tokenizer: Tokenizer, out: Path) -> None:
                                                encoding="utf-8")
 
 
+def save_hf_dir(loaded: LoadedModel, out: Path) -> Path:
+    """An HF model directory of a loaded model: config.json, model.safetensors (HF naming and
+    layout; a tied lm_head not stored) and the tokenizer files."""
+    from safetensors.numpy import save_file
+
+    from .weights import export_weights
+
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = jnp.dtype(loaded.model.dtype).name
+    (out / "config.json").write_text(json.dumps(hf_config(loaded.spec, dtype), indent=2))
+    save_tokenizer(loaded.tokenizer, out)
+    weights = export_weights(loaded.model)
+    if loaded.spec.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
+
+
 # ---------------------------------------------------------------------------- save
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested dict -> {"model/layers/mlp/up_proj/kernel": leaf}."""

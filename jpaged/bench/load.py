@@ -17,26 +17,8 @@ from typing import Any
 import jax
 from flax import nnx
 
-from models.checkpoint import hf_config, save_checkpoint, save_tokenizer
-from models.loader import LoadedModel, embedded_gguf_path, load_model
-from models.weights import export_weights
-
-
-def write_hf_dir(loaded: LoadedModel, out: Path) -> Path:
-    """An HF directory (config.json, model.safetensors, tokenizer files) of a loaded model."""
-    import json
-
-    from safetensors.numpy import save_file
-
-    out.mkdir(parents=True, exist_ok=True)
-    dtype = jax.numpy.dtype(loaded.model.dtype).name
-    (out / "config.json").write_text(json.dumps(hf_config(loaded.spec, dtype), indent=2))
-    save_tokenizer(loaded.tokenizer, out)
-    weights = export_weights(loaded.model)
-    if loaded.spec.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    save_file(weights, str(out / "model.safetensors"))
-    return out
+from models.checkpoint import save_checkpoint, save_hf_dir
+from models.loader import embedded_gguf_path, load_model
 
 
 def _disk_bytes(path: Path) -> int:
@@ -51,7 +33,7 @@ def prepare_formats(workdir: Path, with_bf16: bool) -> dict[str, tuple[Path, str
     src = load_model(str(gguf), "float32")
     formats = {
         "gguf_q4_1": (gguf, "float32"),
-        "hf_safetensors_f32": (write_hf_dir(src, workdir / "hf"), "float32"),
+        "hf_safetensors_f32": (save_hf_dir(src, workdir / "hf"), "float32"),
         "jpaged_orbax_f32": (save_checkpoint(src, workdir / "orbax_f32"), "float32"),
     }
     if with_bf16:

@@ -22,7 +22,6 @@ from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from models.loader import LoadedModel
-from models.weights import export_weights
 
 
 def xla_cpu_threads() -> int:
@@ -37,25 +36,13 @@ def hf_twin(loaded: LoadedModel, directory: Path) -> Any:
     """An HF transformers causal LM (torch float32, eval) holding the loaded model's weights."""
     import torch
     import transformers
-    from safetensors.numpy import save_file
+
+    from models.checkpoint import save_hf_dir
 
     spec = loaded.spec
     if spec.architecture not in ("LlamaForCausalLM", "MistralForCausalLM"):
         raise ValueError(f"hf_twin supports Llama/Mistral checkpoints, got {spec.architecture}")
-    config = transformers.LlamaConfig(
-        vocab_size=spec.vocab_size, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
-        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, rms_norm_eps=spec.rms_norm_eps, rope_theta=spec.rope_theta,
-        max_position_embeddings=spec.max_position_embeddings,
-        tie_word_embeddings=spec.tie_word_embeddings, bos_token_id=spec.bos_token_id,
-        eos_token_id=list(spec.eos_token_ids), architectures=["LlamaForCausalLM"])
-    directory.mkdir(parents=True, exist_ok=True)
-    config.save_pretrained(directory)
-    weights = export_weights(loaded.model)
-    if spec.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)
-    save_file(weights, str(directory / "model.safetensors"))
+    save_hf_dir(loaded, directory)
     return transformers.LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
