@@ -145,26 +145,15 @@ def _run_worker_if_not_rank0(model: str | None, flags: dict[str, Any]) -> bool:
     says stop (True), or exit with the error; process 0 and single-process runs: False."""
     if flags.get("nnodes", 1) <= 1 or flags.get("node_rank", 0) == 0:
         return False
-    from jpaged.runner.multiprocess import ProcessGroupError, run_worker
+    from jpaged.runner.multiprocess import ProcessGroupError, exit_now, run_worker
 
     try:
         run_worker(_engine_args({**flags, "model": model}))
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
     except ProcessGroupError as e:
-        _exit_after_group_error(e)
+        exit_now(e)
     return True
-
-
-def _exit_after_group_error(e: BaseException) -> None:
-    """Print a multi-process failure and end the process at once: JAX's own shutdown would
-    wait on (and then abort over) the process that is gone."""
-    import os
-
-    typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(1)
 
 
 def _fail(msg: str) -> None:
@@ -223,7 +212,7 @@ def generate(
         if not t:
             _fail(f"prompt {i} is empty")
     from jpaged.llm import LLM
-    from jpaged.runner.multiprocess import ProcessGroupError
+    from jpaged.runner.multiprocess import ProcessGroupError, exit_now
     from jpaged.sampling_params import SamplingParams
 
     try:
@@ -246,7 +235,7 @@ def generate(
         outs = llm.generate(inputs, params, use_tqdm=show)
         llm.llm_engine.shutdown()  # a multi-process run: the other processes stop too
     except ProcessGroupError as e:
-        _exit_after_group_error(e)
+        exit_now(e)
         return
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -411,7 +400,7 @@ def serve(
     if _run_worker_if_not_rank0(model, engine_flags or {}):
         return
     from jpaged.engine import LLMEngine
-    from jpaged.runner.multiprocess import ProcessGroupError
+    from jpaged.runner.multiprocess import ProcessGroupError, exit_now
     from jpaged.server import run_server
 
     try:
@@ -429,7 +418,7 @@ def serve(
         else:
             engine = LLMEngine(_engine_args(flags))
     except ProcessGroupError as e:
-        _exit_after_group_error(e)
+        exit_now(e)
         return
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))

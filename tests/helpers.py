@@ -11,6 +11,26 @@ from jpaged.llm import LLM
 from models.loader import LoadedModel, load_model
 
 
+def free_port(span: int = 1) -> int:
+    """A port P of 127.0.0.1 with P .. P+span-1 free now (a multi-process run uses P and P+1)."""
+    import socket
+
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port + span > 65535:
+            continue
+        try:
+            for k in range(1, span):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + k))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError(f"no {span} consecutive free ports on 127.0.0.1")
+
+
 @functools.lru_cache(maxsize=1)
 def embedded() -> LoadedModel:
     """The embedded SmolLM2 in float32, loaded once per test session."""

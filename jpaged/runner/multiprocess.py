@@ -362,17 +362,21 @@ class ProcessGroup:
 EXIT_GRACE_S = 2.0
 
 
-def exit_soon(error: BaseException, grace_s: float = EXIT_GRACE_S) -> None:
-    """End this process with status 1 after `grace_s` (process 0 of a broken mesh, serving):
-    JAX's own shutdown at exit would wait on the process that is gone and then abort."""
+def exit_now(error: BaseException) -> None:
+    """Print `error` and end this process with status 1 at once: after a multi-process
+    failure JAX's own shutdown at exit would wait on the process that is gone, then abort."""
     import sys
+
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
+
+
+def exit_soon(error: BaseException, grace_s: float = EXIT_GRACE_S) -> None:
+    """exit_now after `grace_s` (process 0 of a broken mesh, serving: clients get errors)."""
     import threading
 
-    def bye() -> None:
-        print(f"error: {error}", file=sys.stderr, flush=True)
-        os._exit(1)
-
-    threading.Timer(grace_s, bye).start()
+    threading.Timer(grace_s, exit_now, (error,)).start()
 
 
 def decode_step(header: dict[str, Any], buffers: list[bytes]) -> tuple[FlatStep, SamplingFlags]:

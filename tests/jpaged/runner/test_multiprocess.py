@@ -8,7 +8,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import jax
 import openai
 import pytest
 from flax import nnx
-from helpers import embedded, make_llm, tiny_model_dir
+from helpers import embedded, free_port, make_llm, tiny_model_dir
 
 from jpaged import SamplingParams
 
@@ -27,24 +26,6 @@ WAIT_S = 240  # bound on every wait here (3 processes share 2 cores while compil
 PROMPT = "The capital of France is"
 FLAGS = ["--tensor-parallel-size", "3", "--nnodes", "3", "--max-model-len", "128",
          "--max-num-seqs", "4", "--distributed-timeout-s", "60"]
-
-
-def _free_port(span: int = 2) -> int:
-    """A port P with P .. P+span-1 free (coordinator, step channel)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port + span >= 65535:
-            continue
-        try:
-            for k in range(1, span):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port + k))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free port pair")
 
 
 class Procs:
@@ -108,7 +89,7 @@ def tp1_tokens() -> list[int]:
 def test_generate_over_three_processes_equals_tp1(tmp_path, tp1_tokens):
     """`jpaged generate` with tp 3 over 3 processes: tp 1's tokens; every process loads only
     its third of the parameters, its peak memory while loading bounded; all exit 0."""
-    port = str(_free_port())
+    port = str(free_port(2))
     with Procs(tmp_path) as procs:
         workers = [procs.start(f"w{r}", "generate", "-v", *FLAGS, "--node-rank", str(r),
                                "--master-port", port) for r in (1, 2)]
@@ -143,8 +124,8 @@ def test_serve_over_three_processes_then_a_killed_process_ends_the_run(tmp_path,
     from models.checkpoint import save_checkpoint
 
     ckpt = str(save_checkpoint(embedded(), tmp_path / "ckpt"))
-    port = str(_free_port())
-    http = _free_port(1)
+    port = str(free_port(2))
+    http = free_port()
     with Procs(tmp_path) as procs:
         workers = [procs.start(f"s{r}", "serve", "--model", ckpt, *FLAGS, "--node-rank",
                                str(r), "--master-port", port) for r in (1, 2)]
@@ -189,7 +170,7 @@ def test_serve_over_three_processes_then_a_killed_process_ends_the_run(tmp_path,
 
 def test_mismatched_flags_are_refused_naming_the_difference(tmp_path):
     """Process 1 with another --max-model-len: both refuse at start-up, naming the field."""
-    port = str(_free_port())
+    port = str(free_port(2))
     base = ["generate", "--tensor-parallel-size", "2", "--nnodes", "2", "--master-port", port,
             "--distributed-timeout-s", "30"]
     with Procs(tmp_path) as procs:
@@ -202,7 +183,7 @@ def test_mismatched_flags_are_refused_naming_the_difference(tmp_path):
 
 
 def test_a_process_that_never_joins_is_named_in_bounded_time(tmp_path):
-    port = str(_free_port())
+    port = str(free_port(2))
     with Procs(tmp_path) as procs:
         t0 = time.monotonic()
         lead = procs.start("p0", "generate", "hello", "--tensor-parallel-size", "2",
@@ -215,7 +196,7 @@ def test_a_process_that_never_joins_is_named_in_bounded_time(tmp_path):
 
 def _serve_pair(procs: Procs) -> tuple[subprocess.Popen, subprocess.Popen]:
     """The tiny model served over 2 processes (tp 2); returns (process 0, process 1) once up."""
-    port, http = str(_free_port()), _free_port(1)
+    port, http = str(free_port(2)), free_port()
     flags = ["serve", "--model", str(tiny_model_dir()), "--tensor-parallel-size", "2",
              "--nnodes", "2", "--master-port", port, "--max-model-len", "64",
              "--distributed-timeout-s", "60"]

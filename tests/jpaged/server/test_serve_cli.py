@@ -4,26 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import httpx
-from helpers import tiny_model_dir
+from helpers import free_port, tiny_model_dir
 from typer.testing import CliRunner
 
 from jpaged.cli import app
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_subprocess_binds_localhost_and_stops_on_sigint():
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "jpaged.cli", "serve", "--model", str(tiny_model_dir()),
          "--port", str(port), "--api-key", "k3y", "--served-model-name", "srv",
