@@ -13,6 +13,13 @@ Where the tokenizer is backed by HF `tokenizers` (every tokenizer jpaged builds)
 `DecodeStream` runs the same window algorithm in one call per token instead of two decodes; a
 final update with a character still incomplete falls back to one full decode.
 
+Where that tokenizer's decoder is byte-level BPE alone (GPT-2, Llama 3, SmolLM2: a decode is the
+UTF-8 decode of the tokens' bytes, concatenated), the text of a token whose bytes are whole
+characters is the same wherever it stands: it is looked up in a table shared by every request
+(filled as tokens are first seen), a dict read instead of a ~1 µs Rust call. A token that is part
+of a character waits, with those after it, until their bytes decode whole (one decode of the
+waiting tokens), then the table goes on.
+
 The text itself lives in a `TextBuffer`: appending a token's piece and reading the newest
 characters (a DELTA output, a stop-string search) cost O(piece) however long the text is; only
 reading the whole text costs O(len).
@@ -33,6 +40,7 @@ REPLACEMENT_CHAR = "\ufffd"
 # text (a model emitting invalid bytes), so it is emitted as the full decode shows it instead of
 # re-decoding an ever longer window each step.
 MAX_PENDING_TOKENS = 8
+_UNSEEN = object()  # a token not yet in the piece table
 
 
 class TextBuffer:
@@ -83,21 +91,58 @@ class TextBuffer:
         return self._s if self._io is None else self._io.getvalue()
 
 
-class IncrementalDetokenizer:
-    """Text of one growing token list; `update` returns the newly completed text."""
+def byte_level_pieces(tokenizer: Any, skip_special_tokens: bool) -> dict[int, str | None] | None:
+    """The shared token -> text table of a byte-level BPE tokenizer (None for any other).
 
-    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
+    An entry is the token's text when its bytes are whole UTF-8 characters, else None (part of
+    a character). Filled lazily by `IncrementalDetokenizer`; one table per tokenizer and
+    `skip_special_tokens` (kept on the tokenizer object).
+    """
+    backend = getattr(tokenizer, "backend", None)
+    if _ByteLevel is None or type(getattr(backend, "decoder", None)) is not _ByteLevel:
+        return None
+    tables = getattr(tokenizer, "_jpaged_byte_pieces", None)
+    if tables is None:
+        tables = {}
+        try:
+            tokenizer._jpaged_byte_pieces = tables
+        except AttributeError:  # a tokenizer that takes no attributes: no table
+            return None
+    return tables.setdefault(bool(skip_special_tokens), {})
+
+
+class IncrementalDetokenizer:
+    """Text of one growing token list; `update` returns the newly completed text.
+
+    `method`: "pieces" (byte-level tokenizers), "stream" (`DecodeStream`) or "window" (two
+    decodes per update); None picks the first the tokenizer allows, in that order.
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 method: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.prefix_offset = 0  # first token of the decode window (context)
         self.read_offset = 0  # tokens already turned into `text`
         self.buf = TextBuffer()
         backend = getattr(tokenizer, "backend", None)
-        self._backend = backend if _DecodeStream is not None and hasattr(
-            backend, "decode_batch") else None
+        has_stream = _DecodeStream is not None and hasattr(backend, "decode_batch")
+        pieces = byte_level_pieces(tokenizer, skip_special_tokens)
+        allowed = {"pieces": pieces is not None, "stream": has_stream, "window": True}
+        if method is None:
+            method = next(m for m, ok in allowed.items() if ok)
+        elif not allowed.get(method, False):
+            raise ValueError(f"detokenizer method {method!r} is not available for this "
+                             f"tokenizer (allowed: {[m for m, ok in allowed.items() if ok]})")
+        self.method = method
+        self._pieces = pieces if method == "pieces" else None
+        self._pending: list[int] = []  # pieces: tokens of a character not yet complete
+        self._backend = backend if method == "stream" else None
         self._stream = (_DecodeStream(skip_special_tokens=skip_special_tokens)
-                        if self._backend is not None else None)
-        self._fed = 0  # tokens given to the stream
+                        if method == "stream" else None)
+        self._fed = 0  # tokens given to the stream / the piece table
+        if self._pieces is not None:
+            self.feed = self._update_pieces  # type: ignore[method-assign]
 
     @property
     def text(self) -> str:
@@ -107,12 +152,23 @@ class IncrementalDetokenizer:
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
+    def feed(self, ids: Sequence[int], final: bool = False) -> None:
+        """`update` without building its return value (the engine reads `buf` instead).
+
+        With the piece table, __init__ binds `feed` to `_update_pieces` (one call, not two).
+        """
+        self.update(ids, final)
+
     def update(self, ids: Sequence[int], final: bool = False) -> str:
         """Feed the whole token list (it only grows); return the text it adds.
 
         `final`: no more tokens will come, so a trailing partial character is emitted as the
         full decode has it (U+FFFD).
         """
+        if self._pieces is not None:
+            old = self.buf.length
+            self._update_pieces(ids, final)
+            return self.buf.slice(old)
         if self._stream is not None:
             return self._update_stream(ids, final)
         if len(ids) < self.read_offset:  # the list was replaced: start over
@@ -131,6 +187,47 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)
         self.buf.append(delta)
         return delta
+
+    def _piece(self, token: int) -> str | None:
+        """The table entry of `token`, made on first sight (None: part of a character)."""
+        text = self._decode([token])
+        piece = None if REPLACEMENT_CHAR in text else text
+        self._pieces[token] = piece
+        return piece
+
+    def _update_pieces(self, ids: Sequence[int], final: bool) -> None:
+        # Invariant: the text is the decode of ids[:read_offset]; `pending` holds
+        # ids[read_offset:_fed], the start of a character (empty almost always). A byte-level
+        # decode is the UTF-8 decode of the concatenated bytes, so text can be cut after any
+        # whole character and each part decoded alone.
+        if len(ids) < self._fed:  # the list was replaced: start over
+            self._fed = self.read_offset = 0
+            self._pending = []
+            self.buf = TextBuffer()
+        buf, pieces, pending = self.buf, self._pieces, self._pending
+        for i in range(self._fed, len(ids)):
+            t = ids[i]
+            piece = pieces.get(t, _UNSEEN)
+            if piece is _UNSEEN:
+                piece = self._piece(t)
+            if piece is not None and not pending:
+                if piece:
+                    buf.append(piece)
+                self.read_offset = i + 1
+                continue
+            pending.append(t)
+            text = self._decode(pending)
+            # Whole once the bytes no longer end inside a character; a run that cannot
+            # complete (invalid bytes) is shown as the decode shows it after a bound.
+            if not text.endswith(REPLACEMENT_CHAR) or len(pending) > MAX_PENDING_TOKENS:
+                buf.append(text)
+                pending.clear()
+                self.read_offset = i + 1
+        self._fed = len(ids)
+        if final and pending:  # an incomplete character: as a full decode shows it
+            buf.append(self._decode(pending))
+            pending.clear()
+            self.read_offset = len(ids)
 
     def _update_stream(self, ids: Sequence[int], final: bool) -> str:
         if len(ids) < self._fed:  # the list was replaced: start over
@@ -173,3 +270,7 @@ try:  # tokenizers >= 0.21
     from tokenizers.decoders import DecodeStream as _DecodeStream
 except ImportError:  # pragma: no cover - older tokenizers: the two-decode window
     _DecodeStream = None
+try:
+    from tokenizers.decoders import ByteLevel as _ByteLevel
+except ImportError:  # pragma: no cover - tokenizers not installed
+    _ByteLevel = None

@@ -176,7 +176,8 @@ class LLMEngine:
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: tuple[Any, PendingStep] | None = None
         self._groups: dict[str, RequestGroup] = {}
-        self._child_of: dict[str, tuple[str, int]] = {}
+        # Scheduler request id (a child's, for n > 1) -> its user request and output state.
+        self._child_of: dict[str, tuple[RequestGroup, ChildState]] = {}
         self._counter = 0
         # Token and step counters live in the scheduler; these count user-level requests.
         self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0}
@@ -259,9 +260,9 @@ class LLMEngine:
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, ids, child_params, priority=priority, arrival_time=arrival,
                           cache_salt=salt)
-            group.children.append(ChildState(i, req, logprobs=[] if params.logprobs is not None
-                                         else None))
-            self._child_of[child_id] = (request_id, i)
+            child = ChildState(i, req, logprobs=[] if params.logprobs is not None else None)
+            group.children.append(child)
+            self._child_of[child_id] = (group, child)
         self._groups[request_id] = group
         for c in group.children:
             self.scheduler.add_request(c.request)
@@ -352,41 +353,36 @@ class LLMEngine:
         if out is None:
             self.stat_logger.on_step([], time.monotonic())
             return []
-        sampled: dict[str, int] = {}
-        rows: dict[str, int] = {}  # request id -> its row of the step's results
         result = None
-        ids: list[int] = []
+        ids: list[int] = []  # the step's tokens by row (row i: out.scheduled[i])
         lps: list[float] = []
         if pending is not None:
             result = self._on_device(pending.result)
             self._open_disk_tier()
             ids = result.token_ids.tolist()
             lps = result.logprobs.tolist()
-            for i, s in enumerate(out.scheduled):
-                if s.sample:
-                    rid = s.request.request_id
-                    sampled[rid] = ids[i]
-                    rows[rid] = i
-        updated = self.scheduler.update_from_output(out, sampled)
+        rows: list[int] = []  # the row of each updated request
+        updated = self.scheduler.update_from_output(out, ids, rows)
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         multi: dict[str, RequestGroup] = {}  # n > 1: one output once all children are updated
-        groups, child_of, tokenizer = self._groups, self._child_of, self.tokenizer
-        decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
-        for req in updated:  # only these got a token: dropped ones get no logprobs either
-            key = child_of.get(req.request_id)
-            if key is None:
+        child_of, tokenizer, stop = self._child_of, self.tokenizer, self._stop_request
+        decode = None
+        # Only the updated requests got a token: dropped ones get no logprobs either.
+        for req, row in zip(updated, rows, strict=True):
+            entry = child_of.get(req.request_id)
+            if entry is None:
                 continue
-            group = groups[key[0]]
-            child = group.children[key[1]]
+            group, child = entry
             if group.first_token_time is None:
                 group.first_token_time = now
-            row = rows[req.request_id]
             if child.logprobs is None:
                 child.cumulative_logprob += lps[row]
             else:
+                if decode is None:
+                    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
                 record_logprobs(group, child, ids[row], lps[row], row, result, decode)
-            update_child(group, child, tokenizer, self._stop_request)
+            update_child(group, child, tokenizer, stop)
             if len(group.children) == 1:
                 self._emit(group, outputs)
             else:
@@ -398,7 +394,9 @@ class LLMEngine:
 
     def _emit(self, group: RequestGroup, outputs: list[RequestOutput]) -> None:
         """Append the group's output of this step; forget the group once it is finished."""
-        finished = group.finished
+        children = group.children
+        finished = (children[0].finish_reason is not None if len(children) == 1
+                    else group.finished)
         ro = make_output(group, finished)
         if ro is not None:
             outputs.append(ro)
@@ -426,8 +424,8 @@ class LLMEngine:
         """Read-only JSON-able snapshot of the KV pool and block tables (see LLM.cache_state)."""
         state = _cache_snapshot(self.scheduler)
         for rid, entry in state["requests"].items():
-            key = self._child_of.get(rid)
-            entry["user_request_id"] = key[0] if key is not None else rid
+            owner = self._child_of.get(rid)
+            entry["user_request_id"] = owner[0].request_id if owner is not None else rid
         state["tiers"] = _tier_metrics(self.get_metrics())
         return state
 

@@ -27,19 +27,9 @@ class ChildState:
     stop_reason: int | str | None = None
     detok: IncrementalDetokenizer | None = None  # made on the first update that needs text
     stop_checked_len: int = 0  # chars of `text` already searched for stop strings
-    # The text is detok's, cut here by a stop string (-1: not cut). Reads of its newest part
-    # (text_len, text_slice) cost what they return, not the text's length.
+    # The text is detok's (`detok.buf`: reads of its newest part cost what they return, not
+    # the text's length), cut here by a stop string (-1: not cut; set with finish_reason).
     cut: int = -1
-
-    @property
-    def text_len(self) -> int:
-        """Length of the text so far."""
-        n = 0 if self.detok is None else self.detok.buf.length
-        return n if self.cut < 0 else min(n, self.cut)
-
-    def text_slice(self, start: int, end: int) -> str:
-        """text[start:end], in O(end - start)."""
-        return "" if self.detok is None else self.detok.buf.slice(start, end)
 
 
 @dataclass(slots=True)
@@ -103,9 +93,9 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
         if detok is None:
             detok = child.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
         if child.finish_reason is None:  # a stop string may have cut the text already
-            detok.update(req.output_token_ids, final=finished)
+            detok.feed(req.output_token_ids, finished)
     if not finished:
-        if group.max_stop_len:
+        if group.max_stop_len and child.stop_checked_len != child.detok.buf.length:
             _check_stop_strings(child, group, stop_request)
     elif child.finish_reason is None:
         child.finish_reason = req.finish_reason
@@ -119,13 +109,15 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
     # Only text added since the last search can complete a stop string: search from the last
     # searched length, backed up by the longest stop string less one char (a match that
     # straddles the boundary). The final search (stop_request None) uses the same tail.
+    # Called only before a stop string cut the text (child.cut < 0): its length is detok's.
     p = group.params
-    n = child.text_len
+    buf = child.detok.buf
+    n = buf.length
     if n == child.stop_checked_len:
         return  # no new text (e.g. a character still incomplete)
     start = max(0, child.stop_checked_len - group.max_stop_len + 1)
     child.stop_checked_len = n
-    tail = child.text_slice(start, n)
+    tail = buf.slice(start, n)
     best = None
     for s in p.stop:
         k = tail.find(s)
@@ -153,30 +145,34 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
     if kind is _FINAL_ONLY and not finished:
         return None
     hold = group.stop_hold
+    delta = kind is _DELTA
     outs = []
     for c in group.children:
         out_ids = c.request.output_token_ids
         lps = c.logprobs
+        detok = c.detok
         # The detokenizer never leaves a half-made character in the text (a U+FFFD there is in
         # the full decode too); only a possible stop-string start is held back.
-        end = c.text_len
-        if hold and c.finish_reason is None:
+        end = 0 if detok is None else detok.buf.length
+        if c.cut >= 0:
+            end = min(end, c.cut)
+        elif hold and c.finish_reason is None:
             end = max(c.sent_text_len, end - hold)
-        if kind is _DELTA:
-            text, c.sent_text_len = c.text_slice(c.sent_text_len, end), end
+        start = c.sent_text_len if delta else 0
+        text = "" if detok is None or end <= start else detok.buf.slice(start, end)
+        c.sent_text_len = end
+        if delta:
             ids, c.sent_tokens = out_ids[c.sent_tokens:], len(out_ids)  # only the new ones
             if lps is not None:
                 lps = lps[len(lps) - len(ids):]
         else:
-            text = c.text_slice(0, end)
             ids = list(out_ids)
-            c.sent_text_len = end
             if lps is not None:
                 lps = list(lps)
         outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps,
                                      c.finish_reason, c.stop_reason))
-    metrics = {"arrival_time": group.arrival_time}
-    if group.first_token_time is not None:
-        metrics["first_token_time"] = group.first_token_time
+    ftt = group.first_token_time
+    metrics = ({"arrival_time": group.arrival_time} if ftt is None else
+               {"arrival_time": group.arrival_time, "first_token_time": ftt})
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
                          finished, metrics, group.children[0].request.num_cached_tokens)

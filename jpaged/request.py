@@ -55,6 +55,8 @@ class Request:
             raise ValueError(f"Request.prompt_token_ids must be non-empty (request {request_id!r})")
         self.request_id = request_id
         self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        # The prompt never changes: its length is a plain attribute (read per request per step).
+        self.num_prompt_tokens = len(self.prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -66,8 +68,9 @@ class Request:
         self.sort_key: tuple[int, float, int] = (self.priority, self.arrival_time, self.seq)
         self.fcfs_key: tuple[float, int] = (self.arrival_time, self.seq)
         self.output_token_ids: list[int] = []
-        # prompt + outputs, appended in place so append_output_token is O(1).
-        self._all_token_ids: list[int] = list(self.prompt_token_ids)
+        # prompt + outputs, appended in place so append_output_token is O(1). A plain attribute
+        # (read per request per step): a live list, never reassigned; do not mutate it.
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         # Tokens sampled by a dispatched step whose ids have not reached the host yet (async
         # scheduling: 0 or 1). They follow all_token_ids; num_computed_tokens may count them.
@@ -88,16 +91,6 @@ class Request:
     # -- tokens -----------------------------------------------------------------------------
 
     @property
-    def all_token_ids(self) -> list[int]:
-        """Prompt followed by outputs (a live list: do not mutate)."""
-        return self._all_token_ids
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Length of the prompt."""
-        return len(self.prompt_token_ids)
-
-    @property
     def num_output_tokens(self) -> int:
         """Number of generated tokens so far."""
         return len(self.output_token_ids)
@@ -105,12 +98,12 @@ class Request:
     @property
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
-        return len(self._all_token_ids)
+        return len(self.all_token_ids)
 
     @property
     def num_tokens_with_placeholders(self) -> int:
         """Known tokens plus those sampled on device but not yet on the host."""
-        return len(self._all_token_ids) + self.num_output_placeholders
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def max_tokens(self) -> int | None:
@@ -120,11 +113,11 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         """Append one generated token; extends block_hashes when a block becomes full."""
         self.output_token_ids.append(token_id)
-        self._all_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
         h = self._hasher
-        n = len(self._all_token_ids)
+        n = len(self.all_token_ids)
         if h is not None and n >= (len(self.block_hashes) + 1) * h.block_size:
-            h.extend(self.block_hashes, self._all_token_ids, self._hash_extra)
+            h.extend(self.block_hashes, self.all_token_ids, self._hash_extra)
 
     # -- prefix hashes -------------------------------------------------------------------------
 
@@ -138,7 +131,7 @@ class Request:
         self._hasher = hasher
         self._hash_extra = hasher.extra_bytes(self.cache_salt, self.extra_keys)
         self.block_hashes = []
-        hasher.extend(self.block_hashes, self._all_token_ids, self._hash_extra)
+        hasher.extend(self.block_hashes, self.all_token_ids, self._hash_extra)
 
     # -- status --------------------------------------------------------------------------------
 

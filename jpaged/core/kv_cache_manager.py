@@ -368,6 +368,13 @@ class KVCacheManager:
         """Physical block ids of the request's table (a copy; empty if it holds none)."""
         return list(self._block_ids.get(request_id, ()))
 
+    def live_block_ids(self, request_id: str) -> list[int]:
+        """The request's block ids as kept here, not copied: a copy per request per step would
+        cost the table's length. Do not mutate; it grows in place as the table grows and is
+        dropped (not cleared) when the request's blocks are freed."""
+        ids = self._block_ids.get(request_id)
+        return [] if ids is None else ids
+
     def num_blocks_held(self, request_id: str) -> int:
         """Length of the request's block table."""
         return len(self._tables.get(request_id, ()))

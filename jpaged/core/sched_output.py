@@ -22,7 +22,10 @@ class ScheduledRequest:
     # [num_tokens] == request.all_token_ids[start_pos:start_pos+num_tokens], then
     # PLACEHOLDER_TOKEN for a last token still on device
     token_ids: list[int]
-    block_ids: list[int]  # [cdiv(start_pos + num_tokens, block_size)] the whole block table
+    # [cdiv(start_pos + num_tokens, block_size)] the whole block table: the manager's own
+    # list, not a copy (KVCacheManager.live_block_ids): exact until the next schedule(), which
+    # may append to it. Read it (the runner packs it) before then; never mutate it.
+    block_ids: list[int]
     sample: bool  # start_pos + num_tokens == request.num_tokens: this step yields a token
 
 

@@ -78,16 +78,6 @@ def is_decoding(request: Request) -> bool:
     return request.num_computed_tokens == n - 1 and n > request.num_prompt_tokens
 
 
-def _finishes_by_length(request: Request, num_tokens: int, max_model_len: int) -> bool:
-    """True if the request's token still on device will end it by max_tokens / max_model_len.
-
-    num_tokens: request.num_tokens_with_placeholders.
-    """
-    mt = request.sampling_params.max_tokens
-    return num_tokens >= max_model_len or (
-        mt is not None and num_tokens - request.num_prompt_tokens >= mt)
-
-
 class Scheduler:
     """Decides, each step, which requests compute how many tokens, owning the KVCacheManager."""
 
@@ -216,8 +206,10 @@ class Scheduler:
         self.running.sort(key=self._sort_key)
         decodes: list[Request] = []
         prompts: list[Request] = []
-        for r in self.running:
-            (decodes if is_decoding(r) else prompts).append(r)
+        for r in self.running:  # is_decoding, inlined (per request per step)
+            n = len(r.all_token_ids) + r.num_output_placeholders
+            (decodes if r.num_computed_tokens == n - 1 and n > r.num_prompt_tokens
+             else prompts).append(r)
         if self.token_buckets is not None and self.scheduler_config.enable_chunked_prefill:
             budget = self._fitted_budget(budget, len(decodes), prompts)
         st = _Step(budget, len(self.running))
@@ -225,14 +217,19 @@ class Scheduler:
         st.tails = [len(prompts) - 1, len(decodes) - 1]
 
         kv = self.kv_cache_manager
+        max_len = self.max_model_len
         for req in chain(decodes, prompts):
             if st.budget <= 0:
                 break
             if req.status is not RUNNING:
                 continue  # preempted earlier in this step
-            n = req.num_tokens_with_placeholders
-            if req.num_output_placeholders and _finishes_by_length(req, n, self.max_model_len):
-                continue  # async: its last token (on device) ends it; computing more is waste
+            n = len(req.all_token_ids) + req.num_output_placeholders
+            if req.num_output_placeholders and (n >= max_len or (
+                    (mt := req.sampling_params.max_tokens) is not None
+                    and n - req.num_prompt_tokens >= mt)):
+                # async: its last token (on device) ends it by max_tokens / max_model_len;
+                # computing more is waste
+                continue
             num_new = n - req.num_computed_tokens
             if num_new > 1:
                 num_new = self._cap_prefill(num_new)
@@ -333,12 +330,16 @@ class Scheduler:
         start = req.num_computed_tokens
         end = start + num_new
         known = req.all_token_ids
-        ids = known[start:end]
-        if end > len(known):  # the token still on device: the runner feeds it there
-            ids.extend([PLACEHOLDER_TOKEN] * (end - len(known)))
+        n_known = len(known)
+        if start == n_known:  # an async decode: its one input token is still on device
+            ids = [PLACEHOLDER_TOKEN] * num_new
+        else:
+            ids = known[start:end]
+            if end > n_known:  # the token still on device: the runner feeds it there
+                ids.extend([PLACEHOLDER_TOKEN] * (end - n_known))
         st.scheduled[req.request_id] = ScheduledRequest(
-            req, start, num_new, ids, self.kv_cache_manager.get_block_ids(req.request_id),
-            end == len(known) + req.num_output_placeholders)
+            req, start, num_new, ids, self.kv_cache_manager.live_block_ids(req.request_id),
+            end == n_known + req.num_output_placeholders)
         st.budget -= num_new
 
     def _admit(self, st: _Step) -> None:
@@ -416,9 +417,14 @@ class Scheduler:
         output.advanced = True
         advance = self._advance
         for sr in output.scheduled:
-            advance(sr)
+            req = sr.request
+            if (sr.num_tokens == 1 and sr.token_ids[0] == PLACEHOLDER_TOKEN
+                    and req.num_computed_tokens == sr.start_pos):
+                req.num_computed_tokens += 1  # _advance's decode case, inlined
+            else:
+                advance(sr)
             if sr.sample:
-                sr.request.num_output_placeholders += 1
+                req.num_output_placeholders += 1
 
     def _advance(self, sr: ScheduledRequest) -> None:
         req = sr.request
@@ -436,22 +442,30 @@ class Scheduler:
         self.kv_cache_manager.commit(req)  # its KV is written (or will be, in order)
 
     def update_from_output(self, output: SchedulerOutput,
-                           sampled_token_ids: Mapping[str, int]) -> list[Request]:
+                           sampled_token_ids: Mapping[str, int] | Sequence[int],
+                           rows: list[int] | None = None) -> list[Request]:
         """Commit a computed step: advance, append sampled tokens, stop, cache, free.
 
-        After `update_after_schedule` (async) only the tokens are applied: a request finished
-        or aborted meanwhile drops its token; one preempted meanwhile keeps it (its KV was
-        computed before the preemption, as the synchronous loop would have it).
-        Returns the requests that got a new token (finished ones included).
+        `sampled_token_ids`: request id -> token, or the step's tokens by row (row i is
+        `output.scheduled[i]`). After `update_after_schedule` (async) only the tokens are
+        applied: a request finished or aborted meanwhile drops its token; one preempted
+        meanwhile keeps it (its KV was computed before the preemption, as the synchronous loop
+        would have it). Returns the requests that got a new token (finished ones included);
+        `rows`, when given, gets the row of each of them.
         """
         kv = self.kv_cache_manager
         changed: list[Request] = []
         finished = False
         advanced = output.advanced
-        for sr in output.scheduled:
+        by_id = isinstance(sampled_token_ids, Mapping)
+        if not by_id and len(sampled_token_ids) < len(output.scheduled):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a step of "
+                             f"{len(output.scheduled)} rows")
+        requests, bs = self.requests, self.block_size
+        for i, sr in enumerate(output.scheduled):
             req = sr.request
             rid = req.request_id
-            live = self.requests.get(rid) is req
+            live = requests.get(rid) is req
             if advanced:
                 if sr.sample:
                     req.num_output_placeholders -= 1
@@ -463,13 +477,18 @@ class Scheduler:
                 self._advance(sr)
                 if not sr.sample:
                     continue
-            if rid not in sampled_token_ids:
+            if not by_id:
+                tok = sampled_token_ids[i]
+            elif rid in sampled_token_ids:
+                tok = sampled_token_ids[rid]
+            else:
                 raise KeyError(f"no sampled token for scheduled request {rid!r}")
-            req.append_output_token(int(sampled_token_ids[rid]))
-            self.num_generation_tokens += 1
+            req.append_output_token(int(tok))
             changed.append(req)
+            if rows is not None:
+                rows.append(i)
             running = req.status is RUNNING
-            if advanced and running and req.num_tokens % self.block_size == 0:
+            if advanced and running and len(req.all_token_ids) % bs == 0:
                 kv.commit(req)  # the token completed a block: it is shareable now
             if self._check_stop(req):
                 if running:
@@ -477,6 +496,7 @@ class Scheduler:
                 else:  # preempted: it waits in the queue
                     self.waiting.remove(rid)
                 self._release(req)
+        self.num_generation_tokens += len(changed)
         if finished:
             self.running = [r for r in self.running if r.status is RUNNING]
         return changed

@@ -49,17 +49,22 @@ def _tokenizers():
             ("byte fallback", byte_fallback_tokenizer())]
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "two-decode window"])
+@pytest.mark.parametrize("method", ["pieces", "stream", "window"])
 @pytest.mark.parametrize("which", [0, 1], ids=["byte-level", "byte-fallback"])
-def test_every_prefix_matches_a_full_decode(which, stream):
+def test_every_prefix_matches_a_full_decode(which, method):
     name, tok = _tokenizers()[which]
+    if method == "pieces" and which == 1:  # only byte-level decoders have a piece table
+        with pytest.raises(ValueError, match="'pieces' is not available"):
+            IncrementalDetokenizer(tok, method="pieces")
+        return
     ids = tok.encode(TEXT, add_special_tokens=False)
     assert len(ids) > 500, name
     final = tok.decode(ids)
     assert final == TEXT.rstrip() or final.strip() == TEXT.strip()  # the tokenizer round-trips
     # Without a `backend` (a wrapper) the detokenizer runs its own window algorithm.
-    detok = IncrementalDetokenizer(tok if stream else CountingTokenizer(tok))
-    assert (detok._stream is not None) == stream
+    detok = IncrementalDetokenizer(CountingTokenizer(tok) if method == "window" else tok,
+                                   method=None if method == "window" else method)
+    assert detok.method == method
     pieces = []
     held_back = 0
     for n in range(1, len(ids) + 1):
@@ -76,13 +81,37 @@ def test_every_prefix_matches_a_full_decode(which, stream):
     assert REPLACEMENT_CHAR not in detok.text
 
 
-def test_final_update_emits_an_incomplete_tail_as_a_full_decode_does():
+def test_the_fastest_method_the_tokenizer_allows_is_the_default():
+    assert IncrementalDetokenizer(_tokenizers()[0][1]).method == "pieces"
+    assert IncrementalDetokenizer(_tokenizers()[1][1]).method == "stream"
+    assert IncrementalDetokenizer(CountingTokenizer(_tokenizers()[0][1])).method == "window"
+
+
+def test_piece_table_is_shared_and_keeps_whole_characters_only():
+    """One table per tokenizer and skip flag; a token that is part of a character maps to
+    None and is never shown alone."""
+    from helpers import embedded
+
+    tok = embedded().tokenizer
+    ids = tok.encode("ok 東京 ok", add_special_tokens=False)
+    a, b = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    assert a._pieces is b._pieces
+    assert IncrementalDetokenizer(tok, skip_special_tokens=False)._pieces is not a._pieces
+    a.update(ids)
+    assert a.text == tok.decode(ids)
+    partial = [t for t in ids if REPLACEMENT_CHAR in tok.decode([t])]
+    assert partial and all(a._pieces[t] is None for t in partial)
+    assert all(a._pieces[t] == tok.decode([t]) for t in ids if t not in partial)
+
+
+@pytest.mark.parametrize("method", ["pieces", "stream"])
+def test_final_update_emits_an_incomplete_tail_as_a_full_decode_does(method):
     from helpers import embedded
 
     tok = embedded().tokenizer
     ids = tok.encode("ok 東京", add_special_tokens=False)
     cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith(REPLACEMENT_CHAR))
-    detok = IncrementalDetokenizer(tok)
+    detok = IncrementalDetokenizer(tok, method=method)
     assert REPLACEMENT_CHAR not in detok.update(ids[:cut])
     detok.update(ids[:cut], final=True)
     assert detok.text == tok.decode(ids[:cut]) and detok.text.endswith(REPLACEMENT_CHAR)
@@ -101,21 +130,22 @@ def test_text_work_per_token_stays_constant():
     assert detok.text == tok.inner.decode(ids)
 
 
-def test_special_tokens_skipped_or_kept():
+@pytest.mark.parametrize("method", ["pieces", "stream"])
+def test_special_tokens_skipped_or_kept(method):
     from helpers import embedded
 
     tok = embedded().tokenizer
     eos = tok.eos_token_id
     ids = tok.encode("Hello there", add_special_tokens=False) + [eos]
     for skip in (True, False):
-        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
+        detok = IncrementalDetokenizer(tok, skip_special_tokens=skip, method=method)
         for n in range(1, len(ids) + 1):
             detok.update(ids[:n])
         assert detok.text == tok.decode(ids, skip_special_tokens=skip)
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["DecodeStream", "two-decode window"])
-def test_a_byte_run_that_never_completes_is_emitted_not_held(stream):
+@pytest.mark.parametrize("method", ["pieces", "stream", "window"])
+def test_a_byte_run_that_never_completes_is_emitted_not_held(method):
     """Invalid UTF-8 (a model emitting lone continuation bytes) never completes a character:
     after MAX_PENDING_TOKENS it is shown as a full decode shows it, and the work per token
     stays bounded instead of re-decoding an ever longer window."""
@@ -129,7 +159,8 @@ def test_a_byte_run_that_never_completes_is_emitted_not_held(stream):
     good = tok.encode("The paged cache", add_special_tokens=False)
     ids = good + [bad] * 300 + tok.encode(" works", add_special_tokens=False)
     counting = CountingTokenizer(tok)
-    detok = IncrementalDetokenizer(tok if stream else counting)
+    detok = (IncrementalDetokenizer(counting) if method == "window" else
+             IncrementalDetokenizer(tok, method=method))
     for n in range(1, len(ids) + 1):
         detok.update(ids[:n])
         if n == len(good) + MAX_PENDING_TOKENS + 2:
@@ -138,7 +169,7 @@ def test_a_byte_run_that_never_completes_is_emitted_not_held(stream):
     middle = detok.text[len("The paged cache"):-len(" works")]
     assert detok.text.startswith("The paged cache") and detok.text.endswith(" works")
     assert middle and set(middle) == {REPLACEMENT_CHAR}
-    if not stream:  # linear: a held window would decode ~n^2/2 = 45,000+ ids here
+    if method == "window":  # linear: a held window would decode ~n^2/2 = 45,000+ ids here
         assert counting.decoded < 40 * len(ids), counting.decoded
 
 
