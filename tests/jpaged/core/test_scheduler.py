@@ -215,3 +215,51 @@ def test_stats():
     assert st["cache_access_total"] == 5 and st["generation_tokens_total"] == 15
     assert st["prefix_cache_hit_rate"] == pytest.approx(32 / 45)
     assert st["prompt_tokens_total"] == 45 - 32
+
+
+def test_tokens_by_row_are_applied_like_tokens_by_id():
+    """update_from_output takes the step's tokens by row too (what the engine reads off the
+    device) and reports each updated request's row; a short token list is refused."""
+    runs = {}
+    for by_row in (False, True):
+        s = make_scheduler(64, max_num_seqs=4, block_size=4)
+        for i in range(3):
+            s.add_request(make_request(f"r{i}", prompt(i, 5 + 3 * i), max_tokens=6))
+        log = []
+        while s.has_unfinished_requests():
+            out = s.schedule()
+            toks = [(7 * j + len(log)) % 50 + 1 for j in range(len(out.scheduled))]
+            rows: list[int] = []
+            if by_row:
+                changed = s.update_from_output(out, toks, rows)
+            else:
+                changed = s.update_from_output(out, {x.request.request_id: t for x, t in
+                                                     zip(out.scheduled, toks, strict=True)})
+                rows = [i for i, x in enumerate(out.scheduled) if x.request in changed]
+            assert [out.scheduled[i].request for i in rows] == changed
+            log.append([(r.request_id, r.output_token_ids[-1]) for r in changed])
+        runs[by_row] = log
+    assert runs[True] == runs[False] and any(runs[True])
+    s = make_scheduler(64)
+    s.add_request(make_request("a", prompt(1, 5)))
+    out = s.schedule()
+    with pytest.raises(ValueError, match="0 sampled tokens for a step of 1 rows"):
+        s.update_from_output(out, [])
+
+
+def test_scheduled_block_ids_are_the_managers_list_not_a_copy():
+    """A step's block_ids is the manager's own list (a copy per request per step would cost the
+    table's length): exact when scheduled, grown in place later, left alone once freed."""
+    s = make_scheduler(64, max_num_seqs=2, block_size=4)
+    s.add_request(make_request("a", prompt(1, 6), max_tokens=8))
+    sim = Sim(s)
+    out = sim.step()
+    ids = out.scheduled[0].block_ids
+    assert len(ids) == 2 and ids is s.kv_cache_manager.live_block_ids("a")
+    before = list(ids)
+    while len(ids) == 2:
+        sim.step()
+    assert ids[:2] == before and len(ids) == 3  # grew in place
+    sim.run()
+    assert ids[:2] == before  # freed: dropped by the manager, not cleared
+    assert s.kv_cache_manager.live_block_ids("a") == []
