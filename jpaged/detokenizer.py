@@ -31,6 +31,7 @@ never ends in a half-made character unless the update was final.
 from __future__ import annotations
 
 import io
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +42,9 @@ REPLACEMENT_CHAR = "\ufffd"
 # re-decoding an ever longer window each step.
 MAX_PENDING_TOKENS = 8
 _UNSEEN = object()  # a token not yet in the piece table
+# tokenizer -> {skip_special_tokens: piece table} (see byte_level_pieces)
+_PIECE_TABLES: weakref.WeakKeyDictionary[Any, dict[bool, dict[int, str | None]]] = (
+    weakref.WeakKeyDictionary())
 
 
 class TextBuffer:
@@ -96,18 +100,15 @@ def byte_level_pieces(tokenizer: Any, skip_special_tokens: bool) -> dict[int, st
 
     An entry is the token's text when its bytes are whole UTF-8 characters, else None (part of
     a character). Filled lazily by `IncrementalDetokenizer`; one table per tokenizer and
-    `skip_special_tokens` (kept on the tokenizer object).
+    `skip_special_tokens`, dropped with the tokenizer.
     """
     backend = getattr(tokenizer, "backend", None)
     if _ByteLevel is None or type(getattr(backend, "decoder", None)) is not _ByteLevel:
         return None
-    tables = getattr(tokenizer, "_jpaged_byte_pieces", None)
-    if tables is None:
-        tables = {}
-        try:
-            tokenizer._jpaged_byte_pieces = tables
-        except AttributeError:  # a tokenizer that takes no attributes: no table
-            return None
+    try:
+        tables = _PIECE_TABLES.setdefault(tokenizer, {})
+    except TypeError:  # not weak-referenceable or not hashable: no shared table
+        return None
     return tables.setdefault(bool(skip_special_tokens), {})
 
 
@@ -141,8 +142,6 @@ class IncrementalDetokenizer:
         self._stream = (_DecodeStream(skip_special_tokens=skip_special_tokens)
                         if method == "stream" else None)
         self._fed = 0  # tokens given to the stream / the piece table
-        if self._pieces is not None:
-            self.feed = self._update_pieces  # type: ignore[method-assign]
 
     @property
     def text(self) -> str:
@@ -153,11 +152,11 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def feed(self, ids: Sequence[int], final: bool = False) -> None:
-        """`update` without building its return value (the engine reads `buf` instead).
-
-        With the piece table, __init__ binds `feed` to `_update_pieces` (one call, not two).
-        """
-        self.update(ids, final)
+        """`update` without building its return value (the engine reads `buf` instead)."""
+        if self._pieces is not None:
+            self._update_pieces(ids, final)
+        else:
+            self.update(ids, final)
 
     def update(self, ids: Sequence[int], final: bool = False) -> str:
         """Feed the whole token list (it only grows); return the text it adds.
