@@ -18,6 +18,7 @@ from typing import Any
 from jpaged.async_engine import AsyncLLMEngine
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine, PromptType
+from jpaged.gc_heap import freeze_gc_heap
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 
@@ -25,13 +26,16 @@ from jpaged.sampling_params import SamplingParams
 class EngineReplica:
     """The body of a replica actor (`ray.remote(EngineReplica)`); usable in-process too."""
 
-    def __init__(self, engine_args: dict[str, Any], rank: int, events_host: str) -> None:
+    def __init__(self, engine_args: dict[str, Any], rank: int, events_host: str,
+                 freeze_gc: bool = False) -> None:
         ev = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://{events_host}:*", "replay_endpoint": f"tcp://{events_host}:*"}
         args = EngineArgs(**{**engine_args, "kv_events_config": ev, "data_parallel_rank": rank})
         self.rank = rank
         self.engine = AsyncLLMEngine(LLMEngine(args))
         self._queues: dict[str, asyncio.Queue] = {}
+        if freeze_gc:  # an actor's process is the replica's own (see jpaged/gc_heap.py)
+            freeze_gc_heap()
 
     def info(self) -> dict[str, Any]:
         """What the front end needs: events endpoints, model, limits, pid."""

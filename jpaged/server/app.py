@@ -22,6 +22,7 @@ from starlette.types import Send
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
 from jpaged.engine import LLMEngine
+from jpaged.gc_heap import freeze_gc_heap
 from jpaged.metrics import render
 from jpaged.server.protocol import (
     ChatCompletionRequest,
@@ -188,6 +189,7 @@ def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = 
     """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
     is shut down when the server stops."""
     app = build_app(engine, served_model_name, api_key, owned=True)
+    freeze_gc_heap()  # this process is the server's: start-up objects stay to the end
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,
                             timeout_graceful_shutdown=5)

@@ -43,6 +43,18 @@ def test_serve_subprocess_binds_localhost_and_stops_on_sigint():
         _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert f"http://127.0.0.1:{port}" in err  # the default host
+    assert "froze the GC heap after start-up" in err  # the server owns its process
+
+
+def test_freeze_gc_heap_freezes_start_up_objects_unless_disabled():
+    """In a fresh interpreter (freezing pytest's own heap would outlive the test)."""
+    code = ("import gc; from jpaged.gc_heap import freeze_gc_heap; n = freeze_gc_heap(); "
+            "print(n, gc.get_freeze_count())")
+    for env, frozen in (({}, True), ({"JPAGED_GC_FREEZE": "0"}, False)):
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             timeout=120, env={**os.environ, **env}, check=True).stdout.split()
+        n, count = int(out[0]), int(out[1])
+        assert n == count and (n > 1000 if frozen else n == 0), (env, out)
 
 
 def test_serve_help_lists_server_and_engine_flags():
