@@ -394,9 +394,7 @@ class LLMEngine:
 
     def _emit(self, group: RequestGroup, outputs: list[RequestOutput]) -> None:
         """Append the group's output of this step; forget the group once it is finished."""
-        children = group.children
-        finished = (children[0].finish_reason is not None if len(children) == 1
-                    else group.finished)
+        finished = group.finished
         ro = make_output(group, finished)
         if ro is not None:
             outputs.append(ro)

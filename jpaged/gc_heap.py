@@ -1,10 +1,11 @@
 """Keep the cyclic GC's full collections off the engine loop (vLLM freezes its heap likewise).
 
 Python's full (generation 2) collection walks every object the GC tracks. In a process that has
-loaded a model and compiled its steps that is ~185k objects (modules, the model, JAX's caches):
-one full collection took ~115 ms on this project's CPU, a stall of the engine loop, and so of the
-device, that recurs as requests come and go. Those start-up objects live as long as the process;
-moved into the GC's permanent generation (`gc.freeze`), they are never walked again.
+loaded a model and compiled its steps that is ~185–217k objects (modules, the model, JAX's
+caches): one full collection took 115–167 ms on this project's CPU, a stall of the engine loop,
+and so of the device, that recurs as requests come and go. Those start-up objects live as long
+as the process; moved into the GC's permanent generation (`gc.freeze`), they are never walked
+again.
 """
 
 from __future__ import annotations

@@ -95,7 +95,7 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
         if child.finish_reason is None:  # a stop string may have cut the text already
             detok.feed(req.output_token_ids, finished)
     if not finished:
-        if group.max_stop_len and child.stop_checked_len != child.detok.buf.length:
+        if group.max_stop_len:
             _check_stop_strings(child, group, stop_request)
     elif child.finish_reason is None:
         child.finish_reason = req.finish_reason

@@ -206,10 +206,8 @@ class Scheduler:
         self.running.sort(key=self._sort_key)
         decodes: list[Request] = []
         prompts: list[Request] = []
-        for r in self.running:  # is_decoding, inlined (per request per step)
-            n = len(r.all_token_ids) + r.num_output_placeholders
-            (decodes if r.num_computed_tokens == n - 1 and n > r.num_prompt_tokens
-             else prompts).append(r)
+        for r in self.running:
+            (decodes if is_decoding(r) else prompts).append(r)
         if self.token_buckets is not None and self.scheduler_config.enable_chunked_prefill:
             budget = self._fitted_budget(budget, len(decodes), prompts)
         st = _Step(budget, len(self.running))
@@ -331,12 +329,9 @@ class Scheduler:
         end = start + num_new
         known = req.all_token_ids
         n_known = len(known)
-        if start == n_known:  # an async decode: its one input token is still on device
-            ids = [PLACEHOLDER_TOKEN] * num_new
-        else:
-            ids = known[start:end]
-            if end > n_known:  # the token still on device: the runner feeds it there
-                ids.extend([PLACEHOLDER_TOKEN] * (end - n_known))
+        ids = known[start:end]
+        if end > n_known:  # the token still on device: the runner feeds it there
+            ids.extend([PLACEHOLDER_TOKEN] * (end - n_known))
         st.scheduled[req.request_id] = ScheduledRequest(
             req, start, num_new, ids, self.kv_cache_manager.live_block_ids(req.request_id),
             end == n_known + req.num_output_placeholders)
@@ -417,14 +412,9 @@ class Scheduler:
         output.advanced = True
         advance = self._advance
         for sr in output.scheduled:
-            req = sr.request
-            if (sr.num_tokens == 1 and sr.token_ids[0] == PLACEHOLDER_TOKEN
-                    and req.num_computed_tokens == sr.start_pos):
-                req.num_computed_tokens += 1  # _advance's decode case, inlined
-            else:
-                advance(sr)
+            advance(sr)
             if sr.sample:
-                req.num_output_placeholders += 1
+                sr.request.num_output_placeholders += 1
 
     def _advance(self, sr: ScheduledRequest) -> None:
         req = sr.request

@@ -81,7 +81,8 @@ class DPEngineClient:
         actor_cls = ray.remote(EngineReplica).options(**options)
         engine_args = {k: v for k, v in vars(args).items() if k != "extra"}
         engine_args.update(args.extra)
-        self._actors = [actor_cls.remote(engine_args, r, "127.0.0.1" if local else None, True)
+        self._actors = [actor_cls.remote(engine_args, r, "127.0.0.1" if local else None,
+                                         freeze_gc=True)
                         for r in range(data_parallel_size)]
         try:
             infos = ray.get([a.info.remote() for a in self._actors], timeout=ready_timeout)
