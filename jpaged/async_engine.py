@@ -22,6 +22,7 @@ from typing import Any
 
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine, PromptType
+from jpaged.engine_core import create_engine
 from jpaged.outputs import RequestOutput
 from jpaged.runner.multiprocess import ProcessGroupError, exit_soon
 from jpaged.sampling_params import SamplingParams
@@ -85,7 +86,7 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
         """Build an engine from EngineArgs and start its loop."""
-        return cls(LLMEngine(args))
+        return cls(create_engine(args))
 
     @property
     def tokenizer(self) -> Any:

@@ -54,6 +54,10 @@ Async = Annotated[bool, typer.Option(
     "--async-scheduling/--no-async-scheduling",
     help="Overlap the host with the device: dispatch the next step before reading this one's "
     "tokens (--no-async-scheduling: the synchronous reference loop).")]
+CoreProc = Annotated[bool, typer.Option(
+    "--engine-core-process/--no-engine-core-process",
+    help="Run the scheduler and the device step in a process of their own; detokenization, "
+    "stop strings and outputs stay in this one (vLLM V1's engine-core process).")]
 Blocks = Annotated[int | None, typer.Option("--num-gpu-blocks-override",
                                             help="Exact KV pool size in blocks.")]
 KvEvents = Annotated[str | None, typer.Option(
@@ -92,6 +96,7 @@ def _engine_flags(
     seed: Seed = 0,
     num_gpu_blocks_override: Blocks = None,
     async_scheduling: Async = True,
+    engine_core_process: CoreProc = False,
     kv_events_config: KvEvents = None,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
@@ -399,7 +404,7 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if _run_worker_if_not_rank0(model, engine_flags or {}):
         return
-    from jpaged.engine import LLMEngine
+    from jpaged.engine_core import create_engine
     from jpaged.runner.multiprocess import ProcessGroupError, exit_now
     from jpaged.server import run_server
 
@@ -416,7 +421,7 @@ def serve(
             engine = DPEngineClient(_engine_args(flags), data_parallel_size, routing_policy,
                                     ray_address=ray_address)
         else:
-            engine = LLMEngine(_engine_args(flags))
+            engine = create_engine(_engine_args(flags))
     except ProcessGroupError as e:
         exit_now(e)
         return
@@ -448,13 +453,13 @@ def chat(
     if _run_worker_if_not_rank0(model, engine_flags or {}):
         return
     from jpaged.chat_cli import ChatSession, run_chat
-    from jpaged.engine import LLMEngine
+    from jpaged.engine_core import create_engine
     from jpaged.sampling_params import SamplingParams
 
     try:
         params = SamplingParams(temperature=temperature, top_p=top_p, max_tokens=max_tokens,
                                 seed=flags["seed"])
-        engine = LLMEngine(_engine_args({**flags, "disable_log_stats": True}))
+        engine = create_engine(_engine_args({**flags, "disable_log_stats": True}))
         session = ChatSession(engine, params, system=system)
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
@@ -483,10 +488,10 @@ def bench(
         return
     from jpaged.bench import report
     from jpaged.bench.throughput import run_throughput, summary_line
-    from jpaged.engine import LLMEngine
+    from jpaged.engine_core import create_engine
 
     try:
-        engine = LLMEngine(_engine_args({**flags, "disable_log_stats": True}))
+        engine = create_engine(_engine_args({**flags, "disable_log_stats": True}))
         result = run_throughput(engine, num_prompts, input_len, output_len, flags["seed"],
                                 warmup)
         engine.shutdown()  # a multi-process run: the other processes stop too

@@ -232,6 +232,9 @@ class EngineArgs:
     master_port: int = DEFAULT_MASTER_PORT
     distributed_timeout_s: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
     async_scheduling: bool = True
+    # The scheduler and device step in a process of their own, text and outputs in the
+    # caller's (vLLM V1's engine-core process; jpaged/engine_core.py).
+    engine_core_process: bool = False
     # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text (jpaged/kv_events.py)
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False  # no periodic stats line in the log

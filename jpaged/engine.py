@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import functools
 import logging
-import numbers
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -17,15 +16,10 @@ from jpaged.core.cache_state import snapshot as _cache_snapshot
 from jpaged.core.cache_state import tier_metrics as _tier_metrics
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
+from jpaged.engine_core import CoreStep
+from jpaged.frontend import PromptType, RequestFrontend
 from jpaged.kv_events import KVEventBatch, KVEventHub
 from jpaged.metrics import StatLogger
-from jpaged.output_processor import (
-    ChildState,
-    RequestGroup,
-    make_output,
-    record_logprobs,
-    update_child,
-)
 from jpaged.outputs import RequestOutput
 from jpaged.request import Request, RequestStatus
 from jpaged.runner.batch import BucketPlan
@@ -40,23 +34,14 @@ from jpaged.runner.multiprocess import (
     rss_bytes,
 )
 from jpaged.runner.parallel import TensorParallel, check_device_count, kv_bytes_per_device
-from jpaged.runner.sampler import NUM_TOP_LOGPROBS
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
-from jpaged.sampling_params import SamplingParams
 from models.loader import LoadedModel, load_model
 from pallas_kernels.backend import select_backend
 from pallas_kernels.reference import is_fp8
 
 logger = logging.getLogger("jpaged")
 
-PromptType = str | Mapping[str, Any]
-
-
-def _token_id_list(ids: Any) -> list[Any]:
-    """`prompt_token_ids` as a list (any iterable but a string or a mapping), else ValueError."""
-    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
-        raise ValueError(f"prompt_token_ids must be a list of integers, got {ids!r}")
-    return list(ids)
+__all__ = ["LLMEngine", "PromptType"]
 
 
 def _param_bytes(params: Any) -> int:
@@ -89,7 +74,7 @@ def _check_supported(config: EngineConfig) -> None:
                          "(without it no block is ever cached)")
 
 
-class LLMEngine:
+class LLMEngine(RequestFrontend):
     """The engine behind `LLM` and the server: one jitted device step per `step()` call."""
 
     def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, *,
@@ -175,12 +160,7 @@ class LLMEngine:
         # Async scheduling: the dispatched step whose tokens the next step() reads.
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: tuple[Any, PendingStep] | None = None
-        self._groups: dict[str, RequestGroup] = {}
-        # Scheduler request id (a child's, for n > 1) -> its user request and output state.
-        self._child_of: dict[str, tuple[RequestGroup, ChildState]] = {}
-        self._counter = 0
-        # Token and step counters live in the scheduler; these count user-level requests.
-        self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0}
+        self._init_frontend()
         # Request timing histograms + the periodic stats log line (fed once per step).
         self.stat_logger = StatLogger(self.get_metrics, log=not args.disable_log_stats)
         self.metrics_history = MetricsHistory()  # one point per step()
@@ -193,92 +173,12 @@ class LLMEngine:
         return cls(args)
 
     # ----------------------------------------------------------------- requests
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
-        salt = None
-        if isinstance(prompt, str):
-            text, ids = prompt, None
-        elif isinstance(prompt, Mapping):
-            salt = prompt.get("cache_salt")
-            if salt is not None and not isinstance(salt, str):
-                raise ValueError("cache_salt must be a string")
-            if "prompt_token_ids" in prompt:
-                text, ids = prompt.get("prompt"), _token_id_list(prompt["prompt_token_ids"])
-            elif "prompt" in prompt:
-                text, ids = prompt["prompt"], None
-            else:
-                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        else:
-            raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
-        if ids is None:
-            if not isinstance(text, str):
-                raise ValueError("prompt must be a string")
-            if not text:
-                raise ValueError("prompt is empty")
-            ids = self.tokenizer.encode(text)
-        if not ids:
-            raise ValueError("prompt is empty (no tokens)")
-        vocab = self.spec.vocab_size
-        for i, t in enumerate(ids):
-            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids[{i}] is {t!r}: token ids must be integers "
-                                 f"in the vocabulary [0, {vocab})")
-        ids = [int(t) for t in ids]  # numpy integers become Python ints
-        max_len = self.config.scheduler.max_model_len
-        if len(ids) >= max_len:
-            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
-                             "it must leave room for at least one generated token")
-        return text, ids, salt
+    def _submit(self, requests: list[Request]) -> None:
+        for req in requests:
+            self.scheduler.add_request(req)
 
-    def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        """Validate, tokenize and queue a request; n > 1 fans out into n sequences."""
-        if request_id in self._groups:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError("params must be a SamplingParams")
-        if not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if params.logprobs is not None and params.logprobs > NUM_TOP_LOGPROBS:
-            raise ValueError(f"SamplingParams.logprobs must be <= {NUM_TOP_LOGPROBS}, got "
-                             f"{params.logprobs}")
-        text, ids, salt = self._tokenize(prompt)
-        eos = tuple(self.spec.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
-            eos = eos + (self.tokenizer.eos_token_id,)
-        max_len = self.config.scheduler.max_model_len
-        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
-        base = params.clone(eos_token_ids=eos, max_tokens=max_tokens)
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        group = RequestGroup(request_id, text, ids, base, arrival_time=arrival)
-        for i in range(params.n):
-            self._counter += 1
-            seed = (params.seed + i) if params.seed is not None else (
-                self.config.model.seed * 1_000_003 + self._counter)
-            child_params = base.clone(n=1, seed=seed)
-            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            req = Request(child_id, ids, child_params, priority=priority, arrival_time=arrival,
-                          cache_salt=salt)
-            child = ChildState(i, req, logprobs=[] if params.logprobs is not None else None)
-            group.children.append(child)
-            self._child_of[child_id] = (group, child)
-        self._groups[request_id] = group
-        for c in group.children:
-            self.scheduler.add_request(c.request)
-
-    def abort_request(self, request_id: str | Sequence[str]) -> None:
-        """Abort requests (by their user id); their blocks are freed at once."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in ids:
-            group = self._groups.pop(rid, None)
-            if group is None:
-                continue
-            live = [c.request.request_id for c in group.children if c.finish_reason is None]
-            self.scheduler.finish_requests(live, RequestStatus.FINISHED_ABORTED)
-            for c in group.children:
-                self._child_of.pop(c.request.request_id, None)
-            self.stats["num_requests_aborted"] += 1
+    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
+        self.scheduler.finish_requests(request_ids, status)
 
     def _open_disk_tier(self) -> None:
         if not self._disk_pending or self.runner.scales_pending:
@@ -292,9 +192,10 @@ class LLMEngine:
         """True while any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()
 
-    def get_num_unfinished_requests(self) -> int:
-        """Requests (user-level) not yet finished."""
-        return len(self._groups)
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool's blocks in use now."""
+        return self.scheduler.kv_cache_manager.usage
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
@@ -304,22 +205,54 @@ class LLMEngine:
         call: this step is on the device while the host reads them (and learns of stops one
         step late; a token computed past a request's end is dropped).
         """
+        cur, done = self._launch()
+        if done[0] is None:
+            self.stat_logger.on_step([], time.monotonic())
+            outputs = []
+        else:
+            rows: list[int] = []  # the row of each updated request
+            updated, ids, lps, result = self._apply(*done, rows)
+            outputs = self._outputs(updated, rows, ids, lps, result)
+        self._record(cur)
+        return outputs
+
+    def core_step(self) -> CoreStep:
+        """`step` for an engine-core process: the sampled tokens, no text or RequestOutputs.
+
+        The requests are those the front end queued (`scheduler.add_request`); a front end
+        (`CoreProcessEngine`) turns the CoreStep into outputs.
+        """
+        cur, done = self._launch()
+        step = CoreStep()
+        if done[0] is not None:
+            rows: list[int] = []
+            finished_at: list[int] = []
+            updated, ids, lps, result = self._apply(*done, rows, finished_at)
+            step.fill(updated, rows, ids, lps, result, finished_at)
+        self._record(cur)
+        return step
+
+    def _launch(self) -> tuple[tuple[Any, PendingStep | None],
+                               tuple[Any, PendingStep | None]]:
+        """Dispatch one step; return it and the step whose tokens to apply now.
+
+        (None, None) to apply: the first step of an overlapped run (nothing back yet).
+        """
         self.runner.last_wait_s = 0.0
         if not self.async_scheduling:
             cur = self._dispatch(advance=False)
-            outputs = self._process(*cur)
-        else:
-            cur = self._dispatch(advance=True)
-            prev, self._in_flight = self._in_flight, (cur if cur[1] is not None else None)
-            if prev is None and cur[1] is not None:
-                outputs = self._process(None, None)  # the first step of a run: nothing back yet
-            else:
-                outputs = self._process(*(prev if prev is not None else cur))
+            return cur, cur
+        cur = self._dispatch(advance=True)
+        prev, self._in_flight = self._in_flight, (cur if cur[1] is not None else None)
+        if prev is None and cur[1] is not None:
+            return cur, (None, None)
+        return cur, (prev if prev is not None else cur)
+
+    def _record(self, cur: tuple[Any, PendingStep | None]) -> None:
         # One point per call, for the step dispatched by it.
         self.metrics_history.record(self.scheduler, cur[0].num_scheduled_tokens)
         if self.kv_events is not None:
             self.kv_events.flush()  # this step's cache changes, as one batch
-        return outputs
 
     def _dispatch(self, advance: bool) -> tuple[Any, PendingStep | None]:
         """Schedule one step and launch it (advance: as if it had run, for async scheduling)."""
@@ -348,64 +281,24 @@ class LLMEngine:
         except Exception as e:
             raise self.group.failed(e) from e
 
-    def _process(self, out: Any, pending: PendingStep | None) -> list[RequestOutput]:
-        """Apply a step's sampled tokens: requests, text, stop strings, outputs, metrics."""
-        if out is None:
-            self.stat_logger.on_step([], time.monotonic())
-            return []
+    def _apply(self, out: Any, pending: PendingStep | None, rows: list[int],
+               finished_at: list[int] | None = None) -> tuple[list[Request], list[int],
+                                                                list[float], Any]:
+        """Read a step's sampled tokens and apply them to the scheduler's requests.
+
+        Returns (updated requests, the step's tokens by row, their logprobs by row, the
+        StepResult); `rows` gets each updated request's row (row i: out.scheduled[i]).
+        """
         result = None
-        ids: list[int] = []  # the step's tokens by row (row i: out.scheduled[i])
+        ids: list[int] = []
         lps: list[float] = []
         if pending is not None:
             result = self._on_device(pending.result)
             self._open_disk_tier()
             ids = result.token_ids.tolist()
             lps = result.logprobs.tolist()
-        rows: list[int] = []  # the row of each updated request
-        updated = self.scheduler.update_from_output(out, ids, rows)
-        now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        multi: dict[str, RequestGroup] = {}  # n > 1: one output once all children are updated
-        child_of, tokenizer, stop = self._child_of, self.tokenizer, self._stop_request
-        decode = None
-        # Only the updated requests got a token: dropped ones get no logprobs either.
-        for req, row in zip(updated, rows, strict=True):
-            entry = child_of.get(req.request_id)
-            if entry is None:
-                continue
-            group, child = entry
-            if group.first_token_time is None:
-                group.first_token_time = now
-            if child.logprobs is None:
-                child.cumulative_logprob += lps[row]
-            else:
-                if decode is None:
-                    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
-                record_logprobs(group, child, ids[row], lps[row], row, result, decode)
-            update_child(group, child, tokenizer, stop)
-            if len(group.children) == 1:
-                self._emit(group, outputs)
-            else:
-                multi[group.request_id] = group
-        for group in multi.values():
-            self._emit(group, outputs)
-        self.stat_logger.on_step(updated, now)
-        return outputs
-
-    def _emit(self, group: RequestGroup, outputs: list[RequestOutput]) -> None:
-        """Append the group's output of this step; forget the group once it is finished."""
-        finished = group.finished
-        ro = make_output(group, finished)
-        if ro is not None:
-            outputs.append(ro)
-        if finished:
-            del self._groups[group.request_id]
-            for c in group.children:
-                self._child_of.pop(c.request.request_id, None)
-            self.stats["num_requests_finished"] += 1
-
-    def _stop_request(self, request_id: str) -> None:
-        self.scheduler.finish_requests([request_id], RequestStatus.FINISHED_STOPPED)
+        updated = self.scheduler.update_from_output(out, ids, rows, finished_at)
+        return updated, ids, lps, result
 
     # ----------------------------------------------------------------- metrics
     def get_metrics(self) -> dict[str, Any]:
@@ -420,10 +313,7 @@ class LLMEngine:
 
     def cache_state(self) -> dict[str, Any]:
         """Read-only JSON-able snapshot of the KV pool and block tables (see LLM.cache_state)."""
-        state = _cache_snapshot(self.scheduler)
-        for rid, entry in state["requests"].items():
-            owner = self._child_of.get(rid)
-            entry["user_request_id"] = owner[0].request_id if owner is not None else rid
+        state = self._user_request_ids(_cache_snapshot(self.scheduler))
         state["tiers"] = _tier_metrics(self.get_metrics())
         return state
 

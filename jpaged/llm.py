@@ -8,6 +8,7 @@ from typing import Any
 
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine, PromptType
+from jpaged.engine_core import create_engine
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
@@ -23,7 +24,7 @@ class LLM:
             raise TypeError(f"unknown engine argument(s): {sorted(unknown)}; valid ones: "
                             f"{sorted(EngineArgs.field_names())}")
         kwargs.setdefault("disable_log_stats", True)  # offline use: no periodic stats (vLLM)
-        self.llm_engine = LLMEngine(EngineArgs(model=model, **kwargs))
+        self.llm_engine = create_engine(EngineArgs(model=model, **kwargs))
         self._ids = itertools.count()
 
     @classmethod

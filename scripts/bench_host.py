@@ -2,7 +2,9 @@
 
     python scripts/bench_host.py [--quick] [--out docs/bench/host.json]
 
-Writes `rows` (batch, mode, host_us_per_step, host_us_per_request_step), `embedded`
+Writes `rows` (batch, mode, host_us_per_step, host_us_per_request_step), `core_process_rows`
+(the same async decode with the engine core in its own process: the core loop's µs, and the
+front end's, per step and per request per step), `embedded`
 (tokens_per_s_sync, tokens_per_s_async, async_ratio, outputs_identical) and `timelines` (the
 host phases and device spans of a few overlapped steps of the embedded model, device-bound,
 and of the tiny model at batch 256, host-bound), plus two plots:
@@ -24,6 +26,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false "
 
 from jpaged.bench import report  # noqa: E402
 from jpaged.bench.host import (  # noqa: E402
+    core_process_rows,
     embedded_rows,
     host_engine,
     host_model,
@@ -34,6 +37,7 @@ from jpaged.bench.host import (  # noqa: E402
 from models.loader import load_model  # noqa: E402
 
 BATCHES = (1, 16, 64, 256)
+CORE_BATCHES = (64, 256)  # the engine core in its own process (--engine-core-process)
 
 
 def main() -> None:
@@ -44,6 +48,8 @@ def main() -> None:
     args = ap.parse_args()
     steps = 8 if args.quick else 24
     rows = host_rows(BATCHES, steps, rounds=1 if args.quick else 3)
+    core_rows = core_process_rows(CORE_BATCHES[-1:] if args.quick else CORE_BATCHES, steps,
+                                  rounds=1 if args.quick else 3)
     loaded = load_model(None, dtype="float32")
     emb = embedded_rows(16, 16 if args.quick else 48, loaded, rounds=3 if args.quick else 5)
     from jpaged.config import EngineArgs
@@ -55,7 +61,8 @@ def main() -> None:
     timelines = {"embedded SmolLM2, 16 requests": timeline(tl_engine, batch=16, steps=4),
                  "tiny model, 256 requests": timeline(host_engine(host_model(), True, 256),
                                                       batch=256, steps=4)}
-    data = {"quick": args.quick, "steps": steps, "rows": rows, "embedded": emb,
+    data = {"quick": args.quick, "steps": steps, "rows": rows, "core_process_rows": core_rows,
+            "embedded": emb,
             "timelines": timelines}
 
     def plot(ax):
@@ -63,6 +70,8 @@ def main() -> None:
             pts = [r for r in rows if r["mode"] == mode]
             ax.plot([r["batch"] for r in pts], [r["host_us_per_request_step"] for r in pts],
                     "o-", color=color, label=mode)
+        ax.plot([r["batch"] for r in core_rows], [r["host_us_per_request_step"] for r in core_rows],
+                "s--", color="#2a9d5c", label="async, engine core in its own process (core loop)")
         ax.axhline(10, color="grey", ls=":", lw=1, label="target (async, batch 256)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
@@ -78,6 +87,11 @@ def main() -> None:
         (f"{r['mode']} batch {r['batch']}",
          f"{r['host_us_per_step']} µs/step, {r['host_us_per_request_step']} µs/request")
         for r in rows])
+    report.print_table("engine core in its own process (async)", [
+        (f"batch {r['batch']}",
+         f"core {r['host_us_per_step']} µs/step, {r['host_us_per_request_step']} µs/request; "
+         f"front end {r['frontend_us_per_step']} µs/step, "
+         f"{r['frontend_us_per_request_step']} µs/request") for r in core_rows])
     report.print_table("embedded model", list(emb.items()))
 
 

@@ -108,6 +108,75 @@ def measure_host(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> di
             "outputs_per_step": streamed / steps, "steps": steps}
 
 
+def host_core_engine(max_batch: int) -> Any:
+    """`host_engine`'s async engine with its core in a process of its own (CoreProcessEngine),
+    every decode shape compiled there."""
+    from jpaged.engine_core import CoreProcessEngine
+
+    engine = CoreProcessEngine(EngineArgs(
+        max_num_seqs=max_batch, max_model_len=512, max_num_batched_tokens=max(512, max_batch),
+        num_gpu_blocks_override=max_batch * 8 + 16, block_size=16, disable_log_stats=True,
+        async_scheduling=True), loader=host_model)
+    engine.warmup_decode()
+    return engine
+
+
+def measure_core_process(engine: Any, batch: int, steps: int, seed: int = 0) -> dict[str, Any]:
+    """`measure_host` for a CoreProcessEngine: both processes' host work per step.
+
+    `host_us_per_step`: the core loop's thread CPU time per iteration (take messages, schedule,
+    pack, dispatch, read and apply the tokens, send them): the loop the device waits on.
+    `frontend_us_per_step`: the front end's thread CPU time per `step()` (apply the tokens to
+    its copies, detokenize, stop strings, DELTA outputs), which runs on another core meanwhile.
+    """
+    if engine.has_unfinished_requests():
+        raise ValueError("the engine has unfinished requests; benchmark an idle engine")
+    rng = np.random.default_rng(seed)
+    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, stop=STOP,
+                            output_kind=RequestOutputKind.DELTA)
+    ids = [f"host-{batch}-{seed}-{i}" for i in range(batch)]
+    for rid in ids:
+        prompt = rng.integers(0, 256, PROMPT_LEN).tolist()
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    got = dict.fromkeys(ids, 0)
+    while min(got.values()) < 2:  # untimed until every request decodes
+        for o in engine.step():
+            got[o.request_id] += len(o.outputs[0].token_ids)
+    core, front = [], []
+    streamed = 0
+    for _ in range(steps):
+        c0 = time.thread_time()
+        outs = engine.step()
+        front.append(time.thread_time() - c0)
+        core.append(engine.last_core_loop_s)
+        streamed += len(outs)
+    engine.abort_request(ids)
+    us, fus = median(core) * 1e6, median(front) * 1e6
+    return {"batch": batch, "mode": "async", "engine_core_process": True,
+            "host_us_per_step": round(us, 1), "host_us_per_request_step": round(us / batch, 2),
+            "frontend_us_per_step": round(fus, 1),
+            "frontend_us_per_request_step": round(fus / batch, 2),
+            "outputs_per_step": streamed / steps, "steps": steps}
+
+
+def core_process_rows(batches: tuple[int, ...], steps: int,
+                      rounds: int = 3) -> list[dict[str, Any]]:
+    """measure_core_process for every batch, each one's median round (by the core's time)."""
+    engine = host_core_engine(max(batches))
+    rows = []
+    try:
+        for b in batches:
+            measure_core_process(engine, b, 2, seed=99)  # warm this batch size's paths
+            rs = sorted((measure_core_process(engine, b, steps, seed=r) for r in range(rounds)),
+                        key=lambda x: x["host_us_per_step"])
+            row = dict(rs[len(rs) // 2])
+            row["host_us_per_request_step_rounds"] = [x["host_us_per_request_step"] for x in rs]
+            rows.append(row)
+    finally:
+        engine.shutdown()
+    return rows
+
+
 def host_rows(batches: tuple[int, ...], steps: int, rounds: int = 3) -> list[dict[str, Any]]:
     """measure_host for every batch and both loops, the loops in turn `rounds` times.
 
@@ -192,7 +261,8 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
     """
     events: list[dict[str, Any]] = []
     sched, runner = engine.scheduler, engine.runner
-    real_schedule, real_dispatch, real_process = sched.schedule, runner.dispatch, engine._process
+    real_schedule, real_dispatch = sched.schedule, runner.dispatch
+    real_apply, real_outputs = engine._apply, engine._outputs
     step_no = [0]
 
     def span(lane: str, name: str, fn: Any, *a: Any) -> Any:
@@ -226,8 +296,9 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
 
     sched.schedule = lambda: span("host", "schedule", real_schedule)
     runner.dispatch = dispatch
-    engine._process = lambda out, pending: span("host", "process outputs", real_process, out,
-                                                 pending)
+    # Reading and applying the tokens, then text and outputs: both "process outputs".
+    engine._apply = lambda *a: span("host", "process outputs", real_apply, *a)
+    engine._outputs = lambda *a: span("host", "process outputs", real_outputs, *a)
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True, stop=STOP,
                             output_kind=RequestOutputKind.DELTA)
@@ -242,7 +313,7 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
             step_no[0] += 1
             engine.step()
     finally:
-        del sched.schedule, runner.dispatch, engine._process
+        del sched.schedule, runner.dispatch, engine._apply, engine._outputs
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()

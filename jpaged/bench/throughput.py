@@ -58,8 +58,7 @@ def run_batch(engine: LLMEngine, prompts: Sequence[Sequence[int]],
     for i, p in enumerate(prompts):
         sp = params if isinstance(params, SamplingParams) else params[i]
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": list(p)}, sp, arrival_time=t0)
-    kv = engine.scheduler.kv_cache_manager
-    peak = kv.usage
+    peak = engine.kv_cache_usage
     ttft: list[float] = []
     tpot: list[float] = []
     out_tokens = 0
@@ -67,7 +66,7 @@ def run_batch(engine: LLMEngine, prompts: Sequence[Sequence[int]],
     while done < len(prompts):
         outs = engine.step()
         now = time.monotonic()
-        peak = max(peak, kv.usage)
+        peak = max(peak, engine.kv_cache_usage)
         for o in outs:
             if not o.finished:
                 continue

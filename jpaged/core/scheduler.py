@@ -78,6 +78,25 @@ def is_decoding(request: Request) -> bool:
     return request.num_computed_tokens == n - 1 and n > request.num_prompt_tokens
 
 
+def check_request_fits(request: Request, max_model_len: int, block_size: int,
+                       num_blocks: int) -> None:
+    """ValueError if `request` could never run: its prompt, or its longest length in blocks."""
+    rid = request.request_id
+    n = request.num_prompt_tokens
+    if n > max_model_len:
+        raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds max_model_len "
+                         f"({max_model_len})")
+    # Longest length it can reach; the last sampled token is never computed.
+    longest = max(max_model_len, n + 1)
+    if request.max_tokens is not None:
+        longest = min(longest, n + request.max_tokens)
+    blocks = -(-(longest - 1) // block_size)
+    usable = num_blocks - 1  # block 0 is the null block
+    if blocks > usable:
+        raise ValueError(f"request {rid!r} may need {blocks} KV blocks but the pool has only "
+                         f"{usable}; lower max_tokens/max_model_len or enlarge the pool")
+
+
 class Scheduler:
     """Decides, each step, which requests compute how many tokens, owning the KVCacheManager."""
 
@@ -122,19 +141,8 @@ class Scheduler:
             raise ValueError(f"request id {rid!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_output_tokens:
             raise ValueError(f"request {rid!r} must be new (WAITING, no output)")
-        n = request.num_prompt_tokens
-        if n > self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds max_model_len "
-                             f"({self.max_model_len})")
-        # Longest length it can reach; the last sampled token is never computed.
-        longest = max(self.max_model_len, n + 1)
-        if request.max_tokens is not None:
-            longest = min(longest, n + request.max_tokens)
-        blocks = -(-(longest - 1) // self.block_size)
-        usable = self.kv_cache_manager.block_pool.num_blocks - 1
-        if blocks > usable:
-            raise ValueError(f"request {rid!r} may need {blocks} KV blocks but the pool has only "
-                             f"{usable}; lower max_tokens/max_model_len or enlarge the pool")
+        check_request_fits(request, self.max_model_len, self.block_size,
+                           self.kv_cache_manager.block_pool.num_blocks)
         if self._hasher is not None and (request.block_hasher is None or (
                 request.block_hasher.block_size, request.block_hasher.algo)
                 != (self._hasher.block_size, self._hasher.algo)):
@@ -433,7 +441,8 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput,
                            sampled_token_ids: Mapping[str, int] | Sequence[int],
-                           rows: list[int] | None = None) -> list[Request]:
+                           rows: list[int] | None = None,
+                           finished_at: list[int] | None = None) -> list[Request]:
         """Commit a computed step: advance, append sampled tokens, stop, cache, free.
 
         `sampled_token_ids`: request id -> token, or the step's tokens by row (row i is
@@ -441,7 +450,8 @@ class Scheduler:
         applied: a request finished or aborted meanwhile drops its token; one preempted
         meanwhile keeps it (its KV was computed before the preemption, as the synchronous loop
         would have it). Returns the requests that got a new token (finished ones included);
-        `rows`, when given, gets the row of each of them.
+        `rows`, when given, gets the row of each of them; `finished_at` the position in the
+        returned list of each one that finished.
         """
         kv = self.kv_cache_manager
         changed: list[Request] = []
@@ -481,6 +491,8 @@ class Scheduler:
             if advanced and running and len(req.all_token_ids) % bs == 0:
                 kv.commit(req)  # the token completed a block: it is shareable now
             if self._check_stop(req):
+                if finished_at is not None:
+                    finished_at.append(len(changed) - 1)
                 if running:
                     finished = True
                 else:  # preempted: it waits in the queue

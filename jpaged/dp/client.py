@@ -53,6 +53,9 @@ class DPEngineClient:
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, "
                              f"got {data_parallel_size!r}")
+        if args.engine_core_process:
+            raise ValueError("engine_core_process is not supported with data-parallel replicas "
+                             "(each replica's engine already runs in its own Ray actor process)")
         if args.kv_events_config is not None:
             raise ValueError("kv_events_config is set by data-parallel serving itself (each "
                              "replica publishes to the router); leave it unset")

@@ -22,6 +22,7 @@ from starlette.types import Send
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
 from jpaged.engine import LLMEngine
+from jpaged.frontend import RequestFrontend
 from jpaged.gc_heap import freeze_gc_heap
 from jpaged.metrics import render
 from jpaged.server.protocol import (
@@ -83,7 +84,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 
     `owned`: shut the engine down with the app (default: only an LLMEngine it wraps itself).
     """
-    wrapped = isinstance(engine, LLMEngine)
+    wrapped = isinstance(engine, RequestFrontend)  # an LLMEngine or a CoreProcessEngine
     owned = wrapped if owned is None else owned
     aengine = AsyncLLMEngine(engine) if wrapped else engine
     aengine.start()

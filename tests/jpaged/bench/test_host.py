@@ -6,6 +6,7 @@ from __future__ import annotations
 from helpers import tiny
 
 from jpaged.bench.host import (
+    core_process_rows,
     embedded_rows,
     host_engine,
     host_model,
@@ -33,7 +34,16 @@ def test_host_rows_and_timeline():
     device = [e for e in events if e["lane"] == "device"]
     assert len(device) >= 3 and all(e["t1"] >= e["t0"] >= 0 for e in events)
     # The wrappers are gone again.
-    assert "schedule" not in engine.scheduler.__dict__ and "_process" not in engine.__dict__
+    assert "schedule" not in engine.scheduler.__dict__
+    assert "_apply" not in engine.__dict__ and "_outputs" not in engine.__dict__
+
+
+def test_core_process_rows_time_both_processes():
+    rows = core_process_rows((2,), steps=3, rounds=1)
+    (row,) = rows
+    assert row["engine_core_process"] is True and row["mode"] == "async" and row["batch"] == 2
+    assert row["host_us_per_step"] > 0 and row["frontend_us_per_step"] > 0
+    assert row["outputs_per_step"] == 2
 
 
 def test_embedded_rows_compare_both_loops():

@@ -1,0 +1,217 @@
+"""The request side of an engine: validate and tokenize prompts, fan n > 1 out into sequences,
+and turn each step's sampled tokens into RequestOutputs (text, stop strings, logprobs).
+
+`LLMEngine` runs it beside its scheduler in one process; `CoreProcessEngine`
+(jpaged/engine_core.py) runs it in the user's process while the scheduler and the device step
+run in an engine-core process, as vLLM V1 splits them.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from jpaged.config import EngineConfig
+from jpaged.metrics import StatLogger
+from jpaged.output_processor import (
+    ChildState,
+    RequestGroup,
+    make_output,
+    record_logprobs,
+    update_child,
+)
+from jpaged.outputs import RequestOutput
+from jpaged.request import Request, RequestStatus
+from jpaged.runner.sampler import NUM_TOP_LOGPROBS
+from jpaged.sampling_params import SamplingParams
+from models.config import ModelSpec
+
+PromptType = str | Mapping[str, Any]
+
+
+def _token_id_list(ids: Any) -> list[Any]:
+    """`prompt_token_ids` as a list (any iterable but a string or a mapping), else ValueError."""
+    if isinstance(ids, str | bytes | Mapping) or not isinstance(ids, Iterable):
+        raise ValueError(f"prompt_token_ids must be a list of integers, got {ids!r}")
+    return list(ids)
+
+
+class RequestFrontend:
+    """add_request / abort_request and output processing, over a scheduler reached by hooks.
+
+    A subclass sets `tokenizer`, `spec`, `config`, `stat_logger` and calls `_init_frontend()`;
+    it implements `_submit` (queue new sequences) and `_finish` (end sequences early).
+    """
+
+    tokenizer: Any
+    spec: ModelSpec
+    config: EngineConfig
+    stat_logger: StatLogger
+
+    def _init_frontend(self) -> None:
+        self._groups: dict[str, RequestGroup] = {}
+        # Scheduler request id (a child's, for n > 1) -> its user request and output state.
+        self._child_of: dict[str, tuple[RequestGroup, ChildState]] = {}
+        self._counter = 0
+        # Token and step counters live in the scheduler; these count user-level requests.
+        self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0}
+
+    def _submit(self, requests: list[Request]) -> None:
+        raise NotImplementedError
+
+    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
+        raise NotImplementedError
+
+    # ----------------------------------------------------------------- requests
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+        salt = None
+        if isinstance(prompt, str):
+            text, ids = prompt, None
+        elif isinstance(prompt, Mapping):
+            salt = prompt.get("cache_salt")
+            if salt is not None and not isinstance(salt, str):
+                raise ValueError("cache_salt must be a string")
+            if "prompt_token_ids" in prompt:
+                text, ids = prompt.get("prompt"), _token_id_list(prompt["prompt_token_ids"])
+            elif "prompt" in prompt:
+                text, ids = prompt["prompt"], None
+            else:
+                raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        else:
+            raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        if ids is None:
+            if not isinstance(text, str):
+                raise ValueError("prompt must be a string")
+            if not text:
+                raise ValueError("prompt is empty")
+            ids = self.tokenizer.encode(text)
+        if not ids:
+            raise ValueError("prompt is empty (no tokens)")
+        vocab = self.spec.vocab_size
+        for i, t in enumerate(ids):
+            if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise ValueError(f"prompt_token_ids[{i}] is {t!r}: token ids must be integers "
+                                 f"in the vocabulary [0, {vocab})")
+        ids = [int(t) for t in ids]  # numpy integers become Python ints
+        max_len = self.config.scheduler.max_model_len
+        if len(ids) >= max_len:
+            raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
+                             "it must leave room for at least one generated token")
+        return text, ids, salt
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:
+        """Validate, tokenize and queue a request; n > 1 fans out into n sequences."""
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError("params must be a SamplingParams")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if params.logprobs is not None and params.logprobs > NUM_TOP_LOGPROBS:
+            raise ValueError(f"SamplingParams.logprobs must be <= {NUM_TOP_LOGPROBS}, got "
+                             f"{params.logprobs}")
+        text, ids, salt = self._tokenize(prompt)
+        eos = tuple(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos = eos + (self.tokenizer.eos_token_id,)
+        max_len = self.config.scheduler.max_model_len
+        max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
+        base = params.clone(eos_token_ids=eos, max_tokens=max_tokens)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        group = RequestGroup(request_id, text, ids, base, arrival_time=arrival)
+        for i in range(params.n):
+            self._counter += 1
+            seed = (params.seed + i) if params.seed is not None else (
+                self.config.model.seed * 1_000_003 + self._counter)
+            child_params = base.clone(n=1, seed=seed)
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            req = Request(child_id, ids, child_params, priority=priority, arrival_time=arrival,
+                          cache_salt=salt)
+            group.children.append(ChildState(
+                i, req, logprobs=[] if params.logprobs is not None else None))
+        self._submit([c.request for c in group.children])  # raises before anything is kept
+        self._groups[request_id] = group
+        for c in group.children:
+            self._child_of[c.request.request_id] = (group, c)
+
+    def abort_request(self, request_id: str | Sequence[str]) -> None:
+        """Abort requests (by their user id); their blocks are freed at once."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            group = self._groups.pop(rid, None)
+            if group is None:
+                continue
+            live = [c.request.request_id for c in group.children if c.finish_reason is None]
+            self._finish(live, RequestStatus.FINISHED_ABORTED)
+            for c in group.children:
+                self._child_of.pop(c.request.request_id, None)
+            self.stats["num_requests_aborted"] += 1
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests (user-level) not yet finished."""
+        return len(self._groups)
+
+    # ----------------------------------------------------------------- outputs
+    def _outputs(self, updated: Sequence[Request], rows: Sequence[int], ids: Sequence[int],
+                 lps: Sequence[float], result: Any) -> list[RequestOutput]:
+        """RequestOutputs of the sequences a step updated (each got token ids[row]).
+
+        `result`: what carries the step's top logprobs (`top_ids`, `top_logprobs` by row),
+        read only for a sequence that asked for logprobs.
+        """
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        multi: dict[str, RequestGroup] = {}  # n > 1: one output once all children are updated
+        child_of, tokenizer, stop = self._child_of, self.tokenizer, self._stop_request
+        decode = None
+        # Only the updated requests got a token: dropped ones get no logprobs either.
+        for req, row in zip(updated, rows, strict=True):
+            entry = child_of.get(req.request_id)
+            if entry is None:
+                continue
+            group, child = entry
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if child.logprobs is None:
+                child.cumulative_logprob += lps[row]
+            else:
+                if decode is None:
+                    decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
+                record_logprobs(group, child, ids[row], lps[row], row, result, decode)
+            update_child(group, child, tokenizer, stop)
+            if len(group.children) == 1:
+                self._emit(group, outputs)
+            else:
+                multi[group.request_id] = group
+        for group in multi.values():
+            self._emit(group, outputs)
+        self.stat_logger.on_step(updated, now)
+        return outputs
+
+    def _emit(self, group: RequestGroup, outputs: list[RequestOutput]) -> None:
+        """Append the group's output of this step; forget the group once it is finished."""
+        finished = group.finished
+        ro = make_output(group, finished)
+        if ro is not None:
+            outputs.append(ro)
+        if finished:
+            del self._groups[group.request_id]
+            for c in group.children:
+                self._child_of.pop(c.request.request_id, None)
+            self.stats["num_requests_finished"] += 1
+
+    def _stop_request(self, request_id: str) -> None:
+        self._finish([request_id], RequestStatus.FINISHED_STOPPED)
+
+    def _user_request_ids(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A cache_state snapshot with each sequence's user request id filled in."""
+        for rid, entry in state["requests"].items():
+            owner = self._child_of.get(rid)
+            entry["user_request_id"] = owner[0].request_id if owner is not None else rid
+        return state
