@@ -510,7 +510,7 @@ def bench(
 
 # tune builds engine after engine in one process: never over several processes.
 @engine_command(exclude=("swap_space", "nnodes", "node_rank", "master_addr", "master_port",
-                         "distributed_timeout_s"))
+                         "distributed_timeout_s", "engine_core_process"))
 def tune(
     model: Model = None,
     workload: Annotated[Path | None, typer.Option(

@@ -54,21 +54,12 @@ def _drain(engine: CoreProcessEngine) -> dict:
     return m
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_outputs_equal_the_in_process_engine(core, async_scheduling):
+def test_outputs_equal_the_in_process_engine(core):
     prompts = _prompts(9)
     params = [PARAMS[i % 3] for i in range(len(prompts))]
-    ref_engine = LLMEngine(EngineArgs(**ARGS, async_scheduling=async_scheduling),
-                           loaded=host_model())
-    ref = LLM.from_engine(ref_engine).generate(prompts, params)
-    if async_scheduling:
-        got = LLM.from_engine(core).generate(prompts, params)
-    else:
-        engine = CoreProcessEngine(EngineArgs(**ARGS, async_scheduling=False), loader=host_model)
-        try:
-            got = LLM.from_engine(engine).generate(prompts, params)
-        finally:
-            engine.shutdown()
+    ref = LLM.from_engine(LLMEngine(EngineArgs(**ARGS), loaded=host_model())).generate(
+        prompts, params)
+    got = LLM.from_engine(core).generate(prompts, params)
     stopped = 0
     for a, b in zip(ref, got, strict=True):
         assert b.num_cached_tokens == a.num_cached_tokens
@@ -86,10 +77,9 @@ def test_outputs_equal_the_in_process_engine(core, async_scheduling):
             assert cb.cumulative_logprob == pytest.approx(ca.cumulative_logprob, abs=1e-4)
             stopped += isinstance(ca.stop_reason, str)
     assert stopped >= 1  # a stop string ended a sequence (the core learned it by an abort)
-    if async_scheduling:
-        m = _drain(core)
-        assert m["num_blocks_free"] == m["num_blocks_total"]
-        assert m["num_requests_finished"] >= len(prompts)
+    m = _drain(core)
+    assert m["num_blocks_free"] == m["num_blocks_total"]
+    assert m["num_requests_finished"] >= len(prompts)
 
 
 def test_streaming_abort_and_core_queries(core):
@@ -136,6 +126,10 @@ def test_bad_input_is_refused_in_the_front_end(core):
         create_engine(EngineArgs(engine_core_process=True), loaded=host_model())
     with pytest.raises(ValueError, match="engine_core_process must be True or False"):
         create_engine(EngineArgs(engine_core_process="yes"))
+    from jpaged.dp.client import DPEngineClient
+
+    with pytest.raises(ValueError, match="engine_core_process is not supported with data"):
+        DPEngineClient(EngineArgs(engine_core_process=True), 2)  # refused before Ray starts
 
 
 def test_a_request_the_pool_cannot_hold_is_refused_before_the_core():
