@@ -174,6 +174,11 @@ class LLMEngine(RequestFrontend):
 
     # ----------------------------------------------------------------- requests
     def _submit(self, requests: list[Request]) -> None:
+        # All or none: the children of one request share everything the scheduler checks but
+        # their ids, so an id in use is the one refusal that could come after a child is queued.
+        for req in requests:
+            if req.request_id in self.scheduler.requests:
+                raise ValueError(f"request id {req.request_id!r} is already in use")
         for req in requests:
             self.scheduler.add_request(req)
 

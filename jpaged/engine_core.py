@@ -17,12 +17,14 @@ reset, metrics history) are calls answered between two steps.
 
 Invariants:
 - Messages are pickled tuples on one duplex pipe. Front end -> core: ("add", [Request]),
-  ("abort", [id], status name), ("call", seq, name, args), ("shutdown",). Core -> front end:
+  ("abort", [id], status name), ("ack", n), ("call", seq, name, args), ("shutdown",).
+  Core -> front end:
   ("ready", info), ("step", CoreStep), ("reply", seq, ok, value), ("fatal", text).
 - The core never blocks on sending (a sender thread writes its messages), so it always drains
   the front end's messages and neither side can wait on the other's full pipe.
-- Every CoreStep is delivered, in order, to one `step()` call; a reply read while waiting for
-  a call's answer leaves the steps before it queued.
+- Every CoreStep is delivered, in order, to one `step()` call, which acknowledges it; a reply
+  read while waiting for a call's answer leaves the steps before it queued. The core steps
+  only while fewer than MAX_AHEAD of its steps are unacknowledged (it still answers messages).
 - The front end checks what the scheduler would refuse (`check_request_fits`) before sending:
   a request the core takes is never refused there.
 """
@@ -54,6 +56,10 @@ logger = logging.getLogger("jpaged.engine_core")
 # How long the front end waits for the core process to load the model and report ready.
 DEFAULT_START_TIMEOUT_S = 900.0
 _POLL_S = 0.5  # the front end's wait between liveness checks of the core process
+# Steps the core may run ahead of the front end: past it the core waits, so a slow front end
+# (or one not stepping) bounds the tokens computed unseen: stream latency, the tokens past a
+# stop string, and the steps queued in memory.
+MAX_AHEAD = 4
 # Core-state queries the front end may make (LLMEngine methods, run between two steps).
 _CALLS = frozenset({"get_metrics", "cache_state", "reset_prefix_cache", "cached_block_hashes",
                     "metrics_snapshot", "warmup_decode"})
@@ -152,6 +158,8 @@ class _CoreLoop:
         self.sender = threading.Thread(target=self._send_all, name="core-sender", daemon=True)
         self.parent = os.getppid()
         self.last_ids: list[str] | None = None  # req_ids of the latest CoreStep sent
+        self.sent = 0  # CoreSteps sent
+        self.acked = 0  # CoreSteps the front end has taken (its "ack" messages)
 
     def _send_all(self) -> None:
         while (data := self.outbox.get()) is not None:
@@ -163,9 +171,11 @@ class _CoreLoop:
     def _send(self, msg: tuple[Any, ...]) -> None:
         self.outbox.put(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
 
-    def _busy(self) -> bool:
+    def _ready(self) -> bool:
+        """Work to step, and the front end has read all but MAX_AHEAD - 1 of the steps sent."""
         e = self.engine
-        return e.has_unfinished_requests() or e._in_flight is not None
+        return (e.has_unfinished_requests() or e._in_flight is not None) and (
+            self.sent - self.acked < MAX_AHEAD)
 
     def run(self) -> None:
         """Serve until the front end says shutdown or goes away."""
@@ -174,7 +184,7 @@ class _CoreLoop:
         loop_s = 0.0
         try:
             while True:
-                if not self._busy():  # idle: wait for work
+                if not self._ready():  # idle, or far enough ahead: wait for a message
                     while not conn.poll(_POLL_S):
                         if os.getppid() != self.parent:
                             return  # the front end died without a word
@@ -182,7 +192,7 @@ class _CoreLoop:
                 while conn.poll(0):
                     if not self._handle(pickle.loads(conn.recv_bytes())):
                         return
-                if not self._busy():
+                if not self._ready():
                     continue
                 step = engine.core_step()
                 step.loop_s = loop_s
@@ -192,6 +202,7 @@ class _CoreLoop:
                 else:
                     self.last_ids = step.req_ids
                 self._send(("step", step))
+                self.sent += 1
                 loop_s = time.thread_time() - c0
         except (EOFError, OSError):
             return  # the front end closed the pipe
@@ -211,6 +222,8 @@ class _CoreLoop:
         if op == "add":
             for req in msg[1]:
                 sched.add_request(req)
+        elif op == "ack":
+            self.acked += msg[1]
         elif op == "abort":
             sched.finish_requests(msg[1], RequestStatus[msg[2]])
         elif op == "call":
@@ -404,6 +417,7 @@ class CoreProcessEngine(RequestFrontend):
             while (msg := self._recv())[0] != "step":
                 pass  # a late reply to a call that raised on the front end's side
             step = msg[1]
+        self._send(("ack", 1))  # the core may run one more step ahead
         if step.req_ids is None:
             step.req_ids = self._last_req_ids
         else:

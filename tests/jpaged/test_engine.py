@@ -254,3 +254,16 @@ def test_bad_engine_args(kwargs, field):
 def test_unknown_engine_argument_is_named():
     with pytest.raises(TypeError, match="enable_prefix_cachin"):
         LLM(model="unused", enable_prefix_cachin=True)
+
+
+def test_a_refused_n_request_queues_none_of_its_sequences(llm):
+    engine = llm.llm_engine
+    engine.add_request("1_x", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=2))
+    # Its second sequence would be "1_x": refused, and its first ("0_x") is not left queued.
+    with pytest.raises(ValueError, match="'1_x' is already in use"):
+        engine.add_request("x", {"prompt_token_ids": [4, 5]}, SamplingParams(n=2, max_tokens=2))
+    assert set(engine.scheduler.requests) == {"1_x"}
+    assert engine.get_num_unfinished_requests() == 1
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert _free(llm)

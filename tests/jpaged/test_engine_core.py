@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import httpx
 import numpy as np
@@ -17,7 +18,7 @@ from jpaged.async_engine import AsyncLLMEngine
 from jpaged.bench.host import host_model
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
-from jpaged.engine_core import CoreProcessEngine, CoreProcessError, create_engine
+from jpaged.engine_core import MAX_AHEAD, CoreProcessEngine, CoreProcessError, create_engine
 from jpaged.llm import LLM
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.server import BackgroundServer, build_app
@@ -106,6 +107,25 @@ def test_streaming_abort_and_core_queries(core):
     assert core.metrics_history.snapshot()  # the core's per-step history, asked for
     assert core.reset_prefix_cache() is True
     assert set(core.cached_block_hashes()) >= {"GPU"}
+
+
+def test_the_core_runs_at_most_max_ahead_steps_past_the_front_end(core):
+    before = core.get_metrics()["num_steps"]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for i, p in enumerate(_prompts(2, seed=2)):
+        core.add_request(f"ahead{i}", p, params)
+    core.step()  # takes (and acknowledges) the first step
+    deadline = time.monotonic() + 60  # (a first step of new shapes compiles first)
+    while core.get_metrics()["num_steps"] - before < MAX_AHEAD + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)  # unbounded, the tiny model would finish all 60 tokens meanwhile
+    # It waits, still answering calls: the first step and MAX_AHEAD unacknowledged ones.
+    assert core.get_metrics()["num_steps"] - before == MAX_AHEAD + 1
+    outs = []
+    while core.has_unfinished_requests():
+        outs += core.step()
+    assert sorted(len(o.outputs[0].token_ids) for o in outs if o.finished) == [60, 60]
 
 
 def test_bad_input_is_refused_in_the_front_end(core):
