@@ -410,7 +410,13 @@ class CoreProcessEngine(RequestFrontend):
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
-        """Outputs of the core's next step (waits for it); see LLMEngine.step."""
+        """Outputs of the core's next step (waits for it); see LLMEngine.step.
+
+        With no request unfinished and no step waiting to be read it returns [] at once (the
+        core has nothing to step), as the in-process engine's empty step does.
+        """
+        if not self._groups and not self._steps and not self._conn.poll(0):
+            return []
         if self._steps:
             step = self._steps.popleft()
         else:

@@ -135,6 +135,7 @@ def test_bad_input_is_refused_in_the_front_end(core):
         core._call("shutdown")
     with pytest.raises(ValueError, match="ZMQ publisher"):
         core.subscribe_kv_events(print)
+    assert core.step() == []  # idle: returns at once
     core.add_request("ok", {"prompt_token_ids": [3, 4, 5]}, SamplingParams(max_tokens=3))
     with pytest.raises(ValueError, match="already in use"):
         core.add_request("ok", {"prompt_token_ids": [3, 4, 5]})
