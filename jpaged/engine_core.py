@@ -138,10 +138,9 @@ def _core_main(conn: Any, args: EngineArgs, loader: Callable[[], Any] | None,
             exc = None
         conn.send(("fatal", f"{type(e).__name__}: {e}", exc))
         return
-    if os.environ.get("JPAGED_GC_FREEZE", "1") != "0":
-        from jpaged.gc_heap import freeze_gc_heap
+    from jpaged.gc_heap import freeze_gc_heap
 
-        freeze_gc_heap()  # a long-lived serving loop, like jpaged serve's
+    freeze_gc_heap()  # a long-lived serving loop, like jpaged serve's (JPAGED_GC_FREEZE=0: no)
     conn.send(("ready", {"tokenizer": engine.tokenizer, "spec": engine.spec,
                          "config": engine.config, "source": engine.loaded.source,
                          "pid": os.getpid()}))

@@ -65,28 +65,47 @@ def host_model() -> LoadedModel:
     return dataclasses.replace(loaded, tokenizer=word_tokenizer())
 
 
-def host_engine(loaded: LoadedModel, async_scheduling: bool, max_batch: int) -> LLMEngine:
-    """An engine sized for `max_batch` decoding requests, its decode shapes compiled."""
-    engine = LLMEngine(EngineArgs(
+def _host_args(max_batch: int, async_scheduling: bool) -> EngineArgs:
+    """Engine arguments sized for `max_batch` decoding requests."""
+    return EngineArgs(
         max_num_seqs=max_batch, max_model_len=512, max_num_batched_tokens=max(512, max_batch),
         num_gpu_blocks_override=max_batch * 8 + 16, block_size=16, disable_log_stats=True,
-        async_scheduling=async_scheduling), loaded=loaded)
-    engine.runner.warmup([(b, b) for b in engine.runner.plan.seq_buckets])
-    return engine
+        async_scheduling=async_scheduling)
 
 
-def measure_host(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> dict[str, Any]:
-    """Median host µs per decode step (and per request per step) with `batch` requests."""
+def _add_decoders(engine: Any, batch: int, seed: int) -> list[str]:
+    """Queue `batch` streaming requests that nobody finishes while timed (aborted after);
+    returns their ids. ValueError if the engine is not idle."""
     if engine.has_unfinished_requests():
         raise ValueError("the engine has unfinished requests; benchmark an idle engine")
     rng = np.random.default_rng(seed)
-    # Nobody finishes while timed: every step decodes all `batch` requests (aborted after).
     params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, stop=STOP,
                             output_kind=RequestOutputKind.DELTA)
     ids = [f"host-{batch}-{seed}-{i}" for i in range(batch)]
     for rid in ids:
         prompt = rng.integers(0, 256, PROMPT_LEN).tolist()
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    return ids
+
+
+def _median_round(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round with the median host µs per step, with every round's per-request figure."""
+    rs = sorted(rounds, key=lambda x: x["host_us_per_step"])
+    row = dict(rs[len(rs) // 2])
+    row["host_us_per_request_step_rounds"] = [x["host_us_per_request_step"] for x in rs]
+    return row
+
+
+def host_engine(loaded: LoadedModel, async_scheduling: bool, max_batch: int) -> LLMEngine:
+    """An engine sized for `max_batch` decoding requests, its decode shapes compiled."""
+    engine = LLMEngine(_host_args(max_batch, async_scheduling), loaded=loaded)
+    engine.runner.warmup([(b, b) for b in engine.runner.plan.seq_buckets])
+    return engine
+
+
+def measure_host(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> dict[str, Any]:
+    """Median host µs per decode step (and per request per step) with `batch` requests."""
+    ids = _add_decoders(engine, batch, seed)  # every step decodes all of them
     sched = engine.scheduler
     # Untimed until every request decodes (prefill done, and the overlap under way).
     while sched.num_waiting or any(r.num_output_tokens < 2 for r in sched.running):
@@ -113,10 +132,7 @@ def host_core_engine(max_batch: int) -> Any:
     every decode shape compiled there."""
     from jpaged.engine_core import CoreProcessEngine
 
-    engine = CoreProcessEngine(EngineArgs(
-        max_num_seqs=max_batch, max_model_len=512, max_num_batched_tokens=max(512, max_batch),
-        num_gpu_blocks_override=max_batch * 8 + 16, block_size=16, disable_log_stats=True,
-        async_scheduling=True), loader=host_model)
+    engine = CoreProcessEngine(_host_args(max_batch, True), loader=host_model)
     engine.warmup_decode()
     return engine
 
@@ -129,15 +145,7 @@ def measure_core_process(engine: Any, batch: int, steps: int, seed: int = 0) -> 
     `frontend_us_per_step`: the front end's thread CPU time per `step()` (apply the tokens to
     its copies, detokenize, stop strings, DELTA outputs), which runs on another core meanwhile.
     """
-    if engine.has_unfinished_requests():
-        raise ValueError("the engine has unfinished requests; benchmark an idle engine")
-    rng = np.random.default_rng(seed)
-    params = SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True, stop=STOP,
-                            output_kind=RequestOutputKind.DELTA)
-    ids = [f"host-{batch}-{seed}-{i}" for i in range(batch)]
-    for rid in ids:
-        prompt = rng.integers(0, 256, PROMPT_LEN).tolist()
-        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+    ids = _add_decoders(engine, batch, seed)
     got = dict.fromkeys(ids, 0)
     while min(got.values()) < 2:  # untimed until every request decodes
         for o in engine.step():
@@ -167,11 +175,8 @@ def core_process_rows(batches: tuple[int, ...], steps: int,
     try:
         for b in batches:
             measure_core_process(engine, b, 2, seed=99)  # warm this batch size's paths
-            rs = sorted((measure_core_process(engine, b, steps, seed=r) for r in range(rounds)),
-                        key=lambda x: x["host_us_per_step"])
-            row = dict(rs[len(rs) // 2])
-            row["host_us_per_request_step_rounds"] = [x["host_us_per_request_step"] for x in rs]
-            rows.append(row)
+            rows.append(_median_round([measure_core_process(engine, b, steps, seed=r)
+                                       for r in range(rounds)]))
     finally:
         engine.shutdown()
     return rows
@@ -194,11 +199,7 @@ def host_rows(batches: tuple[int, ...], steps: int, rounds: int = 3) -> list[dic
         for r in range(rounds):
             for mode, e in engines.items():
                 runs[mode].append(measure_host(e, b, steps, seed=r))
-        for rs in runs.values():
-            rs.sort(key=lambda x: x["host_us_per_step"])
-            row = dict(rs[len(rs) // 2])
-            row["host_us_per_request_step_rounds"] = [x["host_us_per_request_step"] for x in rs]
-            rows.append(row)
+        rows.extend(_median_round(rs) for rs in runs.values())
     rows.sort(key=lambda x: (x["mode"] != "sync", x["batch"]))
     return rows
 
