@@ -71,24 +71,34 @@ class TextBuffer:
 
     def append(self, piece: str) -> None:
         """Add `piece` at the end."""
-        if self._io is None:
-            self._s += piece
-            if len(self._s) > self.SMALL:
+        sio = self._io
+        if sio is None:
+            text = self._s = self._s + piece
+            n = self.length = len(text)
+            if n > self.SMALL:
                 self._spill()
         else:
-            self._io.seek(self.length)
-            self._io.write(piece)
-        self.length += len(piece)
+            sio.seek(self.length)
+            sio.write(piece)
+            self.length += len(piece)
 
     def slice(self, start: int, end: int | None = None) -> str:
         """text[start:end] (0 <= start), in O(end - start)."""
-        end = self.length if end is None else min(end, self.length)
+        if end is None or end > self.length:
+            end = self.length
         if self._io is None:
             return self._s[start:end]
         if end <= start:
             return ""
         self._io.seek(start)
         return self._io.read(end - start)
+
+    def find(self, sub: str, start: int) -> int:
+        """text.find(sub, start) (0 <= start), in O(len - start)."""
+        if self._io is None:
+            return self._s.find(sub, start)
+        k = self.slice(start).find(sub)
+        return k if k < 0 else start + k
 
     def value(self) -> str:
         """The whole text (O(len))."""
@@ -153,10 +163,44 @@ class IncrementalDetokenizer:
 
     def feed(self, ids: Sequence[int], final: bool = False) -> None:
         """`update` without building its return value (the engine reads `buf` instead)."""
-        if self._pieces is not None:
-            self._update_pieces(ids, final)
-        else:
+        pieces = self._pieces
+        if pieces is None:
             self.update(ids, final)
+            return
+        # The piece table, here rather than in a method of its own: this runs per request per
+        # step. Invariant: the text is the decode of ids[:read_offset]; `pending` holds
+        # ids[read_offset:_fed], the start of a character (empty almost always). A byte-level
+        # decode is the UTF-8 decode of the concatenated bytes, so text can be cut after any
+        # whole character and each part decoded alone.
+        n = len(ids)
+        if n < self._fed:  # the list was replaced: start over
+            self._fed = self.read_offset = 0
+            self._pending = []
+            self.buf = TextBuffer()
+        buf, pending = self.buf, self._pending
+        for i in range(self._fed, n):
+            t = ids[i]
+            piece = pieces.get(t, _UNSEEN)
+            if piece is _UNSEEN:
+                piece = self._piece(t)
+            if piece is not None and not pending:
+                if piece:
+                    buf.append(piece)
+                self.read_offset = i + 1
+                continue
+            pending.append(t)
+            text = self._decode(pending)
+            # Whole once the bytes no longer end inside a character; a run that cannot
+            # complete (invalid bytes) is shown as the decode shows it after a bound.
+            if not text.endswith(REPLACEMENT_CHAR) or len(pending) > MAX_PENDING_TOKENS:
+                buf.append(text)
+                pending.clear()
+                self.read_offset = i + 1
+        self._fed = n
+        if final and pending:  # an incomplete character: as a full decode shows it
+            buf.append(self._decode(pending))
+            pending.clear()
+            self.read_offset = n
 
     def update(self, ids: Sequence[int], final: bool = False) -> str:
         """Feed the whole token list (it only grows); return the text it adds.
@@ -166,7 +210,7 @@ class IncrementalDetokenizer:
         """
         if self._pieces is not None:
             old = self.buf.length
-            self._update_pieces(ids, final)
+            self.feed(ids, final)
             return self.buf.slice(old)
         if self._stream is not None:
             return self._update_stream(ids, final)
@@ -193,40 +237,6 @@ class IncrementalDetokenizer:
         piece = None if REPLACEMENT_CHAR in text else text
         self._pieces[token] = piece
         return piece
-
-    def _update_pieces(self, ids: Sequence[int], final: bool) -> None:
-        # Invariant: the text is the decode of ids[:read_offset]; `pending` holds
-        # ids[read_offset:_fed], the start of a character (empty almost always). A byte-level
-        # decode is the UTF-8 decode of the concatenated bytes, so text can be cut after any
-        # whole character and each part decoded alone.
-        if len(ids) < self._fed:  # the list was replaced: start over
-            self._fed = self.read_offset = 0
-            self._pending = []
-            self.buf = TextBuffer()
-        buf, pieces, pending = self.buf, self._pieces, self._pending
-        for i in range(self._fed, len(ids)):
-            t = ids[i]
-            piece = pieces.get(t, _UNSEEN)
-            if piece is _UNSEEN:
-                piece = self._piece(t)
-            if piece is not None and not pending:
-                if piece:
-                    buf.append(piece)
-                self.read_offset = i + 1
-                continue
-            pending.append(t)
-            text = self._decode(pending)
-            # Whole once the bytes no longer end inside a character; a run that cannot
-            # complete (invalid bytes) is shown as the decode shows it after a bound.
-            if not text.endswith(REPLACEMENT_CHAR) or len(pending) > MAX_PENDING_TOKENS:
-                buf.append(text)
-                pending.clear()
-                self.read_offset = i + 1
-        self._fed = len(ids)
-        if final and pending:  # an incomplete character: as a full decode shows it
-            buf.append(self._decode(pending))
-            pending.clear()
-            self.read_offset = len(ids)
 
     def _update_stream(self, ids: Sequence[int], final: bool) -> str:
         if len(ids) < self._fed:  # the list was replaced: start over

@@ -167,8 +167,10 @@ class RequestFrontend:
         """
         now = time.monotonic()
         outputs: list[RequestOutput] = []
+        done: list[Request] = []  # sequences finished by this step
         multi: dict[str, RequestGroup] = {}  # n > 1: one output once all children are updated
         child_of, tokenizer, stop = self._child_of, self.tokenizer, self._stop_request
+        emit = self._emit
         decode = None
         # Only the updated requests got a token: dropped ones get no logprobs either.
         for req, row in zip(updated, rows, strict=True):
@@ -184,19 +186,21 @@ class RequestFrontend:
                 if decode is None:
                     decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
                 record_logprobs(group, child, ids[row], lps[row], row, result, decode)
-            update_child(group, child, tokenizer, stop)
-            if len(group.children) == 1:
-                self._emit(group, outputs)
+            finished = update_child(group, child, tokenizer, stop)
+            if finished:
+                done.append(req)
+            if group.params.n == 1:
+                emit(group, outputs, child.finish_reason is not None)
             else:
                 multi[group.request_id] = group
         for group in multi.values():
-            self._emit(group, outputs)
-        self.stat_logger.on_step(updated, now)
+            emit(group, outputs, group.finished)
+        self.stat_logger.on_step(updated, now, done)
         return outputs
 
-    def _emit(self, group: RequestGroup, outputs: list[RequestOutput]) -> None:
-        """Append the group's output of this step; forget the group once it is finished."""
-        finished = group.finished
+    def _emit(self, group: RequestGroup, outputs: list[RequestOutput], finished: bool) -> None:
+        """Append the group's output of this step; forget the group once it is finished
+        (`finished`: group.finished, which the caller has at hand)."""
         ro = make_output(group, finished)
         if ro is not None:
             outputs.append(ro)

@@ -12,7 +12,9 @@ import logging
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 from jpaged.config import DEFAULT_LOG_STATS_INTERVAL
@@ -22,6 +24,7 @@ logger = logging.getLogger("jpaged.metrics")
 MetricsFn = Callable[[], Mapping[str, Any]]
 
 PREFIX = "jpaged:"
+_LAST_TOKEN_TIME = attrgetter("last_token_time")
 # vLLM's bucket edges (seconds).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -153,21 +156,27 @@ class StatLogger:
         return (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
                 self.request_success)
 
-    def on_step(self, updated: Iterable[Any], now: float) -> None:
-        """Record one engine step: `updated` requests each got one token at time `now`."""
+    def on_step(self, updated: Sequence[Any], now: float,
+                finished: Iterable[Any] | None = None) -> None:
+        """Record one engine step: `updated` requests each got one token at time `now`.
+
+        `finished`: those of them that finished this step (found with `is_finished()` when
+        not given; the engine's output loop knows them already).
+        """
         # Requests of one step mostly share the time of their previous token: one histogram
-        # update per distinct gap rather than per request (this runs per request per step).
-        gaps: dict[float, int] = {}
+        # update per distinct gap rather than per request, counted in C (this runs per request
+        # per step).
+        gaps = Counter(map(_LAST_TOKEN_TIME, updated))
+        if gaps.pop(None, 0):
+            for req in updated:
+                if req.last_token_time is None:
+                    self.time_to_first_token.observe(max(0.0, now - req.arrival_time))
         for req in updated:
-            prev = req.last_token_time  # a Request field this logger owns
-            if prev is None:
-                self.time_to_first_token.observe(max(0.0, now - req.arrival_time))
-            else:
-                gaps[prev] = gaps.get(prev, 0) + 1
-            if req.is_finished():
-                self.e2e_request_latency.observe(max(0.0, now - req.arrival_time))
-                self.request_success.labels(req.finish_reason or "unknown").inc()
-            req.last_token_time = now
+            req.last_token_time = now  # a Request field this logger owns
+        for req in (finished if finished is not None
+                    else [r for r in updated if r.is_finished()]):
+            self.e2e_request_latency.observe(max(0.0, now - req.arrival_time))
+            self.request_success.labels(req.finish_reason or "unknown").inc()
         for prev, count in gaps.items():
             _observe_many(self.inter_token_latency, max(0.0, now - prev), count)
         if self.log_enabled and now - self._last_log >= self.interval:

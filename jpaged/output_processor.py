@@ -83,25 +83,32 @@ def record_logprobs(group: RequestGroup, child: ChildState, token: int, logprob:
 
 
 def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
-                 stop_request: Callable[[str], None]) -> None:
-    """Refresh a child's text after new tokens; a stop string found calls stop_request(id)."""
+                 stop_request: Callable[[str], None]) -> bool:
+    """Refresh a child's text after new tokens; a stop string found calls stop_request(id).
+
+    Returns True if its sequence is finished now (a stop string found here included).
+    """
     req = child.request
-    p = group.params
     finished = req.is_finished()
     if finished or group.needs_text:
         detok = child.detok
         if detok is None:
-            detok = child.detok = IncrementalDetokenizer(tokenizer, p.skip_special_tokens)
+            detok = child.detok = IncrementalDetokenizer(tokenizer,
+                                                         group.params.skip_special_tokens)
         if child.finish_reason is None:  # a stop string may have cut the text already
             detok.feed(req.output_token_ids, finished)
     if not finished:
         if group.max_stop_len:
             _check_stop_strings(child, group, stop_request)
-    elif child.finish_reason is None:
+            if child.finish_reason is not None:
+                return req.is_finished()
+        return False
+    if child.finish_reason is None:
         child.finish_reason = req.finish_reason
         child.stop_reason = req.stop_reason
-        if p.stop and child.stop_reason is None:
+        if group.params.stop and child.stop_reason is None:
             _check_stop_strings(child, group, None)
+    return True
 
 
 def _check_stop_strings(child: ChildState, group: RequestGroup,
@@ -110,23 +117,25 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
     # searched length, backed up by the longest stop string less one char (a match that
     # straddles the boundary). The final search (stop_request None) uses the same tail.
     # Called only before a stop string cut the text (child.cut < 0): its length is detok's.
-    p = group.params
     buf = child.detok.buf
     n = buf.length
-    if n == child.stop_checked_len:
+    checked = child.stop_checked_len
+    if n == checked:
         return  # no new text (e.g. a character still incomplete)
-    start = max(0, child.stop_checked_len - group.max_stop_len + 1)
+    start = checked - group.max_stop_len + 1
+    if start < 0:
+        start = 0
     child.stop_checked_len = n
-    tail = buf.slice(start, n)
     best = None
+    p = group.params
     for s in p.stop:
-        k = tail.find(s)
+        k = buf.find(s, start)
         if k >= 0 and (best is None or k < best[0]):
             best = (k, s)
     if best is None:
         return
     k, s = best
-    child.cut = start + k + (len(s) if p.include_stop_str_in_output else 0)
+    child.cut = k + (len(s) if p.include_stop_str_in_output else 0)
     if stop_request is not None:
         stop_request(child.request.request_id)
     child.finish_reason = "stop"
@@ -151,15 +160,19 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
         out_ids = c.request.output_token_ids
         lps = c.logprobs
         detok = c.detok
+        sent = c.sent_text_len
         # The detokenizer never leaves a half-made character in the text (a U+FFFD there is in
         # the full decode too); only a possible stop-string start is held back.
         end = 0 if detok is None else detok.buf.length
         if c.cut >= 0:
-            end = min(end, c.cut)
+            if c.cut < end:
+                end = c.cut
         elif hold and c.finish_reason is None:
-            end = max(c.sent_text_len, end - hold)
-        start = c.sent_text_len if delta else 0
-        text = "" if detok is None or end <= start else detok.buf.slice(start, end)
+            end -= hold
+            if end < sent:
+                end = sent
+        start = sent if delta else 0
+        text = "" if end <= start else detok.buf.slice(start, end)  # end > 0: detok is set
         c.sent_text_len = end
         if delta:
             ids, c.sent_tokens = out_ids[c.sent_tokens:], len(out_ids)  # only the new ones

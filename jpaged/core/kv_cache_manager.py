@@ -168,7 +168,7 @@ class KVCacheManager:
             total = request.num_computed_tokens + num_new_tokens
             last = len(table) - 1
             if last * bs < total <= (last + 1) * bs \
-                    and total <= request.num_tokens_with_placeholders \
+                    and total <= len(request.all_token_ids) + request.num_output_placeholders \
                     and total <= self.max_model_len:
                 table[last].num_tokens = total - last * bs
                 if self.enable_caching and total // bs > self._num_cached[rid]:

@@ -52,6 +52,7 @@ from jpaged.request import Request, RequestStatus
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput", "is_decoding"]
 
 RUNNING = RequestStatus.RUNNING
+_NUM_TOKENS = attrgetter("num_tokens")
 logger = logging.getLogger("jpaged")
 
 
@@ -214,8 +215,10 @@ class Scheduler:
         self.running.sort(key=self._sort_key)
         decodes: list[Request] = []
         prompts: list[Request] = []
-        for r in self.running:
-            (decodes if is_decoding(r) else prompts).append(r)
+        for r in self.running:  # is_decoding(r), inlined: this runs per request per step
+            n = len(r.all_token_ids) + r.num_output_placeholders
+            (decodes if r.num_computed_tokens == n - 1 and n > r.num_prompt_tokens
+             else prompts).append(r)
         if self.token_buckets is not None and self.scheduler_config.enable_chunked_prefill:
             budget = self._fitted_budget(budget, len(decodes), prompts)
         st = _Step(budget, len(self.running))
@@ -239,7 +242,8 @@ class Scheduler:
             num_new = n - req.num_computed_tokens
             if num_new > 1:
                 num_new = self._cap_prefill(num_new)
-            num_new = min(num_new, st.budget)
+            if num_new > st.budget:
+                num_new = st.budget
             # First try without preempting (None changes nothing); then the preempting loop.
             if kv.allocate_slots(req, num_new) is not None or self._allocate(req, num_new, st):
                 self._add_scheduled(req, num_new, st)
@@ -255,7 +259,7 @@ class Scheduler:
                 self.waiting.push_front(r)
 
         scheduled = list(st.scheduled.values())
-        out = SchedulerOutput(scheduled, sum(s.num_tokens for s in scheduled),
+        out = SchedulerOutput(scheduled, sum(map(_NUM_TOKENS, scheduled)),
                               [r.request_id for r in st.preempted], self._finished_ids,
                               self.kv_cache_manager.take_transfers())
         self._finished_ids = []
@@ -337,8 +341,12 @@ class Scheduler:
         end = start + num_new
         known = req.all_token_ids
         n_known = len(known)
-        ids = known[start:end]
-        if end > n_known:  # the token still on device: the runner feeds it there
+        if end <= n_known:
+            ids = known[start:end]
+        elif start >= n_known:  # an async decode: its input token is still on device
+            ids = [PLACEHOLDER_TOKEN] * num_new
+        else:  # the token still on device: the runner feeds it there
+            ids = known[start:]
             ids.extend([PLACEHOLDER_TOKEN] * (end - n_known))
         st.scheduled[req.request_id] = ScheduledRequest(
             req, start, num_new, ids, self.kv_cache_manager.live_block_ids(req.request_id),
@@ -445,13 +453,14 @@ class Scheduler:
                            finished_at: list[int] | None = None) -> list[Request]:
         """Commit a computed step: advance, append sampled tokens, stop, cache, free.
 
-        `sampled_token_ids`: request id -> token, or the step's tokens by row (row i is
-        `output.scheduled[i]`). After `update_after_schedule` (async) only the tokens are
-        applied: a request finished or aborted meanwhile drops its token; one preempted
-        meanwhile keeps it (its KV was computed before the preemption, as the synchronous loop
-        would have it). Returns the requests that got a new token (finished ones included);
-        `rows`, when given, gets the row of each of them; `finished_at` the position in the
-        returned list of each one that finished.
+        `sampled_token_ids`: request id -> token, or the step's tokens by row as Python ints
+        (row i is `output.scheduled[i]`; `tolist()` of the sampled array). After
+        `update_after_schedule` (async) only the tokens are applied: a request finished or
+        aborted meanwhile drops its token; one preempted meanwhile keeps it (its KV was
+        computed before the preemption, as the synchronous loop would have it). Returns the
+        requests that got a new token (finished ones included); `rows`, when given, gets the
+        row of each of them; `finished_at` the position in the returned list of each one that
+        finished.
         """
         kv = self.kv_cache_manager
         changed: list[Request] = []
@@ -462,14 +471,17 @@ class Scheduler:
             raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a step of "
                              f"{len(output.scheduled)} rows")
         requests, bs = self.requests, self.block_size
+        max_len = self.max_model_len
         for i, sr in enumerate(output.scheduled):
             req = sr.request
             rid = req.request_id
+            # Live: still this scheduler's request, so not finished (every finish releases
+            # it from `requests`) nor aborted and replaced by another of the same id.
             live = requests.get(rid) is req
             if advanced:
                 if sr.sample:
                     req.num_output_placeholders -= 1
-                if not live or req.is_finished() or not sr.sample:
+                if not live or not sr.sample:
                     continue
             else:
                 if req.status is not RUNNING or not live:
@@ -478,19 +490,24 @@ class Scheduler:
                 if not sr.sample:
                     continue
             if not by_id:
-                tok = sampled_token_ids[i]
+                tok = sampled_token_ids[i]  # a list from tolist(): Python ints already
             elif rid in sampled_token_ids:
-                tok = sampled_token_ids[rid]
+                tok = int(sampled_token_ids[rid])
             else:
                 raise KeyError(f"no sampled token for scheduled request {rid!r}")
-            req.append_output_token(int(tok))
+            req.append_output_token(tok)
             changed.append(req)
             if rows is not None:
                 rows.append(i)
             running = req.status is RUNNING
-            if advanced and running and len(req.all_token_ids) % bs == 0:
+            n = len(req.all_token_ids)
+            if advanced and running and n % bs == 0:
                 kv.commit(req)  # the token completed a block: it is shareable now
-            if self._check_stop(req):
+            # A cheap superset of _check_stop's conditions first (this runs per request per
+            # step): a stop token, max_model_len, or max_tokens (outputs = n - prompt).
+            if (tok in req.stop_token_ids or n >= max_len
+                    or ((mt := req.sampling_params.max_tokens) is not None
+                        and n - req.num_prompt_tokens >= mt)) and self._check_stop(req):
                 if finished_at is not None:
                     finished_at.append(len(changed) - 1)
                 if running:

@@ -15,6 +15,7 @@ compare this against.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -28,6 +29,8 @@ from jpaged.runner.batch import (
     sampling_row,
 )
 from jpaged.runner.sampler import SamplingBatch, SamplingFlags
+
+_START_POS, _NUM_TOKENS = attrgetter("start_pos"), attrgetter("num_tokens")
 
 
 class InputBatch:
@@ -95,11 +98,13 @@ class InputBatch:
         bs = self.block_size
         row_of, nblocks, tables = self.row_of, self._nblocks, self.tables
         rows: list[int] = []
-        for s in scheduled:  # the only per-request loop with branches: rows and new blocks
-            rid = s.request.request_id
-            row = row_of.get(rid)
+        counters: list[int] = []  # each request's RNG counter: its tokens sampled so far
+        last_ids: list[int] = []
+        for s in scheduled:  # the only per-request loop: rows, new blocks, per-step values
+            req = s.request
+            row = row_of.get(req.request_id)
             if row is None:
-                row = self._add(s.request)
+                row = self._add(req)
                 tables = self.tables  # _add may have grown it
             ids = s.block_ids
             have = nblocks[row]
@@ -107,11 +112,10 @@ class InputBatch:
                 tables[row, have:len(ids)] = ids[have:]
                 nblocks[row] = len(ids)
             rows.append(row)
-        starts = [s.start_pos for s in scheduled]
-        lens = [s.num_tokens for s in scheduled]
-        counters = [s.request.num_output_tokens + s.request.num_output_placeholders
-                    for s in scheduled]
-        last_ids = [s.token_ids[-1] for s in scheduled]
+            counters.append(len(req.output_token_ids) + req.num_output_placeholders)
+            last_ids.append(s.token_ids[-1])
+        starts = list(map(_START_POS, scheduled))
+        lens = list(map(_NUM_TOKENS, scheduled))
         # Sequences whose last token is still on device: read from the previous step's rows.
         fed = np.flatnonzero(np.asarray(last_ids) == PLACEHOLDER_TOKEN)
         prev = prev_rows or {}

@@ -83,6 +83,10 @@ class ModelRunner:
             self.params = parallel.shard_params(self.params)
             self.kv = parallel.place_kv(kv)
             self.ops = parallel.wrap_ops(ops)
+        # Plain nested dicts of the same arrays: every launch flattens the params, and an nnx
+        # State flattens in Python (17 µs a step for the embedded model's 11 leaves, more with
+        # more leaves), nested dicts in C++ (5 µs). nnx.merge takes either.
+        self.params = nnx.to_pure_dict(self.params)
         self.last_pack_s = self.last_device_s = 0.0  # timings of the latest step
         # Seconds blocked on the device (dispatch waits + result reads) since the engine zeroed
         # it at the start of its latest step.

@@ -175,8 +175,9 @@ def test_a_byte_run_that_never_completes_is_emitted_not_held(method):
 
 @pytest.mark.parametrize("small", [0, 16, TextBuffer.SMALL])
 def test_text_buffer_reads_what_a_str_would(small, monkeypatch):
-    """Appends and reads of any range equal a plain str's, before and after the text moves
-    from a str into the StringIO (multi-byte and astral characters included)."""
+    """Appends, reads of any range and searches from any start equal a plain str's, before
+    and after the text moves from a str into the StringIO (multi-byte and astral characters
+    included)."""
     monkeypatch.setattr(TextBuffer, "SMALL", small)
     rng = np.random.default_rng(small)
     alphabet = ["a", " ", "é", "日本", "🙂", "\n", "xyz"]
@@ -189,6 +190,8 @@ def test_text_buffer_reads_what_a_str_would(small, monkeypatch):
         a = int(rng.integers(0, len(ref) + 1))
         b = int(rng.integers(a, len(ref) + 2))
         assert buf.slice(a, b) == ref[a:b] and buf.slice(a) == ref[a:]
+        for sub in ("日本", "a ", "🙂\n", "é", "zz"):  # found or not, from any start
+            assert buf.find(sub, a) == ref.find(sub, a)
         if step % 97 == 0:
             assert buf.value() == ref
     assert (buf._io is not None) == (len(ref) > small)

@@ -111,3 +111,27 @@ def test_gaps_shared_by_a_batch_count_once_per_token():
     assert itl[(f"{name}_bucket", (("le", "0.025"),))] == 0
     assert itl[(f"{name}_bucket", (("le", "0.05"),))] == 3
     assert itl[(f"{name}_bucket", (("le", "0.2"),))] == 4
+
+
+def test_finished_given_by_the_caller_are_the_ones_counted():
+    """on_step(updated, now, finished): the output loop names the finished sequences; without
+    it the logger finds them by status. Both count the same e2e latencies and successes."""
+    def run(pass_finished: bool) -> dict:
+        reqs = [Request(f"r{i}", [1], SamplingParams(max_tokens=9), arrival_time=0.0)
+                for i in range(3)]
+        sl = StatLogger(dict, log=False, start=0.0)
+        sl.on_step(reqs, 1.0)
+        reqs[0].status = RequestStatus.FINISHED_STOPPED
+        reqs[2].status = RequestStatus.FINISHED_LENGTH
+        sl.on_step(reqs, 2.0, [reqs[0], reqs[2]] if pass_finished else None)
+        return _scrape(build_registry(dict, sl))
+
+    for fams in (run(True), run(False)):
+        _, e2e = fams["jpaged:e2e_request_latency_seconds"]
+        assert e2e[("jpaged:e2e_request_latency_seconds_count", ())] == 2
+        assert e2e[("jpaged:e2e_request_latency_seconds_sum", ())] == pytest.approx(4.0)
+        _, ok = fams["jpaged:request_success"]
+        assert ok[("jpaged:request_success_total", (("finished_reason", "stop"),))] == 1
+        assert ok[("jpaged:request_success_total", (("finished_reason", "length"),))] == 1
+        _, ttft = fams["jpaged:time_to_first_token_seconds"]
+        assert ttft[("jpaged:time_to_first_token_seconds_count", ())] == 3
