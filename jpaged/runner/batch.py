@@ -116,16 +116,18 @@ def _next_pow2(x: int, floor: int) -> int:
 
 
 def sampling_row(params: Any, vocab_size: int, default_seed: int
-                 ) -> tuple[float, int, float, float, int, float, float, float, bool]:
+                 ) -> tuple[float, int, float, float, int, float, float, float, bool, bool]:
     """A request's sampling values as the step batch holds them: (temperature, top_k, top_p,
-    min_p, uint32 seed, repetition, presence, frequency penalty, uses penalties)."""
+    min_p, uint32 seed, repetition, presence, frequency penalty, uses penalties, wants top
+    candidates' logprobs)."""
     p = params
     # k >= vocab keeps every token; clamped so it fits int32.
     top_k = min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
     seed = p.seed if p.seed is not None else default_seed
     pen = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
     return (0.0 if p.greedy else p.temperature, top_k, p.top_p, p.min_p, seed & 0xFFFFFFFF,
-            p.repetition_penalty, p.presence_penalty, p.frequency_penalty, pen)
+            p.repetition_penalty, p.presence_penalty, p.frequency_penalty, pen,
+            (p.logprobs or 0) > 0)
 
 
 def penalty_history(scheduled: Sequence[Any], b_pad: int, use_penalties: bool
@@ -178,7 +180,7 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     rep = np.ones(b_pad, np.float32)
     pres = np.zeros(b_pad, np.float32)
     freq = np.zeros(b_pad, np.float32)
-    use_pen = False
+    use_pen = use_top = False
 
     cur = 0
     for i, s in enumerate(scheduled):
@@ -202,8 +204,9 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         seq_lens[i] = start + k
         logits_idx[i] = cur - 1
         (temperature[i], top_k[i], top_p[i], min_p[i], seeds[i], rep[i], pres[i], freq[i],
-         pen) = sampling_row(p, vocab_size, default_seed)
+         pen, top) = sampling_row(p, vocab_size, default_seed)
         use_pen = use_pen or pen
+        use_top = use_top or top
         counters[i] = req.num_output_tokens + req.num_output_placeholders
     qsl[n + 1:] = cur
     history, is_out = penalty_history(scheduled, b_pad, use_pen)
@@ -212,7 +215,7 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
                              history, is_out)
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
                       feed_rows, sampling)
-    flags = SamplingFlags(use_penalties=use_pen)
+    flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top)
     return PackedStep(batch, flags, n, num_tokens)
 
 

@@ -49,7 +49,8 @@ class InputBatch:
         self._free: list[int] = []
         self._nblocks: list[int] = []  # block ids written into each row's table
         self.tables = np.zeros((0, plan.max_blocks), np.int32)
-        self._sampling = np.zeros((0, 7), np.float32)  # temp, top_p, min_p, rep, pres, freq, pen
+        # temp, top_p, min_p, rep, pres, freq, uses penalties, wants top logprobs
+        self._sampling = np.zeros((0, 8), np.float32)
         self._top_k = np.zeros(0, np.int32)
         self._seeds = np.zeros(0, np.uint32)
 
@@ -58,7 +59,7 @@ class InputBatch:
         new = max(16, 2 * old)
         self.tables = np.concatenate([self.tables, np.zeros((new - old, self.plan.max_blocks),
                                                             np.int32)])
-        self._sampling = np.concatenate([self._sampling, np.zeros((new - old, 7), np.float32)])
+        self._sampling = np.concatenate([self._sampling, np.zeros((new - old, 8), np.float32)])
         self._top_k = np.concatenate([self._top_k, np.zeros(new - old, np.int32)])
         self._seeds = np.concatenate([self._seeds, np.zeros(new - old, np.uint32)])
         self._nblocks.extend([0] * (new - old))
@@ -70,9 +71,9 @@ class InputBatch:
             self._grow()
         row = self._free.pop()
         self.row_of[request.request_id] = row
-        temp, top_k, top_p, min_p, seed, rep, pres, freq, pen = sampling_row(
+        temp, top_k, top_p, min_p, seed, rep, pres, freq, pen, top = sampling_row(
             request.sampling_params, self.vocab_size, self.default_seed)
-        self._sampling[row] = (temp, top_p, min_p, rep, pres, freq, float(pen))
+        self._sampling[row] = (temp, top_p, min_p, rep, pres, freq, float(pen), float(top))
         self._top_k[row] = top_k
         self._seeds[row] = seed
         self._nblocks[row] = 0
@@ -163,7 +164,7 @@ class InputBatch:
             feed_rows[fed] = fed_from
             input_ids[logits_idx[fed]] = 0
 
-        samp = self._sampling[r]  # [n, 7]
+        samp = self._sampling[r]  # [n, 8]
         temperature = np.zeros(b_pad, np.float32)
         top_p = np.ones(b_pad, np.float32)
         min_p = np.zeros(b_pad, np.float32)
@@ -179,10 +180,12 @@ class InputBatch:
         ctr = np.zeros(b_pad, np.int32)
         ctr[:n] = counters
         use_pen = bool(n) and bool(samp[:, 6].any())
+        use_top = bool(n) and bool(samp[:, 7].any())
         history, is_out = penalty_history(scheduled, b_pad, use_pen)
         sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
                                  history, is_out)
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
                           logits_idx, feed_rows, sampling)
-        return PackedStep(batch, SamplingFlags(use_penalties=use_pen), n, num_tokens)
+        return PackedStep(batch, SamplingFlags(use_penalties=use_pen, top_logprobs=use_top), n,
+                          num_tokens)
 

@@ -33,6 +33,9 @@ class SamplingFlags:
     """Static switches (part of the compile key); everything else is decided at run time."""
 
     use_penalties: bool = False  # the history arrays are non-empty
+    # Some row asked for its top candidates' logprobs (SamplingParams.logprobs > 0). Without
+    # it the step returns [B, 0] candidates and skips the top-k over the vocabulary.
+    top_logprobs: bool = False
 
 
 # Top-N candidates whose logprobs every step returns (requests read the first `logprobs`).
@@ -105,7 +108,8 @@ def _filter(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"
 def sample(
     logits: Float[Array, "B V"], s: SamplingBatch, flags: SamplingFlags
 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"]]:
-    """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates.
+    """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates
+    (N = 0 unless flags.top_logprobs).
 
     Rows with temperature 0 take the argmax. Filtering and random draws run only when some row
     needs them (lax.cond), so one compiled step serves every mix of parameters.
@@ -130,5 +134,8 @@ def sample(
 
     ids = jax.lax.cond(jnp.all(s.temperature <= 0), lambda _: greedy_ids, draw, None)
     chosen_lp = jnp.take_along_axis(logprobs_all, ids[:, None], axis=-1)[:, 0]
+    if not flags.top_logprobs:  # nobody reads candidates: no top-k over the vocabulary
+        b = logits.shape[0]
+        return ids, chosen_lp, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
     top_lp, top_ids = jax.lax.top_k(logprobs_all, min(NUM_TOP_LOGPROBS, v))
     return ids, chosen_lp, top_ids.astype(jnp.int32), top_lp

@@ -37,6 +37,7 @@ class PackingSim(Sim):
         self.batch = InputBatch(self.plan, sched.block_size, VOCAB, default_seed=5)
         self.prev_rows: dict[str, int] = {}
         self.packed = 0
+        self.flags_seen: set = set()
 
     def on_schedule(self, out) -> None:
         """Pack the step both ways and compare."""
@@ -49,6 +50,7 @@ class PackingSim(Sim):
                          self.prev_rows)
         assert (got.num_seqs, got.num_tokens, got.flags) == (want.num_seqs, want.num_tokens,
                                                              want.flags)
+        self.flags_seen.add(got.flags)
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
                                 jax.tree_util.tree_leaves(want.batch), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape, path
@@ -84,6 +86,8 @@ def test_persistent_batch_packs_like_pack_step(seed):
                       frequency_penalty=0.1)
         elif i % 4 == 2:
             sp = dict(temperature=1.0, top_k=5, top_p=0.8, min_p=0.1)
+        elif i % 4 == 3:  # top candidates wanted: the step's top_logprobs flag (0: not)
+            sp = dict(logprobs=2 if i % 8 == 3 else 0)
         pending.append((rng.randint(0, 10), make_request(f"q{i}", prompt, rng.randint(1, 12),
                                                          priority=rng.randint(0, 1), **sp)))
     step = 0
@@ -99,6 +103,7 @@ def test_persistent_batch_packs_like_pack_step(seed):
         assert step < 1000
     sim.assert_drained()
     assert sim.packed > 5
+    assert {f.top_logprobs for f in sim.flags_seen} == {False, True}, sim.flags_seen
     if seed < 2:  # the smallest pool: requests are preempted and come back with new tables
         assert sim.events
     sim.batch.remove(list(sim.batch.row_of))  # what the next schedule would report

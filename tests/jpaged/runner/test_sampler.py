@@ -36,12 +36,17 @@ def test_greedy_is_argmax_and_logprobs():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((3, V)).astype(np.float32)
     sb = _batch(3, temperature=np.zeros(3, np.float32))
-    ids, lp, top_ids, top_lp = sample(logits, sb, SamplingFlags())
+    ids, lp, top_ids, top_lp = sample(logits, sb, SamplingFlags(top_logprobs=True))
     np.testing.assert_array_equal(np.asarray(ids), logits.argmax(-1))
     ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(lp), ref.max(-1), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(top_ids)[:, :4], np.argsort(-ref, -1)[:, :4])
     np.testing.assert_allclose(np.asarray(top_lp)[:, :4], -np.sort(-ref, -1)[:, :4], rtol=1e-5)
+    # Nobody asking for candidates: the same tokens and logprobs, no candidates computed.
+    ids0, lp0, top_ids0, top_lp0 = sample(logits, sb, SamplingFlags())
+    np.testing.assert_array_equal(np.asarray(ids0), np.asarray(ids))
+    np.testing.assert_array_equal(np.asarray(lp0), np.asarray(lp))
+    assert top_ids0.shape == (3, 0) and top_lp0.shape == (3, 0)
 
 
 def test_top_k_top_p_min_p_restrict_support():
