@@ -34,6 +34,10 @@ from models.config import ModelSpec
 from models.registry import get_model_class
 from pallas_kernels.backend import select_backend
 
+# The step with top candidates on (what a request with logprobs runs): the default step is the
+# same program without its top-k.
+_FLAGS = SamplingFlags(top_logprobs=True)
+
 # Meta-Llama-3-8B's config.json fields that shape the model (no weights are needed).
 LLAMA3_8B_CONFIG: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
@@ -192,7 +196,7 @@ class StepBuilder:
                              flatten_step(empty_step(self.plan, tokens, seqs,
                                                      self.spec.vocab_size).batch))
         return r._jit_step.trace(r.params, r.kv, batch, self._step_input(r.last_tokens_spec()),
-                                 flags=SamplingFlags(), calc_scales=False).lower(
+                                 flags=_FLAGS, calc_scales=False).lower(
             lowering_platforms=(self.platform,))
 
     def lower_transfer(self, kind: str, num_blocks: int) -> Any:

@@ -62,8 +62,10 @@ def step_activation_bytes(model: nnx.Module, spec: ModelSpec, plan: BucketPlan, 
     t, b = largest_shape(plan)
     batch = jax.tree.map(_abstract, flatten_step(empty_step(plan, t, b, spec.vocab_size).batch))
     params = jax.tree.map(_abstract, runner.params)
+    # With top candidates on: the step variant a request with logprobs runs holds the top-k's
+    # buffers too, and the pool must leave room for it.
     compiled = runner._jit_step.lower(params, kv, batch, runner.last_tokens_spec(),
-                                      flags=SamplingFlags()).compile()
+                                      flags=SamplingFlags(top_logprobs=True)).compile()
     try:
         stats = compiled.memory_analysis()
     except Exception as e:  # some backends raise instead of returning None
