@@ -38,7 +38,8 @@ class SamplingFlags:
     top_logprobs: bool = False
 
 
-# Top-N candidates whose logprobs every step returns (requests read the first `logprobs`).
+# Top-N candidates whose logprobs a step with top_logprobs returns (requests read the first
+# `logprobs`).
 NUM_TOP_LOGPROBS = 20
 _BISECT_ITERS = 32
 
