@@ -75,6 +75,8 @@ class _Step:
 def is_decoding(request: Request) -> bool:
     """True if the request has output and only its last sampled token lacks KV."""
     # num_tokens_with_placeholders - 1 == computed, and some output (known or on device).
+    # Scheduler.schedule's partition has this test written out (per request per step): keep
+    # the two the same.
     n = request.num_tokens_with_placeholders
     return request.num_computed_tokens == n - 1 and n > request.num_prompt_tokens
 
@@ -521,6 +523,8 @@ class Scheduler:
         return changed
 
     def _check_stop(self, req: Request) -> bool:
+        # update_from_output tests a cheap superset of these conditions before calling this:
+        # a new condition here goes there too.
         out = req.output_token_ids
         tok = out[-1]
         sp = req.sampling_params
