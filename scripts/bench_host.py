@@ -5,7 +5,8 @@
 Writes `rows` (batch, mode, host_us_per_step, host_us_per_request_step), `core_process_rows`
 (the same async decode with the engine core in its own process: the core loop's µs, and the
 front end's, per step and per request per step), `embedded`
-(tokens_per_s_sync, tokens_per_s_async, async_ratio, outputs_identical) and `timelines` (the
+(tokens_per_s_sync, tokens_per_s_async, async_ratio: the median of the rounds' own
+sync/async ratios, outputs_identical) and `timelines` (the
 host phases and device spans of a few overlapped steps of the embedded model, device-bound,
 and of the tiny model at batch 256, host-bound), plus two plots:
 OUT.png (host µs per request per step) and OUT_timeline.png. Host µs are the engine thread's
@@ -51,7 +52,7 @@ def main() -> None:
     core_rows = core_process_rows(CORE_BATCHES[-1:] if args.quick else CORE_BATCHES, steps,
                                   rounds=1 if args.quick else 3)
     loaded = load_model(None, dtype="float32")
-    emb = embedded_rows(16, 16 if args.quick else 48, loaded, rounds=3 if args.quick else 5)
+    emb = embedded_rows(16, 16 if args.quick else 48, loaded, rounds=5 if args.quick else 9)
     from jpaged.config import EngineArgs
     from jpaged.engine import LLMEngine
 

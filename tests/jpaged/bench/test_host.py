@@ -47,10 +47,14 @@ def test_core_process_rows_time_both_processes():
 
 
 def test_embedded_rows_compare_both_loops():
-    res = embedded_rows(num_prompts=3, max_tokens=4, loaded=tiny(), rounds=1)
+    res = embedded_rows(num_prompts=3, max_tokens=4, loaded=tiny(), rounds=3)
     assert res["outputs_identical"] is True
     assert res["tokens_per_s_sync"] > 0 and res["tokens_per_s_async"] > 0
-    assert res["async_ratio"] > 0
+    # The ratio is the median round's own sync/async wall ratio, not one across rounds.
+    assert len(res["async_ratio_per_round"]) == 3
+    assert res["async_ratio"] == sorted(res["async_ratio_per_round"])[1] > 0
+    assert res["async_ratio_of_medians"] == round(
+        res["tokens_per_s_async"] / res["tokens_per_s_sync"], 3)
 
 
 def test_host_rows_alternate_the_loops():
