@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -201,6 +202,24 @@ class LLMEngine(RequestFrontend):
     def kv_cache_usage(self) -> float:
         """Fraction of the KV pool's blocks in use now."""
         return self.scheduler.kv_cache_manager.usage
+
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Switch an idle engine between the overlapped and the synchronous loop.
+
+        For A/B runs of the two loops on one engine (the same compiled steps, pool and heap):
+        the host benchmark and the device check use it. A step still in flight (its requests
+        all finished or aborted) is read first; its tokens are dropped as they would be.
+        """
+        if not isinstance(enabled, bool):
+            raise ValueError(f"async_scheduling must be True or False, got {enabled!r}")
+        if self.has_unfinished_requests():
+            raise ValueError("set_async_scheduling: the engine has unfinished requests; switch "
+                             "loops on an idle engine")
+        if self._in_flight is not None:
+            self.step()  # schedules nothing; applies the step in flight
+        self.async_scheduling = enabled
+        self.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(
+            self.config.scheduler, async_scheduling=enabled))
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:

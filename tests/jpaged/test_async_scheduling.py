@@ -227,3 +227,34 @@ def test_warmup_while_a_step_is_in_flight(engines):
     e.step()
     assert _tokens(final) == _tokens(ref)
     _assert_idle(e)
+
+
+def test_one_engine_switches_loops_when_idle():
+    # The A/B the host benchmark and the device check run: both loops on one engine, outputs
+    # identical, no recompilation, and the switch refused while a request is unfinished.
+    e = _engines()["async"]
+    sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    prompts = _prompts(8, 4)
+    a, _ = _run(e, [(p, sp) for p in prompts])
+    # Abort mid-stream so that a step is still in flight when the switch comes.
+    e.add_request("x", {"prompt_token_ids": prompts[0]}, sp)
+    while e.scheduler.num_waiting or not e.scheduler.running[0].num_output_tokens:
+        e.step()
+    with pytest.raises(ValueError, match="unfinished requests"):
+        e.set_async_scheduling(False)
+    e.abort_request("x")
+    assert e._in_flight is not None
+    compiled = e.runner.num_compiled
+    e.set_async_scheduling(False)
+    assert e._in_flight is None and not e.async_scheduling
+    assert e.config.scheduler.async_scheduling is False
+    b, _ = _run(e, [(p, sp) for p in prompts])
+    assert _tokens(a) == _tokens(b)
+    assert e.runner.num_compiled == compiled
+    _assert_idle(e)
+    with pytest.raises(ValueError, match="True or False"):
+        e.set_async_scheduling("yes")
+    e.set_async_scheduling(True)
+    c, _ = _run(e, [(p, sp) for p in prompts])
+    assert _tokens(c) == _tokens(a)
+    _assert_idle(e)
