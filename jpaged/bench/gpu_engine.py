@@ -4,8 +4,9 @@ No checkpoint is read (none can travel to the GPU machine): the model is initial
 weights on the device and a 258-token byte tokenizer stands in (ids it does not know decode to
 nothing). Per KV dtype: the Pallas and the XLA attention paths run the same greedy mixed batch
 (prompts of 17..700 tokens, so chunked prefill and decode mix) and must give the same tokens;
-the Pallas engine then measures output tokens/s at several batch sizes, and each engine reports
-the pool it chose. `--cpu-smoke` runs the same on a tiny shape with the Pallas interpreter.
+the Pallas engine then measures output tokens/s at several batch sizes and (first KV dtype)
+compares the synchronous and the overlapped loop on the largest, and each engine reports the
+pool it chose. `--cpu-smoke` runs the same on a tiny shape with the Pallas interpreter.
 """
 
 from __future__ import annotations
@@ -95,6 +96,18 @@ def _throughput(llm: LLM, cfg: EngineCheckConfig, batch: int) -> dict[str, Any]:
             "wall_s": round(wall, 4), "output_tokens_per_s": round(toks / wall, 1)}
 
 
+def _overlap(llm: LLM, cfg: EngineCheckConfig, rounds: int = 3) -> dict[str, Any]:
+    """The synchronous and the overlapped loop on the throughput workload of the largest batch:
+    tokens/s of each, their ratio, outputs compared (jpaged.bench.host.overlap_rows)."""
+    from jpaged.bench.host import overlap_rows
+
+    batch = cfg.batches[-1]
+    prompts = _prompts((cfg.bench_prompt,) * batch, cfg.spec.vocab_size, seed=batch)
+    sp = SamplingParams(temperature=0.0, max_tokens=cfg.bench_new, ignore_eos=True)
+    return {"batch": batch, "prompt_tokens": cfg.bench_prompt, "new_tokens": cfg.bench_new,
+            **overlap_rows(llm, prompts, sp, rounds)}
+
+
 def _pool(llm: LLM) -> dict[str, Any]:
     m = llm.get_metrics()
     kv = llm.llm_engine.runner.kv
@@ -130,6 +143,10 @@ def run_engine_check(cfg: EngineCheckConfig, kv_dtypes: tuple[str, ...], model_d
                         run["throughput"].append({"batch": b, "skipped": "time budget"})
                         continue
                     run["throughput"].append(_throughput(llm, cfg, b))
+                if kvd == kv_dtypes[0]:  # the loops compared once, on the first KV dtype
+                    run["overlap"] = ({"skipped": "time budget"}
+                                      if time.perf_counter() - t_start > budget_s
+                                      else _overlap(llm, cfg))
             llm.llm_engine.runner.kv = None  # free the pool before the next engine's
             del llm
             gc.collect()
@@ -163,7 +180,7 @@ def smoke_config() -> EngineCheckConfig:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the check; exit 1 when the Pallas and XLA greedy tokens differ."""
+    """Run the check; exit 1 when the Pallas and XLA greedy tokens differ, or the two loops'."""
     import argparse
     import json
     from pathlib import Path
@@ -190,5 +207,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  kv {run['kv_cache_dtype']:9s} pallas==xla greedy: {run['greedy_equal']} "
               f"(first differences {run['first_difference']}); pool {run['pallas_pool']}; "
               f"tokens/s {tput}")
+        ov = run.get("overlap")
+        if ov is not None and "skipped" not in ov:
+            print(f"  overlap at batch {ov['batch']}: tokens/s sync {ov['tokens_per_s_sync']}, "
+                  f"async {ov['tokens_per_s_async']}, async_ratio {ov['async_ratio']} "
+                  f"(per round {ov['async_ratio_per_round']}), outputs identical "
+                  f"{ov['outputs_identical']}")
     print(f"  done in {res['wall_s']} s")
-    return 0 if all(r["greedy_equal"] for r in res["runs"]) else 1
+    ok = all(r["greedy_equal"] and r.get("overlap", {}).get("outputs_identical", True)
+             for r in res["runs"])
+    return 0 if ok else 1

@@ -8,8 +8,9 @@ by the engine thread's CPU time (`time.thread_time`): the host's own work, not t
 blocks on the device nor the time it waits for a core the device step is using. The wall time
 less the device wait is reported beside it (`wall_us_per_step`).
 
-Embedded rows: the embedded model runs the same greedy workload with both loops in one process;
-output tokens/s of each, their ratio, and whether the outputs are identical token for token.
+Embedded rows: the embedded model runs the same greedy workload with both loops on one engine;
+output tokens/s of each, their ratio, and whether the outputs are identical token for token
+(`overlap_rows`, which the device check also runs on the GPU).
 """
 
 from __future__ import annotations
@@ -186,60 +187,56 @@ def host_rows(batches: tuple[int, ...], steps: int, rounds: int = 3) -> list[dic
     """measure_host for every batch and both loops, the loops in turn `rounds` times.
 
     The machine's speed drifts between minutes; alternating the two loops and keeping each
-    one's median round makes the comparison fair. One engine per loop, reused.
+    one's median round makes the comparison fair. One engine runs both loops
+    (`set_async_scheduling`), so they share compiled steps, pool and heap.
     """
-    loaded = host_model()
-    engines = {mode: host_engine(loaded, mode == "async", max(batches))
-               for mode in ("sync", "async")}
+    engine = host_engine(host_model(), True, max(batches))
+    modes = ("sync", "async")
     rows = []
     for b in batches:
-        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in engines}
-        for e in engines.values():
-            measure_host(e, b, 2, seed=99)  # warm the Python paths of this batch size
+        runs: dict[str, list[dict[str, Any]]] = {mode: [] for mode in modes}
+        for mode in modes:  # warm the Python paths of this batch size
+            engine.set_async_scheduling(mode == "async")
+            measure_host(engine, b, 2, seed=99)
         for r in range(rounds):
-            for mode, e in engines.items():
-                runs[mode].append(measure_host(e, b, steps, seed=r))
+            for mode in modes:
+                engine.set_async_scheduling(mode == "async")
+                runs[mode].append(measure_host(engine, b, steps, seed=r))
         rows.extend(_median_round(rs) for rs in runs.values())
     rows.sort(key=lambda x: (x["mode"] != "sync", x["batch"]))
     return rows
 
 
-def embedded_rows(num_prompts: int, max_tokens: int, loaded: LoadedModel | None = None,
-                  rounds: int = 3) -> dict[str, Any]:
-    """Tokens/s of both loops on the embedded model, same greedy workload, outputs compared.
+def overlap_rows(llm: LLM, prompts: list[Any], params: SamplingParams,
+                 rounds: int = 3) -> dict[str, Any]:
+    """Output tokens/s of the synchronous and the overlapped loop on one engine, outputs compared.
 
-    The two engines run in turn, `rounds` times, alternating which goes first (so drift in the
-    machine's speed hits both); each loop's tokens/s is from its median wall time, and
-    `async_ratio` is the median of the rounds' own sync/async wall-time ratios.
+    The same workload runs with each loop in turn, `rounds` times, each loop first in every
+    other round (so drift in the machine's speed hits both); each loop's tokens/s is from its
+    median wall time, and `async_ratio` is the median of the rounds' own sync/async wall-time
+    ratios. One engine runs both (`set_async_scheduling`): the same compiled steps and pool.
+    The engine is left in the loop it had.
     """
-    from models.loader import load_model
-
-    loaded = loaded or load_model(None, dtype="float32")
-    rng = np.random.default_rng(0)
-    hi = min(20000, loaded.spec.vocab_size)
-    prompts = [{"prompt_token_ids": rng.integers(hi // 4, hi, int(n)).tolist()}
-               for n in rng.integers(8, 64, num_prompts)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    llms = {mode: LLM.from_engine(LLMEngine(EngineArgs(
-        max_num_seqs=max(16, num_prompts), max_model_len=512, disable_log_stats=True,
-        kv_cache_memory_bytes=256 * 2**20, async_scheduling=mode == "async"), loaded=loaded))
-        for mode in ("sync", "async")}
+    engine = llm.llm_engine
+    was_async = engine.async_scheduling
+    modes = ("sync", "async")
     outputs: dict[str, list[list[int]]] = {}
-    walls: dict[str, list[float]] = {mode: [] for mode in llms}
-    for llm in llms.values():  # compile every shape the workload uses
-        llm.generate(prompts, params, use_tqdm=False)
-    for r in range(rounds):
-        # Each loop goes first in every other round, so neither always runs on a warmer (or
-        # colder) machine than the other.
-        for mode in ("sync", "async") if r % 2 == 0 else ("async", "sync"):
-            llm = llms[mode]
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            walls[mode].append(time.perf_counter() - t0)
-            outputs[mode] = [o.outputs[0].token_ids for o in outs]
-    res: dict[str, Any] = {"num_prompts": num_prompts, "max_tokens": max_tokens,
-                           "rounds": rounds}
-    for mode in llms:
+    walls: dict[str, list[float]] = {mode: [] for mode in modes}
+    try:
+        for mode in modes:  # compile every shape the workload uses, warm both loops
+            engine.set_async_scheduling(mode == "async")
+            llm.generate(prompts, params, use_tqdm=False)
+        for r in range(rounds):
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                engine.set_async_scheduling(mode == "async")
+                t0 = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                walls[mode].append(time.perf_counter() - t0)
+                outputs[mode] = [o.outputs[0].token_ids for o in outs]
+    finally:
+        engine.set_async_scheduling(was_async)
+    res: dict[str, Any] = {"rounds": rounds}
+    for mode in modes:
         res[f"tokens_per_s_{mode}"] = round(sum(map(len, outputs[mode])) / median(walls[mode]),
                                             2)
         res[f"wall_s_{mode}"] = [round(w, 3) for w in walls[mode]]
@@ -254,6 +251,24 @@ def embedded_rows(num_prompts: int, max_tokens: int, loaded: LoadedModel | None 
                                           3)
     res["outputs_identical"] = outputs["sync"] == outputs["async"]
     return res
+
+
+def embedded_rows(num_prompts: int, max_tokens: int, loaded: LoadedModel | None = None,
+                  rounds: int = 3) -> dict[str, Any]:
+    """`overlap_rows` on the embedded model: `num_prompts` greedy prompts of 8..63 tokens."""
+    from models.loader import load_model
+
+    loaded = loaded or load_model(None, dtype="float32")
+    rng = np.random.default_rng(0)
+    hi = min(20000, loaded.spec.vocab_size)
+    prompts = [{"prompt_token_ids": rng.integers(hi // 4, hi, int(n)).tolist()}
+               for n in rng.integers(8, 64, num_prompts)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM.from_engine(LLMEngine(EngineArgs(
+        max_num_seqs=max(16, num_prompts), max_model_len=512, disable_log_stats=True,
+        kv_cache_memory_bytes=256 * 2**20), loaded=loaded))
+    return {"num_prompts": num_prompts, "max_tokens": max_tokens,
+            **overlap_rows(llm, prompts, params, rounds)}
 
 
 def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
 """scripts/device_check.sh end to end in its CPU smoke mode: the same steps as on a lent GPU
-(kernel checks and timings, the engine on random weights, one merged JSON), tiny shapes."""
+(kernel checks and timings, the engine on random weights with both loops compared, the host
+work per request-step, one merged JSON), tiny shapes."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def test_device_check_cpu_smoke(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "device_check.json").read_text())
-    assert doc["kernels_rc"] == 0 and doc["engine_rc"] == 0
-    kernels, engine = doc["kernels"], doc["engine"]
+    assert doc["kernels_rc"] == 0 and doc["engine_rc"] == 0 and doc["host_rc"] == 0
+    kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]
     assert kernels["mode"] == "cpu-smoke" and kernels["failures"] == []
     assert len(kernels["checks"]) >= 8 and all(c["ok"] for c in kernels["checks"])
     assert {t["impl"] for t in kernels["timings"]} >= {"pallas-decode", "pallas-ragged",
@@ -36,3 +37,14 @@ def test_device_check_cpu_smoke(tmp_path):
         assert run["pallas_pool"] == run["xla_pool"]
     assert engine["runs"][1]["pallas_pool"]["num_blocks"] > engine["runs"][0]["pallas_pool"][
         "num_blocks"]
+    # The synchronous and the overlapped loop, once (first KV dtype), on the largest batch.
+    overlap = engine["runs"][0]["overlap"]
+    assert overlap["batch"] == 4 and overlap["outputs_identical"] is True
+    assert len(overlap["async_ratio_per_round"]) == 3 and overlap["async_ratio"] > 0
+    assert "overlap" not in engine["runs"][1]
+    # Host work per request-step of both loops (the tiny model; no embedded model there).
+    assert [(r["mode"], r["batch"]) for r in host["rows"]] == [("sync", 4), ("async", 4)]
+    assert all(r["host_us_per_request_step"] > 0 for r in host["rows"])
+    assert host["embedded"] is None and host["core_process_rows"] == []
+    assert list(host["timelines"]) == ["tiny model, 4 requests"]
+    assert not list(tmp_path.glob("*.png"))  # --no-plot: the GPU image has no matplotlib
