@@ -3,8 +3,9 @@ timeline with host phases and device spans (numbers are not asserted: no timing 
 
 from __future__ import annotations
 
-from helpers import tiny
+from helpers import make_llm, tiny
 
+from jpaged import SamplingParams
 from jpaged.bench.host import (
     core_process_rows,
     embedded_rows,
@@ -12,6 +13,7 @@ from jpaged.bench.host import (
     host_model,
     host_rows,
     measure_host,
+    overlap_rows,
     timeline,
 )
 
@@ -64,3 +66,18 @@ def test_host_rows_alternate_the_loops():
     for r in rows:  # the reported round is the median one of three
         assert len(r["host_us_per_request_step_rounds"]) == 3
         assert r["host_us_per_request_step"] == sorted(r["host_us_per_request_step_rounds"])[1]
+
+
+def test_overlap_rows_run_both_loops_on_one_engine():
+    # One engine, switched between rounds: no second compilation, and it keeps its own loop.
+    llm = make_llm(tiny(), async_scheduling=False, max_model_len=128, max_num_seqs=4)
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 9, 17)]
+    sp = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    res = overlap_rows(llm, prompts, sp, rounds=2)
+    assert res["outputs_identical"] is True and len(res["async_ratio_per_round"]) == 2
+    assert res["tokens_per_s_sync"] > 0 and res["tokens_per_s_async"] > 0
+    engine = llm.llm_engine
+    assert engine.async_scheduling is False and not engine.has_unfinished_requests()
+    compiled = engine.runner.num_compiled
+    overlap_rows(llm, prompts, sp, rounds=1)
+    assert engine.runner.num_compiled == compiled
