@@ -43,7 +43,8 @@ CORE_BATCHES = (64, 256)  # the engine core in its own process (--engine-core-pr
 
 
 def main() -> None:
-    """Parse flags, measure, write JSON + PNGs, print the tables."""
+    """Parse flags, measure, write JSON + PNGs, print the tables (exit 1 if the core process
+    rows failed; the rest is written all the same)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer steps and tokens (~2 min)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/host.json"))
@@ -62,8 +63,15 @@ def main() -> None:
     steps = 8 if args.quick else 24
     rows = host_rows(batches, steps, rounds=1 if args.quick else 3)
     core_batches = tuple(b for b in CORE_BATCHES if b <= batches[-1]) or batches[-1:]
-    core_rows = [] if args.no_core_process else core_process_rows(
-        core_batches[-1:] if args.quick else core_batches, steps, rounds=1 if args.quick else 3)
+    core_rows: list = []
+    core_error = None
+    if not args.no_core_process:
+        try:
+            core_rows = core_process_rows(core_batches[-1:] if args.quick else core_batches,
+                                          steps, rounds=1 if args.quick else 3)
+        except Exception as e:  # e.g. a GPU that takes one process only: keep the other rows
+            core_error = f"{type(e).__name__}: {e}"
+            print(f"core process rows failed: {core_error}")
     timelines = {}
     emb = None
     if not args.no_embedded:
@@ -80,7 +88,7 @@ def main() -> None:
     timelines[f"tiny model, {b} requests"] = timeline(host_engine(host_model(), True, b),
                                                       batch=b, steps=4)
     data = {"quick": args.quick, "steps": steps, "rows": rows, "core_process_rows": core_rows,
-            "embedded": emb, "timelines": timelines}
+            "core_process_error": core_error, "embedded": emb, "timelines": timelines}
 
     def plot(ax):
         for mode, color in (("sync", "#e08a2c"), ("async", "#2a7ab9")):
@@ -116,6 +124,8 @@ def main() -> None:
              f"{r['frontend_us_per_request_step']} µs/request") for r in core_rows])
     if emb is not None:
         report.print_table("embedded model", list(emb.items()))
+    if core_error is not None:
+        raise SystemExit(1)  # after everything else is written
 
 
 def plot_timelines(out: Path, timelines: dict) -> None:

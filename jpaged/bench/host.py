@@ -134,7 +134,11 @@ def host_core_engine(max_batch: int) -> Any:
     from jpaged.engine_core import CoreProcessEngine
 
     engine = CoreProcessEngine(_host_args(max_batch, True), loader=host_model)
-    engine.warmup_decode()
+    try:
+        engine.warmup_decode()
+    except BaseException:
+        engine.shutdown()  # the core process ends with the failure, not at exit
+        raise
     return engine
 
 

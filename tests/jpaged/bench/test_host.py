@@ -81,3 +81,37 @@ def test_overlap_rows_run_both_loops_on_one_engine():
     compiled = engine.runner.num_compiled
     overlap_rows(llm, prompts, sp, rounds=1)
     assert engine.runner.num_compiled == compiled
+
+
+def test_bench_host_script_keeps_its_rows_when_the_core_process_fails(tmp_path, monkeypatch):
+    # scripts/bench_host.py as the device check calls it: a core process that cannot start
+    # (e.g. a GPU that takes one process only) costs its own rows, not the others.
+    import importlib.util
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    import pytest
+
+    # The script sets XLA_FLAGS when it has none: kept from leaking into later tests' children.
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    script = Path(__file__).resolve().parents[3] / "scripts" / "bench_host.py"
+    spec = importlib.util.spec_from_file_location("bench_host_script", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("no second process on this device")
+
+    monkeypatch.setattr(mod, "core_process_rows", refuse)
+    out = tmp_path / "host.json"
+    monkeypatch.setattr(sys, "argv", ["bench_host.py", "--quick", "--no-embedded", "--no-plot",
+                                      "--batches", "2", "--out", str(out)])
+    with pytest.raises(SystemExit) as exc:
+        mod.main()
+    assert exc.value.code == 1
+    doc = json.loads(out.read_text())
+    assert doc["core_process_error"] == "RuntimeError: no second process on this device"
+    assert [(r["mode"], r["batch"]) for r in doc["rows"]] == [("sync", 2), ("async", 2)]
+    assert doc["core_process_rows"] == [] and list(doc["timelines"]) == ["tiny model, 2 requests"]
