@@ -49,8 +49,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer steps and tokens (~2 min)")
     ap.add_argument("--out", type=Path, default=Path("docs/bench/host.json"))
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES),
-                    help="decode batch sizes of the host rows (the largest is the timeline's "
-                         "and the core process rows')")
+                    help="decode batch sizes of the host rows (the largest is the timeline's; "
+                         "the core process rows take 64 and 256 up to it, else it)")
     ap.add_argument("--no-embedded", action="store_true",
                     help="skip the embedded model (the device check: it cannot travel there)")
     ap.add_argument("--no-core-process", action="store_true",

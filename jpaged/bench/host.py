@@ -238,7 +238,8 @@ def overlap_rows(llm: LLM, prompts: list[Any], params: SamplingParams,
                 walls[mode].append(time.perf_counter() - t0)
                 outputs[mode] = [o.outputs[0].token_ids for o in outs]
     finally:
-        engine.set_async_scheduling(was_async)
+        if not engine.has_unfinished_requests():  # else a failure is on its way up: keep it
+            engine.set_async_scheduling(was_async)
     res: dict[str, Any] = {"rounds": rounds}
     for mode in modes:
         res[f"tokens_per_s_{mode}"] = round(sum(map(len, outputs[mode])) / median(walls[mode]),
