@@ -210,16 +210,15 @@ class LLMEngine(RequestFrontend):
         the host benchmark and the device check use it. A step still in flight (its requests
         all finished or aborted) is read first; its tokens are dropped as they would be.
         """
-        if not isinstance(enabled, bool):
-            raise ValueError(f"async_scheduling must be True or False, got {enabled!r}")
+        # SchedulerConfig validates the value (ValueError naming the field).
+        scheduler = dataclasses.replace(self.config.scheduler, async_scheduling=enabled)
         if self.has_unfinished_requests():
             raise ValueError("set_async_scheduling: the engine has unfinished requests; switch "
                              "loops on an idle engine")
         if self._in_flight is not None:
             self.step()  # schedules nothing; applies the step in flight
         self.async_scheduling = enabled
-        self.config = dataclasses.replace(self.config, scheduler=dataclasses.replace(
-            self.config.scheduler, async_scheduling=enabled))
+        self.config = dataclasses.replace(self.config, scheduler=scheduler)
 
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:

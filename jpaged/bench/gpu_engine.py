@@ -84,16 +84,23 @@ def _greedy(llm: LLM, prompts: list[dict[str, list[int]]], n: int) -> list[list[
     return [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-def _throughput(llm: LLM, cfg: EngineCheckConfig, batch: int) -> dict[str, Any]:
+def _bench_workload(cfg: EngineCheckConfig, batch: int) -> tuple[list[Any], SamplingParams,
+                                                                  dict[str, int]]:
+    """The throughput workload of `batch`: its prompts, greedy params, and their description."""
     prompts = _prompts((cfg.bench_prompt,) * batch, cfg.spec.vocab_size, seed=batch)
     sp = SamplingParams(temperature=0.0, max_tokens=cfg.bench_new, ignore_eos=True)
+    return prompts, sp, {"batch": batch, "prompt_tokens": cfg.bench_prompt,
+                         "new_tokens": cfg.bench_new}
+
+
+def _throughput(llm: LLM, cfg: EngineCheckConfig, batch: int) -> dict[str, Any]:
+    prompts, sp, desc = _bench_workload(cfg, batch)
     llm.generate(prompts, sp, use_tqdm=False)  # compiles this batch's shapes
     t0 = time.perf_counter()
     outs = llm.generate(prompts, sp, use_tqdm=False)
     wall = time.perf_counter() - t0
     toks = sum(len(o.outputs[0].token_ids) for o in outs)
-    return {"batch": batch, "prompt_tokens": cfg.bench_prompt, "new_tokens": cfg.bench_new,
-            "wall_s": round(wall, 4), "output_tokens_per_s": round(toks / wall, 1)}
+    return {**desc, "wall_s": round(wall, 4), "output_tokens_per_s": round(toks / wall, 1)}
 
 
 def _overlap(llm: LLM, cfg: EngineCheckConfig, rounds: int = 3) -> dict[str, Any]:
@@ -101,11 +108,8 @@ def _overlap(llm: LLM, cfg: EngineCheckConfig, rounds: int = 3) -> dict[str, Any
     tokens/s of each, their ratio, outputs compared (jpaged.bench.host.overlap_rows)."""
     from jpaged.bench.host import overlap_rows
 
-    batch = cfg.batches[-1]
-    prompts = _prompts((cfg.bench_prompt,) * batch, cfg.spec.vocab_size, seed=batch)
-    sp = SamplingParams(temperature=0.0, max_tokens=cfg.bench_new, ignore_eos=True)
-    return {"batch": batch, "prompt_tokens": cfg.bench_prompt, "new_tokens": cfg.bench_new,
-            **overlap_rows(llm, prompts, sp, rounds)}
+    prompts, sp, desc = _bench_workload(cfg, cfg.batches[-1])
+    return {**desc, **overlap_rows(llm, prompts, sp, rounds)}
 
 
 def _pool(llm: LLM) -> dict[str, Any]:

@@ -252,8 +252,9 @@ def test_one_engine_switches_loops_when_idle():
     assert _tokens(a) == _tokens(b)
     assert e.runner.num_compiled == compiled
     _assert_idle(e)
-    with pytest.raises(ValueError, match="True or False"):
+    with pytest.raises(ValueError, match="async_scheduling must be True or False"):
         e.set_async_scheduling("yes")
+    assert e.async_scheduling is False
     e.set_async_scheduling(True)
     c, _ = _run(e, [(p, sp) for p in prompts])
     assert _tokens(c) == _tokens(a)
