@@ -187,14 +187,16 @@ def core_process_rows(batches: tuple[int, ...], steps: int,
     return rows
 
 
-def host_rows(batches: tuple[int, ...], steps: int, rounds: int = 3) -> list[dict[str, Any]]:
+def host_rows(batches: tuple[int, ...], steps: int, rounds: int = 3,
+              engine: LLMEngine | None = None) -> list[dict[str, Any]]:
     """measure_host for every batch and both loops, the loops in turn `rounds` times.
 
     The machine's speed drifts between minutes; alternating the two loops and keeping each
     one's median round makes the comparison fair. One engine runs both loops
-    (`set_async_scheduling`), so they share compiled steps, pool and heap.
+    (`set_async_scheduling`), so they share compiled steps, pool and heap: `engine` (a
+    `host_engine` of at least max(batches)), or one made here.
     """
-    engine = host_engine(host_model(), True, max(batches))
+    engine = engine or host_engine(host_model(), True, max(batches))
     modes = ("sync", "async")
     rows = []
     for b in batches:
