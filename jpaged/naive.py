@@ -119,7 +119,7 @@ class NaiveEngine:
         write_pos = jnp.where(valid, positions, self.max_model_len)
         r = jnp.broadcast_to(rows[:, None], (b, nq))
 
-        def attn_fn(i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+        def attn_fn(i: int, q: jax.Array, k: jax.Array, v: jax.Array,
                     state: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, Any]:
             ck, cv = state
             d = k.shape[2]

@@ -2,9 +2,9 @@
 
 Models never look inside KV caches: each layer hands RoPE'd q, k, v for the flattened token batch
 to an `AttnFn`, together with the backend's opaque `state` pytree, and gets back the attention
-output and the updated state. The model threads that state through its `jax.lax.scan` over the
-stacked layers, so a cache backend keeps e.g. the whole [num_layers, ...] KV pool as its state
-and reads/writes layer `layer_idx` of it with dynamic indexing.
+output and the updated state. The model threads that state from layer to layer (a Python loop,
+unrolled at trace time), so a cache backend keeps e.g. the whole [num_layers, ...] KV pool as
+its state and reads/writes layer `layer_idx` of it.
 """
 
 from __future__ import annotations
@@ -18,17 +18,16 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 # attn_fn(layer_idx, q, k, v, state) -> (out, state)
-#   layer_idx: Int[Array, ""] int32 scalar, TRACED inside the layer scan: index with it
-#              (x[layer_idx], lax.dynamic_index_in_dim, .at[layer_idx]), never int() it.
+#   layer_idx: int, the layer's index as a Python int (static: x[layer_idx] is a static slice).
 #   q: Float[Array, "T num_heads head_dim"]      RoPE applied, NOT pre-scaled.
 #   k, v: Float[Array, "T num_kv_heads head_dim"] RoPE applied to k.
-#   state: any pytree of arrays the backend owns (None for stateless backends). It is the scan
-#          carry: the returned state must have the same tree structure, shapes and dtypes.
+#   state: any pytree of arrays the backend owns (None for stateless backends), passed from
+#          layer to layer: the returned state has the same tree structure, shapes and dtypes.
 #   out: Float[Array, "T num_heads head_dim"]    in q's dtype.
 # Cost note: gather/scatter at layer-offset indices into the carried pool (e.g. a flat
 # [layers * blocks, ...] pool with block ids + layer_idx * blocks) updates it in place; slicing
-# out pool[layer_idx] whole is a dynamic slice, which XLA:CPU materializes as a copy.
-AttnFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+# out pool[layer_idx] whole and writing it back would copy the layer's pages.
+AttnFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
 def repeat_kv(x: Float[Array, "S kv_heads D"], num_heads: int) -> Float[Array, "S num_heads D"]:
@@ -51,7 +50,7 @@ def dense_causal_attention(segment_ids: Int[Array, " T"], positions: Int[Array, 
     row_valid = mask.any(axis=-1)  # False only for padding rows
 
     def attn(
-        layer_idx: Int[Array, ""],
+        layer_idx: int,
         q: Float[Array, "T num_heads head_dim"],
         k: Float[Array, "T num_kv_heads head_dim"],
         v: Float[Array, "T num_kv_heads head_dim"],

@@ -4,8 +4,8 @@ A converted directory OUT holds (written in this order; the manifest last, so a 
 without it is an interrupted conversion, never a checkpoint):
 
   params/                 orbax checkpoint (OCDBT, uncompressed, 4 MiB chunks) of
-                          `nnx.state(model)` as a pure dict, jpaged's layout: decoder Params
-                          stacked [num_layers, ...], Linear kernels [in, out]
+                          `nnx.state(model)` as a pure dict, jpaged's layout: one subtree per
+                          decoder layer (model/layers/<i>/...), Linear kernels [in, out]
   tokenizer.json          the `tokenizers` backend, post-processor (BOS/EOS adding) included
   tokenizer_config.json   bos/eos/unk/pad tokens and the chat template (`Tokenizer.from_hf_dir`)
   config.json             an HF-style config of the spec (for tools that read only a config)
@@ -13,7 +13,10 @@ without it is an interrupted conversion, never a checkpoint):
                           ModelSpec, the source it was converted from and a tensor summary
 
 Loading builds the model abstractly and restores every array straight into its target sharding
-(each device reads only its own shard), cast to the requested dtype on the way.
+(each device reads only its own shard), cast to the requested dtype on the way. Format version
+1 stored the decoder Params stacked on a leading layer axis (model/layers/...); such a
+checkpoint still loads: each stacked array is restored, split into its layers on the device and
+dropped before the next is read.
 """
 
 from __future__ import annotations
@@ -39,7 +42,10 @@ if TYPE_CHECKING:  # loader imports this module when it meets a checkpoint
 MARKER = "jpaged_checkpoint.json"
 PARAMS_DIR = "params"
 FORMAT = "jpaged-orbax"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+# Versions this jpaged reads: 1 = decoder Params stacked [num_layers, ...], 2 = one per layer.
+READABLE_VERSIONS = (1, 2)
+STACKED_VERSION = 1
 CHUNK_BYTES = 4 * 2**20  # the largest stored chunk of any array
 # Every name save_checkpoint writes; --overwrite removes exactly these and nothing else.
 WRITTEN = (MARKER, PARAMS_DIR, "tokenizer.json", "tokenizer_config.json", "config.json")
@@ -220,9 +226,11 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise ValueError(f"corrupt checkpoint manifest {file}: 'format' is not {FORMAT!r}")
     version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
+    if version not in READABLE_VERSIONS:
+        readable = " and ".join(map(str, READABLE_VERSIONS))
         raise ValueError(f"checkpoint {path} has format_version {version!r}; this jpaged reads "
-                         f"version {FORMAT_VERSION} (convert the source again)")
+                         f"versions {readable} (convert the source again: jpaged convert "
+                         f"SOURCE {path} --overwrite)")
     for key in ("spec", "dtype", "architecture"):
         if key not in manifest:
             raise ValueError(f"corrupt checkpoint manifest {file}: no {key!r}")
@@ -265,21 +273,69 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
     # shard of the stored array and casts it (no whole host copy, no reshard afterwards).
     target = nnx.to_pure_dict(jax.tree.map(
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings))
+    stacked = manifest["format_version"] == STACKED_VERSION
     params_dir = path / PARAMS_DIR
     with ocp.StandardCheckpointer() as ckptr:
         try:
             stored = ckptr.metadata(params_dir).item_metadata.tree
         except Exception as e:  # orbax/tensorstore errors of a damaged directory
             raise ValueError(f"corrupt checkpoint parameters {params_dir}: {e}") from e
-        _check_tree(path, _flat(stored), _flat(target))
+        wanted = _stacked_target(target, spec.num_layers) if stacked else target
+        _check_tree(path, _flat(stored), _flat(wanted))
         try:
-            restored = ckptr.restore(params_dir, target)
+            restored = ckptr.restore(params_dir, wanted)
         except Exception as e:
             raise ValueError(f"reading checkpoint parameters {params_dir} failed: {e}") from e
+    if stacked:
+        restored = _unstack_layers(restored, target)
     nnx.replace_by_pure_dict(state, restored)
     model = nnx.merge(graphdef, state)
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(spec, model, tokenizer, str(path))
+
+
+def _stacked_target(target: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Format version 1's tree: `target` with its per-layer subtrees model/layers/<i>/...
+    replaced by one subtree whose leaves carry a leading num_layers axis (never split)."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    def stack(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        s = x.sharding
+        if isinstance(s, NamedSharding):
+            s = NamedSharding(s.mesh, PartitionSpec(None, *s.spec))
+        return jax.ShapeDtypeStruct((num_layers, *x.shape), x.dtype, sharding=s)
+
+    layers = target["model"]["layers"]
+    first = layers[next(iter(layers))]
+    return {**target, "model": {**target["model"], "layers": jax.tree.map(stack, first)}}
+
+
+def _unstack_layers(restored: dict[str, Any], target: dict[str, Any]) -> dict[str, Any]:
+    """Split each stacked array of a version 1 tree into its layers, in the target shardings.
+
+    One stacked array at a time: its slices are made, then it is dropped, so the transient
+    device memory is one Param's stack beside its slices.
+    """
+    stacked = restored["model"].pop("layers")
+    layers = target["model"]["layers"]
+    out: dict[Any, Any] = {key: {} for key in layers}
+    leaf_paths = [[k.key for k in p] for p, _ in jax.tree_util.tree_leaves_with_path(stacked)]
+    for names in leaf_paths:
+        parent = stacked
+        for name in names[:-1]:
+            parent = parent[name]
+        array = parent.pop(names[-1])  # the tree no longer holds it once sliced
+        for i, key in enumerate(layers):
+            want = layers[key]
+            for name in names:
+                want = want[name]
+            node = out[key]
+            for name in names[:-1]:
+                node = node.setdefault(name, {})
+            node[names[-1]] = jax.device_put(array[i], want.sharding)
+        del array
+    restored["model"]["layers"] = out
+    return restored
 
 
 def _check_tree(path: Path, stored: dict[str, Any], wanted: dict[str, Any]) -> None:

@@ -1,17 +1,20 @@
 """The Llama family of decoder-only transformers as Flax NNX modules.
 
 Qwen2 (q/k/v bias) and Qwen3 (q/k RMSNorm) reuse these layers through `ModelSpec` flags.
-Module attribute paths mirror HF parameter names (model.layers.self_attn.q_proj, ...) so
-models/weights.py can map checkpoints generically. The decoder layers are stored STACKED: one
-DecoderLayer-shaped module `model.layers` whose every Param has a leading axis of size
-num_layers (HF's model.layers.N.* is slice N), run by `jax.lax.scan` so a jitted step traces
-and compiles a single layer body. Inputs are a flattened ragged token batch: token t has id
-input_ids[t] and absolute position positions[t]; which tokens see which is decided solely by
-the AttnFn, whose state (e.g. the KV pool) is threaded through the scan carry.
+Module attribute paths mirror HF parameter names (model.layers.N.self_attn.q_proj, ...) so
+models/weights.py can map checkpoints generically. Each decoder layer owns its own Params
+(`model.layers` is an nnx.List of DecoderLayers) and the forward pass loops over them in
+Python: a GEMM then reads its weight where it lies. A `lax.scan` over weights stacked on a
+layer axis makes XLA:GPU copy each layer's slices out of the stack before the GEMMs read them,
+so every weight byte would cross HBM three times instead of once (docs/kernels.md). Inputs are
+a flattened ragged token batch: token t has id input_ids[t] and absolute position
+positions[t]; which tokens see which is decided solely by the AttnFn, whose state (e.g. the KV
+pool) is threaded from layer to layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -85,7 +88,7 @@ class Attention(nnx.Module):
         x: Float[Array, "T hidden"],
         cos: Float[Array, "T half"],
         sin: Float[Array, "T half"],
-        layer_idx: Int[Array, ""],
+        layer_idx: int,
         attn_fn: AttnFn,
         attn_state: Any,
     ) -> tuple[Float[Array, "T hidden"], Any]:
@@ -115,11 +118,11 @@ class DecoderLayer(nnx.Module):
         x: Float[Array, "T hidden"],
         cos: Float[Array, "T half"],
         sin: Float[Array, "T half"],
-        layer_idx: Int[Array, ""],
+        layer_idx: int,
         attn_fn: AttnFn,
         attn_state: Any,
     ) -> tuple[Float[Array, "T hidden"], Any]:
-        """One layer on unstacked parameters; returns (x, attn_state after this layer)."""
+        """One layer; returns (x, attn_state after this layer)."""
         attn_out, attn_state = self.self_attn(
             self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state
         )
@@ -127,23 +130,24 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), attn_state
 
 
-def stacked_decoder_layers(spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs) -> DecoderLayer:
-    """spec.num_layers DecoderLayers as one module; every Param gets a leading num_layers axis."""
-    # vmap over split keys: each layer draws its own init (under nnx.eval_shape: no init at all).
-    make = nnx.vmap(lambda r: DecoderLayer(spec, dtype=dtype, rngs=r), in_axes=0, out_axes=0)
-    return make(rngs.split(spec.num_layers))
+# embed_fn(table, input_ids) -> rows: the token lookup, for callers whose table is laid out in
+# a way a plain take would gather whole (e.g. split by vocabulary over devices).
+#   table: Float[Array, "vocab hidden"], input_ids: Int[Array, " T"] -> Float[Array, "T hidden"]
+EmbedFn = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 class LlamaModel(nnx.Module):
-    """Embedding, stacked decoder layers and final norm (HF `model.*`)."""
+    """Embedding, decoder layers and final norm (HF `model.*`)."""
 
     def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
         self.spec = spec
         self.embed_tokens = nnx.Embed(
             spec.vocab_size, spec.hidden_size, dtype=dtype, param_dtype=dtype, rngs=rngs
         )
-        # Invariant: every Param under `layers` has shape (num_layers, *per-layer shape).
-        self.layers = stacked_decoder_layers(spec, dtype=dtype, rngs=rngs)
+        # Invariant: len(layers) == num_layers, and layer i's Params are its own arrays.
+        self.layers = nnx.List(
+            [DecoderLayer(spec, dtype=dtype, rngs=rngs) for _ in range(spec.num_layers)]
+        )
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
 
     def __call__(
@@ -153,27 +157,18 @@ class LlamaModel(nnx.Module):
         attn_fn: AttnFn,
         attn_state: Any = None,
         *,
-        unroll: int | bool = 1,
+        embed_fn: EmbedFn | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
-        """(final-norm hidden states, attn_state after the last layer); `unroll` goes to scan."""
+        """(final-norm hidden states, attn_state after the last layer)."""
         # inv_freq is a trace-time constant derived from the (static) spec.
         cos, sin = rope_cos_sin(jnp.asarray(inverse_frequencies(self.spec)), positions)
-        x = self.embed_tokens(input_ids)
-        graphdef, stacked = nnx.split(self.layers)
-
-        def body(
-            carry: tuple[Float[Array, "T hidden"], Any], xs: tuple[Any, Int[Array, ""]]
-        ) -> tuple[tuple[Float[Array, "T hidden"], Any], None]:
-            # xs = (this layer's slice of every stacked Param, its int32 layer index).
-            h, state = carry
-            layer_params, layer_idx = xs
-            layer = nnx.merge(graphdef, layer_params)
-            return layer(h, cos, sin, layer_idx, attn_fn, state), None
-
-        layer_ids = jnp.arange(self.spec.num_layers, dtype=jnp.int32)
-        (x, attn_state), _ = jax.lax.scan(
-            body, (x, attn_state), (stacked, layer_ids), unroll=unroll
-        )
+        if embed_fn is None:
+            x = self.embed_tokens(input_ids)
+        else:
+            x = embed_fn(self.embed_tokens.embedding[...], input_ids)
+        # Unrolled at trace time: layer i's GEMMs read layer i's own weight arrays in place.
+        for i, layer in enumerate(self.layers):
+            x, attn_state = layer(x, cos, sin, i, attn_fn, attn_state)
         return self.norm(x), attn_state
 
 
@@ -197,10 +192,10 @@ class LlamaForCausalLM(nnx.Module):
         attn_fn: AttnFn,
         attn_state: Any = None,
         *,
-        unroll: int | bool = 1,
+        embed_fn: EmbedFn | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """(final-norm hidden states of a flattened token batch, attn_state after all layers)."""
-        return self.model(input_ids, positions, attn_fn, attn_state, unroll=unroll)
+        return self.model(input_ids, positions, attn_fn, attn_state, embed_fn=embed_fn)
 
     def compute_logits(self, hidden: Float[Array, "N hidden"]) -> Float[Array, "N vocab"]:
         """float32 logits; accumulation in float32 whatever the parameter dtype."""

@@ -100,35 +100,26 @@ def load_hf_dir_weights(path: str | Path, spec: ModelSpec | None = None) -> Tens
     return weights
 
 
-# Attribute name of the stacked decoder layers (models/llama.py): every Param under it has a
-# leading num_layers axis, and HF's `...layers.{N}.<rest>` is slice N of `...layers.<rest>`.
-STACKED_LAYERS = "layers"
-
-
 class HFParam(NamedTuple):
-    """Where one HF tensor lives in the model: a Param, its layout, and its layer slice."""
+    """Where one HF tensor lives in the model: a Param and its layout."""
 
     param: nnx.Param
     transpose: bool  # HF stores the tensor transposed (nnx kernel [in, out] vs HF [out, in])
-    layer: int | None  # index into the Param's leading num_layers axis; None = not stacked
 
     def hf_shape(self) -> tuple[int, ...]:
         """Shape of the tensor in HF naming and layout."""
         shape = tuple(self.param.get_value().shape)  # works on ShapeDtypeStructs too
-        if self.layer is not None:
-            shape = shape[1:]
         return shape[::-1] if self.transpose else shape
 
 
 def hf_param_table(model: nnx.Module) -> dict[str, HFParam]:
-    """HF tensor name -> HFParam(the model's Param, whether HF stores it transposed, layer).
+    """HF tensor name -> HFParam(the model's Param, whether HF stores it transposed).
 
-    Module attribute paths mirror HF names; nnx.Linear's `kernel` [in, out] is HF's
-    `weight` [out, in] transposed, nnx.Embed's `embedding` is HF's `weight` as is. A stacked
-    Param under `layers` yields one entry per layer, all naming the same Param.
+    Module attribute paths mirror HF names (decoder layer i is `model.layers.i`); nnx.Linear's
+    `kernel` [in, out] is HF's `weight` [out, in] transposed, nnx.Embed's `embedding` is HF's
+    `weight` as is. One entry per Param, in the model's graph order.
     """
-    flat: list[tuple[str, HFParam] | None] = []  # None marks where the layers' entries go
-    stacked: list[tuple[list[str], list[str], nnx.Param, bool]] = []  # (head, tail, param, T)
+    table: dict[str, HFParam] = {}
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, nnx.Param):
             continue
@@ -136,23 +127,7 @@ def hf_param_table(model: nnx.Module) -> dict[str, HFParam]:
         transpose = leaf == "kernel"
         if leaf in ("kernel", "embedding"):
             leaf = "weight"
-        if STACKED_LAYERS not in prefix:
-            flat.append((".".join([*prefix, leaf]), HFParam(node, transpose, None)))
-            continue
-        if not stacked:
-            flat.append(None)
-        cut = prefix.index(STACKED_LAYERS) + 1
-        stacked.append((prefix[:cut], [*prefix[cut:], leaf], node, transpose))
-    table: dict[str, HFParam] = {}
-    for item in flat:
-        if item is not None:
-            table[item[0]] = item[1]
-            continue
-        # Layer-major, as HF lists them: layers.0.*, layers.1.*, ...
-        num_layers = stacked[0][2].get_value().shape[0]
-        for i in range(num_layers):
-            for head, tail, node, transpose in stacked:
-                table[".".join([*head, str(i), *tail])] = HFParam(node, transpose, i)
+        table[".".join([*prefix, leaf])] = HFParam(node, transpose)
     return table
 
 
@@ -190,25 +165,13 @@ def assign_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: M
     """Copy checkpoint tensors into every Param of `model` (cast to the Param's dtype), in place.
 
     Every Param must have a tensor of the right shape; extra tensors (rotary inv_freq, a tied
-    lm_head copy, ...) are ignored. Works on abstract models from `nnx.eval_shape` too. A
-    stacked Param is assembled on the host from its per-layer tensors and set once.
+    lm_head copy, ...) are ignored. Works on abstract models from `nnx.eval_shape` too.
     """
     table, checked = _checked_table(model, weights, spec)
-    stacks: dict[int, np.ndarray] = {}  # id(Param) -> host buffer being filled, layer by layer
     for name, entry in table.items():
         current = entry.param.get_value()  # jax.Array or ShapeDtypeStruct
-        if entry.layer is None:
-            host = np.asarray(checked(name, entry))
-            entry.param.set_value(jnp.asarray(host, dtype=current.dtype))
-            continue
-        buf = stacks.get(id(entry.param))
-        if buf is None:
-            buf = stacks[id(entry.param)] = np.empty(current.shape, np.dtype(current.dtype))
-        buf[entry.layer] = checked(name, entry)  # casts to the Param dtype (ml_dtypes for bf16)
-    # Invariant: every layer slice of every stacked buffer was written (the table covers all).
-    for entry in table.values():
-        if entry.layer == 0:
-            entry.param.set_value(jnp.asarray(stacks.pop(id(entry.param))))
+        host = np.asarray(checked(name, entry))
+        entry.param.set_value(jnp.asarray(host, dtype=current.dtype))
 
 
 def place_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: ModelSpec,
@@ -218,35 +181,26 @@ def place_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: Mo
 
     `sharding_of(param path, ndim)` gives a Param's sharding. Tensors are read one at a time
     (lazy sources such as GGUF make one whole tensor at a time; safetensors memory maps read
-    only the sliced bytes). Host memory at any moment: one tensor plus one Param's distinct
-    local slices. The stacked layer axis is never split.
+    only the sliced bytes). Host memory at any moment: one tensor plus its distinct local
+    slices.
     """
     table, checked = _checked_table(model, weights, spec)
     paths = {id(node): tuple(str(p) for p in path) for path, node in nnx.iter_graph(model)
              if isinstance(node, nnx.Param)}
-    groups: dict[int, list[tuple[str, HFParam]]] = {}  # id(Param) -> its tensors, in order
     for name, entry in table.items():
-        groups.setdefault(id(entry.param), []).append((name, entry))
-    for pid, members in groups.items():
-        param = members[0][1].param
+        param = entry.param
         aval = param.get_value()
         shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
-        sharding = sharding_of(paths[pid], len(shape))
+        sharding = sharding_of(paths[id(param)], len(shape))
         index_of = sharding.addressable_devices_indices_map(shape)
+        arr = checked(name, entry)
         # Devices holding the same slice (replicated axes) share one host buffer.
         bufs: dict[tuple, np.ndarray] = {}
         for index in index_of.values():
             key = _index_key(index, shape)
             if key not in bufs:
-                bufs[key] = np.empty(tuple(stop - start for start, stop in key), dtype)
-        for name, entry in members:
-            arr = checked(name, entry)
-            for key, buf in bufs.items():
-                if entry.layer is None:
-                    buf[...] = arr[tuple(slice(a, b) for a, b in key)]
-                else:  # invariant: the layer axis is whole in every slice
-                    buf[entry.layer] = arr[tuple(slice(a, b) for a, b in key[1:])]
-            del arr  # the whole tensor goes before the next is made
+                bufs[key] = np.asarray(arr[tuple(slice(a, b) for a, b in key)], dtype)
+        del arr  # the whole tensor goes before the next is made
         shards = []
         for device, index in index_of.items():
             shards.append(jax.device_put(bufs[_index_key(index, shape)], device))
@@ -262,12 +216,8 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[
 
 def export_weights(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's parameters as host numpy arrays in HF naming and layout (inverse of assign)."""
-    hosts: dict[int, np.ndarray] = {}  # id(Param) -> its value on the host, fetched once
     out: dict[str, np.ndarray] = {}
     for name, entry in hf_param_table(model).items():
-        host = hosts.get(id(entry.param))
-        if host is None:
-            host = hosts[id(entry.param)] = np.asarray(entry.param[...])
-        part = host if entry.layer is None else host[entry.layer]
-        out[name] = np.ascontiguousarray(part.T if entry.transpose else part)
+        host = np.asarray(entry.param[...])
+        out[name] = np.ascontiguousarray(host.T if entry.transpose else host)
     return out

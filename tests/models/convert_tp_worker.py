@@ -1,10 +1,12 @@
 """A converted checkpoint on 4 forced CPU devices; run by test_convert.py.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python convert_tp_worker.py CKPT_DIR
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python convert_tp_worker.py CKPT_DIR \
+        [STACKED_DIR]
 
 Loads CKPT_DIR (the embedded model converted to float32) through `LLM(model=CKPT_DIR)` at
-tensor_parallel_size 1 and 3 and prints one JSON object of facts on the last line of stdout:
-greedy tokens of each, and how the restored parameters are laid out over the devices.
+tensor_parallel_size 1 and 3 (and STACKED_DIR, the same checkpoint in format version 1's
+stacked layout, at 3) and prints one JSON object of facts on the last line of stdout: greedy
+tokens of each, and how the restored parameters are laid out over the devices.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ ARGS = dict(dtype="float32", max_model_len=32, max_num_seqs=2, max_num_batched_t
 
 def q_proj_facts(llm: LLM) -> dict:
     """Shard shapes and bytes of the q_proj kernel as loaded, and as the runner holds it."""
-    loaded = llm.llm_engine.loaded.model.model.layers.self_attn.q_proj.kernel[...]
-    runner = llm.llm_engine.runner.params["model"]["layers"]["self_attn"]["q_proj"]["kernel"]
+    loaded = llm.llm_engine.loaded.model.model.layers[0].self_attn.q_proj.kernel[...]
+    runner = llm.llm_engine.runner.params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"]
     runner = runner[...] if hasattr(runner, "get_value") else runner
     return {
         "global_shape": list(loaded.shape),
@@ -52,11 +54,14 @@ def main() -> None:
     ckpt = sys.argv[1]
     out: dict = {"num_devices": jax.device_count()}
     greedy = SamplingParams(temperature=0.0, max_tokens=6)
-    for tp in (1, 3):
-        llm = LLM(model=ckpt, tensor_parallel_size=tp, **ARGS)
+    runs = [(f"tp{tp}", ckpt, tp) for tp in (1, 3)]
+    if len(sys.argv) > 2:
+        runs.append(("stacked_tp3", sys.argv[2], 3))
+    for name, path, tp in runs:
+        llm = LLM(model=path, tensor_parallel_size=tp, **ARGS)
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-        out[f"tp{tp}"] = {"tokens": [o.outputs[0].token_ids for o in outs],
-                          "q_proj": q_proj_facts(llm)}
+        out[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                     "q_proj": q_proj_facts(llm)}
         del llm
     print(json.dumps(out))
 

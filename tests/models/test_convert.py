@@ -58,11 +58,12 @@ def test_tiny_round_trip_keeps_spec_weights_and_files(tiny_ckpt):
     assert sorted(p.name for p in tiny_ckpt.iterdir()) == sorted(
         [MARKER, PARAMS_DIR, "config.json", "tokenizer.json", "tokenizer_config.json"])
     manifest = json.loads((tiny_ckpt / MARKER).read_text())
-    assert manifest["format_version"] == 1 and manifest["dtype"] == "float32"
+    assert manifest["format_version"] == 2 and manifest["dtype"] == "float32"
     assert manifest["architecture"] == "LlamaForCausalLM"
     assert manifest["source"] == src.source
     tensors = manifest["params"]["tensors"]
-    assert tensors["model/layers/self_attn/q_proj/kernel"]["shape"] == [2, 64, 64]  # stacked
+    assert tensors["model/layers/1/self_attn/q_proj/kernel"]["shape"] == [64, 64]  # per layer
+    assert not any(name.startswith("model/layers/self_attn") for name in tensors)
     # The HF-style config.json describes the same model (tools that read only a config).
     assert ModelSpec.from_hf_config(json.loads((tiny_ckpt / "config.json").read_text())) == src.spec
     check_model_source(str(tiny_ckpt))
@@ -120,21 +121,27 @@ def test_embedded_round_trip_tokens_and_tokenizer(embedded_ckpt):
 
 
 @pytest.mark.slow
-def test_embedded_tensor_parallel_3_from_the_checkpoint(embedded_ckpt):
+def test_embedded_tensor_parallel_3_from_the_checkpoint(embedded_ckpt, tmp_path):
+    # A copy in format version 1's stacked layout loads into the same sharded per-layer model.
+    stacked = tmp_path / "stacked"
+    shutil.copytree(embedded_ckpt, stacked)
+    _write_stacked_v1(stacked)
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(WORKER), str(embedded_ckpt)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(WORKER), str(embedded_ckpt), str(stacked)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     facts = json.loads(proc.stdout.strip().splitlines()[-1])
     assert facts["num_devices"] == 4
     assert facts["tp3"]["tokens"] == facts["tp1"]["tokens"]
+    assert facts["stacked_tp3"]["tokens"] == facts["tp1"]["tokens"]
+    assert facts["stacked_tp3"]["q_proj"] == facts["tp3"]["q_proj"]
     whole, split = facts["tp1"]["q_proj"], facts["tp3"]["q_proj"]
     assert whole["shard_bytes"] == [whole["global_bytes"]]
     # Restored straight into the mesh: each of 3 devices holds a third of q_proj's columns.
     assert split["shard_devices"] == [0, 1, 2]
     assert split["shard_bytes"] == [split["global_bytes"] // 3] * 3
-    assert all(s == [*split["global_shape"][:2], split["global_shape"][2] // 3]
+    assert all(s == [split["global_shape"][0], split["global_shape"][1] // 3]
                for s in split["shard_shapes"])
     assert split["runner_same_sharding"] and whole["runner_same_sharding"]
 
@@ -201,8 +208,35 @@ def test_corrupt_manifest(ckpt_copy):
 
 def test_format_version_mismatch(ckpt_copy):
     _edit_manifest(ckpt_copy, format_version=99)
-    with pytest.raises(ValueError, match="format_version 99.*reads version 1"):
+    with pytest.raises(ValueError, match=r"format_version 99.*reads versions 1 and 2 .*"
+                                         r"jpaged convert SOURCE .* --overwrite"):
         load_model(str(ckpt_copy), "float32")
+
+
+def _write_stacked_v1(ckpt: Path) -> None:
+    """Rewrite a checkpoint as format version 1 wrote it: the decoder Params stacked on a
+    leading layer axis under model/layers/..., the manifest saying version 1."""
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        params = ckptr.restore(ckpt / PARAMS_DIR)
+    layers = params["model"]["layers"]
+    keys = sorted(layers, key=int)
+    params["model"]["layers"] = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]),
+                                             *[layers[k] for k in keys])
+    shutil.rmtree(ckpt / PARAMS_DIR)
+    with ocp.PyTreeCheckpointer(use_compression=False) as ckptr:
+        ckptr.save(ckpt / PARAMS_DIR, params)
+    _edit_manifest(ckpt, format_version=1)
+
+
+def test_stacked_version_1_checkpoint_still_loads(ckpt_copy):
+    _write_stacked_v1(ckpt_copy)
+    out = load_model(str(ckpt_copy), "float32")
+    a, b = _params(tiny()), _params(out)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 def test_missing_params(ckpt_copy):
