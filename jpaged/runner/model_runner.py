@@ -148,7 +148,7 @@ class ModelRunner:
         sm_scale = 1.0 / math.sqrt(head_dim)
         ops = self.ops
 
-        def attn_fn(i: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+        def attn_fn(i: int, q: jax.Array, k: jax.Array, v: jax.Array,
                     pages: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
             # The carry holds the stored arrays (fp8/bf16 as bits); the ops see page-dtype views.
             k_stored, v_stored, k_scale, v_scale = pages
@@ -168,8 +168,11 @@ class ModelRunner:
                 v_scale=v_scale[i])
             return out, (to_bits(k_pages), to_bits(v_pages), k_scale, v_scale)
 
+        # Tensor parallel: the vocab-split table is looked up in place (no collective of it).
+        embed_fn = None if self.parallel is None else self.parallel.embed_lookup
         hidden, (k_pages, v_pages, k_scale, v_scale) = model(
-            input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale))
+            input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
+            embed_fn=embed_fn)
         logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0))
         if self.parallel is not None:  # vocab-split lm_head: whole logits on every device
             logits = self.parallel.gather_logits(logits)

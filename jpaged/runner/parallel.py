@@ -4,12 +4,14 @@ Parameters are placed with NamedSharding and the step is left to GSPMD, except a
 backend's ops run per device inside `shard_map` over the head axes, so each device writes and
 reads only its own KV heads' pages (the pool is never gathered).
 
-Layout for tensor_parallel_size N (every stacked decoder Param keeps its leading layer axis):
+Layout for tensor_parallel_size N (decoder layer i's Params are model.layers.i.*):
   q_proj, gate_proj, up_proj   split by output columns  -> each device owns heads / N, ffn / N
   k_proj, v_proj               split by columns when N <= kv_heads, else replicated
   o_proj, down_proj            split by input rows      -> partial sums, one all-reduce each
   embed_tokens, lm_head        split by vocabulary when N divides it (else replicated); the
-                               logits are all-gathered before sampling, which runs replicated
+                               token lookup is local and masked, then one psum of [T, hidden]
+                               (the table never moves); the logits are all-gathered before
+                               sampling, which runs replicated
   norms, o/down biases         replicated
   KV pool [L*nb, bs, H, D]     split on H; when N > kv_heads each KV head is stored N/kv_heads
                                times (H = N) so every device holds the one head its queries use
@@ -186,6 +188,28 @@ class TensorParallel:
             ways = self.size if AXIS in tuple(spec) else 1
             total += math.ceil(x.size / ways) * x.dtype.itemsize
         return total
+
+    def embed_lookup(self, table: jax.Array, input_ids: jax.Array) -> jax.Array:
+        """Rows of `input_ids` from the embedding table, moving activations only.
+
+        table: [vocab, hidden], split by vocabulary over the mesh; input_ids: [T]; returns
+        [T, hidden] replicated. Each device looks up the ids in its own vocabulary range (zeros
+        elsewhere) and one psum adds the devices' rows: exactly one device contributes each
+        row, so the sum is exact in any dtype. A plain take would all-gather the whole table.
+        """
+        if not self.split_vocab:
+            return jnp.take(table, input_ids, axis=0)
+
+        def local(part: jax.Array, ids: jax.Array) -> jax.Array:
+            rows = part.shape[0]  # this device's vocabulary: [index * rows, (index + 1) * rows)
+            j = ids - jax.lax.axis_index(AXIS) * rows
+            mine = (j >= 0) & (j < rows)
+            found = jnp.take(part, jnp.where(mine, j, 0), axis=0)
+            return jax.lax.psum(jnp.where(mine[:, None], found, jnp.zeros_like(found)), AXIS)
+
+        f = jax.shard_map(local, mesh=self.mesh, in_specs=(P(AXIS, None), P()), out_specs=P(),
+                          check_vma=False)
+        return f(table, input_ids)
 
     def gather_logits(self, logits: jax.Array) -> jax.Array:
         """Logits whole on every device: computed vocab-split, then one all-gather of [B, V].

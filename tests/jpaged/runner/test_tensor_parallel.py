@@ -63,8 +63,8 @@ def test_megatron_param_specs():
     def spec_of(name: str) -> P:
         return next(v for k, v in specs.items() if f"['{name}']['kernel']" in k)
 
-    assert spec_of("q_proj") == spec_of("k_proj") == spec_of("gate_proj") == P(None, None, "tp")
-    assert spec_of("o_proj") == spec_of("down_proj") == P(None, "tp", None)
+    assert spec_of("q_proj") == spec_of("k_proj") == spec_of("gate_proj") == P(None, "tp")
+    assert spec_of("o_proj") == spec_of("down_proj") == P("tp", None)
     assert spec_of("lm_head") == P(None, "tp")  # [hidden, vocab]
     assert next(v for k, v in specs.items() if "embed_tokens" in k) == P("tp", None)
     assert all(v == P() for k, v in specs.items() if "norm" in k)
@@ -112,11 +112,11 @@ def test_each_device_holds_its_share_of_the_pool(facts):
 def test_collectives(facts):
     for tp in (2, 4):
         found = facts[f"tiny_tp{tp}"]["collectives"]
-        # [T=16, hidden=64] all-reduces: after o_proj and down_proj (once each in the scanned
-        # layer body) and after the vocab-split embedding lookup. One all-gather: the logits
+        # [T=16, hidden=64] all-reduces: after o_proj and down_proj in each of the 2 layers,
+        # and the psum of the vocab-split embedding lookup. One all-gather: the logits
         # [B=4, vocab=300]. Nothing gathers the KV pool or a weight.
         assert sorted(found) == ["all-gather", "all-reduce"], found
-        assert [t.split("{")[0] for t in found["all-reduce"]] == ["f32[16,64]"] * 3, found
+        assert [t.split("{")[0] for t in found["all-reduce"]] == ["f32[16,64]"] * 5, found
         assert [t.split("{")[0] for t in found["all-gather"]] == ["f32[4,300]"], found
 
 
