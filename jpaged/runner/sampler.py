@@ -118,7 +118,10 @@ def sample(
     logits = logits.astype(jnp.float32)
     if flags.use_penalties:
         logits = apply_penalties(logits, s)
-    logprobs_all = jax.nn.log_softmax(logits, axis=-1)
+    # log_softmax's own terms per row, [B, 1] each; no [B, V] log-probability array is kept:
+    # a logprob is (logit - row max) - log(sum(exp(logits - row max))), as log_softmax computes.
+    row_max = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))
+    log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))
     greedy_ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     v = logits.shape[-1]
 
@@ -134,9 +137,11 @@ def sample(
         return jnp.where(s.temperature > 0, sampled, greedy_ids)
 
     ids = jax.lax.cond(jnp.all(s.temperature <= 0), lambda _: greedy_ids, draw, None)
-    chosen_lp = jnp.take_along_axis(logprobs_all, ids[:, None], axis=-1)[:, 0]
+    chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)
+    chosen_lp = ((chosen - row_max) - log_norm)[:, 0]
     if not flags.top_logprobs:  # nobody reads candidates: no top-k over the vocabulary
         b = logits.shape[0]
         return ids, chosen_lp, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
-    top_lp, top_ids = jax.lax.top_k(logprobs_all, min(NUM_TOP_LOGPROBS, v))
-    return ids, chosen_lp, top_ids.astype(jnp.int32), top_lp
+    # The logprob is monotonic in the logit: the top logits are the top logprobs.
+    top_logits, top_ids = jax.lax.top_k(logits, min(NUM_TOP_LOGPROBS, v))
+    return ids, chosen_lp, top_ids.astype(jnp.int32), (top_logits - row_max) - log_norm
