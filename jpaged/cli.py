@@ -150,7 +150,8 @@ def _run_worker_if_not_rank0(model: str | None, flags: dict[str, Any]) -> bool:
     says stop (True), or exit with the error; process 0 and single-process runs: False."""
     if flags.get("nnodes", 1) <= 1 or flags.get("node_rank", 0) == 0:
         return False
-    from jpaged.runner.multiprocess import ProcessGroupError, exit_now, run_worker
+    from jpaged.multiprocess_worker import run_worker
+    from jpaged.runner.multiprocess import ProcessGroupError, exit_now
 
     try:
         run_worker(_engine_args({**flags, "model": model}))

@@ -34,9 +34,10 @@ from jpaged.runner.multiprocess import (
     peak_rss_bytes,
     rss_bytes,
 )
-from jpaged.runner.parallel import TensorParallel, check_device_count, kv_bytes_per_device
+from jpaged.runner.parallel import TensorParallel, kv_bytes_per_device
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
 from models.loader import LoadedModel, load_model
+from models.sharding import check_device_count
 from pallas_kernels.backend import select_backend
 from pallas_kernels.reference import is_fp8
 
@@ -55,7 +56,7 @@ def _check_multiprocess(config: EngineConfig, loaded: LoadedModel | None) -> Non
     if p.node_rank != 0:
         raise ValueError(
             f"ParallelConfig.node_rank={p.node_rank}: only process 0 builds an LLM or an engine; "
-            "the other processes run jpaged.runner.multiprocess.run_worker(args) (CLI: the same "
+            "the other processes run jpaged.multiprocess_worker.run_worker(args) (CLI: the same "
             "command with --node-rank N)")
     if loaded is not None:
         raise ValueError("a preloaded model cannot span several processes (nnodes > 1): "

@@ -6,9 +6,28 @@ import enum
 import itertools
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
-from jpaged.core.block_hash import BlockHash, BlockHasher
 from jpaged.sampling_params import SamplingParams
+
+
+class PrefixHasher(Protocol):
+    """What a request needs of its prefix-block hasher (jpaged.core.block_hash.BlockHasher).
+
+    Injected by whoever creates the request (the engine, the tests) so this leaf module never
+    imports jpaged.core: the one hashing implementation stays in jpaged/core/block_hash.py.
+    """
+
+    block_size: int
+
+    def extra_bytes(self, cache_salt: str | None, extra_keys: tuple) -> tuple[bytes, bytes]:
+        """Encoded extra keys of (the first block, every later block) of one request."""
+        ...
+
+    def extend(self, hashes: list[bytes], token_ids: Sequence[int],
+               extra: tuple[bytes, bytes]) -> None:
+        """Append to `hashes` the hashes of every full block of `token_ids` not yet hashed."""
+        ...
 
 # Tie-breaker of the ordering key: requests created later sort later at equal arrival time.
 _REQUEST_SEQ = itertools.count()
@@ -50,7 +69,7 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
-                 extra_keys: tuple = (), block_hasher: BlockHasher | None = None) -> None:
+                 extra_keys: tuple = (), block_hasher: PrefixHasher | None = None) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"Request.prompt_token_ids must be non-empty (request {request_id!r})")
         self.request_id = request_id
@@ -82,8 +101,8 @@ class Request:
         self.last_token_time: float | None = None  # when its latest token reached the host
         # Snapshot: SamplingParams.all_stop_token_ids builds a set on every call.
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.all_stop_token_ids)
-        self.block_hashes: list[BlockHash] = []
-        self._hasher: BlockHasher | None = None
+        self.block_hashes: list[bytes] = []
+        self._hasher: PrefixHasher | None = None
         self._hash_extra: tuple[bytes, bytes] = (b"", b"")
         if block_hasher is not None:
             self.set_block_hasher(block_hasher)
@@ -122,11 +141,11 @@ class Request:
     # -- prefix hashes -------------------------------------------------------------------------
 
     @property
-    def block_hasher(self) -> BlockHasher | None:
+    def block_hasher(self) -> PrefixHasher | None:
         """The hasher maintaining block_hashes (None: prefix caching unused)."""
         return self._hasher
 
-    def set_block_hasher(self, hasher: BlockHasher) -> None:
+    def set_block_hasher(self, hasher: PrefixHasher) -> None:
         """Use `hasher` for block_hashes, recomputing them for the current tokens."""
         self._hasher = hasher
         self._hash_extra = hasher.extra_bytes(self.cache_salt, self.extra_keys)

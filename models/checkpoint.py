@@ -34,6 +34,7 @@ from flax import nnx
 
 from .config import ModelSpec
 from .registry import get_model_class
+from .sharding import make_mesh, param_shardings, plan_layout, vocab_splits
 from .tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # loader imports this module when it meets a checkpoint
@@ -263,9 +264,9 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
     graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(spec, dtype=jdtype,
                                                             rngs=nnx.Rngs(0))))
     if tensor_parallel_size > 1:
-        from jpaged.runner.parallel import TensorParallel
-
-        shardings = TensorParallel(spec, tensor_parallel_size).param_shardings(state)
+        layout = plan_layout(spec, tensor_parallel_size)  # validates the size, then the devices
+        shardings = param_shardings(state, make_mesh(tensor_parallel_size), layout,
+                                    vocab_splits(spec, tensor_parallel_size))
     else:
         one = SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: one, state)

@@ -19,6 +19,7 @@ from .checkpoint import MARKER as CHECKPOINT_MARKER
 from .checkpoint import load_checkpoint, read_manifest
 from .config import ModelSpec
 from .registry import get_model_class
+from .sharding import make_mesh, param_spec, plan_layout, vocab_splits
 from .tokenizer import Tokenizer
 from .weights import assign_weights, load_gguf, load_hf_dir_weights, place_weights
 
@@ -83,11 +84,12 @@ def build_model(spec: ModelSpec, weights: Mapping[str, Any], dtype: Any,
     if tensor_parallel_size == 1:
         assign_weights(model, weights, spec)
     else:
-        from jpaged.runner.parallel import TensorParallel  # validates the size and devices
-
-        tp = TensorParallel(spec, tensor_parallel_size)
-        place_weights(model, weights, spec,
-                      lambda path, ndim: NamedSharding(tp.mesh, tp.param_spec(path, ndim)))
+        # The engine's TensorParallel uses the same plan, so nothing is resharded later.
+        layout = plan_layout(spec, tensor_parallel_size)  # validates the size, then the devices
+        mesh = make_mesh(tensor_parallel_size)
+        split_vocab = vocab_splits(spec, tensor_parallel_size)
+        place_weights(model, weights, spec, lambda path, ndim: NamedSharding(
+            mesh, param_spec(path, ndim, layout, split_vocab)))
     for path, node in nnx.iter_graph(model):  # invariant: nothing abstract is left
         if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.ShapeDtypeStruct):
             raise RuntimeError(f"model variable {'.'.join(map(str, path))} was not loaded")

@@ -6,7 +6,9 @@ Process 0 alone owns the scheduler, block tables and prefix cache. For every dev
 launches (a step, a warm-up step) it first sends the other processes the same call over a ZMQ
 channel (a small msgpack header: op, bucket shape, flags; then the two step buffers), so all of
 them run the same executable on the same inputs, as multi-controller JAX requires. The others
-loop on "receive, launch" until process 0 says stop.
+loop on "receive, launch" until process 0 says stop (jpaged/multiprocess_worker.py: that loop
+builds an engine, so it stands above the engine; this module holds only what the engine and
+that loop share: the group, the step channel, the step's wire format).
 
 Ports: the JAX coordinator listens on master_port (process 0), the step channel on
 master_port + 1 (process 0).
@@ -29,7 +31,6 @@ Faults, with `timeout_s` = distributed_timeout_s (default 120 s):
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import time
 from collections.abc import Callable
@@ -43,8 +44,6 @@ if TYPE_CHECKING:
     from jpaged.config import EngineArgs
     from jpaged.runner.batch import FlatStep
     from jpaged.runner.sampler import SamplingFlags
-
-logger = logging.getLogger("jpaged")
 
 CHANNEL_PORT_OFFSET = 1  # the step channel listens on master_port + this
 # EngineArgs fields allowed to differ between processes: who this process is, and what only
@@ -388,33 +387,3 @@ def decode_step(header: dict[str, Any], buffers: list[bytes]) -> tuple[FlatStep,
     ints = np.frombuffer(buffers[0], np.int32)
     floats = np.frombuffer(buffers[1], np.float32)
     return FlatStep(ints, floats, t, b, m, h), SamplingFlags(**header["flags"])
-
-
-def run_worker(args: EngineArgs) -> None:
-    """A process other than 0: join, build the same engine, launch every step process 0 sends,
-    return when it says stop. Raises ProcessGroupError / ValueError as described above."""
-    from jpaged.engine import LLMEngine
-
-    if args.nnodes < 2 or args.node_rank == 0:
-        raise ValueError("run_worker is for processes 1..nnodes-1 of a multi-process run "
-                         f"(got nnodes={args.nnodes}, node_rank={args.node_rank})")
-    group = ProcessGroup(args)
-    # Loads alongside process 0 (an orbax restore is collective), then takes its pool size.
-    engine = LLMEngine(args, group=group)
-    runner = engine.runner
-    steps = 0
-    while True:
-        header, buffers = group.channel.recv()
-        if header["op"] == "stop":
-            break
-        if header["op"] != "step":
-            raise ProcessGroupError(f"unexpected message from process 0: {header}")
-        flat, flags = decode_step(header, buffers)
-        try:
-            runner.launch(flat, flags, header["calc"], scratch=header["scratch"])
-        except Exception as e:  # a collective with a process that is gone
-            raise group.failed(e) from e
-        steps += 1
-    logger.info("process %d: %d steps, process 0 said stop", group.rank, steps)
-    group.stop()
-    engine.shutdown()

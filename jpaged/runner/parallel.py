@@ -16,113 +16,32 @@ Layout for tensor_parallel_size N (decoder layer i's Params are model.layers.i.*
   KV pool [L*nb, bs, H, D]     split on H; when N > kv_heads each KV head is stored N/kv_heads
                                times (H = N) so every device holds the one head its queries use
   fp8 scales, step batch       replicated
+
+The parameter rules, the head layout and the mesh are models/sharding.py's (the loaders place
+parameters with them too); this module adds the KV pool and the attention ops.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpaged.runner.kv_cache import KVCache, storage_dtype
 from models.config import ModelSpec
+from models.sharding import AXIS, make_mesh, param_shardings, param_spec, plan_layout, vocab_splits
 from pallas_kernels.backend import AttentionOps
 
-AXIS = "tp"
 # Pages [blocks, bs, kv_heads, head_dim] and per-token heads [T, heads, head_dim]: split on heads.
 # No trailing None: jit returns the donated pool as P(None, None, 'tp'), and an input sharding
 # spelled differently is a different cache key (one extra compile per shape).
 PAGES = P(None, None, AXIS)
 HEADS = P(None, AXIS)
-
-# Stacked decoder Params (leading layer axis) split Megatron style; everything else replicated.
-_COLUMN_SPLIT = ("q_proj", "gate_proj", "up_proj")  # kernel [L, in, out], bias [L, out]
-_KV_PROJ = ("k_proj", "v_proj")  # column split only when the KV heads themselves split
-_ROW_SPLIT = ("o_proj", "down_proj")  # kernel [L, in, out] split on `in`; bias replicated
-
-
-def check_device_count(tensor_parallel_size: int) -> None:
-    """Raise ValueError when tensor_parallel_size exceeds the devices JAX sees."""
-    devices = jax.devices()
-    if tensor_parallel_size > len(devices):
-        raise ValueError(
-            f"tensor_parallel_size={tensor_parallel_size} needs {tensor_parallel_size} devices "
-            f"but only {len(devices)} {devices[0].platform} device(s) exist; on CPU, "
-            "XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices")
-
-
-def _fits(spec: ModelSpec, n: int) -> bool:
-    kv = spec.num_kv_heads
-    return (spec.num_heads % n == 0 and (kv % n == 0 or n % kv == 0)
-            and spec.intermediate_size % n == 0)
-
-
-def valid_tp_sizes(spec: ModelSpec) -> list[int]:
-    """Every tensor_parallel_size the model's head counts and FFN width allow."""
-    return [n for n in range(1, spec.num_heads + 1) if _fits(spec, n)]
-
-
-@dataclass(frozen=True)
-class TPLayout:
-    """How a model's heads split over `size` devices."""
-
-    size: int
-    num_heads: int
-    num_kv_heads: int
-
-    @property
-    def kv_replicas(self) -> int:
-        """Copies of each KV head in the pool (1 unless size > num_kv_heads)."""
-        return max(1, self.size // self.num_kv_heads)
-
-    @property
-    def kv_shards(self) -> int:
-        """Distinct ways the KV heads are split: each device's pool is 1/kv_shards of tp=1's."""
-        return min(self.size, self.num_kv_heads)
-
-    @property
-    def stored_kv_heads(self) -> int:
-        """KV heads of the pool array (num_kv_heads x kv_replicas)."""
-        return self.num_kv_heads * self.kv_replicas
-
-
-def plan_layout(spec: ModelSpec, tensor_parallel_size: int) -> TPLayout:
-    """Validate tensor_parallel_size against the model's heads; raise a ValueError naming both."""
-    n = tensor_parallel_size
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {n!r}")
-    if not _fits(spec, n):
-        why = []
-        if spec.num_heads % n:
-            why.append(f"{spec.num_heads} query heads do not split {n} ways")
-        if spec.num_kv_heads % n and n % spec.num_kv_heads:
-            why.append(f"{spec.num_kv_heads} KV heads neither split {n} ways nor divide {n}")
-        if spec.intermediate_size % n:
-            why.append(f"intermediate_size={spec.intermediate_size} does not split {n} ways")
-        raise ValueError(
-            f"tensor_parallel_size={n} does not fit the model ({spec.num_heads} query heads, "
-            f"{spec.num_kv_heads} KV heads): {'; '.join(why)}. tensor_parallel_size values "
-            f"that work: {', '.join(map(str, valid_tp_sizes(spec)))}")
-    return TPLayout(n, spec.num_heads, spec.num_kv_heads)
-
-
-def make_mesh(tensor_parallel_size: int, devices: Sequence[Any] | None = None) -> Mesh:
-    """A 1-D mesh ('tp',) over the first tensor_parallel_size devices (of `devices` if given)."""
-    if devices is None:
-        check_device_count(tensor_parallel_size)
-        devices = jax.devices()
-    elif len(devices) < tensor_parallel_size:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} needs "
-                         f"{tensor_parallel_size} devices; {len(devices)} were given")
-    return Mesh(np.array(list(devices)[:tensor_parallel_size]), (AXIS,))
-
 
 def _place(tree: Any, shardings: Any) -> Any:
     """device_put, or for abstract trees (ShapeDtypeStructs) the same structs with shardings."""
@@ -131,10 +50,6 @@ def _place(tree: Any, shardings: Any) -> Any:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                             tree, shardings)
     return jax.device_put(tree, shardings)
-
-
-def _names(path: tuple[Any, ...]) -> list[str]:
-    return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
 
 
 class TensorParallel:
@@ -147,7 +62,7 @@ class TensorParallel:
         self.mesh = make_mesh(tensor_parallel_size, devices)
         self.spec = spec
         # Embedding and lm_head rows split by vocabulary when it divides evenly.
-        self.split_vocab = spec.vocab_size % tensor_parallel_size == 0
+        self.split_vocab = vocab_splits(spec, tensor_parallel_size)
 
     @property
     def size(self) -> int:
@@ -157,24 +72,11 @@ class TensorParallel:
     # ------------------------------------------------------------------ parameters
     def param_spec(self, path: tuple[Any, ...], ndim: int) -> P:
         """PartitionSpec of one parameter leaf, from its module path and rank."""
-        names = [n for n in _names(path) if n != "value"]
-        module = next((n for n in reversed(names) if n.endswith("_proj")), None)
-        is_bias = "bias" in names
-        column = module in _COLUMN_SPLIT or (module in _KV_PROJ and self.layout.kv_replicas == 1)
-        if column:  # kernel [L, in, out] / bias [L, out]: split `out`
-            return P(*([None] * (ndim - 1)), AXIS)
-        if module in _ROW_SPLIT and not is_bias:  # kernel [L, in, out]: split `in`
-            return P(*([None] * (ndim - 2)), AXIS, None)
-        if self.split_vocab and names[-2:] == ["lm_head", "kernel"]:  # [hidden, vocab]
-            return P(None, AXIS)
-        if self.split_vocab and names[-2:] == ["embed_tokens", "embedding"]:  # [vocab, hidden]
-            return P(AXIS, None)
-        return P()
+        return param_spec(path, ndim, self.layout, self.split_vocab)
 
     def param_shardings(self, params: Any) -> Any:
         """A NamedSharding for every leaf of an nnx parameter State."""
-        return jax.tree_util.tree_map_with_path(
-            lambda path, x: NamedSharding(self.mesh, self.param_spec(path, x.ndim)), params)
+        return param_shardings(params, self.mesh, self.layout, self.split_vocab)
 
     def shard_params(self, params: Any) -> Any:
         """Place parameters on the mesh (a copy; the input stays where it was)."""

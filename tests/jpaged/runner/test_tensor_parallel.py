@@ -1,5 +1,6 @@
-"""Tensor parallelism: head layout rules here; engine facts from 4 forced CPU devices in a
-subprocess (tp_worker.py), so the rest of the suite keeps its single device."""
+"""Tensor parallelism: parameter specs here (the head layout rules: tests/models/test_sharding.py);
+engine facts from 4 forced CPU devices in a subprocess (tp_worker.py), so the rest of the suite
+keeps its single device."""
 
 from __future__ import annotations
 
@@ -13,32 +14,14 @@ import pytest
 from tiny_models import tiny_spec
 
 from jpaged.runner.kv_cache import CPU_DEFAULT_KV_BYTES
-from jpaged.runner.parallel import TensorParallel, plan_layout, valid_tp_sizes
+from jpaged.runner.parallel import TensorParallel
+from models.sharding import plan_layout
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("tp_worker.py")
 
 
-# ------------------------------------------------------------------ layout rules (no devices)
-def test_layout_splits_or_replicates_kv_heads():
-    spec = tiny_spec()  # 4 query heads, 2 KV heads
-    two, four = plan_layout(spec, 2), plan_layout(spec, 4)
-    assert (two.kv_replicas, two.kv_shards, two.stored_kv_heads) == (1, 2, 2)
-    assert (four.kv_replicas, four.kv_shards, four.stored_kv_heads) == (2, 2, 4)
-    assert valid_tp_sizes(spec) == [1, 2, 4]
-    smol = tiny_spec(num_heads=9, num_kv_heads=3, intermediate_size=1536)
-    assert valid_tp_sizes(smol) == [1, 3]
-
-
-def test_layout_error_names_sizes_and_heads():
-    smol = tiny_spec(num_heads=9, num_kv_heads=3, intermediate_size=1536)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 .*9 query heads, 3 KV heads"
-                       r".*values that work: 1, 3"):
-        plan_layout(smol, 2)
-    with pytest.raises(ValueError, match="intermediate_size=90 does not split 4 ways"):
-        plan_layout(tiny_spec(intermediate_size=90), 4)
-
-
+# ------------------------------------------------------------------ no devices
 def test_too_many_devices_is_refused():
     import jax
 
