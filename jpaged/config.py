@@ -15,6 +15,10 @@ DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_KV_CACHE_DIR = "~/.cache/jpaged/kv"  # the disk KV tier when kv_cache_dir is None
+# JAX's persistent compilation cache, unless JPAGED_COMPILE_CACHE_DIR says otherwise ("off":
+# none) or the process configured one itself (jax_compilation_cache_dir).
+DEFAULT_COMPILE_CACHE_DIR = "~/.cache/jpaged/xla"
+COMPILE_CACHE_ENV = "JPAGED_COMPILE_CACHE_DIR"
 DEFAULT_LOG_STATS_INTERVAL = 10.0  # seconds between periodic stats log lines
 # Multi-process runs: vLLM's --master-addr/--master-port defaults; the bound on joining and on
 # noticing a dead process (jpaged/runner/multiprocess.py).

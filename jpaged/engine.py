@@ -24,6 +24,7 @@ from jpaged.metrics import StatLogger
 from jpaged.outputs import RequestOutput
 from jpaged.request import Request, RequestStatus
 from jpaged.runner.batch import BucketPlan
+from jpaged.runner.compile_cache import enable_compilation_cache
 from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
 from jpaged.runner.kv_transfer import KVTransfer
 from jpaged.runner.memory_probe import step_activation_bytes
@@ -84,6 +85,7 @@ class LLMEngine(RequestFrontend):
         args = args or EngineArgs()
         t0 = time.perf_counter()
         early = args.create_engine_config(model_max_len=2**31 - 1)  # validated before loading
+        enable_compilation_cache()
         # Several processes, one model: join them before any device use (group: a process
         # other than 0 joined already, in run_worker).
         self.group = group

@@ -7,6 +7,8 @@ import jax
 
 _CACHE = Path(os.environ.get("JPAGED_TEST_JAX_CACHE", Path(__file__).parent.parent / ".jax_cache"))
 jax.config.update("jax_compilation_cache_dir", str(_CACHE))
+# Processes the tests start (CLI runs, workers) compile into the same cache, not the user's.
+os.environ.setdefault("JPAGED_COMPILE_CACHE_DIR", str(_CACHE))
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 # Shared helpers (tests/helpers.py) are importable from every test package.
