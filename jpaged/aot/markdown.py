@@ -37,11 +37,19 @@ def hbm_table(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {c['model']} | {c['kv_cache_dtype']} | {c['backend']} | "
             f"{c['tensor_parallel_size']} | {c['seqs']} | {c['context_len']} | "
-            f"{_gb(c['hbm_bytes'])} | {_gb(c['min_hbm_bytes'])} | {c['traffic_ratio']:.2f} | "
+            f"{_gb(c['hbm_bytes'])} | {_gb(c['min_hbm_bytes'])} | {c['traffic_ratio']:.2f}"
+            f"{'*' if _loop_once(c) else ''} | "
             f"{_gb(c['param_copy_bytes'])} | {_gb(c['param_collective_bytes'])} | "
             f"{_mib(c.get('temp_bytes'))} | {c['predicted_step_ms']:.2f} | "
             f"{c['predicted_step_ms_at_80pct']:.2f} |")
+    if any(_loop_once(c) for c in doc["cases"] if c.get("hbm_bytes") is not None):
+        lines += ["", "\\* a loop of unknown trip count (XLA path: the attention's chunk loop) "
+                  "is counted once: a lower bound."]
     return "\n".join(lines)
+
+
+def _loop_once(case: dict[str, Any]) -> bool:
+    return any("unknown trip count" in n for n in case.get("hbm_notes") or [])
 
 
 def kernel_table(doc: dict[str, Any]) -> str:
