@@ -2,6 +2,8 @@
 
 `target` describes an H200 to XLA (deviceless compile), `buffers` reads XLA's buffer assignment
 (is the KV pool updated in place, or copied), `kernels` reads each Pallas kernel's launch and
-ptxas resources, `cases` builds the engine's real step on abstract weights and `report` runs a
-set of cases into one JSON (`scripts/gpu_aot.py`).
+ptxas resources, `hlo` / `hbm` estimate the HBM bytes a compiled program moves from its
+optimized HLO (`traffic`: the per-case kernel rules and least bytes), `cases` builds the
+engine's real step on abstract weights and `report` runs a set of cases into one JSON
+(`scripts/gpu_aot.py`).
 """

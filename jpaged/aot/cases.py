@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
+from jpaged.aot.traffic import StepTraffic
 from jpaged.config import EngineArgs, EngineConfig
 from jpaged.runner.batch import BucketPlan, empty_step, flatten_step
 from jpaged.runner.kv_cache import KVCache, kv_dtype, storage_dtype
@@ -172,6 +173,18 @@ class StepBuilder:
         per = (self.spec.num_layers * self.num_blocks * self.block_size * self.local_kv_heads
                * self.spec.head_dim * storage_dtype(self.page_dtype).itemsize)
         return 2 * per
+
+    @property
+    def num_weights(self) -> int:
+        """Leaves of the params pytree: the step's entry parameters 0..n-1 (jitted order)."""
+        return len(jax.tree_util.tree_leaves(self.runner.params))
+
+    def traffic_case(self, tokens: int, seqs: int, context_len: int) -> StepTraffic:
+        """The HBM-traffic description of step (tokens, seqs) at a context length."""
+        return StepTraffic(tokens, seqs, context_len, self.spec.num_layers, self.block_size,
+                           self.local_kv_heads, self.spec.head_dim,
+                           storage_dtype(self.page_dtype).itemsize, self.spec.vocab_size,
+                           self.param_bytes, self.num_blocks)
 
     def pool_shape(self) -> str:
         """One pool array's XLA shape per device."""

@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true",
                    help="a decode and the largest mixed shape per configuration")
     p.add_argument("--out", type=Path, help="write the JSON here")
+    p.add_argument("--decode", action="store_true",
+                   help="only the decode shapes (batch 1, 16, 64, 256) of every configuration")
     p.add_argument("--only", help="only configurations whose model/kv_dtype/backend contain this")
     p.add_argument("--markdown", type=Path, metavar="JSON",
                    help="print the tables of an earlier run's JSON as markdown, compile nothing")
@@ -37,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from jpaged.aot.report import run
 
     t0 = time.perf_counter()
-    doc = run(args.quick, only=args.only)
+    doc = run(args.quick, only=args.only, decode_only=args.decode)
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1))
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
               f"CPU {s.get('activation_bytes_cpu_probe')} estimate "
               f"{s['estimate_activation_bytes']}; blocks {s['num_blocks']} "
               f"(estimate {s['estimate_num_blocks']})")
-    print(f"gpu_aot: {len(doc['cases'])} programs, {len(doc['problems'])} problems, "
+    from jpaged.aot.markdown import hbm_table, programs
+
+    print(hbm_table(doc))
+    print(f"gpu_aot: {programs(doc)} programs, {len(doc['problems'])} problems, "
           f"{doc['wall_s']} s (jax {doc['jax_version']})")
     for line in doc["problems"]:
         print(f"  PROBLEM {line}")

@@ -1,4 +1,5 @@
-"""Markdown tables of a gpu_aot JSON (for docs/kernels.md): kernels, programs, pool sizing."""
+"""Markdown tables of a gpu_aot JSON (for docs/kernels.md): kernels, programs, pool sizing, HBM
+traffic."""
 
 from __future__ import annotations
 
@@ -13,10 +14,50 @@ def _mib(x: int | None) -> str:
     return "-" if x is None else f"{x / 2**20:.0f} MiB"
 
 
+def programs(doc: dict[str, Any]) -> int:
+    """Programs compiled (a case's extra context rows share their program)."""
+    return sum(not c.get("reuses_compile") for c in doc["cases"])
+
+
+def _gb(x: int | None) -> str:
+    return "-" if x is None else f"{x / 1e9:.2f}"
+
+
+def hbm_table(doc: dict[str, Any]) -> str:
+    """Per decode case (tokens == seqs) and context: bytes moved, least bytes, their ratio,
+    weight copies and collectives, temp bytes and the predicted step time on the H200."""
+    bw = doc.get("hbm_bytes_per_s")
+    head = ("| model | KV | path | tp | B | context | HBM GB | min GB | ratio | param copy GB | "
+            "param collective GB | temp | ms @ peak | ms @ 80% |")
+    lines = [f"HBM traffic per decode step (peak {bw / 1e12:.1f} TB/s)" if bw else
+             "HBM traffic per decode step", "", head, "|---" * 14 + "|"]
+    for c in doc["cases"]:
+        if c["program"] != "step" or c["tokens"] != c["seqs"] or c.get("hbm_bytes") is None:
+            continue
+        lines.append(
+            f"| {c['model']} | {c['kv_cache_dtype']} | {c['backend']} | "
+            f"{c['tensor_parallel_size']} | {c['seqs']} | {c['context_len']} | "
+            f"{_gb(c['hbm_bytes'])} | {_gb(c['min_hbm_bytes'])} | {c['traffic_ratio']:.2f}"
+            f"{'*' if _loop_once(c) else ''} | "
+            f"{_gb(c['param_copy_bytes'])} | {_gb(c['param_collective_bytes'])} | "
+            f"{_mib(c.get('temp_bytes'))} | {c['predicted_step_ms']:.2f} | "
+            f"{c['predicted_step_ms_at_80pct']:.2f} |")
+    if any(_loop_once(c) for c in doc["cases"] if c.get("hbm_bytes") is not None):
+        lines += ["", "\\* a loop of unknown trip count (XLA path: the attention's chunk loop) "
+                  "is counted once: a lower bound."]
+    return "\n".join(lines)
+
+
+def _loop_once(case: dict[str, Any]) -> bool:
+    return any("unknown trip count" in n for n in case.get("hbm_notes") or [])
+
+
 def kernel_table(doc: dict[str, Any]) -> str:
     """One row per distinct (configuration, kernel name): its compiled resources."""
     seen: dict[tuple, dict[str, Any]] = {}
     for c in doc["cases"]:
+        if c.get("reuses_compile"):
+            continue
         for k in c.get("kernels", []):
             key = (c["model"], c["kv_cache_dtype"], c["tensor_parallel_size"], k["name"])
             if key not in seen:
@@ -38,7 +79,8 @@ def program_table(doc: dict[str, Any]) -> str:
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for c in doc["cases"]:
         key = (c["model"], c["kv_cache_dtype"], c["backend"], c["tensor_parallel_size"])
-        groups.setdefault(key, []).append(c)
+        if not c.get("reuses_compile"):
+            groups.setdefault(key, []).append(c)
     lines = ["| model | KV | path | tp | programs | compiled | pool in place | pool per device | "
              "compile s (max) | temp bytes (min..max) |", "|---" * 10 + "|"]
     for (model, kvd, be, tp), rows in groups.items():
@@ -73,6 +115,7 @@ def sizing_table(doc: dict[str, Any]) -> str:
 def render(doc: dict[str, Any]) -> str:
     """All three tables with a heading line naming the run."""
     head = (f"jax {doc['jax_version']}, {doc['target']}, mode {doc['mode']}, "
-            f"{len(doc['cases'])} programs, {len(doc['problems'])} problems, "
+            f"{programs(doc)} programs, {len(doc['problems'])} problems, "
             f"{doc.get('wall_s', '?')} s")
-    return "\n\n".join([head, program_table(doc), kernel_table(doc), sizing_table(doc)])
+    return "\n\n".join([head, program_table(doc), kernel_table(doc), sizing_table(doc),
+                        hbm_table(doc)])

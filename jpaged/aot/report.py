@@ -15,6 +15,7 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +30,10 @@ from jpaged.aot.buffers import (
     pool_report,
 )
 from jpaged.aot.cases import StepBuilder, engine_config, model_source, model_spec
+from jpaged.aot.hbm import estimate_traffic
 from jpaged.aot.kernels import capture_stderr, find_ptxas, kernel_resources
-from jpaged.aot.target import TARGET_NAME, GpuTarget, h200_target
+from jpaged.aot.target import H200_HBM_BYTES_PER_S, TARGET_NAME, GpuTarget, h200_target
+from jpaged.aot.traffic import DECODE_BATCHES, DECODE_CONTEXTS, HBM_KEYS, hbm_fields
 from jpaged.runner.batch import BucketPlan
 from jpaged.runner.kv_cache import DEFAULT_UTILIZATION, plan_kv_pool
 from jpaged.runner.memory_probe import PROBE_BLOCKS, largest_shape, step_activation_bytes
@@ -55,8 +58,14 @@ class Config:
 
 
 def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
-                    target: GpuTarget | None = None) -> dict[str, Any]:
-    """Lower (inside the target's context) and compile one program; its report fields."""
+                    target: GpuTarget | None = None,
+                    analyze: Callable[[str], list[dict[str, Any]]] | None = None
+                    ) -> dict[str, Any]:
+    """Lower (inside the target's context) and compile one program; its report fields.
+
+    `analyze`: called with the optimized HLO text; its list (one dict per context length) is
+    kept under "hbm" (its failure under "hbm_error", the case still compiled).
+    """
     # Every key is present whatever happens; a failed case keeps None and its `error`.
     row: dict[str, Any] = {"compiled": False, "compile_s": None, "argument_bytes": None,
                            "output_bytes": None, "temp_bytes": None, "alias_bytes": None,
@@ -86,6 +95,12 @@ def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
                                     for v in rep.largest_temps]
             if gpu:
                 row["kernels"] = [k.as_dict() for k in kernel_resources(d, ptxas, log[0])]
+            if analyze is not None:
+                try:
+                    row["hbm"] = analyze(compiled.as_text())
+                except Exception as e:  # noqa: BLE001 - the estimate fails alone
+                    row["hbm_error"] = f"{type(e).__name__}: {e}"[:2000]
+                    logger.debug("hbm estimate failed:\n%s", traceback.format_exc())
     except Exception as e:  # noqa: BLE001 - each case reports its own failure
         row["compile_s"] = round(time.perf_counter() - t0, 2)
         row["error"] = f"{type(e).__name__}: {e}"[:4000]
@@ -159,28 +174,65 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
     spec = model_spec(cfg.model)
     builder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
                           target.devices, cfg.tensor_parallel_size)
+    # Decode shapes (tokens == seqs) compile with block tables wide enough for the longest
+    # context reported; that program serves every context, so it compiles once.
+    decoder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
+                          target.devices, cfg.tensor_parallel_size,
+                          engine_config(spec, max_model_len=max(DECODE_CONTEXTS)))
     base = {"model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
             "tensor_parallel_size": cfg.tensor_parallel_size, "num_blocks": num_blocks,
             "pool_bytes": builder.pool_bytes}
     rows = []
     for t, b in shapes:
-        row = {**base, "program": "step", "tokens": t, "seqs": b}
-        row.update(compile_lowered(lambda t=t, b=b: builder.lower_step(t, b), True, ptxas,
-                                   builder.pool_shape(), target=target))
+        bld = decoder if t == b else builder
+        # Mixed steps: each sequence prefills t // b tokens from position 0 (the assumption).
+        contexts = DECODE_CONTEXTS if t == b else (max(1, t // b),)
+
+        def analyze(text: str, bld=bld, t=t, b=b, contexts=contexts) -> list[dict[str, Any]]:
+            return [hbm_fields(text, bld.traffic_case(t, b, c), bld.num_weights,
+                               bld.pool_shape()) for c in contexts]
+
+        row = {**base, "program": "step", "tokens": t, "seqs": b,
+               "max_model_len": bld.config.scheduler.max_model_len}
+        row.update(compile_lowered(lambda bld=bld, t=t, b=b: bld.lower_step(t, b), True, ptxas,
+                                   bld.pool_shape(), target=target, analyze=analyze))
         if (t, b) == tuple(sizing["probe_shape"]):
             row["temp_bytes_at_probe_pool"] = sizing["activation_bytes_gpu"]
-        rows.append(row)
-        _log_row(row)
+        for r in per_context(row, contexts):
+            rows.append(r)
+            _log_row(r)
     if transfers and cfg.tensor_parallel_size == 1:
         for kind in ("gather", "scatter"):
             row = {**base, "program": f"kv_{kind}", "tokens": 64, "seqs": 0}
             row.update(compile_lowered(lambda kind=kind: builder.lower_transfer(kind, 64), True,
-                                       ptxas, builder.pool_shape(), target=target))
+                                       ptxas, builder.pool_shape(), target=target,
+                                       analyze=transfer_traffic))
+            row.update(dict.fromkeys(HBM_KEYS), **(row.pop("hbm", None) or [{}])[0])
             if kind == "gather":  # not donated: only the absence of copies matters
                 row["pool_aliased"] = None if not row.get("pool_copies") else False
             rows.append(row)
             _log_row(row)
     return rows, sizing
+
+
+def transfer_traffic(text: str) -> list[dict[str, Any]]:
+    """A tier transfer program's bytes moved (no weights, no kernels) and predicted time."""
+    moved = estimate_traffic(text).hbm_bytes
+    return [{"hbm_bytes": moved, "predicted_step_ms": round(moved / H200_HBM_BYTES_PER_S * 1e3,
+                                                            3)}]
+
+
+def per_context(row: dict[str, Any], contexts: tuple[int, ...]) -> list[dict[str, Any]]:
+    """One row per context length of a compiled case (its HBM_KEYS filled); rows after the
+    first are marked `reuses_compile` (same program: not counted or checked twice)."""
+    found = row.pop("hbm", None) or [{"context_len": c} for c in contexts]
+    out = []
+    for i, h in enumerate(found):
+        r = {**row, **dict.fromkeys(HBM_KEYS), **h}
+        if i:
+            r["reuses_compile"] = True
+        out.append(r)
+    return out
 
 
 def _log_row(row: dict[str, Any]) -> None:
@@ -190,13 +242,22 @@ def _log_row(row: dict[str, Any]) -> None:
     print(f"  {row['model']:13s} {row['kv_cache_dtype']:9s} {row['backend']:6s} "
           f"tp{row['tensor_parallel_size']} {row['program']:8s} T={row['tokens']:<5d} "
           f"B={row['seqs']:<4d} {row.get('compile_s', 0):6.1f}s "
-          f"aliased={row.get('pool_aliased')} {status} {ks}", flush=True)
+          f"aliased={row.get('pool_aliased')} {status} {ks}{_hbm_text(row)}", flush=True)
+
+
+def _hbm_text(row: dict[str, Any]) -> str:
+    if row.get("hbm_bytes") is None:
+        return ""
+    return (f" ctx={row['context_len']} hbm={row['hbm_bytes'] / 1e9:.2f}GB "
+            f"x{row['traffic_ratio']} {row['predicted_step_ms']:.2f}ms")
 
 
 def check_rows(rows: list[dict[str, Any]]) -> list[str]:
     """What fails the issue's bar: not compiled, pool not aliased, registers, spills, smem."""
     bad = []
     for r in rows:
+        if r.get("reuses_compile"):
+            continue
         tag = (f"{r['model']}/{r['kv_cache_dtype']}/{r['backend']}/tp{r['tensor_parallel_size']}"
                f"/{r['program']} T={r['tokens']} B={r['seqs']}")
         if not r.get("compiled"):
@@ -229,18 +290,18 @@ def plan_configs(quick: bool) -> list[tuple[Config, str]]:
 
 
 def shapes_for(builder_plan: Any, which: str) -> list[tuple[int, int]]:
-    """Bucket shapes: 'all' of the plan; 'quick' = a decode and the largest mixed shape (every
-    kernel and both attention paths); 'decode' = the batch-64 decode shape."""
+    """Bucket shapes: 'all' of the plan; 'quick' = the decode shapes of DECODE_BATCHES and the
+    largest mixed shape (every kernel and both attention paths); 'decode' = the decode shapes."""
     all_shapes = builder_plan.all_shapes()
-    decode = (64, 64) if (64, 64) in all_shapes else all_shapes[0]
+    decode = [(b, b) for b in DECODE_BATCHES if (b, b) in all_shapes] or all_shapes[:1]
     if which == "all":
         return all_shapes
     if which == "decode":
-        return [decode]
-    return [decode, max(all_shapes)]
+        return decode
+    return [*decode, max(all_shapes)]
 
 
-def run(quick: bool, only: str | None = None) -> dict[str, Any]:
+def run(quick: bool, only: str | None = None, decode_only: bool = False) -> dict[str, Any]:
     """Every case of the plan for one abstract H200 (two for TP); the JSON document."""
     ptxas = find_ptxas()
     targets = {1: h200_target(1)}
@@ -256,10 +317,12 @@ def run(quick: bool, only: str | None = None) -> dict[str, Any]:
         if target is None:
             continue
         plan = BucketPlan.for_config(engine_config(model_spec(cfg.model)))
-        rows, size = run_config(cfg, shapes_for(plan, which), target, ptxas,
-                                transfers=(cfg.backend == "xla"), cpu_probe=cfg.backend == "xla")
+        rows, size = run_config(cfg, shapes_for(plan, "decode" if decode_only else which),
+                                target, ptxas, transfers=cfg.backend == "xla" and not decode_only,
+                                cpu_probe=cfg.backend == "xla" and not decode_only)
         cases += rows
         sizing.append(size)
+    mode = "decode" if decode_only else "quick" if quick else "full"
     return {"jax_version": jax.__version__, "target": TARGET_NAME,
-            "ptxas": ptxas, "mode": "quick" if quick else "full",
+            "hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "ptxas": ptxas, "mode": mode,
             "cases": cases, "sizing": sizing, "problems": check_rows(cases)}

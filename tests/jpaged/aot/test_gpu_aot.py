@@ -7,8 +7,10 @@ import jax.numpy as jnp
 import pytest
 
 from jpaged.aot.kernels import capture_stderr, is_pallas_kernel, parse_ptxas, parse_thunks
-from jpaged.aot.report import check_rows, plan_configs, shapes_for
+from jpaged.aot.markdown import hbm_table, programs
+from jpaged.aot.report import check_rows, per_context, plan_configs, shapes_for
 from jpaged.aot.target import cuda_plugin_error, h200_target_config, target_field
+from jpaged.aot.traffic import HBM_KEYS
 
 THUNKS = """\
 021: kCustomKernel [prev=020 (1)  | next=022 (1)] kv_write grid: [16, 3, 1] threads: [32, 1, 1]  \
@@ -67,8 +69,30 @@ def test_plan_covers_both_models_dtypes_backends_and_tp2():
         def all_shapes(self):
             return [(1, 1), (4, 4), (16, 16), (64, 16), (64, 64), (2048, 256)]
 
-    assert shapes_for(Plan(), "quick") == [(64, 64), (2048, 256)]  # decode + largest mixed
+    # The decode shapes of DECODE_BATCHES the plan has, then the largest mixed shape.
+    assert shapes_for(Plan(), "quick") == [(1, 1), (16, 16), (64, 64), (2048, 256)]
+    assert shapes_for(Plan(), "decode") == [(1, 1), (16, 16), (64, 64)]
     assert shapes_for(Plan(), "all") == Plan().all_shapes()
+
+
+def test_decode_case_gives_one_row_per_context_and_a_summary():
+    row = {"model": "m", "kv_cache_dtype": "bfloat16", "backend": "pallas",
+           "tensor_parallel_size": 1, "program": "step", "tokens": 1, "seqs": 1,
+           "compiled": True, "pool_aliased": True, "pool_copies": [], "temp_bytes": 2**20,
+           "hbm": [{"context_len": c, "hbm_bytes": 3 * 10**9, "min_hbm_bytes": 10**9,
+                    "traffic_ratio": 3.0, "param_copy_bytes": 0, "param_collective_bytes": 0,
+                    "predicted_step_ms": 0.625, "predicted_step_ms_at_80pct": 0.781}
+                   for c in (1024, 4096)]}
+    rows = per_context(row, (1024, 4096))
+    assert [r["context_len"] for r in rows] == [1024, 4096]
+    assert [bool(r.get("reuses_compile")) for r in rows] == [False, True]
+    assert all(k in rows[0] for k in HBM_KEYS)
+    doc = {"cases": rows, "hbm_bytes_per_s": 4.8e12}
+    table = hbm_table(doc)
+    assert "| m | bfloat16 | pallas | 1 | 1 | 4096 | 3.00 | 1.00 | 3.00 |" in table
+    assert programs(doc) == 1
+    failed = per_context({**row, "hbm": None, "compiled": False}, (1024, 4096))
+    assert [r["context_len"] for r in failed] == [1024, 4096] and failed[0]["hbm_bytes"] is None
 
 
 def test_target_config_is_an_h200():
@@ -96,9 +120,22 @@ def test_one_step_compiles_for_an_h200():
     target = h200_target(1)
     b = StepBuilder(model_spec("smollm2-135m"), jnp.bfloat16, "fp8_e4m3", "pallas", 4099,
                     target.devices)
+    from jpaged.aot.traffic import hbm_fields
+
+    def analyze(text: str) -> list[dict]:
+        return [hbm_fields(text, b.traffic_case(16, 16, 512), b.num_weights, b.pool_shape())]
+
     row = compile_lowered(lambda: b.lower_step(16, 16), True, None, b.pool_shape(),
-                          target=target)
+                          target=target, analyze=analyze)
     assert row["compiled"], row.get("error")
+    hbm = row["hbm"][0]
+    # Every weight is read at least once and the decode kernel reads the 512-token contexts.
+    assert hbm["hbm_bytes"] >= hbm["min_hbm_bytes"] > b.param_bytes
+    case = b.traffic_case(16, 16, 512)
+    decode = [k for k in hbm["kernel_hbm_bytes"] if k.startswith("paged_decode_")]
+    assert len(decode) == 1
+    layers = b.spec.num_layers
+    assert hbm["kernel_hbm_bytes"][decode[0]] >= layers * 2 * 16 * 512 * case.row_bytes
     assert row["pool_aliased"] and row["pool_copies"] == []
     names = {k["name"].split("_ppb")[0].split("_qt")[0] for k in row["kernels"]}
     assert names == {"kv_write", "ragged_paged", "paged_decode"}

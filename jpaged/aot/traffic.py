@@ -1,0 +1,117 @@
+"""The HBM figures of one compiled step case: what its kernels read, the least it could move.
+
+`StepTraffic` describes a case (shape, context, model and pool geometry per device); from it come
+the Pallas kernels' read rules for `hbm.estimate_traffic` and `min_hbm_bytes`, and `hbm_fields`
+gives the JSON fields of a case from the compiled program's optimized HLO text.
+
+Kernel rules, per launch (one layer): `kv_write` writes the step's new tokens' K (and V) rows and
+reads none of the pool; the split-K decode kernel `paged_decode_ppb{P}_ppp{Q}` reads, per
+sequence, its context rounded up to its P-page steps (a decode step only; otherwise it is
+launched inactive and reads no page); the tiled kernel `ragged_paged_qt{T}_ppb{P}` reads, per
+query tile of T tokens, the keys up to the tile's last position rounded up to P pages (a step
+with more than one token per sequence only; each sequence prefills tokens / seqs tokens from
+position 0). Both attention kernels read K and V of their own kv heads only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from jpaged.aot.hbm import HbmModel, KernelRule, estimate_traffic
+from jpaged.aot.target import H200_HBM_BYTES_PER_S, HBM_REALISTIC_FRACTION
+
+DECODE_BATCHES = (1, 16, 64, 256)
+DECODE_CONTEXTS = (1024, 4096)
+# Every key a case row carries (None when its program did not compile).
+HBM_KEYS = ("context_len", "hbm_bytes", "min_hbm_bytes", "traffic_ratio", "param_copy_bytes",
+            "param_collective_bytes", "predicted_step_ms", "predicted_step_ms_at_80pct",
+            "kernel_hbm_bytes", "hbm_notes", "context_fits_pool")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _param(name: str, key: str) -> int:
+    m = re.search(rf"{key}(\d+)", name)
+    if not m:
+        raise ValueError(f"kernel name {name!r} has no {key}<n>")
+    return int(m.group(1))
+
+
+@dataclass(frozen=True)
+class StepTraffic:
+    """One step case on one device: (tokens, seqs) at a context length, and the geometry."""
+
+    tokens: int
+    seqs: int
+    context_len: int  # tokens of each sequence the step attends over (its new ones included)
+    num_layers: int
+    block_size: int
+    kv_heads: int  # per device
+    head_dim: int
+    page_bytes: int  # bytes of one stored K (or V) element: 2 for bf16, 1 for fp8
+    vocab_size: int
+    param_bytes: int  # per device
+    num_blocks: int  # pool blocks per layer
+
+    @property
+    def decode(self) -> bool:
+        """One new token per sequence: the split-K decode kernel is the active one."""
+        return self.tokens == self.seqs
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's K (or V) in one layer on this device."""
+        return self.kv_heads * self.head_dim * self.page_bytes
+
+    def kernel_rule(self, name: str) -> KernelRule | None:
+        """Pool bytes one launch of the named Pallas kernel reads / writes (None: unknown)."""
+        if name.startswith("kv_write"):
+            return KernelRule(0, self.tokens * self.row_bytes)
+        if name.startswith("paged_decode_"):
+            if not self.decode:
+                return KernelRule(0, 0)
+            step = _param(name, "ppb") * self.block_size
+            return KernelRule(self.seqs * _cdiv(self.context_len, step) * step * self.row_bytes,
+                              0)
+        if name.startswith("ragged_paged_"):
+            if self.decode:
+                return KernelRule(0, 0)
+            qt, step = _param(name, "qt"), _param(name, "ppb") * self.block_size
+            n = max(1, self.tokens // self.seqs)
+            keys = sum(_cdiv(min((j + 1) * qt, n), step) * step for j in range(_cdiv(n, qt)))
+            return KernelRule(self.seqs * keys * self.row_bytes, 0)
+        return None
+
+    def min_hbm_bytes(self) -> int:
+        """Weights once, the attended K/V once, the new K/V written once, f32 logits once."""
+        kv = 2 * self.num_layers * self.row_bytes * (self.seqs * self.context_len + self.tokens)
+        return self.param_bytes + kv + self.seqs * self.vocab_size * 4
+
+    def fits_pool(self) -> bool:
+        """Whether the pool holds every sequence's context at once."""
+        return self.seqs * _cdiv(self.context_len, self.block_size) <= self.num_blocks
+
+
+def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: str,
+               bandwidth: float = H200_HBM_BYTES_PER_S) -> dict[str, Any]:
+    """The HBM_KEYS of one case from its program's optimized HLO text."""
+    model = HbmModel(num_weights=num_weights, pool_shape=pool_shape,
+                     kernel_rule=case.kernel_rule)
+    t = estimate_traffic(hlo_text, model)
+    least = case.min_hbm_bytes()
+    return {
+        "context_len": case.context_len, "hbm_bytes": t.hbm_bytes, "min_hbm_bytes": least,
+        "traffic_ratio": round(t.hbm_bytes / least, 3),
+        "param_copy_bytes": t.param_copy_bytes,
+        "param_collective_bytes": t.param_collective_bytes,
+        "predicted_step_ms": round(t.hbm_bytes / bandwidth * 1e3, 3),
+        "predicted_step_ms_at_80pct": round(
+            t.hbm_bytes / (bandwidth * HBM_REALISTIC_FRACTION) * 1e3, 3),
+        "kernel_hbm_bytes": t.kernel_bytes, "hbm_notes": t.notes,
+        "context_fits_pool": case.fits_pool(),
+    }
+

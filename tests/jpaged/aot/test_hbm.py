@@ -1,0 +1,133 @@
+"""The HBM traffic estimator (`jpaged.aot.hbm`) on programs whose bytes are counted by hand: tiny
+jitted CPU programs (an elementwise op, a scan over stacked weights against a Python loop over
+separate ones) and a handwritten optimized-HLO module with the GPU-only constructs (known trip
+count, Pallas custom-calls, sliced pool reads, in-place updates, an all-gather of a weight)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jpaged.aot.hbm import HbmModel, KernelRule, estimate_traffic
+from jpaged.aot.hlo import parse_module, shape_bytes
+from jpaged.aot.traffic import StepTraffic
+
+K, LAYERS, ROWS = 128, 8, 4
+WEIGHT = K * K * 4  # one f32 [K, K] layer
+
+
+def _hlo(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_shape_bytes():
+    assert shape_bytes("bf16[32,4096]{1,0}") == 32 * 4096 * 2
+    assert shape_bytes("(s32[], f32[4]{0}, /*index=2*/u8[2,3]{1,0})") == 4 + 16 + 6
+    assert shape_bytes("f8e4m3fn[10]{0}") == 10 and shape_bytes("pred[]") == 1
+
+
+def test_elementwise_reads_and_writes_once():
+    n = 1000
+    t = estimate_traffic(_hlo(lambda a: a * 2 + 1, jnp.zeros(n, jnp.float32)))
+    assert t.hbm_bytes == 8 * n  # read 4n, write 4n: one fused kernel
+    assert t.param_copy_bytes == 0 and t.notes == []
+
+
+def _scan(ws, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+
+
+def _loop(ws, x):
+    for w in ws:
+        x = jnp.tanh(x @ w)
+    return x
+
+
+def test_scan_counts_its_body_per_trip_and_the_weight_slice_copies():
+    ws, x = jnp.zeros((LAYERS, K, K)), jnp.zeros((ROWS, K))
+    text = _hlo(_scan, ws, x)
+    t = estimate_traffic(text, HbmModel(num_weights=1))
+    # XLA:CPU materializes each layer's slice: read it, write it, read it again in the matmul.
+    assert t.param_copy_bytes == LAYERS * WEIGHT
+    # Plus per trip h in and out of the matmul and of the tanh, and a few scalars (exactly that
+    # under jax 0.10.2; the bound leaves XLA:CPU room to fuse differently).
+    activations = (LAYERS + 1) * 4 * ROWS * K * 4 + 1024
+    assert 3 * LAYERS * WEIGHT <= t.hbm_bytes <= 3 * LAYERS * WEIGHT + activations
+    assert t.notes == []
+    # Without XLA's known_trip_count the condition's constant gives the same count.
+    bare = re.sub(r'"known_trip_count":\{"n":"\d+"\}', '"x":1', text)
+    t2 = estimate_traffic(bare, HbmModel(num_weights=1))
+    assert t2.hbm_bytes == t.hbm_bytes and "from its condition's constant" in t2.notes[0]
+
+
+def test_python_loop_over_separate_weights_copies_nothing():
+    ws, x = [jnp.zeros((K, K)) for _ in range(LAYERS)], jnp.zeros((ROWS, K))
+    t = estimate_traffic(_hlo(_loop, ws, x), HbmModel(num_weights=LAYERS))
+    assert t.param_copy_bytes == 0
+    assert LAYERS * WEIGHT <= t.hbm_bytes <= LAYERS * WEIGHT + (LAYERS + 1) * 4 * ROWS * K * 4
+
+
+# A GPU-style optimized module (hbm_module.hlo.txt). Per loop trip (4, from known_trip_count):
+#   %wslice  reads the weight's slice 131072 + index 4, writes 131072     = 262148 (a weight copy)
+#   %h2      (gemm) reads 512 + 131072, writes 512                         = 132096
+#   %pages   reads 4 gathered pages 16384 (not the 262144-byte pool) + 16,
+#            writes 16384                                                  =  32784
+#   %attn    Pallas decode: 2 pool operands x rule 1000 + 512, writes 1024 =   3536
+#   %kw      Pallas kv_write: 512 + pools 0, writes 2 x rule 300           =   1112
+#   %pool2   in-place update: reads update 4096 + 4, writes 4096           =   8196
+#   %i2      4 + 4 + 4 = 12; condition compare 4 + 4 + 1 = 9
+# Entry: all-gather of the embedding reads 128000, writes 256000; the lookup reads one row 128
+# (+ 4 of its index), writes 128 (a slice of a weight); compare 9; the larger branch 2048.
+GPU_HLO = (Path(__file__).parent / "hbm_module.hlo.txt").read_text()
+BODY = 262148 + 132096 + 32784 + 3536 + 1112 + 8196 + 12
+ENTRY = 384000 + 260 + 9 + 2048
+
+
+def _rules(name: str) -> KernelRule | None:
+    return {"paged_decode_ppb8_ppp8": KernelRule(1000, 0), "kv_write": KernelRule(0, 300)
+            }.get(name)
+
+
+def test_handwritten_gpu_module_counted_by_hand():
+    comps, entry = parse_module(GPU_HLO)
+    assert entry == "main" and comps["body"].root.operands[-1] == "upd"
+    model = HbmModel(num_weights=2, pool_shape="u16[64,16,2,64]", kernel_rule=_rules)
+    t = estimate_traffic(GPU_HLO, model)
+    assert t.hbm_bytes == 4 * (BODY + 9) + ENTRY
+    assert t.param_copy_bytes == 4 * 131072 + 128  # the layer slices and the embedding row
+    assert t.param_collective_bytes == 256000  # the gathered embedding
+    assert t.kernel_bytes == {"paged_decode_ppb8_ppp8": 4 * 3536, "kv_write": 4 * 1112}
+    assert t.notes == ["cnd: largest of 2 branches counted"]
+    # Unknown trip count: the condition's constant; no constant: once, and said so.
+    t2 = estimate_traffic(GPU_HLO.replace('"known_trip_count":{"n":"4"}', '"x":1'), model)
+    assert t2.hbm_bytes == t.hbm_bytes
+    t3 = estimate_traffic(GPU_HLO.replace('"known_trip_count":{"n":"4"}', '"x":1')
+                          .replace("s32[] constant(4)", "s32[] parameter(1)"), model)
+    assert t3.hbm_bytes == BODY + 9 + ENTRY and "unknown trip count" in t3.notes[0]
+    # No weights named: nothing is a weight copy or a weight collective.
+    t4 = estimate_traffic(GPU_HLO, HbmModel(pool_shape="u16[64,16,2,64]", kernel_rule=_rules))
+    assert (t4.param_copy_bytes, t4.param_collective_bytes) == (0, 0)
+
+
+def test_step_rules_decode_and_prefill():
+    dec = StepTraffic(tokens=4, seqs=4, context_len=100, num_layers=2, block_size=16, kv_heads=2,
+                      head_dim=64, page_bytes=2, vocab_size=1000, param_bytes=10**6,
+                      num_blocks=64)
+    assert dec.row_bytes == 256
+    # 100 keys in steps of 2 pages (32 keys): 128 keys per sequence.
+    assert dec.kernel_rule("paged_decode_ppb2_ppp4") == KernelRule(4 * 128 * 256, 0)
+    assert dec.kernel_rule("ragged_paged_qt4_ppb4") == KernelRule(0, 0)  # launched inactive
+    assert dec.kernel_rule("kv_write") == KernelRule(0, 4 * 256)
+    assert dec.kernel_rule("something_else") is None
+    assert dec.min_hbm_bytes() == 10**6 + 2 * 2 * 256 * (4 * 100 + 4) + 4 * 1000 * 4
+    assert dec.fits_pool() and not StepTraffic(**{**dec.__dict__, "seqs": 64}).fits_pool()
+    pre = StepTraffic(**{**dec.__dict__, "tokens": 64, "seqs": 2, "context_len": 32})
+    # Two 16-token tiles per sequence, keys in 16-key steps: 16 + 32 keys.
+    assert pre.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * 48 * 256, 0)
+    assert pre.kernel_rule("paged_decode_ppb8_ppp8") == KernelRule(0, 0)
+    with pytest.raises(ValueError):
+        pre.kernel_rule("ragged_paged_noparams")
