@@ -48,38 +48,44 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
                    o_ref,  # output
                    *, heads_pad: int, pages_per_block: int, soft_cap: float | None,
                    sliding_window: int | None, page_dtype: jnp.dtype) -> None:
-    """One (query tile, kv head): causal attention of the tile's rows over their keys."""
+    """One (query tile, kv head): causal attention of the tile's rows over their keys.
+
+    A tile with no valid row (padding tiles, and every tile of a launch made inactive) loads
+    and stores nothing: its output block is left unwritten, and no valid token maps to it.
+    """
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
     bk = pages_per_block * block_size
     seq = meta_ref[_META_SEQ]
     pos0 = meta_ref[_META_POS]
     n_valid = meta_ref[_META_VALID]
-    # Keys [first, last] are the union of what the tile's valid rows may see.
-    last = pos0 + n_valid - 1
-    hi = jnp.where(n_valid > 0, pl.cdiv(last + 1, bk), 0)
-    lo = 0
-    if sliding_window is not None:
-        lo = jnp.clip((pos0 - sliding_window + 1) // bk, 0, hi)
-    q = q_ref[...]
-    tok = lax.broadcasted_iota(jnp.int32, (rows, bk), 0) // heads_pad
-    q_pos = pos0 + tok  # [rows, bk]
-    row_ok = tok < n_valid
+    head = pl.program_id(1)  # read here: interpret mode cannot lower it inside the branch
 
-    head = pl.program_id(1)
-
-    def body(i, carry):
-        ids = tables_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]
-        k = load_kv_block(k_ref, ids, head, page_dtype, q.dtype)
-        v = load_kv_block(v_ref, ids, head, page_dtype, q.dtype)
-        k_pos = i * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-        mask = row_ok & (k_pos <= q_pos)
+    @pl.when(n_valid > 0)
+    def _attend() -> None:
+        # Keys [first, last] are the union of what the tile's valid rows may see.
+        last = pos0 + n_valid - 1
+        hi = pl.cdiv(last + 1, bk)
+        lo = 0
         if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
-        return softmax_step(carry, q, k, v, mask, qk_scale=scale_ref[0], soft_cap=soft_cap)
+            lo = jnp.clip((pos0 - sliding_window + 1) // bk, 0, hi)
+        q = q_ref[...]
+        tok = lax.broadcasted_iota(jnp.int32, (rows, bk), 0) // heads_pad
+        q_pos = pos0 + tok  # [rows, bk]
+        row_ok = tok < n_valid
 
-    _, lsum, acc = lax.fori_loop(lo, hi, body, init_carry(rows, head_dim))
-    o_ref[...] = (acc / jnp.where(lsum > 0, lsum, 1.0)[:, None]).astype(o_ref.dtype)
+        def body(i, carry):
+            ids = tables_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]
+            k = load_kv_block(k_ref, ids, head, page_dtype, q.dtype)
+            v = load_kv_block(v_ref, ids, head, page_dtype, q.dtype)
+            k_pos = i * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+            mask = row_ok & (k_pos <= q_pos)
+            if sliding_window is not None:
+                mask &= k_pos > q_pos - sliding_window
+            return softmax_step(carry, q, k, v, mask, qk_scale=scale_ref[0], soft_cap=soft_cap)
+
+        _, lsum, acc = lax.fori_loop(lo, hi, body, init_carry(rows, head_dim))
+        o_ref[...] = (acc / jnp.where(lsum > 0, lsum, 1.0)[:, None]).astype(o_ref.dtype)
 
 
 def tile_metadata(query_start_loc: Int[Array, " B+1"], seq_lens: Int[Array, " B"], q_tile: int,
@@ -129,7 +135,8 @@ def ragged_kernel_attention(
     interpret: bool,
     active: Array | bool = True,
 ) -> Float[Array, "T q_heads head_dim"]:
-    """The tiled ragged kernel alone; `active` False (traced) makes every program skip its work."""
+    """The tiled ragged kernel alone; `active` False (traced) makes every program skip its work
+    (no load, no store) and the result zero."""
     t_total, hq, d = q.shape
     nb, bs, hkv, _ = k_pages.shape
     num_seqs, max_blocks = block_tables.shape
@@ -185,7 +192,8 @@ def ragged_kernel_attention(
     qsl = query_start_loc.astype(jnp.int32)
     t_ids = jnp.arange(t_total, dtype=jnp.int32)
     b_of_t = jnp.minimum(jnp.searchsorted(qsl[1:], t_ids, side="right"), num_seqs - 1)
-    tok_valid = t_ids < qsl[-1]
+    # Tokens past the batch, and all of an inactive launch, read unwritten tiles: zeroed.
+    tok_valid = (t_ids < qsl[-1]) & jnp.asarray(active, bool)
     q_len = qsl[1:] - qsl[:-1]
     first_tile = jnp.cumsum((q_len + q_tile - 1) // q_tile) - (q_len + q_tile - 1) // q_tile
     rel = t_ids - qsl[b_of_t]

@@ -50,6 +50,8 @@ class KernelRule:
 
     pool_read: int  # bytes read per pool operand (e.g. the K pages a decode kernel touches)
     pool_write: int  # bytes written per pool-shaped result (e.g. the new tokens' K rows)
+    # The launch loads and stores nothing at all (every program of it skips its work).
+    idle: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,9 @@ class HbmModel:
     num_weights: int = 0
     pool_shape: str | None = None  # e.g. "u16[131072,16,8,128]": operands the rules replace
     kernel_rule: Callable[[str], KernelRule | None] | None = None
+    # Which branch of a conditional counts: "largest" (a bound for any predicate) or
+    # "smallest" (the step's lax.conds skip random draws and filtering for a greedy batch).
+    branch: str = "largest"
 
 
 @dataclass
@@ -161,13 +166,28 @@ class _Estimator:
         return reads, write
 
     # ---- tags (weights and their copies) ----------------------------------------------------
+    def _lookup(self, ins: Instr, index: int) -> bool:
+        """Whether operand `index` is read only through gathers (rows picked by index: an
+        embedding lookup, whose result is the activation itself, not a copy of the weight)."""
+        if ins.op == "gather":
+            return index == 0
+        if ins.op != "fusion":
+            return False
+        fused = self.comps[ins.called()[0]]
+        p = fused.param(index)
+        users = self._terminal_users(fused, p.name) if p is not None else []
+        return bool(users) and all(u.op == "gather" and u.operands[0] == via
+                                   for u, via in users)
+
     def _weight_copy(self, ins: Instr, comp: Computation, tags: dict[str, object],
                      reads: list[int], write: int) -> bool:
         """A temp that is a weight's copy, slice, or product with a much smaller input: it reads
         a weight (or such a temp), writes at least the weight bytes it read, and its other data
-        inputs (not indices) are smaller than that."""
+        inputs (not indices) are smaller than that. A lookup of rows by index is none of these."""
         weight = other = 0
-        for o, r in zip(ins.operands, reads, strict=True):
+        for k, (o, r) in enumerate(zip(ins.operands, reads, strict=True)):
+            if tags.get(o) in (W, C) and self._lookup(ins, k):
+                return False
             if tags.get(o) in (W, C):
                 weight += r
             elif not _is_index(comp.by_name[o].shape):
@@ -284,6 +304,9 @@ class _Estimator:
                     t.notes.append(note)
             return size, sum(shape_bytes(s) for s in outs)
         pool = m.pool_shape
+        if rule.idle:
+            t.kernel_bytes.setdefault(name, 0)
+            return [0] * len(size), 0
         reads = [rule.pool_read if same_array(comp.by_name[o].shape, pool) else b
                  for o, b in zip(ins.operands, size, strict=True)]
         write = sum(rule.pool_write if same_array(s, pool) else shape_bytes(s) for s in outs)
@@ -319,11 +342,13 @@ class _Estimator:
         for k, name in enumerate(branches):
             arg = tags.get(ins.operands[k + 1]) if k + 1 < len(ins.operands) else None
             sub, _ = self.run(self.comps[name], [arg], mult)
-            if best is None or sub.hbm_bytes > best.hbm_bytes:
+            smaller = best is not None and sub.hbm_bytes < best.hbm_bytes
+            if best is None or (smaller if self.model.branch == "smallest" else
+                                sub.hbm_bytes > best.hbm_bytes):
                 best = sub
         if best is not None:
             t.add(best)
-        t.notes.append(f"{ins.name}: largest of {len(branches)} branches counted")
+        t.notes.append(f"{ins.name}: {self.model.branch} of {len(branches)} branches counted")
         return None
 
 

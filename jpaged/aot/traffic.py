@@ -10,13 +10,18 @@ sequence, its context rounded up to its P-page steps (a decode step only; otherw
 launched inactive and reads no page); the tiled kernel `ragged_paged_qt{T}_ppb{P}` reads, per
 query tile of T tokens, the keys up to the tile's last position rounded up to P pages (a step
 with more than one token per sequence only; each sequence prefills tokens / seqs tokens from
-position 0). Both attention kernels read K and V of their own kv heads only.
+position 0; launched inactive in a decode step, where every program skips its loads and stores,
+it moves nothing). Both attention kernels read K and V of their own kv heads only.
+
+`hbm_bytes` is a greedy batch's traffic: the sampler's lax.conds run no random draw and no
+top-k/top-p filtering when no row asks (conditionals at their smallest branch);
+`hbm_bytes_sampling` counts their largest branch (a batch with a filtered random row).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from jpaged.aot.hbm import HbmModel, KernelRule, estimate_traffic
@@ -25,9 +30,9 @@ from jpaged.aot.target import H200_HBM_BYTES_PER_S, HBM_REALISTIC_FRACTION
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (1024, 4096)
 # Every key a case row carries (None when its program did not compile).
-HBM_KEYS = ("context_len", "hbm_bytes", "min_hbm_bytes", "traffic_ratio", "param_copy_bytes",
-            "param_collective_bytes", "predicted_step_ms", "predicted_step_ms_at_80pct",
-            "kernel_hbm_bytes", "hbm_notes", "context_fits_pool")
+HBM_KEYS = ("context_len", "hbm_bytes", "hbm_bytes_sampling", "min_hbm_bytes", "traffic_ratio",
+            "param_copy_bytes", "param_collective_bytes", "predicted_step_ms",
+            "predicted_step_ms_at_80pct", "kernel_hbm_bytes", "hbm_notes", "context_fits_pool")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -78,8 +83,8 @@ class StepTraffic:
             return KernelRule(self.seqs * _cdiv(self.context_len, step) * step * self.row_bytes,
                               0)
         if name.startswith("ragged_paged_"):
-            if self.decode:
-                return KernelRule(0, 0)
+            if self.decode:  # launched inactive: no tile has a valid row
+                return KernelRule(0, 0, idle=True)
             qt, step = _param(name, "qt"), _param(name, "ppb") * self.block_size
             n = max(1, self.tokens // self.seqs)
             keys = sum(_cdiv(min((j + 1) * qt, n), step) * step for j in range(_cdiv(n, qt)))
@@ -100,11 +105,13 @@ def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: s
                bandwidth: float = H200_HBM_BYTES_PER_S) -> dict[str, Any]:
     """The HBM_KEYS of one case from its program's optimized HLO text."""
     model = HbmModel(num_weights=num_weights, pool_shape=pool_shape,
-                     kernel_rule=case.kernel_rule)
+                     kernel_rule=case.kernel_rule, branch="smallest")
     t = estimate_traffic(hlo_text, model)
+    sampling = estimate_traffic(hlo_text, replace(model, branch="largest"))
     least = case.min_hbm_bytes()
     return {
-        "context_len": case.context_len, "hbm_bytes": t.hbm_bytes, "min_hbm_bytes": least,
+        "context_len": case.context_len, "hbm_bytes": t.hbm_bytes,
+        "hbm_bytes_sampling": sampling.hbm_bytes, "min_hbm_bytes": least,
         "traffic_ratio": round(t.hbm_bytes / least, 3),
         "param_copy_bytes": t.param_copy_bytes,
         "param_collective_bytes": t.param_collective_bytes,

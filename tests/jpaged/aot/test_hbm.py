@@ -6,6 +6,7 @@ count, Pallas custom-calls, sliced pool reads, in-place updates, an all-gather o
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -108,6 +109,15 @@ def test_handwritten_gpu_module_counted_by_hand():
     t3 = estimate_traffic(GPU_HLO.replace('"known_trip_count":{"n":"4"}', '"x":1')
                           .replace("s32[] constant(4)", "s32[] parameter(1)"), model)
     assert t3.hbm_bytes == BODY + 9 + ENTRY and "unknown trip count" in t3.notes[0]
+    # The smaller branch (one negate: 512 + 512) when the model says a greedy batch runs it.
+    small = estimate_traffic(GPU_HLO, replace(model, branch="smallest"))
+    assert small.hbm_bytes == t.hbm_bytes - 2048 + 1024
+    assert small.notes == ["cnd: smallest of 2 branches counted"]
+    # An idle launch (every program skips its work) moves nothing, its operands included.
+    idle = estimate_traffic(GPU_HLO, replace(model, kernel_rule=lambda n: KernelRule(
+        0, 0, idle=True) if n.startswith("paged_decode") else _rules(n)))
+    assert idle.kernel_bytes["paged_decode_ppb8_ppp8"] == 0
+    assert idle.hbm_bytes == t.hbm_bytes - 4 * 3536
     # No weights named: nothing is a weight copy or a weight collective.
     t4 = estimate_traffic(GPU_HLO, HbmModel(pool_shape="u16[64,16,2,64]", kernel_rule=_rules))
     assert (t4.param_copy_bytes, t4.param_collective_bytes) == (0, 0)
@@ -120,7 +130,8 @@ def test_step_rules_decode_and_prefill():
     assert dec.row_bytes == 256
     # 100 keys in steps of 2 pages (32 keys): 128 keys per sequence.
     assert dec.kernel_rule("paged_decode_ppb2_ppp4") == KernelRule(4 * 128 * 256, 0)
-    assert dec.kernel_rule("ragged_paged_qt4_ppb4") == KernelRule(0, 0)  # launched inactive
+    # Launched inactive: every tile skips its loads and stores.
+    assert dec.kernel_rule("ragged_paged_qt4_ppb4") == KernelRule(0, 0, idle=True)
     assert dec.kernel_rule("kv_write") == KernelRule(0, 4 * 256)
     assert dec.kernel_rule("something_else") is None
     assert dec.min_hbm_bytes() == 10**6 + 2 * 2 * 256 * (4 * 100 + 4) + 4 * 1000 * 4
