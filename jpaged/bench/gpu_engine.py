@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
 import numpy as np
 from flax import nnx
 
+from jpaged.bench.decode_rows import decode_rows
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
@@ -66,6 +67,11 @@ class EngineCheckConfig:
     bench_prompt: int
     bench_new: int
     engine_args: dict[str, Any]
+    # Decode step rows at fixed contexts (jpaged/bench/decode_rows.py): `make gpu-aot`'s
+    # predicted rows, measured.
+    decode_batches: tuple[int, ...] = (1, 16, 64, 256)
+    decode_contexts: tuple[int, ...] = (1024, 4096)
+    decode_args: dict[str, Any] = field(default_factory=dict)
 
 
 def _prompts(lens: tuple[int, ...], vocab: int, seed: int) -> list[dict[str, list[int]]]:
@@ -121,10 +127,11 @@ def _pool(llm: LLM) -> dict[str, Any]:
 
 
 def run_engine_check(cfg: EngineCheckConfig, kv_dtypes: tuple[str, ...], model_dtype: Any,
-                     budget_s: float = 1e9) -> dict[str, Any]:
+                     budget_s: float = 1e9, loaded: LoadedModel | None = None
+                     ) -> dict[str, Any]:
     """Greedy Pallas-vs-XLA equality, tokens/s and the chosen pool, per KV dtype."""
     t_start = time.perf_counter()
-    loaded = random_model(cfg.spec, model_dtype)
+    loaded = loaded or random_model(cfg.spec, model_dtype)
     prompts = _prompts(cfg.prompt_lens, cfg.spec.vocab_size, seed=1)
     out: dict[str, Any] = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
                            "model": f"random {cfg.spec.architecture} {cfg.spec.num_layers}L "
@@ -180,7 +187,9 @@ def smoke_config() -> EngineCheckConfig:
         spec=ModelSpec.from_hf_config(TINY_CONFIG), prompt_lens=(5, 17, 40), new_tokens=4,
         batches=(1, 4), bench_prompt=16, bench_new=4,
         engine_args={"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 64,
-                     "kv_cache_memory_bytes": 16 * 2**20})
+                     "kv_cache_memory_bytes": 16 * 2**20},
+        decode_batches=(1, 4), decode_contexts=(16, 40),
+        decode_args={"max_num_batched_tokens": 64, "kv_cache_memory_bytes": 16 * 2**20})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,13 +204,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shape, Pallas interpreter")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     p.add_argument("--budget-s", type=float, default=270.0, help="skip throughput after this")
+    p.add_argument("--decode-budget-s", type=float, default=150.0,
+                   help="skip the remaining decode step rows after this")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         jax.config.update("jax_platforms", "cpu")
     cfg = smoke_config() if args.cpu_smoke else gpu_config()
     dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
-    res = run_engine_check(cfg, ("bfloat16", "fp8_e4m3"), dtype, budget_s=args.budget_s)
+    kv_dtypes = ("bfloat16", "fp8_e4m3")
+    loaded = random_model(cfg.spec, dtype)
+    res = run_engine_check(cfg, kv_dtypes, dtype, budget_s=args.budget_s, loaded=loaded)
     res["mode"] = "cpu-smoke" if args.cpu_smoke else "gpu"
+    res["decode_rows"] = decode_rows(loaded, kv_dtypes, cfg.decode_batches, cfg.decode_contexts,
+                                     cfg.decode_args, budget_s=args.decode_budget_s)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
     print(f"engine check on {res['device']} (jax {res['jax']}): {res['model']}")
@@ -217,6 +232,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"async {ov['tokens_per_s_async']}, async_ratio {ov['async_ratio']} "
                   f"(per round {ov['async_ratio_per_round']}), outputs identical "
                   f"{ov['outputs_identical']}")
+    for row in res["decode_rows"]:
+        got = (f"{row['step_ms']} ms/step, {row['output_tokens_per_s']} tok/s"
+               if "step_ms" in row else f"skipped: {row['skipped']}")
+        print(f"  decode kv {row['kv_cache_dtype']:9s} B={row['batch']:<4} "
+              f"ctx={row['context_len']:<5} {got}")
     print(f"  done in {res['wall_s']} s")
     ok = all(r["greedy_equal"] and r.get("overlap", {}).get("outputs_identical", True)
              for r in res["runs"])

@@ -1,0 +1,99 @@
+"""Decode step time at a set context length: the rows `make gpu-aot` predicts, measured.
+
+A synthetic pure-decode step (every sequence at `context_len` tokens, its block table naming
+distinct pool blocks in a random order) runs through the engine's own jitted step
+(`ModelRunner.launch`), so the attention kernels read exactly the pages a real decode at that
+context reads. The KV content is whatever the pool holds: the time does not depend on it.
+No prefill is run, so a 256 x 4096-token row costs a few steps, not a million-token prefill.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine
+from jpaged.runner.batch import PackedStep, empty_step, flatten_step
+from jpaged.runner.model_runner import ModelRunner
+from models.loader import LoadedModel
+
+
+def decode_step(runner: ModelRunner, batch: int, context_len: int, seed: int = 0
+                ) -> PackedStep:
+    """A greedy decode step of `batch` sequences, each at `context_len` tokens after it.
+
+    Raises ValueError when the pool or the block tables cannot hold them.
+    """
+    if batch not in runner.plan.seq_buckets:
+        raise ValueError(f"batch={batch} is not a decode bucket {runner.plan.seq_buckets}")
+    bs, num_blocks = runner.block_size, runner.kv.num_blocks
+    per_seq = -(-context_len // bs)
+    if per_seq > runner.plan.max_blocks:
+        raise ValueError(f"context_len={context_len} needs {per_seq} blocks per sequence; the "
+                         f"block tables hold {runner.plan.max_blocks} (raise max_model_len)")
+    if batch * per_seq > num_blocks - 1:  # block 0 is the null block
+        raise ValueError(f"{batch} x {context_len} tokens need {batch * per_seq} blocks; the "
+                         f"pool has {num_blocks - 1}")
+    rng = np.random.default_rng(seed)
+    ids = rng.permutation(np.arange(1, num_blocks, dtype=np.int32))[:batch * per_seq]
+    tables = np.zeros((batch, runner.plan.max_blocks), np.int32)
+    tables[:, :per_seq] = ids.reshape(batch, per_seq)
+    packed = empty_step(runner.plan, batch, batch, runner.vocab_size)
+    b, last = packed.batch, context_len - 1
+    b.input_ids[:] = rng.integers(0, runner.vocab_size, batch)
+    b.positions[:] = last
+    b.slot_mapping[:] = tables[:, last // bs] * bs + last % bs
+    b.query_start_loc[:] = np.arange(batch + 1)
+    b.seq_lens[:] = context_len
+    b.block_tables[:] = tables
+    b.logits_indices[:] = np.arange(batch)
+    return packed
+
+
+def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int = 10
+                ) -> dict[str, Any]:
+    """Median ms of the compiled decode step at (batch, context_len); the first call compiles
+    (or loads) it and is not timed."""
+    packed = decode_step(runner, batch, context_len)
+    flat = flatten_step(packed.batch)
+    runner.launch(flat, packed.flags, False)[0].block_until_ready()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        runner.launch(flat, packed.flags, False)[0].block_until_ready()
+        times.append(time.perf_counter() - t0)
+    ms = statistics.median(times) * 1e3
+    return {"batch": batch, "context_len": context_len, "step_ms": round(ms, 3),
+            "output_tokens_per_s": round(batch / ms * 1e3, 1), "iters": iters}
+
+
+def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[int, ...],
+                contexts: tuple[int, ...], engine_args: dict[str, Any],
+                budget_s: float = 1e9) -> list[dict[str, Any]]:
+    """Per KV dtype, an engine at the default pool and one row per (batch, context); a row
+    that does not fit the pool, or comes after the budget, says so instead of a time."""
+    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for kvd in kv_dtypes:
+        engine = LLMEngine(EngineArgs(kv_cache_dtype=kvd, disable_log_stats=True,
+                                      max_model_len=max(contexts) + 16,
+                                      max_num_seqs=max(batches), **engine_args), loaded=loaded)
+        for b in batches:
+            for ctx in contexts:
+                row: dict[str, Any] = {"kv_cache_dtype": kvd, "batch": b, "context_len": ctx}
+                if time.perf_counter() - t_start > budget_s:
+                    rows.append({**row, "skipped": "time budget"})
+                    continue
+                try:
+                    rows.append({**row, **time_decode(engine.runner, b, ctx)})
+                except ValueError as e:  # does not fit this pool: named, not timed
+                    rows.append({**row, "skipped": str(e)})
+        engine.runner.kv = None  # free this pool before the next engine allocates its own
+        del engine
+        gc.collect()
+    return rows

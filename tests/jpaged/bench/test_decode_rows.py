@@ -1,0 +1,46 @@
+"""The synthetic decode step of jpaged/bench/decode_rows.py: what it packs, and its refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import tiny
+
+from jpaged.bench.decode_rows import decode_step, time_decode
+from jpaged.config import EngineArgs
+from jpaged.engine import LLMEngine
+
+
+@pytest.fixture(scope="module")
+def runner():
+    engine = LLMEngine(EngineArgs(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                                  block_size=8, num_gpu_blocks_override=24), loaded=tiny())
+    return engine.runner
+
+
+def test_each_sequence_names_its_own_blocks_up_to_the_context(runner):
+    packed = decode_step(runner, 4, 20)
+    b = packed.batch
+    assert list(b.seq_lens) == [20] * 4 and list(b.positions) == [19] * 4
+    tables = b.block_tables[:, :3]  # ceil(20 / 8) blocks each, the rest the null block
+    assert (b.block_tables[:, 3:] == 0).all() and (tables > 0).all()
+    assert len(set(tables.ravel().tolist())) == 12  # distinct blocks: nothing shared
+    # The new token's K/V goes to position 19: block 2, slot 3 of each sequence.
+    assert list(b.slot_mapping) == list(tables[:, 2] * 8 + 3)
+    assert list(b.query_start_loc) == [0, 1, 2, 3, 4] and list(b.logits_indices) == [0, 1, 2, 3]
+    assert (b.sampling.temperature == 0).all()
+
+
+def test_refuses_what_the_pool_or_tables_cannot_hold(runner):
+    with pytest.raises(ValueError, match="not a decode bucket"):
+        decode_step(runner, 3, 8)
+    with pytest.raises(ValueError, match="block tables hold 8"):
+        decode_step(runner, 1, 65)
+    with pytest.raises(ValueError, match=r"need 32 blocks; the pool has 23"):
+        decode_step(runner, 4, 64)
+
+
+def test_timed_row(runner):
+    row = time_decode(runner, 4, 20, iters=2)
+    assert row["batch"] == 4 and row["context_len"] == 20 and row["step_ms"] > 0
+    assert np.isclose(row["output_tokens_per_s"], 4 / row["step_ms"] * 1e3, rtol=1e-2)
