@@ -179,6 +179,13 @@ class StepBuilder:
         """Leaves of the params pytree: the step's entry parameters 0..n-1 (jitted order)."""
         return len(jax.tree_util.tree_leaves(self.runner.params))
 
+    @property
+    def lookup_weights(self) -> tuple[int, ...]:
+        """Entry parameter numbers of the token embedding table(s) (rows read by id)."""
+        leaves = jax.tree_util.tree_leaves_with_path(self.runner.params)
+        return tuple(k for k, (path, _) in enumerate(leaves)
+                     if "embed_tokens" in jax.tree_util.keystr(path))
+
     def traffic_case(self, tokens: int, seqs: int, context_len: int) -> StepTraffic:
         """The HBM-traffic description of step (tokens, seqs) at a context length."""
         return StepTraffic(tokens, seqs, context_len, self.spec.num_layers, self.block_size,

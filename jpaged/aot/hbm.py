@@ -42,6 +42,8 @@ _OP_NAME = re.compile(r'op_name="[^"]*?/([\w.\-]+)/pallas_call"')
 _INT_CONST = re.compile(r"^-?\d+$")
 
 W, C = "w", "c"  # value tags: a weight; a copy / slice / collective result of a weight
+L = "l"  # a lookup table (the embedding): rows read by index from it are activations
+_WEIGHTY = (W, C, L)
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,8 @@ class HbmModel:
     num_weights: int = 0
     pool_shape: str | None = None  # e.g. "u16[131072,16,8,128]": operands the rules replace
     kernel_rule: Callable[[str], KernelRule | None] | None = None
+    # Entry parameters that are lookup tables (the token embedding): row reads are no copies.
+    lookup_weights: tuple[int, ...] = ()
     # Which branch of a conditional counts: "largest" (a bound for any predicate) or
     # "smallest" (the step's lax.conds skip random draws and filtering for a greedy batch).
     branch: str = "largest"
@@ -166,18 +170,19 @@ class _Estimator:
         return reads, write
 
     # ---- tags (weights and their copies) ----------------------------------------------------
-    def _lookup(self, ins: Instr, index: int) -> bool:
-        """Whether operand `index` is read only through gathers (rows picked by index: an
-        embedding lookup, whose result is the activation itself, not a copy of the weight)."""
-        if ins.op == "gather":
+    def _lookup(self, ins: Instr, index: int, table: bool) -> bool:
+        """Whether operand `index` is read only by picking rows: through gathers (an embedding
+        lookup), or for a lookup table (`table`) any slicing (one row is a dynamic-slice). The
+        rows are the activation itself, not a copy of the weight."""
+        ways = _SLICING if table else {"gather"}
+        if ins.op in ways:
             return index == 0
         if ins.op != "fusion":
             return False
         fused = self.comps[ins.called()[0]]
         p = fused.param(index)
         users = self._terminal_users(fused, p.name) if p is not None else []
-        return bool(users) and all(u.op == "gather" and u.operands[0] == via
-                                   for u, via in users)
+        return bool(users) and all(u.op in ways and u.operands[0] == via for u, via in users)
 
     def _weight_copy(self, ins: Instr, comp: Computation, tags: dict[str, object],
                      reads: list[int], write: int) -> bool:
@@ -186,9 +191,10 @@ class _Estimator:
         inputs (not indices) are smaller than that. A lookup of rows by index is none of these."""
         weight = other = 0
         for k, (o, r) in enumerate(zip(ins.operands, reads, strict=True)):
-            if tags.get(o) in (W, C) and self._lookup(ins, k):
+            tag = tags.get(o)
+            if tag in _WEIGHTY and self._lookup(ins, k, tag == L):
                 return False
-            if tags.get(o) in (W, C):
+            if tag in _WEIGHTY:
                 weight += r
             elif not _is_index(comp.by_name[o].shape):
                 other += r
@@ -239,7 +245,7 @@ class _Estimator:
         if op == "tuple":
             return tuple(tags.get(o) for o in ops)
         if op in ("bitcast", "copy-done") or op.endswith("-done"):
-            return tags.get(ops[0]) if ops and tags.get(ops[0]) in (W, C) else None
+            return tags.get(ops[0]) if ops and tags.get(ops[0]) in _WEIGHTY else None
         if op in _FREE:
             return None
         if op == "while":
@@ -256,9 +262,10 @@ class _Estimator:
             out = ins.shape_elements()[-1] if op.endswith("-start") else ins.shape
             moved = sum(comp.by_name[o].bytes for o in ops) + shape_bytes(out)
             t.hbm_bytes += moved * mult
-            if any(tags.get(o) in (W, C) for o in ops):
+            if any(tags.get(o) in _WEIGHTY for o in ops):
                 t.param_collective_bytes += shape_bytes(out) * mult
-                return C
+                # A gathered lookup table is still one: rows read from it are activations.
+                return L if any(tags.get(o) == L for o in ops) else C
             return None
         reads, write = self._io(ins, comp, t, mult)
         t.hbm_bytes += (sum(reads) + write) * mult
@@ -358,6 +365,7 @@ def estimate_traffic(hlo_text: str, model: HbmModel | None = None) -> Traffic:
     est = _Estimator(hlo_text, model)
     entry = est.comps[est.entry]
     n = sum(1 for i in entry.instrs if i.op == "parameter")
-    tags: list[object] = [W if k < model.num_weights else None for k in range(n)]
+    tags: list[object] = [L if k in model.lookup_weights else W if k < model.num_weights
+                          else None for k in range(n)]
     traffic, _ = est.run(entry, tags, 1)
     return traffic

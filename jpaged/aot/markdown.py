@@ -48,6 +48,35 @@ def hbm_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# vLLM's published operating point on an H200 for an 8B model at batch 1: ~77% of the HBM
+# bandwidth, i.e. ~4.3 ms per output token.
+VLLM_BATCH1_MS_8B = 4.3
+VLLM_BATCH1_FRACTION = 0.77
+
+
+def prediction_table(doc: dict[str, Any], model: str = "llama3-8b",
+                     backend: str = "pallas") -> str:
+    """Predicted decode ms per step and output tokens/s per (KV dtype, tp, batch, context),
+    beside the bandwidth-bound ideal (min_hbm_bytes at peak) and vLLM's batch-1 point."""
+    bw = doc.get("hbm_bytes_per_s") or 4.8e12
+    head = ("| KV | tp | B | context | predicted ms (peak / 80%) | predicted tok/s (80%) | "
+            "ideal ms | ideal tok/s | vLLM point |")
+    lines = [head, "|---" * 9 + "|"]
+    for c in doc["cases"]:
+        if (c["program"] != "step" or c["tokens"] != c["seqs"] or c["model"] != model
+                or c["backend"] != backend or c.get("hbm_bytes") is None):
+            continue
+        b, slow = c["seqs"], c["predicted_step_ms_at_80pct"]
+        ideal = c["min_hbm_bytes"] / bw * 1e3
+        vllm = (f"~{VLLM_BATCH1_MS_8B} ms ({VLLM_BATCH1_FRACTION:.0%} of peak)"
+                if b == 1 and c["tensor_parallel_size"] == 1 else "")
+        fits = " (pool too small)" if c.get("context_fits_pool") is False else ""
+        lines.append(f"| {c['kv_cache_dtype']} | {c['tensor_parallel_size']} | {b} | "
+                     f"{c['context_len']}{fits} | {c['predicted_step_ms']:.2f} / {slow:.2f} | "
+                     f"{b / slow * 1e3:,.0f} | {ideal:.2f} | {b / ideal * 1e3:,.0f} | {vllm} |")
+    return "\n".join(lines)
+
+
 def _loop_once(case: dict[str, Any]) -> bool:
     return any("unknown trip count" in n for n in case.get("hbm_notes") or [])
 
@@ -118,4 +147,4 @@ def render(doc: dict[str, Any]) -> str:
             f"{programs(doc)} programs, {len(doc['problems'])} problems, "
             f"{doc.get('wall_s', '?')} s")
     return "\n\n".join([head, program_table(doc), kernel_table(doc), sizing_table(doc),
-                        hbm_table(doc)])
+                        hbm_table(doc), prediction_table(doc)])

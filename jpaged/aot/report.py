@@ -190,7 +190,8 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
 
         def analyze(text: str, bld=bld, t=t, b=b, contexts=contexts) -> list[dict[str, Any]]:
             return [hbm_fields(text, bld.traffic_case(t, b, c), bld.num_weights,
-                               bld.pool_shape()) for c in contexts]
+                               bld.pool_shape(), lookup_weights=bld.lookup_weights)
+                    for c in contexts]
 
         row = {**base, "program": "step", "tokens": t, "seqs": b,
                "max_model_len": bld.config.scheduler.max_model_len}
@@ -253,7 +254,8 @@ def _hbm_text(row: dict[str, Any]) -> str:
 
 
 def check_rows(rows: list[dict[str, Any]]) -> list[str]:
-    """What fails the issue's bar: not compiled, pool not aliased, registers, spills, smem."""
+    """What fails the bar: not compiled, pool not aliased, a weight copied or sent through a
+    collective, registers, spills, smem."""
     bad = []
     for r in rows:
         if r.get("reuses_compile"):
@@ -267,6 +269,11 @@ def check_rows(rows: list[dict[str, Any]]) -> list[str]:
             bad.append(f"{tag}: pool not aliased in place (copies: {r.get('pool_copies')})")
         if r["program"] == "kv_gather" and r.get("pool_copies"):
             bad.append(f"{tag}: pool copied: {r['pool_copies']}")
+        # Every weight byte once: no temporary copies a weight, no collective carries one.
+        if r.get("param_copy_bytes"):
+            bad.append(f"{tag}: {r['param_copy_bytes']} bytes of weight copies")
+        if r.get("param_collective_bytes"):
+            bad.append(f"{tag}: collectives carry {r['param_collective_bytes']} weight bytes")
         for k in r.get("kernels", []):
             if k["registers"] is None or k["registers"] > MAX_REGISTERS:
                 bad.append(f"{tag}: {k['name']} registers {k['registers']}")

@@ -102,9 +102,12 @@ class StepTraffic:
 
 
 def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: str,
-               bandwidth: float = H200_HBM_BYTES_PER_S) -> dict[str, Any]:
-    """The HBM_KEYS of one case from its program's optimized HLO text."""
+               bandwidth: float = H200_HBM_BYTES_PER_S,
+               lookup_weights: tuple[int, ...] = ()) -> dict[str, Any]:
+    """The HBM_KEYS of one case from its program's optimized HLO text (`lookup_weights`: the
+    entry parameters that are embedding tables)."""
     model = HbmModel(num_weights=num_weights, pool_shape=pool_shape,
+                     lookup_weights=tuple(lookup_weights),
                      kernel_rule=case.kernel_rule, branch="smallest")
     t = estimate_traffic(hlo_text, model)
     sampling = estimate_traffic(hlo_text, replace(model, branch="largest"))

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from jpaged.aot.kernels import capture_stderr, is_pallas_kernel, parse_ptxas, parse_thunks
-from jpaged.aot.markdown import hbm_table, programs
+from jpaged.aot.markdown import hbm_table, prediction_table, programs
 from jpaged.aot.report import check_rows, per_context, plan_configs, shapes_for
 from jpaged.aot.target import cuda_plugin_error, h200_target_config, target_field
 from jpaged.aot.traffic import HBM_KEYS
@@ -56,6 +56,11 @@ def test_check_rows_names_every_failure():
          "shared_memory_bytes": 300000}]}
     problems = check_rows([bad, {**ok, "compiled": False, "error": "boom"}])
     assert len(problems) == 5 and "did not compile: boom" in problems[-1]
+    # Every weight byte once: a weight copy or a weight in a collective fails the run.
+    moved = check_rows([{**ok, "param_copy_bytes": 512, "param_collective_bytes": 0},
+                        {**ok, "param_copy_bytes": 0, "param_collective_bytes": 2048}])
+    assert moved == ["m/bfloat16/pallas/tp1/step T=64 B=64: 512 bytes of weight copies",
+                     "m/bfloat16/pallas/tp1/step T=64 B=64: collectives carry 2048 weight bytes"]
 
 
 def test_plan_covers_both_models_dtypes_backends_and_tp2():
@@ -91,6 +96,10 @@ def test_decode_case_gives_one_row_per_context_and_a_summary():
     table = hbm_table(doc)
     assert "| m | bfloat16 | pallas | 1 | 1 | 4096 | 3.00 | 1.00 | 3.00 |" in table
     assert programs(doc) == 1
+    # The predicted throughput: 1 token per 0.781 ms at 80% of peak; ideal = min bytes at peak.
+    pred = prediction_table({"cases": [{**r, "model": "llama3-8b"} for r in rows],
+                             "hbm_bytes_per_s": 4.8e12})
+    assert "| bfloat16 | 1 | 1 | 1024 | 0.62 / 0.78 | 1,280 | 0.21 | 4,800 | ~4.3 ms" in pred
     failed = per_context({**row, "hbm": None, "compiled": False}, (1024, 4096))
     assert [r["context_len"] for r in failed] == [1024, 4096] and failed[0]["hbm_bytes"] is None
 

@@ -109,6 +109,11 @@ def test_handwritten_gpu_module_counted_by_hand():
     t3 = estimate_traffic(GPU_HLO.replace('"known_trip_count":{"n":"4"}', '"x":1')
                           .replace("s32[] constant(4)", "s32[] parameter(1)"), model)
     assert t3.hbm_bytes == BODY + 9 + ENTRY and "unknown trip count" in t3.notes[0]
+    # Named as the lookup table, the embedding's one-row read is the activation, not a copy;
+    # its gather by the all-gather stays a weight collective.
+    emb = estimate_traffic(GPU_HLO, replace(model, lookup_weights=(1,)))
+    assert emb.param_copy_bytes == 4 * 131072 and emb.param_collective_bytes == 256000
+    assert emb.hbm_bytes == t.hbm_bytes
     # The smaller branch (one negate: 512 + 512) when the model says a greedy batch runs it.
     small = estimate_traffic(GPU_HLO, replace(model, branch="smallest"))
     assert small.hbm_bytes == t.hbm_bytes - 2048 + 1024
