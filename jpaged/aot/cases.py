@@ -36,8 +36,11 @@ from models.registry import get_model_class
 from pallas_kernels.backend import select_backend
 
 # The step with top candidates on (what a request with logprobs runs): the default step is the
-# same program without its top-k.
-_FLAGS = SamplingFlags(top_logprobs=True)
+# same program without its top-k. The decode cases, whose HBM traffic is reported, compile the
+# default step (DECODE_FLAGS): the top-20 over the vocabulary alone would add ~1.6 GB per
+# SmolLM2 batch-64 step, and only requests asking for logprobs run it.
+TOP_FLAGS = SamplingFlags(top_logprobs=True)
+DECODE_FLAGS = SamplingFlags()
 
 # Meta-Llama-3-8B's config.json fields that shape the model (no weights are needed).
 LLAMA3_8B_CONFIG: dict[str, Any] = {
@@ -208,15 +211,15 @@ class StepBuilder:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
                                     sharding=NamedSharding(self.parallel.mesh, P()))
 
-    def lower_step(self, tokens: int, seqs: int) -> Any:
+    def lower_step(self, tokens: int, seqs: int, flags: SamplingFlags = TOP_FLAGS) -> Any:
         """The engine step of bucket shape (tokens, seqs), lowered (call inside the target's
-        lowering context for abstract GPUs)."""
+        lowering context for abstract GPUs); by default the variant with top candidates."""
         r = self.runner
         batch = jax.tree.map(self._step_input,
                              flatten_step(empty_step(self.plan, tokens, seqs,
                                                      self.spec.vocab_size).batch))
         return r._jit_step.trace(r.params, r.kv, batch, self._step_input(r.last_tokens_spec()),
-                                 flags=_FLAGS, calc_scales=False).lower(
+                                 flags=flags, calc_scales=False).lower(
             lowering_platforms=(self.platform,))
 
     def lower_transfer(self, kind: str, num_blocks: int) -> Any:

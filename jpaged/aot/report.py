@@ -29,7 +29,14 @@ from jpaged.aot.buffers import (
     no_persistent_cache,
     pool_report,
 )
-from jpaged.aot.cases import StepBuilder, engine_config, model_source, model_spec
+from jpaged.aot.cases import (
+    DECODE_FLAGS,
+    TOP_FLAGS,
+    StepBuilder,
+    engine_config,
+    model_source,
+    model_spec,
+)
 from jpaged.aot.hbm import estimate_traffic
 from jpaged.aot.kernels import capture_stderr, find_ptxas, kernel_resources
 from jpaged.aot.target import H200_HBM_BYTES_PER_S, TARGET_NAME, GpuTarget, h200_target
@@ -195,8 +202,11 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
 
         row = {**base, "program": "step", "tokens": t, "seqs": b,
                "max_model_len": bld.config.scheduler.max_model_len}
-        row.update(compile_lowered(lambda bld=bld, t=t, b=b: bld.lower_step(t, b), True, ptxas,
-                                   bld.pool_shape(), target=target, analyze=analyze))
+        flags = DECODE_FLAGS if t == b else TOP_FLAGS  # decode rows: the default step
+        row["top_logprobs"] = flags.top_logprobs
+        row.update(compile_lowered(
+            lambda bld=bld, t=t, b=b, flags=flags: bld.lower_step(t, b, flags), True, ptxas,
+            bld.pool_shape(), target=target, analyze=analyze))
         if (t, b) == tuple(sizing["probe_shape"]):
             row["temp_bytes_at_probe_pool"] = sizing["activation_bytes_gpu"]
         for r in per_context(row, contexts):
