@@ -51,7 +51,10 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     """One (query tile, kv head): causal attention of the tile's rows over their keys.
 
     A tile with no valid row (padding tiles, and every tile of a launch made inactive) loads
-    and stores nothing: its output block is left unwritten, and no valid token maps to it.
+    and stores nothing: its key loop is empty, its q load and its output store are skipped,
+    and no valid token maps to its (unwritten) output block. The branches touch only the q
+    and output blocks, never the pool: under the interpreter a branch that read the pool
+    would copy it.
     """
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -59,32 +62,34 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     seq = meta_ref[_META_SEQ]
     pos0 = meta_ref[_META_POS]
     n_valid = meta_ref[_META_VALID]
-    head = pl.program_id(1)  # read here: interpret mode cannot lower it inside the branch
+    active = n_valid > 0
+    # Keys [first, last] are the union of what the tile's valid rows may see.
+    last = pos0 + n_valid - 1
+    hi = jnp.where(active, pl.cdiv(last + 1, bk), 0)
+    lo = 0
+    if sliding_window is not None:
+        lo = jnp.clip((pos0 - sliding_window + 1) // bk, 0, hi)
+    q = lax.cond(active, lambda: q_ref[...], lambda: jnp.zeros(q_ref.shape, q_ref.dtype))
+    tok = lax.broadcasted_iota(jnp.int32, (rows, bk), 0) // heads_pad
+    q_pos = pos0 + tok  # [rows, bk]
+    row_ok = tok < n_valid
 
-    @pl.when(n_valid > 0)
-    def _attend() -> None:
-        # Keys [first, last] are the union of what the tile's valid rows may see.
-        last = pos0 + n_valid - 1
-        hi = pl.cdiv(last + 1, bk)
-        lo = 0
+    head = pl.program_id(1)
+
+    def body(i, carry):
+        ids = tables_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]
+        k = load_kv_block(k_ref, ids, head, page_dtype, q.dtype)
+        v = load_kv_block(v_ref, ids, head, page_dtype, q.dtype)
+        k_pos = i * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+        mask = row_ok & (k_pos <= q_pos)
         if sliding_window is not None:
-            lo = jnp.clip((pos0 - sliding_window + 1) // bk, 0, hi)
-        q = q_ref[...]
-        tok = lax.broadcasted_iota(jnp.int32, (rows, bk), 0) // heads_pad
-        q_pos = pos0 + tok  # [rows, bk]
-        row_ok = tok < n_valid
+            mask &= k_pos > q_pos - sliding_window
+        return softmax_step(carry, q, k, v, mask, qk_scale=scale_ref[0], soft_cap=soft_cap)
 
-        def body(i, carry):
-            ids = tables_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]
-            k = load_kv_block(k_ref, ids, head, page_dtype, q.dtype)
-            v = load_kv_block(v_ref, ids, head, page_dtype, q.dtype)
-            k_pos = i * bk + lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-            mask = row_ok & (k_pos <= q_pos)
-            if sliding_window is not None:
-                mask &= k_pos > q_pos - sliding_window
-            return softmax_step(carry, q, k, v, mask, qk_scale=scale_ref[0], soft_cap=soft_cap)
+    _, lsum, acc = lax.fori_loop(lo, hi, body, init_carry(rows, head_dim))
 
-        _, lsum, acc = lax.fori_loop(lo, hi, body, init_carry(rows, head_dim))
+    @pl.when(active)
+    def _store() -> None:
         o_ref[...] = (acc / jnp.where(lsum > 0, lsum, 1.0)[:, None]).astype(o_ref.dtype)
 
 
