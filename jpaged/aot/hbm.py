@@ -188,7 +188,11 @@ class _Estimator:
                      reads: list[int], write: int) -> bool:
         """A temp that is a weight's copy, slice, or product with a much smaller input: it reads
         a weight (or such a temp), writes at least the weight bytes it read, and its other data
-        inputs (not indices) are smaller than that. A lookup of rows by index is none of these."""
+        inputs (not indices) are smaller than that. A lookup of rows by index is none of these,
+        nor is a contraction: a GEMM's output is a product however large (split-K partials)."""
+        if ins.op in ("dot", "convolution") or ins.op == "fusion" and any(
+                i.op in ("dot", "convolution") for i in self.comps[ins.called()[0]].instrs):
+            return False  # a contraction (a GEMM, split-K partials included) is a product
         weight = other = 0
         for k, (o, r) in enumerate(zip(ins.operands, reads, strict=True)):
             tag = tags.get(o)

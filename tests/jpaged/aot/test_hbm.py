@@ -147,3 +147,28 @@ def test_step_rules_decode_and_prefill():
     assert pre.kernel_rule("paged_decode_ppb8_ppp8") == KernelRule(0, 0)
     with pytest.raises(ValueError):
         pre.kernel_rule("ragged_paged_noparams")
+
+
+SPLIT_K = """HloModule m
+
+%gemm (a: f32[4,32], w: f32[32,16]) -> f32[8,4,16] {
+  %a = f32[4,32]{1,0} parameter(0)
+  %w = f32[32,16]{1,0} parameter(1)
+  %d = f32[4,16]{1,0} dot(%a, %w), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  ROOT %b = f32[8,4,16]{2,1,0} broadcast(%d), dimensions={1,2}
+}
+
+ENTRY %main (w0: f32[32,16], x: f32[4,32]) -> f32[8,4,16] {
+  %w0 = f32[32,16]{1,0} parameter(0)
+  %x = f32[4,32]{1,0} parameter(1)
+  ROOT %g = f32[8,4,16]{2,1,0} fusion(%x, %w0), kind=kCustom, calls=%gemm
+}
+"""
+
+
+def test_a_contraction_is_no_weight_copy_however_large_its_output():
+    # Split-K partials (8 x [4, 16] f32 = 2 KiB) as large as the 2 KiB weight read beside a
+    # 512-byte activation: the size rule alone would call it a copy; it is a product.
+    t = estimate_traffic(SPLIT_K, HbmModel(num_weights=1))
+    assert t.param_copy_bytes == 0
+    assert t.hbm_bytes == 4 * 32 * 4 + 32 * 16 * 4 + 8 * 4 * 16 * 4
