@@ -30,6 +30,7 @@ from pallas_kernels import reference
 from pallas_kernels._compat import (
     check_dot_tiles,
     compute_dtype,
+    load_if,
     next_pow2,
     pallas_call,
     scale_array,
@@ -54,7 +55,7 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     and stores nothing: its key loop is empty, its q load and its output store are skipped,
     and no valid token maps to its (unwritten) output block. The branches touch only the q
     and output blocks, never the pool: under the interpreter a branch that read the pool
-    would copy it.
+    would copy it. The q load is masked, not branched (a branch with a result spilled).
     """
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -69,7 +70,7 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     lo = 0
     if sliding_window is not None:
         lo = jnp.clip((pos0 - sliding_window + 1) // bk, 0, hi)
-    q = lax.cond(active, lambda: q_ref[...], lambda: jnp.zeros(q_ref.shape, q_ref.dtype))
+    q = load_if(q_ref, active)
     tok = lax.broadcasted_iota(jnp.int32, (rows, bk), 0) // heads_pad
     q_pos = pos0 + tok  # [rows, bk]
     row_ok = tok < n_valid
