@@ -5,7 +5,7 @@
 # overlapped loop compared) and the host work per request-step of both loops
 # (scripts/bench_host.py, tiny model), merged into one JSON under $OUT.
 #
-#   scripts/device_check.sh              # on the GPU machine, < 8 minutes
+#   scripts/device_check.sh              # on the GPU machine, < 10 minutes
 #   scripts/device_check.sh --cpu-smoke  # the same steps here, tiny shapes, Pallas interpreter
 #
 # Python packages the GPU machine lacks travel as wheels in .whl/ (the embedded model cannot:
