@@ -47,7 +47,9 @@ print(json.dumps(out))
 
 def run_side(tree: Path, batches: list[int], steps: int) -> dict:
     """One fresh process importing jpaged from `tree`; its measurements."""
-    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu")
+    # Cold compiles on both sides: no persistent compilation cache (jpaged's own is off).
+    env = dict(os.environ, PYTHONPATH=str(tree), JAX_PLATFORMS="cpu",
+               JPAGED_COMPILE_CACHE_DIR="off")
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(batches), str(steps)],
                           cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
