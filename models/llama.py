@@ -47,11 +47,15 @@ def _project(layer: nnx.Linear, x: Float[Array, "T n_in"]) -> Float[Array, "T n_
     XLA:GPU rewrites a [1, K] x [K, N] dot with a small N into a multiply and a reduce, and
     materializes the product: a temporary the size of the weight, written and read again on
     every decode step of batch 1 (0.5 GB per step for Llama-3-8B's k/v projections). Two rows
-    keep it a GEMM that reads the weight once; the extra row costs no weight traffic.
+    keep it a GEMM that reads the weight once; the extra row costs no weight traffic. Chosen
+    by the lowering platform (a deviceless H200 compile on a CPU host gets the two rows).
     """
     if x.shape[0] != 1:
         return layer(x)
-    return layer(jnp.concatenate([x, jnp.zeros_like(x)]))[:1]
+    # XLA:CPU's GEMM packs its operands (a copy of the weight per call at two rows), its
+    # matrix-vector product does not: the two rows are for GPUs only.
+    return jax.lax.platform_dependent(
+        x, cpu=layer, default=lambda x: layer(jnp.concatenate([x, jnp.zeros_like(x)]))[:1])
 
 
 class RMSNorm(nnx.Module):
@@ -219,14 +223,18 @@ class LlamaForCausalLM(nnx.Module):
         else:
             weight = self.lm_head.kernel[...]  # [hidden, vocab]
             spec = "nh,hv->nv"
-        # One row runs as two (see _project): no weight-sized temporary at batch 1.
-        rows = hidden.shape[0]
-        if rows == 1:
-            hidden = jnp.concatenate([hidden, jnp.zeros_like(hidden)])
-        return jnp.einsum(
-            spec, hidden.astype(weight.dtype), weight,
-            preferred_element_type=jnp.float32, precision=_precision(self.dtype),
-        )[:rows]
+
+        def logits(h: jax.Array) -> jax.Array:
+            return jnp.einsum(spec, h.astype(weight.dtype), weight,
+                              preferred_element_type=jnp.float32,
+                              precision=_precision(self.dtype))
+
+        if hidden.shape[0] != 1:
+            return logits(hidden)
+        # One row runs as two on GPUs (see _project): no weight-sized temporary at batch 1.
+        return jax.lax.platform_dependent(
+            hidden, cpu=logits,
+            default=lambda h: logits(jnp.concatenate([h, jnp.zeros_like(h)]))[:1])
 
 
 class MistralForCausalLM(LlamaForCausalLM):
