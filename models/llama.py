@@ -41,21 +41,21 @@ def _linear(
     )
 
 
-def _project(layer: nnx.Linear, x: Float[Array, "T n_in"]) -> Float[Array, "T n_out"]:
-    """layer(x), with a one-row x run as two rows (the second zeros) and sliced back.
+def _one_row_as_two(fn: Callable[[jax.Array], jax.Array], x: Float[Array, "T n"]) -> jax.Array:
+    """fn(x), with a one-row x run on GPUs as two rows (the second zeros) and sliced back.
 
     XLA:GPU rewrites a [1, K] x [K, N] dot with a small N into a multiply and a reduce, and
     materializes the product: a temporary the size of the weight, written and read again on
     every decode step of batch 1 (0.5 GB per step for Llama-3-8B's k/v projections). Two rows
-    keep it a GEMM that reads the weight once; the extra row costs no weight traffic. Chosen
-    by the lowering platform (a deviceless H200 compile on a CPU host gets the two rows).
+    keep it a GEMM that reads the weight once; the extra row costs no weight traffic. XLA:CPU's
+    GEMM packs its operands (a copy of the weight at two rows) while its matrix-vector product
+    does not, so one row stays one there. Chosen by the lowering platform: a deviceless H200
+    compile on a CPU host gets the two rows.
     """
     if x.shape[0] != 1:
-        return layer(x)
-    # XLA:CPU's GEMM packs its operands (a copy of the weight per call at two rows), its
-    # matrix-vector product does not: the two rows are for GPUs only.
+        return fn(x)
     return jax.lax.platform_dependent(
-        x, cpu=layer, default=lambda x: layer(jnp.concatenate([x, jnp.zeros_like(x)]))[:1])
+        x, cpu=fn, default=lambda x: fn(jnp.concatenate([x, jnp.zeros_like(x)]))[:1])
 
 
 class RMSNorm(nnx.Module):
@@ -81,8 +81,8 @@ class MLP(nnx.Module):
         self.down_proj = _linear(i, h, b, dtype, rngs)
 
     def __call__(self, x: Float[Array, "T hidden"]) -> Float[Array, "T hidden"]:
-        h = jax.nn.silu(_project(self.gate_proj, x)) * _project(self.up_proj, x)
-        return _project(self.down_proj, h)
+        h = jax.nn.silu(_one_row_as_two(self.gate_proj, x)) * _one_row_as_two(self.up_proj, x)
+        return _one_row_as_two(self.down_proj, h)
 
 
 class Attention(nnx.Module):
@@ -112,14 +112,15 @@ class Attention(nnx.Module):
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """Attention output projected back to hidden size, and the backend's updated state."""
         t = x.shape[0]
-        q = _project(self.q_proj, x).reshape(t, self.num_heads, self.head_dim)
-        k = _project(self.k_proj, x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = _project(self.v_proj, x).reshape(t, self.num_kv_heads, self.head_dim)
+        q = _one_row_as_two(self.q_proj, x).reshape(t, self.num_heads, self.head_dim)
+        k = _one_row_as_two(self.k_proj, x).reshape(t, self.num_kv_heads, self.head_dim)
+        v = _one_row_as_two(self.v_proj, x).reshape(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3: per-head norm, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, attn_state = attn_fn(layer_idx, q, k, v, attn_state)  # out: [T, num_heads, head_dim]
-        return _project(self.o_proj, out.reshape(t, self.num_heads * self.head_dim)), attn_state
+        out = out.reshape(t, self.num_heads * self.head_dim)
+        return _one_row_as_two(self.o_proj, out), attn_state
 
 
 class DecoderLayer(nnx.Module):
@@ -229,12 +230,7 @@ class LlamaForCausalLM(nnx.Module):
                               preferred_element_type=jnp.float32,
                               precision=_precision(self.dtype))
 
-        if hidden.shape[0] != 1:
-            return logits(hidden)
-        # One row runs as two on GPUs (see _project): no weight-sized temporary at batch 1.
-        return jax.lax.platform_dependent(
-            hidden, cpu=logits,
-            default=lambda h: logits(jnp.concatenate([h, jnp.zeros_like(h)]))[:1])
+        return _one_row_as_two(logits, hidden)  # no weight-sized temporary at batch 1
 
 
 class MistralForCausalLM(LlamaForCausalLM):
