@@ -31,6 +31,7 @@ Faults, with `timeout_s` = distributed_timeout_s (default 120 s):
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -39,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 
 import msgpack
 import numpy as np
+
+logger = logging.getLogger("jpaged")
 
 if TYPE_CHECKING:
     from jpaged.config import EngineArgs
@@ -265,6 +268,34 @@ class StepChannel:
                                          daemon=True)
         self._watcher.start()
 
+    def expect_disconnects(self) -> None:
+        """From here on a process's connection dropping is its orderly exit, not a death."""
+        self._closing = True
+
+    def bye(self) -> None:
+        """Another process: tell process 0 this process has left the JAX runtime."""
+        self._sock.send(msgpack.packb({"op": "bye"}))
+
+    def gather_byes(self, timeout_s: float) -> None:
+        """Process 0: wait until every other process said bye, at most `timeout_s` (a process
+        that died says nothing; the wait then just ends)."""
+        import zmq
+
+        start = time.monotonic()
+        deadline = start + timeout_s
+        left_ranks = set(range(1, self.nnodes))
+        while left_ranks:
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._sock.poll(int(left * 1000), zmq.POLLIN):
+                logger.warning("process(es) %s did not say bye within %.0f s of the stop",
+                               sorted(left_ranks), timeout_s)
+                return
+            ident, *frames = self._sock.recv_multipart()
+            if frames and msgpack.unpackb(frames[0]).get("op") == "bye":
+                left_ranks.discard(int(ident))
+        logger.info("process 0: the other processes left the JAX runtime in %.2f s",
+                    time.monotonic() - start)
+
     def _recv_header(self, timeout_s: float, what: str) -> dict[str, Any]:
         import zmq
 
@@ -275,7 +306,7 @@ class StepChannel:
 
     def close(self) -> None:
         """Close the socket and its context (a disconnect from here on is expected)."""
-        self._closing = True
+        self.expect_disconnects()
         if self._monitor is not None:
             self._sock.disable_monitor()  # the watcher reads MONITOR_STOPPED and closes it
             if self._watcher is not None:
@@ -345,17 +376,32 @@ class ProcessGroup:
             f"({type(e).__name__}: {str(e).splitlines()[0][:300]}); the run cannot continue")
 
     def stop(self) -> None:
-        """Process 0: tell the others to exit their loops (once); close the channel."""
+        """Process 0: tell the others to exit their loops and wait (bounded) until each has left
+        the JAX runtime; the others: leave it, then say so. Once; closes the channel.
+
+        Process 0 hosts JAX's coordination service: were it to exit while another process
+        still shuts its JAX client down, that process's shutdown call would find no service and
+        abort the process (status -6). So the others leave first and process 0 waits for them."""
         if self._stopped:
             return
         self._stopped = True
         if self.is_leader:
+            self.channel.expect_disconnects()  # the others close their ends after their bye
             try:
                 self.channel.send({"op": "stop"})
+                self.channel.gather_byes(min(self.timeout_s, BYE_TIMEOUT_S))
             except ProcessGroupError:
-                pass  # a gone process needs no stop
+                pass  # a gone process needs no stop and says no goodbye
+        else:
+            import jax
+
+            jax.distributed.shutdown()
+            self.channel.bye()
         self.channel.close()
 
+
+# Longest process 0 waits at stop for the others to leave the JAX runtime.
+BYE_TIMEOUT_S = 30.0
 
 # Seconds a server on process 0 of a broken mesh keeps running so clients get their errors.
 EXIT_GRACE_S = 2.0
