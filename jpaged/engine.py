@@ -28,7 +28,7 @@ from jpaged.runner.compile_cache import enable_compilation_cache
 from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
 from jpaged.runner.kv_transfer import KVTransfer
 from jpaged.runner.memory_probe import step_activation_bytes
-from jpaged.runner.model_runner import ModelRunner, PendingStep
+from jpaged.runner.model_runner import ModelRunner, PendingStep, scans_layers
 from jpaged.runner.multiprocess import (
     ProcessGroup,
     ProcessGroupError,
@@ -37,6 +37,7 @@ from jpaged.runner.multiprocess import (
 )
 from jpaged.runner.parallel import TensorParallel, kv_bytes_per_device
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
+from models.llama import stack_layers
 from models.loader import LoadedModel, load_model
 from models.sharding import check_device_count
 from pallas_kernels.backend import select_backend
@@ -107,6 +108,9 @@ class LLMEngine(RequestFrontend):
             logger.info("process %d of %d loaded its parameter slices: %d bytes on its devices; "
                         "peak RSS %d bytes, %d before loading", self.group.rank,
                         self.group.nnodes, mine, peak_rss_bytes(), rss_before)
+        if scans_layers():  # XLA:CPU: one scanned layer compiles ~5x faster than 30 unrolled
+            # A model this engine loaded gives up its per-layer arrays; a caller's stays whole.
+            self.loaded = dataclasses.replace(self.loaded, model=stack_layers(self.loaded.model))
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
         config = args.create_engine_config(self.spec.max_position_embeddings)

@@ -1,6 +1,6 @@
 """Decoder layers with their own Params, run by a Python loop: per-layer HF names for weights,
 no scan and no stacked array in the traced step, and attention-backend state threaded through
-the layers."""
+the layers; the stacked twin XLA:CPU runs instead (one scan) computes the same."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from tiny_models import flatten, make_logits_fn, random_weights, tiny_spec
 
 from models import AttnFn, dense_causal_attention
 from models.attention import repeat_kv
+from models.llama import ScannedLayers, stack_layers
 from models.loader import build_model
 from models.registry import get_model_class
 from models.weights import hf_param_table
@@ -146,3 +147,30 @@ def test_attn_state_threads_through_layers_and_calls(spec, model):
     assert np.all(np.abs(k[:, : len(seq)]).sum(axis=(2, 3)) > 0)
     assert np.all(k[:, len(seq):] == 0)
     assert not np.allclose(k[0, : len(seq)], k[1, : len(seq)])
+
+
+def test_stacked_twin_scans_and_computes_the_same(spec, model):
+    """stack_layers (XLA:CPU's layout): one scan over [layers, ...] Params with a traced layer
+    index, the same logits and threaded cache, the original model left per-layer."""
+    twin = stack_layers(model)
+    assert isinstance(twin.model.layers, ScannedLayers) and stack_layers(twin) is twin
+    assert len(model.model.layers) == NUM_LAYERS  # untouched
+    q = twin.model.layers.layer.self_attn.q_proj.kernel[...]
+    np.testing.assert_array_equal(np.asarray(q[1]),
+                                  np.asarray(model.model.layers[1].self_attn.q_proj.kernel[...]))
+    assert twin.model.embed_tokens.embedding[...] is model.model.embed_tokens.embedding[...]
+    seq = [11, 42, 7, 99, 3, 250, 18, 64, 5]
+    pos = jnp.arange(len(seq))
+    shape = (NUM_LAYERS, 16, spec.num_kv_heads, spec.head_dim)
+    outs = []
+    for m in (model, twin):
+        hidden, cache = m(jnp.asarray(seq), pos, contiguous_cache_attention(pos),
+                          (jnp.zeros(shape), jnp.zeros(shape)))
+        outs.append((np.asarray(m.compute_logits(hidden)), np.asarray(cache[0])))
+    np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=0, atol=1e-4)
+    np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=0, atol=1e-5)  # layer i wrote row i
+    ids, pos, seg = (jnp.asarray(a) for a in flatten([[5, 6, 7]]))
+    prims = {e.primitive.name for e in jax.make_jaxpr(
+        lambda i, p: twin(i, p, dense_causal_attention(seg, pos))[0])(ids, pos).jaxpr.eqns}
+    assert "scan" in prims
+
