@@ -7,7 +7,6 @@ the same sampler; used by the benchmarks to show what paging buys at equal KV me
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -127,7 +126,8 @@ class NaiveEngine:
             cv = _write_rows(cv, i, r, write_pos, v)
             out = dense_attention_contiguous(
                 q.reshape(b, nq, q.shape[1], d), ck[i, rows], cv[i, rows], positions, kv_lens,
-                sm_scale=1.0 / math.sqrt(d))
+                sm_scale=self.spec.attn_scale, soft_cap=self.spec.attn_logit_softcapping,
+                sliding_window=self.spec.window_of(i))
             return out.reshape(b * nq, q.shape[1], d), (ck, cv)
 
         hidden, (ck, cv) = model(ids.reshape(-1), positions.reshape(-1), attn_fn,

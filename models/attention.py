@@ -17,6 +17,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from .config import ModelSpec
+
 # attn_fn(layer_idx, q, k, v, state) -> (out, state)
 #   layer_idx: int, the layer's index as a Python int (static: x[layer_idx] is a static slice).
 #   q: Float[Array, "T num_heads head_dim"]      RoPE applied, NOT pre-scaled.
@@ -36,18 +38,21 @@ def repeat_kv(x: Float[Array, "S kv_heads D"], num_heads: int) -> Float[Array, "
     return x if group == 1 else jnp.repeat(x, group, axis=1)
 
 
-def dense_causal_attention(segment_ids: Int[Array, " T"], positions: Int[Array, " T"]) -> AttnFn:
+def dense_causal_attention(segment_ids: Int[Array, " T"], positions: Int[Array, " T"],
+                           spec: ModelSpec | None = None) -> AttnFn:
     """Softmax attention within each segment, causal by position; segment -1 marks padding.
 
     Token i attends to token j iff segment_ids[i] == segment_ids[j] >= 0 and
-    positions[j] <= positions[i]. Padding rows return zeros. Softmax runs in float32.
-    Stateless: the returned AttnFn passes `state` through unchanged.
+    positions[j] <= positions[i] (and, in a sliding layer of `spec`, positions[j] >
+    positions[i] - window). Scores are scaled by `spec.attn_scale` (head_dim**-0.5 without a
+    spec) and soft-capped when the spec says so. Padding rows return zeros. Softmax runs in
+    float32. Stateless: the returned AttnFn passes `state` through unchanged.
     """
     seg = jnp.asarray(segment_ids)
     pos = jnp.asarray(positions)
     same = (seg[:, None] == seg[None, :]) & (seg[:, None] >= 0)
-    mask = same & (pos[None, :] <= pos[:, None])  # [T query, T key]
-    row_valid = mask.any(axis=-1)  # False only for padding rows
+    causal = same & (pos[None, :] <= pos[:, None])  # [T query, T key]
+    row_valid = causal.any(axis=-1)  # False only for padding rows
 
     def attn(
         layer_idx: int,
@@ -56,11 +61,18 @@ def dense_causal_attention(segment_ids: Int[Array, " T"], positions: Int[Array, 
         v: Float[Array, "T num_kv_heads head_dim"],
         state: Any,
     ) -> tuple[Float[Array, "T num_heads head_dim"], Any]:
-        del layer_idx  # stateless: no cache
         num_heads, head_dim = q.shape[1], q.shape[2]
         kf = repeat_kv(k, num_heads).astype(jnp.float32)
         vf = repeat_kv(v, num_heads).astype(jnp.float32)
-        scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), kf) / math.sqrt(head_dim)
+        scale = 1 / math.sqrt(head_dim) if spec is None else spec.attn_scale
+        scores = jnp.einsum("qhd,khd->hqk", q.astype(jnp.float32), kf) * scale
+        cap = None if spec is None else spec.attn_logit_softcapping
+        if cap is not None:
+            scores = cap * jnp.tanh(scores / cap)
+        mask = causal
+        window = None if spec is None else spec.window_of(layer_idx)
+        if window is not None:
+            mask = mask & (pos[None, :] > pos[:, None] - window)
         scores = jnp.where(mask[None], scores, -jnp.inf)
         # Padding rows are all -inf; give them a finite row so softmax stays NaN-free.
         scores = jnp.where(row_valid[None, :, None], scores, 0.0)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +13,8 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 
 # Used when config.json has no `architectures` list (e.g. saved from a bare config class).
@@ -22,7 +23,16 @@ _MODEL_TYPE_TO_ARCH = {
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+
+# HF `layer_types` entries: attention over every earlier token, or over the last
+# `sliding_window` tokens (the query's own included).
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# MLP activations: SwiGLU's silu, Gemma's GeGLU (tanh-approximated gelu).
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 # Keys each supported rope_type needs inside `rope_scaling`.
 ROPE_TYPES: dict[str, tuple[str, ...]] = {
@@ -63,6 +73,14 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...]
     o_proj_bias: bool = False  # bias on the attention output projection (Llama attention_bias)
     mlp_bias: bool = False  # bias on gate/up/down projections (Llama mlp_bias)
+    hidden_act: str = "silu"  # one of ACTIVATIONS
+    # One LAYER_TYPES entry per layer; None = every layer full attention.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None  # tokens a sliding layer sees, its own included
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
+    query_pre_attn_scalar: float | None = None  # attention scale scalar**-0.5 (Gemma)
+    rope_local_base_freq: float | None = None  # RoPE base of sliding layers (Gemma 3)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -91,6 +109,61 @@ class ModelSpec:
             if not isinstance(self.rope_scaling, tuple):
                 raise ValueError("ModelSpec.rope_scaling must be a tuple of (key, value) pairs")
             _check_rope_scaling(self.rope_scaling, self.head_dim)
+        self._check_attention_kinds()
+
+    def _check_attention_kinds(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"ModelSpec.hidden_act must be one of {', '.join(ACTIVATIONS)}, "
+                             f"got {self.hidden_act!r}")
+        w = self.sliding_window
+        if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 1):
+            raise ValueError(f"ModelSpec.sliding_window must be an int >= 1 or None, got {w!r}")
+        if self.layer_types is not None:
+            if (not isinstance(self.layer_types, tuple)
+                    or len(self.layer_types) != self.num_layers):
+                raise ValueError(f"ModelSpec.layer_types must be a tuple of num_layers="
+                                 f"{self.num_layers} entries, got {self.layer_types!r}")
+            bad = sorted({t for t in self.layer_types if t not in LAYER_TYPES}, key=str)
+            if bad:
+                raise ValueError(f"ModelSpec.layer_types: unknown layer type(s) {bad}; known: "
+                                 f"{', '.join(LAYER_TYPES)}")
+            if SLIDING_ATTENTION in self.layer_types and w is None:
+                raise ValueError("ModelSpec.layer_types has sliding_attention layers but "
+                                 "sliding_window is None")
+        for name in ("attn_logit_softcapping", "final_logit_softcapping",
+                     "query_pre_attn_scalar", "rope_local_base_freq"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"ModelSpec.{name} must be > 0 or None, got {value!r}")
+
+    @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window in tokens (None: full attention)."""
+        types = self.layer_types or (FULL_ATTENTION,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING_ATTENTION else None for t in types)
+
+    @property
+    def uniform_layers(self) -> bool:
+        """True when every layer attends the same way (one window, one RoPE base)."""
+        return len(set(self.layer_windows)) == 1
+
+    def window_of(self, layer_idx: Any) -> int | None:
+        """Layer `layer_idx`'s window; a traced index (scanned layers) needs uniform layers."""
+        if isinstance(layer_idx, int):
+            return self.layer_windows[layer_idx]
+        if not self.uniform_layers:
+            raise ValueError("a traced layer index needs layers that all attend the same way")
+        return self.layer_windows[0]
+
+    @property
+    def is_gemma(self) -> bool:
+        """Gemma's block: (1 + w) RMSNorms around attention and MLP, embeddings * sqrt(hidden)."""
+        return self.architecture in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on q.k: query_pre_attn_scalar**-0.5 (Gemma), else head_dim**-0.5."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
     def rope_type(self) -> str:
@@ -112,15 +185,19 @@ class ModelSpec:
         if cfg.get("quantization_config"):
             method = cfg["quantization_config"].get("quant_method", "?")
             raise ValueError(f"quantized HF checkpoints ({method}) are not supported; use GGUF")
-        act = cfg.get("hidden_act", cfg.get("hidden_activation", "silu"))
-        if act != "silu":
-            raise ValueError(f"hidden_act must be 'silu' for {arch}, got {act!r}")
+        gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+        act = cfg.get("hidden_activation") or cfg.get("hidden_act") or (
+            "gelu_pytorch_tanh" if gemma else "silu")
+        if act != ("gelu_pytorch_tanh" if gemma else "silu"):
+            want = "'gelu_pytorch_tanh'" if gemma else "'silu'"
+            raise ValueError(f"hidden_act must be {want} for {arch}, got {act!r}")
         hidden = _get_int(cfg, "hidden_size")
         heads = _get_int(cfg, "num_attention_heads")
         kv_heads = cfg.get("num_key_value_heads") or heads
         head_dim = cfg.get("head_dim") or hidden // heads
         max_pos = _get_int(cfg, "max_position_embeddings")
-        _check_sliding_window(cfg, arch, max_pos)
+        num_layers = _get_int(cfg, "num_hidden_layers")
+        layer_types, window = _layer_types(cfg, arch, num_layers, max_pos)
         rope_theta, rope_scaling = _parse_rope(cfg)
 
         attention_bias = bool(cfg.get("attention_bias", False))
@@ -139,21 +216,25 @@ class ModelSpec:
             vocab_size=_get_int(cfg, "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_get_int(cfg, "intermediate_size"),
-            num_layers=_get_int(cfg, "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
             max_position_embeddings=max_pos,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
             o_proj_bias=o_proj_bias,
             mlp_bias=arch == "LlamaForCausalLM" and bool(cfg.get("mlp_bias", False)),
+            hidden_act=act,
+            layer_types=layer_types,
+            sliding_window=window,
+            **(_gemma_fields(cfg, arch) if gemma else {}),
         )
 
 
@@ -179,27 +260,77 @@ def _get_int(cfg: dict[str, Any], key: str) -> int:
     return value
 
 
-def _check_sliding_window(cfg: dict[str, Any], arch: str, max_pos: int) -> None:
-    """Reject configs whose attention is windowed within the usable context; we only do full."""
-    window = cfg.get("sliding_window")
-    layer_types = cfg.get("layer_types") or ()
-    in_use = window is not None and cfg.get("use_sliding_window", True)
-    if layer_types and "sliding_attention" not in layer_types:
-        in_use = False
-    if not in_use:
-        return
-    if window >= max_pos:  # a window as long as the context is full causal attention
-        warnings.warn(
-            f"{arch}: sliding_window={window} >= max_position_embeddings={max_pos}; "
-            "using full causal attention",
-            stacklevel=3,
-        )
-        return
-    raise ValueError(
-        f"{arch}: sliding_window={window} < max_position_embeddings={max_pos} is not supported "
-        "(jpaged implements full causal attention only); set sliding_window to null in config.json "
-        "if the model does not need it"
-    )
+# HF's defaults where a Gemma config.json leaves a field out (transformers' config classes).
+_GEMMA_DEFAULTS = {
+    "Gemma2ForCausalLM": dict(attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              sliding_window=4096, pattern=2),
+    "Gemma3ForCausalLM": dict(attn_logit_softcapping=None, final_logit_softcapping=None,
+                              sliding_window=4096, pattern=6),
+}
+
+
+def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int,
+                 max_pos: int) -> tuple[tuple[str, ...] | None, int | None]:
+    """(layer_types, sliding_window) as HF's config classes derive them; None when every layer
+    attends in full (a window as long as the context is full attention)."""
+    defaults = _GEMMA_DEFAULTS.get(arch, {})
+    window = cfg.get("sliding_window", defaults.get("sliding_window"))
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+        window = None
+    types = cfg.get("layer_types")
+    if types is not None:
+        if not isinstance(types, list | tuple) or len(types) != num_layers:
+            raise ValueError(f"config field 'layer_types' must list num_hidden_layers="
+                             f"{num_layers} entries, got {types!r}")
+        bad = sorted({str(t) for t in types if t not in LAYER_TYPES})
+        if bad:
+            raise ValueError(f"config field 'layer_types' has unknown layer type(s) {bad}; "
+                             f"known: {', '.join(LAYER_TYPES)}")
+        types = tuple(types)
+    elif window is None:
+        return None, None
+    elif arch == "MistralForCausalLM":  # one window on every layer
+        types = (SLIDING_ATTENTION,) * num_layers
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # layers from max_window_layers on
+        first = cfg.get("max_window_layers", 28)
+        types = tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION
+                      for i in range(num_layers))
+    elif defaults:  # Gemma: every pattern-th layer is global
+        pattern = cfg.get("sliding_window_pattern", defaults["pattern"])
+        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+            raise ValueError(f"config field 'sliding_window_pattern' must be an int >= 1, got "
+                             f"{pattern!r}")
+        types = tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+                      for i in range(num_layers))
+    else:
+        raise ValueError(f"{arch}: sliding_window={window} without layer_types is not "
+                         "supported for this architecture")
+    if SLIDING_ATTENTION not in types:
+        return None, None
+    if window is None or not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"config field 'sliding_window' must be an int >= 1 for "
+                         f"sliding_attention layers, got {window!r}")
+    if window >= max_pos:  # it never binds: full attention, the same result
+        return None, None
+    return types, window
+
+
+def _gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Gemma's soft caps, attention scale and local RoPE base from an HF config."""
+    defaults = _GEMMA_DEFAULTS[arch]
+    out: dict[str, Any] = {
+        "attn_logit_softcapping": cfg.get("attn_logit_softcapping",
+                                          defaults["attn_logit_softcapping"]),
+        "final_logit_softcapping": cfg.get("final_logit_softcapping",
+                                           defaults["final_logit_softcapping"]),
+        "query_pre_attn_scalar": float(cfg.get("query_pre_attn_scalar", 256)),
+    }
+    if arch == "Gemma3ForCausalLM":
+        params = cfg.get("rope_parameters") or {}
+        local = params.get(SLIDING_ATTENTION) if isinstance(params, dict) else None
+        theta = (local or {}).get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))
+        out["rope_local_base_freq"] = float(theta)
+    return out
 
 
 def _parse_rope(cfg: dict[str, Any]) -> tuple[float, tuple[tuple[str, Any], ...] | None]:

@@ -71,33 +71,41 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)
 
 
+def _activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    """The gate activation: silu (SwiGLU) or tanh-approximated gelu (Gemma's GeGLU)."""
+    return jax.nn.silu if name == "silu" else lambda x: jax.nn.gelu(x, approximate=True)
+
+
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """Gated feed-forward: down(act(gate(x)) * up(x)); act is silu (SwiGLU) or gelu (GeGLU)."""
 
     def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
         h, i, b = spec.hidden_size, spec.intermediate_size, spec.mlp_bias
         self.gate_proj = _linear(h, i, b, dtype, rngs)
         self.up_proj = _linear(h, i, b, dtype, rngs)
         self.down_proj = _linear(i, h, b, dtype, rngs)
+        self.act = spec.hidden_act
 
     def __call__(self, x: Float[Array, "T hidden"]) -> Float[Array, "T hidden"]:
-        h = jax.nn.silu(_one_row_as_two(self.gate_proj, x)) * _one_row_as_two(self.up_proj, x)
-        return _one_row_as_two(self.down_proj, h)
+        gate = _activation(self.act)(_one_row_as_two(self.gate_proj, x))
+        return _one_row_as_two(self.down_proj, gate * _one_row_as_two(self.up_proj, x))
 
 
 class Attention(nnx.Module):
     """Projections, optional q/k norm and RoPE around an external attention backend."""
 
-    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs,
+                 norm_cls: Callable[..., nnx.Module] | None = None):
         h, d = spec.hidden_size, spec.head_dim
+        norm_cls = norm_cls or RMSNorm
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, d
         self.q_proj = _linear(h, spec.num_heads * d, spec.attention_bias, dtype, rngs)
         self.k_proj = _linear(h, spec.num_kv_heads * d, spec.attention_bias, dtype, rngs)
         self.v_proj = _linear(h, spec.num_kv_heads * d, spec.attention_bias, dtype, rngs)
         self.o_proj = _linear(spec.num_heads * d, h, spec.o_proj_bias, dtype, rngs)
         if spec.qk_norm:
-            self.q_norm = RMSNorm(d, spec.rms_norm_eps, dtype=dtype)
-            self.k_norm = RMSNorm(d, spec.rms_norm_eps, dtype=dtype)
+            self.q_norm = norm_cls(d, spec.rms_norm_eps, dtype=dtype)
+            self.k_norm = norm_cls(d, spec.rms_norm_eps, dtype=dtype)
         else:
             self.q_norm = self.k_norm = None
 
@@ -115,7 +123,7 @@ class Attention(nnx.Module):
         q = _one_row_as_two(self.q_proj, x).reshape(t, self.num_heads, self.head_dim)
         k = _one_row_as_two(self.k_proj, x).reshape(t, self.num_kv_heads, self.head_dim)
         v = _one_row_as_two(self.v_proj, x).reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3: per-head norm, before RoPE
+        if self.q_norm is not None:  # Qwen3, Gemma 3: per-head norm, before RoPE
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out, attn_state = attn_fn(layer_idx, q, k, v, attn_state)  # out: [T, num_heads, head_dim]
@@ -158,6 +166,9 @@ EmbedFn = Callable[[jax.Array, jax.Array], jax.Array]
 class LlamaModel(nnx.Module):
     """Embedding, decoder layers and final norm (HF `model.*`)."""
 
+    layer_class: Callable[..., nnx.Module] = DecoderLayer
+    norm_class: Callable[..., nnx.Module] = RMSNorm
+
     def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
         self.spec = spec
         self.embed_tokens = nnx.Embed(
@@ -165,9 +176,24 @@ class LlamaModel(nnx.Module):
         )
         # Invariant: len(layers) == num_layers, and layer i's Params are its own arrays.
         self.layers = nnx.List(
-            [DecoderLayer(spec, dtype=dtype, rngs=rngs) for _ in range(spec.num_layers)]
+            [self.layer_class(spec, dtype=dtype, rngs=rngs) for _ in range(spec.num_layers)]
         )
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+        self.norm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
+
+    def scale_embeddings(self, x: Float[Array, "T hidden"]) -> Float[Array, "T hidden"]:
+        """The looked-up embeddings as the first layer takes them (Llama: unchanged)."""
+        return x
+
+    def rope_tables(self, positions: Int[Array, " T"]) -> list[tuple[jax.Array, jax.Array]]:
+        """(cos, sin) for each layer: one table, or (Gemma 3) a second for sliding layers."""
+        spec = self.spec
+        # inv_freq is a trace-time constant derived from the (static) spec.
+        main = rope_cos_sin(jnp.asarray(inverse_frequencies(spec)), positions)
+        if spec.rope_local_base_freq is None:
+            return [main] * spec.num_layers
+        local_spec = spec.replace(rope_theta=spec.rope_local_base_freq, rope_scaling=None)
+        local = rope_cos_sin(jnp.asarray(inverse_frequencies(local_spec)), positions)
+        return [main if w is None else local for w in spec.layer_windows]
 
     def __call__(
         self,
@@ -179,18 +205,18 @@ class LlamaModel(nnx.Module):
         embed_fn: EmbedFn | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """(final-norm hidden states, attn_state after the last layer)."""
-        # inv_freq is a trace-time constant derived from the (static) spec.
-        cos, sin = rope_cos_sin(jnp.asarray(inverse_frequencies(self.spec)), positions)
+        tables = self.rope_tables(positions)
         if embed_fn is None:
             x = self.embed_tokens(input_ids)
         else:
             x = embed_fn(self.embed_tokens.embedding[...], input_ids)
-        if isinstance(self.layers, ScannedLayers):  # XLA:CPU (stack_layers)
-            x, attn_state = self.layers(x, cos, sin, attn_fn, attn_state)
+        x = self.scale_embeddings(x)
+        if isinstance(self.layers, ScannedLayers):  # XLA:CPU (stack_layers): uniform layers
+            x, attn_state = self.layers(x, *tables[0], attn_fn, attn_state)
         else:
             # Unrolled at trace time: layer i's GEMMs read layer i's own weight arrays in place.
             for i, layer in enumerate(self.layers):
-                x, attn_state = layer(x, cos, sin, i, attn_fn, attn_state)
+                x, attn_state = layer(x, *tables[i], i, attn_fn, attn_state)
         return self.norm(x), attn_state
 
 
@@ -240,11 +266,12 @@ def stack_layers(model: LlamaForCausalLM) -> LlamaForCausalLM:
     model's step compiles ~5x faster) and runs as fast; on a GPU it would copy each layer's
     weights out of the stack every step, which is why models are built per layer. The twin
     shares every non-layer array with `model` and holds a stacked copy of the layers' arrays;
-    `model` is unchanged (drop it to free its layer arrays). Already stacked: returned as is.
+    `model` is unchanged (drop it to free its layer arrays). Already stacked, or layers of
+    different kinds (sliding and global): `model` itself.
     """
     layers = model.model.layers
-    if isinstance(layers, ScannedLayers):
-        return model
+    if isinstance(layers, ScannedLayers) or not model.spec.uniform_layers:
+        return model  # stacked already, or layers that attend differently (one scan body each)
     layer_def = nnx.graphdef(layers[0])
     stacked = jax.tree.map(_stack, *[nnx.state(layer) for layer in layers])
     twin = nnx.clone(model)
@@ -255,10 +282,12 @@ def stack_layers(model: LlamaForCausalLM) -> LlamaForCausalLM:
 class LlamaForCausalLM(nnx.Module):
     """Llama decoder with LM head; `__call__` gives final hidden states, `compute_logits` logits."""
 
+    model_class: Callable[..., LlamaModel] = LlamaModel
+
     def __init__(self, spec: ModelSpec, *, dtype: Any = jnp.float32, rngs: nnx.Rngs):
         self.spec = spec
         self.dtype = jnp.dtype(dtype)
-        self.model = LlamaModel(spec, dtype=dtype, rngs=rngs)
+        self.model = self.model_class(spec, dtype=dtype, rngs=rngs)
         # Tied models have no lm_head: logits use the embedding matrix.
         self.lm_head = (
             None if spec.tie_word_embeddings
@@ -291,8 +320,10 @@ class LlamaForCausalLM(nnx.Module):
                               preferred_element_type=jnp.float32,
                               precision=_precision(self.dtype))
 
-        return _one_row_as_two(logits, hidden)  # no weight-sized temporary at batch 1
+        out = _one_row_as_two(logits, hidden)  # no weight-sized temporary at batch 1
+        cap = self.spec.final_logit_softcapping
+        return out if cap is None else cap * jnp.tanh(out / cap)  # Gemma 2
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    """Mistral: Llama layers without biases; sliding window is rejected by ModelSpec."""
+    """Mistral: Llama layers without biases; a sliding window (ModelSpec) on every layer."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, MistralForCausalLM
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
@@ -11,6 +12,8 @@ MODEL_REGISTRY: dict[str, type] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

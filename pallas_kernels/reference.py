@@ -304,8 +304,10 @@ def dense_attention_contiguous(
     *,
     sm_scale: float | None = None,
     soft_cap: float | None = None,
+    sliding_window: int | None = None,
 ) -> Float[Array, "B Q q_heads head_dim"]:
-    """Causal attention over a contiguous per-sequence cache (the naive baseline's attention)."""
+    """Causal attention over a contiguous per-sequence cache (the naive baseline's attention);
+    with `sliding_window` a query sees only the last `sliding_window` positions (its own too)."""
     b, nq, hq, d = q.shape
     hkv = k.shape[2]
     g = hq // hkv
@@ -318,6 +320,8 @@ def dense_attention_contiguous(
     k_pos = jnp.arange(k.shape[1])
     mask = (k_pos[None, None, :] <= q_positions[:, :, None]) & (
         k_pos[None, None, :] < kv_lens[:, None, None])
+    if sliding_window is not None:
+        mask &= k_pos[None, None, :] > q_positions[:, :, None] - sliding_window
     s = jnp.where(mask[:, None, None], s, -jnp.inf)
     p = jax.nn.softmax(s, axis=-1)
     p = jnp.where(mask[:, None, None], p, 0.0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -161,8 +160,8 @@ class ModelRunner:
             col = jnp.where(fed, batch.seq_lens - 1, h)
             sampling = dataclasses.replace(sampling, history=sampling.history.at[
                 jnp.arange(b), col].set(fed_ids, mode="drop"))
-        head_dim, nb, bs = kv.k.shape[-1], kv.num_blocks, kv.k.shape[1]
-        sm_scale = 1.0 / math.sqrt(head_dim)
+        nb, bs = kv.num_blocks, kv.k.shape[1]
+        spec = model.spec
         ops = self.ops
 
         def attn_fn(i: int, q: jax.Array, k: jax.Array, v: jax.Array,
@@ -179,10 +178,12 @@ class ModelRunner:
             k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, slots, k_scale[i],
                                             v_scale[i])
             # Write first, then attend: the new tokens see themselves through the pages.
+            # Layer i's window (static: unrolled layers, or scanned ones that all share it).
             out = ops.ragged_paged_attention(
                 q, k_pages, v_pages, batch.query_start_loc, batch.seq_lens,
-                batch.block_tables + i * nb, sm_scale=sm_scale, k_scale=k_scale[i],
-                v_scale=v_scale[i])
+                batch.block_tables + i * nb, sm_scale=spec.attn_scale,
+                soft_cap=spec.attn_logit_softcapping, sliding_window=spec.window_of(i),
+                k_scale=k_scale[i], v_scale=v_scale[i])
             return out, (to_bits(k_pages), to_bits(v_pages), k_scale, v_scale)
 
         # Tensor parallel: the vocab-split table is looked up in place (no collective of it).

@@ -35,6 +35,19 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(_COMMON, head_dim=16, sliding_window=None)),
     "qwen2_bias": ("Qwen2Config", dict(_COMMON, use_sliding_window=False)),
     "qwen3_qk_norm": ("Qwen3Config", dict(_COMMON, head_dim=32, use_sliding_window=False)),
+    # Sliding windows shorter than the test's 13-token sequence, so the window binds.
+    "mistral_sliding": ("MistralConfig", dict(_COMMON, head_dim=16, sliding_window=4)),
+    "qwen2_sliding_upper_layers": ("Qwen2Config", dict(
+        _COMMON, num_hidden_layers=3, use_sliding_window=True, sliding_window=5,
+        max_window_layers=1)),
+    "gemma2": ("Gemma2Config", dict(
+        _COMMON, num_hidden_layers=3, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0, final_logit_softcapping=5.0,
+        hidden_activation="gelu_pytorch_tanh")),
+    "gemma3": ("Gemma3TextConfig", dict(
+        _COMMON, num_hidden_layers=3, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_theta=1e6, rope_local_base_freq=100.0, hidden_activation="gelu_pytorch_tanh")),
 }
 
 
@@ -107,7 +120,7 @@ def make_logits_fn(model):
     @jax.jit
     def run(state, ids, pos, seg):
         m = nnx.merge(graphdef, state)
-        hidden, _ = m(ids, pos, dense_causal_attention(seg, pos))
+        hidden, _ = m(ids, pos, dense_causal_attention(seg, pos, m.spec))
         return m.compute_logits(hidden)
 
     return lambda ids, pos, seg: run(state, jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg))
