@@ -54,16 +54,45 @@ def test_unknown_architecture_is_named():
         assert get_model_class(arch).__name__ == arch
 
 
-def test_mistral_sliding_window():
+def test_sliding_window_layer_types_as_hf_derives_them():
     cfg = {**hf_config_dict(tiny_spec()), "architectures": ["MistralForCausalLM"]}
-    with pytest.raises(ValueError, match="sliding_window=128"):
-        ModelSpec.from_hf_config({**cfg, "sliding_window": 128})
-    with pytest.warns(UserWarning, match="full causal"):
-        ModelSpec.from_hf_config({**cfg, "sliding_window": 256})
-    assert ModelSpec.from_hf_config({**cfg, "sliding_window": None}).architecture.startswith("M")
+    mistral = ModelSpec.from_hf_config({**cfg, "sliding_window": 128})
+    assert mistral.layer_windows == (128, 128) and mistral.uniform_layers
+    # A window as long as the context never binds: full attention.
+    assert ModelSpec.from_hf_config({**cfg, "sliding_window": 256}).layer_windows == (None,) * 2
+    assert ModelSpec.from_hf_config({**cfg, "sliding_window": None}).layer_types is None
     qwen = {**cfg, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64,
             "use_sliding_window": False}
-    assert ModelSpec.from_hf_config(qwen).architecture == "Qwen2ForCausalLM"
+    assert ModelSpec.from_hf_config(qwen).layer_windows == (None, None)
+    qwen_sw = ModelSpec.from_hf_config({**qwen, "use_sliding_window": True,
+                                        "max_window_layers": 1})
+    assert qwen_sw.layer_windows == (None, 64) and not qwen_sw.uniform_layers
+    gemma3 = {**cfg, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 12,
+              "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 16,
+              "rope_local_base_freq": 10.0, "query_pre_attn_scalar": 64}
+    del gemma3["tie_word_embeddings"]  # Gemma's default: tied
+    g3 = ModelSpec.from_hf_config(gemma3)
+    assert g3.layer_windows == ((16,) * 5 + (None,)) * 2  # every sixth layer global
+    assert g3.qk_norm and g3.is_gemma and g3.tie_word_embeddings and g3.attn_scale == 1 / 8
+    assert g3.rope_local_base_freq == 10.0 and g3.attn_logit_softcapping is None
+    g2 = ModelSpec.from_hf_config({**gemma3, "architectures": ["Gemma2ForCausalLM"]})
+    assert g2.layer_windows == (16, None) * 6 and not g2.qk_norm
+    assert (g2.attn_logit_softcapping, g2.final_logit_softcapping) == (50.0, 30.0)
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"sliding_window": 0}, "'sliding_window' must be an int >= 1"),
+    ({"sliding_window": -4}, "'sliding_window' must be an int >= 1"),
+    ({"layer_types": ["sliding_attention", "chunked_attention"]}, "unknown layer type.*chunked"),
+    ({"layer_types": ["sliding_attention"]}, "'layer_types' must list num_hidden_layers=2"),
+    ({"sliding_window_pattern": 0}, "sliding_window_pattern"),
+    ({"hidden_activation": "silu"}, "hidden_act must be 'gelu_pytorch_tanh'"),
+])
+def test_bad_sliding_window_config_names_the_field(change, message):
+    cfg = {**hf_config_dict(tiny_spec()), "architectures": ["Gemma3ForCausalLM"],
+           "hidden_activation": "gelu_pytorch_tanh", "sliding_window": 8, **change}
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(cfg)
 
 
 @pytest.mark.parametrize("change,field", [
@@ -72,6 +101,10 @@ def test_mistral_sliding_window():
     ({"num_layers": 0}, "num_layers"),
     ({"rope_scaling": (("rope_type", "yarn"),)}, "rope_type"),
     ({"rope_scaling": (("rope_type", "llama3"), ("factor", 8.0))}, "low_freq_factor"),
+    ({"layer_types": ("sliding_attention", "full_attention")}, "sliding_window is None"),
+    ({"sliding_window": 0}, "sliding_window"),
+    ({"hidden_act": "relu"}, "hidden_act"),
+    ({"attn_logit_softcapping": 0.0}, "attn_logit_softcapping"),
 ])
 def test_invalid_spec_names_field(change, field):
     with pytest.raises(ValueError, match=field):
