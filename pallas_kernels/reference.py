@@ -189,7 +189,7 @@ def attend_chunk(
     k_pages: Array,
     v_pages: Array,
     ids: Int[Array, "n chunk"],
-    first_key: Int[Array, ""],
+    first_key: Int[Array, ""] | Int[Array, " n"],
     q_pos: Int[Array, "n tile"],
     row_valid: Bool[Array, "n tile"],
     *,
@@ -210,10 +210,11 @@ def attend_chunk(
     s = jnp.einsum("nqkgd,nskd->nkgqs", q_tiles, kc)  # [n, hkv, g, tile, ck]
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
-    k_pos = first_key + jnp.arange(kc.shape[1])
-    mask = k_pos[None, None, :] <= q_pos[:, :, None]  # [n, tile, ck]
+    # first_key: one for all n tiles, or each tile's own ([n]).
+    k_pos = jnp.reshape(first_key, (-1, 1)) + jnp.arange(kc.shape[1])  # [1 or n, ck]
+    mask = k_pos[:, None, :] <= q_pos[:, :, None]  # [n, tile, ck]
     if sliding_window is not None:
-        mask &= k_pos[None, None, :] > q_pos[:, :, None] - sliding_window
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - sliding_window
     mask = (mask & row_valid[:, :, None])[:, None, None, :, :]
     s = jnp.where(mask, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))

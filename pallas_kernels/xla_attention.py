@@ -6,14 +6,16 @@ longest sequence. The reference pays for that rectangle: a short sequence next t
 and the upper (causal) half of every long prompt, are computed and then masked away. Here a tile
 visits only the chunks below its last query position, so a 1,000-token prompt costs about half
 the reference's attention and a step mixing short and long sequences pays for each one's own
-length.
+length. With a sliding window a tile also starts at the first chunk its first query's window
+reaches: the pages before it are never gathered (a sliding layer's cost is its window).
 
-Schedule. Tiles are sorted by how many chunks they need (descending), so the tiles that need
-chunk c are a prefix of that order. Chunk c's tiles are processed in groups of `group` tiles per
-loop iteration (the last group of a chunk padded with a dummy tile), chunk 0 first; the loop runs
-only the iterations the step needs. Within one iteration the tiles are distinct, so each tile's
-online-softmax state (running max, sum, accumulator) is gathered, updated and scattered back
-without conflicts, and every tile sees its chunks in increasing order.
+Schedule. Tiles are sorted by how many chunks they need (descending), so the tiles that have a
+j-th chunk (their start chunk + j) are a prefix of that order. Rank j's tiles are processed in
+groups of `group` tiles per loop iteration (the last group padded with a dummy tile), rank 0
+first; the loop runs only the iterations the step needs. Within one iteration the tiles are
+distinct, so each tile's online-softmax state (running max, sum, accumulator) is gathered,
+updated and scattered back without conflicts, and every tile sees its chunks in increasing
+order.
 """
 
 from __future__ import annotations
@@ -77,10 +79,17 @@ def ragged_paged_attention(
     tq = tile_queries(q, query_start_loc, seq_lens, tile, num_tiles, hkv, sm_scale)
     tseq, row_valid, tok, q_pos, qt = tq.seq, tq.row_valid, tq.tok, tq.q_pos, tq.q
 
-    # Chunks each tile needs: through its last valid query position (0 for an unused tile).
+    # Chunks each tile needs: from the first one its first valid query's window reaches (0
+    # without a window) through its last valid query position; none for an unused tile.
     last_pos = jnp.max(jnp.where(row_valid, q_pos, -1), axis=1)
-    need = jnp.where(last_pos >= 0, jnp.minimum(last_pos // ck + 1, n_chunks_max), 0)
-    order = jnp.argsort(-need, stable=True)  # tiles needing chunk c are order[:active[c]]
+    end = jnp.where(last_pos >= 0, jnp.minimum(last_pos // ck + 1, n_chunks_max), 0)
+    if sliding_window is None:
+        start = jnp.zeros_like(end)
+    else:  # keys before first_pos - window + 1 are out of every row's window: never read
+        first_pos = jnp.min(jnp.where(row_valid, q_pos, jnp.iinfo(jnp.int32).max), axis=1)
+        start = jnp.minimum(jnp.maximum(first_pos - sliding_window + 1, 0) // ck, end)
+    need = end - start  # tile t reads chunks start[t] .. end[t]-1, as its j = 0, 1, ...
+    order = jnp.argsort(-need, stable=True)  # tiles with a j-th chunk are order[:active[j]]
     active = jnp.sum(need[None, :] > jnp.arange(n_chunks_max)[:, None], axis=1)  # [chunks]
     iters = (active + group - 1) // group
     iter_end = jnp.cumsum(iters)
@@ -90,11 +99,13 @@ def ragged_paged_attention(
 
     def body(i, state):
         m, lsum, acc = state
-        c = jnp.sum(iter_end <= i)  # this iteration's key chunk (iter_end is sorted)
-        rank = (i - (iter_end[c] - iters[c])) * group + slot
-        ok = rank < active[c]
+        j = jnp.sum(iter_end <= i)  # this iteration's chunk rank (iter_end is sorted)
+        rank = (i - (iter_end[j] - iters[j])) * group + slot
+        ok = rank < active[j]
         tiles = order[jnp.minimum(rank, num_tiles - 1)]  # distinct where ok
-        ids = jax.lax.dynamic_slice_in_dim(tables[tseq[tiles]], c * chunk, chunk, axis=1)
+        c = jnp.minimum(start[tiles] + j, n_chunks_max - 1)  # each tile's own key chunk
+        ids = jax.vmap(lambda row, off: jax.lax.dynamic_slice_in_dim(row, off, chunk))(
+            tables[tseq[tiles]], c * chunk)
         m_new, l_new, a_new = attend_chunk(
             (m[tiles], lsum[tiles], acc[tiles]), qt[tiles], k_pages, v_pages, ids, c * ck,
             q_pos[tiles], row_valid[tiles] & ok[:, None], soft_cap=soft_cap,

@@ -53,3 +53,33 @@ def test_all_padding_step_is_zero():
     args[4] = jnp.zeros_like(args[4])
     out = xla_attention.ragged_paged_attention(*args)
     assert not np.asarray(out).any()
+
+
+# Window edges against 4-token blocks: smaller than a block, one block, not a multiple of the
+# block size, and longer than every context (no page skipped).
+@pytest.mark.parametrize("window", [1, 3, 4, 6, 500])
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_window_pages_out_of_reach_are_never_read(window, backend):
+    """Pages wholly before every query's window hold NaN: the result equals the reference on
+    clean pages, so those pages were skipped (a masked read would give 0 * NaN = NaN)."""
+    from pallas_kernels.ragged_paged_attention import ragged_paged_attention as pallas_rpa
+
+    bs = 4
+    seqs = [(37, 1), (23, 5), (9, 9), (30, 1)]  # decodes, a prefill chunk, a whole prefill
+    case = make_case(np.random.default_rng(window), seqs, bs=bs, hq=4, hkv=2, d=8)
+    want = reference.ragged_paged_attention(*case.ragged_args(), sliding_window=window)
+    k, v, tables = np.array(case.k_pages), np.array(case.v_pages), np.asarray(case.tables)
+    poisoned = 0
+    for b, (seq_len, q_len) in enumerate(seqs):
+        first_visible = max(seq_len - q_len - window + 1, 0)  # of the first new token
+        for blk in range(first_visible // bs):
+            k[tables[b, blk]] = v[tables[b, blk]] = np.nan
+            poisoned += 1
+    assert poisoned > 0 or window == 500
+    args = list(case.ragged_args())
+    args[1], args[2] = jnp.asarray(k), jnp.asarray(v)
+    if backend == "xla":
+        got = xla_attention.ragged_paged_attention(*args, sliding_window=window, chunk_tokens=bs)
+    else:
+        got = pallas_rpa(*args, sliding_window=window, pages_per_block=1, interpret=True)
+    assert rel_err(got, want) < 2e-6
