@@ -267,3 +267,22 @@ def test_a_refused_n_request_queues_none_of_its_sequences(llm):
     while engine.has_unfinished_requests():
         engine.step()
     assert _free(llm)
+
+
+def test_cpu_engine_scans_stacked_layers_and_leaves_a_callers_model_whole():
+    """On XLA:CPU the engine runs the layers as one scan over stacked weights (one layer's code
+    to compile); the LoadedModel a caller passed keeps its per-layer arrays, and the tokens
+    equal the per-layer model's (the naive engine runs it unstacked)."""
+    from models.llama import ScannedLayers
+
+    loaded = tiny()
+    llm = make_llm(loaded, max_model_len=64, max_num_seqs=2)
+    assert isinstance(llm.llm_engine.loaded.model.model.layers, ScannedLayers)
+    assert not isinstance(loaded.model.model.layers, ScannedLayers)
+    assert len(loaded.model.model.layers) == loaded.spec.num_layers
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompts = [[5, 6, 7, 8, 9], [40, 41]]
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
+    naive = NaiveEngine(loaded, max_model_len=64, kv_cache_memory_bytes=10**6, max_rows=2)
+    assert naive.generate(prompts, sp) == got
