@@ -8,7 +8,7 @@ Arithmetic, per device (``--gpu-memory`` is the memory of one device):
 * parameter bytes = embedding + lm_head (unless tied) + per layer (q/k/v/o, their biases,
   q/k norms, gate/up/down, their biases, two RMSNorms) + final norm, times the weights dtype.
 * activation allowance = max_num_batched_tokens x weights dtype bytes x (2 hidden + q/k/v/o
-  widths + 3 intermediate) of one decoder layer (layers run one at a time under ``lax.scan``)
+  widths + 3 intermediate) of one decoder layer (layers run one after another)
   + max_num_seqs x vocab x 4 (float32 logits), plus a fixed 256 MiB runtime margin. The engine
   itself measures the real peak from the compiled step at start-up; this is the planner's guess.
 * KV budget = gpu memory x utilization - parameters - activation allowance - margin;
@@ -17,6 +17,13 @@ Arithmetic, per device (``--gpu-memory`` is the memory of one device):
 
 With tensor parallelism the attention heads, MLP columns and vocabulary are split over the
 devices; KV heads are split too, or replicated (one per device) when tp > kv heads.
+
+Hybrid models (sliding-window layers: Gemma 2/3, Mistral v0.1, Qwen with use_sliding_window)
+also get the hybrid layout's figures: a sliding layer needs only the blocks of its last
+``window`` tokens plus the chunk being computed, cdiv(window - 1 + max_num_batched_tokens,
+block_size) + 1 of them, while a full layer needs all cdiv(max_model_len, block_size). jpaged
+allocates the full layout today (every layer keeps every block); the hybrid figures say what
+the hybrid KV cache manager would hold.
 """
 
 from __future__ import annotations
@@ -91,6 +98,15 @@ class CapacityEstimate:
     max_concurrent_seqs: int  # at max_model_len
     blocks_per_avg_seq: int | None
     max_concurrent_seqs_at_avg_len: int | None
+    # Hybrid models (sliding-window layers): what the hybrid layout would hold, where each
+    # sliding layer keeps only cdiv(window - 1 + chunk, block_size) + 1 blocks per sequence.
+    # jpaged allocates the full layout today; these fields size the hybrid one. None otherwise.
+    sliding_layers: int = 0
+    sliding_window: int | None = None
+    full_layout_bytes_per_seq: int | None = None  # per device, one max_model_len sequence
+    hybrid_bytes_per_seq: int | None = None
+    hybrid_max_concurrent_seqs: int | None = None
+    hybrid_capacity_ratio: float | None = None  # full / hybrid bytes per sequence
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as a JSON-ready dict."""
@@ -203,6 +219,8 @@ def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
         if spec.qk_norm:
             layer += 2 * hd
         layer += 3 * d * ff + 2 * d  # gate, up, down; two RMSNorms (replicated)
+        if spec.is_gemma:
+            layer += 2 * d  # Gemma's pre- and post-feedforward norms
         if spec.mlp_bias:
             layer += 2 * ff + d
         embed = _split(v, t) * d
@@ -282,6 +300,8 @@ def estimate_capacity(
                             f"{blocks_per_seq} blocks but only {usable} fit; the largest "
                             f"max_model_len that fits is {usable * block_size}")
     per_avg = None if avg_len is None else -(-avg_len // block_size)
+    hybrid = _hybrid_fields(spec, block_dev // spec.num_layers, blocks_per_seq,
+                            max_num_batched_tokens, block_size, usable * block_dev)
     return CapacityEstimate(
         model=source, architecture=spec.architecture, num_layers=spec.num_layers,
         num_kv_heads=kvh, head_dim=spec.head_dim, dtype=dtype, kv_cache_dtype=kv_dtype,
@@ -296,7 +316,27 @@ def estimate_capacity(
         blocks_per_seq=blocks_per_seq, max_concurrent_seqs=usable // blocks_per_seq,
         blocks_per_avg_seq=per_avg,
         max_concurrent_seqs_at_avg_len=None if per_avg is None else usable // per_avg,
+        **hybrid,
     )
+
+
+def _hybrid_fields(spec: Any, layer_block_bytes: int, blocks_per_seq: int, chunk: int,
+                   block_size: int, usable_bytes: int) -> dict[str, Any]:
+    """The hybrid layout's bytes per max_model_len sequence and what fits (sliding models)."""
+    windows = spec.layer_windows
+    sliding = [w for w in windows if w is not None]
+    if not sliding:
+        return {}
+    window = max(sliding)
+    # A sliding layer holds the blocks of its last window plus the chunk being computed.
+    held = min(blocks_per_seq, -(-(window - 1 + chunk) // block_size) + 1)
+    full = spec.num_layers * blocks_per_seq * layer_block_bytes
+    hybrid = ((len(windows) - len(sliding)) * blocks_per_seq + len(sliding) * held) \
+        * layer_block_bytes
+    return {"sliding_layers": len(sliding), "sliding_window": window,
+            "full_layout_bytes_per_seq": full, "hybrid_bytes_per_seq": hybrid,
+            "hybrid_max_concurrent_seqs": usable_bytes // hybrid,
+            "hybrid_capacity_ratio": full / hybrid}
 
 
 def human_bytes(n: int) -> str:
@@ -341,4 +381,16 @@ def rows(est: CapacityEstimate) -> list[tuple[str, str]]:
     if e.avg_len is not None:
         out += [(f"max concurrent seqs @ {e.avg_len} tokens",
                  f"{e.max_concurrent_seqs_at_avg_len:,}")]
+    if e.hybrid_bytes_per_seq is not None:
+        full_layers = e.num_layers - e.sliding_layers
+        out += [
+            ("sliding / full-attention layers",
+             f"{e.sliding_layers} (window {e.sliding_window:,}) / {full_layers}"),
+            (f"KV of one {e.max_model_len}-token seq{dev}: full layout (allocated today)",
+             human_bytes(e.full_layout_bytes_per_seq)),
+            ("... hybrid layout (sliding layers keep their window; not built yet)",
+             f"{human_bytes(e.hybrid_bytes_per_seq)} ({e.hybrid_capacity_ratio:.2f}x fewer)"),
+            (f"max concurrent seqs @ {e.max_model_len} tokens, hybrid layout",
+             f"{e.hybrid_max_concurrent_seqs:,}"),
+        ]
     return out

@@ -26,6 +26,16 @@ LLAMA3_8B = {  # meta-llama/Meta-Llama-3-8B: 8 KV heads of 128
     "rope_theta": 500000.0, "torch_dtype": "bfloat16", "hidden_act": "silu",
 }
 
+GEMMA3_27B = {  # google/gemma-3-27b-it's text model (Gemma 3 report): 62 layers, 5 local : 1
+    "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 5376,
+    "intermediate_size": 21504, "num_attention_heads": 32, "num_key_value_heads": 16,
+    "head_dim": 128, "num_hidden_layers": 62, "vocab_size": 262208,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "sliding_window": 1024,
+    "query_pre_attn_scalar": 168, "rope_theta": 1_000_000.0, "rope_local_base_freq": 10000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "torch_dtype": "bfloat16",
+    "hidden_activation": "gelu_pytorch_tanh",
+}
+
 
 @pytest.fixture
 def cfg13(tmp_path):
@@ -104,7 +114,7 @@ def test_param_count_matches_the_models_jpaged_builds():
 
     # Biases, tied embeddings, explicit head_dim and qk norms: every supported architecture.
     for kind, (cls_name, kwargs) in TINY_CONFIGS.items():
-        arch = cls_name.removesuffix("Config") + "ForCausalLM"
+        arch = cls_name.removesuffix("Config").removesuffix("Text") + "ForCausalLM"
         spec = ModelSpec.from_hf_config({**kwargs, "architectures": [arch]})
         model = nnx.eval_shape(lambda s=spec, a=arch: get_model_class(a)(
             s, dtype=jnp.float32, rngs=nnx.Rngs(0)))
@@ -181,3 +191,25 @@ def test_unreadable_model_files_exit_2(tmp_path):
                          (foreign, "unsupported architecture")):
         r = run("--model", str(path))
         assert r.exit_code == 2 and "--model" in r.output and needle in r.output, r.output
+
+
+def test_hybrid_gemma3_27b_at_128k_against_the_full_layout(tmp_path):
+    """Sliding layers need their window plus a chunk: cdiv(1024 - 1 + 2048, 16) + 1 = 193
+    blocks against 8192 for a 131072-token sequence; the seed's dense figures are untouched."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GEMMA3_27B))
+    est = estimate_capacity(str(path), gpu_memory="141GiB", max_model_len=131072,
+                            max_num_batched_tokens=2048)
+    assert est.bytes_per_token == 2 * 62 * 16 * 128 * 2  # the full layout, allocated today
+    assert (est.sliding_layers, est.sliding_window) == (52, 1024)  # 62 - 10 global layers
+    per_layer_block = 16 * 2 * 16 * 128 * 2
+    assert est.full_layout_bytes_per_seq == 62 * 8192 * per_layer_block
+    assert est.hybrid_bytes_per_seq == (10 * 8192 + 52 * 193) * per_layer_block
+    assert est.hybrid_capacity_ratio == pytest.approx(62 * 8192 / (10 * 8192 + 52 * 193))
+    assert est.hybrid_capacity_ratio > 5  # ~5.4x: a full layout holds ~5x what is ever read
+    assert est.hybrid_max_concurrent_seqs >= 5 * max(est.max_concurrent_seqs, 1)
+    r = run("--model", str(path), "--gpu-memory", "141GiB", "--max-model-len", "131072")
+    assert r.exit_code == 0, r.output
+    assert "hybrid layout" in r.output and "52 (window 1,024) / 10" in r.output
+    dense = estimate_capacity(str(path.parent), gpu_memory="141GiB", max_model_len=2048)
+    assert dense.hybrid_capacity_ratio < est.hybrid_capacity_ratio  # short contexts gain less
