@@ -136,11 +136,13 @@ def load_spec(model: str | None) -> tuple[Any, str | None, str]:
     """(ModelSpec, config torch_dtype or None, source) from the embedded default, a .gguf, an HF
     directory, a config.json or a hub repo id (config.json only; never weights)."""
     from models.config import ModelSpec
-    from models.loader import DEFAULT_MODEL, embedded_gguf_path
+    from models.loader import DEFAULT_MODEL, NAMED_GGUF_MODELS, embedded_gguf_path
 
     try:
         if model is None or model == DEFAULT_MODEL:
             return _gguf_spec(embedded_gguf_path()), None, DEFAULT_MODEL
+        if model in NAMED_GGUF_MODELS:  # e.g. gemma3-270m (an optional extra)
+            return _gguf_spec(NAMED_GGUF_MODELS[model]()), None, model
         path = Path(model).expanduser()
         if model.lower().endswith(".gguf"):
             if not path.is_file():
