@@ -143,3 +143,9 @@ def compute_dtype(q_dtype: jnp.dtype, page_dtype: jnp.dtype) -> jnp.dtype:
 def scale_array(x: jax.Array | float) -> jax.Array:
     """A python or traced scalar as a float32 [1] kernel input."""
     return jnp.reshape(jnp.asarray(x, jnp.float32), (1,))
+
+
+def window_suffix(sliding_window: int | None) -> str:
+    """'_w<N>' for a kernel specialized to an N-token sliding window ('' for full attention):
+    compiled-program readers (jpaged/aot/traffic.py) learn each launch's key reach from it."""
+    return "" if sliding_window is None else f"_w{sliding_window}"

@@ -27,6 +27,7 @@ from pallas_kernels._compat import (
     pallas_call,
     scale_array,
     triton_unsupported,
+    window_suffix,
 )
 from pallas_kernels._online_softmax import init_carry, load_kv_block, softmax_step
 from pallas_kernels.reference import to_bits
@@ -175,7 +176,8 @@ def paged_decode_attention(
             jax.ShapeDtypeStruct((b, hkv, parts, rows), jnp.float32),
         ],
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-        name=f"paged_decode_ppb{pages_per_block}_ppp{pages_per_partition}",
+        name=f"paged_decode_ppb{pages_per_block}_ppp{pages_per_partition}"
+             f"{window_suffix(sliding_window)}",
     )(scale_array(qk_scale), seq_lens.astype(jnp.int32), tables, qg, to_bits(k_pages),
       to_bits(v_pages))
     # Padded head rows are dropped before the merge, so it reads only the G real rows.

@@ -35,6 +35,7 @@ from pallas_kernels._compat import (
     pallas_call,
     scale_array,
     triton_unsupported,
+    window_suffix,
 )
 from pallas_kernels._online_softmax import init_carry, load_kv_block, softmax_step
 from pallas_kernels.paged_attention import paged_decode_attention
@@ -190,7 +191,7 @@ def ragged_kernel_attention(
         out_specs=pl.BlockSpec((None, None, rows, d), lambda t, h: (t, h, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((num_tiles, hkv, rows, d), jnp.float32),
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
-        name=f"ragged_paged_qt{q_tile}_ppb{pages_per_block}",
+        name=f"ragged_paged_qt{q_tile}_ppb{pages_per_block}{window_suffix(sliding_window)}",
     )(scale_array(sm_scale * k_scale if fp8 else sm_scale), meta, tables, qt, to_bits(k_pages),
       to_bits(v_pages))
 

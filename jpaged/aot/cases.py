@@ -50,7 +50,18 @@ LLAMA3_8B_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 8192, "tie_word_embeddings": False, "bos_token_id": 128000,
     "eos_token_id": 128001, "torch_dtype": "bfloat16",
 }
-MODELS = ("smollm2-135m", "llama3-8b")
+# google/gemma-3-270m's text config (the `gemma3` extra's GGUF holds the same shapes): 15
+# sliding layers of 512 tokens, 3 global, head_dim 256 (the kernels' widest), a 262k vocabulary.
+GEMMA3_270M_CONFIG: dict[str, Any] = {
+    "architectures": ["Gemma3ForCausalLM"], "vocab_size": 262144, "hidden_size": 640,
+    "intermediate_size": 2048, "num_hidden_layers": 18, "num_attention_heads": 4,
+    "num_key_value_heads": 1, "head_dim": 256, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "rope_local_base_freq": 10000.0, "sliding_window": 512, "query_pre_attn_scalar": 256,
+    "max_position_embeddings": 32768, "hidden_activation": "gelu_pytorch_tanh",
+    "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "bfloat16",
+}
+MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m")
+_CONFIGS = {"llama3-8b": LLAMA3_8B_CONFIG, "gemma3-270m": GEMMA3_270M_CONFIG}
 
 # XLA's short names of the pool storage dtypes.
 _XLA_DTYPE = {"uint8": "u8", "uint16": "u16", "bfloat16": "bf16", "float16": "f16",
@@ -61,22 +72,22 @@ def model_source(name: str) -> str | None:
     """What `jpaged estimate --model` takes for a model name (None = the embedded default)."""
     if name == "smollm2-135m":
         return None
-    if name == "llama3-8b":
-        path = Path(tempfile.gettempdir()) / "jpaged-aot-llama3-8b" / "config.json"
+    if name in _CONFIGS:
+        path = Path(tempfile.gettempdir()) / f"jpaged-aot-{name}" / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(LLAMA3_8B_CONFIG))
+        path.write_text(json.dumps(_CONFIGS[name]))
         return str(path)
     raise ValueError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
 
 
 def model_spec(name: str) -> ModelSpec:
-    """The ModelSpec of a named shape: the embedded GGUF's header, or Llama-3-8B's config."""
+    """The ModelSpec of a named shape: the embedded GGUF's header, or a config above."""
     if name == "smollm2-135m":
         from jpaged.estimate import load_spec
 
         return load_spec(None)[0]
     model_source(name)  # validates the name
-    return ModelSpec.from_hf_config(LLAMA3_8B_CONFIG)
+    return ModelSpec.from_hf_config(_CONFIGS[name])
 
 
 def engine_config(spec: ModelSpec, **engine_args: Any) -> EngineConfig:
@@ -194,7 +205,7 @@ class StepBuilder:
         return StepTraffic(tokens, seqs, context_len, self.spec.num_layers, self.block_size,
                            self.local_kv_heads, self.spec.head_dim,
                            storage_dtype(self.page_dtype).itemsize, self.spec.vocab_size,
-                           self.param_bytes, self.num_blocks)
+                           self.param_bytes, self.num_blocks, self.spec.layer_windows)
 
     def pool_shape(self) -> str:
         """One pool array's XLA shape per device."""

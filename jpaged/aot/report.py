@@ -295,7 +295,8 @@ def check_rows(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plan_configs(quick: bool) -> list[tuple[Config, str]]:
-    """(configuration, shape set) pairs: both models x bf16/fp8 x pallas/xla; TP 2 on the 8B."""
+    """(configuration, shape set) pairs: SmolLM2 and the 8B x bf16/fp8 x pallas/xla; TP 2 on
+    the 8B; Gemma 3 270M (sliding windows) on the Pallas path."""
     out = []
     for model in ("smollm2-135m", "llama3-8b"):
         for kvd in ("bfloat16", "fp8_e4m3"):
@@ -303,6 +304,8 @@ def plan_configs(quick: bool) -> list[tuple[Config, str]]:
                 out.append((Config(model, kvd, be), "quick" if quick else "all"))
     for be in ("pallas", "xla"):
         out.append((Config("llama3-8b", "bfloat16", be, 2), "decode" if quick else "all"))
+    # Sliding windows, Gemma's blocks and head_dim 256 in the kernels.
+    out.append((Config("gemma3-270m", "bfloat16", "pallas"), "decode" if quick else "all"))
     return out
 
 

@@ -46,6 +46,18 @@ def _param(name: str, key: str) -> int:
     return int(m.group(1))
 
 
+def _window(name: str) -> int | None:
+    """The sliding window a kernel was specialized to (its `_w<N>` suffix), None: full."""
+    m = re.search(r"_w(\d+)", name)
+    return None if m is None else int(m.group(1))
+
+
+def _reach(first_key: int, end: int, step: int) -> int:
+    """Keys read, in whole `step`-key units, by a kernel whose queries see keys first_key ..
+    end-1 (first_key <= 0: from the start): the steps from the one holding first_key on."""
+    return (_cdiv(end, step) - max(0, first_key) // step) * step
+
+
 @dataclass(frozen=True)
 class StepTraffic:
     """One step case on one device: (tokens, seqs) at a context length, and the geometry."""
@@ -61,6 +73,7 @@ class StepTraffic:
     vocab_size: int
     param_bytes: int  # per device
     num_blocks: int  # pool blocks per layer
+    layer_windows: tuple[int | None, ...] = ()  # per layer (None: full); () = all full
 
     @property
     def decode(self) -> bool:
@@ -80,20 +93,27 @@ class StepTraffic:
             if not self.decode:
                 return KernelRule(0, 0)
             step = _param(name, "ppb") * self.block_size
-            return KernelRule(self.seqs * _cdiv(self.context_len, step) * step * self.row_bytes,
-                              0)
+            w, ctx = _window(name), self.context_len
+            keys = _reach(0 if w is None else ctx - w, ctx, step)
+            return KernelRule(self.seqs * keys * self.row_bytes, 0)
         if name.startswith("ragged_paged_"):
             if self.decode:  # launched inactive: no tile has a valid row
                 return KernelRule(0, 0, idle=True)
             qt, step = _param(name, "qt"), _param(name, "ppb") * self.block_size
-            n = max(1, self.tokens // self.seqs)
-            keys = sum(_cdiv(min((j + 1) * qt, n), step) * step for j in range(_cdiv(n, qt)))
+            n, w = max(1, self.tokens // self.seqs), _window(name)
+            # Tile j holds rows j*qt .. min((j+1)*qt, n)-1; its first row sees w keys back.
+            keys = sum(_reach(0 if w is None else j * qt - w + 1, min((j + 1) * qt, n), step)
+                       for j in range(_cdiv(n, qt)))
             return KernelRule(self.seqs * keys * self.row_bytes, 0)
         return None
 
     def min_hbm_bytes(self) -> int:
-        """Weights once, the attended K/V once, the new K/V written once, f32 logits once."""
-        kv = 2 * self.num_layers * self.row_bytes * (self.seqs * self.context_len + self.tokens)
+        """Weights once, the attended K/V once (a sliding layer's window of it), the new K/V
+        written once, f32 logits once."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        attended = sum(self.context_len if w is None else min(w, self.context_len)
+                       for w in windows)
+        kv = 2 * self.row_bytes * (self.seqs * attended + self.num_layers * self.tokens)
         return self.param_bytes + kv + self.seqs * self.vocab_size * 4
 
     def fits_pool(self) -> bool:

@@ -67,7 +67,8 @@ def test_plan_covers_both_models_dtypes_backends_and_tp2():
     cfgs = [c for c, _ in plan_configs(quick=True)]
     assert {(c.model, c.kv_cache_dtype, c.backend) for c in cfgs if c.tensor_parallel_size == 1
             } == {(m, d, b) for m in ("smollm2-135m", "llama3-8b")
-                  for d in ("bfloat16", "fp8_e4m3") for b in ("pallas", "xla")}
+                  for d in ("bfloat16", "fp8_e4m3") for b in ("pallas", "xla")
+                  } | {("gemma3-270m", "bfloat16", "pallas")}  # sliding windows, head_dim 256
     assert any(c.tensor_parallel_size == 2 for c in cfgs)
 
     class Plan:

@@ -149,6 +149,25 @@ def test_step_rules_decode_and_prefill():
         pre.kernel_rule("ragged_paged_noparams")
 
 
+def test_sliding_window_kernels_read_their_window_and_the_minimum_counts_it():
+    """A `_w<N>` kernel reads the steps its window touches, not the whole context; a sliding
+    layer's share of the minimum is its window (layer 0 slides over 40 keys, layer 1 is full)."""
+    dec = StepTraffic(tokens=4, seqs=4, context_len=1000, num_layers=2, block_size=16,
+                      kv_heads=2, head_dim=64, page_bytes=2, vocab_size=1000, param_bytes=10**6,
+                      num_blocks=512, layer_windows=(40, None))
+    # Keys 960..999 in 32-key steps: steps 30 and 31, 64 keys, not 1024.
+    assert dec.kernel_rule("paged_decode_ppb2_ppp4_w40") == KernelRule(4 * 64 * 256, 0)
+    assert dec.kernel_rule("paged_decode_ppb2_ppp4") == KernelRule(4 * 1024 * 256, 0)
+    assert dec.kernel_rule("paged_decode_ppb2_ppp4_w4096") == KernelRule(4 * 1024 * 256, 0)
+    assert dec.min_hbm_bytes() == 10**6 + 2 * 256 * (4 * (40 + 1000) + 2 * 4) + 4 * 1000 * 4
+    pre = StepTraffic(**{**dec.__dict__, "tokens": 256, "seqs": 2, "context_len": 128})
+    # Tiles of 16 rows, window 8: tile j's first row sees keys from 16j - 7, so it reads its
+    # own step and the one before (the first tile only its own), against j + 1 steps.
+    assert pre.kernel_rule("ragged_paged_qt16_ppb1_w8") == KernelRule(2 * (16 + 7 * 32) * 256, 0)
+    full = sum(16 * (j + 1) for j in range(8))
+    assert pre.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * full * 256, 0)
+
+
 SPLIT_K = """HloModule m
 
 %gemm (a: f32[4,32], w: f32[32,16]) -> f32[8,4,16] {
