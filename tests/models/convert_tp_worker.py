@@ -35,8 +35,12 @@ ARGS = dict(dtype="float32", max_model_len=32, max_num_seqs=2, max_num_batched_t
 
 def q_proj_facts(llm: LLM) -> dict:
     """Shard shapes and bytes of the q_proj kernel as loaded, and as the runner holds it."""
-    loaded = llm.llm_engine.loaded.model.model.layers[0].self_attn.q_proj.kernel[...]
-    runner = llm.llm_engine.runner.params["model"]["layers"][0]["self_attn"]["q_proj"]["kernel"]
+    # A CPU engine runs the stacked twin (ScannedLayers: [layers, in, out]); else layer 0.
+    layers = llm.llm_engine.loaded.model.model.layers
+    layer = layers.layer if hasattr(layers, "layer") else layers[0]
+    loaded = layer.self_attn.q_proj.kernel[...]
+    held = llm.llm_engine.runner.params["model"]["layers"]
+    runner = (held["layer"] if "layer" in held else held[0])["self_attn"]["q_proj"]["kernel"]
     runner = runner[...] if hasattr(runner, "get_value") else runner
     return {
         "global_shape": list(loaded.shape),
