@@ -188,7 +188,7 @@ def smoke_config() -> EngineCheckConfig:
         batches=(1, 4), bench_prompt=16, bench_new=4,
         engine_args={"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 64,
                      "kv_cache_memory_bytes": 16 * 2**20},
-        decode_batches=(1, 4), decode_contexts=(16, 40),
+        decode_batches=(1, 4), decode_contexts=(40,),
         decode_args={"max_num_batched_tokens": 64, "kv_cache_memory_bytes": 16 * 2**20})
 
 
