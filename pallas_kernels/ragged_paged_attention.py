@@ -116,10 +116,17 @@ def tile_metadata(query_start_loc: Int[Array, " B+1"], seq_lens: Int[Array, " B"
     return meta, (query_start_loc[seq] + q_off).astype(jnp.int32)
 
 
-def _default_q_tile(rows_per_token: int, num_tokens: int) -> int:
-    """Tokens per tile: about 64 rows (16 at least, the smallest tensor-core M)."""
+# Most float32 accumulator elements (rows x head_dim) one program keeps in registers: 64 rows
+# of head_dim 128. At head_dim 256 (Gemma 3) 64 rows spilled ~360 bytes a thread on sm_90a.
+_ACC_ELEMENTS = 64 * 128
+
+
+def _default_q_tile(rows_per_token: int, num_tokens: int, head_dim: int = 128) -> int:
+    """Tokens per tile: about 64 rows, fewer for wide heads so the accumulator stays in
+    registers (16 rows at least, the smallest tensor-core M)."""
+    rows = min(64, max(16, _ACC_ELEMENTS // head_dim))
     return max(next_pow2(-(-16 // rows_per_token)),
-               min(next_pow2(num_tokens), max(1, 64 // rows_per_token)))
+               min(next_pow2(num_tokens), max(1, rows // rows_per_token)))
 
 
 def ragged_kernel_attention(
@@ -150,7 +157,7 @@ def ragged_kernel_attention(
     g = hq // hkv
     gp = next_pow2(g)
     if q_tile is None:
-        q_tile = _default_q_tile(gp, t_total)
+        q_tile = _default_q_tile(gp, t_total, d)
     if pages_per_block is None:
         pages_per_block = max(1, 64 // bs)
     pages_per_block = next_pow2(min(pages_per_block, next_pow2(max_blocks)))
