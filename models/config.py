@@ -269,6 +269,15 @@ _GEMMA_DEFAULTS = {
 }
 
 
+def periodic_layer_types(num_layers: int, pattern: Any) -> tuple[str, ...]:
+    """Gemma's `sliding_window_pattern` as HF and llama.cpp read it: with a period n, layer i
+    attends in full iff (i + 1) % n == 0 and slides otherwise."""
+    if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
+        raise ValueError(f"'sliding_window_pattern' must be an int >= 1, got {pattern!r}")
+    return tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
+                 for i in range(num_layers))
+
+
 def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int,
                  max_pos: int) -> tuple[tuple[str, ...] | None, int | None]:
     """(layer_types, sliding_window) as HF's config classes derive them; None when every layer
@@ -296,12 +305,8 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int,
         types = tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION
                       for i in range(num_layers))
     elif defaults:  # Gemma: every pattern-th layer is global
-        pattern = cfg.get("sliding_window_pattern", defaults["pattern"])
-        if not isinstance(pattern, int) or isinstance(pattern, bool) or pattern < 1:
-            raise ValueError(f"config field 'sliding_window_pattern' must be an int >= 1, got "
-                             f"{pattern!r}")
-        types = tuple(SLIDING_ATTENTION if (i + 1) % pattern else FULL_ATTENTION
-                      for i in range(num_layers))
+        types = periodic_layer_types(num_layers,
+                                     cfg.get("sliding_window_pattern", defaults["pattern"]))
     else:
         raise ValueError(f"{arch}: sliding_window={window} without layer_types is not "
                          "supported for this architecture")

@@ -24,7 +24,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from .config import ModelSpec
+from .config import ModelSpec, periodic_layer_types
 from .gguf_meta import TensorInfo, read_gguf
 from .tensors import LazyTensors, TensorDict
 
@@ -135,10 +135,7 @@ def gemma3_layer_types(num_layers: int, pattern: int | list[bool] | None = None,
             raise ValueError(f"sliding_window_pattern lists {len(pattern)} layers, not "
                              f"{num_layers}")
         return ["sliding_attention" if swa else "full_attention" for swa in pattern]
-    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 1:
-        raise ValueError(f"sliding_window_pattern must be an int >= 1, got {pattern!r}")
-    return ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-            for i in range(num_layers)]
+    return list(periodic_layer_types(num_layers, pattern))
 
 
 def hf_config_from_gguf(metadata: dict[str, Any],

