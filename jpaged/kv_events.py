@@ -59,6 +59,9 @@ class BlockStored:
     block_size: int
     lora_id: int | None = None
     medium: str = MEDIUM_DEVICE
+    # The KV cache group whose layers hold the blocks (0 unless the model is hybrid: its
+    # full-attention layers are group 0, each sliding-window group has its own index).
+    group: int = 0
 
 
 @dataclass(slots=True)
@@ -67,6 +70,7 @@ class BlockRemoved:
 
     block_hashes: list[bytes]
     medium: str = MEDIUM_DEVICE
+    group: int = 0
 
 
 @dataclass(slots=True)
@@ -148,18 +152,19 @@ class KVEventsConfig:
 def _encode_event(e: KVEvent) -> list[Any]:
     if isinstance(e, BlockStored):
         return ["BlockStored", e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
-                e.lora_id, e.medium]
+                e.lora_id, e.medium, e.group]
     if isinstance(e, BlockRemoved):
-        return ["BlockRemoved", e.block_hashes, e.medium]
+        return ["BlockRemoved", e.block_hashes, e.medium, e.group]
     return ["AllBlocksCleared"]
 
 
 def _decode_event(a: Sequence[Any]) -> KVEvent:
     tag = a[0]
     if tag == "BlockStored":
-        return BlockStored(list(a[1]), a[2], list(a[3]), a[4], a[5], a[6])
+        return BlockStored(list(a[1]), a[2], list(a[3]), a[4], a[5], a[6],
+                           a[7] if len(a) > 7 else 0)
     if tag == "BlockRemoved":
-        return BlockRemoved(list(a[1]), a[2])
+        return BlockRemoved(list(a[1]), a[2], a[3] if len(a) > 3 else 0)
     if tag == "AllBlocksCleared":
         return AllBlocksCleared()
     raise ValueError(f"unknown KV event tag {tag!r}")
@@ -184,12 +189,18 @@ def decode_batch(payload: bytes) -> KVEventBatch:
 # ------------------------------------------------------------------------------- state
 @dataclass
 class CacheIndex:
-    """Which block hashes each tier holds, rebuilt from events alone (what a router keeps)."""
+    """Which block hashes each tier holds, rebuilt from events alone (what a router keeps).
+
+    Only group 0 is indexed: a hybrid model's prefix hit needs its full-attention group's
+    blocks (group 0) to reach a length, so those bound what a replica can serve.
+    """
 
     blocks: dict[str, set[bytes]] = field(default_factory=lambda: {m: set() for m in MEDIA})
 
     def apply(self, event: KVEvent) -> None:
         """Apply one event."""
+        if not isinstance(event, AllBlocksCleared) and event.group != 0:
+            return
         if isinstance(event, BlockStored):
             self.blocks.setdefault(event.medium, set()).update(event.block_hashes)
         elif isinstance(event, BlockRemoved):
@@ -216,12 +227,14 @@ class KVEventCollector:
         self.block_size = block_size
         self._events: list[KVEvent] = []
         self._lock = threading.Lock()
-        # hash -> (parent, tokens of its block) while any tier holds it; tiers per hash.
+        # hash -> (parent, tokens of its block) while any tier holds it; tiers per hash. Only
+        # group 0's blocks move to lower tiers, so other groups' are not remembered.
         self._meta: dict[bytes, tuple[bytes | None, tuple[int, ...]]] = {}
         self._where: dict[bytes, set[str]] = {}
 
     def stored_chain(self, hashes: Sequence[bytes], parent: bytes | None,
-                     token_ids: Sequence[int], medium: str = MEDIUM_DEVICE) -> None:
+                     token_ids: Sequence[int], medium: str = MEDIUM_DEVICE,
+                     group: int = 0) -> None:
         """Consecutive blocks of one sequence became cached (tokens: all of them, flat)."""
         if not hashes:
             return
@@ -229,11 +242,12 @@ class KVEventCollector:
         with self._lock:
             prev = parent
             for i, h in enumerate(hashes):
-                self._meta[h] = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
-                self._where.setdefault(h, set()).add(medium)
+                if group == 0:
+                    self._meta[h] = (prev, tuple(token_ids[i * bs:(i + 1) * bs]))
+                    self._where.setdefault(h, set()).add(medium)
                 prev = h
             self._events.append(BlockStored(list(hashes), parent, list(token_ids), bs,
-                                            None, medium))
+                                            None, medium, group))
 
     def stored(self, hashes: Iterable[bytes], medium: str) -> None:
         """Blocks became cached in a lower tier: each stated with what is known of it."""
@@ -244,12 +258,15 @@ class KVEventCollector:
                 self._where.setdefault(h, set()).add(medium)
                 self._events.append(BlockStored([h], parent, list(tokens), bs, None, medium))
 
-    def removed(self, hashes: Iterable[bytes], medium: str) -> None:
-        """Blocks left one tier."""
+    def removed(self, hashes: Iterable[bytes], medium: str, group: int = 0) -> None:
+        """Blocks left one tier (of `group`'s layers)."""
         hashes = list(hashes)
         if not hashes:
             return
         with self._lock:
+            if group:
+                self._events.append(BlockRemoved(hashes, medium, group))
+                return
             for h in hashes:
                 where = self._where.get(h)
                 if where is not None:

@@ -54,6 +54,11 @@ KNOWN_METRICS: dict[str, tuple[str, str, str]] = {
     "cache_access_total": ("cache_access", "counter", "Prefix-cache lookups (requests)."),
     "num_blocks_total": ("num_blocks_usable", "gauge", "KV blocks in the pool (null excluded)."),
     "num_blocks_free": ("num_blocks_free", "gauge", "KV blocks free (cached ones included)."),
+    "num_kv_cache_groups": ("kv_cache_groups", "gauge",
+                            "KV cache groups (more than 1: a hybrid sliding-window model)."),
+    "num_blocks_freed_out_of_window": (
+        "kv_blocks_freed_out_of_window", "counter",
+        "Blocks sliding-window groups returned to the pool while their requests ran."),
 }
 
 

@@ -5,8 +5,10 @@ Invariants (checked by ``BlockPool.check_invariants``):
 * block 0 is the null block: never allocated, never freed, never in the free queue, never cached;
   padding in block tables points at it.
 * for every other block: ``ref_count == 0`` ⇔ the block is in the free queue.
-* ``cached[h] is b`` ⇔ ``b.block_hash == h`` (the map and the blocks' hashes agree); a cached
-  block may be in use (ref_count > 0) or free (reusable until it is evicted).
+* ``cached[g][h] is b`` ⇔ ``b.block_hash == h and b.group == g`` (the maps and the blocks'
+  hashes agree); a cached block may be in use (ref_count > 0) or free (reusable until it is
+  evicted). There is one map per KV cache group (kv_cache_groups.py): the groups share the
+  blocks and the free queue, and a block belongs to at most one group's table at a time.
 * the free queue is in eviction order: front = evicted first.
 
 Duplicate content: if a hash is already mapped to a block, a second block with the same content
@@ -28,7 +30,7 @@ class KVCacheBlock:
     """One physical block (seed 3.1): id, ref count, prefix hash if cached, valid tokens, LRU."""
 
     __slots__ = ("block_id", "ref_count", "block_hash", "num_tokens", "last_accessed",
-                 "prev_free", "next_free", "is_null")
+                 "prev_free", "next_free", "is_null", "group")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -40,6 +42,7 @@ class KVCacheBlock:
         self.prev_free: KVCacheBlock | None = None
         self.next_free: KVCacheBlock | None = None
         self.is_null = False
+        self.group = 0  # the KV cache group whose hash map holds it (meaningful while cached)
 
     def __repr__(self) -> str:
         return (f"KVCacheBlock({self.block_id}, ref={self.ref_count}, "
@@ -117,7 +120,7 @@ class FreeKVCacheBlockQueue:
 class BlockPool:
     """All blocks of the KV pool: allocation, ref-counted freeing, LRU reuse and the hash map."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, num_groups: int = 1) -> None:
         if num_blocks < 2:
             raise ValueError(f"BlockPool.num_blocks must be >= 2 (block 0 is the null block), "
                              f"got {num_blocks}")
@@ -127,7 +130,10 @@ class BlockPool:
         self.null_block = self.blocks[0]
         self.null_block.is_null = True
         self.free_block_queue = FreeKVCacheBlockQueue(self.blocks[1:])
-        self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        # One prefix map per KV cache group (a hash names the same tokens in every group, but
+        # each group's layers keep their own KV for them); group 0's is `cached_blocks`.
+        self.group_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
+        self.cached_blocks = self.group_maps[0]
         self.num_evictions = 0
         self._clock = 0
         # Called as on_evict(block_id, hash) when a cached block is reused (the offload tier).
@@ -155,9 +161,10 @@ class BlockPool:
     def _evict(self, block: KVCacheBlock) -> None:
         if self.on_evict is not None:
             self.on_evict(block.block_id, block.block_hash)  # type: ignore[arg-type]
-        del self.cached_blocks[block.block_hash]  # type: ignore[arg-type]
+        del self.group_maps[block.group][block.block_hash]  # type: ignore[arg-type]
         if self.events is not None:  # after on_evict: a lower tier has taken it first
-            self.events.removed([block.block_hash], "GPU")  # type: ignore[list-item]
+            self.events.removed([block.block_hash], "GPU",  # type: ignore[list-item]
+                                group=block.group)
         block.block_hash = None
         self.num_evictions += 1
 
@@ -197,21 +204,22 @@ class BlockPool:
 
     # -- prefix cache ----------------------------------------------------------------------------
 
-    def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
-        """The block holding this prefix hash, if cached (in use or free)."""
-        return self.cached_blocks.get(block_hash)
+    def get_cached_block(self, block_hash: BlockHash, group: int = 0) -> KVCacheBlock | None:
+        """The block holding this prefix hash in `group`, if cached (in use or free)."""
+        return self.group_maps[group].get(block_hash)
 
     def cache_full_blocks(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int,
-                          token_ids: Sequence[int] | None = None) -> None:
-        """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i].
+                          token_ids: Sequence[int] | None = None, group: int = 0) -> None:
+        """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i] in `group`.
 
         The first mapping of a hash wins: a block whose hash is already mapped stays uncached.
-        `token_ids` (the sequence's tokens) are only read for KV events.
+        Null blocks (a sliding group's freed positions) are skipped. `token_ids` (the
+        sequence's tokens) are only read for KV events.
         """
         if not self.enable_caching:
             return
-        cached = self.cached_blocks
+        cached = self.group_maps[group]
         run: list[int] = []  # newly mapped block indices, for the events
         for i in range(num_cached_blocks, num_full_blocks):
             b = blocks[i]
@@ -222,12 +230,13 @@ class BlockPool:
                 continue  # duplicate content: keep the first mapping
             cached[h] = b
             b.block_hash = h
+            b.group = group
             run.append(i)
         if self.events is not None and run:
-            self._stored_events(block_hashes, run, token_ids or ())
+            self._stored_events(block_hashes, run, token_ids or (), group)
 
     def _stored_events(self, hashes: Sequence[BlockHash], run: list[int],
-                       token_ids: Sequence[int]) -> None:
+                       token_ids: Sequence[int], group: int) -> None:
         # One BlockStored per stretch of consecutive block indices (its own chain).
         bs = self.events.block_size  # type: ignore[union-attr]
         start = prev = run[0]
@@ -237,7 +246,7 @@ class BlockPool:
                 continue
             self.events.stored_chain(  # type: ignore[union-attr]
                 hashes[start:prev + 1], hashes[start - 1] if start else None,
-                token_ids[start * bs:(prev + 1) * bs], "GPU")
+                token_ids[start * bs:(prev + 1) * bs], "GPU", group=group)
             if i is not None:
                 start = prev = i
 
@@ -245,9 +254,10 @@ class BlockPool:
         """Forget every cached hash; refused (False) while any block is in use."""
         if self.free_block_queue.num_free_blocks != self.num_blocks - 1:
             return False
-        for b in self.cached_blocks.values():
-            b.block_hash = None
-        self.cached_blocks.clear()
+        for m in self.group_maps:
+            for b in m.values():
+                b.block_hash = None
+            m.clear()
         return True
 
     # -- accounting ------------------------------------------------------------------------------
@@ -274,10 +284,12 @@ class BlockPool:
             _require((b.ref_count == 0) == (b.block_id in free_ids),
                      f"ref_count == 0 must hold exactly for free blocks: {b}")
             if b.block_hash is not None:
-                _require(self.cached_blocks.get(b.block_hash) is b, f"hash of {b} not mapped")
-        for h, b in self.cached_blocks.items():
-            _require(b.block_hash == h, f"map entry disagrees with {b}")
-        _require(self.enable_caching or not self.cached_blocks, "cached blocks without caching")
+                _require(self.group_maps[b.group].get(b.block_hash) is b,
+                         f"hash of {b} not mapped in group {b.group}")
+        for g, m in enumerate(self.group_maps):
+            for h, b in m.items():
+                _require(b.block_hash == h and b.group == g, f"map entry disagrees with {b}")
+            _require(self.enable_caching or not m, "cached blocks without caching")
 
 
 def _require(cond: bool, msg: str) -> None:

@@ -46,12 +46,21 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
     running = {r.request_id: r for r in scheduler.running}
     requests: dict[str, dict[str, Any]] = {}
     # Tables exist exactly for requests holding blocks (running, possibly stalled this step).
+    # With KV cache groups each request has one table per group (0: a sliding group's freed
+    # position); "block_table" is group 0's.
+    layout = getattr(kv, "layout", None)
+    gtables = getattr(kv, "_gtables", None)
     for rid, table in kv._tables.items():
-        ids = [b.block_id for b in table]
-        for i in ids:  # a table never holds a block twice
-            owners[i].append(rid)
+        tables = gtables[rid] if gtables is not None else [table]
+        per_group = [[b.block_id for b in t] for t in tables]
+        for ids in per_group:
+            for i in ids:  # a table never holds a block twice, nor two groups one block
+                if i:
+                    owners[i].append(rid)
         req = running.get(rid) or scheduler.requests.get(rid)
-        entry: dict[str, Any] = {"block_table": ids}
+        entry: dict[str, Any] = {"block_table": per_group[0]}
+        if gtables is not None:
+            entry["block_tables"] = per_group
         if req is not None:
             entry.update(num_tokens=req.num_tokens, num_computed_tokens=req.num_computed_tokens,
                          num_prompt_tokens=req.num_prompt_tokens,
@@ -64,6 +73,10 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
     swapped_tokens = getattr(kv, "swapped_tokens", lambda rid: None)
     swapped = {rid: t for rid, t in ((r, swapped_tokens(r)) for r in waiting) if t is not None}
     cached_blocks = {h.hex()[:HASH_HEX_CHARS]: b.block_id for h, b in pool.cached_blocks.items()}
+    groups = layout.describe() if layout is not None else [
+        {"kind": "full", "sliding_window": None, "layers": None}]
+    for g, m in enumerate(pool.group_maps):
+        groups[g]["num_cached_blocks"] = len(m)
     stats = kv.stats
     return {
         "version": SCHEMA_VERSION,
@@ -78,7 +91,12 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
         "requests": requests,
         "waiting": waiting,
         "swapped": swapped,
-        "cached_blocks": cached_blocks,
+        "cached_blocks": cached_blocks,  # group 0's
+        # KV cache groups (one unless the model has sliding layers): kind, window, layers, and
+        # how many blocks each group's prefix map holds; "block_group" is the group a cached
+        # or held block belongs to.
+        "kv_cache_groups": groups,
+        "block_group": [b.group for b in pool.blocks],
         "free_queue": [b.block_id for b in pool.free_block_queue.get_all_free_blocks()],
         "num_free_blocks": pool.get_num_free_blocks(),
         "num_cached_free_blocks": status.count(CACHED_FREE),

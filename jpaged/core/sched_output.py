@@ -24,8 +24,9 @@ class ScheduledRequest:
     token_ids: list[int]
     # [cdiv(start_pos + num_tokens, block_size)] the whole block table: the manager's own
     # list, not a copy (KVCacheManager.live_block_ids): exact until the next schedule(), which
-    # may append to it. Read it (the runner packs it) before then; never mutate it.
-    block_ids: list[int]
+    # may append to it. Read it (the runner packs it) before then; never mutate it. With KV
+    # cache groups (HybridKVCacheManager, more than one group): one such list per group.
+    block_ids: list[int] | list[list[int]]
     sample: bool  # start_pos + num_tokens == request.num_tokens: this step yields a token
 
 

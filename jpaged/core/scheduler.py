@@ -41,6 +41,7 @@ from operator import attrgetter
 
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.block_pool import KVCacheBlock
+from jpaged.core.kv_cache_groups import HybridKVCacheManager, KVCacheLayout, blocks_needed
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.offload import KVTiers
 from jpaged.core.pressure import PressureMonitor
@@ -82,8 +83,11 @@ def is_decoding(request: Request) -> bool:
 
 
 def check_request_fits(request: Request, max_model_len: int, block_size: int,
-                       num_blocks: int) -> None:
-    """ValueError if `request` could never run: its prompt, or its longest length in blocks."""
+                       num_blocks: int, layout: KVCacheLayout | None = None,
+                       chunk: int = 0) -> None:
+    """ValueError if `request` could never run: its prompt, or its longest length in blocks
+    (with KV cache groups: the blocks of every group, sliding ones bounded by their window
+    plus a `chunk` of new tokens)."""
     rid = request.request_id
     n = request.num_prompt_tokens
     if n > max_model_len:
@@ -94,6 +98,8 @@ def check_request_fits(request: Request, max_model_len: int, block_size: int,
     if request.max_tokens is not None:
         longest = min(longest, n + request.max_tokens)
     blocks = -(-(longest - 1) // block_size)
+    if layout is not None:
+        blocks = blocks_needed(longest - 1, layout, block_size, chunk)
     usable = num_blocks - 1  # block 0 is the null block
     if blocks > usable:
         raise ValueError(f"request {rid!r} may need {blocks} KV blocks but the pool has only "
@@ -105,7 +111,8 @@ class Scheduler:
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, tiers: KVTiers | None = None,
-                 token_buckets: Sequence[int] | None = None) -> None:
+                 token_buckets: Sequence[int] | None = None,
+                 kv_layout: KVCacheLayout | None = None) -> None:
         self.scheduler_config = scheduler_config
         # Step token buckets (BucketPlan): with chunked prefill, each step's budget is fitted
         # to them (token_budget.py); None, or chunked prefill off, keeps the plain
@@ -122,8 +129,24 @@ class Scheduler:
         self.swap = cache_config.preemption_mode == "swap"
         if self.swap and tiers is None:
             raise ValueError("preemption_mode='swap' needs a host tier: set kv_offloading_size > 0")
-        self.kv_cache_manager = KVCacheManager(self.block_size, num_blocks, self.max_model_len,
-                                               self.enable_caching, algo, tiers)
+        # KV cache groups (a model with sliding-window layers): one table per group, sliding
+        # groups freeing the blocks behind their window. None or one full group: the plain
+        # manager.
+        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
+        self.kv_cache_manager: KVCacheManager
+        if self.kv_layout is not None:
+            if tiers is not None:
+                raise ValueError("the hybrid KV cache manager (a model with sliding-window "
+                                 "layers) has no host/disk KV tiers yet: set "
+                                 "kv_offloading_size=0 and preemption_mode='recompute', or "
+                                 "pass --disable-hybrid-kv-cache-manager")
+            self.kv_cache_manager = HybridKVCacheManager(
+                self.kv_layout, self.block_size, num_blocks, self.max_model_len,
+                self.enable_caching, algo)
+        else:
+            self.kv_cache_manager = KVCacheManager(self.block_size, num_blocks,
+                                                   self.max_model_len, self.enable_caching,
+                                                   algo, tiers)
         self._hasher = self.kv_cache_manager.block_hasher
         self.requests: dict[str, Request] = {}  # unfinished requests
         self.waiting = WaitingQueue(self.policy)
@@ -145,7 +168,8 @@ class Scheduler:
         if request.status is not RequestStatus.WAITING or request.num_output_tokens:
             raise ValueError(f"request {rid!r} must be new (WAITING, no output)")
         check_request_fits(request, self.max_model_len, self.block_size,
-                           self.kv_cache_manager.block_pool.num_blocks)
+                           self.kv_cache_manager.block_pool.num_blocks, self.kv_layout,
+                           self._chunk_tokens())
         if self._hasher is not None and (request.block_hasher is None or (
                 request.block_hasher.block_size, request.block_hasher.algo)
                 != (self._hasher.block_size, self._hasher.algo)):
@@ -203,6 +227,13 @@ class Scheduler:
 
     def _key(self, r: Request) -> tuple:
         return r.fcfs_key if self.policy == "fcfs" else r.sort_key
+
+    def _chunk_tokens(self) -> int:
+        """Most new tokens one request takes in a step (a sliding group's block bound)."""
+        cfg = self.scheduler_config
+        if not cfg.enable_chunked_prefill:
+            return self.max_model_len
+        return self._cap_prefill(cfg.max_num_batched_tokens)
 
     def _cap_prefill(self, n: int) -> int:
         cfg = self.scheduler_config
@@ -387,8 +418,9 @@ class Scheduler:
             else:
                 # Fresh lookup: hits stay valid through _allocate (freeing never evicts).
                 hit_blocks, hit_tokens = kv.get_computed_blocks(req)
-                offloaded = kv.get_offloaded_blocks(req, len(hit_blocks))
-                if kv.is_prefix_in_flight(req, len(hit_blocks) + len(offloaded)):
+                num_hit = hit_tokens // self.block_size
+                offloaded = kv.get_offloaded_blocks(req, num_hit)
+                if kv.is_prefix_in_flight(req, num_hit + len(offloaded)):
                     skipped.append((key, req))  # share the block next step, not a copy
                     continue
                 hit_tokens += len(offloaded) * self.block_size
@@ -564,5 +596,9 @@ class Scheduler:
             "prompt_tokens_total": self.num_prompt_tokens,
             "generation_tokens_total": self.num_generation_tokens,
             "num_steps": self.num_steps,
+            # KV cache groups: 1 unless a model's sliding-window layers free blocks behind
+            # their window (hybrid manager); blocks so freed while requests ran.
+            "num_kv_cache_groups": len(kv.block_pool.group_maps),
+            "num_blocks_freed_out_of_window": getattr(kv, "num_freed_out_of_window", 0),
             **kv.tier_stats(),
         }

@@ -1,0 +1,183 @@
+"""A hypothesis state machine over HybridKVCacheManager: KV cache groups over one pool.
+
+Requests arrive (taking prefix hits every group accepts), compute chunks and decode tokens
+past their windows, are preempted (recompute) and finish. A fake device pool holds one token id
+per slot: each step writes the request's new tokens through every group's table, then checks
+that every position the step's queries READ (all earlier positions for a full group, the last
+W - 1 before the chunk for a sliding one) holds the request's own token. After every rule:
+the manager's invariants (ref counts = tables holding a block, no block in two groups, nothing
+held behind a window), each cached block's content equals its hash's tokens, and the sliding
+bound cdiv(W - 1 + chunk, bs) + 1 per request. At teardown every request is freed: usage is 0.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from core_sim import make_request
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from jpaged.core.block_hash import BlockHasher
+from jpaged.core.kv_cache_groups import (
+    HybridKVCacheManager,
+    first_needed_block,
+    kv_cache_layout,
+    sliding_blocks_bound,
+)
+
+MAX_LEN = 48
+MAX_CHUNK = 8
+LAYOUTS = [(None, "w"), ("w",), (None, "w", "w"), (None, None, "w")]
+
+
+class GroupsMachine(RuleBasedStateMachine):
+    """Random arrive / step / preempt / finish sequences over the hybrid manager."""
+
+    @initialize(kinds=st.sampled_from(LAYOUTS), window=st.integers(1, 9),
+                block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(8, 40),
+                caching=st.booleans() | st.just(True))
+    def setup(self, kinds, window, block_size, num_blocks, caching) -> None:
+        self.bs = block_size
+        self.layout = kv_cache_layout([window if k == "w" else None for k in kinds])
+        self.m = HybridKVCacheManager(self.layout, block_size, num_blocks, MAX_LEN, caching)
+        self.fake = np.full((num_blocks, block_size), -1, np.int64)
+        self.reqs: dict = {}
+        self.running: list[str] = []
+        self.tokens_of: dict[bytes, list[int]] = {}
+        self.n = 0
+
+    def _need_fits(self, r) -> bool:
+        total = 0
+        for g in self.layout.groups:
+            full = -(-MAX_LEN // self.bs)
+            w = g.sliding_window
+            total += full if w is None else min(full, sliding_blocks_bound(w, MAX_CHUNK, self.bs))
+        return total <= self.m.block_pool.num_blocks - 1
+
+    @rule(prompt=st.lists(st.integers(1, 3), min_size=1, max_size=30),
+          chunk=st.integers(1, MAX_CHUNK))
+    def arrive(self, prompt, chunk) -> None:
+        """A request arrives and is admitted with its prefix hit (if the pool allows)."""
+        r = make_request(f"r{self.n}", prompt, MAX_LEN - len(prompt))
+        self.n += 1
+        r.set_block_hasher(BlockHasher(self.bs))
+        if not self._need_fits(r):
+            return
+        self.reqs[r.request_id] = r
+        self._admit(r, chunk)
+
+    def _admit(self, r, chunk) -> None:
+        hit, n = self.m.get_computed_blocks(r)
+        num_new = min(chunk, r.num_tokens - n)
+        if self.m.allocate_slots(r, num_new, hit, n) is None:
+            return  # stays waiting
+        r.num_computed_tokens = n
+        self.running.append(r.request_id)
+        self._run(r, n, num_new)
+
+    @precondition(lambda self: any(rid not in self.running for rid in self.reqs))
+    @rule(i=st.integers(0, 63), chunk=st.integers(1, MAX_CHUNK))
+    def readmit(self, i, chunk) -> None:
+        """A waiting (new or preempted) request is admitted again."""
+        waiting = [rid for rid in self.reqs if rid not in self.running]
+        self._admit(self.reqs[waiting[i % len(waiting)]], chunk)
+
+    @precondition(lambda self: bool(self.running))
+    @rule(i=st.integers(0, 63), chunk=st.integers(1, MAX_CHUNK), tok=st.integers(1, 3))
+    def step(self, i, chunk, tok) -> None:
+        """A running request computes its next chunk (or decodes one token)."""
+        r = self.reqs[self.running[i % len(self.running)]]
+        if r.num_computed_tokens == r.num_tokens:  # prompt done: a new token to compute
+            if r.num_tokens >= MAX_LEN:
+                self._finish(r)
+                return
+            r.append_output_token(tok)
+        start = r.num_computed_tokens
+        num_new = min(chunk, r.num_tokens - start)
+        if self.m.allocate_slots(r, num_new) is None:
+            self._preempt(r)
+            return
+        self._run(r, start, num_new)
+
+    def _run(self, r, start, num_new) -> None:
+        """The device step: write the new tokens through every group, check what is read."""
+        toks = r.all_token_ids
+        ids = self.m.group_block_ids(r.request_id)
+        bs = self.bs
+        end = start + num_new
+        for g, spec in enumerate(self.layout.groups):
+            for p in range(start, end):
+                b = ids[g][p // bs]
+                assert b != 0, "a new token's block is the null block"
+                self.fake[b, p % bs] = toks[p]
+            w = spec.sliding_window
+            lo = 0 if w is None else max(0, start - w + 1)
+            for p in range(lo, end):
+                b = ids[g][p // bs]
+                assert b != 0 and self.fake[b, p % bs] == toks[p], (
+                    f"group {g} reads position {p} from block {b}: not this request's token")
+            if w is not None:
+                held = sum(1 for x in ids[g] if x)
+                assert held <= sliding_blocks_bound(w, num_new, bs) or held <= -(-end // bs)
+        r.num_computed_tokens = end
+        self.m.commit(r)
+        h = r.block_hashes
+        for k in range(min(end // bs, len(h))):
+            self.tokens_of[h[k]] = toks[k * bs:(k + 1) * bs]
+
+    @precondition(lambda self: bool(self.running))
+    @rule(i=st.integers(0, 63))
+    def preempt(self, i) -> None:
+        """Recompute preemption: blocks freed, the request waits to start over."""
+        self._preempt(self.reqs[self.running[i % len(self.running)]])
+
+    def _preempt(self, r) -> None:
+        self.m.free(r)
+        r.num_computed_tokens = 0
+        r.num_preemptions += 1
+        self.running.remove(r.request_id)
+
+    @precondition(lambda self: bool(self.reqs))
+    @rule(i=st.integers(0, 63))
+    def finish(self, i) -> None:
+        """A request finishes (or is aborted) and frees its blocks."""
+        rid = list(self.reqs)[i % len(self.reqs)]
+        self._finish(self.reqs[rid])
+
+    def _finish(self, r) -> None:
+        self.m.free(r)
+        if r.request_id in self.running:
+            self.running.remove(r.request_id)
+        del self.reqs[r.request_id]
+
+    @invariant()
+    def consistent(self) -> None:
+        """Manager invariants; cached blocks hold their hash's tokens; windows are respected."""
+        if not hasattr(self, "m"):
+            return
+        self.m.check_invariants()
+        for g, cached in enumerate(self.m.block_pool.group_maps):
+            for h, b in cached.items():
+                assert self.fake[b.block_id].tolist() == self.tokens_of[h], (g, b)
+        for rid in self.running:
+            r = self.reqs[rid]
+            ids = self.m.group_block_ids(rid)
+            for g, spec in enumerate(self.layout.groups):
+                if spec.sliding_window is not None:
+                    first = first_needed_block(r.num_computed_tokens, spec.sliding_window,
+                                               self.bs)
+                    assert all(ids[g][first:]), "a block the window needs was freed"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "m"):
+            return
+        for r in list(self.reqs.values()):
+            self._finish(r)
+        assert self.m.usage == 0.0
+        self.m.check_invariants()
+
+
+TestGroupsMachine = GroupsMachine.TestCase
+TestGroupsMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                      suppress_health_check=list(HealthCheck))
