@@ -49,6 +49,10 @@ MaxLen = Annotated[int | None, typer.Option("--max-model-len", help="Context len
 TP = Annotated[int, typer.Option("--tensor-parallel-size", help="Devices for tensor parallelism.")]
 Preempt = Annotated[str, typer.Option("--preemption-mode", help="recompute|swap")]
 Backend = Annotated[str, typer.Option("--attention-backend", help="auto|pallas|reference|xla")]
+NoHybrid = Annotated[bool, typer.Option(
+    "--disable-hybrid-kv-cache-manager",
+    help="Keep every token's KV in every layer, sliding-window layers too (one full-attention "
+    "group); by default sliding layers free the blocks behind their window.")]
 Seed = Annotated[int, typer.Option("--seed", help="Engine seed.")]
 Async = Annotated[bool, typer.Option(
     "--async-scheduling/--no-async-scheduling",
@@ -92,6 +96,7 @@ def _engine_flags(
     max_model_len: MaxLen = None,
     tensor_parallel_size: TP = 1,
     preemption_mode: Preempt = "recompute",
+    disable_hybrid_kv_cache_manager: NoHybrid = False,
     attention_backend: Backend = "auto",
     seed: Seed = 0,
     num_gpu_blocks_override: Blocks = None,

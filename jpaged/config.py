@@ -69,6 +69,9 @@ class CacheConfig:
     swap_space: float = 0.0  # GiB of disk for the third tier
     kv_cache_dir: str | None = None
     preemption_mode: str = "recompute"
+    # vLLM's flag: one full-attention KV cache group over all layers even when some slide (each
+    # layer then keeps every token's KV). A no-op for models without sliding layers.
+    disable_hybrid_kv_cache_manager: bool = False
     # Derived at start-up (dataclasses.replace); None until the pool is sized.
     num_gpu_blocks: int | None = None
 
@@ -97,6 +100,9 @@ class CacheConfig:
             _fail(c, "swap_space", ">= 0 (GiB)", self.swap_space)
         if self.preemption_mode not in PREEMPTION_MODES:
             _fail(c, "preemption_mode", f"one of {PREEMPTION_MODES}", self.preemption_mode)
+        if not isinstance(self.disable_hybrid_kv_cache_manager, bool):
+            _fail(c, "disable_hybrid_kv_cache_manager", "true or false",
+                  self.disable_hybrid_kv_cache_manager)
 
 
 @dataclass(frozen=True)
@@ -222,6 +228,7 @@ class EngineArgs:
     swap_space: float = 0.0
     kv_cache_dir: str | None = None
     preemption_mode: str = "recompute"
+    disable_hybrid_kv_cache_manager: bool = False
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
@@ -277,6 +284,7 @@ class EngineArgs:
                 swap_space=self.swap_space,
                 kv_cache_dir=self.kv_cache_dir,
                 preemption_mode=self.preemption_mode,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,

@@ -15,6 +15,7 @@ from flax import nnx
 from jpaged.config import EngineArgs, EngineConfig
 from jpaged.core.cache_state import snapshot as _cache_snapshot
 from jpaged.core.cache_state import tier_metrics as _tier_metrics
+from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
 from jpaged.engine_core import CoreStep
@@ -121,6 +122,11 @@ class LLMEngine(RequestFrontend):
         params_bytes = (_param_bytes(nnx.state(self.loaded.model)) if self.parallel is None else
                         self.parallel.param_bytes_per_device(nnx.state(self.loaded.model)))
         plan = BucketPlan.for_config(config)
+        # KV cache groups: sliding-window layers keep only their window's blocks (one group
+        # over all layers when the model has none or the hybrid manager is disabled).
+        self.kv_layout = kv_cache_layout(
+            self.spec.layer_windows, hybrid=not config.cache.disable_hybrid_kv_cache_manager)
+        kv_layers = self.kv_layout.num_slots
         self.ops = select_backend(config.model.attention_backend)
         # Compiles the largest step shape; called only when the budget depends on it.
         probe = functools.partial(step_activation_bytes, self.loaded.model, self.spec, plan,
@@ -129,9 +135,16 @@ class LLMEngine(RequestFrontend):
             num_blocks = self.group.recv_config()  # every process allocates process 0's pool
         else:
             # Forced CPU devices share the machine's RAM: the CPU budget is split between them.
+            s = config.scheduler
+            chunk = (s.max_model_len if not s.enable_chunked_prefill else
+                     min(s.max_num_batched_tokens, s.long_prefill_token_threshold
+                         or s.max_num_batched_tokens))
             num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
-                                        config.scheduler.max_model_len, activation_bytes=probe,
-                                        kv_head_shards=tp, host_devices=tp)
+                                        s.max_model_len, activation_bytes=probe,
+                                        kv_head_shards=tp, host_devices=tp, kv_layers=kv_layers,
+                                        blocks_per_seq=blocks_needed(
+                                            s.max_model_len, self.kv_layout,
+                                            config.cache.block_size, chunk))
             if self.group is not None:
                 self.group.send_config(num_blocks)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)
@@ -140,7 +153,14 @@ class LLMEngine(RequestFrontend):
         self.kv_transfer = KVTransfer()
         # With chunked prefill the scheduler fits each step's token budget to these buckets.
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
-                                   self.tiers, token_buckets=plan.token_buckets)
+                                   self.tiers, token_buckets=plan.token_buckets,
+                                   kv_layout=self.kv_layout)
+        plan.num_groups = self.kv_layout.num_groups  # after the probe, which runs one group
+        if self.kv_layout.is_hybrid:
+            logger.info("hybrid KV cache: %d groups (%s), %d layers' KV per block",
+                        self.kv_layout.num_groups, ", ".join(
+                            g.kind if g.sliding_window is None else f"sliding {g.sliding_window}"
+                            for g in self.kv_layout.groups), kv_layers)
         # KV cache events: set before the disk tier opens, so its blocks are stated too.
         self.kv_events: KVEventHub | None = None
         ev = self.config.kv_events
@@ -149,16 +169,19 @@ class LLMEngine(RequestFrontend):
             self.kv_events = KVEventHub(ev, self.config.cache.block_size,
                                         self.config.parallel.data_parallel_rank)
             self.scheduler.kv_cache_manager.set_events(self.kv_events.collector)
-        kv = (allocate_kv_cache(self.spec, num_blocks, self.config.cache.block_size, self.kv_dtype)
+        kv = (allocate_kv_cache(self.spec, num_blocks, self.config.cache.block_size, self.kv_dtype,
+                                kv_layers)
               if self.parallel is None else
-              self.parallel.allocate_kv(num_blocks, self.config.cache.block_size, self.kv_dtype))
+              self.parallel.allocate_kv(num_blocks, self.config.cache.block_size, self.kv_dtype,
+                                        kv_layers))
         calc_scales = config.cache.calculate_kv_scales and is_fp8(self.kv_dtype)
         if config.cache.calculate_kv_scales and not calc_scales:
             logger.info("calculate_kv_scales is ignored: kv_cache_dtype=%s is not fp8 "
                         "(scales stay 1.0)", config.cache.kv_cache_dtype)
         self.runner = ModelRunner(self.loaded.model, kv, plan, self.config.cache.block_size,
                                   self.spec.vocab_size, self.ops, self.config.model.seed,
-                                  parallel=self.parallel, calculate_kv_scales=calc_scales)
+                                  parallel=self.parallel, calculate_kv_scales=calc_scales,
+                                  kv_layout=self.kv_layout)
         if self.group is not None and self.group.is_leader:
             self.runner.announce = self.group.announce_step  # the others launch it too
         # The disk tier is keyed by the fp8 scales too: opened once they are final.

@@ -130,29 +130,46 @@ def _legend_handles(mpl: Any, state: Mapping[str, Any]) -> list[Any]:
 
 
 def plot_block_tables(state: Mapping[str, Any], max_requests: int = 32) -> Figure:
-    """Each request's block table: row = request, column = logical block, cell = physical id."""
+    """Each request's block table: row = request, column = logical block, cell = physical id.
+
+    With KV cache groups (a model with sliding-window layers) a request has one row per group;
+    a sliding group's positions behind its window hold the null block (drawn as null).
+    """
     _check(state, _STATE_KEYS, "cache_state")
     mpl = _mpl()
     reqs = list(state["requests"].items())[:max_requests]
     colors = request_colors(state)
     owners = state["owners"]
-    width = max((len(e["block_table"]) for _, e in reqs), default=0)
-    rows = max(1, len(reqs))
+    groups = state.get("kv_cache_groups") or [{"kind": "full", "sliding_window": None}]
+    lines: list[tuple[str, str, list[int]]] = []  # (request id, row label, table)
+    for rid, e in reqs:
+        tables = e.get("block_tables") or [e["block_table"]]
+        for g, table in enumerate(tables):
+            label = f"{_short(rid)} ({e.get('num_tokens', '?')} tok)"
+            if len(tables) > 1:
+                w = groups[g].get("sliding_window") if g < len(groups) else None
+                label += f" g{g} " + ("full" if w is None else f"win {w}")
+            lines.append((rid, label, table))
+    width = max((len(t) for _, _, t in lines), default=0)
+    rows = max(1, len(lines))
     cols = max(1, width)
     fig = mpl.figure.Figure(figsize=(min(16.0, 3.0 + 0.35 * cols), min(12.0, 1.4 + 0.35 * rows)),
                             layout="constrained")
     ax = fig.add_subplot()
     ax.set_title("Block tables: logical → physical block id\n"
                  "(dark: one physical block shared by several requests)", fontsize=9)
-    if not reqs:
+    if not lines:
         ax.text(0.5, 0.5, "no request holds blocks", ha="center", va="center",
                 transform=ax.transAxes)
         ax.set_axis_off()
         return fig
     img = [[(0.0, 0.0, 0.0, 0.0)] * cols for _ in range(rows)]
     label = rows * cols <= MAX_LABELLED_CELLS
-    for r, (rid, entry) in enumerate(reqs):
-        for j, b in enumerate(entry["block_table"]):
+    for r, (rid, _, table) in enumerate(lines):
+        for j, b in enumerate(table):
+            if b == 0:  # a sliding group's position behind the window
+                img[r][j] = mpl.colors.to_rgba(NULL_COLOR)
+                continue
             shared = len(owners[b]) > 1
             img[r][j] = mpl.colors.to_rgba(SHARED_COLOR if shared else colors[rid])
             if label:
@@ -161,14 +178,16 @@ def plot_block_tables(state: Mapping[str, Any], max_requests: int = 32) -> Figur
     ax.imshow(img, interpolation="nearest", aspect="equal")
     _grid(ax, rows, cols)
     ax.set_yticks(range(rows))
-    ax.set_yticklabels([f"{_short(rid)} ({e.get('num_tokens', '?')} tok)" for rid, e in reqs],
-                       fontsize=7)
+    ax.set_yticklabels([lab for _, lab, _ in lines], fontsize=7)
     ax.set_xticks(range(0, cols, max(1, cols // 16)))
     ax.set_xlabel("logical block index")
     patch = mpl.patches.Patch
-    ax.legend(handles=[patch(color=SHARED_COLOR, label="shared"),
-                       patch(color=_PALETTE[0], label="private (request colour)")],
-              loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
+    handles = [patch(color=SHARED_COLOR, label="shared"),
+               patch(color=_PALETTE[0], label="private (request colour)")]
+    if len(groups) > 1 or any(g.get("sliding_window") for g in groups):
+        handles.append(patch(color=NULL_COLOR, label="freed: behind the window"))
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7,
+              frameon=False)
     return fig
 
 

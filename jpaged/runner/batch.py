@@ -25,10 +25,14 @@ class StepBatch:
 
     input_ids: Int[Array, " T"]
     positions: Int[Array, " T"]
-    slot_mapping: Int[Array, " T"]  # -1 for padding tokens: their K/V is written nowhere
+    # -1 for padding tokens: their K/V is written nowhere. With G KV cache groups: [G*T], group
+    # g's slots at [g*T, (g+1)*T) (each group has its own block table).
+    slot_mapping: Int[Array, " GT"]
     query_start_loc: Int[Array, " B+1"]  # padded sequences repeat the last value (q_len 0)
     seq_lens: Int[Array, " B"]  # tokens of each sequence after this step (0 for padding)
-    block_tables: Int[Array, "B max_blocks"]  # 0 (the null block) past a sequence's blocks
+    # 0 (the null block) past a sequence's blocks; with G groups [B, G*max_blocks], group g's
+    # table in columns [g*max_blocks, (g+1)*max_blocks).
+    block_tables: Int[Array, "B GM"]
     logits_indices: Int[Array, " B"]  # the last new token of each sequence
     # Async scheduling: row of the device's last-token buffer holding this sequence's last new
     # token (sampled by the step still in flight), or -1 when input_ids has it.
@@ -62,6 +66,8 @@ class BucketPlan:
         self.mixed_seq_buckets = _powers(4, 16, max_num_seqs)
         self.token_buckets = _powers(4, 64, max(max_num_batched_tokens, max_num_seqs))
         self.max_blocks = -(-max_model_len // block_size)
+        # KV cache groups (kv_cache_groups.py): each has its own block table and slot mapping.
+        self.num_groups = 1
 
     @classmethod
     def for_config(cls, config: Any) -> BucketPlan:
@@ -104,9 +110,11 @@ def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int
                              np.zeros(b, np.uint32), np.zeros(b, np.int32),
                              np.ones(b, np.float32), z, z, np.zeros((b, 0), np.int32),
                              np.zeros((b, 0), bool))
-    batch = StepBatch(np.zeros(t, np.int32), np.zeros(t, np.int32), np.full(t, -1, np.int32),
-                      np.zeros(b + 1, np.int32), np.zeros(b, np.int32),
-                      np.zeros((b, plan.max_blocks), np.int32), np.zeros(b, np.int32),
+    g = plan.num_groups
+    batch = StepBatch(np.zeros(t, np.int32), np.zeros(t, np.int32),
+                      np.full(g * t, -1, np.int32), np.zeros(b + 1, np.int32),
+                      np.zeros(b, np.int32), np.zeros((b, g * plan.max_blocks), np.int32),
+                      np.zeros(b, np.int32),
                       np.full(b, -1, np.int32), sampling)
     return PackedStep(batch, SamplingFlags(), 0, 0)
 
@@ -227,8 +235,8 @@ class FlatStep:
     The jitted step takes this and slices the fields back out on device: two host-to-device
     copies per step instead of one per field (twenty), which is what a step's dispatch costs
     on a GPU. Layout (row-major, in this order): ints = input_ids[T], positions[T],
-    slot_mapping[T], query_start_loc[B+1], seq_lens[B], logits_indices[B], feed_rows[B],
-    top_k[B], seeds[B] (uint32 bits), counters[B], block_tables[B*M], history[B*H],
+    slot_mapping[G*T], query_start_loc[B+1], seq_lens[B], logits_indices[B], feed_rows[B],
+    top_k[B], seeds[B] (uint32 bits), counters[B], block_tables[B*G*M], history[B*H],
     history_is_output[B*H] (0/1); floats = temperature, top_p, min_p, repetition, presence,
     frequency penalties, [B] each.
     """
@@ -237,14 +245,16 @@ class FlatStep:
     floats: Array
     num_tokens: int = field(metadata={"static": True})
     num_seqs: int = field(metadata={"static": True})
-    max_blocks: int = field(metadata={"static": True})
+    max_blocks: int = field(metadata={"static": True})  # per group
     history_len: int = field(metadata={"static": True})
+    num_groups: int = field(default=1, metadata={"static": True})
 
 
 def flatten_step(batch: StepBatch) -> FlatStep:
     """The two host buffers of a (numpy) StepBatch."""
     s = batch.sampling
-    t, (b, m), h = batch.input_ids.shape[0], batch.block_tables.shape, s.history.shape[1]
+    t, (b, gm), h = batch.input_ids.shape[0], batch.block_tables.shape, s.history.shape[1]
+    g = batch.slot_mapping.shape[0] // t
     ints = np.concatenate([
         batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
         batch.seq_lens, batch.logits_indices, batch.feed_rows, s.top_k,
@@ -253,15 +263,16 @@ def flatten_step(batch: StepBatch) -> FlatStep:
         s.history_is_output.reshape(-1)], dtype=np.int32)
     floats = np.concatenate([s.temperature, s.top_p, s.min_p, s.repetition_penalty,
                              s.presence_penalty, s.frequency_penalty], dtype=np.float32)
-    return FlatStep(ints, floats, t, b, m, h)
+    return FlatStep(ints, floats, t, b, gm // g, h, g)
 
 
 def unflatten_step(flat: FlatStep) -> StepBatch:
     """The StepBatch of a FlatStep (inside the jitted step: static slices)."""
     import jax.numpy as jnp
 
-    t, b, m, h = flat.num_tokens, flat.num_seqs, flat.max_blocks, flat.history_len
-    sizes = [t, t, t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h]
+    t, b, h, g = flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups
+    m = g * flat.max_blocks
+    sizes = [t, t, g * t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h]
     parts, off = [], 0
     for n in sizes:
         parts.append(flat.ints[off:off + n])

@@ -47,8 +47,11 @@ class InputBatch:
         self.capacity = 0
         self.row_of: dict[str, int] = {}
         self._free: list[int] = []
-        self._nblocks: list[int] = []  # block ids written into each row's table
-        self.tables = np.zeros((0, plan.max_blocks), np.int32)
+        self._nblocks: list[int] = []  # block ids written into each row's table (per group)
+        # KV cache groups: row r holds group g's table in columns [g*M, (g+1)*M); the
+        # scheduled block ids then come per group.
+        self.num_groups = plan.num_groups
+        self.tables = np.zeros((0, plan.num_groups * plan.max_blocks), np.int32)
         # temp, top_p, min_p, rep, pres, freq, uses penalties, wants top logprobs
         self._sampling = np.zeros((0, 8), np.float32)
         self._top_k = np.zeros(0, np.int32)
@@ -57,7 +60,7 @@ class InputBatch:
     def _grow(self) -> None:
         old = self.capacity
         new = max(16, 2 * old)
-        self.tables = np.concatenate([self.tables, np.zeros((new - old, self.plan.max_blocks),
+        self.tables = np.concatenate([self.tables, np.zeros((new - old, self.tables.shape[1]),
                                                             np.int32)])
         self._sampling = np.concatenate([self._sampling, np.zeros((new - old, 8), np.float32)])
         self._top_k = np.concatenate([self._top_k, np.zeros(new - old, np.int32)])
@@ -98,6 +101,7 @@ class InputBatch:
         n = len(scheduled)
         bs = self.block_size
         row_of, nblocks, tables = self.row_of, self._nblocks, self.tables
+        groups, mb = self.num_groups, self.plan.max_blocks
         rows: list[int] = []
         counters: list[int] = []  # each request's RNG counter: its tokens sampled so far
         last_ids: list[int] = []
@@ -109,9 +113,17 @@ class InputBatch:
                 tables = self.tables  # _add may have grown it
             ids = s.block_ids
             have = nblocks[row]
-            if len(ids) != have:  # grown since the last step: write only the new block ids
-                tables[row, have:len(ids)] = ids[have:]
-                nblocks[row] = len(ids)
+            if groups == 1:
+                if len(ids) != have:  # grown since the last step: write only the new block ids
+                    tables[row, have:len(ids)] = ids[have:]
+                    nblocks[row] = len(ids)
+            elif len(ids[0]) != have:  # every group's table has the same length
+                n_ids = len(ids[0])
+                for g in range(groups):
+                    # Positions a sliding group freed since keep their stale ids here: no step
+                    # reads or writes outside the window (kv_cache_groups.live_block_ids).
+                    tables[row, g * mb + have:g * mb + n_ids] = ids[g][have:]
+                nblocks[row] = n_ids
             rows.append(row)
             counters.append(len(req.output_token_ids) + req.num_output_placeholders)
             last_ids.append(s.token_ids[-1])
@@ -127,11 +139,10 @@ class InputBatch:
                              "previous step holds it")
         num_tokens = sum(lens)
         t_pad, b_pad = self.plan.pick(num_tokens, n)
-        mb = self.plan.max_blocks
         r = np.asarray(rows, np.intp)
         start = np.asarray(starts, np.int32)
         k = np.asarray(lens, np.int32)
-        step_tables = np.zeros((b_pad, mb), np.int32)
+        step_tables = np.zeros((b_pad, groups * mb), np.int32)
         step_tables[:n] = tables[r]
         qsl = np.zeros(b_pad + 1, np.int32)
         np.cumsum(k, out=qsl[1:n + 1])
@@ -142,7 +153,7 @@ class InputBatch:
         logits_idx[:n] = qsl[1:n + 1] - 1
         input_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
-        slot_mapping = np.full(t_pad, -1, np.int32)
+        slot_mapping = np.full(groups * t_pad, -1, np.int32)
         if num_tokens == n:  # pure decode: one token per row, no per-token loop
             input_ids[:n] = last_ids
             positions[:n] = start
@@ -158,7 +169,10 @@ class InputBatch:
                 input_ids[cur:cur + kk] = s.token_ids
                 cur += kk
         pos = positions[:num_tokens]
-        slot_mapping[:num_tokens] = step_tables[seq_rows, pos // bs] * bs + pos % bs
+        col, off = pos // bs, pos % bs
+        for g in range(groups):
+            slot_mapping[g * t_pad:g * t_pad + num_tokens] = (
+                step_tables[seq_rows, g * mb + col] * bs + off)
         feed_rows = np.full(b_pad, -1, np.int32)
         if len(fed):
             feed_rows[fed] = fed_from

@@ -103,8 +103,11 @@ def amax_scale(x: Float[Array, "T kv_heads head_dim"], valid: Bool[Array, " T"],
 
 
 def bytes_per_block(spec: ModelSpec, block_size: int, dtype: jnp.dtype,
-                    kv_head_shards: int = 1) -> int:
+                    kv_head_shards: int = 1, kv_layers: int | None = None) -> int:
     """Bytes one block takes across all layers: block_size x 2 x kv_heads x head_dim x bytes.
+
+    `kv_layers`: layers' worth of KV one block id holds when it is not every layer (KV cache
+    groups: the layout's slots).
 
     With the KV heads split `kv_head_shards` ways (tensor parallelism) this is one device's
     share: ceil(num_kv_heads / kv_head_shards) heads, at least 1 (heads are replicated when
@@ -113,7 +116,8 @@ def bytes_per_block(spec: ModelSpec, block_size: int, dtype: jnp.dtype,
     if not isinstance(kv_head_shards, int) or kv_head_shards < 1:
         raise ValueError(f"kv_head_shards must be an integer >= 1, got {kv_head_shards!r}")
     heads = max(1, -(-spec.num_kv_heads // kv_head_shards))
-    return spec.num_layers * block_size * 2 * heads * spec.head_dim * jnp.dtype(dtype).itemsize
+    layers = spec.num_layers if kv_layers is None else kv_layers
+    return layers * block_size * 2 * heads * spec.head_dim * jnp.dtype(dtype).itemsize
 
 
 def _available_host_bytes() -> int:
@@ -157,11 +161,14 @@ class KVPoolPlan:
     max_model_len: int
     block_size: int
     host_devices: int = 1  # CPU devices sharing the machine's RAM (the budget is one's share)
+    # Blocks one max_model_len sequence holds (all KV cache groups); None: one per block_size.
+    blocks_per_seq: int | None = None
 
     @property
     def max_concurrent_seqs(self) -> int:
         """max_model_len sequences the pool holds at once (block 0 is never handed out)."""
-        return max(self.num_blocks - 1, 0) // -(-self.max_model_len // self.block_size)
+        per = self.blocks_per_seq or -(-self.max_model_len // self.block_size)
+        return max(self.num_blocks - 1, 0) // per
 
     def log(self) -> None:
         """The start-up breakdown, at INFO."""
@@ -192,7 +199,9 @@ ActivationProbe = Callable[[], "int | None"]
 def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_bytes: int,
                  max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                  kv_head_shards: int = 1, device_bytes: int | None = None,
-                 platform: str | None = None, host_devices: int = 1) -> KVPoolPlan:
+                 platform: str | None = None, host_devices: int = 1,
+                 kv_layers: int | None = None, blocks_per_seq: int | None = None
+                 ) -> KVPoolPlan:
     """Size the pool: override, else explicit KV bytes, else a fraction of device memory.
 
     budget = device memory x utilization - params - activations - margin. `activation_bytes`
@@ -203,11 +212,13 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
     `host_devices`: on CPU, how many of the mesh's devices share this machine's RAM (forced
     CPU devices): the RAM and the CPU default KV space are the machine's, split between them,
     so tensor parallelism over N CPU devices takes the same memory as one device, not N times.
+    KV cache groups: a block holds `kv_layers` layers' KV and one max_model_len request takes
+    `blocks_per_seq` blocks (all groups).
     Raises ValueError when one max_model_len request cannot fit, naming the largest that can.
     """
     if not isinstance(host_devices, int) or host_devices < 1:
         raise ValueError(f"host_devices must be an integer >= 1, got {host_devices!r}")
-    per_block = bytes_per_block(spec, cache.block_size, dtype, kv_head_shards)
+    per_block = bytes_per_block(spec, cache.block_size, dtype, kv_head_shards, kv_layers)
     platform = platform or jax.default_backend()
     share = host_devices if platform == "cpu" else 1  # devices splitting this RAM
     util = cache.gpu_memory_utilization
@@ -239,12 +250,16 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
         util = frac
     n = (cache.num_gpu_blocks_override if cache.num_gpu_blocks_override is not None
          else max(budget, 0) // per_block)
+    if blocks_per_seq is None:
+        blocks_per_seq = -(-max_model_len // cache.block_size)
     plan = KVPoolPlan(source, dev, util, param_bytes, act, margin, avail, max(budget, 0),
-                      per_block, int(n), max_model_len, cache.block_size, share)
+                      per_block, int(n), max_model_len, cache.block_size, share, blocks_per_seq)
     plan.log()
-    blocks_per_seq = -(-max_model_len // cache.block_size)
     if cache.num_gpu_blocks_override is None and n - 1 < blocks_per_seq:
-        fit = max(n - 1, 0) * cache.block_size
+        # With groups a request's blocks do not grow in proportion to its length: the
+        # figure is then an estimate (exact without groups).
+        per = -(-max_model_len // cache.block_size) / blocks_per_seq
+        fit = int(max(n - 1, 0) * per) * cache.block_size
         what = (f"the largest max_model_len that fits is {fit}" if fit > 0
                 else "not even one block fits")
         raise ValueError(
@@ -260,18 +275,21 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
 def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_bytes: int,
                    max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                    kv_head_shards: int = 1, device_bytes: int | None = None,
-                   platform: str | None = None, host_devices: int = 1) -> int:
+                   platform: str | None = None, host_devices: int = 1,
+                   kv_layers: int | None = None, blocks_per_seq: int | None = None) -> int:
     """Blocks per layer for this config (see `plan_kv_pool`, which also logs the breakdown)."""
     return plan_kv_pool(cache, spec, dtype, param_bytes, max_model_len,
                         activation_bytes=activation_bytes, kv_head_shards=kv_head_shards,
                         device_bytes=device_bytes, platform=platform,
-                        host_devices=host_devices).num_blocks
+                        host_devices=host_devices, kv_layers=kv_layers,
+                        blocks_per_seq=blocks_per_seq).num_blocks
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int,
-                      dtype: jnp.dtype) -> KVCache:
-    """Zeroed pages for every layer, scales 1.0."""
-    shape = (spec.num_layers * num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+                      dtype: jnp.dtype, kv_layers: int | None = None) -> KVCache:
+    """Zeroed pages for every layer (or `kv_layers` slots: KV cache groups), scales 1.0."""
+    layers = spec.num_layers if kv_layers is None else kv_layers
+    shape = (layers * num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
     stored = storage_dtype(dtype)
     return KVCache(
         k=jnp.zeros(shape, stored),

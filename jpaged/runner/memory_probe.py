@@ -35,14 +35,17 @@ def _abstract(x: object) -> jax.ShapeDtypeStruct:
 
 
 def abstract_kv(spec: ModelSpec, num_blocks: int, block_size: int, dtype: jnp.dtype, *,
-                kv_heads: int | None = None, sharding: Any = None) -> KVCache:
+                kv_heads: int | None = None, sharding: Any = None,
+                kv_layers: int | None = None) -> KVCache:
     """A KVCache of ShapeDtypeStructs (nothing allocated), shaped as `allocate_kv_cache`'s.
 
     `kv_heads`: the pool's head count when it differs from the model's (tensor parallelism
-    stores replicated heads); `sharding`: placed on every leaf (a deviceless compile's device).
+    stores replicated heads); `sharding`: placed on every leaf (a deviceless compile's device);
+    `kv_layers`: slots per block when not every layer (KV cache groups).
     """
     heads = spec.num_kv_heads if kv_heads is None else kv_heads
-    shape = (spec.num_layers * num_blocks, block_size, heads, spec.head_dim)
+    layers = spec.num_layers if kv_layers is None else kv_layers
+    shape = (layers * num_blocks, block_size, heads, spec.head_dim)
     pages = jax.ShapeDtypeStruct(shape, storage_dtype(dtype), sharding=sharding)
     scale = jax.ShapeDtypeStruct((spec.num_layers,), jnp.float32, sharding=sharding)
     return KVCache(pages, pages, scale, scale, num_blocks, jnp.dtype(dtype))

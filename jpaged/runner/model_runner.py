@@ -22,6 +22,7 @@ from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
 
 if TYPE_CHECKING:
+    from jpaged.core.kv_cache_groups import KVCacheLayout
     from jpaged.runner.parallel import TensorParallel
 
 logger = logging.getLogger("jpaged")
@@ -85,8 +86,15 @@ class ModelRunner:
     def __init__(self, model: nnx.Module, kv: KVCache, plan: BucketPlan, block_size: int,
                  vocab_size: int, ops: AttentionOps, seed: int = 0,
                  parallel: TensorParallel | None = None,
-                 calculate_kv_scales: bool = False) -> None:
+                 calculate_kv_scales: bool = False,
+                 kv_layout: KVCacheLayout | None = None) -> None:
         self.graphdef, self.params = nnx.split(model)
+        # KV cache groups: layer i writes and reads slot slot_of[i] of the blocks in group
+        # group_of[i]'s table. None (or one group): layer i is slot i, one table.
+        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.num_groups > 1 else None
+        if plan.num_groups != (1 if self.kv_layout is None else self.kv_layout.num_groups):
+            raise ValueError(f"BucketPlan.num_groups ({plan.num_groups}) does not match the KV "
+                             "cache layout's groups")
         self.kv = kv
         self.plan = plan
         self.block_size = block_size
@@ -163,25 +171,37 @@ class ModelRunner:
         nb, bs = kv.num_blocks, kv.k.shape[1]
         spec = model.spec
         ops = self.ops
+        layout = self.kv_layout
+        t, m = batch.input_ids.shape[0], flat.max_blocks
+
+        def group_inputs(i: Any) -> tuple[Any, jax.Array, jax.Array]:
+            # (slot, slot mapping, block tables) of layer i; i is traced only without groups.
+            if layout is None:
+                return i, batch.slot_mapping, batch.block_tables
+            g = layout.group_of[i]
+            return (layout.slot_of[i], batch.slot_mapping[g * t:(g + 1) * t],
+                    batch.block_tables[:, g * m:(g + 1) * m])
 
         def attn_fn(i: int, q: jax.Array, k: jax.Array, v: jax.Array,
                     pages: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
             # The carry holds the stored arrays (fp8/bf16 as bits); the ops see page-dtype views.
             k_stored, v_stored, k_scale, v_scale = pages
             k_pages, v_pages = from_bits(k_stored, kv.dtype), from_bits(v_stored, kv.dtype)
+            j, slot_mapping, tables = group_inputs(i)
             if calc_scales:  # this batch's own amax sets layer i's scales before its write
-                valid = batch.slot_mapping >= 0
+                valid = slot_mapping >= 0
                 k_scale = k_scale.at[i].set(amax_scale(k, valid, k_pages.dtype))
                 v_scale = v_scale.at[i].set(amax_scale(v, valid, v_pages.dtype))
-            # Layer i's blocks are rows i*nb .. i*nb+nb-1 of the shared pool; padding stays -1.
-            slots = jnp.where(batch.slot_mapping < 0, -1, batch.slot_mapping + i * (nb * bs))
+            # Slot j's blocks are rows j*nb .. j*nb+nb-1 of the shared pool (j = i without
+            # groups); padding stays -1.
+            slots = jnp.where(slot_mapping < 0, -1, slot_mapping + j * (nb * bs))
             k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, slots, k_scale[i],
                                             v_scale[i])
             # Write first, then attend: the new tokens see themselves through the pages.
             # Layer i's window (static: unrolled layers, or scanned ones that all share it).
             out = ops.ragged_paged_attention(
                 q, k_pages, v_pages, batch.query_start_loc, batch.seq_lens,
-                batch.block_tables + i * nb, sm_scale=spec.attn_scale,
+                tables + j * nb, sm_scale=spec.attn_scale,
                 soft_cap=spec.attn_logit_softcapping, sliding_window=spec.window_of(i),
                 k_scale=k_scale[i], v_scale=v_scale[i])
             return out, (to_bits(k_pages), to_bits(v_pages), k_scale, v_scale)

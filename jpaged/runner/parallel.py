@@ -141,10 +141,13 @@ class TensorParallel:
                 f"needs {self.layout.stored_kv_heads} (use TensorParallel.allocate_kv)")
         return _place(kv, self.kv_shardings(kv.num_blocks, kv.dtype))
 
-    def allocate_kv(self, num_blocks: int, block_size: int, dtype: jnp.dtype) -> KVCache:
-        """Zeroed pool made directly in its sharded layout (no device holds the whole pool)."""
+    def allocate_kv(self, num_blocks: int, block_size: int, dtype: jnp.dtype,
+                    kv_layers: int | None = None) -> KVCache:
+        """Zeroed pool made directly in its sharded layout (no device holds the whole pool);
+        `kv_layers` slots per block (KV cache groups) instead of one per layer."""
         s = self.spec
-        shape = (s.num_layers * num_blocks, block_size, self.layout.stored_kv_heads, s.head_dim)
+        layers = s.num_layers if kv_layers is None else kv_layers
+        shape = (layers * num_blocks, block_size, self.layout.stored_kv_heads, s.head_dim)
 
         stored = storage_dtype(dtype)
 

@@ -145,6 +145,7 @@ def tune(base: EngineArgs, *, workload: Path | None = None, synthetic_spec: str 
     """Run the flow; returns the report, the table rows and the `jpaged serve` line."""
     import jax
 
+    from jpaged.core.kv_cache_groups import kv_cache_layout
     from jpaged.runner.kv_cache import bytes_per_block, kv_dtype
     from jpaged.tune.replay import EngineReplayer
     from models.loader import load_model
@@ -156,9 +157,11 @@ def tune(base: EngineArgs, *, workload: Path | None = None, synthetic_spec: str 
     max_len = base.create_engine_config(spec.max_position_embeddings).scheduler.max_model_len
     requests = load_workload(loaded.tokenizer, spec.vocab_size, workload, synthetic_spec,
                              num_requests, quick, max_len)
+    layout = kv_cache_layout(spec.layer_windows,
+                             hybrid=not base.disable_hybrid_kv_cache_manager)
     per_block = bytes_per_block(spec, base.block_size, kv_dtype(base.kv_cache_dtype,
                                                                 loaded.model.dtype),
-                                base.tensor_parallel_size)
+                                base.tensor_parallel_size, layout.num_slots)
     need = blocks_needed(requests, base.block_size)
     flag, start, top = start_memory(base, jax.default_backend(), per_block, need)
     ladder = memory_ladder(flag, start, quick=quick, top=top)

@@ -50,7 +50,8 @@ def reset_host_state(engine: LLMEngine, num_blocks: int, max_num_seqs: int,
     engine.config = dataclasses.replace(cfg, cache=cache, scheduler=sched)
     engine.tiers = build_host_tier(cache, engine.spec, engine.kv_dtype)
     engine.scheduler = Scheduler(sched, cache, num_blocks, engine.tiers,
-                                 token_buckets=engine.runner.plan.token_buckets)
+                                 token_buckets=engine.runner.plan.token_buckets,
+                                 kv_layout=engine.kv_layout)
 
 
 class EngineReplayer:
@@ -100,7 +101,8 @@ class EngineReplayer:
         if cfg.memory_flag == "num_gpu_blocks_override":
             return min(int(cfg.memory), top)
         per_block = bytes_per_block(engine.spec, engine.config.cache.block_size, engine.kv_dtype,
-                                    engine.config.parallel.tensor_parallel_size)
+                                    engine.config.parallel.tensor_parallel_size,
+                                    engine.kv_layout.num_slots)
         if cfg.memory_flag == "kv_cache_memory_bytes":
             return min(int(cfg.memory) // per_block, top)
         # budget(u) = device x u - params - activations - margin: linear in u.

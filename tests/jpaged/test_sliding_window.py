@@ -10,6 +10,7 @@ from helpers import make_llm
 from tiny_models import make_hf_checkpoint
 
 from jpaged import SamplingParams
+from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
 from models import load_model
 
 torch = pytest.importorskip("torch")
@@ -73,18 +74,91 @@ def test_greedy_tokens_equal_hf_with_chunked_prefill(cases, kind):
     assert tokens(llm, ps) == want
 
 
+@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "one_group"])
 @pytest.mark.parametrize("kind", PRESSURE_KINDS)
-def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind):
+def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind, hybrid):
     kind, loaded, ps, want = cases(kind)
-    # 14 blocks of 4 tokens for 5 sequences of up to 41 tokens: requests are preempted
-    # (recompute) and resumed; then the same prompts again hit the prefix cache.
+    # A pool a little larger than one sequence of up to 41 tokens needs (14 blocks of 4 tokens
+    # with one group; with groups, what kv_cache_groups.blocks_needed says plus 3) for 5
+    # sequences: requests are preempted (recompute) and resumed; then the same prompts again
+    # hit the prefix cache.
+    layout = kv_cache_layout(loaded.spec.layer_windows, hybrid=hybrid)
+    blocks = blocks_needed(41, layout, BLOCK, 32) + 3 if layout.is_hybrid else 14
     llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=5,
-                   max_num_batched_tokens=32, num_gpu_blocks_override=14,
-                   enable_prefix_caching=True)
+                   max_num_batched_tokens=32, num_gpu_blocks_override=blocks,
+                   enable_prefix_caching=True, disable_hybrid_kv_cache_manager=not hybrid)
     assert tokens(llm, ps) == want
     metrics = llm.llm_engine.get_metrics()
-    assert metrics["num_preemptions"] > 0, metrics
+    all_sliding = None not in loaded.spec.layer_windows
+    # Only sliding layers, hybrid: a decoding request holds ~2 blocks, so 5 fit (the point).
+    assert (metrics["num_preemptions"] > 0) != (hybrid and all_sliding), metrics
+    kv = llm.llm_engine.scheduler.kv_cache_manager
+    assert (getattr(kv, "num_freed_out_of_window", 0) > 0) == hybrid
+    kv.check_invariants()
     shared = [ps[0] + p for p in ps[1:3]]  # a shared 4+-block prefix, then a different tail
     assert tokens(llm, shared) == tokens(make_llm(loaded, block_size=BLOCK, max_model_len=96,
                                                   max_num_seqs=4), shared)
     assert llm.llm_engine.get_metrics()["prefix_cache_hits"] > 0
+
+
+def test_hybrid_groups_show_in_cache_state_events_metrics_and_plots(cases):
+    """A hybrid engine mid-run: cache_state has one table per group (sliding ones null behind
+    the window), KV events name their group, metrics count groups and freed blocks, the block
+    table plot draws a row per group; --disable-hybrid-kv-cache-manager gives the same tokens."""
+    from jpaged.kv_events import CacheIndex
+    from jpaged.viz import plot_block_tables
+
+    kind, loaded, ps, want = cases("gemma3")
+    layout = kv_cache_layout(loaded.spec.layer_windows)
+    llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
+                   max_num_batched_tokens=8, enable_prefix_caching=True,
+                   kv_events_config={"enable_kv_cache_events": True})
+    engine = llm.llm_engine
+    batches = []
+    engine.subscribe_kv_events(batches.append)
+    for i, p in enumerate(ps[:2]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+    seen_null = False
+    while engine.has_unfinished_requests():
+        engine.step()
+        state = engine.cache_state()
+        assert [g["sliding_window"] for g in state["kv_cache_groups"]] == [
+            g.sliding_window for g in layout.groups]
+        for entry in state["requests"].values():
+            tables = entry["block_tables"]
+            assert len(tables) == layout.num_groups and tables[0] == entry["block_table"]
+            for g, spec in enumerate(layout.groups):
+                if spec.sliding_window is None:
+                    assert 0 not in tables[g]
+                elif 0 in tables[g]:  # freed positions: a run at the front only
+                    seen_null = True
+                    z = tables[g].count(0)
+                    assert tables[g][:z] == [0] * z, tables[g]
+        if seen_null and state["requests"]:
+            plot_block_tables(state)  # one row per (request, group); nulls drawn as freed
+    assert seen_null
+    metrics = engine.get_metrics()
+    assert metrics["num_kv_cache_groups"] == layout.num_groups
+    assert metrics["num_blocks_freed_out_of_window"] > 0
+    events = [e for b in batches for e in b.events]
+    groups = {e.group for e in events if hasattr(e, "group")}
+    assert groups == set(range(layout.num_groups)), groups
+    index = CacheIndex()
+    for b in batches:
+        index.apply_batch(b)
+    assert index.blocks["GPU"] == set(engine.scheduler.kv_cache_manager.block_pool.cached_blocks)
+    off = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
+                   max_num_batched_tokens=8, disable_hybrid_kv_cache_manager=True)
+    assert off.llm_engine.get_metrics()["num_kv_cache_groups"] == 1
+    assert tokens(off, ps[:2]) == want[:2]
+
+
+def test_hybrid_groups_through_the_pallas_kernels(cases):
+    """The Pallas kernels (interpret mode) read each layer's group table, stale ids behind the
+    window included, and give HF's greedy tokens (the tests above run the CPU's XLA path)."""
+    kind, loaded, ps, want = cases("gemma3")
+    llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
+                   max_num_batched_tokens=8, attention_backend="pallas")
+    assert llm.llm_engine.ops.name == "pallas"
+    assert tokens(llm, ps[:2]) == want[:2]
+    assert llm.llm_engine.get_metrics()["num_blocks_freed_out_of_window"] > 0
