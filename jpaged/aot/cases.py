@@ -24,6 +24,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jpaged.aot.traffic import StepTraffic
 from jpaged.config import EngineArgs, EngineConfig
+from jpaged.core.kv_cache_groups import kv_cache_layout
 from jpaged.runner.batch import BucketPlan, empty_step, flatten_step
 from jpaged.runner.kv_cache import KVCache, kv_dtype, storage_dtype
 from jpaged.runner.kv_transfer import _gather_impl, _scatter_impl
@@ -96,9 +97,11 @@ def engine_config(spec: ModelSpec, **engine_args: Any) -> EngineConfig:
 
 
 def pool_shape(spec: ModelSpec, num_blocks: int, block_size: int, kv_heads: int,
-               dtype: jnp.dtype) -> str:
-    """XLA's text of one pool array's shape per device, e.g. u8[61440,16,3,64]."""
-    dims = (spec.num_layers * num_blocks, block_size, kv_heads, spec.head_dim)
+               dtype: jnp.dtype, kv_layers: int | None = None) -> str:
+    """XLA's text of one pool array's shape per device, e.g. u8[61440,16,3,64] (`kv_layers`:
+    the KV cache layout's slots per block when not every layer)."""
+    layers = spec.num_layers if kv_layers is None else kv_layers
+    dims = (layers * num_blocks, block_size, kv_heads, spec.head_dim)
     return f"{_XLA_DTYPE[storage_dtype(dtype).name]}[{','.join(map(str, dims))}]"
 
 
@@ -121,6 +124,11 @@ class StepBuilder:
     def __post_init__(self) -> None:
         self.config = self.config or engine_config(self.spec)
         self.plan = BucketPlan.for_config(self.config)
+        # The engine's KV cache groups (hybrid: sliding layers keep their window only).
+        self.kv_layout = kv_cache_layout(
+            self.spec.layer_windows,
+            hybrid=not self.config.cache.disable_hybrid_kv_cache_manager)
+        self.plan.num_groups = self.kv_layout.num_groups
         self.block_size = self.config.cache.block_size
         self.page_dtype = kv_dtype(self.kv_cache_dtype, self.model_dtype)
         gpu = self.devices is not None
@@ -155,7 +163,8 @@ class StepBuilder:
     def abstract_kv(self) -> KVCache:
         """The pool as ShapeDtypeStructs (per-device placement added by ModelRunner for TP)."""
         return abstract_kv(self.spec, self.num_blocks, self.block_size, self.page_dtype,
-                           kv_heads=self.stored_kv_heads, sharding=self._single())
+                           kv_heads=self.stored_kv_heads, sharding=self._single(),
+                           kv_layers=self.kv_layout.num_slots)
 
     @cached_property
     def abstract_model(self) -> nnx.Module:
@@ -171,7 +180,8 @@ class StepBuilder:
             graphdef, state = nnx.split(model)
             model = nnx.merge(graphdef, jax.tree.map(self._abstract, state))
         return ModelRunner(model, self.abstract_kv(), self.plan, self.block_size,
-                           self.spec.vocab_size, self.ops, parallel=self.parallel)
+                           self.spec.vocab_size, self.ops, parallel=self.parallel,
+                           kv_layout=self.kv_layout)
 
     @property
     def param_bytes(self) -> int:
@@ -184,7 +194,7 @@ class StepBuilder:
     @property
     def pool_bytes(self) -> int:
         """Bytes of K and V pages per device."""
-        per = (self.spec.num_layers * self.num_blocks * self.block_size * self.local_kv_heads
+        per = (self.kv_layout.num_slots * self.num_blocks * self.block_size * self.local_kv_heads
                * self.spec.head_dim * storage_dtype(self.page_dtype).itemsize)
         return 2 * per
 
@@ -210,7 +220,7 @@ class StepBuilder:
     def pool_shape(self) -> str:
         """One pool array's XLA shape per device."""
         return pool_shape(self.spec, self.num_blocks, self.block_size, self.local_kv_heads,
-                          self.page_dtype)
+                          self.page_dtype, self.kv_layout.num_slots)
 
     def _step_input(self, x: Any) -> jax.ShapeDtypeStruct:
         """A step-batch leaf as an abstract value: replicated over the mesh, or on one device."""
@@ -240,7 +250,7 @@ class StepBuilder:
         if kind == "gather":
             return jax.jit(_gather_impl).trace(kv, ids).lower(
                 lowering_platforms=(self.platform,))
-        block = (num_blocks, self.spec.num_layers, 2, self.block_size, self.stored_kv_heads,
+        block = (num_blocks, self.kv_layout.num_slots, 2, self.block_size, self.stored_kv_heads,
                  self.spec.head_dim)
         data = jax.ShapeDtypeStruct(block, jnp.dtype(self.page_dtype), sharding=self._single())
         return jax.jit(_scatter_impl, donate_argnames=("kv",)).trace(kv, ids, data).lower(

@@ -41,6 +41,7 @@ from jpaged.aot.hbm import estimate_traffic
 from jpaged.aot.kernels import capture_stderr, find_ptxas, kernel_resources
 from jpaged.aot.target import H200_HBM_BYTES_PER_S, TARGET_NAME, GpuTarget, h200_target
 from jpaged.aot.traffic import DECODE_BATCHES, DECODE_CONTEXTS, HBM_KEYS, hbm_fields
+from jpaged.core.kv_cache_groups import blocks_needed
 from jpaged.runner.batch import BucketPlan
 from jpaged.runner.kv_cache import DEFAULT_UTILIZATION, plan_kv_pool
 from jpaged.runner.memory_probe import PROBE_BLOCKS, largest_shape, step_activation_bytes
@@ -134,10 +135,14 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
     act = row.get("temp_bytes")
     device_bytes = int(target.device_memory_bytes * _mem_fraction())
     config = probe.config
+    s = config.scheduler
     plan = plan_kv_pool(config.cache, spec, probe.page_dtype, probe.param_bytes,
-                        config.scheduler.max_model_len, activation_bytes=act,
+                        s.max_model_len, activation_bytes=act,
                         kv_head_shards=cfg.tensor_parallel_size, device_bytes=device_bytes,
-                        platform="cuda")
+                        platform="cuda", kv_layers=probe.kv_layout.num_slots,
+                        blocks_per_seq=blocks_needed(s.max_model_len, probe.kv_layout,
+                                                     config.cache.block_size,
+                                                     s.max_num_batched_tokens))
     est = estimate_capacity(model_source(cfg.model), gpu_memory=device_bytes,
                             gpu_memory_utilization=DEFAULT_UTILIZATION, dtype="bfloat16",
                             kv_cache_dtype=cfg.kv_cache_dtype,
