@@ -149,7 +149,7 @@ class LLMEngine(RequestFrontend):
                 self.group.send_config(num_blocks)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)
         # KV tiers (host RAM, then disk) below the device pool; None when kv_offloading_size=0.
-        self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype)
+        self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype, kv_layers)
         self.kv_transfer = KVTransfer()
         # With chunked prefill the scheduler fits each step's token budget to these buckets.
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
@@ -222,7 +222,7 @@ class LLMEngine(RequestFrontend):
         self._disk_pending = False
         self.tiers.attach_disk(open_disk_tier(
             self.config.cache, self.spec, self.kv_dtype, self.loaded.source, self.loaded.model,
-            self.runner.kv))
+            self.runner.kv, self.kv_layout if self.kv_layout.is_hybrid else None))
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""

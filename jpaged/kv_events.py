@@ -90,6 +90,26 @@ class KVEventBatch:
     data_parallel_rank: int | None = None
 
 
+# A cached block is keyed by (hash, KV cache group). Group 0 (a model's full-attention layers,
+# or every layer) keeps the bare hash; the host and disk tiers store another group's block under
+# the hash plus GROUP_MARK and the group as 2 bytes: a length no hash algorithm here produces
+# (sha256: 32 bytes, xxh3_128: 16), so a key tells its group unambiguously.
+GROUP_MARK = b"#"
+_HASH_LENGTHS = (16, 32)
+
+
+def group_key(block_hash: bytes, group: int) -> bytes:
+    """The tier key of `group`'s block with this hash (the hash itself for group 0)."""
+    return block_hash if group == 0 else block_hash + GROUP_MARK + group.to_bytes(2, "big")
+
+
+def split_group_key(key: bytes) -> tuple[bytes, int]:
+    """(hash, group) of a tier key made by `group_key`."""
+    if len(key) - 3 in _HASH_LENGTHS and key[-3:-2] == GROUP_MARK:
+        return key[:-3], int.from_bytes(key[-2:], "big")
+    return key, 0
+
+
 # ------------------------------------------------------------------------------- config
 @dataclass(frozen=True)
 class KVEventsConfig:
@@ -250,10 +270,15 @@ class KVEventCollector:
                                             None, medium, group))
 
     def stored(self, hashes: Iterable[bytes], medium: str) -> None:
-        """Blocks became cached in a lower tier: each stated with what is known of it."""
+        """Blocks became cached in a lower tier: each stated with what is known of it (tier
+        keys of groups other than 0 are stated as their hash and group)."""
         bs = self.block_size
         with self._lock:
             for h in hashes:
+                base, group = split_group_key(h)
+                if group:
+                    self._events.append(BlockStored([base], None, [], bs, None, medium, group))
+                    continue
                 parent, tokens = self._meta.get(h, (None, ()))
                 self._where.setdefault(h, set()).add(medium)
                 self._events.append(BlockStored([h], parent, list(tokens), bs, None, medium))
@@ -267,6 +292,13 @@ class KVEventCollector:
             if group:
                 self._events.append(BlockRemoved(hashes, medium, group))
                 return
+            keyed = [split_group_key(h) for h in hashes]
+            if any(g for _, g in keyed):  # tier keys of other groups: one event per group
+                for g in sorted({g for _, g in keyed} - {0}):
+                    self._events.append(BlockRemoved([b for b, x in keyed if x == g], medium, g))
+                hashes = [b for b, x in keyed if x == 0]
+                if not hashes:
+                    return
             for h in hashes:
                 where = self._where.get(h)
                 if where is not None:

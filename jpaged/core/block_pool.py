@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from jpaged.core.block_hash import BlockHash
+from jpaged.kv_events import group_key
 
 if TYPE_CHECKING:
     from jpaged.kv_events import KVEventCollector
@@ -159,8 +160,9 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
-        if self.on_evict is not None:
-            self.on_evict(block.block_id, block.block_hash)  # type: ignore[arg-type]
+        if self.on_evict is not None:  # the lower tiers key another group's block apart
+            self.on_evict(block.block_id,  # type: ignore[arg-type]
+                          group_key(block.block_hash, block.group))  # type: ignore[arg-type]
         del self.group_maps[block.group][block.block_hash]  # type: ignore[arg-type]
         if self.events is not None:  # after on_evict: a lower tier has taken it first
             self.events.removed([block.block_hash], "GPU",  # type: ignore[list-item]

@@ -73,8 +73,10 @@ _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 
 
 def model_fingerprint(*, source: str, spec_repr: str, kv_dtype: str, block_size: int,
-                      hash_algo: str, weights_digest: str, kv_scales: tuple[float, ...]) -> str:
-    """Hex digest identifying KV content compatibility (model, dtype, block size, scales)."""
+                      hash_algo: str, weights_digest: str, kv_scales: tuple[float, ...],
+                      kv_groups: str | None = None) -> str:
+    """Hex digest identifying KV content compatibility (model, dtype, block size, scales; the
+    KV cache groups of a hybrid layout, whose blocks hold one group's layers)."""
     doc = {
         "format": FORMAT_VERSION,
         "source": source,
@@ -86,6 +88,8 @@ def model_fingerprint(*, source: str, spec_repr: str, kv_dtype: str, block_size:
         # repr() of a float round-trips exactly, so equal scales give equal fingerprints.
         "kv_scales": [repr(float(s)) for s in kv_scales],
     }
+    if kv_groups is not None:  # absent for one group: files written before groups still match
+        doc["kv_groups"] = kv_groups
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(raw).hexdigest()
 

@@ -24,13 +24,15 @@ Invariants of the manager (``HybridKVCacheManager.check_invariants``):
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jpaged.core.block_hash import BlockHash
-from jpaged.core.block_pool import BlockPool, KVCacheBlock
+from jpaged.core.block_pool import KVCacheBlock
 from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.offload import KVTiers
+from jpaged.kv_events import group_key, split_group_key
 from jpaged.request import Request
 
 
@@ -133,23 +135,39 @@ def blocks_needed(longest: int, layout: KVCacheLayout, block_size: int, chunk: i
     return total
 
 
+@dataclass
+class HybridHit:
+    """A prefix hit continued on the host/disk tiers: for each group, each position's source
+    (a cached device block, a pinned host slot, or the null block behind a window)."""
+
+    num_blocks: int  # the whole hit, device blocks included
+    extra: int  # blocks beyond the device hit: what the scheduler counts as offloaded
+    entries: list[list[KVCacheBlock | int]]
+
+    def __len__(self) -> int:
+        return self.extra
+
+
 class HybridKVCacheManager(KVCacheManager):
     """KVCacheManager whose requests hold one block table per KV cache group.
 
     Full-attention groups behave as the plain manager; sliding groups free the blocks behind
     their window (before each allocation, from the request's computed tokens) and take prefix
-    hits that need only the window's blocks. Host/disk tiers and swap are not supported here.
+    hits that need only the window's blocks. With host/disk tiers a group's block is kept
+    there under group_key(hash, group); swap moves only the window's blocks of sliding groups.
     """
 
     def __init__(self, layout: KVCacheLayout, block_size: int, num_blocks: int,
                  max_model_len: int, enable_caching: bool = True,
-                 hash_algo: str = "sha256") -> None:
-        super().__init__(block_size, num_blocks, max_model_len, enable_caching, hash_algo, None)
+                 hash_algo: str = "sha256", tiers: KVTiers | None = None) -> None:
+        # Host/disk tiers: a group's block is stored under group_key(hash, group) (the pool's
+        # eviction hook passes that key); a host slot holds num_slots layers, as a block does.
+        super().__init__(block_size, num_blocks, max_model_len, enable_caching, hash_algo, tiers,
+                         layout.num_groups)
         self.layout = layout
         self.windows = [g.sliding_window for g in layout.groups]
         self._sliding = [g for g, w in enumerate(self.windows) if w is not None]
         self._full = [g for g, w in enumerate(self.windows) if w is None]
-        self.block_pool = BlockPool(num_blocks, enable_caching, layout.num_groups)
         # rid -> per group: table, ids mirror (0 where freed); positions freed per group.
         self._gtables: dict[str, list[list[KVCacheBlock]]] = {}
         self._gids: dict[str, list[list[int]]] = {}
@@ -158,15 +176,15 @@ class HybridKVCacheManager(KVCacheManager):
 
     # -- lookup ----------------------------------------------------------------------------------
 
-    def _sliding_hit(self, group: int, hashes: Sequence[BlockHash], n: int) -> int:
-        """Longest hit m <= n for which `group` holds the blocks its window needs (from right)."""
-        cached = self.block_pool.group_maps[group]
+    def _sliding_hit(self, group: int, has: Callable[[int], bool], n: int) -> int:
+        """Longest hit m <= n for which `group` has (`has(i)`) the blocks its window needs,
+        found from the right."""
         w, bs = self.windows[group], self.block_size
         m = n
         while m > 0:
             first = first_needed_block(m * bs, w, bs)  # type: ignore[arg-type]
             j = m - 1
-            while j >= first and hashes[j] in cached:
+            while j >= first and has(j):
                 j -= 1
             if j < first:
                 return m
@@ -174,6 +192,28 @@ class HybridKVCacheManager(KVCacheManager):
             # monotone): the next candidate ends just before it.
             m = j
         return 0
+
+    def _longest_hit(self, n: int, has: Callable[[int, int], bool]) -> int:
+        """The longest hit <= n that every group accepts, `has(g, i)` saying whether group g
+        can have block i (full groups: every block before the hit; sliding: the window's)."""
+        for g in self._full:
+            i = 0
+            while i < n and has(g, i):
+                i += 1
+            n = i
+        changed = True
+        while changed and n > 0:  # every sliding group must accept the same length
+            changed = False
+            for g in self._sliding:
+                m = self._sliding_hit(g, lambda i, g=g: has(g, i), n)
+                if m < n:
+                    n, changed = m, True
+        return n
+
+    def _first_held(self, g: int, num_tokens: int) -> int:
+        """First position group g holds once `num_tokens` are computed (0 for a full group)."""
+        w = self.windows[g]
+        return 0 if w is None else first_needed_block(num_tokens, w, self.block_size)
 
     def get_computed_blocks(self, request: Request
                             ) -> tuple[list[list[KVCacheBlock]], int]:  # type: ignore[override]
@@ -187,32 +227,49 @@ class HybridKVCacheManager(KVCacheManager):
             return [[] for _ in range(G)], 0
         hashes = request.block_hashes
         maps = self.block_pool.group_maps
-        n = self.max_cache_hit_blocks(request)
-        for g in self._full:
-            m = maps[g]
-            i = 0
-            while i < n and hashes[i] in m:
-                i += 1
-            n = i
-        changed = True
-        while changed and n > 0:  # every sliding group must accept the same length
-            changed = False
-            for g in self._sliding:
-                m = self._sliding_hit(g, hashes, n)
-                if m < n:
-                    n, changed = m, True
+        n = self._longest_hit(self.max_cache_hit_blocks(request),
+                              lambda g, i: hashes[i] in maps[g])
         null = self.block_pool.null_block
         out: list[list[KVCacheBlock]] = []
-        for g, w in enumerate(self.windows):
-            first = 0 if w is None else first_needed_block(n * self.block_size, w,
-                                                           self.block_size)
+        for g in range(G):
+            first = self._first_held(g, n * self.block_size)
             m = maps[g]
             out.append([null] * first + [m[h] for h in hashes[first:n]])
         return out, n * self.block_size
 
-    def get_offloaded_blocks(self, request: Request, num_hit_blocks: int) -> list[int]:
-        """No host/disk tiers with groups: always empty."""
-        return []
+    def get_offloaded_blocks(self, request: Request,  # type: ignore[override]
+                             num_hit_blocks: int) -> HybridHit | list[int]:
+        """The hit continued on the host/disk tiers, as a HybridHit whose len() is the blocks
+        beyond the device hit (its host slots are pinned); [] when the tiers add nothing.
+
+        A group's block at a position may come from the device (cached) or from a tier (under
+        group_key(hash, group)); the hit is again the longest every group accepts.
+        """
+        tiers = self.tiers
+        if tiers is None or not self.enable_caching:
+            return []
+        hashes = request.block_hashes
+        maps = self.block_pool.group_maps
+        top = self.max_cache_hit_blocks(request)
+        if num_hit_blocks >= top:
+            return []
+        m = self._longest_hit(top, lambda g, i: hashes[i] in maps[g]
+                              or tiers.has(group_key(hashes[i], g)))
+        if m <= num_hit_blocks:
+            return []
+        null = self.block_pool.null_block
+        entries: list[list[KVCacheBlock | int]] = []
+        for g in range(self.layout.num_groups):
+            first = self._first_held(g, m * self.block_size)
+            row: list[KVCacheBlock | int] = [null] * first
+            for i in range(first, m):
+                b = maps[g].get(hashes[i])
+                slot = None if b is not None else tiers.fetch(group_key(hashes[i], g))
+                if b is None and slot is None:
+                    return []  # a disk copy failed its check: the device hit alone
+                row.append(b if b is not None else slot)  # type: ignore[arg-type]
+            entries.append(row)
+        return HybridHit(m, m - num_hit_blocks, entries)
 
     # -- allocation ------------------------------------------------------------------------------
 
@@ -241,15 +298,22 @@ class HybridKVCacheManager(KVCacheManager):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[Sequence[KVCacheBlock]] = (),  # type: ignore
                        num_new_computed_tokens: int = 0,
-                       offloaded: Sequence[int] = ()) -> list[KVCacheBlock] | None:
+                       offloaded: HybridHit | Sequence[int] = ()) -> list[KVCacheBlock] | None:
         """Grow every group's table to cover the request's tokens so far + num_new_tokens.
 
-        Sliding groups first return the blocks their window has left behind. Returns the new
-        blocks (all groups), or None when the pool cannot supply them: then nothing else
-        changed but that freeing (the freed blocks were never to be read again).
+        Sliding groups first return the blocks their window has left behind. A HybridHit from
+        get_offloaded_blocks (on admission) replaces `new_computed_blocks`: its host slots are
+        loaded into fresh blocks before this step's forward. Returns the new blocks (all
+        groups), or None when the pool cannot supply them: then nothing else changed but that
+        freeing (the freed blocks were never to be read again).
         """
+        loads: HybridHit | None = None
         if offloaded:
-            raise ValueError("the hybrid KV cache manager has no host/disk tiers")
+            if not isinstance(offloaded, HybridHit):
+                raise ValueError("offloaded blocks must come as the HybridHit of "
+                                 "get_offloaded_blocks")
+            loads = offloaded
+            new_computed_blocks = offloaded.entries  # type: ignore[assignment]
         rid = request.request_id
         bs = self.block_size
         tables = self._gtables.get(rid)
@@ -294,13 +358,21 @@ class HybridKVCacheManager(KVCacheManager):
         G = self.layout.num_groups
         pool = self.block_pool
         reused = 0
+        num_loads = 0
         if hits:
-            reused = sum(1 for h in hits for b in h if b.ref_count == 0 and not b.is_null)
-        if G * num_new_blocks + reused > pool.get_num_free_blocks():
+            for h in hits:
+                for b in h:
+                    if isinstance(b, int):
+                        num_loads += 1
+                    elif b.ref_count == 0 and not b.is_null:
+                        reused += 1
+        if G * num_new_blocks + num_loads + reused > pool.get_num_free_blocks():
             return None
         if hits:
             for h in hits:  # referenced before popping new ones, so popping cannot evict them
-                pool.touch(h)
+                pool.touch([b for b in h if not isinstance(b, int)])
+        if num_loads:
+            hits = self._load_hit(request, hits, pool.get_new_blocks(num_loads))  # type: ignore
         new_blocks = pool.get_new_blocks(G * num_new_blocks) if num_new_blocks else []
         if admitting:
             tables = self._gtables[rid] = [list(h) for h in hits] if hits else [
@@ -329,9 +401,34 @@ class HybridKVCacheManager(KVCacheManager):
                 b = tables[g][i]
                 if not b.is_null:
                     b.num_tokens = min(bs, total - i * bs)
+        if loads is not None:  # loaded blocks are shareable at once (the loads run first)
+            for g, table in enumerate(tables):
+                self.block_pool.cache_full_blocks(request.block_hashes, table, 0, num_hit,
+                                                  request.all_token_ids, group=g)
+            self.tiers.record_hits(num_loads, bs)  # type: ignore[union-attr]
         if self.enable_caching:
             self._mark_in_flight(request, total)
         return new_blocks
+
+    def _load_hit(self, request: Request, hits: list[list[KVCacheBlock | int]],
+                  fresh: list[KVCacheBlock]) -> list[list[KVCacheBlock]]:
+        """The hit with each host slot replaced by a fresh block its content is loaded into."""
+        tiers = self.tiers
+        assert tiers is not None
+        it = iter(fresh)
+        out: list[list[KVCacheBlock]] = []
+        for g, row in enumerate(hits):
+            blocks: list[KVCacheBlock] = []
+            for x in row:
+                if isinstance(x, int):
+                    b = next(it)
+                    b.group, b.num_tokens = g, self.block_size
+                    tiers.plan_load(x, b.block_id)
+                    blocks.append(b)
+                else:
+                    blocks.append(x)
+            out.append(blocks)
+        return out
 
     def commit(self, request: Request) -> None:
         """After a step: cache every group's blocks made full by the computed tokens."""
@@ -362,8 +459,76 @@ class HybridKVCacheManager(KVCacheManager):
             self.block_pool.free_blocks(reversed(table))
 
     def swap_out(self, request: Request) -> bool:
-        """No host tier with groups: preemption recomputes."""
-        return False
+        """Move a running request's in-window computed blocks (every block of a full group,
+        the window's of a sliding one) to the host tier and free its tables.
+
+        False, changing nothing, without a host tier or when it cannot take them.
+        """
+        if self.tiers is None:
+            return False
+        rid = request.request_id
+        computed = request.num_computed_tokens
+        n = -(-computed // self.block_size)
+        ids = self._gids.get(rid)
+        if n == 0 or ids is None:
+            return False
+        flat = [b for g in range(self.layout.num_groups)
+                for b in ids[g][self._first_held(g, computed):n]]
+        if not self.tiers.swap_out(rid, flat, computed):
+            return False
+        self._free_table(rid)
+        return True
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """Give a swapped-out request its tables back (the window's blocks of sliding groups)
+        for its swapped tokens + num_new_tokens and plan the loads; sets num_computed_tokens.
+        None, changing nothing, without enough blocks."""
+        rid = request.request_id
+        restored = self.swapped_tokens(rid)
+        if restored is None or rid in self._gtables:
+            raise ValueError(f"request {rid!r} is not swapped out")
+        total = restored + num_new_tokens
+        if total > min(self.max_model_len, request.num_tokens):
+            raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len or the "
+                             "known tokens")
+        bs, G = self.block_size, self.layout.num_groups
+        n_tab, n_loaded = -(-total // bs), -(-restored // bs)
+        firsts = [self._first_held(g, restored) for g in range(G)]
+        need = sum(n_tab - f for f in firsts)
+        if need > self.block_pool.get_num_free_blocks():
+            return None
+        assert self.tiers is not None
+        fresh = iter(self.block_pool.get_new_blocks(need))
+        null = self.block_pool.null_block
+        tables: list[list[KVCacheBlock]] = []
+        loaded: list[int] = []
+        for g, f in enumerate(firsts):
+            table = [null] * f
+            for i in range(f, n_tab):
+                b = next(fresh)
+                b.group, b.num_tokens = g, min(bs, total - i * bs)
+                table.append(b)
+                if i < n_loaded:
+                    loaded.append(b.block_id)
+            tables.append(table)
+        self.tiers.swap_in(rid, loaded)  # the same order swap_out gathered them in
+        self._gtables[rid] = tables
+        self._gids[rid] = [[b.block_id for b in t] for t in tables]
+        self._freed_upto[rid] = firsts
+        self._tables[rid] = tables[0]
+        self._block_ids[rid] = self._gids[rid][0]
+        self._num_cached[rid] = 0  # commit re-offers the full blocks to the maps
+        request.num_computed_tokens = restored
+        if self.enable_caching:
+            self._mark_in_flight(request, total)
+        return [b for t in tables for b in t if not b.is_null]
+
+    def cached_hashes(self) -> dict[str, set[BlockHash]]:
+        """Group 0's prefix-cache hashes each tier holds ("GPU", "CPU", "DISK")."""
+        out = super().cached_hashes()
+        for medium in ("CPU", "DISK"):
+            out[medium] = {h for h in out[medium] if split_group_key(h)[1] == 0}
+        return out
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -415,3 +580,8 @@ class HybridKVCacheManager(KVCacheManager):
             if b.ref_count != refs.get(b.block_id, 0):
                 raise AssertionError(f"{b}: ref_count != tables holding it "
                                      f"({refs.get(b.block_id, 0)})")
+        if self.tiers is not None:
+            self.tiers.check_invariants()
+            for rid in self.tiers.host._swap:
+                if rid in self._gtables:
+                    raise AssertionError(f"{rid!r} holds device blocks and a swap entry")

@@ -307,26 +307,37 @@ class KVTiers:
         Disk hits are copied into host slots at once. Slots are pinned for this step, so the
         loads planned from them read what they hold now.
         """
-        host, disk = self.host, self.host.disk
         out: list[int] = []
         for h in hashes:
-            slot = host.lookup(h)
-            if slot is None and disk is not None and h in disk:
-                data = disk.get(h)  # verified; None for a corrupt/foreign file (a miss)
-                if data is None:
-                    break
-                slot = host.alloc_slot()
-                if slot is None:
-                    break
-                host.store[slot] = data
-                host.insert(h, slot)
-                self.stats["disk_hits_blocks"] += 1
-                self.plan.num_disk_loaded += 1
+            slot = self.fetch(h)
             if slot is None:
                 break
-            host.pin(slot)
             out.append(slot)
         return out
+
+    def has(self, key: BlockHash) -> bool:
+        """True if the host or the disk tier holds this key (no side effect)."""
+        disk = self.host.disk
+        return key in self.host or (disk is not None and key in disk)
+
+    def fetch(self, key: BlockHash) -> int | None:
+        """The host slot holding `key` (from the host, else a verified disk copy); pinned."""
+        host, disk = self.host, self.host.disk
+        slot = host.lookup(key)
+        if slot is None and disk is not None and key in disk:
+            data = disk.get(key)  # verified; None for a corrupt/foreign file (a miss)
+            if data is None:
+                return None
+            slot = host.alloc_slot()
+            if slot is None:
+                return None
+            host.store[slot] = data
+            host.insert(key, slot)
+            self.stats["disk_hits_blocks"] += 1
+            self.plan.num_disk_loaded += 1
+        if slot is not None:
+            host.pin(slot)
+        return slot
 
     def record_hits(self, num_blocks: int, block_size: int) -> None:
         """Count prefix blocks served from the host/disk tiers."""

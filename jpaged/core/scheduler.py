@@ -135,14 +135,9 @@ class Scheduler:
         self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
         self.kv_cache_manager: KVCacheManager
         if self.kv_layout is not None:
-            if tiers is not None:
-                raise ValueError("the hybrid KV cache manager (a model with sliding-window "
-                                 "layers) has no host/disk KV tiers yet: set "
-                                 "kv_offloading_size=0 and preemption_mode='recompute', or "
-                                 "pass --disable-hybrid-kv-cache-manager")
             self.kv_cache_manager = HybridKVCacheManager(
                 self.kv_layout, self.block_size, num_blocks, self.max_model_len,
-                self.enable_caching, algo)
+                self.enable_caching, algo, tiers)
         else:
             self.kv_cache_manager = KVCacheManager(self.block_size, num_blocks,
                                                    self.max_model_len, self.enable_caching,

@@ -31,16 +31,20 @@ def check_tier_config(cache: CacheConfig) -> None:
                          "kv_offloading_size > 0 too")
 
 
-def block_shape(spec: ModelSpec, block_size: int) -> tuple[int, int, int, int, int]:
-    """Host layout of one block: (num_layers, 2, block_size, num_kv_heads, head_dim)."""
-    return (spec.num_layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
+def block_shape(spec: ModelSpec, block_size: int,
+                kv_layers: int | None = None) -> tuple[int, int, int, int, int]:
+    """Host layout of one block: (num_layers, 2, block_size, num_kv_heads, head_dim); with KV
+    cache groups `kv_layers` (the layout's slots) instead of num_layers."""
+    layers = spec.num_layers if kv_layers is None else kv_layers
+    return (layers, 2, block_size, spec.num_kv_heads, spec.head_dim)
 
 
-def build_host_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any) -> KVTiers | None:
+def build_host_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any,
+                    kv_layers: int | None = None) -> KVTiers | None:
     """The host tier of `kv_offloading_size` GiB (None when it is 0)."""
     if cache.kv_offloading_size <= 0:
         return None
-    shape = block_shape(spec, cache.block_size)
+    shape = block_shape(spec, cache.block_size, kv_layers)
     per_block = int(np.prod(shape)) * np.dtype(kv_dtype).itemsize
     capacity = int(cache.kv_offloading_size * 2**30) // per_block
     if capacity < 1:
@@ -64,18 +68,22 @@ def weights_digest(model: nnx.Module) -> str:
 
 
 def open_disk_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any, source: str,
-                   model: nnx.Module, kv: KVCache) -> DiskTier:
-    """The disk tier for this model, dtype, block size and the pool's current fp8 scales."""
+                   model: nnx.Module, kv: KVCache, kv_groups: Any = None) -> DiskTier:
+    """The disk tier for this model, dtype, block size and the pool's current fp8 scales
+    (`kv_groups`: the KVCacheLayout when it has more than one group or slides)."""
     scales = tuple(float(s) for s in np.concatenate(
         [np.asarray(jax.device_get(kv.k_scale)), np.asarray(jax.device_get(kv.v_scale))]))
     fp = model_fingerprint(source=os.path.abspath(source) if os.path.exists(source) else source,
                            spec_repr=repr(spec), kv_dtype=np.dtype(kv_dtype).name,
                            block_size=cache.block_size,
                            hash_algo=cache.prefix_caching_hash_algo,
-                           weights_digest=weights_digest(model), kv_scales=scales)
+                           weights_digest=weights_digest(model), kv_scales=scales,
+                           kv_groups=None if kv_groups is None else repr(kv_groups.describe()))
     directory = os.path.expanduser(cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
     disk = DiskTier(directory, int(cache.swap_space * 2**30), fp,
-                    block_shape(spec, cache.block_size), np.dtype(kv_dtype))
+                    block_shape(spec, cache.block_size,
+                                None if kv_groups is None else kv_groups.num_slots),
+                    np.dtype(kv_dtype))
     logger.info("disk KV tier: %s/%s, %d blocks found, %.2f GiB", directory, fp[:12], len(disk),
                 cache.swap_space)
     return disk

@@ -48,7 +48,8 @@ def reset_host_state(engine: LLMEngine, num_blocks: int, max_num_seqs: int,
                                 enable_prefix_caching=enable_prefix_caching)
     sched = dataclasses.replace(cfg.scheduler, max_num_seqs=max_num_seqs)
     engine.config = dataclasses.replace(cfg, cache=cache, scheduler=sched)
-    engine.tiers = build_host_tier(cache, engine.spec, engine.kv_dtype)
+    engine.tiers = build_host_tier(cache, engine.spec, engine.kv_dtype,
+                                   engine.kv_layout.num_slots)
     engine.scheduler = Scheduler(sched, cache, num_blocks, engine.tiers,
                                  token_buckets=engine.runner.plan.token_buckets,
                                  kv_layout=engine.kv_layout)

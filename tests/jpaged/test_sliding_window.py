@@ -74,9 +74,13 @@ def test_greedy_tokens_equal_hf_with_chunked_prefill(cases, kind):
     assert tokens(llm, ps) == want
 
 
-@pytest.mark.parametrize("hybrid", [True, False], ids=["hybrid", "one_group"])
-@pytest.mark.parametrize("kind", PRESSURE_KINDS)
-def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind, hybrid):
+# (kind, hybrid, swap): swap only where this pool preempts with groups (not all-sliding).
+PRESSURE_CASES = [(k, h, False) for k in PRESSURE_KINDS for h in (True, False)] + [
+    ("gemma3", True, True)]
+
+
+@pytest.mark.parametrize("kind,hybrid,swap", PRESSURE_CASES)
+def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind, hybrid, swap):
     kind, loaded, ps, want = cases(kind)
     # A pool a little larger than one sequence of up to 41 tokens needs (14 blocks of 4 tokens
     # with one group; with groups, what kv_cache_groups.blocks_needed says plus 3) for 5
@@ -86,7 +90,8 @@ def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind, hy
     blocks = blocks_needed(41, layout, BLOCK, 32) + 3 if layout.is_hybrid else 14
     llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=5,
                    max_num_batched_tokens=32, num_gpu_blocks_override=blocks,
-                   enable_prefix_caching=True, disable_hybrid_kv_cache_manager=not hybrid)
+                   enable_prefix_caching=True, disable_hybrid_kv_cache_manager=not hybrid,
+                   **(dict(preemption_mode="swap", kv_offloading_size=0.01) if swap else {}))
     assert tokens(llm, ps) == want
     metrics = llm.llm_engine.get_metrics()
     all_sliding = None not in loaded.spec.layer_windows
@@ -94,6 +99,8 @@ def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind, hy
     assert (metrics["num_preemptions"] > 0) != (hybrid and all_sliding), metrics
     kv = llm.llm_engine.scheduler.kv_cache_manager
     assert (getattr(kv, "num_freed_out_of_window", 0) > 0) == hybrid
+    if swap:  # preempted requests' window blocks went to the host tier and came back
+        assert metrics["num_swapped_out"] > 0 and metrics["num_swapped_in"] > 0, metrics
     kv.check_invariants()
     shared = [ps[0] + p for p in ps[1:3]]  # a shared 4+-block prefix, then a different tail
     assert tokens(llm, shared) == tokens(make_llm(loaded, block_size=BLOCK, max_model_len=96,

@@ -145,7 +145,7 @@ def test_blocks_needed_bounds_a_request():
     assert blocks_needed(100, lay, 16, 512) == 6 * 7  # short: every group holds it all
 
 
-def test_bad_flag_and_tiers_with_groups_are_refused_by_name():
+def test_bad_flag_is_refused_by_name_and_tiers_work_with_groups():
     import numpy as np
 
     from jpaged.config import CacheConfig, SchedulerConfig
@@ -155,9 +155,10 @@ def test_bad_flag_and_tiers_with_groups_are_refused_by_name():
     with pytest.raises(ValueError, match="disable_hybrid_kv_cache_manager"):
         CacheConfig(disable_hybrid_kv_cache_manager="yes")
     tiers = KVTiers(HostTier(4, (4,), np.int64))
-    with pytest.raises(ValueError, match="--disable-hybrid-kv-cache-manager"):
-        Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4), 32, tiers,
-                  kv_layout=kv_cache_layout(GEMMA3))
+    sched = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4), 32, tiers,
+                      kv_layout=kv_cache_layout(GEMMA3))
+    assert isinstance(sched.kv_cache_manager, HybridKVCacheManager)
+    assert sched.kv_cache_manager.tiers is tiers
     # no sliding layer: the flag changes nothing, the plain manager runs
     sched = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4), 32, tiers,
                       kv_layout=kv_cache_layout([None] * 4))
