@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from jpaged.bench.workloads import theoretical_prefix_hits
+from jpaged.bench.workloads import add_greedy, theoretical_prefix_hits
 from jpaged.config import EngineArgs
 from jpaged.core.scheduler import Scheduler
 from jpaged.engine import LLMEngine
 from jpaged.request import Request
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.sampling_params import SamplingParams
 from models.loader import LoadedModel
 
 BLOCK_SIZE = 16
@@ -78,12 +78,9 @@ def max_concurrent(engine: LLMEngine, prompt_len: int, num_requests: int,
 def run_batch(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int,
               tag: str) -> tuple[float, list[list[int]], dict[str, Any]]:
     """Greedy generation of every prompt at once: (seconds, tokens per prompt, metric deltas)."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
     before = engine.get_metrics()
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": list(p)}, params)
+    add_greedy(engine, prompts, max_tokens, tag)
     done: dict[str, list[int]] = {}
     peak = 0
     while engine.has_unfinished_requests():

@@ -21,10 +21,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from jpaged.bench.workloads import QUESTIONS, system_prompt, theoretical_prefix_hits
+from jpaged.bench.workloads import (
+    QUESTIONS,
+    add_greedy,
+    system_prompt,
+    theoretical_prefix_hits,
+)
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.tune.replay import reset_host_state
 from models.loader import LoadedModel
 
@@ -52,12 +56,9 @@ def kv_waste(engine: LLMEngine) -> tuple[int, int]:
 def run_workload(engine: LLMEngine, prompts: Sequence[Sequence[int]], max_tokens: int,
                  tag: str) -> dict[str, Any]:
     """All prompts at once, greedy, `max_tokens` each; counters as deltas, waste per step."""
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
-                            output_kind=RequestOutputKind.FINAL_ONLY)
     before = engine.get_metrics()
     t0 = time.perf_counter()
-    for i, p in enumerate(prompts):
-        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": list(p)}, params)
+    add_greedy(engine, prompts, max_tokens, tag)
     empty = slots = 0
     peak = 0.0
     while engine.has_unfinished_requests():

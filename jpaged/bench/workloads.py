@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from models.tokenizer import Tokenizer
 
 _TOPICS = ("paging", "caching", "scheduling", "batching", "preemption", "offloading",
@@ -78,3 +80,12 @@ def mixed_length_requests(vocab_size: int, num_requests: int, seed: int,
     # Ids from the upper half of the vocabulary: no special tokens (they sit at the start).
     return [(rng.integers(vocab_size // 2, vocab_size, int(p)).tolist(), int(o))
             for p, o in zip(plens, olens, strict=True)]
+
+
+def add_greedy(engine: Any, prompts: Sequence[Sequence[int]], max_tokens: int, tag: str) -> None:
+    """Queue every prompt on `engine` as `{tag}-{i}`: greedy, `max_tokens` each, final output
+    only."""
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            output_kind=RequestOutputKind.FINAL_ONLY)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": list(p)}, params)

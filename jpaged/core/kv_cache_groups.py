@@ -383,11 +383,7 @@ class HybridKVCacheManager(KVCacheManager):
             self._num_cached[rid] = num_hit
             self._tables[rid] = tables[0]  # group 0's table, for the base class's queries
             self._block_ids[rid] = self._gids[rid][0]
-            if self.enable_caching:
-                self.stats.record(request.num_tokens, num_new_computed_tokens,
-                                  preempted=request.num_preemptions > 0)
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_new_computed_tokens
+            self._record_admission(request, num_new_computed_tokens)
         assert tables is not None
         ids = self._gids[rid]
         for g in range(G):
@@ -484,13 +480,7 @@ class HybridKVCacheManager(KVCacheManager):
         for its swapped tokens + num_new_tokens and plan the loads; sets num_computed_tokens.
         None, changing nothing, without enough blocks."""
         rid = request.request_id
-        restored = self.swapped_tokens(rid)
-        if restored is None or rid in self._gtables:
-            raise ValueError(f"request {rid!r} is not swapped out")
-        total = restored + num_new_tokens
-        if total > min(self.max_model_len, request.num_tokens):
-            raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len or the "
-                             "known tokens")
+        restored, total = self._swap_in_tokens(request, num_new_tokens)
         bs, G = self.block_size, self.layout.num_groups
         n_tab, n_loaded = -(-total // bs), -(-restored // bs)
         firsts = [self._first_held(g, restored) for g in range(G)]
@@ -576,12 +566,4 @@ class HybridKVCacheManager(KVCacheManager):
                 if self.windows[g] is not None and any(
                         not b.is_null for b in table[:self._freed_upto[rid][g]]):
                     raise AssertionError(f"{rid!r} group {g}: a block behind the window")
-        for b in self.block_pool.blocks[1:]:
-            if b.ref_count != refs.get(b.block_id, 0):
-                raise AssertionError(f"{b}: ref_count != tables holding it "
-                                     f"({refs.get(b.block_id, 0)})")
-        if self.tiers is not None:
-            self.tiers.check_invariants()
-            for rid in self.tiers.host._swap:
-                if rid in self._gtables:
-                    raise AssertionError(f"{rid!r} holds device blocks and a swap entry")
+        self._check_holders(refs)  # _tables mirrors group 0 of _gtables

@@ -201,11 +201,7 @@ class KVCacheManager:
             table = self._tables[rid] = []
             self._block_ids[rid] = []
             self._num_cached[rid] = num_hit
-            if self.enable_caching:
-                self.stats.record(request.num_tokens, num_new_computed_tokens,
-                                  preempted=request.num_preemptions > 0)
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_new_computed_tokens
+            self._record_admission(request, num_new_computed_tokens)
         assert table is not None
         ids = self._block_ids[rid]
         for b in (*new_computed_blocks, *new_blocks):
@@ -221,6 +217,14 @@ class KVCacheManager:
         if self.enable_caching:
             self._mark_in_flight(request, total)
         return new_blocks
+
+    def _record_admission(self, request: Request, hit_tokens: int) -> None:
+        """Count a request's first lookup (prefix-cache metrics; re-admissions apart)."""
+        if self.enable_caching:
+            self.stats.record(request.num_tokens, hit_tokens,
+                              preempted=request.num_preemptions > 0)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = hit_tokens
 
     def _load_offloaded(self, request: Request, new_blocks: Sequence[KVCacheBlock],
                         slots: Sequence[int], first: int) -> None:
@@ -317,9 +321,9 @@ class KVCacheManager:
         """Computed tokens a swapped-out request will get back (None: not swapped out)."""
         return self.tiers.swapped_tokens(request_id) if self.tiers is not None else None
 
-    def swap_in(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
-        """Give a swapped-out request a table for its swapped tokens + num_new_tokens and plan
-        the loads; sets num_computed_tokens. None — changing nothing — without enough blocks."""
+    def _swap_in_tokens(self, request: Request, num_new_tokens: int) -> tuple[int, int]:
+        """(swapped tokens, tokens after this step) of a request to swap in; ValueError if it
+        is not swapped out or would exceed its limits."""
         rid = request.request_id
         restored = self.swapped_tokens(rid)
         if restored is None or rid in self._tables:
@@ -328,6 +332,13 @@ class KVCacheManager:
         if total > min(self.max_model_len, request.num_tokens):
             raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len or the "
                              "known tokens")
+        return restored, total
+
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """Give a swapped-out request a table for its swapped tokens + num_new_tokens and plan
+        the loads; sets num_computed_tokens. None — changing nothing — without enough blocks."""
+        rid = request.request_id
+        restored, total = self._swap_in_tokens(request, num_new_tokens)
         need = -(-total // self.block_size)
         if need > self.block_pool.get_num_free_blocks():
             return None
@@ -436,6 +447,11 @@ class KVCacheManager:
                 raise AssertionError(f"block id mirror of {rid!r} is stale")
             for b in table:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        self._check_holders(refs)
+
+    def _check_holders(self, refs: dict[int, int]) -> None:
+        """Every block's ref count equals `refs[id]` (the tables holding it); the tiers'
+        invariants hold and no swapped-out request holds device blocks."""
         for b in self.block_pool.blocks[1:]:
             if b.ref_count != refs.get(b.block_id, 0):
                 raise AssertionError(f"{b}: ref_count != tables holding it "
