@@ -19,6 +19,9 @@ NEW_TOKENS = 12
 # Windows 4 (Gemma 3, Gemma 2, Mistral) and 5 (Qwen2) against 4-token blocks: a window of one
 # block, and one that is not a multiple of the block size; prompts span many windows.
 BLOCK = 4
+# A pool of this many blocks where memory pressure is not the point: enough for 4 sequences of
+# 64 tokens in every group, and small (the default 256 MiB would be ~10^5 blocks to set up).
+POOL = 256
 
 
 def prompts(n: int, seed: int = 3) -> list[list[int]]:
@@ -70,7 +73,8 @@ def test_greedy_tokens_equal_hf_with_chunked_prefill(cases, kind):
     kind, loaded, ps, want = cases(kind)
     assert any(w is not None for w in loaded.spec.layer_windows), kind
     llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
-                   max_num_batched_tokens=8)  # 8-token chunks: prompts cross windows mid-chunk
+                   max_num_batched_tokens=8,  # 8-token chunks: prompts cross windows mid-chunk
+                   num_gpu_blocks_override=POOL)
     assert tokens(llm, ps) == want
 
 
@@ -104,14 +108,15 @@ def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind, hy
     kv.check_invariants()
     shared = [ps[0] + p for p in ps[1:3]]  # a shared 4+-block prefix, then a different tail
     assert tokens(llm, shared) == tokens(make_llm(loaded, block_size=BLOCK, max_model_len=96,
-                                                  max_num_seqs=4), shared)
+                                                  max_num_seqs=4, num_gpu_blocks_override=POOL),
+                                         shared)
     assert llm.llm_engine.get_metrics()["prefix_cache_hits"] > 0
 
 
 def test_hybrid_groups_show_in_cache_state_events_metrics_and_plots(cases):
     """A hybrid engine mid-run: cache_state has one table per group (sliding ones null behind
     the window), KV events name their group, metrics count groups and freed blocks, the block
-    table plot draws a row per group; --disable-hybrid-kv-cache-manager gives the same tokens."""
+    table plot draws a row per group."""
     from jpaged.kv_events import CacheIndex
     from jpaged.viz import plot_block_tables
 
@@ -119,6 +124,7 @@ def test_hybrid_groups_show_in_cache_state_events_metrics_and_plots(cases):
     layout = kv_cache_layout(loaded.spec.layer_windows)
     llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
                    max_num_batched_tokens=8, enable_prefix_caching=True,
+                   num_gpu_blocks_override=POOL,
                    kv_events_config={"enable_kv_cache_events": True})
     engine = llm.llm_engine
     batches = []
@@ -154,10 +160,6 @@ def test_hybrid_groups_show_in_cache_state_events_metrics_and_plots(cases):
     for b in batches:
         index.apply_batch(b)
     assert index.blocks["GPU"] == set(engine.scheduler.kv_cache_manager.block_pool.cached_blocks)
-    off = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
-                   max_num_batched_tokens=8, disable_hybrid_kv_cache_manager=True)
-    assert off.llm_engine.get_metrics()["num_kv_cache_groups"] == 1
-    assert tokens(off, ps[:2]) == want[:2]
 
 
 def test_hybrid_groups_through_the_pallas_kernels(cases):
@@ -165,7 +167,8 @@ def test_hybrid_groups_through_the_pallas_kernels(cases):
     window included, and give HF's greedy tokens (the tests above run the CPU's XLA path)."""
     kind, loaded, ps, want = cases("gemma3")
     llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
-                   max_num_batched_tokens=8, attention_backend="pallas")
+                   max_num_batched_tokens=8, attention_backend="pallas",
+                   num_gpu_blocks_override=POOL)
     assert llm.llm_engine.ops.name == "pallas"
     assert tokens(llm, ps[:2]) == want[:2]
     assert llm.llm_engine.get_metrics()["num_blocks_freed_out_of_window"] > 0
