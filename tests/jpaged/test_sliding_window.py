@@ -37,9 +37,6 @@ def hf_greedy(hf, prompt: list[int]) -> list[int]:
 
 
 KINDS = ["gemma3", "gemma2", "mistral_sliding", "qwen2_sliding_upper_layers"]
-# Memory pressure on two of them (suite time): mixed layers (unrolled on XLA:CPU) and
-# uniform ones (scanned).
-PRESSURE_KINDS = ["gemma3", "mistral_sliding"]
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +75,10 @@ def test_greedy_tokens_equal_hf_with_chunked_prefill(cases, kind):
     assert tokens(llm, ps) == want
 
 
-# (kind, hybrid, swap): swap only where this pool preempts with groups (not all-sliding).
-PRESSURE_CASES = [(k, h, False) for k in PRESSURE_KINDS for h in (True, False)] + [
-    ("gemma3", True, True)]
+# (kind, hybrid, swap). Mistral with groups (every layer slides) never preempts at this pool:
+# its hybrid run is test_greedy_tokens_equal_hf_with_chunked_prefill's.
+PRESSURE_CASES = [("gemma3", True, False), ("gemma3", True, True), ("gemma3", False, False),
+                  ("mistral_sliding", False, False)]
 
 
 @pytest.mark.parametrize("kind,hybrid,swap", PRESSURE_CASES)
@@ -98,9 +96,7 @@ def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind, hy
                    **(dict(preemption_mode="swap", kv_offloading_size=0.01) if swap else {}))
     assert tokens(llm, ps) == want
     metrics = llm.llm_engine.get_metrics()
-    all_sliding = None not in loaded.spec.layer_windows
-    # Only sliding layers, hybrid: a decoding request holds ~2 blocks, so 5 fit (the point).
-    assert (metrics["num_preemptions"] > 0) != (hybrid and all_sliding), metrics
+    assert metrics["num_preemptions"] > 0, metrics
     kv = llm.llm_engine.scheduler.kv_cache_manager
     assert (getattr(kv, "num_freed_out_of_window", 0) > 0) == hybrid
     if swap:  # preempted requests' window blocks went to the host tier and came back
