@@ -119,6 +119,15 @@ class SchedulerConfig:
     # Overlapped loop: step N+1 is dispatched before step N's tokens reach the host.
     async_scheduling: bool = True
 
+    @property
+    def max_chunk_tokens(self) -> int:
+        """Most new tokens one request computes in a step (what a sliding window's blocks must
+        cover beyond the window): a prefill chunk, or the whole context without chunking."""
+        if not self.enable_chunked_prefill:
+            return self.max_model_len
+        t = self.long_prefill_token_threshold
+        return min(self.max_num_batched_tokens, t) if t else self.max_num_batched_tokens
+
     def __post_init__(self) -> None:
         c = "SchedulerConfig"
         if not isinstance(self.max_num_seqs, int) or self.max_num_seqs < 1:

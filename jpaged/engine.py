@@ -136,15 +136,12 @@ class LLMEngine(RequestFrontend):
         else:
             # Forced CPU devices share the machine's RAM: the CPU budget is split between them.
             s = config.scheduler
-            chunk = (s.max_model_len if not s.enable_chunked_prefill else
-                     min(s.max_num_batched_tokens, s.long_prefill_token_threshold
-                         or s.max_num_batched_tokens))
             num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
                                         s.max_model_len, activation_bytes=probe,
                                         kv_head_shards=tp, host_devices=tp, kv_layers=kv_layers,
                                         blocks_per_seq=blocks_needed(
                                             s.max_model_len, self.kv_layout,
-                                            config.cache.block_size, chunk))
+                                            config.cache.block_size, s.max_chunk_tokens))
             if self.group is not None:
                 self.group.send_config(num_blocks)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)

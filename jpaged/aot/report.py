@@ -142,7 +142,7 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
                         platform="cuda", kv_layers=probe.kv_layout.num_slots,
                         blocks_per_seq=blocks_needed(s.max_model_len, probe.kv_layout,
                                                      config.cache.block_size,
-                                                     s.max_num_batched_tokens))
+                                                     s.max_chunk_tokens))
     est = estimate_capacity(model_source(cfg.model), gpu_memory=device_bytes,
                             gpu_memory_utilization=DEFAULT_UTILIZATION, dtype="bfloat16",
                             kv_cache_dtype=cfg.kv_cache_dtype,

@@ -378,8 +378,7 @@ class HybridKVCacheManager(KVCacheManager):
             tables = self._gtables[rid] = [list(h) for h in hits] if hits else [
                 [] for _ in range(G)]
             self._gids[rid] = [[b.block_id for b in t] for t in tables]
-            self._freed_upto[rid] = [
-                0 if w is None else first_needed_block(computed, w, bs) for w in self.windows]
+            self._freed_upto[rid] = [self._first_held(g, computed) for g in range(G)]
             self._num_cached[rid] = num_hit
             self._tables[rid] = tables[0]  # group 0's table, for the base class's queries
             self._block_ids[rid] = self._gids[rid][0]

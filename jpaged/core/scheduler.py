@@ -164,7 +164,7 @@ class Scheduler:
             raise ValueError(f"request {rid!r} must be new (WAITING, no output)")
         check_request_fits(request, self.max_model_len, self.block_size,
                            self.kv_cache_manager.block_pool.num_blocks, self.kv_layout,
-                           self._chunk_tokens())
+                           self.scheduler_config.max_chunk_tokens)
         if self._hasher is not None and (request.block_hasher is None or (
                 request.block_hasher.block_size, request.block_hasher.algo)
                 != (self._hasher.block_size, self._hasher.algo)):
@@ -222,13 +222,6 @@ class Scheduler:
 
     def _key(self, r: Request) -> tuple:
         return r.fcfs_key if self.policy == "fcfs" else r.sort_key
-
-    def _chunk_tokens(self) -> int:
-        """Most new tokens one request takes in a step (a sliding group's block bound)."""
-        cfg = self.scheduler_config
-        if not cfg.enable_chunked_prefill:
-            return self.max_model_len
-        return self._cap_prefill(cfg.max_num_batched_tokens)
 
     def _cap_prefill(self, n: int) -> int:
         cfg = self.scheduler_config
