@@ -232,9 +232,11 @@ class AsyncLLMEngine:
                     cmds, self._cmds = self._cmds, []
                 for cmd in cmds:
                     self._apply(cmd)
-                if self.engine.has_unfinished_requests():
+                if self.engine.has_unfinished_requests() or \
+                        self.engine.has_pending_kv_transfers():
                     self._step()
-                busy = self.engine.has_unfinished_requests()
+                busy = (self.engine.has_unfinished_requests()
+                        or self.engine.has_pending_kv_transfers())
                 self._metrics = self._snapshot()
         except BaseException as e:  # a bug in this loop: stop accepting work, fail everyone
             logger.exception("engine loop crashed")
@@ -281,7 +283,10 @@ class AsyncLLMEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            sink.put(out)
+            if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
+                sink.put(RequestFailedError(str(out.outputs[0].stop_reason)))
+            else:
+                sink.put(out)
             if out.finished:
                 del self._sinks[out.request_id]
 

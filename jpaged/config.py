@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +34,15 @@ ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla")
 HASH_ALGOS = ("sha256", "xxhash")
 SCHEDULING_POLICIES = ("priority", "fcfs", "lpm")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# Disaggregated prefill/decode (--kv-transfer-config): the connectors and roles (vLLM's names).
+KV_CONNECTORS = ("JaxTransferConnector", "SharedStorageConnector")
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute", "fail")
+DEFAULT_KV_PORT = 14579  # vLLM's default kv_port
+# How long a producer keeps a finished request's blocks for a consumer that never pulls them
+# (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT is 480 s; a pull takes milliseconds here).
+DEFAULT_KV_ABORT_TIMEOUT_S = 120.0
+DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0  # a consumer gives up on a producer that does not answer
 
 
 def _fail(cls: str, name: str, allowed: str, value: object) -> None:
@@ -202,6 +213,109 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """vLLM's `--kv-transfer-config`: which KV connector moves blocks between engines, and how.
+
+    `kv_connector_extra_config` takes, for JaxTransferConnector, `abort_timeout_s` (how long a
+    producer holds a finished request's blocks for its consumer) and `transfer_timeout_s` (how
+    long a consumer waits on a producer); for SharedStorageConnector, `shared_storage_path`
+    (the directory both engines see).
+    """
+
+    kv_connector: str = "JaxTransferConnector"
+    kv_role: str = "kv_both"
+    engine_id: str | None = None  # None: a random id per engine
+    kv_ip: str = DEFAULT_HOST  # the producer's control and transfer servers bind here
+    kv_port: int = DEFAULT_KV_PORT  # the control socket's port (0: any free port)
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+    kv_load_failure_policy: str = "recompute"  # a failed pull: recompute locally, or fail it
+
+    def __post_init__(self) -> None:
+        c = "kv_transfer_config"  # errors name the flag's fields
+        if self.kv_connector not in KV_CONNECTORS:
+            raise ValueError(f"{c}.kv_connector must be one of {KV_CONNECTORS}, "
+                             f"got {self.kv_connector!r}")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"{c}.kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.kv_load_failure_policy not in KV_LOAD_FAILURE_POLICIES:
+            raise ValueError(f"{c}.kv_load_failure_policy must be one of "
+                             f"{KV_LOAD_FAILURE_POLICIES}, got {self.kv_load_failure_policy!r}")
+        if self.engine_id is not None and (not isinstance(self.engine_id, str)
+                                           or not self.engine_id):
+            raise ValueError(f"{c}.engine_id must be a non-empty string or null, "
+                             f"got {self.engine_id!r}")
+        if not isinstance(self.kv_ip, str) or not self.kv_ip:
+            raise ValueError(f"{c}.kv_ip must be a host address, got {self.kv_ip!r}")
+        if not _is_int(self.kv_port) or not 0 <= self.kv_port <= 65535:
+            raise ValueError(f"{c}.kv_port must be an integer in [0, 65535], "
+                             f"got {self.kv_port!r}")
+        extra = self.kv_connector_extra_config
+        if not isinstance(extra, Mapping):
+            raise ValueError(f"{c}.kv_connector_extra_config must be a JSON object, "
+                             f"got {extra!r}")
+        known = (("shared_storage_path",) if self.kv_connector == "SharedStorageConnector"
+                 else ("abort_timeout_s", "transfer_timeout_s"))
+        unknown = sorted(set(extra) - set(known))
+        if unknown:
+            raise ValueError(f"{c}.kv_connector_extra_config has unknown field(s) {unknown} "
+                             f"for {self.kv_connector}; known: {list(known)}")
+        for name in ("abort_timeout_s", "transfer_timeout_s"):
+            v = extra.get(name)
+            if v is not None and (not _is_num(v) or v <= 0):
+                raise ValueError(f"{c}.kv_connector_extra_config.{name} must be a number > 0, "
+                                 f"got {v!r}")
+        if self.kv_connector == "SharedStorageConnector":
+            path = extra.get("shared_storage_path")
+            if not isinstance(path, str) or not path:
+                raise ValueError(f"{c}.kv_connector_extra_config.shared_storage_path must name "
+                                 f"the directory both engines share, got {path!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        """True if this engine's finished prefills keep their blocks for a consumer."""
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        """True if this engine loads KV that another engine computed."""
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def abort_timeout_s(self) -> float:
+        """Seconds a producer holds blocks nobody pulled."""
+        return float(self.kv_connector_extra_config.get("abort_timeout_s",
+                                                        DEFAULT_KV_ABORT_TIMEOUT_S))
+
+    @property
+    def transfer_timeout_s(self) -> float:
+        """Seconds a consumer waits on a producer's answer or its pages."""
+        return float(self.kv_connector_extra_config.get("transfer_timeout_s",
+                                                        DEFAULT_KV_TRANSFER_TIMEOUT_S))
+
+    @classmethod
+    def parse(cls, value: KVTransferConfig | Mapping[str, Any] | str | None
+              ) -> KVTransferConfig | None:
+        """From a KVTransferConfig, a dict, or its JSON text (the CLI flag); None stays None."""
+        if value is None or isinstance(value, KVTransferConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"kv_transfer_config is not valid JSON ({e}): "
+                                 f"{value!r}") from None
+        if not isinstance(value, Mapping):
+            raise ValueError("kv_transfer_config must be a JSON object (or dict), "
+                             f"got {type(value).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"kv_transfer_config has unknown field(s) {unknown}; "
+                             f"known: {sorted(known)}")
+        return cls(**value)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
 
@@ -210,6 +324,7 @@ class EngineConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig
     kv_events: KVEventsConfig | None = None  # KV cache events (None: none)
+    kv_transfer: KVTransferConfig | None = None  # a KV connector (None: none)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """The same config with the pool size filled in."""
@@ -257,6 +372,8 @@ class EngineArgs:
     engine_core_process: bool = False
     # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text (jpaged/kv_events.py)
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
+    # vLLM's --kv-transfer-config: a KVTransferConfig, a dict or its JSON text
+    kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False  # no periodic stats line in the log
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -308,4 +425,5 @@ class EngineArgs:
                                     self.nnodes, self.node_rank, self.master_addr,
                                     self.master_port, self.distributed_timeout_s),
             kv_events=KVEventsConfig.parse(self.kv_events_config),
+            kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
         )

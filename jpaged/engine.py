@@ -16,6 +16,7 @@ from jpaged.config import EngineArgs, EngineConfig
 from jpaged.core.cache_state import snapshot as _cache_snapshot
 from jpaged.core.cache_state import tier_metrics as _tier_metrics
 from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
+from jpaged.core.kv_connector import KVConnectorScheduler, check_kv_transfer_params
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
 from jpaged.engine_core import CoreStep
@@ -27,6 +28,12 @@ from jpaged.request import Request, RequestStatus
 from jpaged.runner.batch import BucketPlan
 from jpaged.runner.compile_cache import enable_compilation_cache
 from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
+from jpaged.runner.kv_connector import (
+    JaxTransferWorker,
+    KVConnectorWorker,
+    SharedStorageWorker,
+    kv_identity,
+)
 from jpaged.runner.kv_transfer import KVTransfer
 from jpaged.runner.memory_probe import step_activation_bytes
 from jpaged.runner.model_runner import ModelRunner, PendingStep, scans_layers
@@ -38,6 +45,7 @@ from jpaged.runner.multiprocess import (
 )
 from jpaged.runner.parallel import TensorParallel, kv_bytes_per_device
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
+from jpaged.sampling_params import SamplingParams
 from models.llama import stack_layers
 from models.loader import LoadedModel, load_model
 from models.sharding import check_device_count
@@ -67,6 +75,25 @@ def _check_multiprocess(config: EngineConfig, loaded: LoadedModel | None) -> Non
     if config.cache.kv_offloading_size > 0 or config.cache.swap_space > 0:
         raise ValueError("CacheConfig.kv_offloading_size: the host and disk KV tiers are not "
                          "supported with nnodes > 1 (their copies would run on process 0 only)")
+
+
+def _check_connector(config: EngineConfig, args: EngineArgs) -> None:
+    """Refuse what a KV connector cannot do, naming the setting."""
+    x = config.kv_transfer
+    if x is None:
+        return
+    if config.parallel.tensor_parallel_size > 1 or config.parallel.nnodes > 1:
+        raise ValueError("kv_transfer_config: a KV connector moves the pages of a pool on one "
+                         "device; tensor_parallel_size and nnodes must be 1")
+    if args.engine_core_process:
+        raise ValueError("kv_transfer_config is not supported with engine_core_process (the "
+                         "connector's outputs are made beside the scheduler)")
+    if config.cache.calculate_kv_scales:
+        raise ValueError("kv_transfer_config with calculate_kv_scales: each engine would scale "
+                         "its fp8 pages differently; use fixed scales (the default)")
+    if x.kv_connector == "SharedStorageConnector" and not config.cache.enable_prefix_caching:
+        raise ValueError("kv_transfer_config: SharedStorageConnector finds blocks by their "
+                         "prefix hashes; it needs enable_prefix_caching")
 
 
 def _check_supported(config: EngineConfig) -> None:
@@ -100,6 +127,7 @@ class LLMEngine(RequestFrontend):
                 f"{jax.device_count()} devices of the {early.parallel.nnodes} processes "
                 "(the mesh spans every process's devices)")
         _check_supported(early)
+        _check_connector(early, args)
         # With tensor parallelism the weights load straight into their shards.
         rss_before = rss_bytes()
         self.loaded = loaded or load_model(args.model, args.dtype, args.tensor_parallel_size)
@@ -124,8 +152,12 @@ class LLMEngine(RequestFrontend):
         plan = BucketPlan.for_config(config)
         # KV cache groups: sliding-window layers keep only their window's blocks (one group
         # over all layers when the model has none or the hybrid manager is disabled).
-        self.kv_layout = kv_cache_layout(
-            self.spec.layer_windows, hybrid=not config.cache.disable_hybrid_kv_cache_manager)
+        # A KV connector moves one group's blocks: with one, the hybrid manager is off (as in
+        # vLLM), and sliding-window layers keep every block like full ones.
+        hybrid = not config.cache.disable_hybrid_kv_cache_manager and config.kv_transfer is None
+        self.kv_layout = kv_cache_layout(self.spec.layer_windows, hybrid=hybrid)
+        if config.kv_transfer is not None and kv_cache_layout(self.spec.layer_windows).is_hybrid:
+            logger.info("kv_transfer_config: the hybrid KV cache manager is disabled")
         kv_layers = self.kv_layout.num_slots
         self.ops = select_backend(config.model.attention_backend)
         # Compiles the largest step shape; called only when the budget depends on it.
@@ -149,9 +181,12 @@ class LLMEngine(RequestFrontend):
         self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype, kv_layers)
         self.kv_transfer = KVTransfer()
         # With chunked prefill the scheduler fits each step's token budget to these buckets.
+        xfer = self.config.kv_transfer
+        connector = (KVConnectorScheduler(xfer, self.config.cache.block_size)
+                     if xfer is not None else None)
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
                                    self.tiers, token_buckets=plan.token_buckets,
-                                   kv_layout=self.kv_layout)
+                                   kv_layout=self.kv_layout, connector=connector)
         plan.num_groups = self.kv_layout.num_groups  # after the probe, which runs one group
         if self.kv_layout.is_hybrid:
             logger.info("hybrid KV cache: %d groups (%s), %d layers' KV per block",
@@ -185,6 +220,10 @@ class LLMEngine(RequestFrontend):
         self._disk_pending = (self.tiers is not None and self.config.cache.swap_space > 0
                               and self.config.cache.enable_prefix_caching)
         self._open_disk_tier()
+        self.kv_worker: KVConnectorWorker | None = None
+        if connector is not None:
+            self.kv_worker = self._build_kv_worker(connector)
+        self._failed: list[RequestOutput] = []  # outputs of requests a failed KV load ended
         # Async scheduling: the dispatched step whose tokens the next step() reads.
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: tuple[Any, PendingStep] | None = None
@@ -221,9 +260,38 @@ class LLMEngine(RequestFrontend):
             self.config.cache, self.spec, self.kv_dtype, self.loaded.source, self.loaded.model,
             self.runner.kv, self.kv_layout if self.kv_layout.is_hybrid else None))
 
+    def _build_kv_worker(self, connector: KVConnectorScheduler) -> KVConnectorWorker:
+        """The connector's worker side, on this engine's pool; tells the scheduler side where
+        it listens (a producer's kv_transfer_params name it)."""
+        xfer = connector.config
+        if xfer.kv_connector == "SharedStorageConnector":
+            storage = open_disk_tier(
+                self.config.cache, self.spec, self.kv_dtype, self.loaded.source,
+                self.loaded.model, self.runner.kv,
+                directory=xfer.kv_connector_extra_config["shared_storage_path"],
+                capacity_bytes=2**62)  # the directory is the engines' to prune, as vLLM's
+            connector.storage = storage
+            return SharedStorageWorker(xfer, storage)
+        source = self.loaded.source
+        identity = kv_identity(source.rsplit("/", 1)[-1], self.config.cache.block_size,
+                               self.runner.kv, self.config.cache.prefix_caching_hash_algo)
+        worker = JaxTransferWorker(xfer, self.runner.kv, identity, connector.engine_id)
+        connector.set_address(xfer.kv_ip, worker.port)
+        return worker
+
+    def _check_params(self, params: SamplingParams) -> None:
+        kvp = (params.extra_args or {}).get("kv_transfer_params")
+        check_kv_transfer_params(kvp, self.config.kv_transfer, params.n)
+
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
         return self.scheduler.has_unfinished_requests()
+
+    def has_pending_kv_transfers(self) -> bool:
+        """True while a KV connector holds blocks for a consumer or pulls pages: the engine's
+        loop must keep stepping (an idle step waits on the connector, it does not spin)."""
+        return self.kv_worker is not None and (self.scheduler.has_held_blocks()
+                                               or self.kv_worker.has_pending())
 
     @property
     def kv_cache_usage(self) -> float:
@@ -264,6 +332,11 @@ class LLMEngine(RequestFrontend):
             updated, ids, lps, result = self._apply(*done, rows)
             outputs = self._outputs(updated, rows, ids, lps, result)
         self._record(cur)
+        if self._failed:
+            outputs, self._failed = self._failed + outputs, []
+        if (self.kv_worker is not None and cur[1] is None and done[1] is None
+                and self.has_pending_kv_transfers()):
+            self.kv_worker.wait_for_work(0.02)  # nothing ran: wait for pages or a pull
         return outputs
 
     def core_step(self) -> CoreStep:
@@ -306,7 +379,11 @@ class LLMEngine(RequestFrontend):
 
     def _dispatch(self, advance: bool) -> tuple[Any, PendingStep | None]:
         """Schedule one step and launch it (advance: as if it had run, for async scheduling)."""
+        if self.kv_worker is not None:
+            self._kv_connector_before_schedule()
         out = self.scheduler.schedule()
+        if self.kv_worker is not None:
+            self._kv_connector_meta()
         if out.kv_transfers is not None and not out.kv_transfers.is_empty:
             # Gathers, then loads, both before the forward (see jpaged/core/offload.py).
             self.runner.kv = self.kv_transfer.apply(self.runner.kv, out.kv_transfers,
@@ -319,6 +396,28 @@ class LLMEngine(RequestFrontend):
         if advance:
             self.scheduler.update_after_schedule(out)
         return out, pending
+
+    def _kv_connector_meta(self) -> None:
+        """Hand the scheduler side's plan to the worker: after a schedule (pulls to start) and
+        after a step's tokens are applied (holds of finished requests: registered before their
+        kv_transfer_params reach anyone, so a consumer never asks too early)."""
+        meta = self.scheduler.connector.build_connector_meta()
+        if meta is not None:
+            self.kv_worker.save_kv(meta, self.runner.kv)
+            self.kv_worker.start_load_kv(meta)
+
+    def _kv_connector_before_schedule(self) -> None:
+        """Land finished pulls and serve queued ones (on this thread, in step order), then
+        let the scheduler free pulled blocks and queue requests whose pages landed."""
+        sched = self.scheduler
+        self.runner.kv, kout = self.kv_worker.get_finished(self.runner.kv,
+                                                           sched.connector.is_pending)
+        if not kout.is_empty:
+            sched.update_from_kv_xfer(kout)
+        if sched.kv_failures:
+            failures, sched.kv_failures = sched.kv_failures, []
+            self._failed.extend(self._failed_outputs(
+                [(rid, f"KV load failed: {why}") for rid, why in failures]))
 
     def _on_device(self, fn: Callable[..., Any], *args: Any) -> Any:
         """fn(*args); in a multi-process run a failure is the mesh's (ProcessGroupError)."""
@@ -348,6 +447,8 @@ class LLMEngine(RequestFrontend):
             ids = result.token_ids.tolist()
             lps = result.logprobs.tolist()
         updated = self.scheduler.update_from_output(out, ids, rows, finished_at)
+        if self.kv_worker is not None:
+            self._kv_connector_meta()
         return updated, ids, lps, result
 
     # ----------------------------------------------------------------- metrics
@@ -359,6 +460,8 @@ class LLMEngine(RequestFrontend):
         m["block_size"] = self.config.cache.block_size
         m["tensor_parallel_size"] = self.config.parallel.tensor_parallel_size
         m["kv_pool_bytes_per_device"] = kv_bytes_per_device(self.runner.kv)
+        if self.kv_worker is not None:
+            m.update(self.kv_worker.stats)
         return m
 
     def cache_state(self) -> dict[str, Any]:
@@ -394,5 +497,7 @@ class LLMEngine(RequestFrontend):
         the other processes' loops); idempotent."""
         if self.kv_events is not None:
             self.kv_events.close()
+        if self.kv_worker is not None:
+            self.kv_worker.close()
         if self.group is not None:
             self.group.stop()

@@ -407,6 +407,10 @@ class CoreProcessEngine(RequestFrontend):
         front end has stopped: its abort is on the way)."""
         return bool(self._groups)
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Always False: a KV connector is refused with an engine-core process."""
+        return False
+
     # ----------------------------------------------------------------- stepping
     def step(self) -> list[RequestOutput]:
         """Outputs of the core's next step (waits for it); see LLMEngine.step.

@@ -65,6 +65,9 @@ class RequestFrontend:
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         raise NotImplementedError
 
+    def _check_params(self, params: SamplingParams) -> None:
+        """Engine-specific checks of a request's params (ValueError naming the problem)."""
+
     # ----------------------------------------------------------------- requests
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
         salt = None
@@ -116,6 +119,7 @@ class RequestFrontend:
         if params.logprobs is not None and params.logprobs > NUM_TOP_LOGPROBS:
             raise ValueError(f"SamplingParams.logprobs must be <= {NUM_TOP_LOGPROBS}, got "
                              f"{params.logprobs}")
+        self._check_params(params)
         text, ids, salt = self._tokenize(prompt)
         eos = tuple(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
@@ -209,6 +213,20 @@ class RequestFrontend:
             for c in group.children:
                 self._child_of.pop(c.request.request_id, None)
             self.stats["num_requests_finished"] += 1
+
+    def _failed_outputs(self, failures: Sequence[tuple[str, str]]) -> list[RequestOutput]:
+        """Final outputs of sequences the engine failed (finish_reason "error", the reason as
+        stop_reason); their scheduler requests are already released."""
+        outputs: list[RequestOutput] = []
+        for rid, reason in failures:
+            entry = self._child_of.get(rid)
+            if entry is None:
+                continue
+            group, child = entry
+            child.finish_reason = "error"
+            child.stop_reason = reason
+            self._emit(group, outputs, group.finished)
+        return outputs
 
     def _stop_request(self, request_id: str) -> None:
         self._finish([request_id], RequestStatus.FINISHED_STOPPED)

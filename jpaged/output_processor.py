@@ -187,5 +187,7 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
     ftt = group.first_token_time
     metrics = ({"arrival_time": group.arrival_time} if ftt is None else
                {"arrival_time": group.arrival_time, "first_token_time": ftt})
+    first = group.children[0].request
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
-                         finished, metrics, group.children[0].request.num_cached_tokens)
+                         finished, metrics, first.num_cached_tokens,
+                         first.finished_kv_transfer_params if finished else None)

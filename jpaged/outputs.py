@@ -42,3 +42,6 @@ class RequestOutput:
     finished: bool
     metrics: dict[str, float] = field(default_factory=dict)
     num_cached_tokens: int = 0
+    # What a decode engine needs to pull this request's KV (a producer's finished request with
+    # kv_transfer_params {"do_remote_decode": true}); None otherwise.
+    kv_transfer_params: dict | None = None

@@ -39,6 +39,9 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()  # waiting again after preemption (recompute)
+    # Its blocks are allocated and a KV connector is pulling their pages from another engine
+    # (vLLM's name); it takes no step's budget until they land.
+    WAITING_FOR_REMOTE_KVS = enum.auto()
     FINISHED_STOPPED = enum.auto()
     FINISHED_LENGTH = enum.auto()
     FINISHED_ABORTED = enum.auto()
@@ -101,6 +104,11 @@ class Request:
         self.last_token_time: float | None = None  # when its latest token reached the host
         # Snapshot: SamplingParams.all_stop_token_ids builds a set on every call.
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.all_stop_token_ids)
+        # Disaggregated prefill/decode (a KV connector): the request's kv_transfer_params as
+        # given (SamplingParams.extra_args), and the ones its finish hands to the next engine.
+        extra = sampling_params.extra_args or {}
+        self.kv_transfer_params: dict | None = extra.get("kv_transfer_params")
+        self.finished_kv_transfer_params: dict | None = None
         self.block_hashes: list[bytes] = []
         self._hasher: PrefixHasher | None = None
         self._hash_extra: tuple[bytes, bytes] = (b"", b"")

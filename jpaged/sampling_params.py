@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 
 class RequestOutputKind(IntEnum):
@@ -69,6 +70,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's extra_args: arguments for extensions; "kv_transfer_params" is read by the KV
+    # connector (disaggregated prefill/decode; the OpenAI API's kv_transfer_params field).
+    extra_args: dict[str, Any] | None = None
     # Filled by the engine: the tokenizer's EOS ids (stop unless ignore_eos).
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
 
@@ -113,6 +117,12 @@ class SamplingParams:
                "non-negative integers", self.stop_token_ids)
         if self.seed is not None:
             _check(isinstance(self.seed, int), "seed", "an integer or None", self.seed)
+        _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
+               "a dict or None", self.extra_args)
+        if self.extra_args:
+            kvp = self.extra_args.get("kv_transfer_params")
+            _check(kvp is None or isinstance(kvp, dict), "extra_args['kv_transfer_params']",
+                   "a dict or None", kvp)
 
     @property
     def greedy(self) -> bool:

@@ -43,6 +43,7 @@ from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.block_pool import KVCacheBlock
 from jpaged.core.kv_cache_groups import HybridKVCacheManager, KVCacheLayout, blocks_needed
 from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from jpaged.core.offload import KVTiers
 from jpaged.core.pressure import PressureMonitor
 from jpaged.core.request_queue import QueueKey, WaitingQueue
@@ -112,7 +113,8 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  num_blocks: int, tiers: KVTiers | None = None,
                  token_buckets: Sequence[int] | None = None,
-                 kv_layout: KVCacheLayout | None = None) -> None:
+                 kv_layout: KVCacheLayout | None = None,
+                 connector: KVConnectorScheduler | None = None) -> None:
         self.scheduler_config = scheduler_config
         # Step token buckets (BucketPlan): with chunked prefill, each step's budget is fitted
         # to them (token_budget.py); None, or chunked prefill off, keeps the plain
@@ -152,13 +154,25 @@ class Scheduler:
         self.num_prompt_tokens = 0  # tokens computed in prompt/recompute chunks
         self.num_generation_tokens = 0  # tokens sampled
         self.num_steps = 0
+        # KV connector (disaggregated prefill/decode; jpaged/core/kv_connector.py). Consumer:
+        # requests whose blocks are allocated while their pages are pulled (in `requests`, not
+        # in `waiting` nor `running`), and those whose pages landed (waiting, blocks held).
+        # Producer: finished requests whose blocks wait for their consumer (released from
+        # `requests`, blocks still held under their id).
+        self.connector = connector
+        self.waiting_for_kv: dict[str, Request] = {}
+        self._kv_loaded: set[str] = set()
+        self._held: dict[str, Request] = {}
+        self.kv_failures: list[tuple[str, str]] = []  # (id, reason): failed under policy "fail"
+        self.num_kv_load_failures = 0
+        self.num_kv_loads = 0  # pulls that landed
 
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(self, request: Request) -> None:
         """Queue a new request; ValueError if it could never run."""
         rid = request.request_id
-        if rid in self.requests:
+        if rid in self.requests or rid in self._held:
             raise ValueError(f"request id {rid!r} is already in use")
         if request.status is not RequestStatus.WAITING or request.num_output_tokens:
             raise ValueError(f"request {rid!r} must be new (WAITING, no output)")
@@ -184,8 +198,11 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if not self.waiting.remove(rid):
+            if self.waiting_for_kv.pop(rid, None) is not None:
+                self.connector.forget(rid)  # its pages, if they still arrive, are dropped
+            elif not self.waiting.remove(rid):
                 done.add(rid)
+            self._kv_loaded.discard(rid)
             req.status = status
             self._release(req)
         if done:
@@ -196,13 +213,64 @@ class Scheduler:
         self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
 
     def _release(self, request: Request) -> None:
-        self.kv_cache_manager.free(request)
-        del self.requests[request.request_id]
-        self._finished_ids.append(request.request_id)
+        rid = request.request_id
+        delay = False
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(
+                request, self.kv_cache_manager.get_block_ids(rid))
+            request.finished_kv_transfer_params = params
+        if delay:  # a producer's request: its blocks wait for the consumer's pull
+            self._held[rid] = request
+        else:
+            self.kv_cache_manager.free(request)
+        del self.requests[rid]
+        self._finished_ids.append(rid)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
+        """True while any request is waiting (for admission or remote KV) or running."""
         return bool(self.requests)
+
+    def has_held_blocks(self) -> bool:
+        """True while a producer holds finished requests' blocks for their consumers."""
+        return bool(self._held)
+
+    def update_from_kv_xfer(self, output: KVConnectorOutput) -> None:
+        """Apply what the connector's worker side finished: free the blocks a consumer has
+        pulled (or that timed out); make landed pages computed, cached blocks and queue their
+        requests; a failed pull recomputes locally or fails its request (the policy)."""
+        kv = self.kv_cache_manager
+        for rid in output.finished_sending:
+            req = self._held.pop(rid, None)
+            if req is not None:
+                kv.free(req)
+        for rid in output.finished_recving:
+            req = self.waiting_for_kv.pop(rid, None)
+            if req is None:
+                continue  # aborted meanwhile; its blocks were freed then
+            req.num_computed_tokens = self.connector.loaded_tokens(rid)
+            kv.commit(req)  # hashed and shareable, as blocks computed here
+            req.status = RequestStatus.WAITING
+            self._kv_loaded.add(rid)
+            self.num_kv_loads += 1
+            self.waiting.push(req)
+        for rid, reason in output.failed_recving.items():
+            req = self.waiting_for_kv.pop(rid, None)
+            if req is None:
+                continue
+            self.connector.forget(rid)
+            self.num_kv_load_failures += 1
+            if self.connector.config.kv_load_failure_policy == "fail":
+                logger.error("request %r: KV load failed, request failed: %s", rid, reason)
+                req.status = RequestStatus.FINISHED_ABORTED
+                req.stop_reason = f"KV load failed: {reason}"
+                self._release(req)
+                self.kv_failures.append((rid, reason))
+                continue
+            logger.warning("request %r: KV load failed, recomputing its prompt: %s", rid, reason)
+            kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.push(req)
 
     def get_num_unfinished_requests(self) -> int:
         """Waiting plus running requests."""
@@ -400,6 +468,19 @@ class Scheduler:
                 # may be admitted (possibly preempting it).
                 self.waiting.push(req, key)
                 break
+            if req.request_id in self._kv_loaded:
+                # Its remote pages landed: it holds their blocks; the rest is computed here.
+                num_new = min(self._cap_prefill(req.num_tokens - req.num_computed_tokens),
+                              st.budget)
+                if not self._allocate(req, num_new, st, admission=True):
+                    self.waiting.push(req, key)
+                    break
+                self._kv_loaded.discard(req.request_id)
+                req.status = RUNNING
+                self.running.append(req)
+                st.num_running += 1
+                self._add_scheduled(req, num_new, st)
+                continue
             restored = kv.swapped_tokens(req.request_id)
             if restored is not None:  # swapped out: its blocks come back from the host tier
                 hit_blocks, hit_tokens, offloaded = [], restored, []
@@ -412,6 +493,13 @@ class Scheduler:
                     skipped.append((key, req))  # share the block next step, not a copy
                     continue
                 hit_tokens += len(offloaded) * self.block_size
+                if self.connector is not None and req.kv_transfer_params:
+                    how = self._start_remote_load(req, st, hit_blocks, hit_tokens, offloaded)
+                    if how == "waiting":
+                        continue  # waits for its pages, taking none of this step's budget
+                    if how == "no_memory":
+                        self.waiting.push(req, key)
+                        break
             num_new = req.num_tokens - hit_tokens
             if not cfg.enable_chunked_prefill and num_new > st.budget:
                 self.waiting.push(req, key)
@@ -434,6 +522,34 @@ class Scheduler:
             self.waiting.push(req, key)
         for key, req in lpm or ():
             self.waiting.push(req, key)
+
+    def _start_remote_load(self, req: Request, st: _Step, hit_blocks: Sequence[KVCacheBlock],
+                           hit_tokens: int, offloaded: Sequence[int]) -> str:
+        """Allocate the blocks a remote engine's KV fills and plan their pull.
+
+        Returns "waiting" (it now waits for its pages), "no_memory" (nothing changed; queue it
+        again) or "local" (nothing to pull: admit it as usual).
+        """
+        conn = self.connector
+        assert conn is not None
+        problem = conn.check_remote_blocks(req)
+        if problem is not None:  # the params cannot cover the prompt: as a failed pull
+            req.kv_transfer_params["do_remote_prefill"] = False
+            self.waiting_for_kv[req.request_id] = req
+            self.update_from_kv_xfer(KVConnectorOutput(failed_recving={req.request_id: problem}))
+            return "waiting"  # failed (policy "fail") or queued again to recompute
+        ext, _ = conn.get_num_new_matched_tokens(req, hit_tokens)
+        if ext <= 0:
+            return "local"
+        if not self._allocate(req, ext, st, hit_blocks, hit_tokens, admission=True,
+                              offloaded=offloaded):
+            return "no_memory"
+        req.num_computed_tokens = hit_tokens
+        conn.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req.request_id),
+                                      ext)
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_kv[req.request_id] = req
+        return "waiting"
 
     # -- results ---------------------------------------------------------------------------------
 
@@ -588,5 +704,10 @@ class Scheduler:
             # their window (hybrid manager); blocks so freed while requests ran.
             "num_kv_cache_groups": len(kv.block_pool.group_maps),
             "num_blocks_freed_out_of_window": getattr(kv, "num_freed_out_of_window", 0),
+            # KV connector (disaggregated prefill/decode)
+            "kv_transfer_requests_waiting": len(self.waiting_for_kv),
+            "kv_transfer_requests_held": len(self._held),
+            "kv_transfer_loads_total": self.num_kv_loads,
+            "kv_transfer_load_failures_policy_total": self.num_kv_load_failures,
             **kv.tier_stats(),
         }

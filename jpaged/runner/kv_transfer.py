@@ -108,6 +108,27 @@ def _pinned_fns(host: SingleDeviceSharding, device: SingleDeviceSharding) -> tup
     return fns
 
 
+def gather_on_device(kv: KVCache, block_ids: Sequence[int]) -> Array:
+    """Device copies [bucket(n), L, 2, bs, H, D] of blocks `block_ids` in the page dtype (the
+    rows past n copy the null block): what a KV connector hands to another engine."""
+    ids = np.zeros(bucket(len(block_ids)), np.int32)
+    ids[:len(block_ids)] = block_ids
+    return _gather(kv, jnp.asarray(ids))
+
+
+def scatter_from_device(kv: KVCache, block_ids: Sequence[int], data: Array) -> KVCache:
+    """Write the first len(block_ids) rows of `data` [P, L, 2, bs, H, D] (already on the pool's
+    device, P a bucket) into blocks `block_ids`; `kv` is donated."""
+    n = len(block_ids)
+    if data.shape[0] < n or data.shape[1:] != (kv.k.shape[0] // kv.num_blocks, 2,
+                                               *kv.k.shape[1:]):
+        raise ValueError(f"scatter: data of shape {tuple(data.shape)} for {n} blocks of a pool "
+                         f"of pages {tuple(kv.k.shape[1:])}")
+    ids = np.full(data.shape[0], -1, np.int32)
+    ids[:n] = block_ids
+    return _scatter(kv, jnp.asarray(ids), data)
+
+
 class KVTransfer:
     """Runs a step's TransferPlan against the device pool and a host store."""
 

@@ -68,9 +68,11 @@ def weights_digest(model: nnx.Module) -> str:
 
 
 def open_disk_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any, source: str,
-                   model: nnx.Module, kv: KVCache, kv_groups: Any = None) -> DiskTier:
+                   model: nnx.Module, kv: KVCache, kv_groups: Any = None,
+                   directory: str | None = None, capacity_bytes: int | None = None) -> DiskTier:
     """The disk tier for this model, dtype, block size and the pool's current fp8 scales
-    (`kv_groups`: the KVCacheLayout when it has more than one group or slides)."""
+    (`kv_groups`: the KVCacheLayout when it has more than one group or slides); `directory`
+    and `capacity_bytes` default to kv_cache_dir and swap_space."""
     scales = tuple(float(s) for s in np.concatenate(
         [np.asarray(jax.device_get(kv.k_scale)), np.asarray(jax.device_get(kv.v_scale))]))
     fp = model_fingerprint(source=os.path.abspath(source) if os.path.exists(source) else source,
@@ -79,11 +81,12 @@ def open_disk_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any, source: s
                            hash_algo=cache.prefix_caching_hash_algo,
                            weights_digest=weights_digest(model), kv_scales=scales,
                            kv_groups=None if kv_groups is None else repr(kv_groups.describe()))
-    directory = os.path.expanduser(cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
-    disk = DiskTier(directory, int(cache.swap_space * 2**30), fp,
+    directory = os.path.expanduser(directory or cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
+    capacity = int(cache.swap_space * 2**30) if capacity_bytes is None else capacity_bytes
+    disk = DiskTier(directory, capacity, fp,
                     block_shape(spec, cache.block_size,
                                 None if kv_groups is None else kv_groups.num_slots),
                     np.dtype(kv_dtype))
-    logger.info("disk KV tier: %s/%s, %d blocks found, %.2f GiB", directory, fp[:12], len(disk),
-                cache.swap_space)
+    logger.info("disk KV store: %s/%s, %d blocks found, %.2f GiB", directory, fp[:12],
+                len(disk), capacity / 2**30)
     return disk
