@@ -68,6 +68,11 @@ KvEvents = Annotated[str | None, typer.Option(
     "--kv-events-config",
     help="KV cache events as JSON, vLLM's: e.g. '{\"enable_kv_cache_events\": true, "
     "\"publisher\": \"zmq\", \"endpoint\": \"tcp://*:5557\"}' (docs/distributed.md).")]
+KvTransfer = Annotated[str | None, typer.Option(
+    "--kv-transfer-config",
+    help="A KV connector as JSON, vLLM's: disaggregated prefill/decode, e.g. "
+    "'{\"kv_connector\": \"JaxTransferConnector\", \"kv_role\": \"kv_producer\", "
+    "\"kv_port\": 14579}' (docs/distributed.md).")]
 
 Nnodes = Annotated[int, typer.Option(
     "--nnodes", help="Processes (hosts) one model spans; each runs this same command.")]
@@ -103,6 +108,7 @@ def _engine_flags(
     async_scheduling: Async = True,
     engine_core_process: CoreProc = False,
     kv_events_config: KvEvents = None,
+    kv_transfer_config: KvTransfer = None,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
     master_addr: MasterAddr = DEFAULT_MASTER_ADDR,
@@ -147,7 +153,8 @@ def _root() -> None:
 # "SamplingParams.top_p must ..." names the field; engine and sampling flags are spelled as
 # their fields (--top-p), so the message can name the flag too.
 _FIELD_RE = re.compile(r"\b(?:SamplingParams|CacheConfig|SchedulerConfig|ModelConfig|"
-                       r"ParallelConfig|EngineArgs)\.(\w+)\b|\b(kv_events_config)\b")
+                       r"ParallelConfig|EngineArgs)\.(\w+)\b"
+                       r"|\b(kv_events_config|kv_transfer_config)\b")
 
 
 def _run_worker_if_not_rank0(model: str | None, flags: dict[str, Any]) -> bool:

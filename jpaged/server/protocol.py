@@ -73,6 +73,9 @@ class _SamplingRequest(BaseModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = 0
+    # vLLM's disaggregated prefill/decode: {"do_remote_decode": true} on a producer; the
+    # producer's response params (with do_remote_prefill) on a consumer.
+    kv_transfer_params: dict[str, Any] | None = None
 
     def _unsupported(self) -> None:
         if self.logit_bias:
@@ -99,6 +102,8 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            extra_args=({"kv_transfer_params": self.kv_transfer_params}
+                        if self.kv_transfer_params is not None else None),
         )
         try:
             return SamplingParams(**kw)

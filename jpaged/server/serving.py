@@ -53,6 +53,7 @@ class _Batch:
         self.prompt_tokens: dict[int, int] = {}
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self.kv_transfer_params: dict[str, Any] | None = None  # a producer's, at the finish
 
     async def start(self, prompts: list[Any], param: str) -> None:
         """Add every prompt; a bad one aborts those already added and raises OpenAIError."""
@@ -83,6 +84,8 @@ class _Batch:
             self.completion_tokens += sum(len(c.token_ids) for c in item.outputs)
             if item.finished:
                 self.pending.discard(item.request_id)
+                if item.kv_transfer_params is not None:
+                    self.kv_transfer_params = item.kv_transfer_params
             yield i, item
 
     def usage(self) -> dict[str, Any]:
@@ -186,6 +189,9 @@ class Serving:
         self.check_model(req.model)
         params = req.to_sampling_params()
         prompts = req.prompts()
+        if req.kv_transfer_params is not None and len(prompts) > 1:
+            raise OpenAIError(400, "kv_transfer_params needs a single prompt (one request's KV "
+                              "moves)", param="kv_transfer_params")
         batch = _Batch(self.engine, f"cmpl-{uuid.uuid4().hex}", params, req.priority)
         await batch.start(prompts, "prompt")
         tok = self.engine.tokenizer
@@ -214,7 +220,8 @@ class Serving:
         finally:
             batch.close()
         choices.sort(key=lambda ch: ch["index"])
-        return {**head, "choices": choices, "usage": batch.usage()}
+        return {**head, "choices": choices, "usage": batch.usage(),
+                "kv_transfer_params": batch.kv_transfer_params}
 
     @staticmethod
     async def _framed(chunks: AsyncIterator[str], batch: _Batch, head: dict[str, Any],
@@ -303,7 +310,8 @@ class Serving:
         finally:
             batch.close()
         choices.sort(key=lambda ch: ch["index"])
-        return {**head, "object": "chat.completion", "choices": choices, "usage": batch.usage()}
+        return {**head, "object": "chat.completion", "choices": choices, "usage": batch.usage(),
+                "kv_transfer_params": batch.kv_transfer_params}
 
     def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool
                      ) -> AsyncIterator[str]:
