@@ -409,6 +409,17 @@ def serve(
     routing_policy: Annotated[str, typer.Option(
         "--routing-policy", help="kv_aware | round_robin | least_load (data parallel).")
     ] = "kv_aware",
+    prefill_replicas: Annotated[int, typer.Option(
+        "--prefill-replicas",
+        help="Disaggregated serving on Ray: replicas that only prefill (with "
+        "--decode-replicas; the KV moves to a decode replica).")] = 0,
+    decode_replicas: Annotated[int, typer.Option(
+        "--decode-replicas",
+        help="Disaggregated serving on Ray: replicas that pull a prompt's KV and decode.")] = 0,
+    replica_dead_timeout_s: Annotated[float, typer.Option(
+        "--replica-dead-timeout-s",
+        help="Data parallel: exit non-zero once no replica has been healthy this long (Ray "
+        "lost their node), so a supervisor restarts the server.")] = 60.0,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
@@ -424,7 +435,8 @@ def serve(
     try:
         if data_parallel_backend != "ray":
             raise ValueError(f"--data-parallel-backend must be ray, got {data_parallel_backend!r}")
-        if data_parallel_size > 1 or ray_address is not None:
+        if (data_parallel_size > 1 or ray_address is not None or prefill_replicas
+                or decode_replicas):
             from jpaged.dp.client import DPEngineClient
             from jpaged.dp.router import ROUTING_POLICIES
 
@@ -432,7 +444,10 @@ def serve(
                 raise ValueError(f"--routing-policy must be one of {ROUTING_POLICIES}, "
                                  f"got {routing_policy!r}")
             engine = DPEngineClient(_engine_args(flags), data_parallel_size, routing_policy,
-                                    ray_address=ray_address)
+                                    ray_address=ray_address, prefill_replicas=prefill_replicas,
+                                    decode_replicas=decode_replicas,
+                                    dead_timeout_s=replica_dead_timeout_s)
+            engine.on_dead = _exit_cluster_lost
         else:
             engine = create_engine(_engine_args(flags))
     except ProcessGroupError as e:
@@ -446,6 +461,22 @@ def serve(
                    served_model_name=served_model_name or model)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
+
+
+def _exit_cluster_lost(cause: BaseException) -> None:
+    """No replica can come back: stop Ray if this server started it (bounded), then exit 1."""
+    import threading
+
+    from jpaged.runner.multiprocess import exit_now
+
+    threading.Timer(15.0, exit_now, (cause,)).start()  # a stuck Ray cannot keep us up
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    finally:
+        exit_now(cause)
 
 
 @engine_command()

@@ -22,6 +22,7 @@ import asyncio
 import logging
 import re
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -32,13 +33,34 @@ from jpaged.dp.router import ROUTING_POLICIES, Route, Router
 from jpaged.engine import PromptType
 from jpaged.kv_events import END_OF_REPLAY, decode_batch
 from jpaged.metrics import PREFIX, describe_metric, flatten_numeric
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jpaged.dp")
 
 HEALTH_INTERVAL_S = 0.5  # how often each replica is checked (and its metrics read)
 HEALTH_TIMEOUT_S = 5.0  # a replica that does not answer within this is marked down
 REPLAY_TIMEOUT_MS = 5000
+# No replica healthy for this long (Ray lost their node, or cannot restart them): the server
+# exits non-zero, naming the cause, so a supervisor restarts it (vLLM exits when its engine
+# dies).
+DEAD_TIMEOUT_S = 60.0
+
+
+def _pd_roles(size: int, prefill: int, decode: int, args: EngineArgs) -> list[str] | None:
+    """Each replica's kv_role for --prefill-replicas / --decode-replicas (None: plain data
+    parallel); ValueError naming the flag for counts that do not add up."""
+    if not prefill and not decode:
+        if args.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config with data-parallel replicas is set per replica "
+                             "by --prefill-replicas / --decode-replicas; pass both")
+        return None
+    for name, v in (("prefill_replicas", prefill), ("decode_replicas", decode)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be an integer >= 1 when the other is set, got {v!r}")
+    if size not in (1, prefill + decode):
+        raise ValueError(f"data_parallel_size ({size}) must equal prefill_replicas + "
+                         f"decode_replicas ({prefill + decode}) (or be left at 1)")
+    return ["kv_producer"] * prefill + ["kv_consumer"] * decode
 
 
 class DPEngineClient:
@@ -47,12 +69,19 @@ class DPEngineClient:
     def __init__(self, args: EngineArgs, data_parallel_size: int,
                  routing_policy: str = "kv_aware", ray_address: str | None = None,
                  ray_init_kwargs: Mapping[str, Any] | None = None, replica_cpus: float = 1.0,
-                 ready_timeout: float = 600.0, load_weight: float = 1.0) -> None:
+                 ready_timeout: float = 600.0, load_weight: float = 1.0,
+                 prefill_replicas: int = 0, decode_replicas: int = 0,
+                 dead_timeout_s: float = DEAD_TIMEOUT_S) -> None:
         import ray
 
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be an integer >= 1, "
                              f"got {data_parallel_size!r}")
+        roles = _pd_roles(data_parallel_size, prefill_replicas, decode_replicas, args)
+        if roles is not None:
+            data_parallel_size = len(roles)
+        if not isinstance(dead_timeout_s, int | float) or dead_timeout_s <= 0:
+            raise ValueError(f"dead_timeout_s must be a number > 0, got {dead_timeout_s!r}")
         if args.engine_core_process:
             raise ValueError("engine_core_process is not supported with data-parallel replicas "
                              "(each replica's engine already runs in its own Ray actor process)")
@@ -85,8 +114,18 @@ class DPEngineClient:
         engine_args = {k: v for k, v in vars(args).items() if k != "extra"}
         engine_args.update(args.extra)
         self._actors = [actor_cls.remote(engine_args, r, "127.0.0.1" if local else None,
-                                         freeze_gc=True)
+                                         freeze_gc=True,
+                                         kv_role=roles[r] if roles is not None else None)
                         for r in range(data_parallel_size)]
+        # Disaggregated serving: which replicas prefill and which decode (else None).
+        self.prefill_ranks = ([r for r, k in enumerate(roles) if k == "kv_producer"]
+                              if roles is not None else None)
+        self.decode_ranks = ([r for r, k in enumerate(roles) if k == "kv_consumer"]
+                             if roles is not None else None)
+        self.dead_timeout_s = float(dead_timeout_s)
+        # Called once when every replica stayed down past dead_timeout_s: the server exits
+        # (jpaged serve passes exit_now); a library caller may pass its own.
+        self.on_dead: Any = None
         try:
             infos = ray.get([a.info.remote() for a in self._actors], timeout=ready_timeout)
             self.tokenizer = ray.get(self._actors[0].tokenizer.remote(), timeout=ready_timeout)
@@ -154,6 +193,9 @@ class DPEngineClient:
                        if ok and m])
         out["num_unfinished_requests"] = len(self._tasks)
         out["data_parallel_size"] = self.size
+        if self.prefill_ranks is not None:
+            out["prefill_replicas"] = len(self.prefill_ranks)
+            out["decode_replicas"] = len(self.decode_ranks)
         out["num_replicas_healthy"] = sum(self.router.healthy)
         return out
 
@@ -173,27 +215,70 @@ class DPEngineClient:
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
                           priority: int = 0, queue: asyncio.Queue | None = None
                           ) -> asyncio.Queue:
-        """Route and add a request; its outputs (or an exception) arrive on the queue."""
-        import ray
+        """Route and add a request; its outputs (or an exception) arrive on the queue.
 
+        Disaggregated (prefill and decode replicas): the prompt goes first to the least loaded
+        prefill replica (one token, its blocks held), then with that replica's
+        kv_transfer_params to the decode replica the KV-aware score picks (the one holding most
+        of the prompt already pulls least); both hops run in the request's pump task.
+        """
         if self._stopping.is_set():
             raise EngineDeadError("the data-parallel engine is shut down")
         queue = asyncio.Queue() if queue is None else queue
         ids, salt, payload = self._for_routing(prompt)
+        loop = asyncio.get_running_loop()
+        if self._disaggregate(params):
+            pid = f"{request_id}::prefill"
+            pparams = params.clone(max_tokens=1, min_tokens=0, logprobs=None,
+                                   output_kind=RequestOutputKind.FINAL_ONLY, extra_args={
+                                       "kv_transfer_params": {"do_remote_decode": True}})
+            route, actor = await self._place(pid, payload, pparams, priority, ids, salt,
+                                             self.prefill_ranks, "least_load")
+            task = loop.create_task(self._pump_pd(request_id, pid, route, actor, ids, salt,
+                                                  payload, params, priority, queue))
+        else:
+            among = self.decode_ranks  # disaggregated: what cannot split runs on a decoder
+            route, actor = await self._place(request_id, payload, params, priority, ids, salt,
+                                             among)
+            task = loop.create_task(self._pump(request_id, route, actor, queue))
+        self._tasks[request_id] = (task, loop, route.replica)
+        return queue
+
+    def _disaggregate(self, params: SamplingParams) -> bool:
+        """True if this request runs as a remote prefill then a decode."""
+        if self.prefill_ranks is None or params.n != 1:
+            return False
+        return not (params.extra_args or {}).get("kv_transfer_params")
+
+    async def _place(self, request_id: str, payload: Any, params: SamplingParams, priority: int,
+                     ids: list[int] | None, salt: str | None, among: list[int] | None,
+                     policy: str | None = None, decode_only: bool = False
+                     ) -> tuple[Route, Any]:
+        """Choose a replica among `among` (all: None) and add the request there; a dead
+        replica is marked down and another tried; bad input raises as from one engine."""
+        import ray
+
+        group = among if among is not None else list(range(self.size))
         tried: set[int] = set()
         while True:
             with self._lock:
-                route = self.router.choose(ids, salt) if len(tried) < self.size else None
+                route = (self.router.choose(ids, salt, among=group, policy=policy)
+                         if len(tried) < len(group) and any(self.router.healthy[r]
+                                                            for r in group) else None)
                 if route is not None and route.replica in tried:
                     route = None
                 if route is not None:
+                    if decode_only:  # its prompt arrives as pulled pages, not as prefill work
+                        route.cached_tokens = max(0, route.prompt_tokens - 1)
                     self.router.started(request_id, route)
             if route is None:
-                raise EngineDeadError("no replica could take the request")
+                what = "" if among is None else (
+                    " prefill" if among is self.prefill_ranks else " decode")
+                raise EngineDeadError(f"no{what} replica could take the request")
             actor = self._actors[route.replica]
             try:
                 await actor.add.remote(request_id, payload, params, priority)
-                break
+                return route, actor
             except ray.exceptions.RayTaskError as e:  # the engine refused it (bad input)
                 self._end(request_id, route.replica)
                 raise _cause(e) from None
@@ -201,10 +286,48 @@ class DPEngineClient:
                 self._end(request_id, route.replica)
                 self._down(route.replica, e)
                 tried.add(route.replica)  # try another replica
-        loop = asyncio.get_running_loop()
-        task = loop.create_task(self._pump(request_id, route, actor, queue))
-        self._tasks[request_id] = (task, loop, route.replica)
-        return queue
+
+    async def _pump_pd(self, request_id: str, pid: str, route: Route, actor: Any,
+                       ids: list[int] | None, salt: str | None, payload: Any,
+                       params: SamplingParams, priority: int, queue: asyncio.Queue) -> None:
+        """The prefill hop's final output, then the decode hop pumped into `queue`."""
+        import ray
+
+        kvp = None
+        gen = actor.stream.remote(pid)
+        try:
+            async for ref in gen:
+                for out in await ref:
+                    if out.finished:
+                        kvp = out.kv_transfer_params
+        except asyncio.CancelledError:
+            ray.cancel(gen)
+            self._end(pid, route.replica)
+            raise
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            self._down(route.replica, e)  # its prompt is computed on the decode replica
+            logger.warning("prefill replica %d failed during %r; decoding it from scratch",
+                           route.replica, request_id)
+        except Exception as e:  # the prefill failed: the decode replica computes it all
+            logger.warning("prefill of %r on replica %d failed (%s: %s); decoding it from "
+                           "scratch", request_id, route.replica, type(e).__name__, e)
+        self._end(pid, route.replica)
+        dparams = params if kvp is None else params.clone(extra_args={
+            **(params.extra_args or {}), "kv_transfer_params": kvp})
+        try:
+            droute, dactor = await self._place(request_id, payload, dparams, priority, ids, salt,
+                                               self.decode_ranks, decode_only=kvp is not None)
+        except BaseException as e:
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            queue.put_nowait(e if isinstance(e, ValueError | EngineDeadError)
+                             else RequestFailedError(f"{type(e).__name__}: {e}"))
+            self._tasks.pop(request_id, None)
+            return
+        entry = self._tasks.get(request_id)
+        if entry is not None:  # aborts now go to the decode replica
+            self._tasks[request_id] = (entry[0], entry[1], droute.replica)
+        await self._pump(request_id, droute, dactor, queue)
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests from any thread (their replicas forget them too)."""
@@ -310,34 +433,58 @@ class DPEngineClient:
             logger.warning("replica %d is down: %s", replica, self._errors[replica])
 
     def _watch(self) -> None:
+        down_since: float | None = None
+        while not self._stopping.wait(HEALTH_INTERVAL_S):
+            self._check_replicas()
+            if any(self.router.healthy):
+                down_since = None
+                continue
+            now = time.monotonic()
+            down_since = now if down_since is None else down_since
+            if now - down_since >= self.dead_timeout_s and not self._stopping.is_set():
+                errors = "; ".join(f"replica {r}: {e}" for r, e in enumerate(self._errors) if e)
+                cause = RuntimeError(
+                    f"no data-parallel replica has been healthy for {self.dead_timeout_s:g} s "
+                    f"(Ray could not bring any back: {errors or 'no answer'}); exiting so a "
+                    "supervisor can restart the server")
+                logger.error("%s", cause)
+                self._on_dead(cause)
+                return
+
+    def _check_replicas(self) -> None:
+        """Ask every replica for its info and metrics; mark it down or up again."""
         import ray
 
-        while not self._stopping.wait(HEALTH_INTERVAL_S):
-            for r, actor in enumerate(self._actors):
-                try:
-                    info, metrics = ray.get([actor.info.remote(), actor.metrics.remote()],
-                                            timeout=HEALTH_TIMEOUT_S)
-                except Exception as e:
-                    if self.router.healthy[r]:
-                        self._down(r, e)
-                    continue
-                old = self._infos[r]
-                self._metrics[r] = metrics
-                if not info["running"]:  # the actor lives but its engine loop died
-                    self._down(r, "its engine loop stopped; restarting it")
-                    ray.kill(actor, no_restart=False)  # Ray starts a fresh one
-                    continue
-                if not self.router.healthy[r] or old is None or old["pid"] != info["pid"]:
-                    # Up again (or restarted under us): a fresh engine, its events from 0.
-                    self._infos[r] = info
-                    self._events.unfollow(r)
-                    with self._lock:
-                        self.router.index.drop_replica(r)
-                    self._events.follow(r, info)
-                    with self._lock:
-                        self.router.healthy[r] = True
-                    self._errors[r] = None
-                    logger.info("replica %d is up (pid %d)", r, info["pid"])
+        for r, actor in enumerate(self._actors):
+            try:
+                info, metrics = ray.get([actor.info.remote(), actor.metrics.remote()],
+                                        timeout=HEALTH_TIMEOUT_S)
+            except Exception as e:
+                if self.router.healthy[r]:
+                    self._down(r, e)
+                continue
+            old = self._infos[r]
+            self._metrics[r] = metrics
+            if not info["running"]:  # the actor lives but its engine loop died
+                self._down(r, "its engine loop stopped; restarting it")
+                ray.kill(actor, no_restart=False)  # Ray starts a fresh one
+                continue
+            if not self.router.healthy[r] or old is None or old["pid"] != info["pid"]:
+                # Up again (or restarted under us): a fresh engine, its events from 0.
+                self._infos[r] = info
+                self._events.unfollow(r)
+                with self._lock:
+                    self.router.index.drop_replica(r)
+                self._events.follow(r, info)
+                with self._lock:
+                    self.router.healthy[r] = True
+                self._errors[r] = None
+                logger.info("replica %d is up (pid %d)", r, info["pid"])
+
+    def _on_dead(self, cause: BaseException) -> None:
+        self._stopping.set()  # new requests get EngineDeadError; /health answers down
+        if self.on_dead is not None:
+            self.on_dead(cause)
 
     def _abandon(self) -> None:
         """Start-up failed: kill the replicas, and stop Ray if this client started it."""

@@ -11,27 +11,46 @@ message per token. Cancelling the stream (the client went away) aborts the reque
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from jpaged.async_engine import AsyncLLMEngine
-from jpaged.config import EngineArgs
+from jpaged.config import EngineArgs, KVTransferConfig
 from jpaged.engine import LLMEngine, PromptType
 from jpaged.gc_heap import freeze_gc_heap
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import SamplingParams
 
 
+def _node_ip() -> str:
+    """This node's address as Ray knows it (replicas on a cluster publish there)."""
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # not in a Ray worker: this machine only
+        return "127.0.0.1"
+
+
 class EngineReplica:
     """The body of a replica actor (`ray.remote(EngineReplica)`); usable in-process too."""
 
-    def __init__(self, engine_args: dict[str, Any], rank: int, events_host: str,
-                 freeze_gc: bool = False) -> None:
+    def __init__(self, engine_args: dict[str, Any], rank: int, events_host: str | None,
+                 freeze_gc: bool = False, kv_role: str | None = None) -> None:
+        host = events_host or _node_ip()
         ev = {"enable_kv_cache_events": True, "publisher": "zmq",
-              "endpoint": f"tcp://{events_host}:*", "replay_endpoint": f"tcp://{events_host}:*"}
-        args = EngineArgs(**{**engine_args, "kv_events_config": ev, "data_parallel_rank": rank})
+              "endpoint": f"tcp://{host}:*", "replay_endpoint": f"tcp://{host}:*"}
+        extra: dict[str, Any] = {"kv_events_config": ev, "data_parallel_rank": rank}
+        if kv_role is not None:  # disaggregated serving: this replica's half, on its own address
+            base = KVTransferConfig.parse(engine_args.get("kv_transfer_config"))
+            cfg = dataclasses.asdict(base) if base is not None else {}
+            extra["kv_transfer_config"] = {**cfg, "kv_role": kv_role, "kv_ip": host,
+                                           "kv_port": 0}
+        args = EngineArgs(**{**engine_args, **extra})
         self.rank = rank
+        self.kv_role = kv_role
         self.engine = AsyncLLMEngine(LLMEngine(args))
         self._queues: dict[str, asyncio.Queue] = {}
         if freeze_gc:  # an actor's process is the replica's own (see jpaged/gc_heap.py)
@@ -45,6 +64,7 @@ class EngineReplica:
         return {"rank": self.rank, "pid": os.getpid(), "source": e.loaded.source,
                 "max_model_len": e.config.scheduler.max_model_len,
                 "block_size": cache.block_size, "hash_algo": cache.prefix_caching_hash_algo,
+                "kv_role": self.kv_role,
                 "events_endpoint": pub.endpoint if pub is not None else None,
                 "replay_endpoint": pub.replay_endpoint if pub is not None else None,
                 "running": self.engine.is_running}

@@ -163,23 +163,27 @@ class Router:
         """The prompt's full-block hashes, as the engine computes them."""
         return hash_request_blocks(token_ids, self.block_size, self.hash_algo, cache_salt)
 
-    def choose(self, token_ids: Sequence[int] | None, cache_salt: str | None = None) -> Route:
-        """The replica for a prompt (token ids None: routed by load only)."""
-        live = [r for r, ok in enumerate(self.healthy) if ok]
+    def choose(self, token_ids: Sequence[int] | None, cache_salt: str | None = None,
+               among: Sequence[int] | None = None, policy: str | None = None) -> Route:
+        """The replica for a prompt (token ids None: routed by load only), among the given
+        replicas (default: all) under `policy` (default: the router's)."""
+        pool = range(len(self.healthy)) if among is None else among
+        live = [r for r in pool if self.healthy[r]]
         if not live:
             raise RuntimeError("no replica is healthy")
+        policy = self.policy if policy is None else policy
         n = len(token_ids) if token_ids is not None else 0
         matched: dict[int, int] = {}
         hashes: list[bytes] = []
-        if token_ids is not None and self.policy == "kv_aware":
+        if token_ids is not None and policy == "kv_aware":
             # The last prompt token is always computed, so at most n - 1 tokens can be cached.
             full = (n - 1) // self.block_size
             hashes = self.prompt_hashes(token_ids, cache_salt)[:full]
             matched = self.index.match(hashes)
-        if self.policy == "round_robin":
+        if policy == "round_robin":
             start = next(self._rr)
             r = min(live, key=lambda i: (i - start) % len(self.healthy))
-        elif self.policy == "least_load":
+        elif policy == "least_load":
             r = min(live, key=lambda i: (self.loads[i].tokens(self.decode_cost),
                                          self.loads[i].in_flight, i))
         else:

@@ -303,3 +303,70 @@ def test_two_replicas_share_a_disk_tier(cluster, tmp_path):
               "replica 1's disk hits to show")
     finally:
         server.stop()
+
+
+def test_disaggregated_prefill_and_decode_replicas(cluster):
+    """--prefill-replicas 1 --decode-replicas 1: the same greedy text as one engine (single
+    prompts, a prompt past the token budget: chunked on the producer, a shared system prompt:
+    the decode replica pulls only what it lacks); the transfer shows in /metrics by engine; a
+    decode replica killed before it pulls leaves the producer's blocks to its timeout; every
+    pool is empty afterwards."""
+    from jpaged import LLM
+    from jpaged.dp.client import DPEngineClient
+
+    xfer = {"kv_connector_extra_config": {"abort_timeout_s": 3, "transfer_timeout_s": 20}}
+    client = DPEngineClient(EngineArgs(model=str(tiny_model_dir()), **ARGS,
+                                       kv_transfer_config=xfer), 1, "kv_aware",
+                            ready_timeout=WAIT_S, replica_cpus=0.5, prefill_replicas=1,
+                            decode_replicas=1)
+    server = BackgroundServer(build_app(client, MODEL, owned=True))
+    try:
+        oai = _oai(server)
+        system = " ".join(f"w{i}" for i in range(24))
+        long = " ".join(["five six seven"] * 6)  # ~90 tokens > max_num_batched_tokens (64)
+        prompts = ["one two three four", long, f"{system} q1", f"{system} q2"]
+        got = []
+        for i, p in enumerate(prompts):
+            if i == 1:  # streamed through both hops
+                chunks = oai.completions.create(model=MODEL, prompt=p, max_tokens=6,
+                                                temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})
+                got.append("".join(c.choices[0].text for c in chunks if c.choices))
+            else:
+                got.append(oai.completions.create(model=MODEL, prompt=p, max_tokens=6,
+                                                  temperature=0, extra_body={"ignore_eos": True}
+                                                  ).choices[0].text)
+            if i == 2:  # the decode replica's events index the system prompt
+                _wait(lambda: bool(client.router.index.hashes_of(1)), "decode events")
+        llm = LLM.from_engine(LLMEngine(EngineArgs(model=str(tiny_model_dir()), **ARGS)))
+        want = [o.outputs[0].text for o in llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True),
+            use_tqdm=False)]
+        assert got == want
+        assert client.router.routed == [4, 4]
+        _wait(lambda: client.replica_metrics()[1].get("kv_transfer_loads_total") == 4,
+              "the decode replica's metrics")
+        m = client.replica_metrics()
+        sent, received = (m[0]["kv_transfer_blocks_sent_total"],
+                          m[1]["kv_transfer_blocks_received_total"])
+        assert sent == received > 0
+        tok = client.tokenizer
+        need = sum(-(-(len(tok.encode(p)) - 1) // 8) for p in prompts)
+        assert received < need  # q2's system-prompt blocks were the decode replica's own
+        text = httpx.get(f"{server.url}/metrics", timeout=30).text
+        assert 'jpaged:kv_transfer_blocks_sent_total{engine="0"}' in text
+        assert 'jpaged:kv_transfer_blocks_received_total{engine="1"}' in text
+        _wait(lambda: all(x.get("kv_cache_usage") == 0.0 for x in client.replica_metrics()),
+              "both pools to empty")
+        # The decode replica dies: the prefill replica's held blocks go at its timeout.
+        os.kill(client.health()[1]["replicas"][1]["pid"], signal.SIGKILL)
+        try:
+            oai.completions.create(model=MODEL, prompt="eight nine ten eleven twelve thirteen",
+                                   max_tokens=4, temperature=0)
+        except openai.APIError:
+            pass  # no decode replica took it (Ray had not restarted it yet)
+        _wait(lambda: client.replica_metrics()[0].get("kv_cache_usage") == 0.0
+              and client.replica_metrics()[0].get("kv_transfer_requests_held") == 0,
+              "the producer to free what nobody pulled")
+    finally:
+        server.stop()
