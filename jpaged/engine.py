@@ -277,6 +277,8 @@ class LLMEngine(RequestFrontend):
                                self.runner.kv, self.config.cache.prefix_caching_hash_algo)
         worker = JaxTransferWorker(xfer, self.runner.kv, identity, connector.engine_id)
         connector.set_address(xfer.kv_ip, worker.port)
+        if xfer.is_producer:  # answer pulls while a step runs, not only between steps
+            self.runner.while_waiting = functools.partial(worker.serve_asks, timeout=0.002)
         return worker
 
     def _check_params(self, params: SamplingParams) -> None:

@@ -71,7 +71,8 @@ class DPEngineClient:
                  ray_init_kwargs: Mapping[str, Any] | None = None, replica_cpus: float = 1.0,
                  ready_timeout: float = 600.0, load_weight: float = 1.0,
                  prefill_replicas: int = 0, decode_replicas: int = 0,
-                 dead_timeout_s: float = DEAD_TIMEOUT_S) -> None:
+                 dead_timeout_s: float = DEAD_TIMEOUT_S,
+                 cpu_affinity: list[list[int]] | None = None) -> None:
         import ray
 
         if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
@@ -115,7 +116,9 @@ class DPEngineClient:
         engine_args.update(args.extra)
         self._actors = [actor_cls.remote(engine_args, r, "127.0.0.1" if local else None,
                                          freeze_gc=True,
-                                         kv_role=roles[r] if roles is not None else None)
+                                         kv_role=roles[r] if roles is not None else None,
+                                         cpu_affinity=(cpu_affinity[r % len(cpu_affinity)]
+                                                       if cpu_affinity else None))
                         for r in range(data_parallel_size)]
         # Disaggregated serving: which replicas prefill and which decode (else None).
         self.prefill_ranks = ([r for r, k in enumerate(roles) if k == "kv_producer"]

@@ -38,7 +38,10 @@ class EngineReplica:
     """The body of a replica actor (`ray.remote(EngineReplica)`); usable in-process too."""
 
     def __init__(self, engine_args: dict[str, Any], rank: int, events_host: str | None,
-                 freeze_gc: bool = False, kv_role: str | None = None) -> None:
+                 freeze_gc: bool = False, kv_role: str | None = None,
+                 cpu_affinity: list[int] | None = None) -> None:
+        if cpu_affinity:  # before the engine makes its device (XLA's threads follow it)
+            os.sched_setaffinity(0, cpu_affinity)
         host = events_host or _node_ip()
         ev = {"enable_kv_cache_events": True, "publisher": "zmq",
               "endpoint": f"tcp://{host}:*", "replay_endpoint": f"tcp://{host}:*"}

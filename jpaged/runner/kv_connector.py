@@ -171,6 +171,7 @@ class JaxTransferWorker(KVConnectorWorker):
         self._sends: dict[str, SendSpec] = {}
         self._asks: collections.deque = collections.deque()
         self._replies: collections.deque = collections.deque()
+        self._served: set[str] = set()  # answered by serve_asks, reported by get_finished
         # Consumer: pulls in flight and those done (spec, data or an exception).
         self._pool = concurrent.futures.ThreadPoolExecutor(PULL_THREADS, "jpaged-kv-pull")
         self._inflight = 0
@@ -261,14 +262,14 @@ class JaxTransferWorker(KVConnectorWorker):
             self.stats["kv_transfer_pulls_refused_total"] += 1
             return ["error", f"request {rid!r} on producer {self.engine_id} does not hold "
                              f"block(s) {foreign or ids}"]
-        data = gather_on_device(kv, ids)  # a copy: the blocks may be freed now
+        chunks = gather_on_device(kv, ids)  # copies: the blocks may be freed now
         deadline = _datetime_in(self.config.transfer_timeout_s)
-        self.server.await_pull(uid, [data], timeout=deadline)
+        self.server.await_pull(uid, chunks, timeout=deadline)
         del self._sends[rid]
         out.finished_sending.add(rid)
         self.stats["kv_transfer_blocks_sent_total"] += len(ids)
-        self.stats["kv_transfer_bytes_sent_total"] += data.nbytes * len(ids) // data.shape[0]
-        return ["ok", list(data.shape), jnp.dtype(data.dtype).name]
+        self.stats["kv_transfer_bytes_sent_total"] += sum(c.nbytes for c in chunks)
+        return ["ok", [list(c.shape) for c in chunks], jnp.dtype(chunks[0].dtype).name]
 
     # -- consumer ------------------------------------------------------------------------------
 
@@ -321,13 +322,15 @@ class JaxTransferWorker(KVConnectorWorker):
                           where)
             if r[0] != "ok":
                 raise KVTransferRefused(r[1])
-            shape, dtype = tuple(r[1]), jnp.dtype(r[2])
+            dtype, where_to = jnp.dtype(r[2]), SingleDeviceSharding(self.device)
+            specs = [jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=where_to)
+                     for shape in r[1]]
             conn, lock = self._connection(hello[1]["transfer_address"])
-            sds = jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(self.device))
             with lock:
-                (data,) = conn.pull(uid, [sds])
-            data.block_until_ready()
-            self._done.append((spec, data, time.perf_counter() - t0))
+                chunks = conn.pull(uid, specs)
+            for c in chunks:
+                c.block_until_ready()
+            self._done.append((spec, chunks, time.perf_counter() - t0))
         except Exception as e:  # any failure is this request's: the engine goes on
             reason = str(e) if isinstance(e, KVTransferRefused | TimeoutError) else (
                 f"pull from producer {where} failed: {type(e).__name__}: {e}")
@@ -348,10 +351,13 @@ class JaxTransferWorker(KVConnectorWorker):
 
     # -- both ----------------------------------------------------------------------------------
 
-    def get_finished(self, kv: KVCache, is_pending: Callable[[LoadSpec], bool]
-                     ) -> tuple[KVCache, KVConnectorOutput]:
-        """Answer queued pulls (gather + await_pull), expire holds, land finished pulls."""
-        out = KVConnectorOutput()
+    def serve_asks(self, kv: KVCache, timeout: float = 0.0) -> None:
+        """Answer the queued pulls (gather + await_pull) after waiting up to `timeout` s for
+        one; the engine calls it while a step runs too, so a consumer need not wait for the
+        step's end (its gathers queue behind that step, reading what it wrote)."""
+        if timeout > 0 and not self._asks:
+            self.wait_for_work(timeout)
+        out = KVConnectorOutput(finished_sending=self._served)
         while self._asks:
             ident, msg = self._asks.popleft()
             try:
@@ -359,6 +365,13 @@ class JaxTransferWorker(KVConnectorWorker):
             except Exception as e:  # a malformed ask is refused, nothing else changes
                 reply = ["error", f"bad KV connector request: {type(e).__name__}: {e}"]
             self._replies.append((ident, reply))
+
+    def get_finished(self, kv: KVCache, is_pending: Callable[[LoadSpec], bool]
+                     ) -> tuple[KVCache, KVConnectorOutput]:
+        """Answer queued pulls (gather + await_pull), expire holds, land finished pulls."""
+        self.serve_asks(kv)
+        out = KVConnectorOutput(finished_sending=self._served)
+        self._served = set()
         if self._sends:
             now = time.monotonic()
             for rid, send in list(self._sends.items()):
@@ -381,9 +394,8 @@ class JaxTransferWorker(KVConnectorWorker):
                 continue
             kv = scatter_from_device(kv, spec.local_block_ids, data)
             out.finished_recving.add(spec.request_id)
-            n = len(spec.local_block_ids)
-            self.stats["kv_transfer_blocks_received_total"] += n
-            self.stats["kv_transfer_bytes_received_total"] += data.nbytes * n // data.shape[0]
+            self.stats["kv_transfer_blocks_received_total"] += len(spec.local_block_ids)
+            self.stats["kv_transfer_bytes_received_total"] += sum(c.nbytes for c in data)
             self.stats["kv_transfer_receive_seconds_total"] += seconds
         return kv, out
 

@@ -108,25 +108,37 @@ def _pinned_fns(host: SingleDeviceSharding, device: SingleDeviceSharding) -> tup
     return fns
 
 
-def gather_on_device(kv: KVCache, block_ids: Sequence[int]) -> Array:
-    """Device copies [bucket(n), L, 2, bs, H, D] of blocks `block_ids` in the page dtype (the
-    rows past n copy the null block): what a KV connector hands to another engine."""
-    ids = np.zeros(bucket(len(block_ids)), np.int32)
-    ids[:len(block_ids)] = block_ids
-    return _gather(kv, jnp.asarray(ids))
+def power_of_two_chunks(n: int) -> list[int]:
+    """n as a sum of distinct powers of two, largest first (24 -> [16, 8])."""
+    return [1 << b for b in range(n.bit_length() - 1, -1, -1) if n >> b & 1]
 
 
-def scatter_from_device(kv: KVCache, block_ids: Sequence[int], data: Array) -> KVCache:
-    """Write the first len(block_ids) rows of `data` [P, L, 2, bs, H, D] (already on the pool's
-    device, P a bucket) into blocks `block_ids`; `kv` is donated."""
-    n = len(block_ids)
-    if data.shape[0] < n or data.shape[1:] != (kv.k.shape[0] // kv.num_blocks, 2,
-                                               *kv.k.shape[1:]):
-        raise ValueError(f"scatter: data of shape {tuple(data.shape)} for {n} blocks of a pool "
-                         f"of pages {tuple(kv.k.shape[1:])}")
-    ids = np.full(data.shape[0], -1, np.int32)
-    ids[:n] = block_ids
-    return _scatter(kv, jnp.asarray(ids), data)
+def gather_on_device(kv: KVCache, block_ids: Sequence[int]) -> list[Array]:
+    """Device copies of blocks `block_ids` in the page dtype, in chunks of power-of-two sizes
+    [2^k, L, 2, bs, H, D] (`power_of_two_chunks`): what a KV connector hands to another engine.
+    No padding moves, and a gather compiles once per power of two."""
+    out, i = [], 0
+    for size in power_of_two_chunks(len(block_ids)):
+        out.append(_gather(kv, jnp.asarray(np.asarray(block_ids[i:i + size], np.int32))))
+        i += size
+    return out
+
+
+def scatter_from_device(kv: KVCache, block_ids: Sequence[int],
+                        chunks: Sequence[Array]) -> KVCache:
+    """Write `chunks` (from gather_on_device, already on the pool's device) into blocks
+    `block_ids`, in order; `kv` is donated."""
+    page = (kv.k.shape[0] // kv.num_blocks, 2, *kv.k.shape[1:])
+    if sum(c.shape[0] for c in chunks) != len(block_ids) or any(
+            tuple(c.shape[1:]) != page for c in chunks):
+        raise ValueError(f"scatter: chunks {[tuple(c.shape) for c in chunks]} for "
+                         f"{len(block_ids)} blocks of pages {page}")
+    i = 0
+    for c in chunks:
+        ids = jnp.asarray(np.asarray(block_ids[i:i + c.shape[0]], np.int32))
+        kv = _scatter(kv, ids, c)
+        i += c.shape[0]
+    return kv
 
 
 class KVTransfer:

@@ -123,6 +123,10 @@ class ModelRunner:
         # dispatch first waits for the running step. The host's packing before it and output
         # processing after it still overlap a running step; on a GPU steps queue.
         self.wait_before_dispatch = jax.default_backend() == "cpu"
+        # Work the engine does while that wait lasts (a KV connector's producer answers pulls:
+        # its gathers queue behind the running step); called with the pool, returns within
+        # milliseconds. None: a plain wait.
+        self.while_waiting: Callable[[KVCache], None] | None = None
         self._prev_rows: dict[str, int] = {}
         self.input_batch = InputBatch(plan, block_size, vocab_size, seed)
         # Multi-process (process 0): tells the other processes to launch the same step first.
@@ -247,7 +251,11 @@ class ModelRunner:
             return outs
         if self.wait_before_dispatch and self.last_tokens is not None:
             w0 = time.perf_counter()
-            self.last_tokens.block_until_ready()  # the running step (it writes this buffer)
+            if self.while_waiting is None:
+                self.last_tokens.block_until_ready()  # the running step (it writes this buffer)
+            else:
+                while not self.last_tokens.is_ready():
+                    self.while_waiting(self.kv)
             self.last_wait_s += time.perf_counter() - w0
         outs, self.kv, self.last_tokens = self._jit_step(
             self.params, self.kv, flat, self._buffer(), flags=flags, calc_scales=calc_scales)
