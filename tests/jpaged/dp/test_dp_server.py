@@ -370,3 +370,29 @@ def test_disaggregated_prefill_and_decode_replicas(cluster):
               "the producer to free what nobody pulled")
     finally:
         server.stop()
+
+
+def test_bench_pd_reports_every_field(cluster):
+    """scripts/bench_pd.py's logic on the tiny model, disaggregated: the fields it reports;
+    greedy texts equal the co-located reference the test computes itself."""
+    from jpaged import LLM
+    from jpaged.bench.pd import pd_workload, run_pd
+
+    work = pd_workload(streams=2, long_prompts=2, long_len=48, stream_len=8, decode_len=6,
+                       gap_s=0.2, vocab=(0, 256), seed=3)
+    assert len(work.longs[0]) == 48 and work.longs[0][:24] == work.longs[1][:24]
+    args = EngineArgs(model=str(tiny_model_dir()), **ARGS)
+    row = run_pd(args, True, work, pd_workload(2, 2, 48, 8, 6, gap_s=0.2, vocab=(0, 256),
+                                               seed=4),
+                 cores=sorted(os.sched_getaffinity(0))[:2], replica_cpus=0.5,
+                 probe=work.longs[0][:40])
+    assert row["disagg"] and row["requests"] == 4
+    assert row["itl_p50_s"] > 0 and row["itl_p99_s"] >= row["itl_p50_s"]
+    assert row["ttft_p50_s"] > 0 and row["transfer_s_per_block"] > 0
+    assert row["blocks_transferred"] == row["blocks_sent"] > 0
+    assert row["kv_usage_after"] == [0.0, 0.0]
+    llm = LLM.from_engine(LLMEngine(EngineArgs(model=str(tiny_model_dir()), **ARGS)))
+    want = {f"stream{i}": o.outputs[0].text for i, o in enumerate(llm.generate(
+        [{"prompt_token_ids": p} for p in work.streams],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False))}
+    assert {k: v for k, v in row["texts"].items() if k.startswith("stream")} == want
