@@ -16,7 +16,7 @@ from jpaged.config import EngineArgs, EngineConfig
 from jpaged.core.cache_state import snapshot as _cache_snapshot
 from jpaged.core.cache_state import tier_metrics as _tier_metrics
 from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
-from jpaged.core.kv_connector import KVConnectorScheduler, check_kv_transfer_params
+from jpaged.core.kv_connector import KVConnectorScheduler
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
 from jpaged.engine_core import CoreStep
@@ -45,7 +45,6 @@ from jpaged.runner.multiprocess import (
 )
 from jpaged.runner.parallel import TensorParallel, kv_bytes_per_device
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
-from jpaged.sampling_params import SamplingParams
 from models.llama import stack_layers
 from models.loader import LoadedModel, load_model
 from models.sharding import check_device_count
@@ -280,10 +279,6 @@ class LLMEngine(RequestFrontend):
         if xfer.is_producer:  # answer pulls while a step runs, not only between steps
             self.runner.while_waiting = functools.partial(worker.serve_asks, timeout=0.002)
         return worker
-
-    def _check_params(self, params: SamplingParams) -> None:
-        kvp = (params.extra_args or {}).get("kv_transfer_params")
-        check_kv_transfer_params(kvp, self.config.kv_transfer, params.n)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""

@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from jpaged.config import EngineConfig
+from jpaged.core.kv_connector import check_kv_transfer_params
 from jpaged.metrics import StatLogger
 from jpaged.output_processor import (
     ChildState,
@@ -66,7 +67,10 @@ class RequestFrontend:
         raise NotImplementedError
 
     def _check_params(self, params: SamplingParams) -> None:
-        """Engine-specific checks of a request's params (ValueError naming the problem)."""
+        """Checks of a request's params that need the engine's config (ValueError naming the
+        problem): kv_transfer_params against its KV connector."""
+        kvp = (params.extra_args or {}).get("kv_transfer_params")
+        check_kv_transfer_params(kvp, self.config.kv_transfer, params.n)
 
     # ----------------------------------------------------------------- requests
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:

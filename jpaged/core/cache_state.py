@@ -57,8 +57,11 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
             for i in ids:  # a table never holds a block twice, nor two groups one block
                 if i:
                     owners[i].append(rid)
-        req = running.get(rid) or scheduler.requests.get(rid)
+        held = scheduler.held_requests.get(rid)  # a producer's, kept for its consumer
+        req = running.get(rid) or scheduler.requests.get(rid) or held
         entry: dict[str, Any] = {"block_table": per_group[0]}
+        if held is not None:
+            entry["held_for_kv_transfer"] = True
         if gtables is not None:
             entry["block_tables"] = per_group
         if req is not None:

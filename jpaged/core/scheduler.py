@@ -230,6 +230,11 @@ class Scheduler:
         """True while any request is waiting (for admission or remote KV) or running."""
         return bool(self.requests)
 
+    @property
+    def held_requests(self) -> Mapping[str, Request]:
+        """A producer's finished requests whose blocks wait for their consumers, by id."""
+        return self._held
+
     def has_held_blocks(self) -> bool:
         """True while a producer holds finished requests' blocks for their consumers."""
         return bool(self._held)

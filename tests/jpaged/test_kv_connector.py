@@ -269,6 +269,8 @@ def test_shared_storage_connector(tmp_path, reference):
         sp = SamplingParams(**{**GREEDY, "max_tokens": 1},
                             extra_args={"kv_transfer_params": {"do_remote_decode": True}})
         pre = _run(producer, "p", prompt, sp)
+        held = producer.cache_state()["requests"]["p"]
+        assert held["held_for_kv_transfer"] and len(held["block_table"]) == 9
         producer.step()  # the save runs, then the blocks are freed
         producer.step()
         assert producer.kv_cache_usage == 0.0

@@ -356,8 +356,14 @@ def test_disaggregated_prefill_and_decode_replicas(cluster):
         text = httpx.get(f"{server.url}/metrics", timeout=30).text
         assert 'jpaged:kv_transfer_blocks_sent_total{engine="0"}' in text
         assert 'jpaged:kv_transfer_blocks_received_total{engine="1"}' in text
-        _wait(lambda: all(x.get("kv_cache_usage") == 0.0 for x in client.replica_metrics()),
-              "both pools to empty")
+        # A client that hangs up after its first chunk: aborted on the decode replica.
+        stream = oai.completions.create(model=MODEL, prompt=long, max_tokens=60,
+                                        temperature=0, stream=True,
+                                        extra_body={"ignore_eos": True})
+        next(iter(stream))
+        stream.close()
+        _wait(lambda: all(x.get("kv_cache_usage") == 0.0 and x.get("num_requests_running") == 0
+                          for x in client.replica_metrics()), "both pools to empty")
         # The decode replica dies: the prefill replica's held blocks go at its timeout.
         os.kill(client.health()[1]["replicas"][1]["pid"], signal.SIGKILL)
         try:
