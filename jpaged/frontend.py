@@ -124,6 +124,11 @@ class RequestFrontend:
             raise ValueError(f"SamplingParams.logprobs must be <= {NUM_TOP_LOGPROBS}, got "
                              f"{params.logprobs}")
         self._check_params(params)
+        vocab = self.spec.vocab_size
+        for t in params.stop_token_ids or ():
+            if not 0 <= t < vocab:
+                raise ValueError(f"SamplingParams.stop_token_ids holds {t}: token ids must be in "
+                                 f"the vocabulary [0, {vocab})")
         text, ids, salt = self._tokenize(prompt)
         eos = tuple(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
@@ -137,6 +142,7 @@ class RequestFrontend:
             self._counter += 1
             seed = (params.seed + i) if params.seed is not None else (
                 self.config.model.seed * 1_000_003 + self._counter)
+            seed = (seed + 2**63) % 2**64 - 2**63  # stays a 64-bit seed (SamplingParams' range)
             child_params = base.clone(n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, ids, child_params, priority=priority, arrival_time=arrival,

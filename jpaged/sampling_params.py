@@ -116,7 +116,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "non-negative integers", self.stop_token_ids)
         if self.seed is not None:
-            _check(isinstance(self.seed, int), "seed", "an integer or None", self.seed)
+            _check(isinstance(self.seed, int) and -2**63 <= self.seed < 2**63, "seed",
+                   "a 64-bit signed integer or None (vLLM's range)", self.seed)
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
                "a dict or None", self.extra_args)
         if self.extra_args:

@@ -123,6 +123,13 @@ def _next_pow2(x: int, floor: int) -> int:
     return max(floor, 1 << max(0, (x - 1).bit_length()))
 
 
+def seed32(seed: int) -> int:
+    """The 32-bit seed the sampler's key is made from: a 64-bit seed's low half mixed with its
+    high half (a seed below 2^32 is itself; 0 and 2^32 no longer draw alike)."""
+    low, high = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    return (low ^ (high * 0x9E3779B1)) & 0xFFFFFFFF
+
+
 def sampling_row(params: Any, vocab_size: int, default_seed: int
                  ) -> tuple[float, int, float, float, int, float, float, float, bool, bool]:
     """A request's sampling values as the step batch holds them: (temperature, top_k, top_p,
@@ -133,7 +140,7 @@ def sampling_row(params: Any, vocab_size: int, default_seed: int
     top_k = min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
     seed = p.seed if p.seed is not None else default_seed
     pen = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-    return (0.0 if p.greedy else p.temperature, top_k, p.top_p, p.min_p, seed & 0xFFFFFFFF,
+    return (0.0 if p.greedy else p.temperature, top_k, p.top_p, p.min_p, seed32(seed),
             p.repetition_penalty, p.presence_penalty, p.frequency_penalty, pen,
             (p.logprobs or 0) > 0)
 

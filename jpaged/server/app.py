@@ -110,8 +110,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        msg, param = _validation_message(exc)
-        return JSONResponse(error_body(msg, param=param), status_code=422)
+        msg, param = _validation_message(exc)  # 400, as vLLM answers a malformed body
+        return JSONResponse(error_body(msg, param=param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -155,12 +155,22 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         """OpenAI chat completions over the model's chat template."""
         return respond(await serving.chat(body, request))
 
+    def card() -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": created, "owned_by": "jpaged",
+                "root": aengine.model_source, "max_model_len": aengine.max_model_len}
+
     @v1.get("/models")
     async def models() -> dict[str, Any]:
         """The one served model."""
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "jpaged",
-            "root": aengine.model_source, "max_model_len": aengine.max_model_len}]}
+        return {"object": "list", "data": [card()]}
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        """The served model's card (404 for any other id), for `client.models.retrieve`."""
+        if model_id != name:
+            raise OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
+                              code="model_not_found")
+        return card()
 
     app.include_router(v1)
 

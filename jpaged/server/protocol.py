@@ -76,6 +76,17 @@ class _SamplingRequest(BaseModel):
     # vLLM's disaggregated prefill/decode: {"do_remote_decode": true} on a producer; the
     # producer's response params (with do_remote_prefill) on a consumer.
     kv_transfer_params: dict[str, Any] | None = None
+    # vLLM's prefix-cache salt: requests with different salts share no cached block.
+    cache_salt: str | None = None
+
+    def salted(self, prompt: Any) -> Any:
+        """The engine prompt with this request's cache_salt (a dict prompt when salted)."""
+        if self.cache_salt is None:
+            return prompt
+        if not self.cache_salt:
+            raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
+        base = {"prompt": prompt} if isinstance(prompt, str) else dict(prompt)
+        return {**base, "cache_salt": self.cache_salt}
 
     def _unsupported(self) -> None:
         if self.logit_bias:
@@ -142,7 +153,7 @@ class CompletionRequest(_SamplingRequest):
         for x in out:
             if x == "" or (isinstance(x, dict) and not x["prompt_token_ids"]):
                 raise OpenAIError(400, "prompt is empty", param="prompt")
-        return out
+        return [self.salted(x) for x in out]
 
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams of this completion request."""

@@ -178,8 +178,8 @@ class Serving:
         self.model_name = model_name
 
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is absent or the served model name."""
-        if model is not None and model != self.model_name:
+        """404 unless `model` is absent, empty (vLLM: the default model) or the served name."""
+        if model and model != self.model_name:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
                               code="model_not_found")
 
@@ -195,8 +195,10 @@ class Serving:
         batch = _Batch(self.engine, f"cmpl-{uuid.uuid4().hex}", params, req.priority)
         await batch.start(prompts, "prompt")
         tok = self.engine.tokenizer
-        echo = [p if isinstance(p, str) else tok.decode(p["prompt_token_ids"], False)
-                for p in prompts] if req.echo else None
+        echo = None
+        if req.echo:  # a salted prompt is a dict that may hold the text
+            echo = [p if isinstance(p, str) else p["prompt"] if isinstance(p.get("prompt"), str)
+                    else tok.decode(p["prompt_token_ids"], False) for p in prompts]
         head = {"id": batch.base_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         if req.stream:
@@ -249,19 +251,27 @@ class Serving:
                                  echo: list[str] | None, include_usage: bool
                                  ) -> AsyncIterator[str]:
         n = batch.params.n
-        offsets: dict[int, int] = {}  # choice index -> characters sent so far
+        # Choice index -> where its next token's text starts: the echo plus every token's text
+        # so far, as the non-streamed offsets count (text held back by a stop string moves
+        # the text sent, not the tokens).
+        offsets: dict[int, int] = {}
+        done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
         async for i, out in batch.outputs():
             for c in out.outputs:
                 idx = i * n + c.index
+                if idx in done:
+                    continue
                 text = c.text
                 if idx not in offsets:
-                    offsets[idx] = 0
+                    offsets[idx] = len(echo[i]) if echo else 0
                     text = (echo[i] if echo else "") + text
-                lps = completion_logprobs(c, self.engine.tokenizer,
-                                          offsets[idx] + len(text) - len(c.text))
+                lps = completion_logprobs(c, self.engine.tokenizer, offsets[idx])
+                if lps is not None:
+                    offsets[idx] += sum(map(len, lps["tokens"]))
                 if not text and c.finish_reason is None and not (lps and c.token_ids):
                     continue  # a token held back (incomplete UTF-8 character)
-                offsets[idx] += len(text)
+                if c.finish_reason is not None:
+                    done.add(idx)
                 chunk = {**head, "choices": [{
                     "index": idx, "text": text, "logprobs": lps,
                     "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
@@ -282,7 +292,8 @@ class Serving:
             raise OpenAIError(400, f"the chat template rejected the messages: {e}",
                               param="messages") from None
         # The template holds the special tokens already: no second BOS.
-        return {"prompt": text, "prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+        return req.salted({"prompt": text,
+                           "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest
                    ) -> dict[str, Any] | EventStream | None:
@@ -327,11 +338,16 @@ class Serving:
                                                                   "content": ""},
                                             "logprobs": None, "finish_reason": None}],
                        **extra})
+        done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
         async for _, out in batch.outputs():
             for c in out.outputs:
+                if c.index in done:
+                    continue
                 lps = chat_logprobs(c, self.engine.tokenizer)
                 if not c.text and c.finish_reason is None and not (lps and c.token_ids):
                     continue
+                if c.finish_reason is not None:
+                    done.add(c.index)
                 delta = {"content": c.text} if c.text else {}
                 yield sse({**head, "choices": [{"index": c.index, "delta": delta,
                                                 "logprobs": lps,

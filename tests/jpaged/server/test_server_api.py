@@ -103,12 +103,19 @@ def _post(url: str, path: str, **kw) -> httpx.Response:
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
     ("/v1/completions", {"model": "other", "prompt": "x"}, 404, "model"),
-    ("/v1/completions", {"model": MODEL}, 422, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 422, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 422,
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": None}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stream": True,
+                         "stream_options": {"include_usage": None}}, 400, "stream_options"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "stop_token_ids": [99999]}, 400,
+     "stop_token_ids"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "cache_salt": ""}, 400, "cache_salt"),
+    ("/v1/completions", {"model": MODEL, "prompt": {"a": 1}}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": "many"}, 400,
      "max_tokens"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 422, "messages"),
-    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 422,
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "no role"}]}, 400,
      "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -126,7 +133,7 @@ def test_bad_requests_get_openai_errors(served, path, body, status, param):
 def test_malformed_json_and_unknown_route_then_still_serving(served):
     r = _post(served.url, "/v1/completions", content=b"{not json",
               headers={"content-type": "application/json"})
-    assert r.status_code == 422 and "JSON" in r.json()["error"]["message"]
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
     r = _post(served.url, "/v1/nothing-here", json={})
     assert r.status_code == 404 and r.json()["error"]["message"]
     with pytest.raises(openai.BadRequestError) as e:
@@ -183,3 +190,48 @@ def test_models_health_and_metrics(served):
     assert 0.0 <= m["jpaged:kv_cache_usage_perc"] <= 1.0
     assert m["jpaged:num_requests_running"] == 0 and m["jpaged:num_preemptions_total"] == 0
     assert m["jpaged:num_blocks_usable"] == 159
+
+
+def test_streams_answer_as_vllms(served):
+    """n > 1 streams send each choice's final chunk once; streamed text_offset equals the
+    non-streamed one while a stop string holds text back; "model": "" is the served model;
+    client.models.retrieve works; seeds 0 and 2^32 draw differently."""
+    client = served.client()
+    prompt = "Once upon a time"
+    for stream_kw in ({}, {"n": 3, "temperature": 1.0, "seed": 7}):
+        kw = {**GREEDY, "max_tokens": 6, **stream_kw}
+        chunks = list(client.completions.create(prompt=prompt, stream=True, **kw))
+        finals = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+        assert sorted(c.choices[0].index for c in finals) == list(range(kw.get("n", 1)))
+        chat = list(client.chat.completions.create(
+            messages=[{"role": "user", "content": prompt}], stream=True, **kw))
+        finals = [c for c in chat if c.choices and c.choices[0].finish_reason is not None]
+        assert sorted(c.choices[0].index for c in finals) == list(range(kw.get("n", 1)))
+    # A stop string that cannot match holds back its length's text every step.
+    kw = {**GREEDY, "max_tokens": 8, "logprobs": 1, "stop": ["zzzzzz-never"]}
+    full = client.completions.create(prompt=prompt, **kw).choices[0].logprobs.text_offset
+    streamed = [o for c in client.completions.create(prompt=prompt, stream=True, **kw)
+                if c.choices and c.choices[0].logprobs
+                for o in c.choices[0].logprobs.text_offset]
+    assert streamed == full
+    assert client.completions.create(prompt=prompt, **{**GREEDY, "model": ""}).choices[0].text
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("other")
+    draws = {s: client.completions.create(prompt=prompt, model=MODEL, max_tokens=8, seed=s,
+                                          temperature=1.0).choices[0].text
+             for s in (0, 2**32)}
+    assert draws[0] != draws[2**32]
+
+
+def test_cache_salt_isolates_tenants(served):
+    client = served.client()
+    prompt = "A shared system prompt, long enough for some blocks. " * 2
+    kw = {"model": MODEL, "temperature": 0, "max_tokens": 2}
+
+    def ask(salt):
+        return client.completions.create(prompt=prompt, extra_body={"cache_salt": salt}, **kw)
+    ask("a")
+    again, other = ask("a"), ask("b")
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
