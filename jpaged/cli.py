@@ -26,7 +26,7 @@ from jpaged.config import (
 )
 
 app = typer.Typer(help="jpaged: a JAX inference engine with a vLLM-style paged KV cache.",
-                  no_args_is_help=True, add_completion=False)
+                  no_args_is_help=True, add_completion=False, rich_markup_mode=None)
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", help="HF directory, .gguf file or hub repo id (default: embedded SmolLM2).")]
@@ -38,8 +38,9 @@ KvBytes = Annotated[int | None, typer.Option(
     "--kv-cache-memory-bytes", help="KV pool size in bytes (overrides the fraction).")]
 Prefix = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
                                       help="Reuse KV blocks of shared prompt prefixes.")]
-KvDtype = Annotated[str, typer.Option("--kv-cache-dtype",
-                                      help="auto|float32|bfloat16|float16|fp8|fp8_e4m3|fp8_e5m2")]
+KvDtype = Annotated[str, typer.Option(
+    "--kv-cache-dtype",
+    help="Page dtype, one of: auto, float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2.")]
 Swap = Annotated[float, typer.Option("--swap-space", help="Disk tier size in GiB.")]
 Offload = Annotated[float, typer.Option("--kv-offloading-size", help="Host RAM tier in GiB.")]
 MaxSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Max sequences per step.")]
@@ -47,8 +48,9 @@ MaxTokens = Annotated[int | None, typer.Option("--max-num-batched-tokens",
                                                help="Token budget per step.")]
 MaxLen = Annotated[int | None, typer.Option("--max-model-len", help="Context length limit.")]
 TP = Annotated[int, typer.Option("--tensor-parallel-size", help="Devices for tensor parallelism.")]
-Preempt = Annotated[str, typer.Option("--preemption-mode", help="recompute|swap")]
-Backend = Annotated[str, typer.Option("--attention-backend", help="auto|pallas|reference|xla")]
+Preempt = Annotated[str, typer.Option("--preemption-mode", help="One of: recompute, swap.")]
+Backend = Annotated[str, typer.Option("--attention-backend",
+                                      help="One of: auto, pallas, reference, xla.")]
 NoHybrid = Annotated[bool, typer.Option(
     "--disable-hybrid-kv-cache-manager",
     help="Keep every token's KV in every layer, sliding-window layers too (one full-attention "
@@ -292,7 +294,8 @@ def estimate(
         "--avg-len", help="Average sequence length for a second concurrency figure.")] = None,
     tensor_parallel_size: TP = 1,
     dtype: Annotated[str, typer.Option(
-        "--dtype", help="Weights dtype: auto (the config's torch_dtype)|float32|bfloat16|float16")
+        "--dtype", help="Weights dtype, one of: auto (the config's torch_dtype), float32, "
+        "bfloat16, float16.")
     ] = "auto",
     max_num_batched_tokens: Annotated[int, typer.Option(
         "--max-num-batched-tokens", help="Token budget per step (sizes the activations).")
@@ -333,7 +336,8 @@ def convert(
         "directory or hub repo id.")],
     out: Annotated[Path, typer.Argument(help="Directory to write the jpaged checkpoint to.")],
     dtype: Annotated[str, typer.Option(
-        "--dtype", help="Dtype the parameters are stored in: float32|bfloat16|float16.")
+        "--dtype", help="Dtype the parameters are stored in, one of: float32, bfloat16, "
+        "float16.")
     ] = "float32",
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace the checkpoint files of an existing, non-empty OUT.")
@@ -407,7 +411,7 @@ def serve(
     ray_address: Annotated[str | None, typer.Option(
         "--ray-address", help="Join this Ray cluster (default: start a local one).")] = None,
     routing_policy: Annotated[str, typer.Option(
-        "--routing-policy", help="kv_aware | round_robin | least_load (data parallel).")
+        "--routing-policy", help="Data parallel, one of: kv_aware, round_robin, least_load.")
     ] = "kv_aware",
     prefill_replicas: Annotated[int, typer.Option(
         "--prefill-replicas",

@@ -68,3 +68,26 @@ def test_help_lists_vllm_flags():
                  "--preemption-mode", "--async-scheduling", "--no-async-scheduling",
                  "--kv-events-config"):
         assert flag in r.stdout
+
+
+def test_every_help_keeps_flags_and_choices_whole_at_80_columns():
+    """On an 80-column terminal (or piped into less) no option name, and no name in a choice
+    list, is cut: these are the vLLM flag names users look for."""
+    import typer
+    from typer.testing import CliRunner
+
+    from jpaged.cli import app
+
+    group = typer.main.get_command(app)
+    runner = CliRunner()
+    for name, command in group.commands.items():
+        r = runner.invoke(app, [name, "--help"], env={"COLUMNS": "80"}, terminal_width=80)
+        assert r.exit_code == 0, r.output
+        assert "…" not in r.output, (name, r.output)
+        words = set(r.output.replace(",", " ").replace(".", " ").split())
+        for param in command.params:
+            for opt in (*param.opts, *param.secondary_opts):
+                if opt.startswith("-"):
+                    assert opt in words, (name, opt)
+        if name in ("generate", "serve"):
+            assert {"fp8_e4m3", "fp8_e5m2", "recompute", "swap", "reference"} <= words
