@@ -73,7 +73,8 @@ class RequestFrontend:
         check_kv_transfer_params(kvp, self.config.kv_transfer, params.n)
 
     # ----------------------------------------------------------------- requests
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int], str | None]:
+    def _tokenize(self, prompt: PromptType, truncate: int | None = None
+                  ) -> tuple[str | None, list[int], str | None]:
         salt = None
         if isinstance(prompt, str):
             text, ids = prompt, None
@@ -104,6 +105,10 @@ class RequestFrontend:
                                  f"in the vocabulary [0, {vocab})")
         ids = [int(t) for t in ids]  # numpy integers become Python ints
         max_len = self.config.scheduler.max_model_len
+        if truncate is not None:  # vLLM: the last k tokens (-1: all that leave room)
+            keep = max_len - 1 if truncate == -1 else truncate
+            if len(ids) > keep:
+                ids, text = ids[-keep:], None
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
                              "it must leave room for at least one generated token")
@@ -129,7 +134,7 @@ class RequestFrontend:
             if not 0 <= t < vocab:
                 raise ValueError(f"SamplingParams.stop_token_ids holds {t}: token ids must be in "
                                  f"the vocabulary [0, {vocab})")
-        text, ids, salt = self._tokenize(prompt)
+        text, ids, salt = self._tokenize(prompt, params.truncate_prompt_tokens)
         eos = tuple(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos = eos + (self.tokenizer.eos_token_id,)

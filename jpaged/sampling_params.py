@@ -70,6 +70,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Keep only the prompt's last k tokens (-1: the last max_model_len - 1), as vLLM.
+    truncate_prompt_tokens: int | None = None
     # vLLM's extra_args: arguments for extensions; "kv_transfer_params" is read by the KV
     # connector (disaggregated prefill/decode; the OpenAI API's kv_transfer_params field).
     extra_args: dict[str, Any] | None = None
@@ -118,6 +120,11 @@ class SamplingParams:
         if self.seed is not None:
             _check(isinstance(self.seed, int) and -2**63 <= self.seed < 2**63, "seed",
                    "a 64-bit signed integer or None (vLLM's range)", self.seed)
+        _check(self.truncate_prompt_tokens is None or (
+            isinstance(self.truncate_prompt_tokens, int) and not isinstance(
+                self.truncate_prompt_tokens, bool) and (self.truncate_prompt_tokens == -1
+                                                        or self.truncate_prompt_tokens >= 1)),
+            "truncate_prompt_tokens", "-1, an integer >= 1 or None", self.truncate_prompt_tokens)
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
                "a dict or None", self.extra_args)
         if self.extra_args:

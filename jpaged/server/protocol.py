@@ -44,12 +44,31 @@ class StreamOptions(BaseModel):
     """`stream_options`: whether a final chunk carries usage."""
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: usage so far on every chunk
+
+
+# Fields vLLM's server accepts that this one does not implement yet, with the value meaning
+# "not used": any other value is refused with a 400 naming the field, never ignored.
+_NOT_YET: dict[str, Any] = {
+    "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None,
+    "structured_outputs": None, "guided_json": None, "guided_regex": None,
+    "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
+    "guided_whitespace_pattern": None, "logits_processors": None, "use_beam_search": False,
+    "length_penalty": 1.0, "return_tokens_as_token_ids": False,
+    "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
+    "tool_choice": None, "parallel_tool_calls": None, "continue_final_message": False,
+    "documents": None, "chat_template": None, "chat_template_kwargs": None,
+    "mm_processor_kwargs": None, "reasoning_effort": None, "echo": False,
+    "response_format": None,
+}
+# Values of those fields that mean "not used" too.
+_ALSO_UNUSED = {"tool_choice": ("none",), "response_format": ({"type": "text"},)}
 
 
 class _SamplingRequest(BaseModel):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + vLLM extras)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unimplemented
 
     model: str | None = None
     temperature: float | None = None
@@ -78,6 +97,20 @@ class _SamplingRequest(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's prefix-cache salt: requests with different salts share no cached block.
     cache_salt: str | None = None
+    # vLLM: keep only the prompt's last k tokens (-1: as many as max_model_len allows).
+    truncate_prompt_tokens: int | None = None
+    # vLLM: each choice carries its token ids, and the response (first chunk) the prompt's.
+    return_token_ids: bool = False
+    request_id: str | None = None  # vLLM: the id the response carries
+
+    def refuse_unimplemented(self) -> None:
+        """400 naming the first vLLM field set that this server does not implement yet."""
+        extra = self.model_extra or {}
+        for name, unused in _NOT_YET.items():
+            if name in extra and extra[name] != unused and \
+                    extra[name] not in _ALSO_UNUSED.get(name, ()):
+                raise OpenAIError(400, f"{name} is not supported by this server yet",
+                                  param=name)
 
     def salted(self, prompt: Any) -> Any:
         """The engine prompt with this request's cache_salt (a dict prompt when salted)."""
@@ -89,6 +122,7 @@ class _SamplingRequest(BaseModel):
         return {**base, "cache_salt": self.cache_salt}
 
     def _unsupported(self) -> None:
+        self.refuse_unimplemented()
         if self.logit_bias:
             raise OpenAIError(400, "logit_bias is not supported by this server",
                               param="logit_bias")
@@ -113,6 +147,7 @@ class _SamplingRequest(BaseModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
             extra_args=({"kv_transfer_params": self.kv_transfer_params}
                         if self.kv_transfer_params is not None else None),
         )

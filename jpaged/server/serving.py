@@ -54,6 +54,18 @@ class _Batch:
         self.cached_tokens = 0
         self.completion_tokens = 0
         self.kv_transfer_params: dict[str, Any] | None = None  # a producer's, at the finish
+        self.return_token_ids = False  # vLLM's return_token_ids
+        self.continuous_usage = False  # vLLM's stream_options.continuous_usage_stats
+
+    def configure(self, req: Any) -> None:
+        """Read the response options of the HTTP request `req`."""
+        self.return_token_ids = req.return_token_ids
+        self.continuous_usage = bool(req.stream_options and req.stream_options.include_usage
+                                     and req.stream_options.continuous_usage_stats)
+
+    def chunk_usage(self) -> dict[str, Any] | None:
+        """A content chunk's usage: the counts so far (continuous_usage_stats), else null."""
+        return self.usage() if self.continuous_usage else None
 
     async def start(self, prompts: list[Any], param: str) -> None:
         """Add every prompt; a bad one aborts those already added and raises OpenAIError."""
@@ -192,7 +204,9 @@ class Serving:
         if req.kv_transfer_params is not None and len(prompts) > 1:
             raise OpenAIError(400, "kv_transfer_params needs a single prompt (one request's KV "
                               "moves)", param="kv_transfer_params")
-        batch = _Batch(self.engine, f"cmpl-{uuid.uuid4().hex}", params, req.priority)
+        batch = _Batch(self.engine, req.request_id or f"cmpl-{uuid.uuid4().hex}", params,
+                       req.priority)
+        batch.configure(req)
         await batch.start(prompts, "prompt")
         tok = self.engine.tokenizer
         echo = None
@@ -219,6 +233,9 @@ class Serving:
                                                                     len(prefix)),
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
+                    if batch.return_token_ids:
+                        choices[-1].update(prompt_token_ids=out.prompt_token_ids,
+                                           token_ids=list(c.token_ids))
         finally:
             batch.close()
         choices.sort(key=lambda ch: ch["index"])
@@ -256,6 +273,7 @@ class Serving:
         # the text sent, not the tokens).
         offsets: dict[int, int] = {}
         done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
+        sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out
         async for i, out in batch.outputs():
             for c in out.outputs:
                 idx = i * n + c.index
@@ -268,15 +286,21 @@ class Serving:
                 lps = completion_logprobs(c, self.engine.tokenizer, offsets[idx])
                 if lps is not None:
                     offsets[idx] += sum(map(len, lps["tokens"]))
-                if not text and c.finish_reason is None and not (lps and c.token_ids):
+                if not text and c.finish_reason is None and not (
+                        (lps or batch.return_token_ids) and c.token_ids):
                     continue  # a token held back (incomplete UTF-8 character)
                 if c.finish_reason is not None:
                     done.add(idx)
-                chunk = {**head, "choices": [{
-                    "index": idx, "text": text, "logprobs": lps,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}]}
+                choice = {"index": idx, "text": text, "logprobs": lps,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if batch.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                    if idx not in sent_prompt:
+                        sent_prompt.add(idx)
+                        choice["prompt_token_ids"] = out.prompt_token_ids
+                chunk = {**head, "choices": [choice]}
                 if include_usage:
-                    chunk["usage"] = None
+                    chunk["usage"] = batch.chunk_usage()
                 yield sse(chunk)
 
     # -------------------------------------------------------------------------- chat
@@ -301,7 +325,9 @@ class Serving:
         self.check_model(req.model)
         params = req.to_sampling_params()
         prompt = self._chat_prompt(req)
-        batch = _Batch(self.engine, f"chatcmpl-{uuid.uuid4().hex}", params, req.priority)
+        batch = _Batch(self.engine, req.request_id or f"chatcmpl-{uuid.uuid4().hex}", params,
+                       req.priority)
+        batch.configure(req)
         await batch.start([prompt], "messages")
         head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
         if req.stream:
@@ -310,19 +336,26 @@ class Serving:
 
     async def _full_chat(self, batch: _Batch, head: dict[str, Any]) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
+        prompt_ids: list[int] | None = None
         try:
             async for _, out in batch.outputs():
+                prompt_ids = out.prompt_token_ids
                 for c in out.outputs:
                     choices.append({"index": c.index,
                                     "message": {"role": "assistant", "content": c.text},
                                     "logprobs": chat_logprobs(c, self.engine.tokenizer),
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
+                    if batch.return_token_ids:
+                        choices[-1]["token_ids"] = list(c.token_ids)
         finally:
             batch.close()
         choices.sort(key=lambda ch: ch["index"])
-        return {**head, "object": "chat.completion", "choices": choices, "usage": batch.usage(),
+        body = {**head, "object": "chat.completion", "choices": choices, "usage": batch.usage(),
                 "kv_transfer_params": batch.kv_transfer_params}
+        if batch.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        return body
 
     def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool
                      ) -> AsyncIterator[str]:
@@ -339,17 +372,26 @@ class Serving:
                                             "logprobs": None, "finish_reason": None}],
                        **extra})
         done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
+        sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out
         async for _, out in batch.outputs():
             for c in out.outputs:
                 if c.index in done:
                     continue
                 lps = chat_logprobs(c, self.engine.tokenizer)
-                if not c.text and c.finish_reason is None and not (lps and c.token_ids):
+                if not c.text and c.finish_reason is None and not (
+                        (lps or batch.return_token_ids) and c.token_ids):
                     continue
                 if c.finish_reason is not None:
                     done.add(c.index)
                 delta = {"content": c.text} if c.text else {}
-                yield sse({**head, "choices": [{"index": c.index, "delta": delta,
-                                                "logprobs": lps,
-                                                "finish_reason": c.finish_reason,
-                                                "stop_reason": c.stop_reason}], **extra})
+                choice = {"index": c.index, "delta": delta, "logprobs": lps,
+                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                if batch.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                chunk = {**head, "choices": [choice], **extra}
+                if batch.return_token_ids and c.index not in sent_prompt:
+                    sent_prompt.add(c.index)
+                    chunk["prompt_token_ids"] = out.prompt_token_ids
+                if include_usage:
+                    chunk["usage"] = batch.chunk_usage()
+                yield sse(chunk)

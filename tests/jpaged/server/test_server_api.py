@@ -235,3 +235,46 @@ def test_cache_salt_isolates_tenants(served):
     again, other = ask("a"), ask("b")
     assert again.usage.prompt_tokens_details.cached_tokens > 0
     assert other.usage.prompt_tokens_details.cached_tokens == 0
+
+
+@pytest.mark.parametrize("field,value", [
+    ("prompt_logprobs", 1), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("structured_outputs", {"regex": "a+"}), ("guided_regex", "a+"),
+    ("response_format", {"type": "json_object"}), ("use_beam_search", True),
+    ("return_tokens_as_token_ids", True), ("echo", True)])
+def test_vllm_fields_not_implemented_are_refused_by_name(served, field, value):
+    path = "/v1/chat/completions" if field == "echo" else "/v1/completions"
+    body = ({"messages": [{"role": "user", "content": "hi"}]} if field == "echo"
+            else {"prompt": "x"})
+    r = _post(served.url, path, json={"model": MODEL, "max_tokens": 1, **body, field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+
+
+def test_truncate_prompt_tokens_token_ids_usage_and_request_id(served):
+    client = served.client()
+    tok = served.engine.tokenizer
+    prompt = "one two three four five six seven eight"
+    ids = tok.encode(prompt)
+    kw = {**GREEDY, "max_tokens": 3}
+    cut = client.completions.create(prompt=prompt, **{**kw, "extra_body": {
+        "ignore_eos": True, "truncate_prompt_tokens": 5, "return_token_ids": True,
+        "request_id": "my-id-1"}})
+    assert cut.id == "my-id-1" and cut.usage.prompt_tokens == 5
+    choice = cut.choices[0].model_extra
+    assert choice["prompt_token_ids"] == ids[-5:] and len(choice["token_ids"]) == 3
+    same = client.completions.create(prompt=ids[-5:], **kw)
+    assert same.choices[0].text == cut.choices[0].text
+    chunks = list(client.completions.create(
+        prompt=prompt, stream=True, stream_options={"include_usage": True,
+                                                    "continuous_usage_stats": True},
+        **{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}}))
+    content = [c for c in chunks if c.choices]
+    assert all(c.usage is not None and c.usage.prompt_tokens == len(ids) for c in content)
+    assert [c.usage.completion_tokens for c in content][-1] == 3
+    assert content[0].choices[0].model_extra["prompt_token_ids"] == ids
+    assert sum(len(c.choices[0].model_extra["token_ids"]) for c in content) == 3
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "hi"}], model=MODEL, max_tokens=2,
+        extra_body={"return_token_ids": True})
+    assert chat.model_extra["prompt_token_ids"] and chat.choices[0].model_extra["token_ids"]
