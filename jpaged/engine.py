@@ -228,7 +228,13 @@ class LLMEngine(RequestFrontend):
         self._in_flight: tuple[Any, PendingStep] | None = None
         self._init_frontend()
         # Request timing histograms + the periodic stats log line (fed once per step).
-        self.stat_logger = StatLogger(self.get_metrics, log=not args.disable_log_stats)
+        self.stat_logger = StatLogger(self.get_metrics, log=not args.disable_log_stats,
+                                      max_model_len=self.config.scheduler.max_model_len)
+        c = self.config.cache
+        self.stat_logger.set_cache_config(
+            block_size=c.block_size, cache_dtype=c.kv_cache_dtype, num_gpu_blocks=num_blocks,
+            enable_prefix_caching=c.enable_prefix_caching,
+            prefix_caching_hash_algo=c.prefix_caching_hash_algo)
         self.metrics_history = MetricsHistory()  # one point per step()
         logger.info("engine ready in %.1fs: %s, %d KV blocks, backend %s",
                     time.perf_counter() - t0, self.loaded.source, num_blocks, self.ops.name)
@@ -371,6 +377,7 @@ class LLMEngine(RequestFrontend):
     def _record(self, cur: tuple[Any, PendingStep | None]) -> None:
         # One point per call, for the step dispatched by it.
         self.metrics_history.record(self.scheduler, cur[0].num_scheduled_tokens)
+        self.stat_logger.on_iteration(cur[0].num_scheduled_tokens)
         if self.kv_events is not None:
             self.kv_events.flush()  # this step's cache changes, as one batch
 

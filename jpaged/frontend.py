@@ -155,6 +155,7 @@ class RequestFrontend:
             group.children.append(ChildState(
                 i, req, logprobs=[] if params.logprobs is not None else None))
         self._submit([c.request for c in group.children])  # raises before anything is kept
+        self.stat_logger.on_request(params.n, max_tokens)
         self._groups[request_id] = group
         for c in group.children:
             self._child_of[c.request.request_id] = (group, c)

@@ -32,6 +32,20 @@ ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.
                10.0, 20.0, 40.0, 80.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Request phase times: vLLM's request_*_time_seconds edges.
+REQUEST_TIME_BUCKETS = E2E_BUCKETS
+
+
+def buckets_1_2_5(limit: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's token-count histogram edges)."""
+    out: list[float] = []
+    mag = 1
+    while True:
+        for m in (1, 2, 5):
+            if m * mag > limit:
+                return tuple(out)
+            out.append(float(m * mag))
+        mag *= 10
 
 # get_metrics() key -> (exported name without prefix, "counter" | "gauge", help).
 # Counters are exposed with a `_total` suffix (prometheus_client adds it).
@@ -131,8 +145,9 @@ class StatLogger:
     """Request timing histograms and the periodic "Avg prompt throughput ..." log line."""
 
     def __init__(self, metrics_fn: MetricsFn, interval: float = DEFAULT_LOG_STATS_INTERVAL,
-                 log: bool = True, start: float | None = None) -> None:
-        from prometheus_client import Counter, Histogram
+                 log: bool = True, start: float | None = None, max_model_len: int = 2048
+                 ) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
 
         if not interval > 0:
             raise ValueError(f"StatLogger.interval must be > 0 seconds, got {interval!r}")
@@ -152,6 +167,39 @@ class StatLogger:
         self.request_success = Counter(
             f"{PREFIX}request_success", "Finished sequences by finish reason.",
             ["finished_reason"], registry=None)
+        # vLLM's request phase and size families (a sequence each; n and max_tokens per
+        # request as sent).
+        def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(f"{PREFIX}{name}", doc, buckets=buckets, registry=None)
+        self.request_queue_time = hist("request_queue_time_seconds",
+                                       "Arrival to first scheduled, per sequence.",
+                                       REQUEST_TIME_BUCKETS)
+        self.request_prefill_time = hist("request_prefill_time_seconds",
+                                         "First scheduled to first token, per sequence.",
+                                         REQUEST_TIME_BUCKETS)
+        self.request_decode_time = hist("request_decode_time_seconds",
+                                        "First token to last token, per sequence.",
+                                        REQUEST_TIME_BUCKETS)
+        self.request_inference_time = hist("request_inference_time_seconds",
+                                           "First scheduled to last token, per sequence.",
+                                           REQUEST_TIME_BUCKETS)
+        tokens = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = hist("request_prompt_tokens",
+                                          "Prompt tokens per finished sequence.", tokens)
+        self.request_generation_tokens = hist("request_generation_tokens",
+                                              "Generated tokens per finished sequence.", tokens)
+        self.request_params_n = hist("request_params_n", "The n of each request.",
+                                     (1, 2, 5, 10, 20))
+        self.request_params_max_tokens = hist("request_params_max_tokens",
+                                              "The max_tokens of each request.", tokens)
+        self.iteration_tokens = hist("iteration_tokens_total",
+                                     "Tokens computed per engine step.",
+                                     buckets_1_2_5(max(max_model_len, 16384)))
+        self.cache_config_info = Gauge(f"{PREFIX}cache_config_info",
+                                       "Information of the KV cache config (value 1).",
+                                       ["block_size", "cache_dtype", "num_gpu_blocks",
+                                        "enable_prefix_caching", "prefix_caching_hash_algo"],
+                                       registry=None)
         self._last_log = time.monotonic() if start is None else start
         self._last_prompt = 0.0
         self._last_gen = 0.0
@@ -159,7 +207,25 @@ class StatLogger:
     def prometheus_metrics(self) -> tuple[Any, ...]:
         """The prometheus_client metric objects this logger fills."""
         return (self.time_to_first_token, self.inter_token_latency, self.e2e_request_latency,
-                self.request_success)
+                self.request_success, self.request_queue_time, self.request_prefill_time,
+                self.request_decode_time, self.request_inference_time,
+                self.request_prompt_tokens, self.request_generation_tokens,
+                self.request_params_n, self.request_params_max_tokens, self.iteration_tokens,
+                self.cache_config_info)
+
+    def set_cache_config(self, **labels: Any) -> None:
+        """The cache_config_info labels (vLLM's), value 1."""
+        self.cache_config_info.labels(**{k: str(v) for k, v in labels.items()}).set(1)
+
+    def on_request(self, n: int, max_tokens: int) -> None:
+        """A user request was added: its n and max_tokens."""
+        self.request_params_n.observe(n)
+        self.request_params_max_tokens.observe(max_tokens)
+
+    def on_iteration(self, num_tokens: int) -> None:
+        """An engine step computed `num_tokens` tokens (none: not recorded)."""
+        if num_tokens:
+            self.iteration_tokens.observe(num_tokens)
 
     def on_step(self, updated: Sequence[Any], now: float,
                 finished: Iterable[Any] | None = None) -> None:
@@ -175,6 +241,7 @@ class StatLogger:
         if gaps.pop(None, 0):
             for req in updated:
                 if req.last_token_time is None:
+                    req.first_token_time = now  # a Request field this logger owns too
                     self.time_to_first_token.observe(max(0.0, now - req.arrival_time))
         for req in updated:
             req.last_token_time = now  # a Request field this logger owns
@@ -182,10 +249,23 @@ class StatLogger:
                     else [r for r in updated if r.is_finished()]):
             self.e2e_request_latency.observe(max(0.0, now - req.arrival_time))
             self.request_success.labels(req.finish_reason or "unknown").inc()
+            self._on_finished(req, now)
         for prev, count in gaps.items():
             _observe_many(self.inter_token_latency, max(0.0, now - prev), count)
         if self.log_enabled and now - self._last_log >= self.interval:
             self.log(now)
+
+    def _on_finished(self, req: Any, now: float) -> None:
+        self.request_prompt_tokens.observe(req.num_prompt_tokens)
+        self.request_generation_tokens.observe(req.num_output_tokens)
+        first, sched = req.first_token_time, req.first_scheduled_time
+        if first is not None:
+            self.request_decode_time.observe(max(0.0, now - first))
+        if sched is not None:  # set by the scheduler (not in an engine-core front end)
+            self.request_queue_time.observe(max(0.0, sched - req.arrival_time))
+            self.request_inference_time.observe(max(0.0, now - sched))
+            if first is not None:
+                self.request_prefill_time.observe(max(0.0, first - sched))
 
     def log(self, now: float | None = None) -> str:
         """Log (INFO) and return the stats line for the time since the previous one."""

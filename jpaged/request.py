@@ -102,6 +102,8 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
         self.last_token_time: float | None = None  # when its latest token reached the host
+        self.first_token_time: float | None = None  # when its first token did
+        self.first_scheduled_time: float | None = None  # when the scheduler first admitted it
         # Snapshot: SamplingParams.all_stop_token_ids builds a set on every call.
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.all_stop_token_ids)
         # Disaggregated prefill/decode (a KV connector): the request's kv_transfer_params as

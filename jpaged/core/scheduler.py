@@ -35,6 +35,7 @@ and come back at re-admission with num_computed_tokens restored (``offload.py``)
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import chain
 from operator import attrgetter
@@ -481,7 +482,7 @@ class Scheduler:
                     self.waiting.push(req, key)
                     break
                 self._kv_loaded.discard(req.request_id)
-                req.status = RUNNING
+                req.status = RUNNING  # first admitted when its blocks were allocated
                 self.running.append(req)
                 st.num_running += 1
                 self._add_scheduled(req, num_new, st)
@@ -519,6 +520,8 @@ class Scheduler:
                 self.waiting.push(req, key)
                 break
             req.status = RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = hit_tokens
             self.running.append(req)
             st.num_running += 1
@@ -550,6 +553,8 @@ class Scheduler:
                               offloaded=offloaded):
             return "no_memory"
         req.num_computed_tokens = hit_tokens
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
         conn.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req.request_id),
                                       ext)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KVS

@@ -190,6 +190,19 @@ def test_models_health_and_metrics(served):
     assert 0.0 <= m["jpaged:kv_cache_usage_perc"] <= 1.0
     assert m["jpaged:num_requests_running"] == 0 and m["jpaged:num_preemptions_total"] == 0
     assert m["jpaged:num_blocks_usable"] == 159
+    # vLLM's request phase, size and iteration families: one finished sequence more.
+    for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
+                 "request_decode_time_seconds", "request_inference_time_seconds",
+                 "request_prompt_tokens", "request_generation_tokens", "request_params_n",
+                 "request_params_max_tokens"):
+        key = f"jpaged:{name}_count"
+        assert m[key] == before.get(key, 0) + 1, name
+    assert m["jpaged:request_generation_tokens_sum"] - before.get(
+        "jpaged:request_generation_tokens_sum", 0) == 12
+    assert m["jpaged:iteration_tokens_total_count"] > before.get(
+        "jpaged:iteration_tokens_total_count", 0)
+    text = httpx.get(f"{served.url}/metrics", timeout=30).text
+    assert 'jpaged:cache_config_info{block_size="16"' in text
 
 
 def test_streams_answer_as_vllms(served):
