@@ -38,6 +38,10 @@ KvBytes = Annotated[int | None, typer.Option(
     "--kv-cache-memory-bytes", help="KV pool size in bytes (overrides the fraction).")]
 Prefix = Annotated[bool, typer.Option("--enable-prefix-caching/--no-enable-prefix-caching",
                                       help="Reuse KV blocks of shared prompt prefixes.")]
+HashSeed = Annotated[str | None, typer.Option(
+    "--prefix-caching-hash-seed",
+    help="A deployment's secret mixed into every prefix-cache hash (default: "
+    "$JPAGED_PREFIX_CACHING_HASH_SEED, else none); every replica and restart must share it.")]
 KvDtype = Annotated[str, typer.Option(
     "--kv-cache-dtype",
     help="Page dtype, one of: auto, float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2.")]
@@ -95,6 +99,7 @@ def _engine_flags(
     gpu_memory_utilization: GpuMem = None,
     kv_cache_memory_bytes: KvBytes = None,
     enable_prefix_caching: Prefix = True,
+    prefix_caching_hash_seed: HashSeed = None,
     kv_cache_dtype: KvDtype = "auto",
     swap_space: Swap = 0.0,
     kv_offloading_size: Offload = 0.0,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +22,9 @@ DEFAULT_KV_CACHE_DIR = "~/.cache/jpaged/kv"  # the disk KV tier when kv_cache_di
 # none) or the process configured one itself (jax_compilation_cache_dir).
 DEFAULT_COMPILE_CACHE_DIR = "~/.cache/jpaged/xla"
 COMPILE_CACHE_ENV = "JPAGED_COMPILE_CACHE_DIR"
+# The prefix-cache hash seed when --prefix-caching-hash-seed is not given (a deployment's
+# secret need not appear on a command line).
+HASH_SEED_ENV = "JPAGED_PREFIX_CACHING_HASH_SEED"
 DEFAULT_LOG_STATS_INTERVAL = 10.0  # seconds between periodic stats log lines
 # Multi-process runs: vLLM's --master-addr/--master-port defaults; the bound on joining and on
 # noticing a dead process (jpaged/runner/multiprocess.py).
@@ -76,6 +80,9 @@ class CacheConfig:
     calculate_kv_scales: bool = False  # fp8 only: scales from the first batch, then fixed
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    # A deployment's secret mixed into the root of every prefix hash chain (any algorithm):
+    # None keeps the public, fixed root. Every process of a deployment must share it.
+    prefix_caching_hash_seed: str | None = None
     kv_offloading_size: float = 0.0  # GiB of host RAM for the offload tier
     swap_space: float = 0.0  # GiB of disk for the third tier
     kv_cache_dir: str | None = None
@@ -105,6 +112,10 @@ class CacheConfig:
         if self.prefix_caching_hash_algo not in HASH_ALGOS:
             _fail(c, "prefix_caching_hash_algo", f"one of {HASH_ALGOS}",
                   self.prefix_caching_hash_algo)
+        seed = self.prefix_caching_hash_seed
+        if seed is not None and (not isinstance(seed, str) or not seed):
+            raise ValueError("CacheConfig.prefix_caching_hash_seed must be a non-empty string "
+                             "or None")  # the value is a secret: never echoed
         if not (_is_num(self.kv_offloading_size) and self.kv_offloading_size >= 0):
             _fail(c, "kv_offloading_size", ">= 0 (GiB)", self.kv_offloading_size)
         if not (_is_num(self.swap_space) and self.swap_space >= 0):
@@ -348,6 +359,7 @@ class EngineArgs:
     calculate_kv_scales: bool = False
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "sha256"
+    prefix_caching_hash_seed: str | None = None  # None: $JPAGED_PREFIX_CACHING_HASH_SEED, if set
     kv_offloading_size: float = 0.0
     swap_space: float = 0.0
     kv_cache_dir: str | None = None
@@ -406,6 +418,9 @@ class EngineArgs:
                 calculate_kv_scales=self.calculate_kv_scales,
                 enable_prefix_caching=self.enable_prefix_caching,
                 prefix_caching_hash_algo=self.prefix_caching_hash_algo,
+                prefix_caching_hash_seed=(self.prefix_caching_hash_seed
+                                          if self.prefix_caching_hash_seed is not None
+                                          else os.environ.get(HASH_SEED_ENV) or None),
                 kv_offloading_size=self.kv_offloading_size,
                 swap_space=self.swap_space,
                 kv_cache_dir=self.kv_cache_dir,

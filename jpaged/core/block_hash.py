@@ -24,6 +24,26 @@ HASH_ALGOS = ("sha256", "xxhash")
 ROOT_HASH: BlockHash = hashlib.sha256(b"jpaged/prefix-cache/root/v1").digest()
 
 
+def root_hash(seed: str | None = None) -> BlockHash:
+    """The chain's root for a deployment's hash seed (None: ROOT_HASH, the unseeded chain).
+
+    A seed is a per-deployment secret: without it nobody can compute which prompts collide
+    (the xxhash chain is not collision-resistant), and deployments with different seeds share
+    no block hash. Every process of a deployment must use the same one.
+    """
+    if seed is None:
+        return ROOT_HASH
+    return hashlib.sha256(b"jpaged/prefix-cache/root/v1/seed:" + seed.encode("utf-8")).digest()
+
+
+def seed_digest(seed: str | None) -> str | None:
+    """A short public digest of a hash seed (what files and logs may carry; None: unseeded)."""
+    if seed is None:
+        return None
+    return hashlib.sha256(b"jpaged/prefix-cache/seed-digest:" + seed.encode("utf-8")).hexdigest(
+    )[:16]
+
+
 def _sha256(data: bytes) -> bytes:
     return hashlib.sha256(data).digest()
 
@@ -83,13 +103,14 @@ def _payload(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes) -
 class BlockHasher:
     """Incremental hasher of a request's full blocks for one (block_size, algo); O(block) each."""
 
-    __slots__ = ("block_size", "algo", "_fn", "_pack")
+    __slots__ = ("block_size", "algo", "root", "_fn", "_pack")
 
-    def __init__(self, block_size: int, algo: str = "sha256") -> None:
+    def __init__(self, block_size: int, algo: str = "sha256", seed: str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.algo = algo
+        self.root = root_hash(seed)  # the parent of every first block
         self._fn = get_hash_fn(algo)
         self._pack = struct.Struct(f"<{block_size}q").pack
 
@@ -104,7 +125,7 @@ class BlockHasher:
         bs = self.block_size
         n_full = len(token_ids) // bs
         i = len(hashes)
-        parent = hashes[-1] if hashes else ROOT_HASH
+        parent = hashes[-1] if hashes else self.root
         while i < n_full:
             tokens = token_ids[i * bs:(i + 1) * bs]
             parent = self._fn(parent + self._pack(*tokens) + extra[0 if i == 0 else 1])
@@ -113,9 +134,10 @@ class BlockHasher:
 
 
 def hash_request_blocks(token_ids: Sequence[int], block_size: int, algo: str = "sha256",
-                        cache_salt: str | None = None, extra_keys: tuple = ()) -> list[BlockHash]:
+                        cache_salt: str | None = None, extra_keys: tuple = (),
+                        seed: str | None = None) -> list[BlockHash]:
     """Hashes of all full blocks of `token_ids` (the chain a Request maintains incrementally)."""
-    hasher = BlockHasher(block_size, algo)
+    hasher = BlockHasher(block_size, algo, seed)
     out: list[BlockHash] = []
     hasher.extend(out, token_ids, hasher.extra_bytes(cache_salt, extra_keys))
     return out

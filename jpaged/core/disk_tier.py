@@ -74,7 +74,7 @@ _HEX = re.compile(r"(?:[0-9a-f]{2})+")
 
 def model_fingerprint(*, source: str, spec_repr: str, kv_dtype: str, block_size: int,
                       hash_algo: str, weights_digest: str, kv_scales: tuple[float, ...],
-                      kv_groups: str | None = None) -> str:
+                      kv_groups: str | None = None, seed_digest: str | None = None) -> str:
     """Hex digest identifying KV content compatibility (model, dtype, block size, scales; the
     KV cache groups of a hybrid layout, whose blocks hold one group's layers)."""
     doc = {
@@ -90,6 +90,8 @@ def model_fingerprint(*, source: str, spec_repr: str, kv_dtype: str, block_size:
     }
     if kv_groups is not None:  # absent for one group: files written before groups still match
         doc["kv_groups"] = kv_groups
+    if seed_digest is not None:  # a seeded deployment's files live apart (absent: unseeded)
+        doc["seed"] = seed_digest
     raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("utf-8")
     return hashlib.sha256(raw).hexdigest()
 
@@ -113,7 +115,8 @@ class DiskTier:
     """Third KV tier: one checksummed file per block in directory/<fingerprint>/, LRU by bytes."""
 
     def __init__(self, directory: str | os.PathLike, capacity_bytes: int, fingerprint: str,
-                 block_shape: tuple[int, ...], dtype: np.dtype) -> None:
+                 block_shape: tuple[int, ...], dtype: np.dtype,
+                 seed_digest: str | None = None) -> None:
         if not isinstance(capacity_bytes, int) or isinstance(capacity_bytes, bool) \
                 or capacity_bytes < 0:
             raise ValueError(f"DiskTier.capacity_bytes must be an int >= 0, got {capacity_bytes!r}")
@@ -133,6 +136,9 @@ class DiskTier:
         self.block_shape: tuple[int, ...] = tuple(int(d) for d in shape)
         self.capacity_bytes = capacity_bytes
         self.fingerprint = fingerprint
+        # The prefix-cache hash seed's public digest (block_hash.seed_digest): written in every
+        # header of a seeded deployment, and a file under another seed (or none) is refused.
+        self.seed_digest = seed_digest
         self.directory = Path(directory) / fingerprint
         self.payload_bytes = int(np.prod(self.block_shape)) * self.dtype.itemsize
         self._lock = threading.RLock()
@@ -307,6 +313,8 @@ class DiskTier:
         doc = {"fingerprint": self.fingerprint, "block_hash": block_hash.hex(),
                "dtype": self.dtype.name, "shape": list(self.block_shape),
                "payload_bytes": self.payload_bytes, "checksum": checksum}
+        if self.seed_digest is not None:  # absent unseeded: older files keep their layout
+            doc["seed"] = self.seed_digest
         raw = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode("ascii")
         pad = -(_PREFIX.size + len(raw)) % PAYLOAD_ALIGN
         return raw + b" " * pad
@@ -327,6 +335,7 @@ class DiskTier:
         """Raise _BadFile unless buf holds exactly this block; return the payload offset."""
         expected = self._file_size(len(block_hash))
         if got != len(buf) or got != expected:
+            self._check_seed(buf)  # a seeded header is longer: name the seed, not the size
             raise _BadFile(f"size {got} bytes, expected {expected}")
         magic, version, header_len = _PREFIX.unpack_from(buf)
         if magic != MAGIC:
@@ -340,7 +349,9 @@ class DiskTier:
             doc = json.loads(bytes(buf[_PREFIX.size:offset]).decode("ascii"))
         except (UnicodeDecodeError, ValueError) as e:
             raise _BadFile(f"unreadable header ({e})") from e
-        if not isinstance(doc, dict) or set(doc) != _HEADER_KEYS:
+        if isinstance(doc, dict) and doc.get("seed") != self.seed_digest:
+            raise _BadFile(self._seed_mismatch(doc.get("seed")))
+        if not isinstance(doc, dict) or set(doc) - {"seed"} != _HEADER_KEYS:
             raise _BadFile("header has the wrong keys")
         want = {"fingerprint": self.fingerprint, "block_hash": block_hash.hex(),
                 "dtype": self.dtype.name, "shape": list(self.block_shape),
@@ -351,6 +362,23 @@ class DiskTier:
         if doc["checksum"] != _checksum(memoryview(buf)[offset:]):
             raise _BadFile("payload checksum mismatch")
         return offset
+
+    def _seed_mismatch(self, found: object) -> str:
+        if found is None:
+            return "written without a prefix-cache hash seed; this deployment has one"
+        if self.seed_digest is None:
+            return "written under a prefix-cache hash seed; this deployment has none"
+        return "written under another prefix-cache hash seed"
+
+    def _check_seed(self, buf: bytearray) -> None:
+        """_BadFile naming the seed if buf's header (when readable) has another one."""
+        try:
+            _, _, header_len = _PREFIX.unpack_from(buf)
+            doc = json.loads(bytes(buf[_PREFIX.size:_PREFIX.size + header_len]).decode("ascii"))
+        except (struct.error, UnicodeDecodeError, ValueError):
+            return
+        if isinstance(doc, dict) and doc.get("seed") != self.seed_digest:
+            raise _BadFile(self._seed_mismatch(doc.get("seed")))
 
     # ---------------------------------------------------------------- files
 

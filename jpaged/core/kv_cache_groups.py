@@ -159,11 +159,12 @@ class HybridKVCacheManager(KVCacheManager):
 
     def __init__(self, layout: KVCacheLayout, block_size: int, num_blocks: int,
                  max_model_len: int, enable_caching: bool = True,
-                 hash_algo: str = "sha256", tiers: KVTiers | None = None) -> None:
+                 hash_algo: str = "sha256", tiers: KVTiers | None = None,
+                 hash_seed: str | None = None) -> None:
         # Host/disk tiers: a group's block is stored under group_key(hash, group) (the pool's
         # eviction hook passes that key); a host slot holds num_slots layers, as a block does.
         super().__init__(block_size, num_blocks, max_model_len, enable_caching, hash_algo, tiers,
-                         layout.num_groups)
+                         layout.num_groups, hash_seed)
         self.layout = layout
         self.windows = [g.sliding_window for g in layout.groups]
         self._sliding = [g for g, w in enumerate(self.windows) if w is not None]

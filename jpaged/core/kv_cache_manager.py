@@ -86,7 +86,8 @@ class KVCacheManager:
 
     def __init__(self, block_size: int, num_blocks: int, max_model_len: int,
                  enable_caching: bool = True, hash_algo: str = "sha256",
-                 tiers: KVTiers | None = None, num_groups: int = 1) -> None:
+                 tiers: KVTiers | None = None, num_groups: int = 1,
+                 hash_seed: str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"KVCacheManager.block_size must be >= 1, got {block_size}")
         self.block_size = block_size
@@ -94,7 +95,8 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.hash_algo = hash_algo
         # Requests must carry block_hashes made by an equivalent hasher (Scheduler sets it).
-        self.block_hasher = BlockHasher(block_size, hash_algo) if enable_caching else None
+        self.block_hasher = (BlockHasher(block_size, hash_algo, hash_seed) if enable_caching
+                             else None)
         self.block_pool = BlockPool(num_blocks, enable_caching, num_groups)
         self.stats = PrefixCacheStats()
         self._tables: dict[str, list[KVCacheBlock]] = {}

@@ -140,11 +140,11 @@ class Scheduler:
         if self.kv_layout is not None:
             self.kv_cache_manager = HybridKVCacheManager(
                 self.kv_layout, self.block_size, num_blocks, self.max_model_len,
-                self.enable_caching, algo, tiers)
+                self.enable_caching, algo, tiers, hash_seed=cache_config.prefix_caching_hash_seed)
         else:
-            self.kv_cache_manager = KVCacheManager(self.block_size, num_blocks,
-                                                   self.max_model_len, self.enable_caching,
-                                                   algo, tiers)
+            self.kv_cache_manager = KVCacheManager(
+                self.block_size, num_blocks, self.max_model_len, self.enable_caching, algo, tiers,
+                hash_seed=cache_config.prefix_caching_hash_seed)
         self._hasher = self.kv_cache_manager.block_hasher
         self.requests: dict[str, Request] = {}  # unfinished requests
         self.waiting = WaitingQueue(self.policy)
@@ -181,8 +181,9 @@ class Scheduler:
                            self.kv_cache_manager.block_pool.num_blocks, self.kv_layout,
                            self.scheduler_config.max_chunk_tokens)
         if self._hasher is not None and (request.block_hasher is None or (
-                request.block_hasher.block_size, request.block_hasher.algo)
-                != (self._hasher.block_size, self._hasher.algo)):
+                request.block_hasher.block_size, request.block_hasher.algo,
+                request.block_hasher.root)
+                != (self._hasher.block_size, self._hasher.algo, self._hasher.root)):
             request.set_block_hasher(self._hasher)
         # Snapshot the stop ids now: the engine fills eos_token_ids before adding the request.
         request.stop_token_ids = frozenset(request.sampling_params.all_stop_token_ids)

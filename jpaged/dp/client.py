@@ -93,7 +93,9 @@ class DPEngineClient:
         if routing_policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, "
                              f"got {routing_policy!r}")
-        args.create_engine_config(2**31 - 1)
+        # The hash seed as resolved here ($JPAGED_PREFIX_CACHING_HASH_SEED included) goes to
+        # every replica and the router: one deployment, one chain.
+        seed = args.create_engine_config(2**31 - 1).cache.prefix_caching_hash_seed
         from models.loader import check_model_source
 
         check_model_source(args.model)
@@ -113,6 +115,7 @@ class DPEngineClient:
             options["num_gpus"] = args.tensor_parallel_size
         actor_cls = ray.remote(EngineReplica).options(**options)
         engine_args = {k: v for k, v in vars(args).items() if k != "extra"}
+        engine_args["prefix_caching_hash_seed"] = seed
         engine_args.update(args.extra)
         self._actors = [actor_cls.remote(engine_args, r, "127.0.0.1" if local else None,
                                          freeze_gc=True,
@@ -154,7 +157,7 @@ class DPEngineClient:
         self.model_source: str = first["source"]
         self.max_model_len: int = first["max_model_len"]
         self.router = Router(data_parallel_size, routing_policy, first["block_size"],
-                             first["hash_algo"], load_weight=load_weight)
+                             first["hash_algo"], load_weight=load_weight, hash_seed=seed)
         self._lock = threading.Lock()  # guards the router
         self._infos: list[dict[str, Any] | None] = list(infos)
         self._metrics: list[dict[str, Any]] = [{} for _ in range(data_parallel_size)]

@@ -140,7 +140,7 @@ class Router:
 
     def __init__(self, num_replicas: int, policy: str, block_size: int,
                  hash_algo: str = "sha256", load_weight: float = 1.0,
-                 decode_cost: int | None = None) -> None:
+                 decode_cost: int | None = None, hash_seed: str | None = None) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing_policy must be one of {ROUTING_POLICIES}, got {policy!r}")
         if not isinstance(num_replicas, int) or num_replicas < 1:
@@ -148,6 +148,7 @@ class Router:
         self.policy = policy
         self.block_size = block_size
         self.hash_algo = hash_algo
+        self.hash_seed = hash_seed  # the deployment's prefix-hash seed (the replicas' own)
         self.load_weight = load_weight
         # A running request costs about a block of prefill per step it decodes.
         self.decode_cost = block_size if decode_cost is None else decode_cost
@@ -161,7 +162,8 @@ class Router:
     def prompt_hashes(self, token_ids: Sequence[int], cache_salt: str | None = None
                       ) -> list[bytes]:
         """The prompt's full-block hashes, as the engine computes them."""
-        return hash_request_blocks(token_ids, self.block_size, self.hash_algo, cache_salt)
+        return hash_request_blocks(token_ids, self.block_size, self.hash_algo, cache_salt,
+                                   seed=self.hash_seed)
 
     def choose(self, token_ids: Sequence[int] | None, cache_salt: str | None = None,
                among: Sequence[int] | None = None, policy: str | None = None) -> Route:

@@ -12,6 +12,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.config import DEFAULT_KV_CACHE_DIR, CacheConfig
+from jpaged.core.block_hash import seed_digest
 from jpaged.core.disk_tier import DiskTier, model_fingerprint
 from jpaged.core.offload import HostTier, KVTiers
 from jpaged.runner.kv_cache import KVCache
@@ -80,13 +81,14 @@ def open_disk_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any, source: s
                            block_size=cache.block_size,
                            hash_algo=cache.prefix_caching_hash_algo,
                            weights_digest=weights_digest(model), kv_scales=scales,
-                           kv_groups=None if kv_groups is None else repr(kv_groups.describe()))
+                           kv_groups=None if kv_groups is None else repr(kv_groups.describe()),
+                           seed_digest=seed_digest(cache.prefix_caching_hash_seed))
     directory = os.path.expanduser(directory or cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
     capacity = int(cache.swap_space * 2**30) if capacity_bytes is None else capacity_bytes
     disk = DiskTier(directory, capacity, fp,
                     block_shape(spec, cache.block_size,
                                 None if kv_groups is None else kv_groups.num_slots),
-                    np.dtype(kv_dtype))
+                    np.dtype(kv_dtype), seed_digest=seed_digest(cache.prefix_caching_hash_seed))
     logger.info("disk KV store: %s/%s, %d blocks found, %.2f GiB", directory, fp[:12],
                 len(disk), capacity / 2**30)
     return disk

@@ -99,3 +99,45 @@ def test_sha256_is_deterministic_across_processes():
     here = ",".join(x.hex() for x in hash_request_blocks(list(range(70)), 16, "sha256", "salt",
                                                           ("k", 2)))
     assert outs == {here}
+
+
+@pytest.mark.parametrize("algo", ["sha256", "xxhash"])
+def test_a_hash_seed_gives_a_deployment_its_own_chain(algo):
+    """Two deployments with different seeds share no block hash; one seed agrees with itself
+    (and the router's hashes with the engine's); no seed is the public chain."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, 50_000, int(rng.integers(16, 200))).tolist() for _ in range(40)]
+    prompts += [prompts[0][:64] + p for p in prompts[1:5]]  # shared prefixes too
+
+    def chain(seed):
+        return {h for p in prompts for h in hash_request_blocks(p, 16, algo, seed=seed)}
+    a, b, none = chain("deployment-a"), chain("deployment-b"), chain(None)
+    assert a and not a & b and not a & none and not b & none
+    assert a == chain("deployment-a")
+    assert none == {h for p in prompts for h in hash_request_blocks(p, 16, algo)}
+    hasher = BlockHasher(16, algo, "deployment-a")
+    got: list[bytes] = []
+    hasher.extend(got, prompts[0], hasher.extra_bytes(None, ()))
+    assert got == hash_request_blocks(prompts[0], 16, algo, seed="deployment-a")
+
+
+def test_the_seed_reaches_the_scheduler_and_comes_from_the_environment(monkeypatch):
+    from jpaged.config import HASH_SEED_ENV, EngineArgs
+    from jpaged.core.scheduler import Scheduler
+    from jpaged.request import Request
+    from jpaged.sampling_params import SamplingParams
+
+    monkeypatch.setenv(HASH_SEED_ENV, "from-env")
+    cfg = EngineArgs(block_size=16).create_engine_config(4096)
+    assert cfg.cache.prefix_caching_hash_seed == "from-env"
+    flag = EngineArgs(block_size=16, prefix_caching_hash_seed="flag").create_engine_config(4096)
+    assert flag.cache.prefix_caching_hash_seed == "flag"
+    with pytest.raises(ValueError, match="prefix_caching_hash_seed must be a non-empty"):
+        EngineArgs(prefix_caching_hash_seed=3).create_engine_config(4096)
+    sched = Scheduler(cfg.scheduler, cfg.cache, 64)
+    req = Request("r", list(range(40)), SamplingParams())
+    sched.add_request(req)
+    assert req.block_hashes == hash_request_blocks(list(range(40)), 16, seed="from-env")
+    assert req.block_hashes != hash_request_blocks(list(range(40)), 16)

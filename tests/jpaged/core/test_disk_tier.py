@@ -340,3 +340,27 @@ def test_processes_writing_and_reading_one_directory_never_see_a_torn_block(tmp_
     # one's last rescan (every 8 writes here; the two rates differ a little).
     files = [f for f in os.listdir(tmp_path / "kv" / "fp") if f.endswith(".kvb")]
     assert len(files) * size <= (12 + 2 * 8) * size
+
+
+def test_a_file_written_under_another_hash_seed_is_refused_by_name(tmp_path, caplog):
+    """A deployment's seed digest is in every header it writes; a file moved in from another
+    seed (or none) is refused, saying so, and nothing else changes."""
+    size = DiskTier(tmp_path / "probe", 1 << 30, FP, SHAPE, np.dtype(ml_dtypes.bfloat16),
+                    seed_digest="aaaa")._file_size(32)
+    for writer, reader, why in (("aaaa", "bbbb", "another prefix-cache hash seed"),
+                                (None, "bbbb", "written without a prefix-cache hash seed"),
+                                ("aaaa", None, "written under a prefix-cache hash seed")):
+        d = tmp_path / f"{writer}-{reader}"
+        w = DiskTier(d, 8 * size, FP, SHAPE, np.dtype(ml_dtypes.bfloat16), seed_digest=writer)
+        assert w.put(h(0), block(0)) and same_bits(w.get(h(0)), block(0))
+        r = DiskTier(d, 8 * size, FP, SHAPE, np.dtype(ml_dtypes.bfloat16), seed_digest=reader)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="jpaged.core.disk_tier"):
+            assert r.get(h(0)) is None
+        assert why in caplog.text, caplog.text
+        assert r.stats["corrupt_skipped"] >= 1
+    a = model_fingerprint(source="tiny", spec_repr="s", kv_dtype="bfloat16", block_size=4,
+                          hash_algo="sha256", weights_digest="abc", kv_scales=())
+    assert a != model_fingerprint(source="tiny", spec_repr="s", kv_dtype="bfloat16",
+                                  block_size=4, hash_algo="sha256", weights_digest="abc",
+                                  kv_scales=(), seed_digest="aaaa")
