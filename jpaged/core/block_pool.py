@@ -5,14 +5,19 @@ Invariants (checked by ``BlockPool.check_invariants``):
 * block 0 is the null block: never allocated, never freed, never in the free queue, never cached;
   padding in block tables points at it.
 * for every other block: ``ref_count == 0`` ⇔ the block is in the free queue.
-* ``cached[g][h] is b`` ⇔ ``b.block_hash == h and b.group == g`` (the maps and the blocks'
-  hashes agree); a cached block may be in use (ref_count > 0) or free (reusable until it is
-  evicted). There is one map per KV cache group (kv_cache_groups.py): the groups share the
-  blocks and the free queue, and a block belongs to at most one group's table at a time.
+* ``b.block_hash == h and b.group == g`` ⇔ ``cached[g][h] is b`` (b is the hash's primary
+  copy) or ``b`` is one of ``dups[g][h]`` (another block computed with the same content); a
+  cached block may be in use (ref_count > 0) or free (reusable until it is evicted). There is
+  one map per KV cache group (kv_cache_groups.py): the groups share the blocks and the free
+  queue, and a block belongs to at most one group's table at a time.
+* a hash has duplicates only while it has a primary: evicting the primary promotes a duplicate.
 * the free queue is in eviction order: front = evicted first.
 
-Duplicate content: if a hash is already mapped to a block, a second block with the same content
-stays uncached (the first mapping wins); it is then an ordinary private block.
+Duplicate content (vLLM keeps every computed block of a hash findable): a block computed again
+with a cached block's content is cached as a duplicate, so the content stays findable until
+its last copy is evicted. Lookups return the primary. KV events and the lower tiers see the
+hash, not the copies: BlockStored when its first copy is cached, BlockRemoved (and the offload
+of its content) only when its last copy is evicted.
 """
 
 from __future__ import annotations
@@ -135,6 +140,9 @@ class BlockPool:
         # each group's layers keep their own KV for them); group 0's is `cached_blocks`.
         self.group_maps: list[dict[BlockHash, KVCacheBlock]] = [{} for _ in range(num_groups)]
         self.cached_blocks = self.group_maps[0]
+        # Further copies of a cached hash, per group: hash -> {block id: block}.
+        self.dups: list[dict[BlockHash, dict[int, KVCacheBlock]]] = [
+            {} for _ in range(num_groups)]
         self.num_evictions = 0
         self._clock = 0
         # Called as on_evict(block_id, hash) when a cached block is reused (the offload tier).
@@ -160,6 +168,17 @@ class BlockPool:
         return out
 
     def _evict(self, block: KVCacheBlock) -> None:
+        h, g = block.block_hash, block.group
+        copies = self.dups[g].get(h)  # type: ignore[arg-type]
+        if copies:  # another block still holds this content: only this copy goes
+            if copies.pop(block.block_id, None) is None:  # the primary: a duplicate takes over
+                _, heir = copies.popitem()
+                self.group_maps[g][h] = heir  # type: ignore[index]
+            if not copies:
+                del self.dups[g][h]  # type: ignore[arg-type]
+            block.block_hash = None
+            self.num_evictions += 1
+            return
         if self.on_evict is not None:  # the lower tiers key another group's block apart
             self.on_evict(block.block_id,  # type: ignore[arg-type]
                           group_key(block.block_hash, block.group))  # type: ignore[arg-type]
@@ -215,9 +234,9 @@ class BlockPool:
                           token_ids: Sequence[int] | None = None, group: int = 0) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i] in `group`.
 
-        The first mapping of a hash wins: a block whose hash is already mapped stays uncached.
-        Null blocks (a sliding group's freed positions) are skipped. `token_ids` (the
-        sequence's tokens) are only read for KV events.
+        A hash already mapped keeps its primary; the new block joins its duplicates. Null
+        blocks (a sliding group's freed positions) are skipped. `token_ids` (the sequence's
+        tokens) are only read for KV events.
         """
         if not self.enable_caching:
             return
@@ -228,11 +247,12 @@ class BlockPool:
             if b.block_hash is not None or b.is_null:
                 continue  # already cached (a prefix hit)
             h = block_hashes[i]
-            if h in cached:
-                continue  # duplicate content: keep the first mapping
-            cached[h] = b
             b.block_hash = h
             b.group = group
+            if h in cached:  # duplicate content: findable too, the first stays the primary
+                self.dups[group].setdefault(h, {})[b.block_id] = b
+                continue
+            cached[h] = b
             run.append(i)
         if self.events is not None and run:
             self._stored_events(block_hashes, run, token_ids or (), group)
@@ -260,6 +280,11 @@ class BlockPool:
             for b in m.values():
                 b.block_hash = None
             m.clear()
+        for d in self.dups:
+            for copies in d.values():
+                for b in copies.values():
+                    b.block_hash = None
+            d.clear()
         return True
 
     # -- accounting ------------------------------------------------------------------------------
@@ -286,12 +311,18 @@ class BlockPool:
             _require((b.ref_count == 0) == (b.block_id in free_ids),
                      f"ref_count == 0 must hold exactly for free blocks: {b}")
             if b.block_hash is not None:
-                _require(self.group_maps[b.group].get(b.block_hash) is b,
+                _require(self.group_maps[b.group].get(b.block_hash) is b
+                         or self.dups[b.group].get(b.block_hash, {}).get(b.block_id) is b,
                          f"hash of {b} not mapped in group {b.group}")
         for g, m in enumerate(self.group_maps):
             for h, b in m.items():
                 _require(b.block_hash == h and b.group == g, f"map entry disagrees with {b}")
             _require(self.enable_caching or not m, "cached blocks without caching")
+            for h, copies in self.dups[g].items():
+                _require(bool(copies) and h in m, f"duplicates of {h.hex()[:8]} without a primary")
+                for i, b in copies.items():
+                    _require(b.block_id == i and b.block_hash == h and b.group == g
+                             and m[h] is not b, f"duplicate entry disagrees with {b}")
 
 
 def _require(cond: bool, msg: str) -> None:

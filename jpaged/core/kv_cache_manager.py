@@ -81,7 +81,7 @@ class KVCacheManager:
 
     Invariants: a request's table covers cdiv(tokens scheduled so far, block_size) blocks; every
     block but the last is full, so internal waste is < 1 block per request; blocks
-    [0, num_cached[r]) of a table are cached or were deliberately left uncached (duplicates).
+    [0, num_cached[r]) of a table are cached (a duplicate of a cached hash included).
     """
 
     def __init__(self, block_size: int, num_blocks: int, max_model_len: int,

@@ -262,8 +262,9 @@ class KVModel:
                 assert b.ref_count == 0 and refs[b.block_id] == 0, f"free block {b} is held"
             else:
                 assert b.ref_count == refs[b.block_id] > 0, f"{b}: ref_count != holders"
-            if b.block_hash is not None:
-                assert pool.cached_blocks[b.block_hash] is b
+            if b.block_hash is not None:  # the hash's primary, or one of its duplicates
+                assert pool.cached_blocks[b.block_hash] is b or pool.dups[0].get(
+                    b.block_hash, {}).get(b.block_id) is b
         assert len(free_ids) + len(refs) == pool.num_blocks - 1, "free + used != total"
         for h, b in pool.cached_blocks.items():
             assert b.block_hash == h

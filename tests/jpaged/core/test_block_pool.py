@@ -138,12 +138,31 @@ def test_uncached_free_blocks_are_reused_before_cached_ones():
     assert pool.get_new_blocks(1)[0] is b and pool.num_evictions == 0
 
 
-def test_duplicate_hash_keeps_first_mapping():
-    pool = BlockPool(4, enable_caching=True)
+def test_duplicate_blocks_stay_findable_until_the_last_copy_goes():
+    """A block computed again with a cached block's content is cached too (vLLM): the first
+    copy stays the primary; evicting it promotes the duplicate, so the content is findable
+    until its last copy is evicted; events and the lower tier see the hash only once."""
+    from jpaged.kv_events import BlockRemoved, BlockStored, KVEventCollector
+
+    pool = BlockPool(3, enable_caching=True)  # blocks 1 and 2
+    pool.events = KVEventCollector(block_size=2)
+    offloaded = []
+    pool.on_evict = lambda block_id, h: offloaded.append((block_id, h))
     a, b = pool.get_new_blocks(2)
     h = _cache(pool, [a], [9, 9])[0]
     _cache(pool, [b], [9, 9])
-    assert pool.get_cached_block(h) is a and b.block_hash is None
+    assert pool.get_cached_block(h) is a and b.block_hash == h and pool.dups[0][h] == {2: b}
+    pool.check_invariants()
+    pool.free_blocks([a, b])  # a is evicted first, then b
+    assert pool.get_new_blocks(1) == [a]
+    assert pool.get_cached_block(h) is b and not pool.dups[0] and a.block_hash is None
+    assert offloaded == []  # the content is still on the device
+    pool.check_invariants()
+    assert pool.get_new_blocks(1) == [b]
+    assert pool.get_cached_block(h) is None and offloaded == [(2, h)]
+    events = pool.events.take()
+    assert [type(e) for e in events] == [BlockStored, BlockRemoved]
+    assert pool.num_evictions == 2
     pool.check_invariants()
 
 
