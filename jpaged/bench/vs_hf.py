@@ -112,11 +112,16 @@ def run_hf_generate(model: Any, prompts: list[list[int]], output_len: int, pad_i
             "ttft_s": clock.first_token_at - t0, "token_ids": tokens}
 
 
-def run_hf_generate_batch(model: Any, prompts: list[list[int]], output_len: int, pad_id: int
-                          ) -> dict[str, Any]:
-    """HF continuous batching (`generate_batch`, its paged cache); per-request TTFT."""
+def run_hf_generate_batch(model: Any, prompts: list[list[int]], output_len: int, pad_id: int,
+                          cache_blocks: int | None = None) -> dict[str, Any]:
+    """HF continuous batching (`generate_batch`, its paged cache); per-request TTFT.
+
+    `cache_blocks`: the size of HF's paged cache in its blocks (None: HF sizes it from free
+    memory, as the benchmark runs it; on the CPU that allocates several GiB inside the call).
+    """
     import torch
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     cfg = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1,
                            pad_token_id=pad_id)
@@ -124,8 +129,11 @@ def run_hf_generate_batch(model: Any, prompts: list[list[int]], output_len: int,
         t0 = time.perf_counter()
         # warmup=False: its warm-up pre-captures CUDA graphs, moot on the CPU, and would run
         # max-size forwards inside every timed call.
+        cb = (ContinuousBatchingConfig(num_blocks=cache_blocks) if cache_blocks is not None
+              else None)
         res = model.generate_batch(prompts, generation_config=cfg, record_timestamps=True,
-                                   progress_bar=False, warmup=False)
+                                   progress_bar=False, warmup=False,
+                                   continuous_batching_config=cb)
         wall = time.perf_counter() - t0
     # generate_batch keys results by request id; prompts identify them.
     by_prompt = {tuple(r.prompt_ids): r for r in res.values()}
