@@ -130,10 +130,13 @@ class RequestFrontend:
                              f"{params.logprobs}")
         self._check_params(params)
         vocab = self.spec.vocab_size
-        for t in params.stop_token_ids or ():
-            if not 0 <= t < vocab:
-                raise ValueError(f"SamplingParams.stop_token_ids holds {t}: token ids must be in "
-                                 f"the vocabulary [0, {vocab})")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("allowed_token_ids", params.allowed_token_ids),
+                          ("logit_bias", params.logit_bias)):
+            for t in ids or ():
+                if not 0 <= t < vocab:
+                    raise ValueError(f"SamplingParams.{name} holds {t}: token ids must be in "
+                                     f"the vocabulary [0, {vocab})")
         text, ids, salt = self._tokenize(prompt, params.truncate_prompt_tokens)
         eos = tuple(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:

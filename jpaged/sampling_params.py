@@ -70,6 +70,10 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Token constraints (vLLM's names): add logit_bias[id] to that token's logit (OpenAI's
+    # [-100, 100]); sample only among allowed_token_ids.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     # Keep only the prompt's last k tokens (-1: the last max_model_len - 1), as vLLM.
     truncate_prompt_tokens: int | None = None
     # vLLM's extra_args: arguments for extensions; "kv_transfer_params" is read by the KV
@@ -125,6 +129,20 @@ class SamplingParams:
                 self.truncate_prompt_tokens, bool) and (self.truncate_prompt_tokens == -1
                                                         or self.truncate_prompt_tokens >= 1)),
             "truncate_prompt_tokens", "-1, an integer >= 1 or None", self.truncate_prompt_tokens)
+        if self.logit_bias is not None:
+            _check(isinstance(self.logit_bias, dict) and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.logit_bias), "logit_bias",
+                "a dict of non-negative token ids to numbers", self.logit_bias)
+            _check(all(isinstance(v, int | float) and not isinstance(v, bool)
+                       and -100.0 <= v <= 100.0 for v in self.logit_bias.values()),
+                   "logit_bias", "values in [-100, 100]", self.logit_bias)
+        if self.allowed_token_ids is not None:
+            _check(isinstance(self.allowed_token_ids, list | tuple) and len(
+                self.allowed_token_ids) > 0 and all(
+                isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                for t in self.allowed_token_ids), "allowed_token_ids",
+                "a non-empty list of non-negative token ids", self.allowed_token_ids)
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
                "a dict or None", self.extra_args)
         if self.extra_args:

@@ -145,6 +145,35 @@ def sampling_row(params: Any, vocab_size: int, default_seed: int
             (p.logprobs or 0) > 0)
 
 
+MIN_BIAS_BUCKET = 8  # token-constraint entries per row: a power of two no smaller than this
+
+
+def token_constraints(params: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """A request's logit_bias and allowed_token_ids as (ids, values) entries (None: neither):
+    a bias is its value, an allowed token +inf (SamplingBatch.bias_ids)."""
+    bias, allowed = params.logit_bias, params.allowed_token_ids
+    if not bias and not allowed:
+        return None
+    ids = [*(bias or {}), *(allowed or ())]
+    vals = [*(float(v) for v in (bias or {}).values()), *([np.inf] * len(allowed or ()))]
+    return np.asarray(ids, np.int32), np.asarray(vals, np.float32)
+
+
+def constraint_rows(entries: Sequence[tuple[np.ndarray, np.ndarray] | None], b_pad: int
+                    ) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """[b_pad, K] ids (-1 padded) and values of the rows' token constraints (None, None when
+    no row has any; K a power of two, so a step compiles once per size class)."""
+    if not any(e is not None for e in entries):
+        return None, None
+    k = _next_pow2(max(len(e[0]) for e in entries if e is not None), MIN_BIAS_BUCKET)
+    ids = np.full((b_pad, k), -1, np.int32)
+    vals = np.zeros((b_pad, k), np.float32)
+    for i, e in enumerate(entries):
+        if e is not None:
+            ids[i, :len(e[0])], vals[i, :len(e[1])] = e
+    return ids, vals
+
+
 def penalty_history(scheduled: Sequence[Any], b_pad: int, use_penalties: bool
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Penalty history rows (prompt + known outputs, -1 padded) and their is-output flags.
@@ -225,9 +254,11 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         counters[i] = req.num_output_tokens + req.num_output_placeholders
     qsl[n + 1:] = cur
     history, is_out = penalty_history(scheduled, b_pad, use_pen)
+    bias_ids, bias_vals = constraint_rows(
+        [token_constraints(s.request.sampling_params) for s in scheduled], b_pad)
 
     sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
-                             history, is_out)
+                             history, is_out, bias_ids, bias_vals)
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
                       feed_rows, sampling)
     flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top)
@@ -244,8 +275,9 @@ class FlatStep:
     on a GPU. Layout (row-major, in this order): ints = input_ids[T], positions[T],
     slot_mapping[G*T], query_start_loc[B+1], seq_lens[B], logits_indices[B], feed_rows[B],
     top_k[B], seeds[B] (uint32 bits), counters[B], block_tables[B*G*M], history[B*H],
-    history_is_output[B*H] (0/1); floats = temperature, top_p, min_p, repetition, presence,
-    frequency penalties, [B] each.
+    history_is_output[B*H] (0/1), bias_ids[B*K]; floats = temperature, top_p, min_p,
+    repetition, presence, frequency penalties, [B] each, then bias_vals[B*K] (K = bias_len,
+    0 when no row has token constraints).
     """
 
     ints: Int[Array, " N"]
@@ -255,6 +287,7 @@ class FlatStep:
     max_blocks: int = field(metadata={"static": True})  # per group
     history_len: int = field(metadata={"static": True})
     num_groups: int = field(default=1, metadata={"static": True})
+    bias_len: int = field(default=0, metadata={"static": True})
 
 
 def flatten_step(batch: StepBatch) -> FlatStep:
@@ -262,33 +295,41 @@ def flatten_step(batch: StepBatch) -> FlatStep:
     s = batch.sampling
     t, (b, gm), h = batch.input_ids.shape[0], batch.block_tables.shape, s.history.shape[1]
     g = batch.slot_mapping.shape[0] // t
+    k = 0 if s.bias_ids is None else s.bias_ids.shape[1]
+    bias = [] if s.bias_ids is None else [s.bias_ids.reshape(-1)]
     ints = np.concatenate([
         batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
         batch.seq_lens, batch.logits_indices, batch.feed_rows, s.top_k,
         np.asarray(s.seeds, np.uint32).view(np.int32), s.counters,
         batch.block_tables.reshape(-1), s.history.reshape(-1),
-        s.history_is_output.reshape(-1)], dtype=np.int32)
+        s.history_is_output.reshape(-1), *bias], dtype=np.int32)
     floats = np.concatenate([s.temperature, s.top_p, s.min_p, s.repetition_penalty,
-                             s.presence_penalty, s.frequency_penalty], dtype=np.float32)
-    return FlatStep(ints, floats, t, b, gm // g, h, g)
+                             s.presence_penalty, s.frequency_penalty,
+                             *([] if s.bias_vals is None else [s.bias_vals.reshape(-1)])],
+                            dtype=np.float32)
+    return FlatStep(ints, floats, t, b, gm // g, h, g, k)
 
 
 def unflatten_step(flat: FlatStep) -> StepBatch:
     """The StepBatch of a FlatStep (inside the jitted step: static slices)."""
     import jax.numpy as jnp
 
-    t, b, h, g = flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups
+    t, b, h, g, k = (flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups,
+                     flat.bias_len)
     m = g * flat.max_blocks
-    sizes = [t, t, g * t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h]
+    sizes = [t, t, g * t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h, b * k]
     parts, off = [], 0
     for n in sizes:
         parts.append(flat.ints[off:off + n])
         off += n
     (ids, pos, slots, qsl, lens, logits_idx, feed, top_k, seeds, counters, tables, hist,
-     is_out) = parts
-    f = flat.floats.reshape(6, b)
+     is_out, bias_ids) = parts
+    f = flat.floats[:6 * b].reshape(6, b)
+    bias = (None, None) if k == 0 else (bias_ids.reshape(b, k),
+                                        flat.floats[6 * b:].reshape(b, k))
     sampling = SamplingBatch(f[0], top_k, f[1], f[2],
                              jax.lax.bitcast_convert_type(seeds, jnp.uint32), counters,
-                             f[3], f[4], f[5], hist.reshape(b, h), is_out.reshape(b, h) != 0)
+                             f[3], f[4], f[5], hist.reshape(b, h), is_out.reshape(b, h) != 0,
+                             *bias)
     return StepBatch(ids, pos, slots, qsl, lens, tables.reshape(b, m), logits_idx, feed,
                      sampling)

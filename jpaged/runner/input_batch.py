@@ -25,8 +25,10 @@ from jpaged.runner.batch import (
     BucketPlan,
     PackedStep,
     StepBatch,
+    constraint_rows,
     penalty_history,
     sampling_row,
+    token_constraints,
 )
 from jpaged.runner.sampler import SamplingBatch, SamplingFlags
 
@@ -56,6 +58,7 @@ class InputBatch:
         self._sampling = np.zeros((0, 8), np.float32)
         self._top_k = np.zeros(0, np.int32)
         self._seeds = np.zeros(0, np.uint32)
+        self._bias: list[tuple[np.ndarray, np.ndarray] | None] = []  # token constraints
 
     def _grow(self) -> None:
         old = self.capacity
@@ -66,6 +69,7 @@ class InputBatch:
         self._top_k = np.concatenate([self._top_k, np.zeros(new - old, np.int32)])
         self._seeds = np.concatenate([self._seeds, np.zeros(new - old, np.uint32)])
         self._nblocks.extend([0] * (new - old))
+        self._bias.extend([None] * (new - old))
         self._free.extend(range(new - 1, old - 1, -1))  # pop() hands out low rows first
         self.capacity = new
 
@@ -79,6 +83,7 @@ class InputBatch:
         self._sampling[row] = (temp, top_p, min_p, rep, pres, freq, float(pen), float(top))
         self._top_k[row] = top_k
         self._seeds[row] = seed
+        self._bias[row] = token_constraints(request.sampling_params)
         self._nblocks[row] = 0
         self.tables[row] = 0
         return row
@@ -196,8 +201,10 @@ class InputBatch:
         use_pen = bool(n) and bool(samp[:, 6].any())
         use_top = bool(n) and bool(samp[:, 7].any())
         history, is_out = penalty_history(scheduled, b_pad, use_pen)
+        bias = self._bias
+        bias_ids, bias_vals = constraint_rows([bias[i] for i in rows], b_pad)
         sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
-                                 history, is_out)
+                                 history, is_out, bias_ids, bias_vals)
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
                           logits_idx, feed_rows, sampling)
         return PackedStep(batch, SamplingFlags(use_penalties=use_pen, top_logprobs=use_top), n,

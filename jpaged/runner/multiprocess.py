@@ -365,7 +365,8 @@ class ProcessGroup:
                       scratch: bool) -> None:
         """Process 0: tell the others to launch this step (before launching it here)."""
         self.channel.send({"op": "step", "shape": [flat.num_tokens, flat.num_seqs,
-                                                   flat.max_blocks, flat.history_len],
+                                                   flat.max_blocks, flat.history_len,
+                                                   flat.bias_len],
                            "flags": dataclasses.asdict(flags), "calc": calc_scales,
                            "scratch": scratch}, flat.ints, flat.floats)
 
@@ -429,7 +430,7 @@ def decode_step(header: dict[str, Any], buffers: list[bytes]) -> tuple[FlatStep,
     from jpaged.runner.batch import FlatStep
     from jpaged.runner.sampler import SamplingFlags
 
-    t, b, m, h = header["shape"]
+    t, b, m, h, k = header["shape"]
     ints = np.frombuffer(buffers[0], np.int32)
     floats = np.frombuffer(buffers[1], np.float32)
-    return FlatStep(ints, floats, t, b, m, h), SamplingFlags(**header["flags"])
+    return FlatStep(ints, floats, t, b, m, h, bias_len=k), SamplingFlags(**header["flags"])

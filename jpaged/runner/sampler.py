@@ -26,6 +26,11 @@ class SamplingBatch:
     # Token history for penalties, padded with -1: prompt+output and output only.
     history: Int[Array, "B H"]
     history_is_output: Bool[Array, "B H"]
+    # Token constraints, per row K entries padded with id -1 (None: no row has any):
+    # a finite value is a logit_bias, +inf marks an allowed token (a row with any allows
+    # only those).
+    bias_ids: Int[Array, "B K"] | None = None
+    bias_vals: Float[Array, "B K"] | None = None
 
 
 @dataclass(frozen=True)
@@ -59,6 +64,21 @@ def apply_penalties(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Arra
     logits = logits - s.frequency_penalty[:, None] * out_counts
     logits = logits - s.presence_penalty[:, None] * (out_counts > 0)
     return logits
+
+
+def apply_token_bias(logits: Float[Array, "B V"], ids: Int[Array, "B K"],
+                     vals: Float[Array, "B K"]) -> Float[Array, "B V"]:
+    """logit_bias (added) and allowed_token_ids (every other token of such a row to -inf)."""
+    b, v = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    valid = ids >= 0
+    idx = jnp.where(valid, ids, v)  # v is out of range: dropped
+    allow_mark = valid & jnp.isposinf(vals)
+    bias = jnp.zeros((b, v), jnp.float32).at[rows, idx].add(
+        jnp.where(valid & jnp.isfinite(vals), vals, 0.0), mode="drop")
+    allowed = jnp.zeros((b, v), bool).at[rows, idx].max(allow_mark, mode="drop")
+    restrict = jnp.any(allow_mark, axis=-1, keepdims=True)
+    return jnp.where(restrict & ~allowed, -jnp.inf, logits + bias)
 
 
 def _threshold_by_count(x: Float[Array, "B V"], k: Int[Array, " B"]) -> Float[Array, " B"]:
@@ -118,6 +138,8 @@ def sample(
     logits = logits.astype(jnp.float32)
     if flags.use_penalties:
         logits = apply_penalties(logits, s)
+    if s.bias_ids is not None:  # structure, so part of the compile key: no cost without it
+        logits = apply_token_bias(logits, s.bias_ids, s.bias_vals)
     # log_softmax's own terms per row, [B, 1] each; no [B, V] log-probability array is kept:
     # a logprob is (logit - row max) - log(sum(exp(logits - row max))), as log_softmax computes.
     row_max = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))

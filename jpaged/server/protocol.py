@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
 # Fields vLLM's server accepts that this one does not implement yet, with the value meaning
 # "not used": any other value is refused with a 400 naming the field, never ignored.
 _NOT_YET: dict[str, Any] = {
-    "prompt_logprobs": None, "allowed_token_ids": None, "bad_words": None,
+    "prompt_logprobs": None, "bad_words": None,
     "structured_outputs": None, "guided_json": None, "guided_regex": None,
     "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
     "guided_whitespace_pattern": None, "logits_processors": None, "use_beam_search": False,
@@ -102,6 +102,17 @@ class _SamplingRequest(BaseModel):
     # vLLM: each choice carries its token ids, and the response (first chunk) the prompt's.
     return_token_ids: bool = False
     request_id: str | None = None  # vLLM: the id the response carries
+    allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
+
+    def token_bias(self) -> dict[int, float] | None:
+        """logit_bias with integer token ids (OpenAI sends them as JSON object keys)."""
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise OpenAIError(400, f"logit_bias keys must be token ids, got "
+                              f"{sorted(self.logit_bias)[:5]}", param="logit_bias") from None
 
     def refuse_unimplemented(self) -> None:
         """400 naming the first vLLM field set that this server does not implement yet."""
@@ -123,9 +134,6 @@ class _SamplingRequest(BaseModel):
 
     def _unsupported(self) -> None:
         self.refuse_unimplemented()
-        if self.logit_bias:
-            raise OpenAIError(400, "logit_bias is not supported by this server",
-                              param="logit_bias")
         if self.stream_options is not None and not self.stream:
             raise OpenAIError(400, "stream_options is only allowed when stream is true",
                               param="stream_options")
@@ -148,6 +156,7 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            logit_bias=self.token_bias(), allowed_token_ids=self.allowed_token_ids,
             extra_args=({"kv_transfer_params": self.kv_transfer_params}
                         if self.kv_transfer_params is not None else None),
         )

@@ -95,3 +95,30 @@ def test_top_k_ties_and_top_p_one_keep_everything_needed():
     logits = np.zeros((1, V), np.float32)  # uniform: any k keeps the tied set
     sb = _batch(1, top_p=np.array([1.0], np.float32), min_p=np.array([0.5], np.float32))
     assert _draws(logits, sb, SamplingFlags(), n=300)[0] == set(range(V))
+
+
+def test_logit_bias_and_allowed_token_ids_by_row():
+    """Row 0: +100 on token 5 wins argmax; row 1: only tokens 2 and 7 may be drawn, every
+    draw one of them; row 2: no constraint, as without the arrays; row 3: a -100 bias moves
+    argmax off the best token."""
+    from jpaged.runner.batch import constraint_rows
+
+    b, v, flags = 4, V, SamplingFlags()
+    logits = np.array(jax.random.normal(jax.random.key(3), (b, v)) * 3)
+    logits[1] = 5.0
+    logits[1, [2, 7]] = 0.0  # the two allowed tokens are the least likely ones, and equal
+    best = logits.argmax(-1)
+    rows = [(np.array([5], np.int32), np.array([100.0], np.float32)),
+            (np.array([2, 7], np.int32), np.array([np.inf, np.inf], np.float32)),
+            None,
+            (np.array([best[3]], np.int32), np.array([-100.0], np.float32))]
+    ids, vals = constraint_rows(rows, b)
+    assert ids.shape == (4, 8) and (ids[2] == -1).all()
+    greedy = _batch(b, temperature=np.zeros(b, np.float32))
+    plain = sample(logits, greedy, flags)[0]
+    got = sample(logits, _batch(b, temperature=np.zeros(b, np.float32), bias_ids=ids,
+                                bias_vals=vals), flags)[0]
+    assert int(got[0]) == 5 and int(got[1]) in (2, 7) and int(got[2]) == int(plain[2])
+    assert int(got[3]) != best[3]
+    hot = _batch(b, temperature=np.full(b, 1.5, np.float32), bias_ids=ids, bias_vals=vals)
+    assert _draws(logits, hot, flags, n=100)[1] == {2, 7}

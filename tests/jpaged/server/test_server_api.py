@@ -251,7 +251,7 @@ def test_cache_salt_isolates_tenants(served):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("prompt_logprobs", 1), ("allowed_token_ids", [1, 2]), ("bad_words", ["x"]),
+    ("prompt_logprobs", 1), ("bad_words", ["x"]),
     ("structured_outputs", {"regex": "a+"}), ("guided_regex", "a+"),
     ("response_format", {"type": "json_object"}), ("use_beam_search", True),
     ("return_tokens_as_token_ids", True), ("echo", True)])
@@ -291,3 +291,29 @@ def test_truncate_prompt_tokens_token_ids_usage_and_request_id(served):
         messages=[{"role": "user", "content": "hi"}], model=MODEL, max_tokens=2,
         extra_body={"return_token_ids": True})
     assert chat.model_extra["prompt_token_ids"] and chat.choices[0].model_extra["token_ids"]
+
+
+def test_logit_bias_and_allowed_token_ids(served):
+    """OpenAI's logit_bias (+100 forces a token, with its id as a string key) and vLLM's
+    allowed_token_ids hold for every generated token, streamed or not; bad ids or values are
+    refused by name and the engine keeps serving."""
+    client = served.client()
+    kw = {"model": MODEL, "max_tokens": 6, "temperature": 1.0, "seed": 1}
+    forced = client.completions.create(prompt="x", logit_bias={"65": 100}, **kw,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert forced.choices[0].model_extra["token_ids"] == [65] * 6
+    allowed = [66, 67, 68]
+    chunks = list(client.completions.create(
+        prompt="x", stream=True, **kw, extra_body={"ignore_eos": True, "return_token_ids": True,
+                                                   "allowed_token_ids": allowed}))
+    ids = [t for c in chunks if c.choices for t in c.choices[0].model_extra["token_ids"]]
+    assert len(ids) == 6 and set(ids) <= set(allowed)
+    for body, param in (({"logit_bias": {"99999": 1}}, "logit_bias"),
+                        ({"logit_bias": {"65": 101}}, "logit_bias"),
+                        ({"logit_bias": {"a": 1}}, "logit_bias"),
+                        ({"allowed_token_ids": [99999]}, "allowed_token_ids"),
+                        ({"allowed_token_ids": []}, "allowed_token_ids")):
+        r = _post(served.url, "/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                       "max_tokens": 1, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    assert client.completions.create(prompt="x", **kw).choices[0].text is not None
