@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from jpaged.kv_events import KVEventsConfig
+from jpaged.kv_events import KVEventsConfig, parse_json_config
 
 # Defaults live here and nowhere else (house rule 8).
 DEFAULT_BLOCK_SIZE = 16
@@ -307,23 +306,7 @@ class KVTransferConfig:
     def parse(cls, value: KVTransferConfig | Mapping[str, Any] | str | None
               ) -> KVTransferConfig | None:
         """From a KVTransferConfig, a dict, or its JSON text (the CLI flag); None stays None."""
-        if value is None or isinstance(value, KVTransferConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON ({e}): "
-                                 f"{value!r}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError("kv_transfer_config must be a JSON object (or dict), "
-                             f"got {type(value).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_transfer_config has unknown field(s) {unknown}; "
-                             f"known: {sorted(known)}")
-        return cls(**value)
+        return parse_json_config(cls, value, "kv_transfer_config")
 
 
 @dataclass(frozen=True)

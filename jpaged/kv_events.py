@@ -150,22 +150,26 @@ class KVEventsConfig:
     def parse(cls, value: KVEventsConfig | Mapping[str, Any] | str | None
               ) -> KVEventsConfig | None:
         """From a KVEventsConfig, a dict, or its JSON text (the CLI flag); None stays None."""
-        if value is None or isinstance(value, KVEventsConfig):
-            return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON ({e}): {value!r}") from None
-        if not isinstance(value, Mapping):
-            raise ValueError("kv_events_config must be a JSON object (or dict), "
-                             f"got {type(value).__name__}")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(f"kv_events_config has unknown field(s) {unknown}; "
-                             f"known: {sorted(known)}")
-        return cls(**value)
+        return parse_json_config(cls, value, "kv_events_config")
+
+
+def parse_json_config(cls: Any, value: Any, flag: str) -> Any:
+    """A config dataclass `cls` from an instance, a dict or its JSON text (a CLI flag's value),
+    unknown fields refused by name (`flag` names them in errors); None stays None."""
+    if value is None or isinstance(value, cls):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{flag} is not valid JSON ({e}): {value!r}") from None
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{flag} must be a JSON object (or dict), got {type(value).__name__}")
+    known = {f.name for f in fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"{flag} has unknown field(s) {unknown}; known: {sorted(known)}")
+    return cls(**value)
 
 
 # ------------------------------------------------------------------------------- encoding

@@ -31,6 +31,25 @@ def free_port(span: int = 1) -> int:
     raise RuntimeError(f"no {span} consecutive free ports on 127.0.0.1")
 
 
+def wait_until_healthy(proc, port: int, output, timeout: float = 180.0) -> None:
+    """Until `jpaged serve` (subprocess `proc`) answers 200 on /health at 127.0.0.1:`port`;
+    fails with `output()` (what the process wrote) if it exits first, or at the timeout."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        assert proc.poll() is None, output()
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.25)
+
+
 @functools.lru_cache(maxsize=1)
 def embedded() -> LoadedModel:
     """The embedded SmolLM2 in float32, loaded once per test session."""

@@ -8,11 +8,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
-import httpx
 import pytest
-from helpers import free_port, tiny_model_dir
+from helpers import free_port, tiny_model_dir, wait_until_healthy
 
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("ray")
@@ -32,16 +30,7 @@ def test_server_exits_when_ray_loses_its_node(tmp_path):
         stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     family: list = []
     try:
-        deadline = time.monotonic() + WAIT_S
-        while True:
-            assert proc.poll() is None, (log.seek(0), log.read())[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.25)
+        wait_until_healthy(proc, port, lambda: (log.seek(0), log.read())[1], WAIT_S)
         family = psutil.Process(proc.pid).children(recursive=True)
         raylets = [p for p in family if "raylet" in p.name()]
         assert raylets, [p.name() for p in family]

@@ -6,10 +6,9 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import httpx
-from helpers import free_port, tiny_model_dir
+from helpers import free_port, tiny_model_dir, wait_until_healthy
 from typer.testing import CliRunner
 
 from jpaged.cli import app
@@ -23,16 +22,7 @@ def test_serve_subprocess_binds_localhost_and_stops_on_sigint():
          "--max-model-len", "64", "--num-gpu-blocks-override", "16"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, proc.communicate()[1]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.25)
+        wait_until_healthy(proc, port, lambda: proc.communicate()[1])
         r = httpx.get(f"http://127.0.0.1:{port}/v1/models",
                       headers={"Authorization": "Bearer k3y"})
         assert [m["id"] for m in r.json()["data"]] == ["srv"]
