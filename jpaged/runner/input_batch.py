@@ -59,6 +59,7 @@ class InputBatch:
         self._top_k = np.zeros(0, np.int32)
         self._seeds = np.zeros(0, np.uint32)
         self._bias: list[tuple[np.ndarray, np.ndarray] | None] = []  # token constraints
+        self._constrained: set[int] = set()  # rows whose _bias entry is not None
 
     def _grow(self) -> None:
         old = self.capacity
@@ -84,6 +85,10 @@ class InputBatch:
         self._top_k[row] = top_k
         self._seeds[row] = seed
         self._bias[row] = token_constraints(request.sampling_params)
+        if self._bias[row] is None:
+            self._constrained.discard(row)
+        else:
+            self._constrained.add(row)
         self._nblocks[row] = 0
         self.tables[row] = 0
         return row
@@ -93,6 +98,7 @@ class InputBatch:
         for rid in request_ids:
             row = self.row_of.pop(rid, None)
             if row is not None:
+                self._constrained.discard(row)
                 self._free.append(row)
 
     @property
@@ -201,8 +207,10 @@ class InputBatch:
         use_pen = bool(n) and bool(samp[:, 6].any())
         use_top = bool(n) and bool(samp[:, 7].any())
         history, is_out = penalty_history(scheduled, b_pad, use_pen)
-        bias = self._bias
-        bias_ids, bias_vals = constraint_rows([bias[i] for i in rows], b_pad)
+        bias_ids = bias_vals = None
+        if self._constrained and not self._constrained.isdisjoint(rows):  # else no per-row work
+            bias = self._bias
+            bias_ids, bias_vals = constraint_rows([bias[i] for i in rows], b_pad)
         sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
                                  history, is_out, bias_ids, bias_vals)
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,

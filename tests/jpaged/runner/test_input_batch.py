@@ -88,6 +88,9 @@ def test_persistent_batch_packs_like_pack_step(seed):
             sp = dict(temperature=1.0, top_k=5, top_p=0.8, min_p=0.1)
         elif i % 4 == 3:  # top candidates wanted: the step's top_logprobs flag (0: not)
             sp = dict(logprobs=2 if i % 8 == 3 else 0)
+        if i % 5 == 4:  # token constraints: their rows' entries, a [B, K] class per step
+            sp.update(logit_bias={3: 2.0, 7: -1.5},
+                      allowed_token_ids=[1, 3, 7, 9] if i % 10 == 9 else None)
         pending.append((rng.randint(0, 10), make_request(f"q{i}", prompt, rng.randint(1, 12),
                                                          priority=rng.randint(0, 1), **sp)))
     step = 0
