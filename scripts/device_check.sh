@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one call to make on a lent GPU machine (docs/kernels.md, "Running the device check"):
-# the kernels' check (scripts/gpu_check.py --quick), the engine end to end on random
-# Llama-3-8B-shaped weights (scripts/gpu_engine_check.py, with the synchronous and the
-# overlapped loop compared) and the host work per request-step of both loops
-# (scripts/bench_host.py, tiny model), merged into one JSON under $OUT.
+# the kernels' check (scripts/gpu_check.py --quick), the decode step rows that `make gpu-aot`
+# predicts and the engine end to end, both on random Llama-3-8B-shaped weights
+# (scripts/gpu_engine_check.py --part decode / --part check, the latter with the synchronous
+# and the overlapped loop compared), and the host work per request-step of both loops
+# (scripts/bench_host.py, tiny model), merged into one JSON under $OUT, with the whole log.
 #
 #   scripts/device_check.sh              # on the GPU machine, < 10 minutes
 #   scripts/device_check.sh --cpu-smoke  # the same steps here, tiny shapes, Pallas interpreter
@@ -17,14 +18,20 @@ OUT_DIR=${OUT:-out/device_check}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 
+# Each stage has its own wall-clock limit (seconds), so one that overruns cannot take the
+# next one's time; every stage prints its figures as it goes, into $OUT_DIR/device_check.log.
 if [ "${1:-}" = "--cpu-smoke" ]; then
   KERNEL_ARGS=(--cpu-smoke)
   ENGINE_ARGS=(--cpu-smoke)
+  DECODE_ARGS=(--cpu-smoke)
   HOST_ARGS=(--batches 4 --no-core-process)
+  LIMITS=(300 300 300 300)
 else
-  KERNEL_ARGS=(--quick --budget-s 150)
-  ENGINE_ARGS=(--budget-s 210)
+  KERNEL_ARGS=(--quick --budget-s 100)
+  DECODE_ARGS=(--decode-budget-s 100)
+  ENGINE_ARGS=(--budget-s 110)
   HOST_ARGS=(--batches 64 256)
+  LIMITS=(150 150 180 50)  # kernels, decode rows, engine check, host
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv \
     > "$OUT_DIR/nvidia_smi.csv" 2>&1 || true
 fi
@@ -35,30 +42,43 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 
+exec > >(tee -a "$OUT_DIR/device_check.log") 2>&1
 t0=$(date +%s)
-"$PY" scripts/gpu_check.py "${KERNEL_ARGS[@]}" --out "$OUT_DIR/kernels.json"
+echo "== kernels (limit ${LIMITS[0]} s)"
+timeout -k 5 "${LIMITS[0]}" "$PY" scripts/gpu_check.py "${KERNEL_ARGS[@]}" \
+  --out "$OUT_DIR/kernels.json"
 kernels_rc=$?
-"$PY" scripts/gpu_engine_check.py "${ENGINE_ARGS[@]}" --out "$OUT_DIR/engine.json"
+# The decode step rows first (the figures `make gpu-aot` predicts), then the engine check.
+echo "== decode step rows (limit ${LIMITS[1]} s)"
+timeout -k 5 "${LIMITS[1]}" "$PY" scripts/gpu_engine_check.py --part decode "${DECODE_ARGS[@]}" \
+  --out "$OUT_DIR/decode.json"
+decode_rc=$?
+echo "== engine check (limit ${LIMITS[2]} s)"
+timeout -k 5 "${LIMITS[2]}" "$PY" scripts/gpu_engine_check.py --part check "${ENGINE_ARGS[@]}" \
+  --out "$OUT_DIR/engine.json"
 engine_rc=$?
+echo "== host work per step (limit ${LIMITS[3]} s)"
 # XLA_FLAGS set (empty unless given): bench_host's XLA:CPU thread flags are for this CPU only.
 # Two processes share the GPU with the engine core in its own: neither may take most of it.
-XLA_FLAGS=${XLA_FLAGS:-} XLA_PYTHON_CLIENT_PREALLOCATE=false "$PY" scripts/bench_host.py \
-  --quick --no-embedded --no-plot "${HOST_ARGS[@]}" --out "$OUT_DIR/host.json"
+XLA_FLAGS=${XLA_FLAGS:-} XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${LIMITS[3]}" \
+  "$PY" scripts/bench_host.py --quick --no-embedded --no-plot "${HOST_ARGS[@]}" \
+  --out "$OUT_DIR/host.json"
 host_rc=$?
 
-"$PY" - "$OUT_DIR" "$kernels_rc" "$engine_rc" "$host_rc" "$(( $(date +%s) - t0 ))" <<'PYEOF'
+"$PY" - "$OUT_DIR" "$kernels_rc" "$decode_rc" "$engine_rc" "$host_rc" "$(( $(date +%s) - t0 ))" \
+  <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-krc, erc, hrc, wall = (int(x) for x in sys.argv[2:6])
-doc = {"kernels_rc": krc, "engine_rc": erc, "host_rc": hrc, "wall_s": wall}
-for name in ("kernels", "engine", "host"):
+krc, drc, erc, hrc, wall = (int(x) for x in sys.argv[2:7])
+doc = {"kernels_rc": krc, "decode_rc": drc, "engine_rc": erc, "host_rc": hrc, "wall_s": wall}
+for name in ("kernels", "decode", "engine", "host"):
     f = out / f"{name}.json"
     doc[name] = json.loads(f.read_text()) if f.exists() else None
 smi = out / "nvidia_smi.csv"
 doc["nvidia_smi"] = smi.read_text() if smi.exists() else None
 (out / "device_check.json").write_text(json.dumps(doc, indent=1))
-print(f"device_check: kernels rc={krc}, engine rc={erc}, host rc={hrc}, {wall} s -> "
-      f"{out}/device_check.json")
+print(f"device_check: kernels rc={krc}, decode rc={drc}, engine rc={erc}, host rc={hrc} "
+      f"(124: stage time limit), {wall} s -> {out}/device_check.json")
 PYEOF
-[ "$kernels_rc" -eq 0 ] && [ "$engine_rc" -eq 0 ] && [ "$host_rc" -eq 0 ]
+[ "$kernels_rc" -eq 0 ] && [ "$decode_rc" -eq 0 ] && [ "$engine_rc" -eq 0 ] && [ "$host_rc" -eq 0 ]

@@ -93,6 +93,7 @@ def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[
                     rows.append({**row, **time_decode(engine.runner, b, ctx)})
                 except ValueError as e:  # does not fit this pool: named, not timed
                     rows.append({**row, "skipped": str(e)})
+                print(f"  decode row {rows[-1]}", flush=True)  # a cut-short run keeps its rows
         engine.runner.kv = None  # free this pool before the next engine allocates its own
         del engine
         gc.collect()

@@ -147,6 +147,10 @@ def run_engine_check(cfg: EngineCheckConfig, kv_dtypes: tuple[str, ...], model_d
             run[f"{backend}_start_s"] = round(time.perf_counter() - t0, 2)
             run[f"{backend}_pool"] = _pool(llm)
             tokens[backend] = _greedy(llm, prompts, cfg.new_tokens)
+            # Progress as it goes: a run cut short by its caller's timeout keeps its figures.
+            print(f"  kv {kvd} {backend}: started in {run[f'{backend}_start_s']} s, pool "
+                  f"{run[f'{backend}_pool']}, greedy at {time.perf_counter() - t_start:.0f} s",
+                  flush=True)
             if backend == "pallas":
                 run["throughput"] = []
                 for b in cfg.batches:
@@ -154,6 +158,7 @@ def run_engine_check(cfg: EngineCheckConfig, kv_dtypes: tuple[str, ...], model_d
                         run["throughput"].append({"batch": b, "skipped": "time budget"})
                         continue
                     run["throughput"].append(_throughput(llm, cfg, b))
+                    print(f"  kv {kvd} throughput {run['throughput'][-1]}", flush=True)
                 if kvd == kv_dtypes[0]:  # the loops compared once, on the first KV dtype
                     run["overlap"] = ({"skipped": "time budget"}
                                       if time.perf_counter() - t_start > budget_s
@@ -206,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=270.0, help="skip throughput after this")
     p.add_argument("--decode-budget-s", type=float, default=150.0,
                    help="skip the remaining decode step rows after this")
+    p.add_argument("--part", choices=["all", "check", "decode"], default="all",
+                   help="check: the engine check alone; decode: the decode step rows alone "
+                        "(so a caller can give each its own time limit)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         jax.config.update("jax_platforms", "cpu")
@@ -213,10 +221,16 @@ def main(argv: list[str] | None = None) -> int:
     dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
     kv_dtypes = ("bfloat16", "fp8_e4m3")
     loaded = random_model(cfg.spec, dtype)
-    res = run_engine_check(cfg, kv_dtypes, dtype, budget_s=args.budget_s, loaded=loaded)
+    res = (run_engine_check(cfg, kv_dtypes, dtype, budget_s=args.budget_s, loaded=loaded)
+           if args.part != "decode" else
+           {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+            "model": f"random {cfg.spec.architecture}", "runs": [], "wall_s": 0.0})
     res["mode"] = "cpu-smoke" if args.cpu_smoke else "gpu"
-    res["decode_rows"] = decode_rows(loaded, kv_dtypes, cfg.decode_batches, cfg.decode_contexts,
-                                     cfg.decode_args, budget_s=args.decode_budget_s)
+    t0 = time.perf_counter()
+    res["decode_rows"] = ([] if args.part == "check" else
+                          decode_rows(loaded, kv_dtypes, cfg.decode_batches, cfg.decode_contexts,
+                                      cfg.decode_args, budget_s=args.decode_budget_s))
+    res["wall_s"] = round(res["wall_s"] + time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
     print(f"engine check on {res['device']} (jax {res['jax']}): {res['model']}")

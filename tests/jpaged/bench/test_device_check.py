@@ -20,7 +20,8 @@ def test_device_check_cpu_smoke(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "device_check.json").read_text())
-    assert doc["kernels_rc"] == 0 and doc["engine_rc"] == 0 and doc["host_rc"] == 0
+    assert (doc["kernels_rc"], doc["decode_rc"], doc["engine_rc"], doc["host_rc"]) == (0, 0, 0, 0)
+    assert "== decode step rows" in (tmp_path / "device_check.log").read_text()
     kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]
     assert kernels["mode"] == "cpu-smoke" and kernels["failures"] == []
     assert len(kernels["checks"]) >= 8 and all(c["ok"] for c in kernels["checks"])
@@ -43,7 +44,8 @@ def test_device_check_cpu_smoke(tmp_path):
     assert len(overlap["async_ratio_per_round"]) == 3 and overlap["async_ratio"] > 0
     assert "overlap" not in engine["runs"][1]
     # The decode step rows gpu-aot predicts, measured: each KV dtype, batch and context.
-    rows = engine["decode_rows"]
+    assert engine["decode_rows"] == []  # measured in their own stage, before the engine check
+    rows = doc["decode"]["decode_rows"]
     assert [(r["kv_cache_dtype"], r["batch"], r["context_len"]) for r in rows] == [
         (k, b, 40) for k in ("bfloat16", "fp8_e4m3") for b in (1, 4)]
     assert all(r["step_ms"] > 0 and r["output_tokens_per_s"] > 0 for r in rows), rows
