@@ -9,7 +9,8 @@ between jax releases or names the Triton backend lives here:
 * the DeprecationWarning that jax >= 0.11 emits when lowering a Triton kernel (silenced by message
   only, so every other deprecation still shows);
 * the matrix product (`lax.dot_general` with float32 accumulation, which the Triton lowering maps
-  to `tt.dot`; float32 operands use IEEE precision, not tf32).
+  to `tt.dot`; at DEFAULT precision float32 operands run as TF32 on the tensor cores, as XLA's
+  own float32 dots do on GPU: about 3e-4 relative error, measured on an H200).
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# jpaged is not installed on the GPU machine: the checkout itself is on the path, for the
+# scripts and the processes they start (bench_host's engine core).
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT_DIR=${OUT:-out/device_check}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1

@@ -1,0 +1,140 @@
+"""Merge what a lent GPU's device check brought back and set its decode step rows beside the
+prediction of `make gpu-aot`.
+
+    python scripts/device_report.py /work/.device/1 /work/.device/2 ... \\
+        --aot docs/bench/gpu_aot_decode_jax0.10.2.json --out docs/bench/device_h200.json
+
+Each folder may hold device_check.json / kernels.json / decode*.json / engine*.json /
+host.json / nvidia_smi.csv and the log (device_check.log), whose "decode row {...}" lines keep
+the rows of a stage that its time limit cut short. Prints the comparison as a markdown table:
+measured ms per decode step, the predicted ms (hbm_bytes at 4.8 TB/s and at 80% of it), and the
+bandwidth the step achieved (predicted bytes / measured time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from pathlib import Path
+from typing import Any
+
+
+def _rows_from(obj: Any) -> list[dict[str, Any]]:
+    """Decode step rows in a JSON document: a list of rows, or a dict carrying `decode_rows`."""
+    if isinstance(obj, list):
+        return [r for r in obj if isinstance(r, dict) and "context_len" in r]
+    if isinstance(obj, dict):
+        rows = list(obj.get("decode_rows") or [])
+        if isinstance(obj.get("decode"), dict):
+            rows += obj["decode"].get("decode_rows") or []
+        return rows
+    return []
+
+
+def collect(folders: list[Path]) -> dict[str, Any]:
+    """One document from every folder's files; later folders add to earlier ones."""
+    doc: dict[str, Any] = {"decode_rows": {}, "engine_runs": [], "sources": []}
+    for folder in folders:
+        for f in sorted(folder.iterdir()):
+            doc["sources"].append(f"{folder.name}/{f.name}")
+            if f.name.endswith(".log"):
+                for line in f.read_text().splitlines():
+                    if line.strip().startswith("decode row {"):
+                        row = ast.literal_eval(line.split("decode row ", 1)[1])
+                        doc["decode_rows"][_key(row)] = row
+                continue
+            if f.name == "nvidia_smi.csv":
+                doc["nvidia_smi"] = f.read_text().strip()
+                continue
+            if f.suffix != ".json":
+                continue
+            obj = json.loads(f.read_text())
+            for row in _rows_from(obj):
+                doc["decode_rows"][_key(row)] = row
+            if isinstance(obj, dict):
+                if f.name == "kernels.json" or "checks" in obj:
+                    doc["kernels"] = obj
+                elif f.name == "host.json":
+                    doc["host"] = obj
+                elif obj.get("runs"):
+                    doc["engine_runs"] += obj["runs"]
+                    doc.setdefault("engine_model", obj.get("model"))
+                elif "kernels" in obj:  # device_check.json: the merged stages
+                    for k in ("kernels", "host"):
+                        if obj.get(k):
+                            doc[k] = obj[k]
+                    if obj.get("engine") and obj["engine"].get("runs"):
+                        doc["engine_runs"] += obj["engine"]["runs"]
+    doc["decode_rows"] = sorted(doc["decode_rows"].values(), key=lambda r: _key(r))
+    return doc
+
+
+def _key(row: dict[str, Any]) -> tuple[str, int, int]:
+    return (row["kv_cache_dtype"], int(row["batch"]), int(row["context_len"]))
+
+
+def compare(rows: list[dict[str, Any]], aot: dict[str, Any], copy_gbps: float | None
+            ) -> list[dict[str, Any]]:
+    """Each measured row beside its predicted case (Llama-3-8B, tp=1, same KV dtype, batch and
+    context)."""
+    cases = {(c["kv_cache_dtype"], c["seqs"], c["context_len"]): c for c in aot["cases"]
+             if c["model"] == "llama3-8b" and c["tensor_parallel_size"] == 1
+             and c.get("program", "step") == "step"}
+    out = []
+    for r in rows:
+        c = cases.get(_key(r))
+        row = {**r}
+        if c is not None and "step_ms" in r:
+            gbps = c["hbm_bytes"] / (r["step_ms"] * 1e-3) / 1e9
+            row.update(predicted_ms=c["predicted_step_ms"],
+                       predicted_ms_at_80pct=c["predicted_step_ms_at_80pct"],
+                       hbm_bytes=c["hbm_bytes"], min_hbm_bytes=c["min_hbm_bytes"],
+                       measured_over_predicted=round(r["step_ms"] / c["predicted_step_ms"], 2),
+                       achieved_GBps=round(gbps),
+                       achieved_fraction_of_peak=round(gbps / (aot["hbm_bytes_per_s"] / 1e9), 3))
+            if copy_gbps:
+                row["achieved_fraction_of_copy"] = round(gbps / copy_gbps, 3)
+        out.append(row)
+    return out
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The comparison as a markdown table."""
+    lines = ["| KV | B | context | measured ms | tok/s | predicted ms (peak / 80%) | "
+             "measured / predicted | achieved TB/s (% of 4.8) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "step_ms" not in r:
+            lines.append(f"| {r['kv_cache_dtype']} | {r['batch']} | {r['context_len']} | "
+                         f"not run: {r.get('skipped')} | | | | |")
+            continue
+        pred = (f"{r['predicted_ms']:.2f} / {r['predicted_ms_at_80pct']:.2f}"
+                if "predicted_ms" in r else "")
+        ratio = f"{r['measured_over_predicted']:.2f}x" if "predicted_ms" in r else ""
+        bw = (f"{r['achieved_GBps'] / 1000:.2f} ({r['achieved_fraction_of_peak']:.0%})"
+              if "achieved_GBps" in r else "")
+        lines.append(f"| {r['kv_cache_dtype']} | {r['batch']} | {r['context_len']} | "
+                     f"{r['step_ms']:.2f} | {r['output_tokens_per_s']:,.0f} | {pred} | "
+                     f"{ratio} | {bw} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Merge the folders, compare the decode rows, write JSON and print the table."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folders", type=Path, nargs="+", help="folders a device run brought back")
+    p.add_argument("--aot", type=Path, required=True, help="a `make gpu-aot --decode` JSON")
+    p.add_argument("--out", type=Path, help="write the merged document here")
+    args = p.parse_args(argv)
+    doc = collect(args.folders)
+    aot = json.loads(args.aot.read_text())
+    copy = (doc.get("kernels") or {}).get("copy_GBps")
+    doc["decode_rows"] = compare(doc["decode_rows"], aot, copy)
+    doc["aot_source"] = f"{args.aot.name} (jax {aot['jax_version']})"
+    if args.out:
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+    print(markdown(doc["decode_rows"]))
+    return 0
+
+
