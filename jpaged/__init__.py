@@ -16,6 +16,8 @@ _EXPORTS = {
     "EngineArgs": "jpaged.config",
     "SamplingParams": "jpaged.sampling_params",
     "RequestOutputKind": "jpaged.sampling_params",
+    "StructuredOutputsParams": "jpaged.sampling_params",
+    "GuidedDecodingParams": "jpaged.sampling_params",
     "RequestOutput": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
 }

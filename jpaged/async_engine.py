@@ -161,6 +161,11 @@ class AsyncLLMEngine:
         may share one `queue`; items carry their `request_id`.
         """
         queue = asyncio.Queue() if queue is None else queue
+        if getattr(params, "structured_outputs", None) is not None:
+            # Compiled here, on an executor thread, so the engine loop only copies the cached
+            # matcher; a grammar that does not compile raises its ValueError here.
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.grammar_compiler.compile, params.structured_outputs)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_Add(request_id, prompt, params, priority,
                           _Sink(asyncio.get_running_loop(), queue), done))

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jpaged.config import EngineArgs, EngineConfig
@@ -19,6 +20,7 @@ from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
 from jpaged.core.kv_connector import KVConnectorScheduler
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.structured_output import consume, mask_words
 from jpaged.engine_core import CoreStep
 from jpaged.frontend import PromptType, RequestFrontend
 from jpaged.kv_events import KVEventBatch, KVEventHub
@@ -223,6 +225,9 @@ class LLMEngine(RequestFrontend):
         if connector is not None:
             self.kv_worker = self._build_kv_worker(connector)
         self._failed: list[RequestOutput] = []  # outputs of requests a failed KV load ended
+        # Structured outputs: each constrained request's grammar matcher, by request id (set
+        # when queued, dropped once the scheduler no longer holds the request).
+        self._matchers: dict[str, Any] = {}
         # Async scheduling: the dispatched step whose tokens the next step() reads.
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: tuple[Any, PendingStep] | None = None
@@ -251,8 +256,11 @@ class LLMEngine(RequestFrontend):
         for req in requests:
             if req.request_id in self.scheduler.requests:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
+        matchers = {r.request_id: self.grammar_compiler.matcher(so) for r in requests
+                    if (so := r.sampling_params.structured_outputs) is not None}
         for req in requests:
             self.scheduler.add_request(req)
+        self._matchers.update(matchers)
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         self.scheduler.finish_requests(request_ids, status)
@@ -365,7 +373,12 @@ class LLMEngine(RequestFrontend):
         (None, None) to apply: the first step of an overlapped run (nothing back yet).
         """
         self.runner.last_wait_s = 0.0
-        if not self.async_scheduling:
+        if not self.async_scheduling or self._grammar_needs_sync():
+            if self._in_flight is not None:
+                # A constrained request's next mask needs the token in flight: apply that step
+                # first and dispatch nothing in this call (one bubble, then synchronous steps).
+                prev, self._in_flight = self._in_flight, None
+                return (None, None), prev
             cur = self._dispatch(advance=False)
             return cur, cur
         cur = self._dispatch(advance=True)
@@ -374,10 +387,45 @@ class LLMEngine(RequestFrontend):
             return cur, (None, None)
         return cur, (prev if prev is not None else cur)
 
+    def _grammar_needs_sync(self) -> bool:
+        """True while a request with a grammar is queued or running: its next token's mask
+        needs its previous token on the host, so steps go one at a time (the host fills masks
+        between them; docs/architecture.md, "Structured outputs")."""
+        if not self._matchers:
+            return False
+        held = self.scheduler.requests
+        for rid in [r for r in self._matchers if r not in held]:
+            del self._matchers[rid]  # finished or aborted
+        return bool(self._matchers)
+
+    def _token_masks(self, scheduled: list[Any]) -> np.ndarray | None:
+        """[len(scheduled), W] packed masks when a scheduled sampling row has a grammar."""
+        if not self._matchers:
+            return None
+        rows = [(m, i) for i, s in enumerate(scheduled)
+                if s.sample and (m := self._matchers.get(s.request.request_id)) is not None]
+        if not rows:
+            return None
+        masks = np.full((len(scheduled), mask_words(self.spec.vocab_size)), -1, np.int32)
+        self.grammar_compiler.fill_masks(rows, masks)
+        return masks
+
+    def _consume(self, updated: list[Request], rows: list[int], ids: list[int]) -> None:
+        """Advance each constrained request's matcher past the token it just sampled."""
+        for req, row in zip(updated, rows, strict=True):
+            m = self._matchers.get(req.request_id)
+            if m is not None and req.output_token_ids:
+                err = consume(m, ids[row])
+                if err is not None:  # only if another constraint overrode the grammar's mask
+                    logger.warning("request %s left its grammar (%s); it is no longer "
+                                   "constrained", req.request_id, err)
+                    del self._matchers[req.request_id]
+
     def _record(self, cur: tuple[Any, PendingStep | None]) -> None:
-        # One point per call, for the step dispatched by it.
-        self.metrics_history.record(self.scheduler, cur[0].num_scheduled_tokens)
-        self.stat_logger.on_iteration(cur[0].num_scheduled_tokens)
+        # One point per call, for the step dispatched by it (none: a drain call, see _launch).
+        n = cur[0].num_scheduled_tokens if cur[0] is not None else 0
+        self.metrics_history.record(self.scheduler, n)
+        self.stat_logger.on_iteration(n)
         if self.kv_events is not None:
             self.kv_events.flush()  # this step's cache changes, as one batch
 
@@ -395,8 +443,11 @@ class LLMEngine(RequestFrontend):
         # Packed from the requests as scheduled; only then advanced past this step.
         self.runner.remove_requests(out.finished_request_ids)
         self.runner.remove_requests(out.preempted)  # re-admitted with a new block table
-        pending = (self._on_device(self.runner.dispatch, out.scheduled) if out.scheduled
-                   else None)
+        pending = None
+        if out.scheduled:
+            masks = self._token_masks(out.scheduled)
+            pending = (self._on_device(self.runner.dispatch, out.scheduled) if masks is None
+                       else self._on_device(self.runner.dispatch, out.scheduled, masks))
         if advance:
             self.scheduler.update_after_schedule(out)
         return out, pending
@@ -451,6 +502,8 @@ class LLMEngine(RequestFrontend):
             ids = result.token_ids.tolist()
             lps = result.logprobs.tolist()
         updated = self.scheduler.update_from_output(out, ids, rows, finished_at)
+        if self._matchers and ids:
+            self._consume(updated, rows, ids)
         if self.kv_worker is not None:
             self._kv_connector_meta()
         return updated, ids, lps, result

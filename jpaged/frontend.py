@@ -16,6 +16,7 @@ from typing import Any
 
 from jpaged.config import EngineConfig
 from jpaged.core.kv_connector import check_kv_transfer_params
+from jpaged.core.structured_output import GrammarCompiler
 from jpaged.metrics import StatLogger
 from jpaged.output_processor import (
     ChildState,
@@ -68,9 +69,24 @@ class RequestFrontend:
 
     def _check_params(self, params: SamplingParams) -> None:
         """Checks of a request's params that need the engine's config (ValueError naming the
-        problem): kv_transfer_params against its KV connector."""
+        problem): kv_transfer_params against its KV connector; a structured output's grammar
+        compiles (cached, so the engine's own matcher costs a copy)."""
         kvp = (params.extra_args or {}).get("kv_transfer_params")
         check_kv_transfer_params(kvp, self.config.kv_transfer, params.n)
+        if params.structured_outputs is not None:
+            self.grammar_compiler.compile(params.structured_outputs)
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' grammars for this model's tokenizer (made on first use)."""
+        gc = getattr(self, "_grammar_compiler", None)
+        if gc is None:
+            eos = tuple(self.spec.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+                eos = eos + (self.tokenizer.eos_token_id,)
+            gc = self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
+                                                          eos)
+        return gc
 
     # ----------------------------------------------------------------- requests
     def _tokenize(self, prompt: PromptType, truncate: int | None = None

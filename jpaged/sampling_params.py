@@ -47,6 +47,79 @@ def _coerce_types(sp: SamplingParams) -> None:
            "stop_token_ids", "a list of integers", sp.stop_token_ids)
 
 
+_SO_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the output's form (vLLM's class and fields; exactly one kind is set):
+    a JSON schema (dict or JSON text), a regex, a choice among strings, a grammar (Lark, or
+    GBNF when it defines rules with `::=`), or any JSON object."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in _SO_KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("StructuredOutputsParams must set exactly one of json, regex, "
+                             f"choice, grammar, json_object (got {set_kinds or 'none'})")
+        if self.structural_tag is not None:
+            raise ValueError("StructuredOutputsParams.structural_tag is not supported by jpaged")
+        if self.json is not None:
+            if isinstance(self.json, str):
+                import json as _json
+
+                try:
+                    schema = _json.loads(self.json)
+                except ValueError as e:
+                    raise ValueError(f"StructuredOutputsParams.json is not valid JSON: {e}"
+                                     ) from None
+            else:
+                schema = self.json
+            if not isinstance(schema, dict):
+                raise ValueError("StructuredOutputsParams.json must be a JSON schema object, "
+                                 f"got {type(schema).__name__}")
+        if self.regex is not None:
+            _check(isinstance(self.regex, str) and self.regex != "", "structured_outputs.regex",
+                   "a non-empty string", self.regex)
+        if self.choice is not None:
+            _check(isinstance(self.choice, list | tuple) and len(self.choice) > 0
+                   and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice", "a non-empty list of non-empty strings",
+                   self.choice)
+            self.choice = list(self.choice)
+        if self.grammar is not None:
+            _check(isinstance(self.grammar, str) and self.grammar.strip() != "",
+                   "structured_outputs.grammar", "a non-empty string", self.grammar)
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: 'json', 'regex', 'choice', 'grammar' or 'json_object'."""
+        return next(k for k in _SO_KINDS if getattr(self, k) not in (None, False))
+
+    def cache_key(self) -> str:
+        """One string per distinct compiled grammar."""
+        import json as _json
+
+        value = getattr(self, self.kind)
+        return _json.dumps([self.kind, value, self.disable_any_whitespace,
+                            self.disable_additional_properties, self.whitespace_pattern],
+                           sort_keys=True, default=str)
+
+
+# vLLM's former name of the same class.
+GuidedDecodingParams = StructuredOutputsParams
+
+
 @dataclass
 class SamplingParams:
     """Sampling and stopping parameters of one request; validated on construction."""
@@ -76,6 +149,8 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     # Keep only the prompt's last k tokens (-1: the last max_model_len - 1), as vLLM.
     truncate_prompt_tokens: int | None = None
+    # The output's form: JSON schema, regex, choice or grammar (a packed token mask per step).
+    structured_outputs: StructuredOutputsParams | None = None
     # vLLM's extra_args: arguments for extensions; "kv_transfer_params" is read by the KV
     # connector (disaggregated prefill/decode; the OpenAI API's kv_transfer_params field).
     extra_args: dict[str, Any] | None = None
@@ -143,6 +218,9 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0
                 for t in self.allowed_token_ids), "allowed_token_ids",
                 "a non-empty list of non-negative token ids", self.allowed_token_ids)
+        _check(self.structured_outputs is None
+               or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs", "a StructuredOutputsParams or None", self.structured_outputs)
         _check(self.extra_args is None or isinstance(self.extra_args, dict), "extra_args",
                "a dict or None", self.extra_args)
         if self.extra_args:

@@ -195,12 +195,24 @@ def penalty_history(scheduled: Sequence[Any], b_pad: int, use_penalties: bool
     return history, is_out
 
 
+def mask_rows(masks: np.ndarray | None, b_pad: int) -> np.ndarray | None:
+    """[b_pad, W] packed token masks: the scheduled rows' (in order), then all-ones padding
+    (None when no row is constrained)."""
+    if masks is None:
+        return None
+    out = np.full((b_pad, masks.shape[1]), -1, np.int32)
+    out[:len(masks)] = masks
+    return out
+
+
 def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab_size: int,
-              default_seed: int, prev_rows: Mapping[str, int] | None = None) -> PackedStep:
+              default_seed: int, prev_rows: Mapping[str, int] | None = None,
+              token_masks: np.ndarray | None = None) -> PackedStep:
     """Pack scheduled requests (duck-typed ScheduledRequest) into numpy arrays of bucket shape.
 
     A PLACEHOLDER_TOKEN (always a sequence's last new token) is read on device from row
     `prev_rows[request_id]` of the last-token buffer: the row it had in the previous step.
+    token_masks: [n, W] packed allowed-token bits of the scheduled rows (structured outputs).
     """
     n = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
@@ -258,7 +270,7 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         [token_constraints(s.request.sampling_params) for s in scheduled], b_pad)
 
     sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
-                             history, is_out, bias_ids, bias_vals)
+                             history, is_out, bias_ids, bias_vals, mask_rows(token_masks, b_pad))
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
                       feed_rows, sampling)
     flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top)
@@ -275,9 +287,10 @@ class FlatStep:
     on a GPU. Layout (row-major, in this order): ints = input_ids[T], positions[T],
     slot_mapping[G*T], query_start_loc[B+1], seq_lens[B], logits_indices[B], feed_rows[B],
     top_k[B], seeds[B] (uint32 bits), counters[B], block_tables[B*G*M], history[B*H],
-    history_is_output[B*H] (0/1), bias_ids[B*K]; floats = temperature, top_p, min_p,
-    repetition, presence, frequency penalties, [B] each, then bias_vals[B*K] (K = bias_len,
-    0 when no row has token constraints).
+    history_is_output[B*H] (0/1), bias_ids[B*K], token_mask[B*W]; floats = temperature,
+    top_p, min_p, repetition, presence, frequency penalties, [B] each, then bias_vals[B*K]
+    (K = bias_len, 0 when no row has token constraints; W = mask_words, 0 when no row has a
+    grammar).
     """
 
     ints: Int[Array, " N"]
@@ -288,6 +301,7 @@ class FlatStep:
     history_len: int = field(metadata={"static": True})
     num_groups: int = field(default=1, metadata={"static": True})
     bias_len: int = field(default=0, metadata={"static": True})
+    mask_words: int = field(default=0, metadata={"static": True})
 
 
 def flatten_step(batch: StepBatch) -> FlatStep:
@@ -297,39 +311,41 @@ def flatten_step(batch: StepBatch) -> FlatStep:
     g = batch.slot_mapping.shape[0] // t
     k = 0 if s.bias_ids is None else s.bias_ids.shape[1]
     bias = [] if s.bias_ids is None else [s.bias_ids.reshape(-1)]
+    w = 0 if s.token_mask is None else s.token_mask.shape[1]
+    mask = [] if s.token_mask is None else [s.token_mask.reshape(-1)]
     ints = np.concatenate([
         batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
         batch.seq_lens, batch.logits_indices, batch.feed_rows, s.top_k,
         np.asarray(s.seeds, np.uint32).view(np.int32), s.counters,
         batch.block_tables.reshape(-1), s.history.reshape(-1),
-        s.history_is_output.reshape(-1), *bias], dtype=np.int32)
+        s.history_is_output.reshape(-1), *bias, *mask], dtype=np.int32)
     floats = np.concatenate([s.temperature, s.top_p, s.min_p, s.repetition_penalty,
                              s.presence_penalty, s.frequency_penalty,
                              *([] if s.bias_vals is None else [s.bias_vals.reshape(-1)])],
                             dtype=np.float32)
-    return FlatStep(ints, floats, t, b, gm // g, h, g, k)
+    return FlatStep(ints, floats, t, b, gm // g, h, g, k, w)
 
 
 def unflatten_step(flat: FlatStep) -> StepBatch:
     """The StepBatch of a FlatStep (inside the jitted step: static slices)."""
     import jax.numpy as jnp
 
-    t, b, h, g, k = (flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups,
-                     flat.bias_len)
+    t, b, h, g, k, w = (flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups,
+                        flat.bias_len, flat.mask_words)
     m = g * flat.max_blocks
-    sizes = [t, t, g * t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h, b * k]
+    sizes = [t, t, g * t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h, b * k, b * w]
     parts, off = [], 0
     for n in sizes:
         parts.append(flat.ints[off:off + n])
         off += n
     (ids, pos, slots, qsl, lens, logits_idx, feed, top_k, seeds, counters, tables, hist,
-     is_out, bias_ids) = parts
+     is_out, bias_ids, mask) = parts
     f = flat.floats[:6 * b].reshape(6, b)
     bias = (None, None) if k == 0 else (bias_ids.reshape(b, k),
                                         flat.floats[6 * b:].reshape(b, k))
     sampling = SamplingBatch(f[0], top_k, f[1], f[2],
                              jax.lax.bitcast_convert_type(seeds, jnp.uint32), counters,
                              f[3], f[4], f[5], hist.reshape(b, h), is_out.reshape(b, h) != 0,
-                             *bias)
+                             *bias, None if w == 0 else mask.reshape(b, w))
     return StepBatch(ids, pos, slots, qsl, lens, tables.reshape(b, m), logits_idx, feed,
                      sampling)

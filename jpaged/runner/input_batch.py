@@ -26,6 +26,7 @@ from jpaged.runner.batch import (
     PackedStep,
     StepBatch,
     constraint_rows,
+    mask_rows,
     penalty_history,
     sampling_row,
     token_constraints,
@@ -106,8 +107,8 @@ class InputBatch:
         """Rows in use."""
         return len(self.row_of)
 
-    def pack(self, scheduled: Sequence[Any], prev_rows: Mapping[str, int] | None = None
-             ) -> PackedStep:
+    def pack(self, scheduled: Sequence[Any], prev_rows: Mapping[str, int] | None = None,
+             token_masks: np.ndarray | None = None) -> PackedStep:
         """The step batch of `scheduled` (duck-typed ScheduledRequest), as pack_step has it."""
         n = len(scheduled)
         bs = self.block_size
@@ -212,7 +213,8 @@ class InputBatch:
             bias = self._bias
             bias_ids, bias_vals = constraint_rows([bias[i] for i in rows], b_pad)
         sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
-                                 history, is_out, bias_ids, bias_vals)
+                                 history, is_out, bias_ids, bias_vals,
+                                 mask_rows(token_masks, b_pad))
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
                           logits_idx, feed_rows, sampling)
         return PackedStep(batch, SamplingFlags(use_penalties=use_pen, top_logprobs=use_top), n,

@@ -265,15 +265,17 @@ class ModelRunner:
         """Forget requests finished, aborted or preempted (their persistent-batch rows)."""
         self.input_batch.remove(request_ids)
 
-    def dispatch(self, scheduled: Sequence[Any]) -> PendingStep:
+    def dispatch(self, scheduled: Sequence[Any], token_masks: np.ndarray | None = None
+                 ) -> PendingStep:
         """Pack and launch one step; returns at once, its tokens still on device.
 
         Its sampled tokens land in `last_tokens` too, so the next step may be dispatched before
         this one's result is read (its PLACEHOLDER_TOKEN inputs are read from there). Call
         `remove_requests` first for the requests that left since the previous step.
+        token_masks: [len(scheduled), W] packed allowed-token bits (structured outputs), or None.
         """
         t0 = time.perf_counter()
-        packed = self.input_batch.pack(scheduled, self._prev_rows)
+        packed = self.input_batch.pack(scheduled, self._prev_rows, token_masks)
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
         flat = flatten_step(packed.batch)

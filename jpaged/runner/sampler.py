@@ -31,6 +31,9 @@ class SamplingBatch:
     # only those).
     bias_ids: Int[Array, "B K"] | None = None
     bias_vals: Float[Array, "B K"] | None = None
+    # Structured outputs: packed allowed-token bits per row, ceil(V / 32) int32 words, bit j of
+    # word i = token 32 i + j (None: no row is constrained; an unconstrained row is all ones).
+    token_mask: Int[Array, "B W"] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,6 +82,15 @@ def apply_token_bias(logits: Float[Array, "B V"], ids: Int[Array, "B K"],
     allowed = jnp.zeros((b, v), bool).at[rows, idx].max(allow_mark, mode="drop")
     restrict = jnp.any(allow_mark, axis=-1, keepdims=True)
     return jnp.where(restrict & ~allowed, -jnp.inf, logits + bias)
+
+
+def apply_token_mask(logits: Float[Array, "B V"], words: Int[Array, "B W"]
+                     ) -> Float[Array, "B V"]:
+    """Tokens whose bit is 0 in the row's packed mask go to -inf."""
+    b, v = logits.shape
+    bits = (words[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [B, W, 32]
+    allowed = bits.reshape(b, -1)[:, :v] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _threshold_by_count(x: Float[Array, "B V"], k: Int[Array, " B"]) -> Float[Array, " B"]:
@@ -140,6 +152,8 @@ def sample(
         logits = apply_penalties(logits, s)
     if s.bias_ids is not None:  # structure, so part of the compile key: no cost without it
         logits = apply_token_bias(logits, s.bias_ids, s.bias_vals)
+    if s.token_mask is not None:  # likewise: absent unless a row has a grammar
+        logits = apply_token_mask(logits, s.token_mask)
     # log_softmax's own terms per row, [B, 1] each; no [B, V] log-probability array is kept:
     # a logprob is (logit - row max) - log(sum(exp(logits - row max))), as log_softmax computes.
     row_max = jax.lax.stop_gradient(logits.max(axis=-1, keepdims=True))

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 
 class OpenAIError(Exception):
@@ -50,19 +50,18 @@ class StreamOptions(BaseModel):
 # Fields vLLM's server accepts that this one does not implement yet, with the value meaning
 # "not used": any other value is refused with a 400 naming the field, never ignored.
 _NOT_YET: dict[str, Any] = {
-    "prompt_logprobs": None, "bad_words": None,
-    "structured_outputs": None, "guided_json": None, "guided_regex": None,
-    "guided_choice": None, "guided_grammar": None, "guided_decoding_backend": None,
-    "guided_whitespace_pattern": None, "logits_processors": None, "use_beam_search": False,
+    "prompt_logprobs": None, "bad_words": None, "logits_processors": None, "use_beam_search": False,
     "length_penalty": 1.0, "return_tokens_as_token_ids": False,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
-    "tool_choice": None, "parallel_tool_calls": None, "continue_final_message": False,
+    "continue_final_message": False,
     "documents": None, "chat_template": None, "chat_template_kwargs": None,
     "mm_processor_kwargs": None, "reasoning_effort": None, "echo": False,
-    "response_format": None,
 }
 # Values of those fields that mean "not used" too.
-_ALSO_UNUSED = {"tool_choice": ("none",), "response_format": ({"type": "text"},)}
+_ALSO_UNUSED: dict[str, tuple[Any, ...]] = {}
+# vLLM's structured-output backends this server can honour (llguidance is the one it has).
+_BACKENDS = (None, "auto", "guidance", "llguidance")
+_SO_FIELDS = set(StructuredOutputsParams.__dataclass_fields__)
 
 
 class _SamplingRequest(BaseModel):
@@ -103,6 +102,65 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool = False
     request_id: str | None = None  # vLLM: the id the response carries
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and the former
+    # guided_* fields (at most one of them per request).
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint (OpenAIError 400 naming the field when malformed)."""
+        if self.guided_decoding_backend not in _BACKENDS:
+            raise OpenAIError(400, f"guided_decoding_backend {self.guided_decoding_backend!r} "
+                              "is not available: this server's backend is llguidance",
+                              param="guided_decoding_backend")
+        found: list[tuple[str, dict[str, Any]]] = []
+        rf = self.response_format
+        if rf is not None:
+            if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object",
+                                                                   "json_schema"):
+                raise OpenAIError(400, "response_format.type must be 'text', 'json_object' or "
+                                  f"'json_schema', got {rf!r}", param="response_format")
+            if rf["type"] == "json_object":
+                found.append(("response_format", {"json_object": True}))
+            elif rf["type"] == "json_schema":
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
+                if not isinstance(schema, dict):
+                    raise OpenAIError(400, "response_format.json_schema.schema must be a JSON "
+                                      "schema object", param="response_format")
+                found.append(("response_format", {"json": schema}))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            if not isinstance(so, dict):
+                raise OpenAIError(400, "structured_outputs must be an object",
+                                  param="structured_outputs")
+            unknown = sorted(set(so) - _SO_FIELDS)
+            if unknown:
+                raise OpenAIError(400, f"structured_outputs has unknown fields {unknown}",
+                                  param="structured_outputs")
+            found.append(("structured_outputs", dict(so)))
+        for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, {name.removeprefix("guided_"): value}))
+        if not found:
+            return None
+        if len(found) > 1:
+            raise OpenAIError(400, "only one structured output may be given, got "
+                              f"{[n for n, _ in found]}", param=found[1][0])
+        name, kw = found[0]
+        if self.guided_whitespace_pattern is not None:
+            kw.setdefault("whitespace_pattern", self.guided_whitespace_pattern)
+        try:
+            return StructuredOutputsParams(**kw)
+        except (ValueError, TypeError) as e:
+            raise OpenAIError(400, f"{name}: {e}", param=name) from None
 
     def token_bias(self) -> dict[int, float] | None:
         """logit_bias with integer token ids (OpenAI sends them as JSON object keys)."""
@@ -157,6 +215,7 @@ class _SamplingRequest(BaseModel):
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=self.token_bias(), allowed_token_ids=self.allowed_token_ids,
+            structured_outputs=self.structured_or_tools(),
             extra_args=({"kv_transfer_params": self.kv_transfer_params}
                         if self.kv_transfer_params is not None else None),
         )
@@ -164,6 +223,24 @@ class _SamplingRequest(BaseModel):
             return SamplingParams(**kw)
         except ValueError as e:
             raise bad_value(e) from None
+
+    def structured_or_tools(self) -> StructuredOutputsParams | None:
+        """The output constraint (chat requests add their tool calls' schema)."""
+        return self.structured()
+
+    def structured_param(self) -> str | None:
+        """The field this request's output constraint came from (None: none)."""
+        rf = self.response_format
+        if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+            return "response_format"
+        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar"):
+            if getattr(self, name) is not None:
+                return name
+        if getattr(self, "tools", None) and getattr(self, "tool_choice", None) not in (
+                None, "none", "auto"):
+            return "tool_choice"
+        return None
 
     @property
     def include_usage(self) -> bool:
@@ -245,19 +322,79 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages as {"role", "content"} dicts for the chat template."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def tool_mode(self) -> tuple[str, dict[str, dict[str, Any]]]:
+        """('none' | 'required' | a function's name, the tools' functions by name); 400s name
+        tools or tool_choice. 'auto' needs a tool-call parser, which this server has not."""
+        funcs: dict[str, dict[str, Any]] = {}
+        for i, t in enumerate(self.tools or []):
+            fn = t.get("function") if isinstance(t, dict) else None
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
+                    or not isinstance(fn.get("name"), str) or not fn["name"]:
+                raise OpenAIError(400, f"tools[{i}] must be {{'type': 'function', 'function': "
+                                  "{'name': ..., 'parameters': {...}}}", param="tools")
+            params = fn.get("parameters", {"type": "object"})
+            if not isinstance(params, dict):
+                raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON schema "
+                                  "object", param="tools")
+            funcs[fn["name"]] = {**fn, "parameters": params}
+        choice = self.tool_choice
+        if choice is None:
+            choice = "auto" if funcs else "none"
+        if choice == "none":
+            return "none", funcs
+        if not funcs:
+            raise OpenAIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
+        if choice == "auto":
+            raise OpenAIError(400, "tool_choice 'auto' needs a tool-call parser, which this "
+                              "server does not have; use 'required' or name a function",
+                              param="tool_choice")
+        if choice == "required":
+            return "required", funcs
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
+                choice.get("function"), dict):
+            name = choice["function"].get("name")
+            if name not in funcs:
+                raise OpenAIError(400, f"tool_choice names function {name!r}, which tools do "
+                                  f"not define (defined: {sorted(funcs)})", param="tool_choice")
+            return name, funcs
+        raise OpenAIError(400, "tool_choice must be 'none', 'auto', 'required' or "
+                          f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
+                          param="tool_choice")
+
+    def structured_or_tools(self) -> StructuredOutputsParams | None:
+        """A forced tool call constrains the output to its arguments' schema ('required': a
+        JSON array of {name, parameters} calls, vLLM's shape)."""
+        mode, funcs = self.tool_mode()
+        if mode == "none":
+            return self.structured()
+        if self.structured() is not None:
+            raise OpenAIError(400, "a forced tool call cannot be combined with a structured "
+                              "output", param="tool_choice")
+        if mode != "required":
+            schema = funcs[mode]["parameters"]
+        else:
+            calls = [{"type": "object", "properties": {
+                "name": {"enum": [name]}, "parameters": fn["parameters"]},
+                "required": ["name", "parameters"], "additionalProperties": False}
+                for name, fn in funcs.items()]
+            schema = {"type": "array", "minItems": 1,
+                      "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+            if self.parallel_tool_calls is False:
+                schema["maxItems"] = 1
+        try:
+            return StructuredOutputsParams(json=schema)
+        except ValueError as e:
+            raise OpenAIError(400, f"tools: {e}", param="tools") from None
+
     def to_sampling_params(self) -> SamplingParams:
         """SamplingParams of this chat request."""
-        if self.tools:
-            raise OpenAIError(400, "tools are not supported by this server", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise OpenAIError(400, "only response_format type 'text' is supported",
-                              param="response_format")
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None

@@ -56,12 +56,14 @@ class _Batch:
         self.kv_transfer_params: dict[str, Any] | None = None  # a producer's, at the finish
         self.return_token_ids = False  # vLLM's return_token_ids
         self.continuous_usage = False  # vLLM's stream_options.continuous_usage_stats
+        self.so_param: str | None = None  # the field a grammar came from (its errors name it)
 
     def configure(self, req: Any) -> None:
         """Read the response options of the HTTP request `req`."""
         self.return_token_ids = req.return_token_ids
         self.continuous_usage = bool(req.stream_options and req.stream_options.include_usage
                                      and req.stream_options.continuous_usage_stats)
+        self.so_param = req.structured_param()
 
     def chunk_usage(self) -> dict[str, Any] | None:
         """A content chunk's usage: the counts so far (continuous_usage_stats), else null."""
@@ -78,6 +80,8 @@ class _Batch:
                                               queue=self.queue)
         except ValueError as e:
             self.close()
+            if self.so_param is not None and str(e).startswith("structured_outputs"):
+                param = self.so_param  # the grammar did not compile: name its field
             raise bad_value(e, param) from None
         except BaseException:
             self.close()
@@ -135,6 +139,64 @@ async def until_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T | No
         if watcher.cancelled() or not watcher.done():
             raise
         return None
+
+
+def _tool_call(name: str, arguments: str) -> dict[str, Any]:
+    return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_message(text: str, finish_reason: str | None, tools: str
+                      ) -> tuple[dict[str, Any], str | None]:
+    """The assistant message of a finished choice and its finish_reason: plain content, or the
+    tool calls a forced tool choice produced (a named function: its arguments, finish "stop" as
+    OpenAI answers a forced call; 'required': the generated JSON array of {name, parameters},
+    finish "tool_calls"). Output cut by max_tokens stays content, finish "length"."""
+    if tools == "none" or finish_reason == "length":
+        return {"role": "assistant", "content": text}, finish_reason
+    if tools != "required":
+        return ({"role": "assistant", "content": None,
+                 "tool_calls": [_tool_call(tools, text)]}, finish_reason)
+    try:
+        calls = json.loads(text)
+        made = [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                for c in calls]
+    except (ValueError, TypeError, KeyError):  # the grammar holds, unless the output stopped
+        return {"role": "assistant", "content": text}, finish_reason
+    return {"role": "assistant", "content": None, "tool_calls": made}, "tool_calls"
+
+
+class _ToolCallStream:
+    """Streamed deltas of forced tool calls: a named function's arguments as they come (its id
+    and name in the first delta); 'required' calls whole, in the finishing chunk."""
+
+    def __init__(self, tools: str) -> None:
+        self.tools = tools
+        self.text: dict[int, str] = {}
+        self.started: set[int] = set()
+
+    def delta(self, index: int, text: str, finish: str | None
+              ) -> tuple[dict[str, Any] | None, str | None]:
+        """(delta or None to hold it back, finish_reason) of a choice's next piece."""
+        if self.tools == "none":
+            return ({"content": text} if text else {}), finish
+        if self.tools != "required":
+            if index not in self.started:
+                self.started.add(index)
+                call = {"index": 0, **_tool_call(self.tools, text)}
+            elif text:
+                call = {"index": 0, "function": {"arguments": text}}
+            else:
+                return {}, finish
+            return {"tool_calls": [call]}, finish
+        self.text[index] = self.text.get(index, "") + text
+        if finish is None:
+            return None, None
+        message, finish = tool_call_message(self.text.pop(index), finish, "required")
+        if "tool_calls" not in message:
+            return {"content": message["content"]}, finish
+        return {"tool_calls": [{"index": i, **tc} for i, tc in
+                               enumerate(message["tool_calls"])]}, finish
 
 
 def _stream_error(e: BaseException) -> dict[str, Any]:
@@ -309,9 +371,11 @@ class Serving:
         if not tok.has_chat_template:
             raise OpenAIError(400, "this model has no chat template; use /v1/completions",
                               param="messages")
+        extra = {"tools": req.tools} if req.tools else {}  # templates that render tools see them
         try:
             text = tok.apply_chat_template(req.conversation(),
-                                           add_generation_prompt=req.add_generation_prompt)
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           **extra)
         except jinja2.TemplateError as e:
             raise OpenAIError(400, f"the chat template rejected the messages: {e}",
                               param="messages") from None
@@ -324,6 +388,7 @@ class Serving:
         """A chat completion dict, an SSE stream, or None if the client went away."""
         self.check_model(req.model)
         params = req.to_sampling_params()
+        tools = req.tool_mode()[0]  # 'none', 'required' or the forced function's name
         prompt = self._chat_prompt(req)
         batch = _Batch(self.engine, req.request_id or f"chatcmpl-{uuid.uuid4().hex}", params,
                        req.priority)
@@ -331,20 +396,22 @@ class Serving:
         await batch.start([prompt], "messages")
         head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
         if req.stream:
-            return EventStream(self._stream_chat(batch, head, req.include_usage), batch.close)
-        return await until_disconnected(http, self._full_chat(batch, head))
+            return EventStream(self._stream_chat(batch, head, req.include_usage, tools),
+                               batch.close)
+        return await until_disconnected(http, self._full_chat(batch, head, tools))
 
-    async def _full_chat(self, batch: _Batch, head: dict[str, Any]) -> dict[str, Any]:
+    async def _full_chat(self, batch: _Batch, head: dict[str, Any], tools: str = "none"
+                         ) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         prompt_ids: list[int] | None = None
         try:
             async for _, out in batch.outputs():
                 prompt_ids = out.prompt_token_ids
                 for c in out.outputs:
-                    choices.append({"index": c.index,
-                                    "message": {"role": "assistant", "content": c.text},
+                    message, finish = tool_call_message(c.text, c.finish_reason, tools)
+                    choices.append({"index": c.index, "message": message,
                                     "logprobs": chat_logprobs(c, self.engine.tokenizer),
-                                    "finish_reason": c.finish_reason,
+                                    "finish_reason": finish,
                                     "stop_reason": c.stop_reason})
                     if batch.return_token_ids:
                         choices[-1]["token_ids"] = list(c.token_ids)
@@ -357,14 +424,14 @@ class Serving:
             body["prompt_token_ids"] = prompt_ids
         return body
 
-    def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool
-                     ) -> AsyncIterator[str]:
+    def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool,
+                     tools: str = "none") -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
-        return self._framed(self._chat_chunks(batch, head, include_usage), batch, head,
+        return self._framed(self._chat_chunks(batch, head, include_usage, tools), batch, head,
                             include_usage)
 
-    async def _chat_chunks(self, batch: _Batch, head: dict[str, Any], include_usage: bool
-                           ) -> AsyncIterator[str]:
+    async def _chat_chunks(self, batch: _Batch, head: dict[str, Any], include_usage: bool,
+                           tools: str = "none") -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
         for i in range(batch.params.n):  # the role comes first, before any token
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
@@ -373,6 +440,7 @@ class Serving:
                        **extra})
         done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
         sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out
+        calls = _ToolCallStream(tools)
         async for _, out in batch.outputs():
             for c in out.outputs:
                 if c.index in done:
@@ -383,9 +451,11 @@ class Serving:
                     continue
                 if c.finish_reason is not None:
                     done.add(c.index)
-                delta = {"content": c.text} if c.text else {}
+                delta, finish = calls.delta(c.index, c.text, c.finish_reason)
+                if delta is None:  # held back: 'required' calls go out whole at the finish
+                    continue
                 choice = {"index": c.index, "delta": delta, "logprobs": lps,
-                          "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+                          "finish_reason": finish, "stop_reason": c.stop_reason}
                 if batch.return_token_ids:
                     choice["token_ids"] = list(c.token_ids)
                 chunk = {**head, "choices": [choice], **extra}

@@ -122,3 +122,30 @@ def test_logit_bias_and_allowed_token_ids_by_row():
     assert int(got[3]) != best[3]
     hot = _batch(b, temperature=np.full(b, 1.5, np.float32), bias_ids=ids, bias_vals=vals)
     assert _draws(logits, hot, flags, n=100)[1] == {2, 7}
+
+
+def test_packed_token_mask_restricts_each_row_to_its_bits():
+    """A 40-token vocabulary (two mask words, the second partly past the vocabulary): row 0
+    allows tokens 3 and 33 only (33 is bit 1 of word 1), row 1 is all ones (unconstrained:
+    as without a mask), row 2 allows only its least likely token. Greedy and sampled draws stay
+    inside the bits; logprobs are of the masked distribution."""
+    b, v, flags = 3, 40, SamplingFlags()
+    logits = np.array(jax.random.normal(jax.random.key(7), (b, v)) * 3, np.float32)
+    words = np.full((b, 2), -1, np.int32)
+    words[0] = [1 << 3, 1 << 1]
+    worst = int(logits[2].argmin())
+    words[2] = 0
+    words[2, worst // 32] = np.int32(np.uint32(1 << (worst % 32)).view(np.int32))
+    greedy = _batch(b, temperature=np.zeros(b, np.float32), top_k=np.full(b, v, np.int32))
+    plain = sample(logits, greedy, flags)
+    ids, lps = sample(logits, _batch(b, temperature=np.zeros(b, np.float32),
+                                     top_k=np.full(b, v, np.int32), token_mask=words), flags)[:2]
+    want0 = 3 if logits[0, 3] > logits[0, 33] else 33
+    assert int(ids[0]) == want0 and int(ids[1]) == int(plain[0][1]) and int(ids[2]) == worst
+    assert float(lps[2]) == 0.0  # the only allowed token holds all the mass
+    m = np.logaddexp(logits[0, 3], logits[0, 33])
+    np.testing.assert_allclose(float(lps[0]), logits[0, want0] - m, rtol=1e-5)
+    hot = _batch(b, temperature=np.full(b, 2.0, np.float32), top_k=np.full(b, v, np.int32),
+                 token_mask=words)
+    seen = _draws(logits, hot, flags, n=100)
+    assert seen[0] == {3, 33} and seen[2] == {worst} and len(seen[1]) > 2

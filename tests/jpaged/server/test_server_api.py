@@ -251,9 +251,7 @@ def test_cache_salt_isolates_tenants(served):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("prompt_logprobs", 1), ("bad_words", ["x"]),
-    ("structured_outputs", {"regex": "a+"}), ("guided_regex", "a+"),
-    ("response_format", {"type": "json_object"}), ("use_beam_search", True),
+    ("prompt_logprobs", 1), ("bad_words", ["x"]), ("use_beam_search", True),
     ("return_tokens_as_token_ids", True), ("echo", True)])
 def test_vllm_fields_not_implemented_are_refused_by_name(served, field, value):
     path = "/v1/chat/completions" if field == "echo" else "/v1/completions"
