@@ -228,6 +228,9 @@ class LLMEngine(RequestFrontend):
         # Structured outputs: each constrained request's grammar matcher, by request id (set
         # when queued, dropped once the scheduler no longer holds the request).
         self._matchers: dict[str, Any] = {}
+        # bad_words: each such request's words as token sequences (by request id, pruned as
+        # the matchers are).
+        self._bad_words: dict[str, tuple[tuple[int, ...], ...]] = {}
         # Async scheduling: the dispatched step whose tokens the next step() reads.
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: tuple[Any, PendingStep] | None = None
@@ -261,6 +264,10 @@ class LLMEngine(RequestFrontend):
         for req in requests:
             self.scheduler.add_request(req)
         self._matchers.update(matchers)
+        for req in requests:
+            words = req.sampling_params.bad_words_token_ids
+            if words:
+                self._bad_words[req.request_id] = words
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         self.scheduler.finish_requests(request_ids, status)
@@ -388,27 +395,72 @@ class LLMEngine(RequestFrontend):
         return cur, (prev if prev is not None else cur)
 
     def _grammar_needs_sync(self) -> bool:
-        """True while a request with a grammar is queued or running: its next token's mask
-        needs its previous token on the host, so steps go one at a time (the host fills masks
-        between them; docs/architecture.md, "Structured outputs")."""
-        if not self._matchers:
+        """True while a request with a grammar (or a bad word of several tokens) is queued or
+        running: its next token's mask needs its previous token on the host, so steps go one
+        at a time (the host fills masks between them; docs/architecture.md, "Structured
+        outputs")."""
+        if not self._matchers and not self._bad_words:
             return False
         held = self.scheduler.requests
         for rid in [r for r in self._matchers if r not in held]:
             del self._matchers[rid]  # finished or aborted
-        return bool(self._matchers)
+        for rid in [r for r in self._bad_words if r not in held]:
+            del self._bad_words[rid]
+        # bad_words of several tokens look at the output's last tokens too.
+        return bool(self._matchers) or any(len(w) > 1 for ws in self._bad_words.values()
+                                           for w in ws)
 
     def _token_masks(self, scheduled: list[Any]) -> np.ndarray | None:
         """[len(scheduled), W] packed masks when a scheduled sampling row has a grammar."""
-        if not self._matchers:
+        if not self._matchers and not self._bad_words:
             return None
         rows = [(m, i) for i, s in enumerate(scheduled)
                 if s.sample and (m := self._matchers.get(s.request.request_id)) is not None]
-        if not rows:
+        banned = [(i, ban) for i, s in enumerate(scheduled)
+                  if s.sample and (ban := self._banned(s.request))]
+        if not rows and not banned:
             return None
         masks = np.full((len(scheduled), mask_words(self.spec.vocab_size)), -1, np.int32)
-        self.grammar_compiler.fill_masks(rows, masks)
+        if rows:
+            self.grammar_compiler.fill_masks(rows, masks)
+        bits = masks.view(np.uint32)
+        for i, ban in banned:
+            for t in ban:
+                bits[i, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
         return masks
+
+    def _banned(self, req: Request) -> list[int]:
+        """Tokens a request's bad_words forbid next (vLLM's rule: a word's last token, where
+        the output ends with the word's other tokens; a one-token word always)."""
+        words = self._bad_words.get(req.request_id) if self._bad_words else None
+        if not words:
+            return []
+        out = req.output_token_ids
+        ban = []
+        for w in words:
+            k = len(w) - 1
+            if k == 0 or (len(out) >= k and tuple(out[len(out) - k:]) == w[:k]):
+                ban.append(w[-1])
+        return ban
+
+    def _record_prompt_logprobs(self, result: Any) -> None:
+        """File a step's prompt-logprob rows under their requests, by prompt position (a
+        prefill recomputed after a preemption rewrites the same entries)."""
+        held = self.scheduler.requests
+        lp, rank = result.prompt_logprobs.tolist(), result.prompt_ranks.tolist()
+        top_ids, top_lp = result.prompt_top_ids, result.prompt_top_logprobs
+        row = 0
+        for rid, first, count in result.prompt_spans:
+            req = held.get(rid)
+            if req is not None:
+                rows = req.prompt_logprob_rows
+                for j in range(count):
+                    entry = (lp[row + j], rank[row + j], top_ids[row + j], top_lp[row + j])
+                    if first + j < len(rows):
+                        rows[first + j] = entry
+                    else:
+                        rows.append(entry)
+            row += count
 
     def _consume(self, updated: list[Request], rows: list[int], ids: list[int]) -> None:
         """Advance each constrained request's matcher past the token it just sampled."""
@@ -501,6 +553,8 @@ class LLMEngine(RequestFrontend):
             self._open_disk_tier()
             ids = result.token_ids.tolist()
             lps = result.logprobs.tolist()
+        if result is not None and result.prompt_spans:
+            self._record_prompt_logprobs(result)
         updated = self.scheduler.update_from_output(out, ids, rows, finished_at)
         if self._matchers and ids:
             self._consume(updated, rows, ids)

@@ -82,7 +82,7 @@ class CoreStep:
     """
 
     __slots__ = ("req_ids", "token_ids", "logprobs", "top_ids", "top_logprobs", "finished",
-                 "num_cached", "kv_cache_usage", "loop_s")
+                 "num_cached", "prompt_logprobs", "kv_cache_usage", "loop_s")
 
     def __init__(self) -> None:
         self.req_ids: list[str] | None = []
@@ -92,6 +92,8 @@ class CoreStep:
         self.top_logprobs: Any = None
         self.finished: list[tuple[int, str, Any]] = []
         self.num_cached: list[tuple[int, int]] = []
+        # (position, Request.prompt_logprob_rows) of sequences whose first token is here.
+        self.prompt_logprobs: list[tuple[int, list[Any]]] = []
         self.kv_cache_usage = 0.0
         self.loop_s = 0.0
 
@@ -119,6 +121,8 @@ class CoreStep:
                          for i in finished_at]
         self.num_cached = [(i, r.num_cached_tokens) for i, r in enumerate(updated)
                            if len(r.output_token_ids) == 1]
+        self.prompt_logprobs = [(i, r.prompt_logprob_rows) for i, r in enumerate(updated)
+                                if r.prompt_logprob_rows and len(r.output_token_ids) == 1]
 
 
 # ----------------------------------------------------------------------------- core process
@@ -451,7 +455,7 @@ class CoreProcessEngine(RequestFrontend):
             req.append_output_token(tokens[i])
             updated.append(req)
             rows.append(i)
-        if step.finished or step.num_cached:
+        if step.finished or step.num_cached or step.prompt_logprobs:
             names = step.req_ids
             for i, status, stop_reason in step.finished:
                 entry = child_of.get(names[i])
@@ -462,6 +466,10 @@ class CoreProcessEngine(RequestFrontend):
                 entry = child_of.get(names[i])
                 if entry is not None:
                     entry[1].request.num_cached_tokens = n
+            for i, plp in step.prompt_logprobs:
+                entry = child_of.get(names[i])
+                if entry is not None:
+                    entry[1].request.prompt_logprob_rows = plp
         return self._outputs(updated, rows, tokens, step.logprobs, step)
 
     # ----------------------------------------------------------------- core state

@@ -22,6 +22,7 @@ from jpaged.output_processor import (
     ChildState,
     RequestGroup,
     make_output,
+    prompt_logprobs_of,
     record_logprobs,
     update_child,
 )
@@ -75,6 +76,19 @@ class RequestFrontend:
         check_kv_transfer_params(kvp, self.config.kv_transfer, params.n)
         if params.structured_outputs is not None:
             self.grammar_compiler.compile(params.structured_outputs)
+
+    def _bad_words_tokens(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad_words: each word as it is, and with one leading space
+        when that gives other tokens of the same count (so it is banned mid-text too)."""
+        out: list[tuple[int, ...]] = []
+        for word in words or ():
+            bare = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            if bare:
+                out.append(bare)
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if spaced and (not bare or (spaced[0] != bare[0] and len(spaced) == len(bare))):
+                out.append(spaced)
+        return tuple(out)
 
     @property
     def grammar_compiler(self) -> GrammarCompiler:
@@ -141,9 +155,10 @@ class RequestFrontend:
             raise ValueError("params must be a SamplingParams")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        if params.logprobs is not None and params.logprobs > NUM_TOP_LOGPROBS:
-            raise ValueError(f"SamplingParams.logprobs must be <= {NUM_TOP_LOGPROBS}, got "
-                             f"{params.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > NUM_TOP_LOGPROBS:
+                raise ValueError(f"SamplingParams.{name} must be <= {NUM_TOP_LOGPROBS}, got {k}")
         self._check_params(params)
         vocab = self.spec.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
@@ -159,7 +174,8 @@ class RequestFrontend:
             eos = eos + (self.tokenizer.eos_token_id,)
         max_len = self.config.scheduler.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
-        base = params.clone(eos_token_ids=eos, max_tokens=max_tokens)
+        base = params.clone(eos_token_ids=eos, max_tokens=max_tokens,
+                            bad_words_token_ids=self._bad_words_tokens(params.bad_words))
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = RequestGroup(request_id, text, ids, base, arrival_time=arrival)
         for i in range(params.n):
@@ -240,6 +256,9 @@ class RequestFrontend:
     def _emit(self, group: RequestGroup, outputs: list[RequestOutput], finished: bool) -> None:
         """Append the group's output of this step; forget the group once it is finished
         (`finished`: group.finished, which the caller has at hand)."""
+        if group.params.prompt_logprobs is not None and group.prompt_logprobs is None:
+            group.prompt_logprobs = prompt_logprobs_of(group, functools.partial(
+                self.tokenizer.decode, skip_special_tokens=False))
         ro = make_output(group, finished)
         if ro is not None:
             outputs.append(ro)

@@ -43,6 +43,10 @@ class RequestGroup:
     children: list[ChildState] = field(default_factory=list)
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # SamplingParams.prompt_logprobs: the entries once the prompt is through (and whether a
+    # DELTA stream has had them).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs_sent: bool = False
     # Fixed by the params (read per request per step): text wanted before the end; the
     # longest stop string.
     needs_text: bool = field(init=False)
@@ -145,6 +149,27 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
+def prompt_logprobs_of(group: RequestGroup, decode: Callable[[list[int]], str]
+                       ) -> list[dict[int, Logprob] | None] | None:
+    """vLLM's prompt_logprobs of a group whose prompt has run (None until it has): None for
+    the first token, then each prompt token's logprob and rank plus the top-k candidates."""
+    ids = group.prompt_token_ids
+    rows = group.children[0].request.prompt_logprob_rows
+    if len(rows) < len(ids) - 1:
+        return None
+    k = group.params.prompt_logprobs or 0
+    out: list[dict[int, Logprob] | None] = [None]
+    for p in range(len(ids) - 1):
+        lp, rank, top_ids, top_lps = rows[p]
+        tok = ids[p + 1]
+        entry = {tok: Logprob(float(lp), int(rank), decode([tok]))}
+        for j in range(k):
+            cand = int(top_ids[j])
+            entry.setdefault(cand, Logprob(float(top_lps[j]), j + 1, decode([cand])))
+        out.append(entry)
+    return out
+
+
 def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
     """The RequestOutput for this step (None while a FINAL_ONLY request runs).
 
@@ -188,6 +213,9 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
     metrics = ({"arrival_time": group.arrival_time} if ftt is None else
                {"arrival_time": group.arrival_time, "first_token_time": ftt})
     first = group.children[0].request
+    plp = group.prompt_logprobs
+    if plp is not None and delta:  # a stream carries them once
+        plp, group.prompt_logprobs_sent = (None if group.prompt_logprobs_sent else plp), True
     return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs,
                          finished, metrics, first.num_cached_tokens,
-                         first.finished_kv_transfer_params if finished else None)
+                         first.finished_kv_transfer_params if finished else None, plp)

@@ -45,3 +45,6 @@ class RequestOutput:
     # What a decode engine needs to pull this request's KV (a producer's finished request with
     # kv_transfer_params {"do_remote_decode": true}); None otherwise.
     kv_transfer_params: dict | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # its logprob (and rank) plus the top-k candidates; in a DELTA stream on the first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -6,7 +6,7 @@ import enum
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 from jpaged.sampling_params import SamplingParams
 
@@ -101,6 +101,9 @@ class Request:
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
         self.num_cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
+        # prompt_logprobs: entry p scores prompt token p + 1 (logprob, rank, top ids, top
+        # logprobs), filled by the engine as prefill chunks run; complete at the first output.
+        self.prompt_logprob_rows: list[tuple[float, int, Any, Any]] = []
         self.last_token_time: float | None = None  # when its latest token reached the host
         self.first_token_time: float | None = None  # when its first token did
         self.first_scheduled_time: float | None = None  # when the scheduler first admitted it

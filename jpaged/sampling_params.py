@@ -151,11 +151,16 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     # The output's form: JSON schema, regex, choice or grammar (a packed token mask per step).
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's bad_words: words the output may not contain (each as its tokens, with and without a
+    # leading space); a word's last token is banned where the output ends with its others.
+    bad_words: list[str] | None = None
     # vLLM's extra_args: arguments for extensions; "kv_transfer_params" is read by the KV
     # connector (disaggregated prefill/decode; the OpenAI API's kv_transfer_params field).
     extra_args: dict[str, Any] | None = None
-    # Filled by the engine: the tokenizer's EOS ids (stop unless ignore_eos).
+    # Filled by the engine: the tokenizer's EOS ids (stop unless ignore_eos), and bad_words as
+    # token sequences.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         _coerce_types(self)
@@ -218,6 +223,11 @@ class SamplingParams:
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0
                 for t in self.allowed_token_ids), "allowed_token_ids",
                 "a non-empty list of non-negative token ids", self.allowed_token_ids)
+        if self.bad_words is not None:
+            _check(isinstance(self.bad_words, list | tuple) and all(
+                isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+                "a list of non-empty strings", self.bad_words)
+            self.bad_words = list(self.bad_words)
         _check(self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "a StructuredOutputsParams or None", self.structured_outputs)

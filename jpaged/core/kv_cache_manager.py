@@ -120,8 +120,8 @@ class KVCacheManager:
 
         Pure lookup (no reference taken, nothing counted); pass the result to allocate_slots.
         """
-        if not self.enable_caching:
-            return [], 0
+        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed (vLLM's rule)
         get = self.block_pool.cached_blocks.get
         hashes = request.block_hashes
         out: list[KVCacheBlock] = []

@@ -38,6 +38,11 @@ class StepBatch:
     # token (sampled by the step still in flight), or -1 when input_ids has it.
     feed_rows: Int[Array, " B"]
     sampling: SamplingBatch
+    # prompt_logprobs: flat token indices whose logits score the next prompt token, and those
+    # tokens ([P] each, P a power of two; padding scores index 0 against token 0, unread).
+    # None when no scheduled request asked for prompt logprobs.
+    plp_idx: Int[Array, " P"] | None = None
+    plp_target: Int[Array, " P"] | None = None
 
 
 def _powers(base: int, start: int, cap: int) -> list[int]:
@@ -100,6 +105,8 @@ class PackedStep:
     flags: SamplingFlags
     num_seqs: int
     num_tokens: int
+    # (request id, first prompt position, count) of each run of plp rows, in row order.
+    prompt_spans: tuple[tuple[str, int, int], ...] = ()
 
 
 def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int) -> PackedStep:
@@ -146,6 +153,39 @@ def sampling_row(params: Any, vocab_size: int, default_seed: int
 
 
 MIN_BIAS_BUCKET = 8  # token-constraint entries per row: a power of two no smaller than this
+
+
+MIN_PLP_BUCKET = 8  # prompt-logprob rows per step: a power of two no smaller than this
+
+
+def prompt_logprob_rows(scheduled: Sequence[Any], starts: Sequence[int]
+                        ) -> tuple[np.ndarray | None, np.ndarray | None,
+                                   tuple[tuple[str, int, int], ...]]:
+    """The step's prompt-logprob rows: for each scheduled request with prompt_logprobs, every
+    new position p that is not the prompt's last scores prompt token p + 1 (the last prompt
+    position's logits are the first sample's). `starts[i]`: sequence i's first flat token.
+    Returns (flat indices [P], target tokens [P], spans) or (None, None, ())."""
+    spans: list[tuple[str, int, int]] = []
+    idx: list[int] = []
+    tgt: list[int] = []
+    for i, s in enumerate(scheduled):
+        req = s.request
+        if req.sampling_params.prompt_logprobs is None:
+            continue
+        start = s.start_pos
+        end = min(start + s.num_tokens, req.num_prompt_tokens - 1)
+        if end <= start:
+            continue
+        spans.append((req.request_id, start, end - start))
+        idx.extend(range(int(starts[i]), int(starts[i]) + end - start))
+        tgt.extend(req.prompt_token_ids[start + 1:end + 1])
+    if not spans:
+        return None, None, ()
+    p = _next_pow2(len(idx), MIN_PLP_BUCKET)
+    plp_idx = np.zeros(p, np.int32)
+    plp_tgt = np.zeros(p, np.int32)
+    plp_idx[:len(idx)], plp_tgt[:len(tgt)] = idx, tgt
+    return plp_idx, plp_tgt, tuple(spans)
 
 
 def token_constraints(params: Any) -> tuple[np.ndarray, np.ndarray] | None:
@@ -271,10 +311,11 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
 
     sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
                              history, is_out, bias_ids, bias_vals, mask_rows(token_masks, b_pad))
+    plp_idx, plp_tgt, spans = prompt_logprob_rows(scheduled, qsl)
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
-                      feed_rows, sampling)
+                      feed_rows, sampling, plp_idx, plp_tgt)
     flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top)
-    return PackedStep(batch, flags, n, num_tokens)
+    return PackedStep(batch, flags, n, num_tokens, spans)
 
 
 @jax.tree_util.register_dataclass
@@ -290,7 +331,7 @@ class FlatStep:
     history_is_output[B*H] (0/1), bias_ids[B*K], token_mask[B*W]; floats = temperature,
     top_p, min_p, repetition, presence, frequency penalties, [B] each, then bias_vals[B*K]
     (K = bias_len, 0 when no row has token constraints; W = mask_words, 0 when no row has a
-    grammar).
+    grammar), then plp_idx[P], plp_target[P] (P = plp_len, 0 without prompt logprobs).
     """
 
     ints: Int[Array, " N"]
@@ -302,6 +343,7 @@ class FlatStep:
     num_groups: int = field(default=1, metadata={"static": True})
     bias_len: int = field(default=0, metadata={"static": True})
     mask_words: int = field(default=0, metadata={"static": True})
+    plp_len: int = field(default=0, metadata={"static": True})
 
 
 def flatten_step(batch: StepBatch) -> FlatStep:
@@ -313,33 +355,35 @@ def flatten_step(batch: StepBatch) -> FlatStep:
     bias = [] if s.bias_ids is None else [s.bias_ids.reshape(-1)]
     w = 0 if s.token_mask is None else s.token_mask.shape[1]
     mask = [] if s.token_mask is None else [s.token_mask.reshape(-1)]
+    p = 0 if batch.plp_idx is None else batch.plp_idx.shape[0]
+    plp = [] if batch.plp_idx is None else [batch.plp_idx, batch.plp_target]
     ints = np.concatenate([
         batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
         batch.seq_lens, batch.logits_indices, batch.feed_rows, s.top_k,
         np.asarray(s.seeds, np.uint32).view(np.int32), s.counters,
         batch.block_tables.reshape(-1), s.history.reshape(-1),
-        s.history_is_output.reshape(-1), *bias, *mask], dtype=np.int32)
+        s.history_is_output.reshape(-1), *bias, *mask, *plp], dtype=np.int32)
     floats = np.concatenate([s.temperature, s.top_p, s.min_p, s.repetition_penalty,
                              s.presence_penalty, s.frequency_penalty,
                              *([] if s.bias_vals is None else [s.bias_vals.reshape(-1)])],
                             dtype=np.float32)
-    return FlatStep(ints, floats, t, b, gm // g, h, g, k, w)
+    return FlatStep(ints, floats, t, b, gm // g, h, g, k, w, p)
 
 
 def unflatten_step(flat: FlatStep) -> StepBatch:
     """The StepBatch of a FlatStep (inside the jitted step: static slices)."""
     import jax.numpy as jnp
 
-    t, b, h, g, k, w = (flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups,
-                        flat.bias_len, flat.mask_words)
+    t, b, h, g, k, w, p = (flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups,
+                           flat.bias_len, flat.mask_words, flat.plp_len)
     m = g * flat.max_blocks
-    sizes = [t, t, g * t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h, b * k, b * w]
+    sizes = [t, t, g * t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h, b * k, b * w, p, p]
     parts, off = [], 0
     for n in sizes:
         parts.append(flat.ints[off:off + n])
         off += n
     (ids, pos, slots, qsl, lens, logits_idx, feed, top_k, seeds, counters, tables, hist,
-     is_out, bias_ids, mask) = parts
+     is_out, bias_ids, mask, plp_idx, plp_tgt) = parts
     f = flat.floats[:6 * b].reshape(6, b)
     bias = (None, None) if k == 0 else (bias_ids.reshape(b, k),
                                         flat.floats[6 * b:].reshape(b, k))
@@ -348,4 +392,4 @@ def unflatten_step(flat: FlatStep) -> StepBatch:
                              f[3], f[4], f[5], hist.reshape(b, h), is_out.reshape(b, h) != 0,
                              *bias, None if w == 0 else mask.reshape(b, w))
     return StepBatch(ids, pos, slots, qsl, lens, tables.reshape(b, m), logits_idx, feed,
-                     sampling)
+                     sampling, *((plp_idx, plp_tgt) if p else (None, None)))

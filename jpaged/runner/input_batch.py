@@ -28,6 +28,7 @@ from jpaged.runner.batch import (
     constraint_rows,
     mask_rows,
     penalty_history,
+    prompt_logprob_rows,
     sampling_row,
     token_constraints,
 )
@@ -61,6 +62,7 @@ class InputBatch:
         self._seeds = np.zeros(0, np.uint32)
         self._bias: list[tuple[np.ndarray, np.ndarray] | None] = []  # token constraints
         self._constrained: set[int] = set()  # rows whose _bias entry is not None
+        self._plp: set[int] = set()  # rows whose request asked for prompt logprobs
 
     def _grow(self) -> None:
         old = self.capacity
@@ -90,6 +92,10 @@ class InputBatch:
             self._constrained.discard(row)
         else:
             self._constrained.add(row)
+        if request.sampling_params.prompt_logprobs is None:
+            self._plp.discard(row)
+        else:
+            self._plp.add(row)
         self._nblocks[row] = 0
         self.tables[row] = 0
         return row
@@ -215,8 +221,10 @@ class InputBatch:
         sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
                                  history, is_out, bias_ids, bias_vals,
                                  mask_rows(token_masks, b_pad))
+        plp_idx, plp_tgt, spans = (prompt_logprob_rows(scheduled, qsl) if self._plp
+                                   and not self._plp.isdisjoint(rows) else (None, None, ()))
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
-                          logits_idx, feed_rows, sampling)
+                          logits_idx, feed_rows, sampling, plp_idx, plp_tgt)
         return PackedStep(batch, SamplingFlags(use_penalties=use_pen, top_logprobs=use_top), n,
-                          num_tokens)
+                          num_tokens, spans)
 

@@ -17,7 +17,7 @@ from flax import nnx
 from jpaged.runner.batch import BucketPlan, FlatStep, empty_step, flatten_step, unflatten_step
 from jpaged.runner.input_batch import InputBatch
 from jpaged.runner.kv_cache import KVCache, amax_scale
-from jpaged.runner.sampler import SamplingFlags, sample
+from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
 
@@ -52,15 +52,23 @@ class StepResult:
     logprobs: np.ndarray  # [n] float32, log-prob of the sampled token
     top_ids: np.ndarray  # [n, N] int32
     top_logprobs: np.ndarray  # [n, N] float32
+    # prompt_logprobs: (request id, first prompt position, count) runs over the rows below.
+    prompt_spans: tuple[tuple[str, int, int], ...] = ()
+    prompt_logprobs: np.ndarray | None = None  # [P] float32: of the next prompt token
+    prompt_ranks: np.ndarray | None = None  # [P] int32: its rank (1 = the most likely)
+    prompt_top_ids: np.ndarray | None = None  # [P, N] int32
+    prompt_top_logprobs: np.ndarray | None = None  # [P, N] float32
 
 
 class PendingStep:
     """A dispatched step whose sampled tokens are still on device; `result()` waits for them."""
 
     def __init__(self, outs: tuple[jax.Array, ...], num_seqs: int, t_dispatch: float,
-                 runner: ModelRunner) -> None:
+                 runner: ModelRunner, prompt_spans: tuple[tuple[str, int, int], ...] = ()
+                 ) -> None:
         self._outs = outs
         self.num_seqs = num_seqs
+        self.prompt_spans = prompt_spans
         self._t_dispatch = t_dispatch
         self._runner = runner
         self._result: StepResult | None = None
@@ -69,13 +77,16 @@ class PendingStep:
         """Host copies of the step's sampled tokens (blocks until the device has them)."""
         if self._result is None:
             t0 = time.perf_counter()
-            ids, lp, top_ids, top_lp = (np.asarray(x) for x in self._outs)
+            ids, lp, top_ids, top_lp = (np.asarray(x) for x in self._outs[:4])
+            plp = ((np.asarray(x) for x in self._outs[4]) if self.prompt_spans
+                   else (None,) * 4)
             t1 = time.perf_counter()
             self._runner.last_wait_s += t1 - t0
             # Device seconds: dispatch until the results are on the host.
             self._runner.last_device_s = t1 - self._t_dispatch
             n = self.num_seqs
-            self._result = StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n])
+            self._result = StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n],
+                                      self.prompt_spans, *plp)
             self._outs = ()
         return self._result
 
@@ -221,7 +232,23 @@ class ModelRunner:
         ids, lp, top_ids, top_lp = sample(logits, sampling, flags)
         new_kv = KVCache(k_pages, v_pages, k_scale, v_scale, kv.num_blocks, kv.dtype)
         last_tokens = jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
-        return (ids, lp, top_ids, top_lp), new_kv, last_tokens
+        plp = ()
+        if batch.plp_idx is not None:  # prompt logprobs: only the rows that score a prompt token
+            plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target),)
+        return (ids, lp, top_ids, top_lp, *plp), new_kv, last_tokens
+
+    def _prompt_logprobs(self, model: Any, hidden: jax.Array, idx: jax.Array,
+                         target: jax.Array) -> tuple[jax.Array, ...]:
+        """Logprob and rank of each target token at its row's logits, and the top candidates."""
+        logits = model.compute_logits(jnp.take(hidden, idx, axis=0))
+        if self.parallel is not None:
+            logits = self.parallel.gather_logits(logits)
+        logits = logits.astype(jnp.float32)
+        norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)
+        rank = 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32)
+        top_logits, top_ids = jax.lax.top_k(logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
+        return ((chosen - norm)[:, 0], rank, top_ids.astype(jnp.int32), top_logits - norm)
 
     @property
     def num_compiled(self) -> int:
@@ -287,4 +314,4 @@ class ModelRunner:
                         np.asarray(self.kv.k_scale).tolist(), np.asarray(self.kv.v_scale).tolist())
         self._prev_rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.sample}
         self.last_pack_s = t1 - t0  # host seconds packing the batch
-        return PendingStep(outs, packed.num_seqs, t1, self)
+        return PendingStep(outs, packed.num_seqs, t1, self, packed.prompt_spans)

@@ -366,7 +366,8 @@ class ProcessGroup:
         """Process 0: tell the others to launch this step (before launching it here)."""
         self.channel.send({"op": "step", "shape": [flat.num_tokens, flat.num_seqs,
                                                    flat.max_blocks, flat.history_len,
-                                                   flat.bias_len, flat.mask_words],
+                                                   flat.bias_len, flat.mask_words,
+                                                   flat.plp_len],
                            "flags": dataclasses.asdict(flags), "calc": calc_scales,
                            "scratch": scratch}, flat.ints, flat.floats)
 
@@ -430,8 +431,8 @@ def decode_step(header: dict[str, Any], buffers: list[bytes]) -> tuple[FlatStep,
     from jpaged.runner.batch import FlatStep
     from jpaged.runner.sampler import SamplingFlags
 
-    t, b, m, h, k, w = header["shape"]
+    t, b, m, h, k, w, p = header["shape"]
     ints = np.frombuffer(buffers[0], np.int32)
     floats = np.frombuffer(buffers[1], np.float32)
-    return (FlatStep(ints, floats, t, b, m, h, bias_len=k, mask_words=w),
+    return (FlatStep(ints, floats, t, b, m, h, bias_len=k, mask_words=w, plp_len=p),
             SamplingFlags(**header["flags"]))

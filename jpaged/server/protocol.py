@@ -50,7 +50,7 @@ class StreamOptions(BaseModel):
 # Fields vLLM's server accepts that this one does not implement yet, with the value meaning
 # "not used": any other value is refused with a 400 naming the field, never ignored.
 _NOT_YET: dict[str, Any] = {
-    "prompt_logprobs": None, "bad_words": None, "logits_processors": None, "use_beam_search": False,
+    "logits_processors": None, "use_beam_search": False,
     "length_penalty": 1.0, "return_tokens_as_token_ids": False,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
     "continue_final_message": False,
@@ -102,6 +102,8 @@ class _SamplingRequest(BaseModel):
     return_token_ids: bool = False
     request_id: str | None = None  # vLLM: the id the response carries
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
+    prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob (+ top k)
+    bad_words: list[str] | None = None  # vLLM: words the output may not contain
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and the former
     # guided_* fields (at most one of them per request).
     response_format: dict[str, Any] | None = None
@@ -215,6 +217,7 @@ class _SamplingRequest(BaseModel):
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             logit_bias=self.token_bias(), allowed_token_ids=self.allowed_token_ids,
+            prompt_logprobs=self.prompt_logprobs, bad_words=self.bad_words,
             structured_outputs=self.structured_or_tools(),
             extra_args=({"kv_transfer_params": self.kv_transfer_params}
                         if self.kv_transfer_params is not None else None),

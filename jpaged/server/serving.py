@@ -141,6 +141,15 @@ async def until_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T | No
         return None
 
 
+def prompt_logprobs_json(plp: list[dict[int, Logprob] | None] | None) -> list[Any] | None:
+    """vLLM's JSON of prompt_logprobs: None, then {token id: {logprob, rank, decoded_token}}."""
+    if plp is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                                             "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in plp]
+
+
 def _tool_call(name: str, arguments: str) -> dict[str, Any]:
     return {"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function",
             "function": {"name": name, "arguments": arguments}}
@@ -298,6 +307,9 @@ class Serving:
                     if batch.return_token_ids:
                         choices[-1].update(prompt_token_ids=out.prompt_token_ids,
                                            token_ids=list(c.token_ids))
+                    if batch.params.prompt_logprobs is not None:
+                        choices[-1]["prompt_logprobs"] = prompt_logprobs_json(
+                            out.prompt_logprobs)
         finally:
             batch.close()
         choices.sort(key=lambda ch: ch["index"])
@@ -336,7 +348,10 @@ class Serving:
         offsets: dict[int, int] = {}
         done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
         sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out
+        plp: dict[int, Any] = {}  # prompt index -> prompt_logprobs not yet sent
         async for i, out in batch.outputs():
+            if out.prompt_logprobs is not None:  # a DELTA stream has them once
+                plp[i] = prompt_logprobs_json(out.prompt_logprobs)
             for c in out.outputs:
                 idx = i * n + c.index
                 if idx in done:
@@ -360,6 +375,8 @@ class Serving:
                     if idx not in sent_prompt:
                         sent_prompt.add(idx)
                         choice["prompt_token_ids"] = out.prompt_token_ids
+                if i in plp:  # on the prompt's first chunk that goes out
+                    choice["prompt_logprobs"] = plp.pop(i)
                 chunk = {**head, "choices": [choice]}
                 if include_usage:
                     chunk["usage"] = batch.chunk_usage()
@@ -404,9 +421,11 @@ class Serving:
                          ) -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         prompt_ids: list[int] | None = None
+        plp = None
         try:
             async for _, out in batch.outputs():
                 prompt_ids = out.prompt_token_ids
+                plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
                 for c in out.outputs:
                     message, finish = tool_call_message(c.text, c.finish_reason, tools)
                     choices.append({"index": c.index, "message": message,
@@ -422,6 +441,8 @@ class Serving:
                 "kv_transfer_params": batch.kv_transfer_params}
         if batch.return_token_ids:
             body["prompt_token_ids"] = prompt_ids
+        if batch.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(plp)
         return body
 
     def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import openai
 import pytest
@@ -251,7 +253,7 @@ def test_cache_salt_isolates_tenants(served):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("prompt_logprobs", 1), ("bad_words", ["x"]), ("use_beam_search", True),
+    ("bad_words", ["x"]), ("use_beam_search", True),
     ("return_tokens_as_token_ids", True), ("echo", True)])
 def test_vllm_fields_not_implemented_are_refused_by_name(served, field, value):
     path = "/v1/chat/completions" if field == "echo" else "/v1/completions"
@@ -315,3 +317,33 @@ def test_logit_bias_and_allowed_token_ids(served):
                                                        "max_tokens": 1, **body})
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
     assert client.completions.create(prompt="x", **kw).choices[0].text is not None
+
+
+def test_prompt_logprobs_on_both_endpoints(served):
+    """vLLM's prompt_logprobs: per choice on /v1/completions (in a stream's first chunk), at
+    the top of a chat response; None first, then {token id: {logprob, rank, decoded_token}}."""
+    ids = [5, 17, 99, 42, 7]
+    r = _post(served.url, "/v1/completions", json={
+        "model": MODEL, "prompt": ids, "max_tokens": 2, "prompt_logprobs": 2})
+    assert r.status_code == 200, r.text
+    plp = r.json()["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for entry, tok in zip(plp[1:], ids[1:], strict=True):
+        assert str(tok) in entry and 2 <= len(entry) <= 3
+        assert entry[str(tok)]["logprob"] <= 0 and entry[str(tok)]["rank"] >= 1
+    with httpx.stream("POST", f"{served.url}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": ids, "max_tokens": 3, "prompt_logprobs": 2,
+            "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    with_plp = [c for c in chunks if "prompt_logprobs" in c["choices"][0]]
+    assert len(with_plp) == 1 and with_plp[0]["choices"][0]["prompt_logprobs"] == plp
+    chat = _post(served.url, "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1,
+        "prompt_logprobs": 0})
+    body = chat.json()
+    assert body["prompt_logprobs"][0] is None and len(body["prompt_logprobs"]) == \
+        body["usage"]["prompt_tokens"]
+    bad = _post(served.url, "/v1/completions", json={"model": MODEL, "prompt": "x",
+                                                     "prompt_logprobs": 21})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"

@@ -136,3 +136,14 @@ def test_malformed_constraints_are_400s_naming_the_field(served, path, body, par
     ok = _post(served.url, COMP, {"prompt": "x", "max_tokens": 2})
     assert ok.status_code == 200
     assert served.engine.get_metrics()["num_unfinished_requests"] == 0
+
+
+def test_bad_words_on_the_server(served):
+    """Only "a" and "b" allowed, "a" a bad word: every token is "b"; a bad list is a 400."""
+    r = _post(served.url, COMP, {"prompt": "x", "max_tokens": 6, "temperature": 1.0, "n": 2,
+                                 "allowed_token_ids": [ord("a"), ord("b")],
+                                 "bad_words": ["a"], "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert [c["text"] for c in r.json()["choices"]] == ["bbbbbb", "bbbbbb"]
+    bad = _post(served.url, COMP, {"prompt": "x", "bad_words": [""]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bad_words"
