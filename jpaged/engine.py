@@ -38,7 +38,7 @@ from jpaged.runner.kv_connector import (
 )
 from jpaged.runner.kv_transfer import KVTransfer
 from jpaged.runner.memory_probe import step_activation_bytes
-from jpaged.runner.model_runner import ModelRunner, PendingStep, scans_layers
+from jpaged.runner.model_runner import DeferredStep, ModelRunner, PendingStep, scans_layers
 from jpaged.runner.multiprocess import (
     ProcessGroup,
     ProcessGroupError,
@@ -343,11 +343,13 @@ class LLMEngine(RequestFrontend):
         """
         cur, done = self._launch()
         if done[0] is None:
+            cur = self._finish_deferred(cur)
             self.stat_logger.on_step([], time.monotonic())
             outputs = []
         else:
             rows: list[int] = []  # the row of each updated request
             updated, ids, lps, result = self._apply(*done, rows)
+            cur = self._finish_deferred(cur)  # its masks follow the tokens just applied
             outputs = self._outputs(updated, rows, ids, lps, result)
         self._record(cur)
         if self._failed:
@@ -369,7 +371,10 @@ class LLMEngine(RequestFrontend):
             rows: list[int] = []
             finished_at: list[int] = []
             updated, ids, lps, result = self._apply(*done, rows, finished_at)
+            cur = self._finish_deferred(cur)
             step.fill(updated, rows, ids, lps, result, finished_at)
+        else:
+            cur = self._finish_deferred(cur)
         self._record(cur)
         return step
 
@@ -394,10 +399,24 @@ class LLMEngine(RequestFrontend):
             return cur, (None, None)
         return cur, (prev if prev is not None else cur)
 
+    def _finish_deferred(self, cur: tuple[Any, Any]) -> tuple[Any, Any]:
+        """Sample the step just dispatched if its forward ran without its token masks: the
+        previous step's tokens are applied now, so the grammars are where that step left
+        them. Returns `cur` with its PendingStep (and keeps it as the step in flight)."""
+        if not isinstance(cur[1], DeferredStep):
+            return cur
+        pending = self._on_device(self.runner.finish_deferred, cur[1],
+                                  self._token_masks(cur[0].scheduled))
+        cur = (cur[0], pending)
+        if self._in_flight is not None and self._in_flight[0] is cur[0]:
+            self._in_flight = cur
+        return cur
+
     def _grammar_needs_sync(self) -> bool:
         """True while a request with a grammar (or a bad word of several tokens) is queued or
-        running: its next token's mask needs its previous token on the host, so steps go one
-        at a time (the host fills masks between them; docs/architecture.md, "Structured
+        running on a multi-process mesh, whose other processes run whole steps: its next
+        token's mask needs its previous token on the host, so steps go one at a time there.
+        In one process such a step is deferred instead (docs/architecture.md, "Structured
         outputs")."""
         if not self._matchers and not self._bad_words:
             return False
@@ -406,9 +425,18 @@ class LLMEngine(RequestFrontend):
             del self._matchers[rid]  # finished or aborted
         for rid in [r for r in self._bad_words if r not in held]:
             del self._bad_words[rid]
+        if self.runner.announce is None:
+            return False
         # bad_words of several tokens look at the output's last tokens too.
         return bool(self._matchers) or any(len(w) > 1 for ws in self._bad_words.values()
                                            for w in ws)
+
+    def _needs_masks(self, scheduled: list[Any]) -> bool:
+        """Whether a sampling row of `scheduled` has a grammar or bad words."""
+        if not self._matchers and not self._bad_words:
+            return False
+        return any(s.sample and (s.request.request_id in self._matchers
+                                 or s.request.request_id in self._bad_words) for s in scheduled)
 
     def _token_masks(self, scheduled: list[Any]) -> np.ndarray | None:
         """[len(scheduled), W] packed masks when a scheduled sampling row has a grammar."""
@@ -497,9 +525,15 @@ class LLMEngine(RequestFrontend):
         self.runner.remove_requests(out.preempted)  # re-admitted with a new block table
         pending = None
         if out.scheduled:
-            masks = self._token_masks(out.scheduled)
-            pending = (self._on_device(self.runner.dispatch, out.scheduled) if masks is None
-                       else self._on_device(self.runner.dispatch, out.scheduled, masks))
+            if advance and self._needs_masks(out.scheduled):
+                # Async: the masks need the tokens of the step in flight. The forward goes now;
+                # the sampling once those tokens are applied (_finish_deferred).
+                pending = self._on_device(self.runner.dispatch_deferred, out.scheduled,
+                                          mask_words(self.spec.vocab_size))
+            else:
+                masks = self._token_masks(out.scheduled)
+                pending = (self._on_device(self.runner.dispatch, out.scheduled) if masks is None
+                           else self._on_device(self.runner.dispatch, out.scheduled, masks))
         if advance:
             self.scheduler.update_after_schedule(out)
         return out, pending

@@ -82,6 +82,7 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+@lru_cache(maxsize=16)
 def compile_chat_template(source: str) -> jinja2.Template:
     """A chat template compiled in a sandbox with the helpers HF templates expect."""
     env = ImmutableSandboxedEnvironment(
@@ -175,19 +176,35 @@ class Tokenizer:
         return compile_chat_template(self.chat_template or "")
 
     def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **extra: Any
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+        chat_template: str | None = None, continue_final_message: bool = False, **extra: Any
     ) -> str:
-        """The prompt string for `messages` rendered by the model's chat template."""
-        if not self.chat_template:
+        """The prompt string for `messages` rendered by the model's chat template (or the
+        given one); `extra` reaches the template as variables. continue_final_message (as HF
+        transformers): the text ends where the last message's content does, open for the
+        model to continue it."""
+        if chat_template is None and not self.chat_template:
             raise ValueError("this tokenizer has no chat_template; pass a plain prompt instead")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "set")
+        template = (self._compiled_template if chat_template is None
+                    else compile_chat_template(chat_template))
         context = dict(
             bos_token=self.bos_token or "", eos_token=self.eos_token or "",
             unk_token=self.unk_token or "", pad_token=self.pad_token or "",
         )
         context.update(extra)
-        return self._compiled_template.render(
+        text = template.render(
             messages=messages, add_generation_prompt=add_generation_prompt, **context
         )
+        if continue_final_message:
+            last = messages[-1].get("content") if messages else None
+            if not isinstance(last, str) or not last.strip() or last.strip() not in text:
+                raise ValueError("continue_final_message needs a final message with text "
+                                 "that the chat template renders")
+            text = text[:text.rindex(last.strip()) + len(last.strip())]
+        return text
 
     # ---- constructors ----------------------------------------------------------------------
     @classmethod

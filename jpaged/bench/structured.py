@@ -6,7 +6,7 @@ constrained run goes first (untimed) to learn how many tokens each request's gra
 write; every timed run then gives request i exactly that many tokens (unconstrained rows with
 `ignore_eos` and max_tokens = that count), so all runs keep the same rows busy for the same
 steps and differ only in the masks (their host fill, the packed input, the sampler's unpack)
-and in the loop stepping synchronously while a grammar's token is in flight. Runs alternate,
+and in constrained steps being split into a forward and a sampling program. Runs alternate,
 repeated, each warmed up first; the compile count is read after the warm-ups and again at the
 end. `valid_fraction` is the share of constrained outputs that parse and validate.
 """

@@ -14,7 +14,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jpaged.runner.batch import BucketPlan, FlatStep, empty_step, flatten_step, unflatten_step
+from jpaged.runner.batch import (
+    BucketPlan,
+    FlatStep,
+    empty_step,
+    flatten_step,
+    mask_rows,
+    unflatten_step,
+)
 from jpaged.runner.input_batch import InputBatch
 from jpaged.runner.kv_cache import KVCache, amax_scale
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample
@@ -42,6 +49,28 @@ def scans_layers(platform: str | None = None) -> bool:
     (~5x faster warm-up for the embedded model) and runs it as fast. Elsewhere each layer
     keeps its own arrays: XLA:GPU would copy a layer's weights out of a stack every step."""
     return (platform or jax.default_backend()) == "cpu"
+
+
+def _fed_history(batch: Any, fed_ids: jax.Array, flags: SamplingFlags) -> Any:
+    """The step's sampling batch, with each fed token (sampled by the previous step, never seen
+    by the host) as the last of its row's penalty history."""
+    sampling = batch.sampling
+    if flags.use_penalties:
+        fed = batch.feed_rows >= 0
+        b, h = sampling.history.shape
+        col = jnp.where(fed, batch.seq_lens - 1, h)
+        sampling = dataclasses.replace(sampling, history=sampling.history.at[
+            jnp.arange(b), col].set(fed_ids, mode="drop"))
+    return sampling
+
+
+@dataclass
+class DeferredStep:
+    """A step whose forward is on the device and whose sampling waits for token masks."""
+
+    packed: Any  # PackedStep
+    outs: tuple[Any, ...]  # (logits, prompt-logprob outputs when any)
+    t_dispatch: float
 
 
 @dataclass
@@ -145,9 +174,12 @@ class ModelRunner:
         self.announce: Callable[[FlatStep, SamplingFlags, bool, bool], None] | None = None
         # True until the first real step has computed the fp8 scales (then they stay fixed).
         self.scales_pending = calculate_kv_scales
-        self._jit_step = jax.jit(self._step, static_argnames=("flags", "calc_scales"),
+        self._jit_step = jax.jit(self._step, static_argnames=("flags", "calc_scales", "defer"),
                                  donate_argnames=("kv", "last_tokens"),
                                  compiler_options=STEP_COMPILER_OPTIONS)
+        self._jit_sample = jax.jit(self._sample_step, static_argnames=("flags",),
+                                   donate_argnames=("last_tokens",))
+        self.num_deferred = 0  # steps sampled after their forward (finish_deferred)
 
     @property
     def num_rows(self) -> int:
@@ -168,7 +200,7 @@ class ModelRunner:
         return self.last_tokens
 
     def _step(self, params: Any, kv: KVCache, flat: FlatStep, last_tokens: jax.Array,
-              flags: SamplingFlags, calc_scales: bool = False):
+              flags: SamplingFlags, calc_scales: bool = False, defer: bool = False):
         batch = unflatten_step(flat)  # two host buffers in, the step's fields sliced out here
         model = nnx.merge(self.graphdef, params)
         # Tokens sampled by the previous step (never seen by the host) enter here.
@@ -177,12 +209,7 @@ class ModelRunner:
         input_ids = batch.input_ids.at[jnp.where(fed, batch.logits_indices,
                                                  batch.input_ids.shape[0])].set(fed_ids,
                                                                                 mode="drop")
-        sampling = batch.sampling
-        if flags.use_penalties:  # the fed token is the last of its row's history too
-            b, h = sampling.history.shape
-            col = jnp.where(fed, batch.seq_lens - 1, h)
-            sampling = dataclasses.replace(sampling, history=sampling.history.at[
-                jnp.arange(b), col].set(fed_ids, mode="drop"))
+        sampling = _fed_history(batch, fed_ids, flags)
         nb, bs = kv.num_blocks, kv.k.shape[1]
         spec = model.spec
         ops = self.ops
@@ -229,13 +256,24 @@ class ModelRunner:
         logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0))
         if self.parallel is not None:  # vocab-split lm_head: whole logits on every device
             logits = self.parallel.gather_logits(logits)
-        ids, lp, top_ids, top_lp = sample(logits, sampling, flags)
         new_kv = KVCache(k_pages, v_pages, k_scale, v_scale, kv.num_blocks, kv.dtype)
-        last_tokens = jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
         plp = ()
         if batch.plp_idx is not None:  # prompt logprobs: only the rows that score a prompt token
             plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target),)
+        if defer:  # sampled later by _sample_step, once the host has the token masks
+            return (logits, *plp), new_kv, last_tokens
+        ids, lp, top_ids, top_lp = sample(logits, sampling, flags)
+        last_tokens = jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
         return (ids, lp, top_ids, top_lp, *plp), new_kv, last_tokens
+
+    def _sample_step(self, logits: jax.Array, flat: FlatStep, last_tokens: jax.Array,
+                     flags: SamplingFlags) -> tuple[tuple[jax.Array, ...], jax.Array]:
+        """The sampling half of a deferred step: its logits, the step's buffers (now holding
+        the token masks) and the last-token buffer, which it updates as `_step` does."""
+        batch = unflatten_step(flat)
+        fed_ids = jnp.take(last_tokens, jnp.maximum(batch.feed_rows, 0))
+        ids, lp, top_ids, top_lp = sample(logits, _fed_history(batch, fed_ids, flags), flags)
+        return (ids, lp, top_ids, top_lp), jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
 
     def _prompt_logprobs(self, model: Any, hidden: jax.Array, idx: jax.Array,
                          target: jax.Array) -> tuple[jax.Array, ...]:
@@ -252,8 +290,9 @@ class ModelRunner:
 
     @property
     def num_compiled(self) -> int:
-        """Executables the jitted step holds (one per bucket shape and flag set seen)."""
-        return self._jit_step._cache_size()
+        """Executables the jitted step holds (one per bucket shape and flag set seen), and
+        the sampling halves of deferred steps."""
+        return self._jit_step._cache_size() + self._jit_sample._cache_size()
 
     def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
         """Compile the step for every bucket shape (or the given ones); returns the count."""
@@ -267,7 +306,7 @@ class ModelRunner:
         return self.num_compiled
 
     def launch(self, flat: FlatStep, flags: SamplingFlags, calc_scales: bool,
-               scratch: bool = False) -> tuple[jax.Array, ...]:
+               scratch: bool = False, defer: bool = False) -> tuple[jax.Array, ...]:
         """Run one packed step on the device (returns at once); the pool and the last-token
         buffer are replaced by the step's (scratch: a throwaway token buffer, for warm-up
         steps, so a step in flight keeps its tokens). The other processes of a multi-process
@@ -284,6 +323,11 @@ class ModelRunner:
                 while not self.last_tokens.is_ready():
                     self.while_waiting(self.kv)
             self.last_wait_s += time.perf_counter() - w0
+        if defer:  # the forward only: the last-token buffer stays as it is (read, not written)
+            outs, self.kv, self.last_tokens = self._jit_step(
+                self.params, self.kv, flat, self._buffer(), flags=flags,
+                calc_scales=calc_scales, defer=True)
+            return outs
         outs, self.kv, self.last_tokens = self._jit_step(
             self.params, self.kv, flat, self._buffer(), flags=flags, calc_scales=calc_scales)
         return outs
@@ -291,6 +335,40 @@ class ModelRunner:
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Forget requests finished, aborted or preempted (their persistent-batch rows)."""
         self.input_batch.remove(request_ids)
+
+    def dispatch_deferred(self, scheduled: Sequence[Any], mask_words: int) -> DeferredStep:
+        """Pack and launch the forward of a step whose token masks are not known yet (a
+        grammar's previous token is still in flight); `finish_deferred` samples it. Not for a
+        multi-process mesh (the other processes run whole steps)."""
+        t0 = time.perf_counter()
+        placeholder = np.full((len(scheduled), mask_words), -1, np.int32)
+        packed = self.input_batch.pack(scheduled, self._prev_rows, placeholder)
+        t1 = time.perf_counter()
+        calc, self.scales_pending = self.scales_pending, False
+        outs = self.launch(flatten_step(packed.batch), packed.flags, calc, defer=True)
+        self._prev_rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.sample}
+        self.last_pack_s = t1 - t0
+        return DeferredStep(packed, outs, t1)
+
+    def finish_deferred(self, step: DeferredStep, token_masks: np.ndarray | None
+                        ) -> PendingStep:
+        """Sample a deferred step with its token masks ([rows, W], or None: unconstrained)."""
+        packed = step.packed
+        s = packed.batch.sampling
+        if token_masks is not None:
+            s.token_mask = mask_rows(token_masks, s.token_mask.shape[0])
+        else:
+            s.token_mask[:] = -1
+        flat = flatten_step(packed.batch)
+        if self.wait_before_dispatch:  # as launch: the forward it follows has run
+            w0 = time.perf_counter()
+            step.outs[0].block_until_ready()
+            self.last_wait_s += time.perf_counter() - w0
+        outs, self.last_tokens = self._jit_sample(step.outs[0], flat, self._buffer(),
+                                                  flags=packed.flags)
+        self.num_deferred += 1
+        return PendingStep((*outs, *step.outs[1:]), packed.num_seqs, step.t_dispatch, self,
+                           packed.prompt_spans)
 
     def dispatch(self, scheduled: Sequence[Any], token_masks: np.ndarray | None = None
                  ) -> PendingStep:

@@ -51,11 +51,9 @@ class StreamOptions(BaseModel):
 # "not used": any other value is refused with a 400 naming the field, never ignored.
 _NOT_YET: dict[str, Any] = {
     "logits_processors": None, "use_beam_search": False,
-    "length_penalty": 1.0, "return_tokens_as_token_ids": False,
+    "length_penalty": 1.0,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
-    "continue_final_message": False,
-    "documents": None, "chat_template": None, "chat_template_kwargs": None,
-    "mm_processor_kwargs": None, "reasoning_effort": None, "echo": False,
+    "documents": None, "mm_processor_kwargs": None, "reasoning_effort": None,
 }
 # Values of those fields that mean "not used" too.
 _ALSO_UNUSED: dict[str, tuple[Any, ...]] = {}
@@ -104,6 +102,7 @@ class _SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None  # vLLM: sample only among these
     prompt_logprobs: int | None = None  # vLLM: each prompt token's logprob (+ top k)
     bad_words: list[str] | None = None  # vLLM: words the output may not contain
+    return_tokens_as_token_ids: bool = False  # vLLM: logprob tokens as "token_id:N"
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and the former
     # guided_* fields (at most one of them per request).
     response_format: dict[str, Any] | None = None
@@ -327,10 +326,22 @@ class ChatCompletionRequest(_SamplingRequest):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat extras: a Jinja template instead of the model's, variables for it, the last
+    # (assistant) message continued instead of a new one, and that message echoed back.
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False
+    echo: bool = False
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages as {"role", "content"} dicts for the chat template."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
+
+    def echoed(self) -> str:
+        """vLLM's chat echo: the last message's text when it is the assistant's (the role the
+        answer has), else nothing."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
     def tool_mode(self) -> tuple[str, dict[str, dict[str, Any]]]:
         """('none' | 'required' | a function's name, the tools' functions by name); 400s name

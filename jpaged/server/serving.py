@@ -57,6 +57,7 @@ class _Batch:
         self.return_token_ids = False  # vLLM's return_token_ids
         self.continuous_usage = False  # vLLM's stream_options.continuous_usage_stats
         self.so_param: str | None = None  # the field a grammar came from (its errors name it)
+        self.tokens_as_ids = False  # vLLM's return_tokens_as_token_ids
 
     def configure(self, req: Any) -> None:
         """Read the response options of the HTTP request `req`."""
@@ -64,6 +65,7 @@ class _Batch:
         self.continuous_usage = bool(req.stream_options and req.stream_options.include_usage
                                      and req.stream_options.continuous_usage_stats)
         self.so_param = req.structured_param()
+        self.tokens_as_ids = req.return_tokens_as_token_ids
 
     def chunk_usage(self) -> dict[str, Any] | None:
         """A content chunk's usage: the counts so far (continuous_usage_stats), else null."""
@@ -215,33 +217,40 @@ def _stream_error(e: BaseException) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------ logprobs
-def _token_text(lp: Logprob, tok: int, tokenizer: Any) -> str:
+def _token_text(lp: Logprob, tok: int, tokenizer: Any, as_ids: bool = False) -> str:
+    # vLLM's return_tokens_as_token_ids: "token_id:N" (for tokens that are not whole text).
+    if as_ids:
+        return f"token_id:{tok}"
     return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tok], False)
 
 
-def completion_logprobs(c: CompletionOutput, tokenizer: Any, offset: int) -> dict[str, Any] | None:
-    """The legacy completions `logprobs` object for the tokens of `c`, text starting at offset."""
+def completion_logprobs(c: CompletionOutput, tokenizer: Any, offset: int,
+                        as_ids: bool = False) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object for the tokens of `c`, text starting at offset
+    (as_ids: tokens written "token_id:N", vLLM's return_tokens_as_token_ids)."""
     if c.logprobs is None:
         return None
     tokens, token_lps, tops, offsets = [], [], [], []
     for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
-        s = _token_text(entry[tok], tok, tokenizer)
+        s = _token_text(entry[tok], tok, tokenizer, as_ids)
         tokens.append(s)
         token_lps.append(entry[tok].logprob)
-        tops.append({_token_text(lp, t, tokenizer): lp.logprob for t, lp in entry.items()})
+        tops.append({_token_text(lp, t, tokenizer, as_ids): lp.logprob
+                     for t, lp in entry.items()})
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
 
 
-def chat_logprobs(c: CompletionOutput, tokenizer: Any) -> dict[str, Any] | None:
+def chat_logprobs(c: CompletionOutput, tokenizer: Any, as_ids: bool = False
+                  ) -> dict[str, Any] | None:
     """The chat `logprobs` object ({"content": [...]}) for the tokens of `c`."""
     if c.logprobs is None:
         return None
 
     def item(t: int, lp: Logprob) -> dict[str, Any]:
-        s = _token_text(lp, t, tokenizer)
+        s = _token_text(lp, t, tokenizer, as_ids)
         return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8"))}
 
     content = []
@@ -301,7 +310,8 @@ class Serving:
                     prefix = echo[i] if echo else ""
                     choices.append({"index": i * n + c.index, "text": prefix + c.text,
                                     "logprobs": completion_logprobs(c, self.engine.tokenizer,
-                                                                    len(prefix)),
+                                                                    len(prefix),
+                                                                    batch.tokens_as_ids),
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
                     if batch.return_token_ids:
@@ -360,7 +370,8 @@ class Serving:
                 if idx not in offsets:
                     offsets[idx] = len(echo[i]) if echo else 0
                     text = (echo[i] if echo else "") + text
-                lps = completion_logprobs(c, self.engine.tokenizer, offsets[idx])
+                lps = completion_logprobs(c, self.engine.tokenizer, offsets[idx],
+                                          batch.tokens_as_ids)
                 if lps is not None:
                     offsets[idx] += sum(map(len, lps["tokens"]))
                 if not text and c.finish_reason is None and not (
@@ -385,17 +396,32 @@ class Serving:
     # -------------------------------------------------------------------------- chat
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
         tok = self.engine.tokenizer
-        if not tok.has_chat_template:
-            raise OpenAIError(400, "this model has no chat template; use /v1/completions",
-                              param="messages")
-        extra = {"tools": req.tools} if req.tools else {}  # templates that render tools see them
+        if not tok.has_chat_template and req.chat_template is None:
+            raise OpenAIError(400, "this model has no chat template; use /v1/completions or "
+                              "pass chat_template", param="messages")
+        kwargs = req.chat_template_kwargs or {}
+        if not isinstance(kwargs, dict):
+            raise OpenAIError(400, "chat_template_kwargs must be an object",
+                              param="chat_template_kwargs")
+        extra = {**kwargs, **({"tools": req.tools} if req.tools else {})}
+        add_prompt = req.add_generation_prompt and not req.continue_final_message
+        if req.continue_final_message and "add_generation_prompt" in req.model_fields_set \
+                and req.add_generation_prompt:
+            raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot "
+                              "both be true", param="continue_final_message")
         try:
-            text = tok.apply_chat_template(req.conversation(),
-                                           add_generation_prompt=req.add_generation_prompt,
+            text = tok.apply_chat_template(req.conversation(), add_generation_prompt=add_prompt,
+                                           chat_template=req.chat_template,
+                                           continue_final_message=req.continue_final_message,
                                            **extra)
+        except jinja2.TemplateSyntaxError as e:
+            raise OpenAIError(400, f"chat_template does not compile: {e}",
+                              param="chat_template") from None
         except jinja2.TemplateError as e:
             raise OpenAIError(400, f"the chat template rejected the messages: {e}",
                               param="messages") from None
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="continue_final_message") from None
         # The template holds the special tokens already: no second BOS.
         return req.salted({"prompt": text,
                            "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
@@ -412,13 +438,14 @@ class Serving:
         batch.configure(req)
         await batch.start([prompt], "messages")
         head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
+        echo = req.echoed() if tools == "none" else ""
         if req.stream:
-            return EventStream(self._stream_chat(batch, head, req.include_usage, tools),
+            return EventStream(self._stream_chat(batch, head, req.include_usage, tools, echo),
                                batch.close)
-        return await until_disconnected(http, self._full_chat(batch, head, tools))
+        return await until_disconnected(http, self._full_chat(batch, head, tools, echo))
 
-    async def _full_chat(self, batch: _Batch, head: dict[str, Any], tools: str = "none"
-                         ) -> dict[str, Any]:
+    async def _full_chat(self, batch: _Batch, head: dict[str, Any], tools: str = "none",
+                         echo: str = "") -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         prompt_ids: list[int] | None = None
         plp = None
@@ -427,9 +454,10 @@ class Serving:
                 prompt_ids = out.prompt_token_ids
                 plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
                 for c in out.outputs:
-                    message, finish = tool_call_message(c.text, c.finish_reason, tools)
+                    message, finish = tool_call_message(echo + c.text, c.finish_reason, tools)
                     choices.append({"index": c.index, "message": message,
-                                    "logprobs": chat_logprobs(c, self.engine.tokenizer),
+                                    "logprobs": chat_logprobs(c, self.engine.tokenizer,
+                                                              batch.tokens_as_ids),
                                     "finish_reason": finish,
                                     "stop_reason": c.stop_reason})
                     if batch.return_token_ids:
@@ -446,19 +474,23 @@ class Serving:
         return body
 
     def _stream_chat(self, batch: _Batch, head: dict[str, Any], include_usage: bool,
-                     tools: str = "none") -> AsyncIterator[str]:
+                     tools: str = "none", echo: str = "") -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
-        return self._framed(self._chat_chunks(batch, head, include_usage, tools), batch, head,
-                            include_usage)
+        return self._framed(self._chat_chunks(batch, head, include_usage, tools, echo), batch,
+                            head, include_usage)
 
     async def _chat_chunks(self, batch: _Batch, head: dict[str, Any], include_usage: bool,
-                           tools: str = "none") -> AsyncIterator[str]:
+                           tools: str = "none", echo: str = "") -> AsyncIterator[str]:
         extra = {"usage": None} if include_usage else {}
         for i in range(batch.params.n):  # the role comes first, before any token
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                   "content": ""},
                                             "logprobs": None, "finish_reason": None}],
                        **extra})
+            if echo:  # vLLM's echo: the continued message's text, before the new tokens
+                yield sse({**head, "choices": [{"index": i, "delta": {"content": echo},
+                                                "logprobs": None, "finish_reason": None}],
+                           **extra})
         done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
         sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out
         calls = _ToolCallStream(tools)
@@ -466,7 +498,7 @@ class Serving:
             for c in out.outputs:
                 if c.index in done:
                     continue
-                lps = chat_logprobs(c, self.engine.tokenizer)
+                lps = chat_logprobs(c, self.engine.tokenizer, batch.tokens_as_ids)
                 if not c.text and c.finish_reason is None and not (
                         (lps or batch.return_token_ids) and c.token_ids):
                     continue

@@ -76,9 +76,9 @@ def test_regex_and_choice_always_match(llm):
 
 def test_warm_constrained_steps_compile_nothing_and_loops_agree():
     """Two batches of the same shapes (one prompt, 10 tokens each: no schema's answer is
-    shorter) with different grammars: the second compiles nothing. The overlapped loop (which
-    steps synchronously while a grammar's token is in flight) gives the seeded samples the
-    synchronous loop gives."""
+    shorter) with different grammars: the second compiles nothing. The overlapped loop (whose
+    constrained steps run their forward before the masks are filled, and sample after) gives
+    the seeded samples the synchronous loop gives."""
     names = ["order", "book", "config", "product", "weather", "event", "address", "tree"]
     texts = {}
     for async_scheduling in (True, False):
@@ -100,6 +100,10 @@ def test_warm_constrained_steps_compile_nothing_and_loops_agree():
         second = run(names[4:8])
         if async_scheduling:
             assert runner.num_compiled == compiled, "a new grammar compiled a new step"
+            # Overlapped: each constrained step's forward ran before its masks were filled.
+            assert runner.num_deferred >= 18
+        else:
+            assert runner.num_deferred == 0
         texts[async_scheduling] = first + second
     assert texts[True] == texts[False]
 

@@ -253,11 +253,11 @@ def test_cache_salt_isolates_tenants(served):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("bad_words", ["x"]), ("use_beam_search", True),
-    ("return_tokens_as_token_ids", True), ("echo", True)])
+    ("use_beam_search", True), ("logits_processors", ["x"]), ("reasoning_effort", "low"),
+    ("spaces_between_special_tokens", False), ("documents", [{"text": "x"}])])
 def test_vllm_fields_not_implemented_are_refused_by_name(served, field, value):
-    path = "/v1/chat/completions" if field == "echo" else "/v1/completions"
-    body = ({"messages": [{"role": "user", "content": "hi"}]} if field == "echo"
+    path = "/v1/chat/completions" if field == "documents" else "/v1/completions"
+    body = ({"messages": [{"role": "user", "content": "hi"}]} if field == "documents"
             else {"prompt": "x"})
     r = _post(served.url, path, json={"model": MODEL, "max_tokens": 1, **body, field: value})
     assert r.status_code == 400, r.text
@@ -347,3 +347,47 @@ def test_prompt_logprobs_on_both_endpoints(served):
     bad = _post(served.url, "/v1/completions", json={"model": MODEL, "prompt": "x",
                                                      "prompt_logprobs": 21})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_chat_template_kwargs_continue_final_message_echo_and_token_ids(served):
+    """vLLM's chat extras: a template of the request's own with its variables, the final
+    assistant message continued and echoed, logprob tokens as "token_id:N"."""
+    tok = served.engine.tokenizer
+    msgs = [{"role": "user", "content": "hi"}]
+    r = _post(served.url, "/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "max_tokens": 1,
+        "chat_template": "{{ greeting }}{% for m in messages %}{{ m.content }}{% endfor %}",
+        "chat_template_kwargs": {"greeting": "Hello: "}})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode("Hello: hi",
+                                                                add_special_tokens=False))
+    cont = [*msgs, {"role": "assistant", "content": "The answer is"}]
+    r = _post(served.url, "/v1/chat/completions", json={
+        "model": MODEL, "messages": cont, "max_tokens": 3, "continue_final_message": True,
+        "add_generation_prompt": False, "echo": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    text = r.json()["choices"][0]["message"]["content"]
+    assert text.startswith("The answer is") and len(text) > len("The answer is")
+    prompt = tok.apply_chat_template(cont, add_generation_prompt=False,
+                                     continue_final_message=True)
+    assert prompt.endswith("The answer is")
+    with httpx.stream("POST", f"{served.url}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "messages": cont, "max_tokens": 3, "continue_final_message": True,
+            "add_generation_prompt": False, "echo": True, "temperature": 0,
+            "stream": True}) as s:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                  for line in s.iter_lines() if line.startswith("data: {")]
+    assert "".join(deltas) == text
+    r = _post(served.url, "/v1/completions", json={
+        "model": MODEL, "prompt": "x", "max_tokens": 2, "logprobs": 1,
+        "return_tokens_as_token_ids": True})
+    lp = r.json()["choices"][0]["logprobs"]
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    for body, param in (({"chat_template": "{% for %}"}, "chat_template"),
+                        ({"continue_final_message": True, "add_generation_prompt": True},
+                         "continue_final_message"),
+                        ({"chat_template_kwargs": [1]}, "chat_template_kwargs")):
+        bad = _post(served.url, "/v1/chat/completions", json={
+            "model": MODEL, "messages": cont, "max_tokens": 1, **body})
+        assert bad.status_code == 400, bad.text
+        assert bad.json()["error"]["param"] == param
