@@ -259,6 +259,11 @@ class LLMEngine(RequestFrontend):
         for req in requests:
             if req.request_id in self.scheduler.requests:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
+        self.queue_requests(requests)
+
+    def queue_requests(self, requests: list[Request]) -> None:
+        """Hand checked requests to the scheduler, with their grammar matchers and bad words
+        (the engine-core process calls this for what its front end sends)."""
         matchers = {r.request_id: self.grammar_compiler.matcher(so) for r in requests
                     if (so := r.sampling_params.structured_outputs) is not None}
         for req in requests:

@@ -223,8 +223,7 @@ class _CoreLoop:
         op = msg[0]
         sched = self.engine.scheduler
         if op == "add":
-            for req in msg[1]:
-                sched.add_request(req)
+            self.engine.queue_requests(msg[1])
         elif op == "ack":
             self.acked += msg[1]
         elif op == "abort":

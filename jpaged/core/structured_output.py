@@ -143,11 +143,25 @@ class GrammarCompiler:
         if m.is_error():
             raise ValueError(f"structured_outputs: {so.kind} does not compile: "
                              f"{m.get_error()}")
+        if not m.is_accepting() and not self._starts(m):
+            raise ValueError(f"structured_outputs: no token of this model's vocabulary can "
+                             f"start the {so.kind} (its tokenizer's tokens may not be read as "
+                             "text)")
         with self._lock:
             self._cache[key] = m
             while len(self._cache) > GRAMMAR_CACHE_SIZE:
                 self._cache.popitem(last=False)
         return m
+
+    def _starts(self, m: Any) -> bool:
+        """Whether the matcher's first mask allows a token other than EOS."""
+        mask = np.zeros((1, mask_words(self.vocab_size)), np.int32)
+        self.fill_masks([(m, 0)], mask)
+        bits = mask.view(np.uint32)
+        for t in self._eos:
+            if 0 <= t < self.vocab_size:
+                bits[0, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+        return bool(bits.any())
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
         """A fresh matcher for one request."""

@@ -6,6 +6,7 @@ Llama with a word tokenizer) itself: a made-up model travels as a picklable load
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 
@@ -81,6 +82,37 @@ def test_outputs_equal_the_in_process_engine(core):
     m = _drain(core)
     assert m["num_blocks_free"] == m["num_blocks_total"]
     assert m["num_requests_finished"] >= len(prompts)
+
+
+def test_grammars_bad_words_and_prompt_logprobs_run_in_the_core():
+    """The core makes the grammar matchers and bad words of what its front end sends, and sends
+    prompt logprobs back: the same outputs as in-process (the tiny byte-level model, whose
+    tokens a grammar can read)."""
+    from helpers import tiny
+
+    from jpaged.sampling_params import StructuredOutputsParams
+
+    prompts = [{"prompt_token_ids": [5, 17, 99, 42]}] * 3
+    params = [SamplingParams(temperature=1.0, seed=2, max_tokens=8,
+                             structured_outputs=StructuredOutputsParams(regex="[0-9]{3}x")),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True,
+                             allowed_token_ids=[ord("a"), ord("b")], bad_words=["a"]),
+              SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=2)]
+    ref = LLM.from_engine(LLMEngine(EngineArgs(**ARGS), loaded=tiny())).generate(
+        prompts, params)
+    core = CoreProcessEngine(EngineArgs(**ARGS), loader=tiny)
+    try:
+        got = LLM.from_engine(core).generate(prompts, params)
+    finally:
+        core.shutdown()
+    assert re.fullmatch("[0-9]{3}x", got[0].outputs[0].text), got[0].outputs[0].text
+    assert got[1].outputs[0].text == "bbbbbb"
+    for a, b in zip(ref, got, strict=True):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    plp = got[2].prompt_logprobs
+    assert plp[0] is None and len(plp) == 4
+    assert [{t: round(v.logprob, 4) for t, v in e.items()} for e in plp[1:]] == [
+        {t: round(v.logprob, 4) for t, v in e.items()} for e in ref[2].prompt_logprobs[1:]]
 
 
 def test_streaming_abort_and_core_queries(core):

@@ -92,3 +92,16 @@ def test_gbnf_grammar_and_additional_properties():
     for ch in '{"':
         consume(closed, ord(ch))
     assert _allowed(gc, closed) == {ord("k")}  # no other key may start
+
+
+def test_a_grammar_no_token_can_start_is_refused():
+    """The host bench's word tokenizer (tokens spelled with a byte-level space but no byte-level
+    pre-tokenizer) is read literally: no token can write a digit, and the request is refused
+    instead of ending at once with EOS."""
+    from jpaged.bench.host import word_tokenizer
+
+    tok = word_tokenizer()
+    gc = GrammarCompiler(tok, 258, (tok.eos_token_id,))
+    with pytest.raises(ValueError, match="no token of this model's vocabulary"):
+        gc.compile(StructuredOutputsParams(regex="[0-9]{3}"))
+    assert gc.num_cached == 0
