@@ -436,12 +436,17 @@ class LLMEngine(RequestFrontend):
         return bool(self._matchers) or any(len(w) > 1 for ws in self._bad_words.values()
                                            for w in ws)
 
-    def _needs_masks(self, scheduled: list[Any]) -> bool:
-        """Whether a sampling row of `scheduled` has a grammar or bad words."""
+    def _needs_deferral(self, scheduled: list[Any]) -> bool:
+        """Whether a sampling row's mask depends on its previous token: a grammar, or a bad
+        word of several tokens (one-token words give the same mask every step)."""
         if not self._matchers and not self._bad_words:
             return False
-        return any(s.sample and (s.request.request_id in self._matchers
-                                 or s.request.request_id in self._bad_words) for s in scheduled)
+        for s in scheduled:
+            if s.sample:
+                rid = s.request.request_id
+                if rid in self._matchers or any(len(w) > 1 for w in self._bad_words.get(rid, ())):
+                    return True
+        return False
 
     def _token_masks(self, scheduled: list[Any]) -> np.ndarray | None:
         """[len(scheduled), W] packed masks when a scheduled sampling row has a grammar."""
@@ -530,7 +535,7 @@ class LLMEngine(RequestFrontend):
         self.runner.remove_requests(out.preempted)  # re-admitted with a new block table
         pending = None
         if out.scheduled:
-            if advance and self._needs_masks(out.scheduled):
+            if advance and self._needs_deferral(out.scheduled):
                 # Async: the masks need the tokens of the step in flight. The forward goes now;
                 # the sampling once those tokens are applied (_finish_deferred).
                 pending = self._on_device(self.runner.dispatch_deferred, out.scheduled,

@@ -12,7 +12,8 @@ from jpaged.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def llm():
-    return make_llm(max_model_len=256)
+    # The structured-output tests' engine arguments: their compiled steps are reused.
+    return make_llm(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
 
 
 def _contains(seq: list[int], word: tuple[int, ...]) -> bool:
@@ -40,9 +41,12 @@ def test_one_and_several_token_bad_words(llm):
     assert all(len(s) == 3 for s in seqs)
     assert not any(_contains(list(several.token_ids), s) for s in seqs)
     assert several.token_ids[:2] == plain.token_ids[:2]  # "The capital": untouched so far
-    sync = make_llm(max_model_len=256, async_scheduling=False)
-    again = sync.generate([prompt], greedy.clone(bad_words=[phrase]),
-                          use_tqdm=False)[0].outputs[0]
+    llm.llm_engine.set_async_scheduling(False)
+    try:
+        again = llm.generate([prompt], greedy.clone(bad_words=[phrase]),
+                             use_tqdm=False)[0].outputs[0]
+    finally:
+        llm.llm_engine.set_async_scheduling(True)
     assert again.token_ids == several.token_ids
 
 
