@@ -496,8 +496,10 @@ class LLMEngine(RequestFrontend):
                     entry = (lp[row + j], rank[row + j], top_ids[row + j], top_lp[row + j])
                     if first + j < len(rows):
                         rows[first + j] = entry
-                    else:
+                    elif first + j == len(rows):
                         rows.append(entry)
+                    else:  # positions computed elsewhere (a KV connector's remote prefill)
+                        break  # stay incomplete: the output then carries no prompt_logprobs
             row += count
 
     def _consume(self, updated: list[Request], rows: list[int], ids: list[int]) -> None:
