@@ -55,8 +55,6 @@ _NOT_YET: dict[str, Any] = {
     "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
     "documents": None, "mm_processor_kwargs": None, "reasoning_effort": None,
 }
-# Values of those fields that mean "not used" too.
-_ALSO_UNUSED: dict[str, tuple[Any, ...]] = {}
 # vLLM's structured-output backends this server can honour (llguidance is the one it has).
 _BACKENDS = (None, "auto", "guidance", "llguidance")
 _SO_FIELDS = set(StructuredOutputsParams.__dataclass_fields__)
@@ -177,8 +175,7 @@ class _SamplingRequest(BaseModel):
         """400 naming the first vLLM field set that this server does not implement yet."""
         extra = self.model_extra or {}
         for name, unused in _NOT_YET.items():
-            if name in extra and extra[name] != unused and \
-                    extra[name] not in _ALSO_UNUSED.get(name, ()):
+            if name in extra and extra[name] != unused:
                 raise OpenAIError(400, f"{name} is not supported by this server yet",
                                   param=name)
 
