@@ -20,7 +20,7 @@ from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
 from jpaged.core.kv_connector import KVConnectorScheduler
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
-from jpaged.core.structured_output import consume, mask_words
+from jpaged.core.structured_output import consume, forbid, mask_words
 from jpaged.engine_core import CoreStep
 from jpaged.frontend import PromptType, RequestFrontend
 from jpaged.kv_events import KVEventBatch, KVEventHub
@@ -461,10 +461,8 @@ class LLMEngine(RequestFrontend):
         masks = np.full((len(scheduled), mask_words(self.spec.vocab_size)), -1, np.int32)
         if rows:
             self.grammar_compiler.fill_masks(rows, masks)
-        bits = masks.view(np.uint32)
         for i, ban in banned:
-            for t in ban:
-                bits[i, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+            forbid(masks[i], ban)
         return masks
 
     def _banned(self, req: Request) -> list[int]:

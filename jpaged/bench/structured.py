@@ -36,13 +36,13 @@ def _params(names: list[str], lengths: list[int] | None, constrained: set[int],
             max_tokens: int) -> list[SamplingParams]:
     out = []
     for i, n in enumerate(names):
+        cap = max_tokens if lengths is None else lengths[i]
         if i in constrained:
-            out.append(SamplingParams(
-                temperature=0.7, seed=i, max_tokens=max_tokens if lengths is None else
-                lengths[i], structured_outputs=StructuredOutputsParams(json=SCHEMAS[n])))
+            out.append(SamplingParams(temperature=0.7, seed=i, max_tokens=cap,
+                                      structured_outputs=StructuredOutputsParams(
+                                          json=SCHEMAS[n])))
         else:
-            out.append(SamplingParams(temperature=0.7, seed=i, ignore_eos=True,
-                                      max_tokens=lengths[i] if lengths else max_tokens))
+            out.append(SamplingParams(temperature=0.7, seed=i, ignore_eos=True, max_tokens=cap))
     return out
 
 

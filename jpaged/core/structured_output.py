@@ -30,6 +30,13 @@ def mask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def forbid(mask_row: np.ndarray, tokens: Any) -> None:
+    """Clear the bits of `tokens` in one packed int32 mask row (in place)."""
+    bits = mask_row.view(np.uint32)
+    for t in tokens:
+        bits[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+
+
 def grammar_source(so: StructuredOutputsParams) -> str:
     """The llguidance grammar of a StructuredOutputsParams (not yet checked)."""
     import llguidance as llg
@@ -158,11 +165,8 @@ class GrammarCompiler:
         """Whether the matcher's first mask allows a token other than EOS."""
         mask = np.zeros((1, mask_words(self.vocab_size)), np.int32)
         self.fill_masks([(m, 0)], mask)
-        bits = mask.view(np.uint32)
-        for t in self._eos:
-            if 0 <= t < self.vocab_size:
-                bits[0, t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
-        return bool(bits.any())
+        forbid(mask[0], [t for t in self._eos if 0 <= t < self.vocab_size])
+        return bool(mask.any())
 
     def matcher(self, so: StructuredOutputsParams) -> Any:
         """A fresh matcher for one request."""

@@ -112,12 +112,9 @@ class _SamplingRequest(BaseModel):
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
 
-    def structured(self) -> StructuredOutputsParams | None:
-        """The request's output constraint (OpenAIError 400 naming the field when malformed)."""
-        if self.guided_decoding_backend not in _BACKENDS:
-            raise OpenAIError(400, f"guided_decoding_backend {self.guided_decoding_backend!r} "
-                              "is not available: this server's backend is llguidance",
-                              param="guided_decoding_backend")
+    def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
+        """(field, StructuredOutputsParams arguments) of each output constraint the request
+        sets, in the order its fields are read (OpenAIError 400 naming a malformed one)."""
         found: list[tuple[str, dict[str, Any]]] = []
         rf = self.response_format
         if rf is not None:
@@ -148,6 +145,15 @@ class _SamplingRequest(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 found.append((name, {name.removeprefix("guided_"): value}))
+        return found
+
+    def structured(self) -> StructuredOutputsParams | None:
+        """The request's output constraint (OpenAIError 400 naming the field when malformed)."""
+        if self.guided_decoding_backend not in _BACKENDS:
+            raise OpenAIError(400, f"guided_decoding_backend {self.guided_decoding_backend!r} "
+                              "is not available: this server's backend is llguidance",
+                              param="guided_decoding_backend")
+        found = self._constraints()
         if not found:
             return None
         if len(found) > 1:
@@ -229,17 +235,8 @@ class _SamplingRequest(BaseModel):
 
     def structured_param(self) -> str | None:
         """The field this request's output constraint came from (None: none)."""
-        rf = self.response_format
-        if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
-            return "response_format"
-        for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice",
-                     "guided_grammar"):
-            if getattr(self, name) is not None:
-                return name
-        if getattr(self, "tools", None) and getattr(self, "tool_choice", None) not in (
-                None, "none", "auto"):
-            return "tool_choice"
-        return None
+        found = self._constraints()
+        return found[0][0] if found else None
 
     @property
     def include_usage(self) -> bool:
@@ -378,6 +375,10 @@ class ChatCompletionRequest(_SamplingRequest):
         raise OpenAIError(400, "tool_choice must be 'none', 'auto', 'required' or "
                           f"{{'type': 'function', 'function': {{'name': ...}}}}, got {choice!r}",
                           param="tool_choice")
+
+    def structured_param(self) -> str | None:
+        """The field the output constraint came from: tool_choice for a forced tool call."""
+        return "tool_choice" if self.tool_mode()[0] != "none" else super().structured_param()
 
     def structured_or_tools(self) -> StructuredOutputsParams | None:
         """A forced tool call constrains the output to its arguments' schema ('required': a
