@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 PROMPT ?= What is the capital of France?
+# Test processes (pytest-xdist; one test file stays in one process, so its fixtures are built
+# once). Each process loads its own models and compiles its own steps.
+TEST_WORKERS ?= 2
 
 .PHONY: setup setup-dev run test lint gpu-aot
 
@@ -24,7 +27,7 @@ run: setup
 
 test: setup-dev
 	$(BIN)/ruff check jpaged pallas_kernels models tests scripts
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint:
 	$(BIN)/ruff check jpaged pallas_kernels models tests scripts
