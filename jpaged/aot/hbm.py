@@ -40,6 +40,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _NAME = re.compile(r'\bname\s*=\s*"([^"]+)"|"name":"([^"]+)"')
 _OP_NAME = re.compile(r'op_name="[^"]*?/([\w.\-]+)/pallas_call"')
 _INT_CONST = re.compile(r"^-?\d+$")
+_SUFFIX = re.compile(r"(\.\d+)+(\.clone)?$")
 
 W, C = "w", "c"  # value tags: a weight; a copy / slice / collective result of a weight
 L = "l"  # a lookup table (the embedding): rows read by index from it are activations
@@ -79,6 +80,8 @@ class Traffic:
     param_collective_bytes: int = 0
     kernel_bytes: dict[str, int] = field(default_factory=dict)  # per Pallas kernel, all launches
     notes: list[str] = field(default_factory=list)
+    # Bytes per kind of op: its name less the numeric suffix, with its result shape.
+    by_op: dict[str, int] = field(default_factory=dict)
 
     def add(self, other: Traffic) -> None:
         """Accumulate another estimate into this one."""
@@ -87,7 +90,22 @@ class Traffic:
         self.param_collective_bytes += other.param_collective_bytes
         for k, v in other.kernel_bytes.items():
             self.kernel_bytes[k] = self.kernel_bytes.get(k, 0) + v
+        for k, v in other.by_op.items():
+            self.by_op[k] = self.by_op.get(k, 0) + v
         self.notes += [n for n in other.notes if n not in self.notes]
+
+    def count(self, ins: Instr, moved: int) -> None:
+        """Add `moved` bytes of one op (all its executions) to the total and to its kind."""
+        self.hbm_bytes += moved
+        if moved:
+            kernel = kernel_name(ins) if ins.op == "custom-call" else None
+            key = f"{kernel or _SUFFIX.sub('', ins.name)}: {ins.shape}"
+            self.by_op[key] = self.by_op.get(key, 0) + moved
+
+    def largest(self, n: int = 8) -> list[str]:
+        """The `n` kinds of op that move the most bytes, largest first."""
+        top = sorted(self.by_op.items(), key=lambda kv: -kv[1])[:n]
+        return [f"{k} = {v} B" for k, v in top]
 
 
 def kernel_name(ins: Instr) -> str | None:
@@ -265,14 +283,14 @@ class _Estimator:
         if base in _COLLECTIVES:
             out = ins.shape_elements()[-1] if op.endswith("-start") else ins.shape
             moved = sum(comp.by_name[o].bytes for o in ops) + shape_bytes(out)
-            t.hbm_bytes += moved * mult
+            t.count(ins, moved * mult)
             if any(tags.get(o) in _WEIGHTY for o in ops):
                 t.param_collective_bytes += shape_bytes(out) * mult
                 # A gathered lookup table is still one: rows read from it are activations.
                 return L if any(tags.get(o) == L for o in ops) else C
             return None
         reads, write = self._io(ins, comp, t, mult)
-        t.hbm_bytes += (sum(reads) + write) * mult
+        t.count(ins, (sum(reads) + write) * mult)
         if op != "custom-call" and self._weight_copy(ins, comp, tags, reads, write):
             t.param_copy_bytes += write * mult
             return C

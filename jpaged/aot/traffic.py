@@ -32,7 +32,8 @@ DECODE_CONTEXTS = (1024, 4096)
 # Every key a case row carries (None when its program did not compile).
 HBM_KEYS = ("context_len", "hbm_bytes", "hbm_bytes_sampling", "min_hbm_bytes", "traffic_ratio",
             "param_copy_bytes", "param_collective_bytes", "predicted_step_ms",
-            "predicted_step_ms_at_80pct", "kernel_hbm_bytes", "hbm_notes", "context_fits_pool")
+            "predicted_step_ms_at_80pct", "kernel_hbm_bytes", "hbm_notes", "context_fits_pool",
+            "largest_traffic")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -143,5 +144,6 @@ def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: s
             t.hbm_bytes / (bandwidth * HBM_REALISTIC_FRACTION) * 1e3, 3),
         "kernel_hbm_bytes": t.kernel_bytes, "hbm_notes": t.notes,
         "context_fits_pool": case.fits_pool(),
+        "largest_traffic": t.largest(),
     }
 

@@ -103,6 +103,11 @@ def test_handwritten_gpu_module_counted_by_hand():
     assert t.param_collective_bytes == 256000  # the gathered embedding
     assert t.kernel_bytes == {"paged_decode_ppb8_ppp8": 4 * 3536, "kv_write": 4 * 1112}
     assert t.notes == ["cnd: largest of 2 branches counted"]
+    # By kind of op (name less its number; a Pallas call by its kernel), every trip summed.
+    assert sum(t.by_op.values()) == t.hbm_bytes
+    assert t.by_op["wslice: bf16[1,256,256]{2,1,0}"] == 4 * 262148
+    assert t.by_op["paged_decode_ppb8_ppp8: f32[1,256]{1,0}"] == 4 * 3536
+    assert t.largest(1) == [f"wslice: bf16[1,256,256]{{2,1,0}} = {4 * 262148} B"]
     # Unknown trip count: the condition's constant; no constant: once, and said so.
     t2 = estimate_traffic(GPU_HLO.replace('"known_trip_count":{"n":"4"}', '"x":1'), model)
     assert t2.hbm_bytes == t.hbm_bytes
