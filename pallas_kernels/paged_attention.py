@@ -4,8 +4,10 @@ Grid (batch, kv_head, partition). A program takes the G = q_heads / kv_heads que
 one kv head as a [rows, head_dim] block (G zero-padded to `rows`, a power of two >= `min_rows`, 16
 by default, the smallest M of a tensor-core product) and walks the pages of one partition of the
 context (`pages_per_partition` pages) in steps of `pages_per_block` pages with an online softmax.
-It writes the unnormalised partial (acc, m, l); a small jnp pass merges the partitions by
-log-sum-exp. Partitions past a sequence's length (or wholly before its sliding window) do no work.
+It writes the unnormalised partial (acc, m, l) of the G real rows only (a masked store: the padding
+rows move no bytes); a small jnp pass merges the partitions by log-sum-exp. Partitions past a
+sequence's length (or wholly before its sliding window) do no work and store nothing: the merge
+knows them from the lengths (`partition_active`), so their unwritten partials are never used.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jaxtyping import Array, Float, Int
+from jax.experimental.pallas import triton as plt
+from jaxtyping import Array, Bool, Float, Int
 
 from pallas_kernels import reference
 from pallas_kernels._compat import (
+    MASK_VALUE,
     check_dot_tiles,
     compute_dtype,
     next_pow2,
@@ -39,8 +43,11 @@ _TARGET_PROGRAMS = 1024
 def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs
                    acc_ref, m_ref, l_ref,  # outputs
                    *, pages_per_block: int, soft_cap: float | None,
-                   sliding_window: int | None, page_dtype: jnp.dtype) -> None:
-    """One (sequence, kv head, partition): partial attention of G heads over <= P pages."""
+                   sliding_window: int | None, page_dtype: jnp.dtype, heads: int) -> None:
+    """One (sequence, kv head, partition): partial attention of G heads over <= P pages.
+
+    Stores only when the partition holds a key it may see (`hi > lo`, as `partition_active`
+    computes it), and then only the `heads` real rows of the padded block."""
     part = pl.program_id(2)
     rows, head_dim = q_ref.shape
     block_size = k_ref.shape[1]
@@ -69,9 +76,29 @@ def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
         return softmax_step(carry, q, k, v, mask, qk_scale=qk_scale, soft_cap=soft_cap)
 
     m, lsum, acc = lax.fori_loop(lo, hi, body, init_carry(rows, head_dim))
-    acc_ref[...] = acc
-    m_ref[...] = m
-    l_ref[...] = lsum
+
+    @pl.when(hi > lo)
+    def _store() -> None:
+        real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < heads
+        plt.store(acc_ref, acc, mask=jnp.broadcast_to(real[:, None], (rows, head_dim)))
+        plt.store(m_ref, m, mask=real)
+        plt.store(l_ref, lsum, mask=real)
+
+
+def partition_active(seq_lens: Int[Array, " B"], parts: int, part_keys: int, step_keys: int,
+                     sliding_window: int | None) -> jax.Array:
+    """[B, parts] bool: which partitions of each sequence the decode kernel runs (and stores).
+
+    The kernel's own test, restated: partition p (keys p*part_keys onward) walks steps [lo, hi)
+    of `step_keys` keys, hi covering keys < seq_len, lo skipping steps wholly before the window.
+    """
+    lens = seq_lens.astype(jnp.int32)[:, None]
+    start = jnp.arange(parts, dtype=jnp.int32)[None, :] * part_keys
+    hi = jnp.maximum(-(-jnp.minimum(lens - start, part_keys) // step_keys), 0)
+    lo = 0
+    if sliding_window is not None:
+        lo = jnp.clip((lens - sliding_window - start) // step_keys, 0, hi)
+    return hi > lo
 
 
 def default_pages_per_partition(batch: int, kv_heads: int, max_blocks: int,
@@ -83,12 +110,17 @@ def default_pages_per_partition(batch: int, kv_heads: int, max_blocks: int,
 
 
 def merge_partitions(acc: Float[Array, "B K P G D"], m: Float[Array, "B K P G"],
-                     lsum: Float[Array, "B K P G"]) -> Float[Array, "B K G D"]:
-    """Log-sum-exp merge of split-K partials; rows that saw no key come out 0."""
+                     lsum: Float[Array, "B K P G"], active: Bool[Array, "B P"]
+                     ) -> Float[Array, "B K G D"]:
+    """Log-sum-exp merge of split-K partials; partitions not `active` were never written (any
+    bits there are ignored), and rows that saw no key come out 0."""
+    on = active[:, None, :, None]
+    m = jnp.where(on, m, MASK_VALUE)
     m_max = m.max(axis=2, keepdims=True)
-    w = jnp.exp(m - m_max)  # empty partitions have l == 0 and acc == 0: weight irrelevant
-    den = (lsum * w).sum(axis=2)
-    num = (acc * w[..., None]).sum(axis=2)
+    w = jnp.where(on, jnp.exp(m - m_max), 0.0)
+    den = jnp.where(on, lsum, 0.0) * w
+    num = jnp.where(on[..., None], acc, 0.0) * w[..., None]
+    den, num = den.sum(axis=2), num.sum(axis=2)
     return num / jnp.where(den > 0, den, 1.0)[..., None]
 
 
@@ -153,7 +185,7 @@ def paged_decode_attention(
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [B, K, rows, D]
     kernel = functools.partial(_decode_kernel, pages_per_block=pages_per_block,
                                soft_cap=soft_cap, sliding_window=sliding_window,
-                               page_dtype=k_pages.dtype)
+                               page_dtype=k_pages.dtype, heads=g)
     page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda i, h, p: (0, 0, 0, 0))  # whole pool
     part_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, p: (i, h, p, 0))
     acc, m, lsum = pallas_call(
@@ -180,8 +212,10 @@ def paged_decode_attention(
              f"{window_suffix(sliding_window)}",
     )(scale_array(qk_scale), seq_lens.astype(jnp.int32), tables, qg, to_bits(k_pages),
       to_bits(v_pages))
-    # Padded head rows are dropped before the merge, so it reads only the G real rows.
-    out = merge_partitions(acc[:, :, :, :g], m[:, :, :, :g], lsum[:, :, :, :g])
+    # Padded head rows (never stored) are dropped before the merge: it reads the G real rows.
+    active = partition_active(seq_lens, parts, pages_per_partition * bs, pages_per_block * bs,
+                              sliding_window)
+    out = merge_partitions(acc[:, :, :, :g], m[:, :, :, :g], lsum[:, :, :, :g], active)
     if reference.is_fp8(v_pages.dtype):
         out = out * jnp.asarray(v_scale, jnp.float32)
     return out.reshape(b, hq, d).astype(q.dtype)

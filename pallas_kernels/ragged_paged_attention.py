@@ -8,11 +8,13 @@ pages from the first key any of its rows may see (sliding window) to the last on
 an online softmax. Unused tiles (the static tile count is an upper bound) do no work.
 
 When every sequence of the step has at most one new token (a decode step), the split-K decode
-kernel does the work instead. Which one is decided on device, without a host round trip: both
-kernels are launched, the inactive one with every length zeroed so that its programs exit at once
-(a few microseconds), and the result is selected with `jnp.where`. (A `lax.cond` would make XLA
-copy the predicate to the host and wait, once per layer.) `decode_fast_path=False` launches only
-the tiled kernel.
+kernel does the work instead. The engine knows which kind a step is when it packs it and says so
+(`decode_only`, static: one program per kind), so a step launches one kernel and none of the
+other's glue. A caller that does not know (`decode_only=None`) gets both kernels launched, the
+inactive one with every length zeroed so that its programs exit at once, and the result
+selected with `jnp.where`: decided on device, without a host round trip (a `lax.cond` would
+make XLA copy the predicate to the host and wait, once per layer). `decode_fast_path=False`
+launches only the tiled kernel.
 """
 
 from __future__ import annotations
@@ -251,6 +253,7 @@ def ragged_paged_attention(
     q_tile: int | None = None,
     pages_per_block: int | None = None,
     decode_fast_path: bool = True,
+    decode_only: bool | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
@@ -259,7 +262,9 @@ def ragged_paged_attention(
 
     Extra static tuning: `q_tile` tokens per query tile, `pages_per_block` pages per inner step,
     Triton `num_warps`/`num_stages`; `decode_fast_path` routes decode-only steps to the split-K
-    decode kernel.
+    decode kernel. `decode_only` (static) says which kind the step is when the caller knows: True
+    launches only the split-K decode kernel (every sequence must have exactly one new token),
+    False only the tiled kernel; None decides on device, launching both.
     """
     t_total, hq, d = q.shape
     bs = k_pages.shape[1]
@@ -274,10 +279,12 @@ def ragged_paged_attention(
     ragged = functools.partial(
         ragged_kernel_attention, **common, q_tile=q_tile, pages_per_block=pages_per_block,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret)
-    if not decode_fast_path:
+    if not decode_fast_path or decode_only is False:
         return ragged(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)
     decode = functools.partial(_decode_path, **common, num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret)
+    if decode_only:  # no tiled launch, no q tiles gathered for it, no select
+        return decode(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, active=True)
     q_len = query_start_loc[1:] - query_start_loc[:-1]
     is_decode = jnp.max(q_len) <= 1
     args = (q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)

@@ -263,12 +263,15 @@ def ragged_paged_attention(
     sliding_window: int | None = None,
     k_scale: Float[Array, ""] | float = 1.0,
     v_scale: Float[Array, ""] | float = 1.0,
+    decode_only: bool | None = None,
 ) -> Float[Array, "T q_heads head_dim"]:
     """Causal attention of each sequence's new tokens over its paged K/V (prefix + new tokens).
 
     Queries are cut into tiles of one sequence each (so K/V blocks are gathered once per tile, not
     once per token); key blocks are visited in chunks with an online softmax, and only as many
-    chunks as the longest sequence needs.
+    chunks as the longest sequence needs. `decode_only` (whether every sequence has exactly one
+    new token, when the caller knows) lets a backend pick its kernel; the result never depends
+    on it, and this one ignores it.
     """
     t_total, hq, d = q.shape
     num_seqs, max_blocks = block_tables.shape

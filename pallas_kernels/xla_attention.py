@@ -60,8 +60,10 @@ def ragged_paged_attention(
     v_scale: Float[Array, ""] | float = 1.0,
     chunk_tokens: int = CHUNK_TOKENS,
     rows_per_iter: int | None = None,
+    decode_only: bool | None = None,
 ) -> Float[Array, "T q_heads head_dim"]:
-    """Causal attention of each sequence's new tokens over its paged K/V; see the module doc."""
+    """Causal attention of each sequence's new tokens over its paged K/V; see the module doc.
+    (`decode_only`: as in `reference.ragged_paged_attention`, ignored here.)"""
     t_total, hq, d = q.shape
     num_seqs, max_blocks = block_tables.shape
     _, bs, hkv, _ = k_pages.shape

@@ -39,9 +39,11 @@ from pallas_kernels.backend import select_backend
 # The step with top candidates on (what a request with logprobs runs): the default step is the
 # same program without its top-k. The decode cases, whose HBM traffic is reported, compile the
 # default step (DECODE_FLAGS), what a batch without logprobs requests runs (the top-20 adds
-# ~40 MB to a SmolLM2 batch-64 step).
+# ~40 MB to a SmolLM2 batch-64 step), as a pure decode step (the engine's T == B steps: the
+# split-K kernel alone). The shapes that mixed steps share with decode, (64, 64) and
+# (256, 256), are compiled as decode steps only.
 TOP_FLAGS = SamplingFlags(top_logprobs=True)
-DECODE_FLAGS = SamplingFlags()
+DECODE_FLAGS = SamplingFlags(decode_only=True)
 
 # Meta-Llama-3-8B's config.json fields that shape the model (no weights are needed).
 LLAMA3_8B_CONFIG: dict[str, Any] = {
@@ -215,7 +217,9 @@ class StepBuilder:
         return StepTraffic(tokens, seqs, context_len, self.spec.num_layers, self.block_size,
                            self.local_kv_heads, self.spec.head_dim,
                            storage_dtype(self.page_dtype).itemsize, self.spec.vocab_size,
-                           self.param_bytes, self.num_blocks, self.spec.layer_windows)
+                           self.param_bytes, self.num_blocks, self.spec.layer_windows,
+                           self.spec.num_heads // self.tensor_parallel_size
+                           // self.local_kv_heads)
 
     def pool_shape(self) -> str:
         """One pool array's XLA shape per device."""

@@ -55,6 +55,9 @@ class KernelRule:
     pool_write: int  # bytes written per pool-shaped result (e.g. the new tokens' K rows)
     # The launch loads and stores nothing at all (every program of it skips its work).
     idle: bool = False
+    # Bytes it stores into its other results (None: each whole), e.g. the split-K partials of
+    # the partitions that hold keys, in the real query rows only.
+    write: int | None = None
 
 
 @dataclass(frozen=True)
@@ -338,7 +341,10 @@ class _Estimator:
             return [0] * len(size), 0
         reads = [rule.pool_read if same_array(comp.by_name[o].shape, pool) else b
                  for o, b in zip(ins.operands, size, strict=True)]
-        write = sum(rule.pool_write if same_array(s, pool) else shape_bytes(s) for s in outs)
+        pool_outs = [s for s in outs if same_array(s, pool)]
+        others = sum(shape_bytes(s) for s in outs if not same_array(s, pool))
+        write = rule.pool_write * len(pool_outs) + (others if rule.write is None else
+                                                    min(rule.write, others))
         t.kernel_bytes[name] = t.kernel_bytes.get(name, 0) + (sum(reads) + write) * mult
         return reads, write
 

@@ -6,12 +6,13 @@ gives the JSON fields of a case from the compiled program's optimized HLO text.
 
 Kernel rules, per launch (one layer): `kv_write` writes the step's new tokens' K (and V) rows and
 reads none of the pool; the split-K decode kernel `paged_decode_ppb{P}_ppp{Q}` reads, per
-sequence, its context rounded up to its P-page steps (a decode step only; otherwise it is
-launched inactive and reads no page); the tiled kernel `ragged_paged_qt{T}_ppb{P}` reads, per
-query tile of T tokens, the keys up to the tile's last position rounded up to P pages (a step
-with more than one token per sequence only; each sequence prefills tokens / seqs tokens from
-position 0; launched inactive in a decode step, where every program skips its loads and stores,
-it moves nothing). Both attention kernels read K and V of their own kv heads only.
+sequence, its context rounded up to its P-page steps, and stores the f32 partials (acc, m, l)
+of the Q-page partitions holding a visible key, real query rows only; the tiled kernel
+`ragged_paged_qt{T}_ppb{P}` reads, per query tile of T tokens, the keys up to the tile's last
+position rounded up to P pages (each sequence prefilling tokens / seqs tokens from position 0).
+The engine's steps launch one of the two (a decode step the split-K kernel); a kernel launched
+inactive anyway (the kernels' `decode_only=None` dispatch) reads no page, and the tiled one
+stores nothing then. Both attention kernels read K and V of their own kv heads only.
 
 `hbm_bytes` is a greedy batch's traffic: the sampler's lax.conds run no random draw and no
 top-k/top-p filtering when no row asks (conditionals at their smallest branch);
@@ -75,6 +76,7 @@ class StepTraffic:
     param_bytes: int  # per device
     num_blocks: int  # pool blocks per layer
     layer_windows: tuple[int | None, ...] = ()  # per layer (None: full); () = all full
+    q_per_kv: int = 1  # query heads per KV head on this device
 
     @property
     def decode(self) -> bool:
@@ -94,9 +96,14 @@ class StepTraffic:
             if not self.decode:
                 return KernelRule(0, 0)
             step = _param(name, "ppb") * self.block_size
+            part = _param(name, "ppp") * self.block_size
             w, ctx = _window(name), self.context_len
-            keys = _reach(0 if w is None else ctx - w, ctx, step)
-            return KernelRule(self.seqs * keys * self.row_bytes, 0)
+            first = 0 if w is None else max(0, ctx - w)
+            keys = _reach(first, ctx, step)
+            # Partials (acc, m, l in f32) of the partitions holding a visible key, real rows.
+            parts = _cdiv(ctx, part) - first // part
+            partials = self.seqs * self.kv_heads * parts * self.q_per_kv * (self.head_dim + 2) * 4
+            return KernelRule(self.seqs * keys * self.row_bytes, 0, write=partials)
         if name.startswith("ragged_paged_"):
             if self.decode:  # launched inactive: no tile has a valid row
                 return KernelRule(0, 0, idle=True)

@@ -43,7 +43,7 @@ def decode_step(runner: ModelRunner, batch: int, context_len: int, seed: int = 0
     ids = rng.permutation(np.arange(1, num_blocks, dtype=np.int32))[:batch * per_seq]
     tables = np.zeros((batch, runner.plan.max_blocks), np.int32)
     tables[:, :per_seq] = ids.reshape(batch, per_seq)
-    packed = empty_step(runner.plan, batch, batch, runner.vocab_size)
+    packed = empty_step(runner.plan, batch, batch, runner.vocab_size, decode_only=True)
     b, last = packed.batch, context_len - 1
     b.input_ids[:] = rng.integers(0, runner.vocab_size, batch)
     b.positions[:] = last

@@ -92,9 +92,17 @@ class BucketPlan:
 
     def all_shapes(self) -> list[tuple[int, int]]:
         """Every (T, B) pair a step can use."""
-        shapes = {(b, b) for b in self.seq_buckets}
-        shapes |= {(t, b) for t in self.token_buckets for b in self.mixed_seq_buckets if b <= t}
-        return sorted(shapes)
+        return sorted(set(self.decode_shapes()) | set(self.mixed_shapes()))
+
+    def decode_shapes(self) -> list[tuple[int, int]]:
+        """The (B, B) shapes of pure decode steps."""
+        return [(b, b) for b in self.seq_buckets]
+
+    def mixed_shapes(self) -> list[tuple[int, int]]:
+        """The shapes of steps with some sequence taking more than one token (a few, such as
+        (64, 64), are decode shapes too: both kinds of step use them)."""
+        return sorted((t, b) for t in self.token_buckets for b in self.mixed_seq_buckets
+                      if b <= t)
 
 
 @dataclass
@@ -109,8 +117,16 @@ class PackedStep:
     prompt_spans: tuple[tuple[str, int, int], ...] = ()
 
 
-def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int) -> PackedStep:
-    """An all-padding step of one bucket shape: writes nothing, attends to nothing (warm-up)."""
+def decode_step(num_seqs: int, num_tokens: int) -> bool:
+    """Whether a step of these counts is a pure decode step (one new token per sequence; every
+    scheduled sequence has at least one): the steps `BucketPlan.pick` gives a T == B shape."""
+    return num_seqs > 0 and num_tokens == num_seqs
+
+
+def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int,
+               decode_only: bool = False) -> PackedStep:
+    """An all-padding step of one bucket shape: writes nothing, attends to nothing (warm-up).
+    `decode_only`: the flags of a pure decode step of that shape (T == B only)."""
     t, b = num_tokens, num_seqs
     z = np.zeros(b, np.float32)
     sampling = SamplingBatch(z, np.full(b, vocab_size, np.int32), np.ones(b, np.float32), z,
@@ -123,7 +139,7 @@ def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int
                       np.zeros(b, np.int32), np.zeros((b, g * plan.max_blocks), np.int32),
                       np.zeros(b, np.int32),
                       np.full(b, -1, np.int32), sampling)
-    return PackedStep(batch, SamplingFlags(), 0, 0)
+    return PackedStep(batch, SamplingFlags(decode_only=decode_only), 0, 0)
 
 
 def _next_pow2(x: int, floor: int) -> int:
@@ -314,7 +330,8 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     plp_idx, plp_tgt, spans = prompt_logprob_rows(scheduled, qsl)
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
                       feed_rows, sampling, plp_idx, plp_tgt)
-    flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top)
+    flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top,
+                          decode_only=decode_step(n, num_tokens))
     return PackedStep(batch, flags, n, num_tokens, spans)
 
 

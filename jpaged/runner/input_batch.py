@@ -26,6 +26,7 @@ from jpaged.runner.batch import (
     PackedStep,
     StepBatch,
     constraint_rows,
+    decode_step,
     mask_rows,
     penalty_history,
     prompt_logprob_rows,
@@ -225,6 +226,7 @@ class InputBatch:
                                    and not self._plp.isdisjoint(rows) else (None, None, ()))
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
                           logits_idx, feed_rows, sampling, plp_idx, plp_tgt)
-        return PackedStep(batch, SamplingFlags(use_penalties=use_pen, top_logprobs=use_top), n,
-                          num_tokens, spans)
+        flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top,
+                              decode_only=decode_step(n, num_tokens))
+        return PackedStep(batch, flags, n, num_tokens, spans)
 

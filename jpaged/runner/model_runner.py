@@ -245,7 +245,7 @@ class ModelRunner:
                 q, k_pages, v_pages, batch.query_start_loc, batch.seq_lens,
                 tables + j * nb, sm_scale=spec.attn_scale,
                 soft_cap=spec.attn_logit_softcapping, sliding_window=spec.window_of(i),
-                k_scale=k_scale[i], v_scale=v_scale[i])
+                k_scale=k_scale[i], v_scale=v_scale[i], decode_only=flags.decode_only)
             return out, (to_bits(k_pages), to_bits(v_pages), k_scale, v_scale)
 
         # Tensor parallel: the vocab-split table is looked up in place (no collective of it).
@@ -295,9 +295,18 @@ class ModelRunner:
         return self._jit_step._cache_size() + self._jit_sample._cache_size()
 
     def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
-        """Compile the step for every bucket shape (or the given ones); returns the count."""
-        for t, b in shapes if shapes is not None else self.plan.all_shapes():
-            packed = empty_step(self.plan, t, b, self.vocab_size)
+        """Compile the step for every bucket shape (or the given ones); returns the count.
+
+        T == B shapes compile as pure decode steps, and those the plan also gives mixed steps
+        compile a second time as such (on the Pallas backend; elsewhere both are one program).
+        """
+        if shapes is None:
+            kinds = [(s, True) for s in self.plan.decode_shapes()]
+            kinds += [(s, False) for s in self.plan.mixed_shapes()]
+        else:
+            kinds = [((t, b), t == b) for t, b in shapes]
+        for (t, b), decode_only in kinds:
+            packed = empty_step(self.plan, t, b, self.vocab_size, decode_only)
             flat = flatten_step(packed.batch)
             if self.announce is not None:
                 self.announce(flat, packed.flags, False, True)
@@ -311,6 +320,7 @@ class ModelRunner:
         buffer are replaced by the step's (scratch: a throwaway token buffer, for warm-up
         steps, so a step in flight keeps its tokens). The other processes of a multi-process
         mesh call this with what process 0 announced."""
+        flags = self.static_flags(flags)
         if scratch:
             outs, self.kv, _ = self._jit_step(self.params, self.kv, flat, self._new_buffer(),
                                               flags=flags, calc_scales=calc_scales)
@@ -331,6 +341,12 @@ class ModelRunner:
         outs, self.kv, self.last_tokens = self._jit_step(
             self.params, self.kv, flat, self._buffer(), flags=flags, calc_scales=calc_scales)
         return outs
+
+    def static_flags(self, flags: SamplingFlags) -> SamplingFlags:
+        """The flags as the compile key holds them: `decode_only` matters to Pallas alone."""
+        if flags.decode_only and not self.ops.name.startswith("pallas"):  # "pallas+tp2" too
+            return dataclasses.replace(flags, decode_only=False)
+        return flags
 
     def remove_requests(self, request_ids: Iterable[str]) -> None:
         """Forget requests finished, aborted or preempted (their persistent-batch rows)."""
@@ -364,8 +380,10 @@ class ModelRunner:
             w0 = time.perf_counter()
             step.outs[0].block_until_ready()
             self.last_wait_s += time.perf_counter() - w0
+        # The sampling half has no attention: one program serves decode and mixed steps.
+        flags = dataclasses.replace(packed.flags, decode_only=False)
         outs, self.last_tokens = self._jit_sample(step.outs[0], flat, self._buffer(),
-                                                  flags=packed.flags)
+                                                  flags=flags)
         self.num_deferred += 1
         return PendingStep((*outs, *step.outs[1:]), packed.num_seqs, step.t_dispatch, self,
                            packed.prompt_spans)

@@ -44,6 +44,10 @@ class SamplingFlags:
     # Some row asked for its top candidates' logprobs (SamplingParams.logprobs > 0). Without
     # it the step returns [B, 0] candidates and skips the top-k over the vocabulary.
     top_logprobs: bool = False
+    # Every sequence of the step has exactly one new token (BucketPlan's T == B shapes). The
+    # Pallas backend then launches only the split-K decode kernel, and a mixed step only the
+    # tiled one; other backends ignore it (the runner clears it there, so no extra programs).
+    decode_only: bool = False
 
 
 # Top-N candidates whose logprobs a step with top_logprobs returns (requests read the first

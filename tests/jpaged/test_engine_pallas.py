@@ -8,6 +8,7 @@ import pytest
 from helpers import embedded, make_llm, tiny
 
 from jpaged import SamplingParams
+from jpaged.runner.sampler import SamplingFlags
 
 
 def _compare(loaded, lengths, max_tokens):
@@ -20,6 +21,9 @@ def _compare(loaded, lengths, max_tokens):
                        num_gpu_blocks_override=40, block_size=16, attention_backend=backend)
         assert llm.llm_engine.ops.name == backend
         res[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, p)]
+        # Pure decode steps say so (a program of their own on Pallas); the others do not.
+        pure = SamplingFlags(decode_only=True)
+        assert llm.llm_engine.runner.static_flags(pure).decode_only == (backend == "pallas")
     assert res["pallas"] == res["reference"]
 
 

@@ -14,6 +14,7 @@ from pallas_kernels.paged_attention import (
     default_pages_per_partition,
     merge_partitions,
     paged_decode_attention,
+    partition_active,
 )
 
 BS = 4
@@ -54,13 +55,25 @@ def test_decode_matches_reference(hq, hkv, d, page_dtype, q_dtype, opts):
     assert not np.asarray(got[-1], np.float32).any()  # the padded sequence (seq_len 0) is 0
 
 
-def test_merge_partitions_handles_empty_partitions():
-    acc = jnp.array([[[[[2.0]], [[0.0]]]]])  # [B=1, K=1, P=2, G=1, D=1]
-    m = jnp.array([[[[1.0], [-1e30]]]])
-    l_ = jnp.array([[[[4.0], [0.0]]]])
-    np.testing.assert_allclose(merge_partitions(acc, m, l_), [[[[0.5]]]])
-    empty = merge_partitions(jnp.zeros_like(acc), jnp.full_like(m, -1e30), jnp.zeros_like(l_))
+def test_merge_partitions_ignores_inactive_partitions():
+    acc = jnp.array([[[[[2.0]], [[jnp.nan]]]]])  # [B=1, K=1, P=2, G=1, D=1]; P1 never stored
+    m = jnp.array([[[[1.0], [jnp.inf]]]])
+    l_ = jnp.array([[[[4.0], [jnp.nan]]]])
+    on = jnp.array([[True, False]])
+    np.testing.assert_allclose(merge_partitions(acc, m, l_, on), [[[[0.5]]]])
+    empty = merge_partitions(acc, m, l_, jnp.zeros_like(on))  # a sequence of length 0
     assert not np.asarray(empty).any()
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 13])
+def test_partition_active_is_any_visible_key(window):
+    part_keys, step_keys, parts = 16, 8, 5
+    lens = jnp.arange(0, parts * part_keys + 1, dtype=jnp.int32)
+    got = np.asarray(partition_active(lens, parts, part_keys, step_keys, window))
+    for n in range(len(lens)):
+        first = 0 if window is None else max(0, n - window)
+        want = [p * part_keys < n and (p + 1) * part_keys > first for p in range(parts)]
+        assert list(got[n]) == want, (n, window)
 
 
 def test_default_partitioning_is_valid():

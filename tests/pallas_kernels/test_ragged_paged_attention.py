@@ -29,8 +29,12 @@ CASES = [
     (DECODE, 8, 1, 128, jnp.bfloat16, jnp.bfloat16, {"soft_cap": 5.0}),
     (DECODE, 6, 2, 64, jnp.float32, jnp.float32,
      {"sliding_window": 5, "decode_fast_path": False}),
+    # The caller says which kind the step is (the engine's static flag): one kernel launched.
+    (DECODE, 6, 2, 64, jnp.float8_e4m3fn, jnp.bfloat16,
+     {"sliding_window": 6, "k_scale": 0.5, "decode_only": True}),
+    (MIXED, 6, 2, 64, jnp.bfloat16, jnp.bfloat16, {"soft_cap": 5.0, "decode_only": False}),
 ]
-_KERNEL_ONLY = ("q_tile", "pages_per_block", "decode_fast_path")
+_KERNEL_ONLY = ("q_tile", "pages_per_block", "decode_fast_path", "decode_only")
 
 
 @pytest.mark.parametrize("seqs,hq,hkv,d,page_dtype,q_dtype,opts", CASES,

@@ -128,6 +128,11 @@ def test_handwritten_gpu_module_counted_by_hand():
         0, 0, idle=True) if n.startswith("paged_decode") else _rules(n)))
     assert idle.kernel_bytes["paged_decode_ppb8_ppp8"] == 0
     assert idle.hbm_bytes == t.hbm_bytes - 4 * 3536
+    # A rule that says what the kernel stores of its other results (here 100 of its 1024
+    # bytes) counts that instead of the whole result.
+    part = estimate_traffic(GPU_HLO, replace(model, kernel_rule=lambda n: KernelRule(
+        1000, 0, write=100) if n.startswith("paged_decode") else _rules(n)))
+    assert part.hbm_bytes == t.hbm_bytes - 4 * (1024 - 100)
     # No weights named: nothing is a weight copy or a weight collective.
     t4 = estimate_traffic(GPU_HLO, HbmModel(pool_shape="u16[64,16,2,64]", kernel_rule=_rules))
     assert (t4.param_copy_bytes, t4.param_collective_bytes) == (0, 0)
@@ -136,10 +141,12 @@ def test_handwritten_gpu_module_counted_by_hand():
 def test_step_rules_decode_and_prefill():
     dec = StepTraffic(tokens=4, seqs=4, context_len=100, num_layers=2, block_size=16, kv_heads=2,
                       head_dim=64, page_bytes=2, vocab_size=1000, param_bytes=10**6,
-                      num_blocks=64)
+                      num_blocks=64, q_per_kv=3)
     assert dec.row_bytes == 256
-    # 100 keys in steps of 2 pages (32 keys): 128 keys per sequence.
-    assert dec.kernel_rule("paged_decode_ppb2_ppp4") == KernelRule(4 * 128 * 256, 0)
+    # 100 keys in steps of 2 pages (32 keys): 128 keys per sequence. Partials: the two 64-key
+    # partitions holding keys, 3 query rows of 64 + 2 floats each, per sequence and kv head.
+    assert dec.kernel_rule("paged_decode_ppb2_ppp4") == KernelRule(
+        4 * 128 * 256, 0, write=4 * 2 * 2 * 3 * 66 * 4)
     # Launched inactive: every tile skips its loads and stores.
     assert dec.kernel_rule("ragged_paged_qt4_ppb4") == KernelRule(0, 0, idle=True)
     assert dec.kernel_rule("kv_write") == KernelRule(0, 4 * 256)
@@ -160,10 +167,15 @@ def test_sliding_window_kernels_read_their_window_and_the_minimum_counts_it():
     dec = StepTraffic(tokens=4, seqs=4, context_len=1000, num_layers=2, block_size=16,
                       kv_heads=2, head_dim=64, page_bytes=2, vocab_size=1000, param_bytes=10**6,
                       num_blocks=512, layer_windows=(40, None))
-    # Keys 960..999 in 32-key steps: steps 30 and 31, 64 keys, not 1024.
-    assert dec.kernel_rule("paged_decode_ppb2_ppp4_w40") == KernelRule(4 * 64 * 256, 0)
-    assert dec.kernel_rule("paged_decode_ppb2_ppp4") == KernelRule(4 * 1024 * 256, 0)
-    assert dec.kernel_rule("paged_decode_ppb2_ppp4_w4096") == KernelRule(4 * 1024 * 256, 0)
+    # Keys 960..999 in 32-key steps: steps 30 and 31, 64 keys, not 1024; one 64-key partition
+    # of partials (keys 960..1023), not 16.
+    partials = 4 * 2 * 66 * 4
+    assert dec.kernel_rule("paged_decode_ppb2_ppp4_w40") == KernelRule(4 * 64 * 256, 0,
+                                                                       write=partials)
+    assert dec.kernel_rule("paged_decode_ppb2_ppp4") == KernelRule(4 * 1024 * 256, 0,
+                                                                   write=16 * partials)
+    assert dec.kernel_rule("paged_decode_ppb2_ppp4_w4096") == KernelRule(
+        4 * 1024 * 256, 0, write=16 * partials)
     assert dec.min_hbm_bytes() == 10**6 + 2 * 256 * (4 * (40 + 1000) + 2 * 4) + 4 * 1000 * 4
     pre = StepTraffic(**{**dec.__dict__, "tokens": 256, "seqs": 2, "context_len": 128})
     # Tiles of 16 rows, window 8: tile j's first row sees keys from 16j - 7, so it reads its

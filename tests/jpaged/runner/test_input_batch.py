@@ -51,6 +51,8 @@ class PackingSim(Sim):
         assert (got.num_seqs, got.num_tokens, got.flags) == (want.num_seqs, want.num_tokens,
                                                              want.flags)
         self.flags_seen.add(got.flags)
+        # A pure decode step (one token per sequence) and only it says so.
+        assert got.flags.decode_only == (got.num_tokens == got.num_seqs > 0)
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
                                 jax.tree_util.tree_leaves(want.batch), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape, path
@@ -107,6 +109,7 @@ def test_persistent_batch_packs_like_pack_step(seed):
     sim.assert_drained()
     assert sim.packed > 5
     assert {f.top_logprobs for f in sim.flags_seen} == {False, True}, sim.flags_seen
+    assert {f.decode_only for f in sim.flags_seen} == {False, True}, sim.flags_seen
     if seed < 2:  # the smallest pool: requests are preempted and come back with new tables
         assert sim.events
     sim.batch.remove(list(sim.batch.row_of))  # what the next schedule would report
