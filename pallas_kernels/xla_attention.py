@@ -116,5 +116,15 @@ def ragged_paged_attention(
         return (m.at[dst].set(m_new, mode="drop"), lsum.at[dst].set(l_new, mode="drop"),
                 acc.at[dst].set(a_new, mode="drop"))
 
-    _, lsum, acc = jax.lax.fori_loop(0, num_iters, body, init_tile_state(qt))
+    # Its trip count is data: the scope names the loop's static schedule, so that a reader of
+    # the compiled program (jpaged/aot/traffic.py) can count the trips of a given step.
+    with jax.named_scope(chunk_loop_name(tile, group, ck, n_chunks_max, sliding_window)):
+        _, lsum, acc = jax.lax.fori_loop(0, num_iters, body, init_tile_state(qt))
     return tiles_to_tokens(lsum, acc, tok, q)
+
+
+def chunk_loop_name(tile: int, group: int, chunk_keys: int, num_chunks: int,
+                    sliding_window: int | None) -> str:
+    """Name scope of the chunk loop: 'xla_chunks_t{tile}_g{group}_ck{keys}_n{chunks}[_w{W}]'."""
+    window = "" if sliding_window is None else f"_w{sliding_window}"
+    return f"xla_chunks_t{tile}_g{group}_ck{chunk_keys}_n{num_chunks}{window}"

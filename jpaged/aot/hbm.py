@@ -9,9 +9,10 @@ move nothing. Refinements:
   the sliced bytes (the KV pool and stacked weights are passed whole, read in part);
 * an in-place dynamic-update-slice or scatter (top level, or a fusion's root updating one of
   its parameters) writes only the update and does not read its target;
-* while bodies count `known_trip_count` times (XLA's backend_config), else the condition's
-  constant, else once (noted); a conditional counts its largest branch (noted); call and
-  async wrappers recurse;
+* while bodies count `known_trip_count` times (XLA's backend_config), else what the model's
+  `loop_trips` says for the loop's op_name (a loop whose count is data, such as the XLA
+  attention's chunk loop), else the condition's constant, else once (noted); a conditional
+  counts its largest branch (noted); call and async wrappers recurse;
 * a Pallas kernel (custom-call named by `KernelRule`s) reads/writes the pool operands it is
   passed by the rule's figures, not their whole size; its other operands and results count whole.
 
@@ -39,6 +40,7 @@ _VIEW = {"bitcast", "reshape"}  # inside a fusion: indexing only
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _NAME = re.compile(r'\bname\s*=\s*"([^"]+)"|"name":"([^"]+)"')
 _OP_NAME = re.compile(r'op_name="[^"]*?/([\w.\-]+)/pallas_call"')
+_OP_NAME_ANY = re.compile(r'op_name="([^"]*)"')
 _INT_CONST = re.compile(r"^-?\d+$")
 _SUFFIX = re.compile(r"(\.\d+)+(\.clone)?$")
 
@@ -72,6 +74,8 @@ class HbmModel:
     # Which branch of a conditional counts: "largest" (a bound for any predicate) or
     # "smallest" (the step's lax.conds skip random draws and filtering for a greedy batch).
     branch: str = "largest"
+    # Trip count of a while loop whose count is data, from its op_name (None: not known).
+    loop_trips: Callable[[str], int | None] | None = None
 
 
 @dataclass
@@ -231,6 +235,11 @@ class _Estimator:
         m = _TRIP.search(ins.attrs)
         if m:
             return int(m.group(1)), None
+        op_name = _OP_NAME_ANY.search(ins.attrs)
+        if self.model.loop_trips is not None and op_name:
+            n = self.model.loop_trips(op_name.group(1))
+            if n is not None:
+                return n, None
         c = re.search(r"\bcondition=%?([\w.\-]+)", ins.attrs)
         cond = self.comps.get(c.group(1)) if c else None
         consts: set[int] = set()

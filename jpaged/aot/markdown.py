@@ -43,8 +43,7 @@ def hbm_table(doc: dict[str, Any]) -> str:
             f"{_mib(c.get('temp_bytes'))} | {c['predicted_step_ms']:.2f} | "
             f"{c['predicted_step_ms_at_80pct']:.2f} |")
     if any(_loop_once(c) for c in doc["cases"] if c.get("hbm_bytes") is not None):
-        lines += ["", "\\* a loop of unknown trip count (XLA path: the attention's chunk loop) "
-                  "is counted once: a lower bound."]
+        lines += ["", "\\* a loop of unknown trip count is counted once: a lower bound."]
     return "\n".join(lines)
 
 

@@ -12,7 +12,9 @@ of the Q-page partitions holding a visible key, real query rows only; the tiled 
 position rounded up to P pages (each sequence prefilling tokens / seqs tokens from position 0).
 The engine's steps launch one of the two (a decode step the split-K kernel); a kernel launched
 inactive anyway (the kernels' `decode_only=None` dispatch) reads no page, and the tiled one
-stores nothing then. Both attention kernels read K and V of their own kv heads only.
+stores nothing then. Both attention kernels read K and V of their own kv heads only. The XLA
+path's chunk loop, whose trip count is data, runs the trips its schedule gives the case
+(`StepTraffic.loop_trips`), each gathering its chunks' pages.
 
 `hbm_bytes` is a greedy batch's traffic: the sampler's lax.conds run no random draw and no
 top-k/top-p filtering when no row asks (conditionals at their smallest branch);
@@ -35,6 +37,9 @@ HBM_KEYS = ("context_len", "hbm_bytes", "hbm_bytes_sampling", "min_hbm_bytes", "
             "param_copy_bytes", "param_collective_bytes", "predicted_step_ms",
             "predicted_step_ms_at_80pct", "kernel_hbm_bytes", "hbm_notes", "context_fits_pool",
             "largest_traffic")
+
+
+_CHUNK_LOOP = re.compile(r"xla_chunks_t(\d+)_g(\d+)_ck(\d+)_n(\d+)(?:_w(\d+))?")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -115,6 +120,29 @@ class StepTraffic:
             return KernelRule(self.seqs * keys * self.row_bytes, 0)
         return None
 
+    def loop_trips(self, op_name: str) -> int | None:
+        """Trips of the XLA attention's chunk loop (`xla_chunks_t{T}_g{G}_ck{K}_n{N}[_w{W}]` in
+        its op_name) in this case, as `pallas_kernels.xla_attention` schedules them: each
+        T-token query tile needs the K-key chunks from the one its first query's window reaches
+        to the one holding its last query; rank j's tiles run G per trip. None: another loop."""
+        m = _CHUNK_LOOP.search(op_name)
+        if m is None:
+            return None
+        tile, group, ck, n_chunks = (int(m.group(k)) for k in range(1, 5))
+        w = None if m.group(5) is None else int(m.group(5))
+        if self.decode:  # one token per sequence, at position context_len - 1
+            spans = [(self.context_len - 1, self.context_len - 1)] * self.seqs
+        else:  # each sequence prefills tokens // seqs tokens from position 0
+            n = max(1, self.tokens // self.seqs)
+            spans = [(k * tile, min((k + 1) * tile, n) - 1) for k in range(_cdiv(n, tile))]
+            spans *= self.seqs
+        need = []
+        for first, last in spans:
+            end = min(last // ck + 1, n_chunks)
+            start = 0 if w is None else min(max(first - w + 1, 0) // ck, end)
+            need.append(end - start)
+        return sum(_cdiv(sum(1 for x in need if x > j), group) for j in range(n_chunks))
+
     def min_hbm_bytes(self) -> int:
         """Weights once, the attended K/V once (a sliding layer's window of it), the new K/V
         written once, f32 logits once."""
@@ -135,8 +163,8 @@ def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: s
     """The HBM_KEYS of one case from its program's optimized HLO text (`lookup_weights`: the
     entry parameters that are embedding tables)."""
     model = HbmModel(num_weights=num_weights, pool_shape=pool_shape,
-                     lookup_weights=tuple(lookup_weights),
-                     kernel_rule=case.kernel_rule, branch="smallest")
+                     lookup_weights=tuple(lookup_weights), kernel_rule=case.kernel_rule,
+                     branch="smallest", loop_trips=case.loop_trips)
     t = estimate_traffic(hlo_text, model)
     sampling = estimate_traffic(hlo_text, replace(model, branch="largest"))
     least = case.min_hbm_bytes()

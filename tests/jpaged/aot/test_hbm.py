@@ -185,6 +185,39 @@ def test_sliding_window_kernels_read_their_window_and_the_minimum_counts_it():
     assert pre.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * full * 256, 0)
 
 
+def test_a_data_dependent_loop_counts_the_trips_the_case_gives():
+    def f(x, n):  # the trip count is an argument: XLA knows none
+        with jax.named_scope("xla_chunks_t1_g2_ck4_n8"):
+            return jax.lax.fori_loop(0, n, lambda i, y: jnp.tanh(y) * 2, x)
+
+    text = _hlo(f, jnp.zeros(1000), 3)
+    once = estimate_traffic(text)
+    assert "unknown trip count, body counted once" in once.notes[0]
+    seen = []
+    five = estimate_traffic(text, HbmModel(loop_trips=lambda name: seen.append(name) or 5))
+    assert seen == ["jit(f)/xla_chunks_t1_g2_ck4_n8/while"] and five.notes == []
+    # The body (read and write 4000 bytes, plus the counter) runs 5 times instead of once.
+    assert five.hbm_bytes - once.hbm_bytes >= 4 * 8000
+
+
+def test_xla_chunk_loop_trips_follow_its_schedule():
+    dec = StepTraffic(tokens=64, seqs=64, context_len=1000, num_layers=2, block_size=16,
+                      kv_heads=2, head_dim=64, page_bytes=2, vocab_size=1000, param_bytes=10**6,
+                      num_blocks=4096)
+    # Decode: 64 one-token tiles, each needing chunks 0..7 of 128 keys; 16 tiles a trip.
+    assert dec.loop_trips("jit(_step)/xla_chunks_t1_g16_ck128_n32/while") == 8 * 4
+    # A 100-token window from position 999: chunks 7 only (keys 900.. start in chunk 7).
+    assert dec.loop_trips("jit(_step)/xla_chunks_t1_g16_ck128_n32_w100/while") == 1 * 4
+    assert dec.loop_trips("jit(_step)/while") is None
+    # Mixed: 4 sequences prefilling 300 tokens each in 32-token tiles (10 tiles, the last of
+    # 12 tokens); tile k ends at 32k + 31 (299 for the last): chunks 0..(last // 128).
+    pre = StepTraffic(**{**dec.__dict__, "tokens": 1200, "seqs": 4, "context_len": 300})
+    need = [min(32 * k + 31, 299) // 128 + 1 for k in range(10)] * 4  # 1 x 16, 2 x 16, 3 x 8
+    want = sum(-(-sum(1 for x in need if x > j) // 8) for j in range(32))
+    assert want == 5 + 3 + 1
+    assert pre.loop_trips("jit(_step)/xla_chunks_t32_g8_ck128_n32/while") == want
+
+
 SPLIT_K = """HloModule m
 
 %gemm (a: f32[4,32], w: f32[32,16]) -> f32[8,4,16] {
