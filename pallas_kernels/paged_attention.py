@@ -2,7 +2,8 @@
 
 Grid (batch, kv_head, partition). A program takes the G = q_heads / kv_heads query heads that share
 one kv head as a [rows, head_dim] block (G zero-padded to `rows`, a power of two >= `min_rows`, 16
-by default, the smallest M of a tensor-core product) and walks the pages of one partition of the
+by default, the smallest M of a tensor-core product; a masked load of its G rows of the flat q,
+so the per-head padding is never in memory) and walks the pages of one partition of the
 context (`pages_per_partition` pages) in steps of `pages_per_block` pages with an online softmax.
 It writes the unnormalised partial (acc, m, l) of the G real rows only (a masked store: the padding
 rows move no bytes); a small jnp pass merges the partitions by log-sum-exp. Partitions past a
@@ -43,13 +44,14 @@ _TARGET_PROGRAMS = 1024
 def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs
                    acc_ref, m_ref, l_ref,  # outputs
                    *, pages_per_block: int, soft_cap: float | None,
-                   sliding_window: int | None, page_dtype: jnp.dtype, heads: int) -> None:
+                   sliding_window: int | None, page_dtype: jnp.dtype, heads: int,
+                   rows: int) -> None:
     """One (sequence, kv head, partition): partial attention of G heads over <= P pages.
 
     Stores only when the partition holds a key it may see (`hi > lo`, as `partition_active`
     computes it), and then only the `heads` real rows of the padded block."""
     part = pl.program_id(2)
-    rows, head_dim = q_ref.shape
+    head_dim = q_ref.shape[1]
     block_size = k_ref.shape[1]
     part_pages = tables_ref.shape[0]
     bk = pages_per_block * block_size  # keys per step
@@ -60,10 +62,14 @@ def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     lo = 0
     if sliding_window is not None:
         lo = jnp.clip((seq_len - sliding_window - start) // bk, 0, hi)
-    q = q_ref[...]
     qk_scale = scale_ref[0]
 
     head = pl.program_id(1)
+    # The G query heads of this kv head are G consecutive rows of the flat q; the block holds
+    # `rows` (a tensor-core product's M), the rows past G masked: zero, and never read.
+    real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < heads
+    first = (pl.program_id(0) * pl.num_programs(1) + head) * heads
+    q = plt.load(q_ref.at[pl.ds(first, rows), :], mask=real[:, None], other=0)
 
     def body(i, carry):
         ids = tables_ref[pl.ds(i * pages_per_block, pages_per_block)]
@@ -79,7 +85,6 @@ def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
 
     @pl.when(hi > lo)
     def _store() -> None:
-        real = lax.broadcasted_iota(jnp.int32, (rows,), 0) < heads
         plt.store(acc_ref, acc, mask=jnp.broadcast_to(real[:, None], (rows, head_dim)))
         plt.store(m_ref, m, mask=real)
         plt.store(l_ref, lsum, mask=real)
@@ -181,11 +186,12 @@ def paged_decode_attention(
     fp8 = reference.is_fp8(k_pages.dtype)
     qk_scale = sm_scale * k_scale if fp8 else sm_scale
     dt = compute_dtype(q.dtype, k_pages.dtype)
-    qg = q.reshape(b, hkv, g, d).astype(dt)
-    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - g), (0, 0)))  # [B, K, rows, D]
+    # Flat q rows (sequence-major, then kv head, then its G heads) and `rows` spare rows, so
+    # that every program's rows-long window lies inside the array; it loads only its G rows.
+    qf = jnp.pad(q.reshape(b * hq, d).astype(dt), ((0, rows), (0, 0)))
     kernel = functools.partial(_decode_kernel, pages_per_block=pages_per_block,
                                soft_cap=soft_cap, sliding_window=sliding_window,
-                               page_dtype=k_pages.dtype, heads=g)
+                               page_dtype=k_pages.dtype, heads=g, rows=rows)
     page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda i, h, p: (0, 0, 0, 0))  # whole pool
     part_spec = pl.BlockSpec((None, None, None, rows), lambda i, h, p: (i, h, p, 0))
     acc, m, lsum = pallas_call(
@@ -195,7 +201,7 @@ def paged_decode_attention(
             pl.BlockSpec((1,), lambda i, h, p: (0,)),  # sm_scale * k_scale
             pl.BlockSpec((1,), lambda i, h, p: (i,)),  # seq_lens
             pl.BlockSpec((None, pages_per_partition), lambda i, h, p: (i, p)),  # tables
-            pl.BlockSpec((None, None, rows, d), lambda i, h, p: (i, h, 0, 0)),  # q
+            pl.BlockSpec(qf.shape, lambda i, h, p: (0, 0)),  # all q rows (read in place)
             page_spec, page_spec,
         ],
         out_specs=[
@@ -210,7 +216,7 @@ def paged_decode_attention(
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
         name=f"paged_decode_ppb{pages_per_block}_ppp{pages_per_partition}"
              f"{window_suffix(sliding_window)}",
-    )(scale_array(qk_scale), seq_lens.astype(jnp.int32), tables, qg, to_bits(k_pages),
+    )(scale_array(qk_scale), seq_lens.astype(jnp.int32), tables, qf, to_bits(k_pages),
       to_bits(v_pages))
     # Padded head rows (never stored) are dropped before the merge: it reads the G real rows.
     active = partition_active(seq_lens, parts, pages_per_partition * bs, pages_per_block * bs,

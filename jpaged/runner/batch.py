@@ -117,7 +117,7 @@ class PackedStep:
     prompt_spans: tuple[tuple[str, int, int], ...] = ()
 
 
-def decode_step(num_seqs: int, num_tokens: int) -> bool:
+def is_decode_step(num_seqs: int, num_tokens: int) -> bool:
     """Whether a step of these counts is a pure decode step (one new token per sequence; every
     scheduled sequence has at least one): the steps `BucketPlan.pick` gives a T == B shape."""
     return num_seqs > 0 and num_tokens == num_seqs
@@ -331,7 +331,7 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
                       feed_rows, sampling, plp_idx, plp_tgt)
     flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top,
-                          decode_only=decode_step(n, num_tokens))
+                          decode_only=is_decode_step(n, num_tokens))
     return PackedStep(batch, flags, n, num_tokens, spans)
 
 

@@ -26,7 +26,7 @@ from jpaged.runner.batch import (
     PackedStep,
     StepBatch,
     constraint_rows,
-    decode_step,
+    is_decode_step,
     mask_rows,
     penalty_history,
     prompt_logprob_rows,
@@ -227,6 +227,6 @@ class InputBatch:
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
                           logits_idx, feed_rows, sampling, plp_idx, plp_tgt)
         flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top,
-                              decode_only=decode_step(n, num_tokens))
+                              decode_only=is_decode_step(n, num_tokens))
         return PackedStep(batch, flags, n, num_tokens, spans)
 
