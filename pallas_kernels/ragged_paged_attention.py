@@ -263,7 +263,7 @@ def ragged_paged_attention(
     Extra static tuning: `q_tile` tokens per query tile, `pages_per_block` pages per inner step,
     Triton `num_warps`/`num_stages`; `decode_fast_path` routes decode-only steps to the split-K
     decode kernel. `decode_only` (static) says which kind the step is when the caller knows: True
-    launches only the split-K decode kernel (every sequence must have exactly one new token),
+    launches only the split-K decode kernel (no sequence may have more than one new token),
     False only the tiled kernel; None decides on device, launching both.
     """
     t_total, hq, d = q.shape
