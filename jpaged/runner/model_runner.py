@@ -254,8 +254,8 @@ class ModelRunner:
             input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
             embed_fn=embed_fn)
         logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0))
-        if self.parallel is not None:  # vocab-split lm_head: whole logits on every device
-            logits = self.parallel.gather_logits(logits)
+        if self.parallel is not None:  # vocab-split lm_head: the sampler works on the split
+            logits = self.parallel.split_logits(logits)
         new_kv = KVCache(k_pages, v_pages, k_scale, v_scale, kv.num_blocks, kv.dtype)
         plp = ()
         if batch.plp_idx is not None:  # prompt logprobs: only the rows that score a prompt token
@@ -263,6 +263,8 @@ class ModelRunner:
         if defer:  # sampled later by _sample_step, once the host has the token masks
             return (logits, *plp), new_kv, last_tokens
         ids, lp, top_ids, top_lp = sample(logits, sampling, flags)
+        if self.parallel is not None:  # [B]-sized results, whole on every device
+            ids, lp, top_ids, top_lp = map(self.parallel.replicated, (ids, lp, top_ids, top_lp))
         last_tokens = jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
         return (ids, lp, top_ids, top_lp, *plp), new_kv, last_tokens
 
@@ -273,6 +275,8 @@ class ModelRunner:
         batch = unflatten_step(flat)
         fed_ids = jnp.take(last_tokens, jnp.maximum(batch.feed_rows, 0))
         ids, lp, top_ids, top_lp = sample(logits, _fed_history(batch, fed_ids, flags), flags)
+        if self.parallel is not None:  # as _step: [B]-sized results whole on every device
+            ids, lp, top_ids, top_lp = map(self.parallel.replicated, (ids, lp, top_ids, top_lp))
         return (ids, lp, top_ids, top_lp), jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
 
     def _prompt_logprobs(self, model: Any, hidden: jax.Array, idx: jax.Array,

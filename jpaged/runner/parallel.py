@@ -123,6 +123,18 @@ class TensorParallel:
                                                                             P(None, AXIS)))
         return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P()))
 
+    def split_logits(self, logits: jax.Array) -> jax.Array:
+        """Logits as the lm_head computes them, vocab-split (whole on each device when the
+        vocabulary is not split): the sampler's reductions over the vocabulary then run on each
+        device's share and combine [B]-sized partials, instead of gathering [B, V] first."""
+        if not self.split_vocab:
+            return self.gather_logits(logits)
+        return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P(None, AXIS)))
+
+    def replicated(self, x: jax.Array) -> jax.Array:
+        """`x` whole on every device (inside a jitted program)."""
+        return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, P()))
+
     def replicate(self, x: jax.Array) -> jax.Array:
         """`x` whole on every device of the mesh."""
         return jax.device_put(x, NamedSharding(self.mesh, P()))

@@ -33,6 +33,11 @@ from jpaged import LLM, SamplingParams  # noqa: E402
 from jpaged.runner.batch import empty_step, flatten_step  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+SAMPLED = SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8)
+# Penalties, a logit bias and an allowed set: scatters into the (vocab-split) logits.
+SHAPED = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.5,
+                        frequency_penalty=0.5, logit_bias={7: 5.0, 299: 3.0, 150: -100.0},
+                        allowed_token_ids=list(range(0, 300, 3)) + [7, 299])
 TINY_PROMPTS = ["Hello there", "abc", "The quick brown fox jumps"]  # 11, 3, 25 byte tokens
 TINY_ARGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
                  num_gpu_blocks_override=24)
@@ -85,6 +90,10 @@ def tiny_cases(out: dict) -> None:
         case["tokens_again"] = [o.outputs[0].token_ids
                                 for o in llm.generate(TINY_PROMPTS[::-1], GREEDY)][::-1]
         case["compiled"] = runner.num_compiled
+        # Seeded draws with top-p/top-k filtering, from logits left vocab-split under tp (after
+        # the count above: penalties and biases are new programs).
+        case["sampled"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, SAMPLED)]
+        case["shaped"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, SHAPED)]
         case["kv"] = kv_facts(llm)
         if tp > 1:
             case["collectives"] = collectives(llm, 16, 4)
