@@ -118,17 +118,14 @@ class TensorParallel:
 
         Pinning the split first keeps XLA from gathering the lm_head weight instead.
         """
-        if self.split_vocab:
-            logits = jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh,
-                                                                            P(None, AXIS)))
-        return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P()))
+        return self.replicated(self.split_logits(logits))
 
     def split_logits(self, logits: jax.Array) -> jax.Array:
         """Logits as the lm_head computes them, vocab-split (whole on each device when the
         vocabulary is not split): the sampler's reductions over the vocabulary then run on each
         device's share and combine [B]-sized partials, instead of gathering [B, V] first."""
         if not self.split_vocab:
-            return self.gather_logits(logits)
+            return self.replicated(logits)
         return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P(None, AXIS)))
 
     def replicated(self, x: jax.Array) -> jax.Array:
