@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from tiny_models import tiny_spec
 
@@ -78,6 +79,13 @@ def test_tiny_greedy_equal_across_tp(facts):
         # Seeded sampling draws the same tokens whatever the split of the logits.
         assert facts[f"tiny_tp{tp}"]["sampled"] == facts["tiny_tp1"]["sampled"], tp
         assert facts[f"tiny_tp{tp}"]["shaped"] == facts["tiny_tp1"]["shaped"], tp
+        # The same top-5 candidates from the split logits; their logprobs to float rounding
+        # (the log-sum-exp adds the shards' partial sums in another order).
+        for got, want in zip(facts[f"tiny_tp{tp}"]["top5"], facts["tiny_tp1"]["top5"],
+                             strict=True):
+            assert [[k for k, _ in s] for s in got] == [[k for k, _ in s] for s in want], tp
+            np.testing.assert_allclose([[lp for _, lp in s] for s in got],
+                                       [[lp for _, lp in s] for s in want], atol=1e-5)
 
 
 def test_each_device_holds_its_share_of_the_pool(facts):

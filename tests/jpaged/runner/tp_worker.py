@@ -34,6 +34,8 @@ from jpaged.runner.batch import empty_step, flatten_step  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8)
+# The top-5 candidates' logprobs: a top-k over the (vocab-split) logits.
+TOP5 = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5)
 # Penalties, a logit bias and an allowed set: scatters into the (vocab-split) logits.
 SHAPED = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.5,
                         frequency_penalty=0.5, logit_bias={7: 5.0, 299: 3.0, 150: -100.0},
@@ -94,6 +96,9 @@ def tiny_cases(out: dict) -> None:
         # the count above: penalties and biases are new programs).
         case["sampled"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, SAMPLED)]
         case["shaped"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, SHAPED)]
+        case["top5"] = [[sorted((k, v.logprob) for k, v in step.items())
+                         for step in o.outputs[0].logprobs]
+                        for o in llm.generate(TINY_PROMPTS, TOP5)]
         case["kv"] = kv_facts(llm)
         if tp > 1:
             case["collectives"] = collectives(llm, 16, 4)
