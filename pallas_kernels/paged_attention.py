@@ -48,8 +48,8 @@ def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
                    rows: int) -> None:
     """One (sequence, kv head, partition): partial attention of G heads over <= P pages.
 
-    Stores only when the partition holds a key it may see (`hi > lo`, as `partition_active`
-    computes it), and then only the `heads` real rows of the padded block."""
+    Stores only when the partition holds a key it may see (`hi > lo`, `step_range`), and then
+    only the `heads` real rows of the padded block."""
     part = pl.program_id(2)
     head_dim = q_ref.shape[1]
     block_size = k_ref.shape[1]
@@ -57,11 +57,7 @@ def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     bk = pages_per_block * block_size  # keys per step
     seq_len = lens_ref[0]
     start = part * (part_pages * block_size)  # first key position of this partition
-    # Steps [lo, hi) of this partition hold keys < seq_len (and inside the window, if any).
-    hi = jnp.maximum(pl.cdiv(jnp.minimum(seq_len - start, part_pages * block_size), bk), 0)
-    lo = 0
-    if sliding_window is not None:
-        lo = jnp.clip((seq_len - sliding_window - start) // bk, 0, hi)
+    lo, hi = step_range(seq_len, start, part_pages * block_size, bk, sliding_window)
     qk_scale = scale_ref[0]
 
     head = pl.program_id(1)
@@ -90,19 +86,25 @@ def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
         plt.store(l_ref, lsum, mask=real)
 
 
-def partition_active(seq_lens: Int[Array, " B"], parts: int, part_keys: int, step_keys: int,
-                     sliding_window: int | None) -> jax.Array:
-    """[B, parts] bool: which partitions of each sequence the decode kernel runs (and stores).
-
-    The kernel's own test, restated: partition p (keys p*part_keys onward) walks steps [lo, hi)
-    of `step_keys` keys, hi covering keys < seq_len, lo skipping steps wholly before the window.
-    """
-    lens = seq_lens.astype(jnp.int32)[:, None]
-    start = jnp.arange(parts, dtype=jnp.int32)[None, :] * part_keys
-    hi = jnp.maximum(-(-jnp.minimum(lens - start, part_keys) // step_keys), 0)
+def step_range(seq_len: jax.Array, start: jax.Array, part_keys: int, step_keys: int,
+               sliding_window: int | None) -> tuple[jax.Array, jax.Array]:
+    """Steps [lo, hi) of `step_keys` keys that the partition starting at key `start` walks: hi
+    covers the keys < seq_len, lo skips the steps wholly before the window. The kernel's loop
+    bounds (scalars) and `partition_active` (arrays) both come from here."""
+    hi = jnp.maximum(pl.cdiv(jnp.minimum(seq_len - start, part_keys), step_keys), 0)
     lo = 0
     if sliding_window is not None:
-        lo = jnp.clip((lens - sliding_window - start) // step_keys, 0, hi)
+        lo = jnp.clip((seq_len - sliding_window - start) // step_keys, 0, hi)
+    return lo, hi
+
+
+def partition_active(seq_lens: Int[Array, " B"], parts: int, part_keys: int, step_keys: int,
+                     sliding_window: int | None) -> jax.Array:
+    """[B, parts] bool: which partitions of each sequence the decode kernel runs (and stores),
+    by the kernel's own loop bounds (`step_range`)."""
+    lens = seq_lens.astype(jnp.int32)[:, None]
+    start = jnp.arange(parts, dtype=jnp.int32)[None, :] * part_keys
+    lo, hi = step_range(lens, start, part_keys, step_keys, sliding_window)
     return hi > lo
 
 
