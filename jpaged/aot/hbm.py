@@ -5,8 +5,9 @@ a computation that runs as a kernel (fusion, custom-call, copy, collective, ...)
 operands and writes its result once; bitcast, get-tuple-element, tuple, parameter and constant
 move nothing. Refinements:
 
-* a fusion operand used inside the fusion only through dynamic-slice / slice / gather counts
-  the sliced bytes (the KV pool and stacked weights are passed whole, read in part);
+* a fusion operand counts the elements the fusion's results depend on (`footprint`): a slice
+  of it, the rows a gather or dynamic-slice picks (the KV pool and stacked weights are passed
+  whole, read in part), the k columns of split-K partials that one consumer reduces;
 * an in-place dynamic-update-slice or scatter (top level, or a fusion's root updating one of
   its parameters) writes only the update and does not read its target;
 * while bodies count `known_trip_count` times (XLA's backend_config), else what the model's
@@ -28,7 +29,17 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jpaged.aot.hlo import Computation, Instr, elements, parse_module, same_array, shape_bytes
+from jpaged.aot.footprint import param_read_elements
+from jpaged.aot.hlo import (
+    Computation,
+    Instr,
+    arrays,
+    dtype_bytes,
+    elements,
+    parse_module,
+    same_array,
+    shape_bytes,
+)
 
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
          "add-dependency", "partition-id", "replica-id", "opt-barrier", "domain",
@@ -134,6 +145,7 @@ class _Estimator:
     def __init__(self, text: str, model: HbmModel) -> None:
         self.comps, self.entry = parse_module(text)
         self.model = model
+        self._footprints: dict[str, dict[int, int]] = {}
 
     # ---- fusion internals -------------------------------------------------------------------
     def _terminal_users(self, comp: Computation, name: str) -> list[tuple[Instr, str]]:
@@ -175,9 +187,16 @@ class _Estimator:
         upd = e.operands[1] if e.op == "dynamic-update-slice" else e.operands[-1]
         return comp.by_name[upd].bytes
 
+    def _footprint(self, fused: Computation) -> dict[int, int]:
+        """Elements of each parameter the fusion reads (per fused computation, computed once)."""
+        if fused.name not in self._footprints:
+            self._footprints[fused.name] = param_read_elements(fused)
+        return self._footprints[fused.name]
+
     def _fusion_io(self, ins: Instr, comp: Computation, fused: Computation
                    ) -> tuple[list[int], int]:
         inplace = self._in_place(fused)
+        footprint = self._footprint(fused)
         reads = []
         for i, opnd in enumerate(ins.operands):
             full = comp.by_name[opnd].bytes
@@ -186,8 +205,8 @@ class _Estimator:
             if i in inplace.values() and all(u.op in ("dynamic-update-slice", "scatter")
                                              and u.operands[0] == via for u, via in users):
                 reads.append(0)  # the in-place target: only the update is written (below)
-            elif users and all(u.op in _SLICING and u.operands[0] == via for u, via in users):
-                reads.append(min(full, sum(u.bytes for u, _ in users)))
+            elif p is not None and i in footprint:
+                reads.append(min(full, int(footprint[i] * dtype_bytes(arrays(p.shape)[0][0]))))
             else:
                 reads.append(full)
         write = sum(self._update_bytes(fused, k) if k in inplace else shape_bytes(s)
