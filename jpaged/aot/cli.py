@@ -12,6 +12,16 @@ from pathlib import Path
 from jpaged.aot.target import cuda_plugin_error
 
 
+def _option(text: str) -> tuple[str, bool | int | str]:
+    """NAME=VALUE of --xla-option: true/false as booleans, integers as integers."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("xla_"):
+        raise ValueError(f"--xla-option {text!r}: expected xla_<name>=<value>")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    return name, int(value) if value.lstrip("-").isdigit() else value
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the deviceless H200 compile check; exit 1 on a problem, 2 when it cannot run."""
     p = argparse.ArgumentParser(description="Compile every engine step for an H200, deviceless.")
@@ -23,8 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", help="only configurations whose model/kv_dtype/backend contain this")
     p.add_argument("--markdown", type=Path, metavar="JSON",
                    help="print the tables of an earlier run's JSON as markdown, compile nothing")
+    p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
+                   help="an XLA compile option for every program, e.g. "
+                        "xla_gpu_experimental_force_split_k=1 (repeatable)")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
+    try:
+        options = dict(_option(text) for text in args.xla_option)
+    except ValueError as e:
+        p.error(str(e))
     if args.markdown:
         from jpaged.aot.markdown import render
 
@@ -39,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     from jpaged.aot.report import run
 
     t0 = time.perf_counter()
-    doc = run(args.quick, only=args.only, decode_only=args.decode)
+    doc = run(args.quick, only=args.only, decode_only=args.decode, xla_options=options)
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1))

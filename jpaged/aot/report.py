@@ -16,7 +16,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -63,13 +63,17 @@ class Config:
     kv_cache_dtype: str
     backend: str
     tensor_parallel_size: int = 1
+    # Extra XLA compile options for every program of it, as (name, value) pairs.
+    xla_options: tuple[tuple[str, Any], ...] = ()
 
 
 def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
                     target: GpuTarget | None = None,
-                    analyze: Callable[[str], list[dict[str, Any]]] | None = None
-                    ) -> dict[str, Any]:
+                    analyze: Callable[[str], list[dict[str, Any]]] | None = None,
+                    options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Lower (inside the target's context) and compile one program; its report fields.
+
+    `options`: XLA compile options added to the dump options (e.g. a forced split-K).
 
     `analyze`: called with the optimized HLO text; its list (one dict per context length) is
     kept under "hbm" (its failure under "hbm_error", the case still compiled).
@@ -86,7 +90,7 @@ def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
             ctx = target.lowering() if target is not None else contextlib.nullcontext()
             with ctx, capture_stderr() as log:
                 lowered = lower()
-                compiled = lowered.compile(dump_options(d, gpu=gpu))
+                compiled = lowered.compile({**dump_options(d, gpu=gpu), **(options or {})})
             row["compile_s"] = round(time.perf_counter() - t0, 2)
             row["compiled"] = True
             stats = compiled.memory_analysis()
@@ -131,7 +135,7 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
                         target.devices, cfg.tensor_parallel_size)
     t, b = largest_shape(probe.plan)
     row = compile_lowered(lambda: probe.lower_step(t, b), True, None, probe.pool_shape(),
-                          target=target)
+                          target=target, options=dict(cfg.xla_options))
     act = row.get("temp_bytes")
     device_bytes = int(target.device_memory_bytes * _mem_fraction())
     config = probe.config
@@ -211,7 +215,7 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
         row["top_logprobs"] = flags.top_logprobs
         row.update(compile_lowered(
             lambda bld=bld, t=t, b=b, flags=flags: bld.lower_step(t, b, flags), True, ptxas,
-            bld.pool_shape(), target=target, analyze=analyze))
+            bld.pool_shape(), target=target, analyze=analyze, options=dict(cfg.xla_options)))
         if (t, b) == tuple(sizing["probe_shape"]):
             row["temp_bytes_at_probe_pool"] = sizing["activation_bytes_gpu"]
         for r in per_context(row, contexts):
@@ -326,8 +330,10 @@ def shapes_for(builder_plan: Any, which: str) -> list[tuple[int, int]]:
     return [*decode, max(all_shapes)]
 
 
-def run(quick: bool, only: str | None = None, decode_only: bool = False) -> dict[str, Any]:
-    """Every case of the plan for one abstract H200 (two for TP); the JSON document."""
+def run(quick: bool, only: str | None = None, decode_only: bool = False,
+        xla_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every case of the plan for one abstract H200 (two for TP); the JSON document.
+    `xla_options`: XLA compile options for every program (recorded in the document)."""
     ptxas = find_ptxas()
     targets = {1: h200_target(1)}
     try:
@@ -336,6 +342,7 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False) -> dict
         logger.warning("no 2-device topology: %s", e)
     cases, sizing = [], []
     for cfg, which in plan_configs(quick):
+        cfg = replace(cfg, xla_options=tuple(sorted((xla_options or {}).items())))
         if only and only not in f"{cfg.model}/{cfg.kv_cache_dtype}/{cfg.backend}":
             continue
         target = targets.get(cfg.tensor_parallel_size)
@@ -350,4 +357,5 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False) -> dict
     mode = "decode" if decode_only else "quick" if quick else "full"
     return {"jax_version": jax.__version__, "target": TARGET_NAME,
             "hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "ptxas": ptxas, "mode": mode,
+            "xla_options": dict(xla_options or {}),
             "cases": cases, "sizing": sizing, "problems": check_rows(cases)}

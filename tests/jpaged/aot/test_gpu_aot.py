@@ -170,3 +170,16 @@ def test_markdown_tables_of_a_run():
     assert "| m | fp8_e4m3 | pallas | 1 | 1 | 1/1 | 1/1 | 1.00 GiB |" in text
     assert "| `kv_write` | 16 | 0 | 0 | 32 | 64x64 |" in text
     assert "1,000 (990)" in text
+
+
+def test_xla_options_of_the_command_line():
+    from jpaged.aot.cli import _option, main
+
+    assert _option("xla_gpu_experimental_force_split_k=1") == (
+        "xla_gpu_experimental_force_split_k", 1)
+    assert _option("xla_gpu_enable_triton_gemm=False") == ("xla_gpu_enable_triton_gemm", False)
+    assert _option("xla_gpu_some_path=/tmp/x") == ("xla_gpu_some_path", "/tmp/x")
+    for bad in ("force_split_k=1", "xla_gpu_experimental_force_split_k"):
+        with pytest.raises(SystemExit) as e:
+            main(["--xla-option", bad])
+        assert e.value.code == 2
