@@ -3,8 +3,10 @@
 # the kernels' check (scripts/gpu_check.py --quick), the decode step rows that `make gpu-aot`
 # predicts and the engine end to end, both on random Llama-3-8B-shaped weights
 # (scripts/gpu_engine_check.py --part decode / --part check, the latter with the synchronous
-# and the overlapped loop compared), and the host work per request-step of both loops
-# (scripts/bench_host.py, tiny model), merged into one JSON under $OUT, with the whole log.
+# and the overlapped loop compared), the bf16 decode rows again with XLA's split-K heuristic
+# forced off (docs/benchmarks.md: it trades HBM bytes for parallel GEMM tiles; which is faster
+# needs this GPU), and the host work per request-step of both loops (scripts/bench_host.py,
+# tiny model), merged into one JSON under $OUT, with the whole log.
 #
 #   scripts/device_check.sh              # on the GPU machine, < 10 minutes
 #   scripts/device_check.sh --cpu-smoke  # the same steps here, tiny shapes, Pallas interpreter
@@ -28,13 +30,15 @@ if [ "${1:-}" = "--cpu-smoke" ]; then
   ENGINE_ARGS=(--cpu-smoke)
   DECODE_ARGS=(--cpu-smoke)
   HOST_ARGS=(--batches 4 --no-core-process)
-  LIMITS=(300 300 300 300)
+  SPLITK_ARGS=(--cpu-smoke --decode-batches 4)
+  LIMITS=(300 300 300 300 300)
 else
   KERNEL_ARGS=(--quick --budget-s 100)
   DECODE_ARGS=(--decode-budget-s 100)
   ENGINE_ARGS=(--budget-s 110)
   HOST_ARGS=(--batches 64 256)
-  LIMITS=(150 150 180 50)  # kernels, decode rows, engine check, host
+  SPLITK_ARGS=(--decode-budget-s 50 --decode-batches 16 64 256)
+  LIMITS=(150 150 180 50 80)  # kernels, decode rows, engine check, host, split-K off rows
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv \
     > "$OUT_DIR/nvidia_smi.csv" 2>&1 || true
 fi
@@ -68,20 +72,28 @@ XLA_FLAGS=${XLA_FLAGS:-} XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${LIM
   --out "$OUT_DIR/host.json"
 host_rc=$?
 
-"$PY" - "$OUT_DIR" "$kernels_rc" "$decode_rc" "$engine_rc" "$host_rc" "$(( $(date +%s) - t0 ))" \
-  <<'PYEOF'
+echo "== decode step rows, bf16 KV, XLA split-K off (limit ${LIMITS[4]} s)"
+XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_force_split_k=1" timeout -k 5 "${LIMITS[4]}" \
+  "$PY" scripts/gpu_engine_check.py --part decode --decode-kv bfloat16 "${SPLITK_ARGS[@]}" \
+  --out "$OUT_DIR/decode_split_k_off.json"
+splitk_rc=$?
+
+"$PY" - "$OUT_DIR" "$kernels_rc" "$decode_rc" "$engine_rc" "$host_rc" "$splitk_rc" \
+  "$(( $(date +%s) - t0 ))" <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-krc, drc, erc, hrc, wall = (int(x) for x in sys.argv[2:7])
-doc = {"kernels_rc": krc, "decode_rc": drc, "engine_rc": erc, "host_rc": hrc, "wall_s": wall}
-for name in ("kernels", "decode", "engine", "host"):
+krc, drc, erc, hrc, src, wall = (int(x) for x in sys.argv[2:8])
+doc = {"kernels_rc": krc, "decode_rc": drc, "engine_rc": erc, "host_rc": hrc,
+       "decode_split_k_off_rc": src, "wall_s": wall}
+for name in ("kernels", "decode", "engine", "host", "decode_split_k_off"):
     f = out / f"{name}.json"
     doc[name] = json.loads(f.read_text()) if f.exists() else None
 smi = out / "nvidia_smi.csv"
 doc["nvidia_smi"] = smi.read_text() if smi.exists() else None
 (out / "device_check.json").write_text(json.dumps(doc, indent=1))
-print(f"device_check: kernels rc={krc}, decode rc={drc}, engine rc={erc}, host rc={hrc} "
-      f"(124: stage time limit), {wall} s -> {out}/device_check.json")
+print(f"device_check: kernels rc={krc}, decode rc={drc}, engine rc={erc}, host rc={hrc}, "
+      f"split-K off rc={src} (124: stage time limit), {wall} s -> {out}/device_check.json")
 PYEOF
-[ "$kernels_rc" -eq 0 ] && [ "$decode_rc" -eq 0 ] && [ "$engine_rc" -eq 0 ] && [ "$host_rc" -eq 0 ]
+[ "$kernels_rc" -eq 0 ] && [ "$decode_rc" -eq 0 ] && [ "$engine_rc" -eq 0 ] && [ "$host_rc" -eq 0 ] \
+  && [ "$splitk_rc" -eq 0 ]

@@ -12,6 +12,7 @@ pool it chose. `--cpu-smoke` runs the same on a tiny shape with the Pallas inter
 from __future__ import annotations
 
 import gc
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -211,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-s", type=float, default=270.0, help="skip throughput after this")
     p.add_argument("--decode-budget-s", type=float, default=150.0,
                    help="skip the remaining decode step rows after this")
+    p.add_argument("--decode-kv", nargs="+", choices=["bfloat16", "fp8_e4m3"],
+                   help="KV dtypes of the decode step rows (default: both)")
+    p.add_argument("--decode-batches", nargs="+", type=int,
+                   help="batches of the decode step rows (default: the configuration's)")
     p.add_argument("--part", choices=["all", "check", "decode"], default="all",
                    help="check: the engine check alone; decode: the decode step rows alone "
                         "(so a caller can give each its own time limit)")
@@ -226,10 +231,13 @@ def main(argv: list[str] | None = None) -> int:
            {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "model": f"random {cfg.spec.architecture}", "runs": [], "wall_s": 0.0})
     res["mode"] = "cpu-smoke" if args.cpu_smoke else "gpu"
+    res["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     t0 = time.perf_counter()
     res["decode_rows"] = ([] if args.part == "check" else
-                          decode_rows(loaded, kv_dtypes, cfg.decode_batches, cfg.decode_contexts,
-                                      cfg.decode_args, budget_s=args.decode_budget_s))
+                          decode_rows(loaded, tuple(args.decode_kv or kv_dtypes),
+                                      tuple(args.decode_batches or cfg.decode_batches),
+                                      cfg.decode_contexts, cfg.decode_args,
+                                      budget_s=args.decode_budget_s))
     res["wall_s"] = round(res["wall_s"] + time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))

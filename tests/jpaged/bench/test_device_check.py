@@ -1,6 +1,6 @@
 """scripts/device_check.sh end to end in its CPU smoke mode: the same steps as on a lent GPU
-(kernel checks and timings, the engine on random weights with both loops compared, the host
-work per request-step, one merged JSON), tiny shapes."""
+(kernel checks and timings, the engine on random weights with both loops compared, decode rows
+with XLA's split-K forced off, the host work per request-step, one merged JSON), tiny shapes."""
 
 from __future__ import annotations
 
@@ -20,7 +20,8 @@ def test_device_check_cpu_smoke(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "device_check.json").read_text())
-    assert (doc["kernels_rc"], doc["decode_rc"], doc["engine_rc"], doc["host_rc"]) == (0, 0, 0, 0)
+    assert (doc["kernels_rc"], doc["decode_rc"], doc["engine_rc"], doc["host_rc"],
+            doc["decode_split_k_off_rc"]) == (0, 0, 0, 0, 0)
     assert "== decode step rows" in (tmp_path / "device_check.log").read_text()
     kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]
     assert kernels["mode"] == "cpu-smoke" and kernels["failures"] == []
@@ -49,6 +50,12 @@ def test_device_check_cpu_smoke(tmp_path):
     assert [(r["kv_cache_dtype"], r["batch"], r["context_len"]) for r in rows] == [
         (k, b, 40) for k in ("bfloat16", "fp8_e4m3") for b in (1, 4)]
     assert all(r["step_ms"] > 0 and r["output_tokens_per_s"] > 0 for r in rows), rows
+    # The bf16 rows again with XLA's split-K heuristic forced off (the flag reaches XLA).
+    off = doc["decode_split_k_off"]
+    assert "--xla_gpu_experimental_force_split_k=1" in off["xla_flags"]
+    assert "--xla_gpu_experimental_force_split_k" not in doc["decode"]["xla_flags"]
+    assert [(r["kv_cache_dtype"], r["batch"]) for r in off["decode_rows"]] == [("bfloat16", 4)]
+    assert all(r["step_ms"] > 0 for r in off["decode_rows"]), off
     # Host work per request-step of both loops (the tiny model; no embedded model there).
     assert [(r["mode"], r["batch"]) for r in host["rows"]] == [("sync", 4), ("async", 4)]
     assert all(r["host_us_per_request_step"] > 0 for r in host["rows"])
