@@ -113,13 +113,6 @@ class TensorParallel:
                           check_vma=False)
         return f(table, input_ids)
 
-    def gather_logits(self, logits: jax.Array) -> jax.Array:
-        """Logits whole on every device: computed vocab-split, then one all-gather of [B, V].
-
-        Pinning the split first keeps XLA from gathering the lm_head weight instead.
-        """
-        return self.replicated(self.split_logits(logits))
-
     def split_logits(self, logits: jax.Array) -> jax.Array:
         """Logits as the lm_head computes them, vocab-split (whole on each device when the
         vocabulary is not split): the sampler's reductions over the vocabulary then run on each
@@ -127,6 +120,27 @@ class TensorParallel:
         if not self.split_vocab:
             return self.replicated(logits)
         return jax.lax.with_sharding_constraint(logits, NamedSharding(self.mesh, P(None, AXIS)))
+
+    def top_k(self, logits: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+        """`lax.top_k` of vocab-split logits [N, V] (values, global ids; replicated), moving
+        [N, k x tp] candidates: each device takes the top k of its own vocabulary range, and
+        the top k of the devices' candidates, laid out in device (= id) order, are the top k
+        overall with the same ties as one top_k (lower id first). XLA's partitioner gathers
+        all [N, V] for a plain top_k (XLA:CPU does)."""
+        if not self.split_vocab:
+            return jax.lax.top_k(logits, k)
+
+        def local(part: jax.Array) -> tuple[jax.Array, jax.Array]:
+            vals, ids = jax.lax.top_k(part, min(k, part.shape[-1]))
+            ids = ids + jax.lax.axis_index(AXIS) * part.shape[-1]
+            vals = jax.lax.all_gather(vals, AXIS, axis=1, tiled=True)
+            ids = jax.lax.all_gather(ids, AXIS, axis=1, tiled=True)
+            best, pos = jax.lax.top_k(vals, k)
+            return best, jnp.take_along_axis(ids, pos, axis=1)
+
+        f = jax.shard_map(local, mesh=self.mesh, in_specs=P(None, AXIS), out_specs=(P(), P()),
+                          check_vma=False)
+        return f(logits)
 
     def replicated(self, x: jax.Array) -> jax.Array:
         """`x` whole on every device (inside a jitted program)."""

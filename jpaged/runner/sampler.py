@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import jax
@@ -143,10 +144,12 @@ def _filter(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"
 
 
 def sample(
-    logits: Float[Array, "B V"], s: SamplingBatch, flags: SamplingFlags
+    logits: Float[Array, "B V"], s: SamplingBatch, flags: SamplingFlags,
+    top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"]]:
     """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates
-    (N = 0 unless flags.top_logprobs).
+    (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract; tensor parallel
+    passes one that works on the vocab-split logits).
 
     Rows with temperature 0 take the argmax. Filtering and random draws run only when some row
     needs them (lax.cond), so one compiled step serves every mix of parameters.
@@ -183,5 +186,5 @@ def sample(
         b = logits.shape[0]
         return ids, chosen_lp, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
     # The logprob is monotonic in the logit: the top logits are the top logprobs.
-    top_logits, top_ids = jax.lax.top_k(logits, min(NUM_TOP_LOGPROBS, v))
+    top_logits, top_ids = top_k(logits, min(NUM_TOP_LOGPROBS, v))
     return ids, chosen_lp, top_ids.astype(jnp.int32), (top_logits - row_max) - log_norm

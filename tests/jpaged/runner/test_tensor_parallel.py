@@ -86,6 +86,13 @@ def test_tiny_greedy_equal_across_tp(facts):
             assert [[k for k, _ in s] for s in got] == [[k for k, _ in s] for s in want], tp
             np.testing.assert_allclose([[lp for _, lp in s] for s in got],
                                        [[lp for _, lp in s] for s in want], atol=1e-5)
+        # Prompt logprobs (each prompt token and its top 5), also from the split logits.
+        got, want = facts[f"tiny_tp{tp}"]["prompt5"], facts["tiny_tp1"]["prompt5"]
+        assert [len(p) for p in want] == [10, 2, 24]  # every prompt token but the first
+        for g, w in zip(got, want, strict=True):
+            assert [[k for k, _ in pos] for pos in g] == [[k for k, _ in pos] for pos in w], tp
+            np.testing.assert_allclose([lp for pos in g for _, lp in pos],
+                                       [lp for pos in w for _, lp in pos], atol=1e-5)
 
 
 def test_each_device_holds_its_share_of_the_pool(facts):
@@ -118,6 +125,20 @@ def test_collectives(facts):
         rest = [t for t in shapes if t != "f32[16,64]"]
         assert rest and all(math.prod(map(int, t[t.index("[") + 1:-1].split(","))) <= 4 * tp
                             for t in rest), found
+
+
+@pytest.mark.parametrize("case", ["collectives_prompt_logprobs", "collectives_top"])
+def test_top_candidates_gather_no_logits(facts, case):
+    for tp in (2, 4):
+        found = facts[f"tiny_tp{tp}"][case]
+        # The step's own collectives plus row-sized combines (the P=8 prompt rows' logprob and
+        # rank, the sampler's B=4 rows), and each device's top 20 candidates gathered
+        # (`TensorParallel.top_k`, at most [8, 20 * tp]): no [8, 300] or [4, 300] logits.
+        shapes = [t.split("{")[0] for kind in found.values() for t in kind]
+        assert shapes.count("f32[16,64]") == 3, found
+        rest = [math.prod(map(int, t[t.index("[") + 1:-1].split(","))) for t in shapes
+                if t != "f32[16,64]"]
+        assert rest and max(rest) <= 8 * 20 * tp and not {8 * 300, 4 * 300} & set(rest), found
 
 
 def test_no_recompiles_after_warmup(facts):

@@ -13,6 +13,7 @@ import re
 import sys
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -21,6 +22,7 @@ sys.path[:0] = [str(ROOT)]
 sys.path += [str(ROOT / "tests"), str(ROOT / "tests" / "models")]
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 jax.config.update("jax_compilation_cache_dir",
                   os.environ.get("JPAGED_TEST_JAX_CACHE", str(ROOT / ".jax_cache")))
@@ -40,6 +42,8 @@ TOP5 = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5)
 SHAPED = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.5,
                         frequency_penalty=0.5, logit_bias={7: 5.0, 299: 3.0, 150: -100.0},
                         allowed_token_ids=list(range(0, 300, 3)) + [7, 299])
+# Every prompt token's logprob and its 5 best candidates (an extra program of the step).
+PROMPT5 = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
 TINY_PROMPTS = ["Hello there", "abc", "The quick brown fox jumps"]  # 11, 3, 25 byte tokens
 TINY_ARGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
                  num_gpu_blocks_override=24)
@@ -64,12 +68,16 @@ def kv_facts(llm) -> dict:
     }
 
 
-def collectives(llm, t: int, b: int) -> dict:
-    """Collective ops in the compiled (partitioned) step of one bucket shape."""
+def collectives(llm, t: int, b: int, plp: int = 0, top: bool = False) -> dict:
+    """Collective ops in the compiled (partitioned) step of one bucket shape (with `plp` rows
+    of prompt logprobs; `top`: the variant that returns top candidates)."""
     r = llm.llm_engine.runner
     packed = empty_step(r.plan, t, b, r.vocab_size)
+    if plp:
+        rows = np.zeros(plp, np.int32)
+        packed = replace(packed, batch=replace(packed.batch, plp_idx=rows, plp_target=rows))
     text = r._jit_step.lower(r.params, r.kv, flatten_step(packed.batch), r._buffer(),
-                             flags=packed.flags).compile().as_text()
+                             flags=replace(packed.flags, top_logprobs=top)).compile().as_text()
     found: dict[str, list[str]] = {}
     for line in text.splitlines():
         m = COLLECTIVE.search(line)
@@ -99,9 +107,14 @@ def tiny_cases(out: dict) -> None:
         case["top5"] = [[sorted((k, v.logprob) for k, v in step.items())
                          for step in o.outputs[0].logprobs]
                         for o in llm.generate(TINY_PROMPTS, TOP5)]
+        case["prompt5"] = [[sorted((k, v.logprob) for k, v in pos.items())
+                            for pos in o.prompt_logprobs[1:]]
+                           for o in llm.generate(TINY_PROMPTS, PROMPT5)]
         case["kv"] = kv_facts(llm)
         if tp > 1:
             case["collectives"] = collectives(llm, 16, 4)
+            case["collectives_prompt_logprobs"] = collectives(llm, 16, 4, plp=8)
+            case["collectives_top"] = collectives(llm, 16, 4, top=True)
         case["seconds"] = round(time.perf_counter() - t0, 1)
         out[f"tiny_tp{tp}"] = case
 
