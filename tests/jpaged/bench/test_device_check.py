@@ -22,7 +22,10 @@ def test_device_check_cpu_smoke(tmp_path):
     doc = json.loads((tmp_path / "device_check.json").read_text())
     assert (doc["kernels_rc"], doc["decode_rc"], doc["engine_rc"], doc["host_rc"],
             doc["decode_split_k_off_rc"]) == (0, 0, 0, 0, 0)
-    assert "== decode step rows" in (tmp_path / "device_check.log").read_text()
+    log = (tmp_path / "device_check.log").read_text()
+    assert "== decode step rows" in log
+    # The split-K-off rows right after the decode rows they are compared with.
+    assert log.index("split-K off (limit") < log.index("== engine check")
     kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]
     assert kernels["mode"] == "cpu-smoke" and kernels["failures"] == []
     assert len(kernels["checks"]) >= 8 and all(c["ok"] for c in kernels["checks"])
