@@ -262,7 +262,7 @@ class ModelRunner:
             plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target),)
         if defer:  # sampled later by _sample_step, once the host has the token masks
             return (logits, *plp), new_kv, last_tokens
-        ids, lp, top_ids, top_lp = sample(logits, sampling, flags, self._top_k)
+        ids, lp, top_ids, top_lp = sample(logits, sampling, flags, *self._vocab_ops)
         if self.parallel is not None:  # [B]-sized results, whole on every device
             ids, lp, top_ids, top_lp = map(self.parallel.replicated, (ids, lp, top_ids, top_lp))
         last_tokens = jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
@@ -275,7 +275,7 @@ class ModelRunner:
         batch = unflatten_step(flat)
         fed_ids = jnp.take(last_tokens, jnp.maximum(batch.feed_rows, 0))
         ids, lp, top_ids, top_lp = sample(logits, _fed_history(batch, fed_ids, flags), flags,
-                                          self._top_k)
+                                          *self._vocab_ops)
         if self.parallel is not None:  # as _step: [B]-sized results whole on every device
             ids, lp, top_ids, top_lp = map(self.parallel.replicated, (ids, lp, top_ids, top_lp))
         return (ids, lp, top_ids, top_lp), jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
@@ -290,14 +290,17 @@ class ModelRunner:
         norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)
         rank = 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32)
-        top_logits, top_ids = self._top_k(logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
+        top_logits, top_ids = self._vocab_ops[0](logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
         out = ((chosen - norm)[:, 0], rank, top_ids.astype(jnp.int32), top_logits - norm)
         return out if self.parallel is None else tuple(map(self.parallel.replicated, out))
 
     @property
-    def _top_k(self) -> Callable[[jax.Array, int], tuple[jax.Array, jax.Array]]:
-        """lax.top_k, or under tensor parallel its two-stage form on the vocab-split logits."""
-        return jax.lax.top_k if self.parallel is None else self.parallel.top_k
+    def _vocab_ops(self) -> tuple[Callable[..., Any], Callable[[jax.Array], jax.Array]]:
+        """The sampler's (top_k, keep_split): lax.top_k and nothing, or under tensor parallel
+        the two-stage top-k and the pin to the vocab split (`sample`)."""
+        if self.parallel is None:
+            return jax.lax.top_k, lambda x: x
+        return self.parallel.top_k, self.parallel.split_logits
 
     @property
     def num_compiled(self) -> int:

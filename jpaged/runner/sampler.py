@@ -146,10 +146,12 @@ def _filter(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"
 def sample(
     logits: Float[Array, "B V"], s: SamplingBatch, flags: SamplingFlags,
     top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
+    keep_split: Callable[[jax.Array], jax.Array] = lambda x: x,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"]]:
     """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates
-    (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract; tensor parallel
-    passes one that works on the vocab-split logits).
+    (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract). Tensor
+    parallel passes a `top_k` that works on the vocab-split logits and a `keep_split` that pins
+    a [B, V] value to that split (else XLA may gather the filtered logits whole).
 
     Rows with temperature 0 take the argmax. Filtering and random draws run only when some row
     needs them (lax.cond), so one compiled step serves every mix of parameters.
@@ -172,7 +174,8 @@ def sample(
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
         scaled = logits / temp[:, None]
         needs_filter = jnp.any((s.top_k < v) | (s.top_p < 1.0) | (s.min_p > 0.0))
-        scaled = jax.lax.cond(needs_filter, lambda x: _filter(x, s), lambda x: x, scaled)
+        scaled = keep_split(jax.lax.cond(needs_filter, lambda x: _filter(x, s), lambda x: x,
+                                         keep_split(scaled)))
         keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(
             s.seeds.astype(jnp.uint32), s.counters)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,)))(keys)
