@@ -290,7 +290,8 @@ class ModelRunner:
         norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)
         rank = 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32)
-        top_logits, top_ids = self._vocab_ops[0](logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
+        top_k, _ = self._vocab_ops
+        top_logits, top_ids = top_k(logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
         out = ((chosen - norm)[:, 0], rank, top_ids.astype(jnp.int32), top_logits - norm)
         return out if self.parallel is None else tuple(map(self.parallel.replicated, out))
 
