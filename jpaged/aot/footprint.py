@@ -9,10 +9,12 @@ that are demanded, and apart from it the boxes whose places data decides: a dyna
 gather reads its extent wherever its indices point; such a box is kept as if its picks sat
 first, and a pad or concatenation keeps its extent rather than its offsets.
 
-Over-approximations, never under: several demands on one value merge into their bounding box
-(those picked by different indices add up); an op the walk does not know demands every element
-of each operand; a reshape or bitcast that does not map a box cleanly demands its whole group
-of dimensions; a bitcast between layouts other than the default row-major one demands all.
+It over-approximates: several demands on one value merge into their bounding box (those
+picked by different indices add up); an op the walk does not know demands every element of
+each operand; a reshape or bitcast that does not map a box cleanly demands its whole group of
+dimensions; a bitcast between layouts other than the default row-major one demands all. The
+one assumption: picks of one gather that reach a value by two paths land on the same
+dimension there (true of the row gathers in a step: they pick tokens).
 """
 
 from __future__ import annotations
