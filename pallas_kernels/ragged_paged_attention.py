@@ -5,7 +5,9 @@ consecutive new tokens of ONE sequence. Grid (tile, kv_head): a program holds th
 times the G query heads of one kv head as a [q_tile * rows_per_token, head_dim] block (row
 r = token r // Gp, head r % Gp with Gp = G padded to a power of two) and walks the sequence's
 pages from the first key any of its rows may see (sliding window) to the last one (causal), with
-an online softmax. Unused tiles (the static tile count is an upper bound) do no work.
+an online softmax. Unused tiles (the static tile count is an upper bound) do no work. A tile
+stores only its real rows (valid tokens x G heads), in the model's dtype unless the pages are
+fp8 (then float32: v_scale is applied after the kernel).
 
 When every sequence of the step has at most one new token (a decode step), the split-K decode
 kernel does the work instead. The engine knows which kind a step is when it packs it and says so
@@ -26,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import reference
@@ -50,8 +53,9 @@ _META_SEQ, _META_POS, _META_VALID, _META_COLS = 0, 1, 2, 4
 
 def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs
                    o_ref,  # output
-                   *, heads_pad: int, pages_per_block: int, soft_cap: float | None,
-                   sliding_window: int | None, page_dtype: jnp.dtype) -> None:
+                   *, heads: int, heads_pad: int, pages_per_block: int,
+                   soft_cap: float | None, sliding_window: int | None,
+                   page_dtype: jnp.dtype) -> None:
     """One (query tile, kv head): causal attention of the tile's rows over their keys.
 
     A tile with no valid row (padding tiles, and every tile of a launch made inactive) loads
@@ -94,7 +98,12 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
 
     @pl.when(active)
     def _store() -> None:
-        o_ref[...] = (acc / jnp.where(lsum > 0, lsum, 1.0)[:, None]).astype(o_ref.dtype)
+        # Real rows only: the tile's valid tokens times its G real heads (the rest of the
+        # block is never read, so it is not written).
+        row = lax.broadcasted_iota(jnp.int32, (rows, head_dim), 0)
+        real = (row // heads_pad < n_valid) & (row % heads_pad < heads)
+        out = (acc / jnp.where(lsum > 0, lsum, 1.0)[:, None]).astype(o_ref.dtype)
+        plt.store(o_ref, out, mask=real)
 
 
 def tile_metadata(query_start_loc: Int[Array, " B+1"], seq_lens: Int[Array, " B"], q_tile: int,
@@ -183,7 +192,8 @@ def ragged_kernel_attention(
     qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)))
     qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, hkv, rows, d)
 
-    kernel = functools.partial(_ragged_kernel, heads_pad=gp, pages_per_block=pages_per_block,
+    kernel = functools.partial(_ragged_kernel, heads=g, heads_pad=gp,
+                               pages_per_block=pages_per_block,
                                soft_cap=soft_cap, sliding_window=sliding_window,
                                page_dtype=k_pages.dtype)
     page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda t, h: (0, 0, 0, 0))  # whole pool
@@ -198,7 +208,9 @@ def ragged_kernel_attention(
             page_spec, page_spec,
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda t, h: (t, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((num_tiles, hkv, rows, d), jnp.float32),
+        # In the model's dtype, unless fp8 pages' v_scale is still to be applied (in f32).
+        out_shape=jax.ShapeDtypeStruct((num_tiles, hkv, rows, d),
+                                       jnp.float32 if fp8 else q.dtype),
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
         name=f"ragged_paged_qt{q_tile}_ppb{pages_per_block}{window_suffix(sliding_window)}",
     )(scale_array(sm_scale * k_scale if fp8 else sm_scale), meta, tables, qt, to_bits(k_pages),

@@ -219,7 +219,7 @@ class StepBuilder:
                            storage_dtype(self.page_dtype).itemsize, self.spec.vocab_size,
                            self.param_bytes, self.num_blocks, self.spec.layer_windows,
                            self.spec.num_heads // self.tensor_parallel_size
-                           // self.local_kv_heads)
+                           // self.local_kv_heads, jnp.dtype(self.model_dtype).itemsize)
 
     def pool_shape(self) -> str:
         """One pool array's XLA shape per device."""

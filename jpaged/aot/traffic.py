@@ -82,6 +82,7 @@ class StepTraffic:
     num_blocks: int  # pool blocks per layer
     layer_windows: tuple[int | None, ...] = ()  # per layer (None: full); () = all full
     q_per_kv: int = 1  # query heads per KV head on this device
+    model_bytes: int = 2  # bytes of one activation element (the model's dtype)
 
     @property
     def decode(self) -> bool:
@@ -117,7 +118,11 @@ class StepTraffic:
             # Tile j holds rows j*qt .. min((j+1)*qt, n)-1; its first row sees w keys back.
             keys = sum(_reach(0 if w is None else j * qt - w + 1, min((j + 1) * qt, n), step)
                        for j in range(_cdiv(n, qt)))
-            return KernelRule(self.seqs * keys * self.row_bytes, 0)
+            # It stores the real rows of its output tiles: every token's query heads, in the
+            # model's dtype (f32 for fp8 pages, whose v_scale is applied after).
+            out = 4 if self.page_bytes == 1 else self.model_bytes
+            rows = self.tokens * self.kv_heads * self.q_per_kv * self.head_dim * out
+            return KernelRule(self.seqs * keys * self.row_bytes, 0, write=rows)
         return None
 
     def loop_trips(self, op_name: str) -> int | None:

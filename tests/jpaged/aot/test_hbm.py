@@ -154,8 +154,14 @@ def test_step_rules_decode_and_prefill():
     assert dec.min_hbm_bytes() == 10**6 + 2 * 2 * 256 * (4 * 100 + 4) + 4 * 1000 * 4
     assert dec.fits_pool() and not StepTraffic(**{**dec.__dict__, "seqs": 64}).fits_pool()
     pre = StepTraffic(**{**dec.__dict__, "tokens": 64, "seqs": 2, "context_len": 32})
-    # Two 16-token tiles per sequence, keys in 16-key steps: 16 + 32 keys.
-    assert pre.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * 48 * 256, 0)
+    # Two 16-token tiles per sequence, keys in 16-key steps: 16 + 32 keys. It stores the real
+    # rows of its tiles: 64 tokens x 2 kv heads x 3 query heads x 64 dims in bf16.
+    out = 64 * 2 * 3 * 64 * 2
+    assert pre.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * 48 * 256, 0, write=out)
+    # fp8 pages: the output stays f32 (v_scale is applied after the kernel).
+    fp8 = StepTraffic(**{**pre.__dict__, "page_bytes": 1})
+    assert fp8.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * 48 * 128, 0,
+                                                                   write=2 * out)
     assert pre.kernel_rule("paged_decode_ppb8_ppp8") == KernelRule(0, 0)
     with pytest.raises(ValueError):
         pre.kernel_rule("ragged_paged_noparams")
@@ -180,9 +186,11 @@ def test_sliding_window_kernels_read_their_window_and_the_minimum_counts_it():
     pre = StepTraffic(**{**dec.__dict__, "tokens": 256, "seqs": 2, "context_len": 128})
     # Tiles of 16 rows, window 8: tile j's first row sees keys from 16j - 7, so it reads its
     # own step and the one before (the first tile only its own), against j + 1 steps.
-    assert pre.kernel_rule("ragged_paged_qt16_ppb1_w8") == KernelRule(2 * (16 + 7 * 32) * 256, 0)
+    out = 256 * 2 * 1 * 64 * 2  # 256 tokens x 2 kv heads x 1 query head x 64 dims, bf16
+    assert pre.kernel_rule("ragged_paged_qt16_ppb1_w8") == KernelRule(
+        2 * (16 + 7 * 32) * 256, 0, write=out)
     full = sum(16 * (j + 1) for j in range(8))
-    assert pre.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * full * 256, 0)
+    assert pre.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * full * 256, 0, write=out)
 
 
 def test_a_data_dependent_loop_counts_the_trips_the_case_gives():
