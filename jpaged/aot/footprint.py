@@ -267,25 +267,21 @@ def param_read_elements(fused: Computation) -> dict[int, int]:
             continue
         dims = _dims(ins)
         if ins.op == "parameter":
-            out[int(ins.literal)] = want.elements(dims) if dims is not None else 0
+            if dims is not None:  # a tuple parameter is left out: counted whole by the caller
+                out[int(ins.literal)] = want.elements(dims)
             continue
-        if want.whole or dims is None:
-            asks: list[Ask] = [(None, None)] * len(ins.operands)
-            wholes = [True] * len(ins.operands)
-        else:
-            asks, wholes = [], [False] * len(ins.operands)
-            for origin, box in ([(None, want.box)] if want.box is not None else []) + \
-                    list(want.free.items()):
-                asks += _operand_demands(ins, box, fused, origin)
-        n = len(ins.operands)
-        for k, (box, origin) in enumerate(asks):
-            o = ins.operands[k % n]
-            if o not in fused.by_name:
-                continue
-            dm = demand.setdefault(o, Demand())
-            dm.whole = dm.whole or wholes[k % n] or _dims(fused.by_name[o]) is None
-            dm.add(box, origin)
-        for k, o in enumerate(ins.operands):  # a whole demand with no box asked above
-            if wholes[k] and o in fused.by_name:
-                demand.setdefault(o, Demand()).whole = True
+        if want.whole or dims is None:  # all of it: every operand whole
+            for o in ins.operands:
+                if o in fused.by_name:
+                    demand.setdefault(o, Demand()).whole = True
+            continue
+        for origin, box in ([(None, want.box)] if want.box is not None else []) + \
+                list(want.free.items()):
+            asks = _operand_demands(ins, box, fused, origin)
+            for o, (part, part_origin) in zip(ins.operands, asks, strict=True):
+                if o not in fused.by_name:
+                    continue
+                dm = demand.setdefault(o, Demand())
+                dm.whole = dm.whole or _dims(fused.by_name[o]) is None
+                dm.add(part, part_origin)
     return out
