@@ -23,7 +23,7 @@ from jaxtyping import Array, Float
 
 from .attention import AttnFn
 from .config import ModelSpec
-from .llama import MLP, Attention, LlamaForCausalLM, LlamaModel
+from .llama import MLP, Attention, LlamaForCausalLM, LlamaModel, residual_sum
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -63,9 +63,9 @@ class GemmaDecoderLayer(nnx.Module):
         """One layer; returns (x, attn_state after this layer)."""
         attn_out, attn_state = self.self_attn(
             self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state)
-        x = x + self.post_attention_layernorm(attn_out)
+        x = residual_sum(x, self.post_attention_layernorm(attn_out))
         ff = self.mlp(self.pre_feedforward_layernorm(x))
-        return x + self.post_feedforward_layernorm(ff), attn_state
+        return residual_sum(x, self.post_feedforward_layernorm(ff)), attn_state
 
 
 class GemmaModel(LlamaModel):
