@@ -85,15 +85,6 @@ def pallas_call(
     )
 
 
-def load_if(ref: Any, active: jax.Array) -> jax.Array:
-    """ref[...] when `active` (a traced scalar bool), zeros when not, as one masked load: no
-    memory is touched when not active, and no branch with a result (which raised register
-    pressure into a spill in the fp8 ragged kernel)."""
-    from jax.experimental.pallas import triton as plt
-
-    return plt.load(ref, mask=jnp.broadcast_to(active, ref.shape), other=0)
-
-
 def mm(a: jax.Array, b: jax.Array, *, trans_b: bool = False) -> jax.Array:
     """2-D product a @ b (or a @ b.T) with float32 accumulation; both operands share a dtype."""
     contract_b = 1 if trans_b else 0

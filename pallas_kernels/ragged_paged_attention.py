@@ -1,9 +1,11 @@
 """Pallas kernel for the engine's mixed token batches: chunked prefill and decode in one launch.
 
 The flattened ragged batch is cut (in jnp, before the kernel) into query tiles of `q_tile`
-consecutive new tokens of ONE sequence. Grid (tile, kv_head): a program holds the tile's tokens
-times the G query heads of one kv head as a [q_tile * rows_per_token, head_dim] block (row
-r = token r // Gp, head r % Gp with Gp = G padded to a power of two) and walks the sequence's
+consecutive new tokens of ONE sequence; only the tiles' metadata is built there. Grid (tile,
+kv_head): a program loads the tile's tokens times the G query heads of one kv head straight
+from the flat q (a masked load of those rows: the padding is never in memory) as a
+[q_tile * Gp, head_dim] block (row r = token r // Gp, head r % Gp with Gp = G padded to a power
+of two) and walks the sequence's
 pages from the first key any of its rows may see (sliding window) to the last one (causal), with
 an online softmax. Unused tiles (the static tile count is an upper bound) do no work. A tile
 stores only its real rows (valid tokens x G heads), in the model's dtype unless the pages are
@@ -35,7 +37,6 @@ from pallas_kernels import reference
 from pallas_kernels._compat import (
     check_dot_tiles,
     compute_dtype,
-    load_if,
     next_pow2,
     pallas_call,
     scale_array,
@@ -47,24 +48,25 @@ from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.reference import to_bits
 
 # Tile metadata columns: [sequence, absolute position of the tile's first token, valid tokens,
-# unused]; four so that the row is a power of two.
-_META_SEQ, _META_POS, _META_VALID, _META_COLS = 0, 1, 2, 4
+# index of the tile's first token in the flat batch]; four, a power of two.
+_META_SEQ, _META_POS, _META_VALID, _META_TOK, _META_COLS = 0, 1, 2, 3, 4
 
 
 def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inputs
                    o_ref,  # output
-                   *, heads: int, heads_pad: int, pages_per_block: int,
+                   *, heads: int, heads_pad: int, q_tile: int, pages_per_block: int,
                    soft_cap: float | None, sliding_window: int | None,
-                   page_dtype: jnp.dtype) -> None:
+                   page_dtype: jnp.dtype, dtype: jnp.dtype, q_heads: int) -> None:
     """One (query tile, kv head): causal attention of the tile's rows over their keys.
 
     A tile with no valid row (padding tiles, and every tile of a launch made inactive) loads
-    and stores nothing: its key loop is empty, its q load and its output store are skipped,
-    and no valid token maps to its (unwritten) output block. The branches touch only the q
-    and output blocks, never the pool: under the interpreter a branch that read the pool
-    would copy it. The q load is masked, not branched (a branch with a result spilled).
+    and stores nothing: its key loop is empty, its q load is all masked, its output store is
+    skipped, and no valid token maps to its (unwritten) output block. The branch touches only
+    the output block, never the pool: under the interpreter a branch that read the pool would
+    copy it. The q load is masked, not branched (a branch with a result spilled).
     """
-    rows, head_dim = q_ref.shape
+    head_dim = q_ref.shape[1]
+    rows = q_tile * heads_pad
     block_size = k_ref.shape[1]
     bk = pages_per_block * block_size
     seq = meta_ref[_META_SEQ]
@@ -77,12 +79,21 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
     lo = 0
     if sliding_window is not None:
         lo = jnp.clip((pos0 - sliding_window + 1) // bk, 0, hi)
-    q = load_if(q_ref, active)
+    head = pl.program_id(1)
+    # The tile's q rows, read in place from the flat [T * Hq, D] q: row r is token
+    # first_tok + r // Gp, head kv_head * G + r % Gp. Rows past the tile's valid tokens and the
+    # Gp - G padding heads are masked (zero, no memory touched; their index is clamped to 0).
+    # A row gather, not a [q_tile, Gp, D] block reshaped: the reshape cost 34 more registers
+    # and a shared-memory round trip on sm_90a.
+    r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
+    real = (r // heads_pad < n_valid) & (r % heads_pad < heads)
+    row = jnp.where(real, (meta_ref[_META_TOK] + r // heads_pad) * q_heads + head * heads
+                    + r % heads_pad, 0)
+    col = lax.broadcasted_iota(jnp.int32, (1, head_dim), 1)
+    q = plt.load(q_ref.at[row[:, None], col], mask=real[:, None], other=0).astype(dtype)
     tok = lax.broadcasted_iota(jnp.int32, (rows, bk), 0) // heads_pad
     q_pos = pos0 + tok  # [rows, bk]
     row_ok = tok < n_valid
-
-    head = pl.program_id(1)
 
     def body(i, carry):
         ids = tables_ref[seq, pl.ds(i * pages_per_block, pages_per_block)]
@@ -108,7 +119,8 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
 
 def tile_metadata(query_start_loc: Int[Array, " B+1"], seq_lens: Int[Array, " B"], q_tile: int,
                   num_tiles: int) -> tuple[Int[Array, "NT 4"], Int[Array, " NT"]]:
-    """Per tile: [sequence, first token's position, valid tokens, 0] and its first token index.
+    """Per tile: [sequence, first token's position, valid tokens, first token's index in the
+    flat batch], and that index alone.
 
     Tiles of sequence b are numbered consecutively; unused tiles have 0 valid tokens.
     """
@@ -123,8 +135,9 @@ def tile_metadata(query_start_loc: Int[Array, " B+1"], seq_lens: Int[Array, " B"
     q_off = (tile_ids - (tile_end[seq] - tiles_per_seq[seq])) * q_tile
     n_valid = jnp.where(used, jnp.clip(q_len[seq] - q_off, 0, q_tile), 0)
     pos0 = seq_lens[seq] - q_len[seq] + q_off
-    meta = jnp.stack([seq, pos0, n_valid, jnp.zeros_like(seq)], axis=1).astype(jnp.int32)
-    return meta, (query_start_loc[seq] + q_off).astype(jnp.int32)
+    first_tok = (query_start_loc[seq] + q_off).astype(jnp.int32)
+    meta = jnp.stack([seq, pos0, n_valid, first_tok], axis=1).astype(jnp.int32)
+    return meta, first_tok
 
 
 # Most float32 accumulator elements (rows x head_dim) one program keeps in registers: 64 rows
@@ -180,22 +193,16 @@ def ragged_kernel_attention(
     num_tiles = -(-t_total // q_tile) + num_seqs
     tables, _ = reference.chunked_tables(block_tables.astype(jnp.int32), pages_per_block)
     padded_blocks = tables.shape[1]
-    meta, first_tok = tile_metadata(query_start_loc.astype(jnp.int32),
-                                    seq_lens.astype(jnp.int32), q_tile, num_tiles)
+    meta, _ = tile_metadata(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
+                            q_tile, num_tiles)
     meta = meta.at[:, _META_VALID].multiply(jnp.asarray(active, jnp.int32))
 
     fp8 = reference.is_fp8(k_pages.dtype)
     dt = compute_dtype(q.dtype, k_pages.dtype)
-    # Gather queries tile-major: [NT, K, q_tile * Gp, D]; rows of invalid tokens are masked.
-    tok_idx = jnp.minimum(first_tok[:, None] + jnp.arange(q_tile)[None, :], t_total - 1)
-    qt = q.astype(dt)[tok_idx].reshape(num_tiles, q_tile, hkv, g, d)
-    qt = jnp.pad(qt, ((0, 0), (0, 0), (0, 0), (0, gp - g), (0, 0)))
-    qt = qt.transpose(0, 2, 1, 3, 4).reshape(num_tiles, hkv, rows, d)
-
-    kernel = functools.partial(_ragged_kernel, heads=g, heads_pad=gp,
+    kernel = functools.partial(_ragged_kernel, heads=g, heads_pad=gp, q_tile=q_tile,
                                pages_per_block=pages_per_block,
                                soft_cap=soft_cap, sliding_window=sliding_window,
-                               page_dtype=k_pages.dtype)
+                               page_dtype=k_pages.dtype, dtype=dt, q_heads=hq)
     page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda t, h: (0, 0, 0, 0))  # whole pool
     out_tiles = pallas_call(
         kernel,
@@ -204,7 +211,7 @@ def ragged_kernel_attention(
             pl.BlockSpec((1,), lambda t, h: (0,)),  # sm_scale * k_scale
             pl.BlockSpec((None, _META_COLS), lambda t, h: (t, 0)),  # tile metadata
             pl.BlockSpec((num_seqs, padded_blocks), lambda t, h: (0, 0)),  # all block tables
-            pl.BlockSpec((None, None, rows, d), lambda t, h: (t, h, 0, 0)),  # q tile
+            pl.BlockSpec((t_total * hq, d), lambda t, h: (0, 0)),  # all of q, read in place
             page_spec, page_spec,
         ],
         out_specs=pl.BlockSpec((None, None, rows, d), lambda t, h: (t, h, 0, 0)),
@@ -213,8 +220,8 @@ def ragged_kernel_attention(
                                        jnp.float32 if fp8 else q.dtype),
         interpret=interpret, num_warps=num_warps, num_stages=num_stages,
         name=f"ragged_paged_qt{q_tile}_ppb{pages_per_block}{window_suffix(sliding_window)}",
-    )(scale_array(sm_scale * k_scale if fp8 else sm_scale), meta, tables, qt, to_bits(k_pages),
-      to_bits(v_pages))
+    )(scale_array(sm_scale * k_scale if fp8 else sm_scale), meta, tables,
+      q.reshape(t_total * hq, d), to_bits(k_pages), to_bits(v_pages))
 
     # Token t of sequence b sits in tile first_tile[b] + (t - qsl[b]) // q_tile.
     qsl = query_start_loc.astype(jnp.int32)

@@ -88,6 +88,7 @@ def test_tile_metadata():
     np.testing.assert_array_equal(meta[:, 2], [2, 2, 1, 1, 2, 1, 0, 0, 0])
     np.testing.assert_array_equal(meta[:6, 1], [0, 2, 4, 19, 8, 10])
     np.testing.assert_array_equal(first[:6], [0, 2, 4, 5, 6, 8])
+    np.testing.assert_array_equal(meta[:, 3], first)  # the kernel reads its q rows from there
 
 
 def test_inactive_kernels_do_no_work():
