@@ -118,9 +118,9 @@ def _ragged_kernel(scale_ref, meta_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
 
 
 def tile_metadata(query_start_loc: Int[Array, " B+1"], seq_lens: Int[Array, " B"], q_tile: int,
-                  num_tiles: int) -> tuple[Int[Array, "NT 4"], Int[Array, " NT"]]:
+                  num_tiles: int) -> Int[Array, "NT 4"]:
     """Per tile: [sequence, first token's position, valid tokens, first token's index in the
-    flat batch], and that index alone.
+    flat batch].
 
     Tiles of sequence b are numbered consecutively; unused tiles have 0 valid tokens.
     """
@@ -135,9 +135,8 @@ def tile_metadata(query_start_loc: Int[Array, " B+1"], seq_lens: Int[Array, " B"
     q_off = (tile_ids - (tile_end[seq] - tiles_per_seq[seq])) * q_tile
     n_valid = jnp.where(used, jnp.clip(q_len[seq] - q_off, 0, q_tile), 0)
     pos0 = seq_lens[seq] - q_len[seq] + q_off
-    first_tok = (query_start_loc[seq] + q_off).astype(jnp.int32)
-    meta = jnp.stack([seq, pos0, n_valid, first_tok], axis=1).astype(jnp.int32)
-    return meta, first_tok
+    first_tok = query_start_loc[seq] + q_off
+    return jnp.stack([seq, pos0, n_valid, first_tok], axis=1).astype(jnp.int32)
 
 
 # Most float32 accumulator elements (rows x head_dim) one program keeps in registers: 64 rows
@@ -193,8 +192,8 @@ def ragged_kernel_attention(
     num_tiles = -(-t_total // q_tile) + num_seqs
     tables, _ = reference.chunked_tables(block_tables.astype(jnp.int32), pages_per_block)
     padded_blocks = tables.shape[1]
-    meta, _ = tile_metadata(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32),
-                            q_tile, num_tiles)
+    meta = tile_metadata(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32), q_tile,
+                         num_tiles)
     meta = meta.at[:, _META_VALID].multiply(jnp.asarray(active, jnp.int32))
 
     fp8 = reference.is_fp8(k_pages.dtype)
