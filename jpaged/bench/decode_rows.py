@@ -5,6 +5,8 @@ distinct pool blocks in a random order) runs through the engine's own jitted ste
 (`ModelRunner.launch`), so the attention kernels read exactly the pages a real decode at that
 context reads. The KV content is whatever the pool holds: the time does not depend on it.
 No prefill is run, so a 256 x 4096-token row costs a few steps, not a million-token prefill.
+Rows may also be profiled (jpaged/bench/step_profile.py): the same step traced, its kernels'
+time summed by kind of op.
 """
 
 from __future__ import annotations
@@ -12,10 +14,12 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from jpaged.bench.step_profile import summarize, trace_calls
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 from jpaged.runner.batch import PackedStep, empty_step, flatten_step
@@ -72,11 +76,37 @@ def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int = 
             "output_tokens_per_s": round(batch / ms * 1e3, 1), "iters": iters}
 
 
+def profile_decode(runner: ModelRunner, batch: int, context_len: int, trace: Path,
+                   step_ms: float | None = None, calls: int = 3) -> dict[str, Any]:
+    """`calls` runs of the decode step at (batch, context_len) under the profiler: the trace
+    kept at `trace`, its kernels summed by kind (`step_profile.summarize`)."""
+    packed = decode_step(runner, batch, context_len)
+    flat = flatten_step(packed.batch)
+    runner.launch(flat, packed.flags, False)[0].block_until_ready()  # compiled, warm
+    trace_calls(lambda: runner.launch(flat, packed.flags, False)[0].block_until_ready(),
+                calls, trace)
+    return {"trace": trace.name, **summarize(trace, calls, step_ms, module="_step")}
+
+
+def _print_profile(row: dict[str, Any]) -> None:
+    prof = row["profile"]
+    top = ", ".join(f"{k['kind']} {k['ms_per_step']} ms x{k['launches_per_step']}"
+                    for k in prof["kinds"][:8])
+    print(f"  decode profile B={row['batch']} ctx={row['context_len']}: "
+          f"{prof['launches_per_step']} kernels, {prof['kernel_ms_per_step']} ms of a "
+          f"{prof['step_ms']} ms step ({prof['events_from']}); {top}", flush=True)
+
+
 def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[int, ...],
                 contexts: tuple[int, ...], engine_args: dict[str, Any],
-                budget_s: float = 1e9) -> list[dict[str, Any]]:
+                budget_s: float = 1e9, profile_batches: tuple[int, ...] = (),
+                profile_dir: Path | None = None) -> list[dict[str, Any]]:
     """Per KV dtype, an engine at the default pool and one row per (batch, context); a row
-    that does not fit the pool, or comes after the budget, says so instead of a time."""
+    that does not fit the pool, or comes after the budget, says so instead of a time.
+
+    The rows of the first KV dtype and first context whose batch is in `profile_batches` are
+    also profiled, each trace written under `profile_dir` (a failed profile is named in
+    the row's `profile_error`; its time stays)."""
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for kvd in kv_dtypes:
@@ -94,6 +124,16 @@ def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[
                 except ValueError as e:  # does not fit this pool: named, not timed
                     rows.append({**row, "skipped": str(e)})
                 print(f"  decode row {rows[-1]}", flush=True)  # a cut-short run keeps its rows
+                if ("step_ms" in rows[-1] and profile_dir is not None and b in profile_batches
+                        and kvd == kv_dtypes[0] and ctx == contexts[0]):
+                    trace = profile_dir / f"decode_{kvd}_b{b}_c{ctx}.trace.json.gz"
+                    try:
+                        rows[-1]["profile"] = profile_decode(engine.runner, b, ctx, trace,
+                                                             rows[-1]["step_ms"])
+                        _print_profile(rows[-1])
+                    except Exception as e:  # noqa: BLE001 - the row's time stands without it
+                        rows[-1]["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+                        print(f"  decode profile B={b}: {rows[-1]['profile_error']}", flush=True)
         engine.runner.kv = None  # free this pool before the next engine allocates its own
         del engine
         gc.collect()

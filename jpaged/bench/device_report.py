@@ -19,6 +19,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jpaged.bench.step_profile import op_kind
+
 
 def _rows_from(obj: Any) -> list[dict[str, Any]]:
     """Decode step rows in a JSON document: a list of rows, or a dict carrying `decode_rows`."""
@@ -120,6 +122,49 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _predicted_bytes_by_kind(case: dict[str, Any] | None) -> dict[str, int]:
+    """The case's largest kinds of op by predicted bytes ("kind: shape = N B" entries)."""
+    out: dict[str, int] = {}
+    for entry in (case or {}).get("largest_traffic") or []:
+        key, _, nbytes = entry.rpartition(" = ")
+        kind = op_kind(key.split(":")[0])
+        out[kind] = out.get(kind, 0) + int(nbytes.split()[0])
+    return out
+
+
+def profile_markdown(rows: list[dict[str, Any]], aot: dict[str, Any] | None = None) -> str:
+    """Each profiled row's kernels by kind: launches and ms per step, and where the gpu-aot
+    JSON names the kind among the case's largest, its predicted bytes and achieved GB/s."""
+    cases = {(c["kv_cache_dtype"], c["seqs"], c["context_len"]): c
+             for c in (aot or {}).get("cases", [])
+             if c["model"] == "llama3-8b" and c["tensor_parallel_size"] == 1}
+    parts = []
+    for r in rows:
+        prof = r.get("profile")
+        if not prof:
+            continue
+        share = prof.get("kernel_share_of_step")
+        parts.append(f"{r['kv_cache_dtype']}, B={r['batch']}, context {r['context_len']}: "
+                     f"{prof['launches_per_step']:g} kernels a step, "
+                     f"{prof['kernel_ms_per_step']:.3f} ms in kernels of a "
+                     f"{prof['step_ms']} ms step"
+                     + (f" ({share:.0%})" if share is not None else "")
+                     + f", events from the {prof['events_from']}")
+        predicted = _predicted_bytes_by_kind(cases.get(_key(r)))
+        parts += ["", "| kind | launches / step | ms / step | share | predicted GB | GB/s |",
+                  "|---|---|---|---|---|---|"]
+        for k in prof["kinds"]:
+            nbytes = predicted.get(k["kind"])
+            pred = f"{nbytes / 1e9:.2f}" if nbytes else ""
+            gbps = (f"{nbytes / (k['ms_per_step'] * 1e-3) / 1e9:,.0f}"
+                    if nbytes and k["ms_per_step"] else "")
+            parts.append(f"| {k['kind']} | {k['launches_per_step']:g} | "
+                         f"{k['ms_per_step']:.3f} | {k['share_of_kernel_time']:.1%} | "
+                         f"{pred} | {gbps} |")
+        parts.append("")
+    return "\n".join(parts)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Merge the folders, compare the decode rows, write JSON and print the table."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -135,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(markdown(doc["decode_rows"]))
+    prof = profile_markdown(doc["decode_rows"], aot)
+    if prof:
+        print("\n" + prof)
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import os
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -216,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="KV dtypes of the decode step rows (default: both)")
     p.add_argument("--decode-batches", nargs="+", type=int,
                    help="batches of the decode step rows (default: the configuration's)")
+    p.add_argument("--profile-batches", nargs="+", type=int, default=[],
+                   help="profile these batches' decode rows (first KV dtype and context)")
+    p.add_argument("--profile-dir", type=Path,
+                   help="where the profiled rows' traces go (default: jpaged-profiles in the "
+                        "temporary directory; a lent GPU brings back 8 files, no traces)")
     p.add_argument("--part", choices=["all", "check", "decode"], default="all",
                    help="check: the engine check alone; decode: the decode step rows alone "
                         "(so a caller can give each its own time limit)")
@@ -232,12 +238,15 @@ def main(argv: list[str] | None = None) -> int:
             "model": f"random {cfg.spec.architecture}", "runs": [], "wall_s": 0.0})
     res["mode"] = "cpu-smoke" if args.cpu_smoke else "gpu"
     res["xla_flags"] = os.environ.get("XLA_FLAGS", "")
+    profile_dir = args.profile_dir or Path(tempfile.gettempdir()) / "jpaged-profiles"
     t0 = time.perf_counter()
     res["decode_rows"] = ([] if args.part == "check" else
                           decode_rows(loaded, tuple(args.decode_kv or kv_dtypes),
                                       tuple(args.decode_batches or cfg.decode_batches),
                                       cfg.decode_contexts, cfg.decode_args,
-                                      budget_s=args.decode_budget_s))
+                                      budget_s=args.decode_budget_s,
+                                      profile_batches=tuple(args.profile_batches),
+                                      profile_dir=profile_dir))
     res["wall_s"] = round(res["wall_s"] + time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))

@@ -28,6 +28,7 @@ def test_device_check_cpu_smoke(tmp_path):
     assert log.index("split-K off (limit") < log.index("== engine check")
     kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]
     assert kernels["mode"] == "cpu-smoke" and kernels["failures"] == []
+    assert kernels["copy_GBps"] > 0 and kernels["copy_GBps_f32"] > 0  # bf16 and f32 copies
     assert len(kernels["checks"]) >= 8 and all(c["ok"] for c in kernels["checks"])
     assert {t["impl"] for t in kernels["timings"]} >= {"pallas-decode", "pallas-ragged",
                                                        "pallas-kv_write"}
@@ -53,6 +54,11 @@ def test_device_check_cpu_smoke(tmp_path):
     assert [(r["kv_cache_dtype"], r["batch"], r["context_len"]) for r in rows] == [
         (k, b, 40) for k in ("bfloat16", "fp8_e4m3") for b in (1, 4)]
     assert all(r["step_ms"] > 0 and r["output_tokens_per_s"] > 0 for r in rows), rows
+    # The profiled row (the first KV dtype's batch 4): its kernels by kind, from the trace.
+    assert [r["batch"] for r in rows if "profile" in r] == [4], rows
+    prof = rows[1]["profile"]
+    assert prof["step_ms"] == rows[1]["step_ms"] and prof["launches_per_step"] > 0
+    assert prof["kinds"] and "decode profile B=4 ctx=40" in log
     # The bf16 rows again with XLA's split-K heuristic forced off (the flag reaches XLA).
     off = doc["decode_split_k_off"]
     assert "--xla_gpu_experimental_force_split_k=1" in off["xla_flags"]
