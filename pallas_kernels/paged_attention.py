@@ -6,9 +6,13 @@ by default, the smallest M of a tensor-core product; a masked load of its G rows
 so the per-head padding is never in memory) and walks the pages of one partition of the
 context (`pages_per_partition` pages) in steps of `pages_per_block` pages with an online softmax.
 It writes the unnormalised partial (acc, m, l) of the G real rows only (a masked store: the padding
-rows move no bytes); a small jnp pass merges the partitions by log-sum-exp. Partitions past a
-sequence's length (or wholly before its sliding window) do no work and store nothing: the merge
-knows them from the lengths (`partition_active`), so their unwritten partials are never used.
+rows move no bytes). Partitions past a sequence's length (or wholly before its sliding window) do
+no work and store nothing. With one partition a jnp pass normalises the partial; with several a
+second kernel, grid (batch, kv_head), merges them by log-sum-exp (`_merge_kernel`): it walks only
+the partitions that hold a visible key, which it knows from the lengths as the decode kernel does
+(`partition_active` says the same for arrays), so unwritten partials are never read, and it
+writes the G rows in the model's dtype. One launch instead of XLA's several small passes over
+every partition's partials.
 """
 
 from __future__ import annotations
@@ -84,6 +88,87 @@ def _decode_kernel(scale_ref, lens_ref, tables_ref, q_ref, k_ref, v_ref,  # inpu
         plt.store(acc_ref, acc, mask=jnp.broadcast_to(real[:, None], (rows, head_dim)))
         plt.store(m_ref, m, mask=real)
         plt.store(l_ref, lsum, mask=real)
+
+
+def _merge_kernel(scale_ref, lens_ref, acc_ref, m_ref, l_ref,  # inputs
+                  o_ref,  # output
+                  *, part_keys: int, sliding_window: int | None, heads: int,
+                  chunk: int) -> None:
+    """One (sequence, kv head): the log-sum-exp merge of its G rows' partials over the
+    partitions holding a visible key, times the V scale, in the output's dtype.
+
+    Partitions are taken `chunk` at a time (aligned chunks: `chunk` divides the partition
+    count), so a long context is a short chain of loads. Invariant, as `merge_partitions`: a
+    partition that holds no visible key was never stored and is never loaded (masked lanes
+    load nothing); a sequence of length 0 comes out 0."""
+    parts, _, head_dim = acc_ref.shape
+    gp = next_pow2(heads)  # the rows loaded: G, padded to a power of two (masked)
+    seq_len = lens_ref[0]
+    first = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    # Partitions [p_lo, p_hi) hold a key in [first, seq_len) (see `partition_active`).
+    p_lo = first // part_keys
+    p_hi = jnp.minimum(pl.cdiv(seq_len, part_keys), parts)
+    real = lax.broadcasted_iota(jnp.int32, (gp,), 0) < heads
+
+    def body(c, carry):
+        mx, den, num = carry  # running max [gp], sum [gp], weighted values [gp, D]
+        p = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+        on = ((p >= p_lo) & (p < p_hi))[:, None] & real[None, :]  # [chunk, gp]
+        rows = (pl.ds(c * chunk, chunk), pl.ds(0, gp))
+        m_c = plt.load(m_ref.at[rows], mask=on, other=MASK_VALUE)
+        l_c = plt.load(l_ref.at[rows], mask=on, other=0.0)
+        a_c = plt.load(acc_ref.at[(*rows, slice(None))], mask=on[:, :, None], other=0.0)
+        new = jnp.maximum(mx, m_c.max(axis=0))
+        alpha, w = jnp.exp(mx - new), jnp.exp(m_c - new[None, :])
+        return (new, den * alpha + (l_c * w).sum(axis=0),
+                num * alpha[:, None] + (a_c * w[:, :, None]).sum(axis=0))
+
+    init = (jnp.full((gp,), MASK_VALUE, jnp.float32), jnp.zeros((gp,), jnp.float32),
+            jnp.zeros((gp, head_dim), jnp.float32))
+    _, den, num = lax.fori_loop(p_lo // chunk, pl.cdiv(p_hi, chunk), body, init)
+    out = num * (scale_ref[0] / jnp.where(den > 0, den, 1.0))[:, None]
+    plt.store(o_ref, out.astype(o_ref.dtype), mask=real[:, None])
+
+
+def merge_chunk(parts: int, heads: int, head_dim: int, budget: int = 8192) -> int:
+    """Partitions the merge kernel loads at once: a power of two <= 8 that divides `parts`,
+    with chunk x G (padded) x head_dim <= `budget` f32 values (registers)."""
+    c = 8
+    while c > 1 and (parts % c or c * next_pow2(heads) * head_dim > budget):
+        c //= 2
+    return c
+
+
+def merge_partials(acc: Float[Array, "B K P R D"], m: Float[Array, "B K P R"],
+                   lsum: Float[Array, "B K P R"], seq_lens: Int[Array, " B"], *,
+                   heads: int, part_keys: int, sliding_window: int | None,
+                   v_scale: Float[Array, ""] | float, out_dtype: jnp.dtype,
+                   interpret: bool = False) -> Float[Array, "B K G D"]:
+    """The decode kernel's partials merged by `_merge_kernel`: [B, K, G, D] in `out_dtype`.
+
+    The kernel stores [B, K, next_pow2(G), D] (a block's rows must be a power of two), so for
+    the usual G (1, 2, 4, 8) the result is its output as it lies, with no copy."""
+    b, hkv, parts, rows, d = acc.shape
+    gp = next_pow2(heads)
+    kernel = functools.partial(_merge_kernel, part_keys=part_keys,
+                               sliding_window=sliding_window, heads=heads,
+                               chunk=merge_chunk(parts, heads, d))
+    part_spec = pl.BlockSpec((None, None, parts, rows), lambda i, h: (i, h, 0, 0))
+    out = pallas_call(
+        kernel,
+        grid=(b, hkv),
+        in_specs=[
+            pl.BlockSpec((1,), lambda i, h: (0,)),  # v_scale (1 for other pages)
+            pl.BlockSpec((1,), lambda i, h: (i,)),  # seq_lens
+            pl.BlockSpec((None, None, parts, rows, d), lambda i, h: (i, h, 0, 0, 0)),
+            part_spec, part_spec,
+        ],
+        out_specs=pl.BlockSpec((None, None, gp, d), lambda i, h: (i, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, gp, d), out_dtype),
+        interpret=interpret, num_warps=4, num_stages=2,
+        name=f"paged_merge_pk{part_keys}{window_suffix(sliding_window)}",
+    )(scale_array(v_scale), seq_lens.astype(jnp.int32), acc, m, lsum)
+    return out[:, :, :heads]
 
 
 def step_range(seq_len: jax.Array, start: jax.Array, part_keys: int, step_keys: int,
@@ -220,7 +305,14 @@ def paged_decode_attention(
              f"{window_suffix(sliding_window)}",
     )(scale_array(qk_scale), seq_lens.astype(jnp.int32), tables, qf, to_bits(k_pages),
       to_bits(v_pages))
-    # Padded head rows (never stored) are dropped before the merge: it reads the G real rows.
+    vs = v_scale if reference.is_fp8(v_pages.dtype) else 1.0
+    if parts > 1:  # one kernel walks each sequence's partitions that hold keys
+        out = merge_partials(acc, m, lsum, seq_lens, heads=g,
+                             part_keys=pages_per_partition * bs, sliding_window=sliding_window,
+                             v_scale=vs, out_dtype=q.dtype, interpret=interpret)
+        return out.reshape(b, hq, d)
+    # One partition: normalising its partial is one elementwise pass (fused by XLA). Padded
+    # head rows (never stored) are dropped first: it reads the G real rows.
     active = partition_active(seq_lens, parts, pages_per_partition * bs, pages_per_block * bs,
                               sliding_window)
     out = merge_partitions(acc[:, :, :, :g], m[:, :, :, :g], lsum[:, :, :, :g], active)

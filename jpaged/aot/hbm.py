@@ -71,6 +71,9 @@ class KernelRule:
     # Bytes it stores into its other results (None: each whole), e.g. the split-K partials of
     # the partitions that hold keys, in the real query rows only.
     write: int | None = None
+    # Bytes it loads from its other operands (None: each whole), e.g. a merge that reads only
+    # those partials.
+    read: int | None = None
 
 
 @dataclass(frozen=True)
@@ -367,8 +370,14 @@ class _Estimator:
         if rule.idle:
             t.kernel_bytes.setdefault(name, 0)
             return [0] * len(size), 0
-        reads = [rule.pool_read if same_array(comp.by_name[o].shape, pool) else b
-                 for o, b in zip(ins.operands, size, strict=True)]
+        in_pool = [same_array(comp.by_name[o].shape, pool) for o in ins.operands]
+        reads = [rule.pool_read if p else b for p, b in zip(in_pool, size, strict=True)]
+        if rule.read is not None:  # the other operands' loads, in operand order, capped
+            left = rule.read
+            for k, p in enumerate(in_pool):
+                if not p:
+                    reads[k] = min(left, size[k])
+                    left -= reads[k]
         pool_outs = [s for s in outs if same_array(s, pool)]
         others = sum(shape_bytes(s) for s in outs if not same_array(s, pool))
         write = rule.pool_write * len(pool_outs) + (others if rule.write is None else

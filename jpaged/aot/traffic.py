@@ -104,12 +104,19 @@ class StepTraffic:
             step = _param(name, "ppb") * self.block_size
             part = _param(name, "ppp") * self.block_size
             w, ctx = _window(name), self.context_len
-            first = 0 if w is None else max(0, ctx - w)
-            keys = _reach(first, ctx, step)
+            keys = _reach(0 if w is None else max(0, ctx - w), ctx, step)
             # Partials (acc, m, l in f32) of the partitions holding a visible key, real rows.
-            parts = _cdiv(ctx, part) - first // part
-            partials = self.seqs * self.kv_heads * parts * self.q_per_kv * (self.head_dim + 2) * 4
-            return KernelRule(self.seqs * keys * self.row_bytes, 0, write=partials)
+            return KernelRule(self.seqs * keys * self.row_bytes, 0,
+                              write=self._partial_bytes(part, w))
+        if name.startswith("paged_merge_"):
+            if not self.decode:
+                return KernelRule(0, 0)
+            # It loads those partials and the lengths, and stores the merged real rows in the
+            # model's dtype.
+            rows = self.seqs * self.kv_heads * self.q_per_kv
+            return KernelRule(0, 0, write=rows * self.head_dim * self.model_bytes,
+                              read=self._partial_bytes(_param(name, "pk"), _window(name))
+                              + self.seqs * 4)
         if name.startswith("ragged_paged_"):
             if self.decode:  # launched inactive: no tile has a valid row
                 return KernelRule(0, 0, idle=True)
@@ -124,6 +131,14 @@ class StepTraffic:
             rows = self.tokens * self.kv_heads * self.q_per_kv * self.head_dim * out
             return KernelRule(self.seqs * keys * self.row_bytes, 0, write=rows)
         return None
+
+    def _partial_bytes(self, part_keys: int, window: int | None) -> int:
+        """The split-K decode kernel's f32 partials (acc, m, l) for the real query rows of the
+        `part_keys`-key partitions that hold a key the window sees, in this decode case."""
+        ctx = self.context_len
+        first = 0 if window is None else max(0, ctx - window)
+        parts = _cdiv(ctx, part_keys) - first // part_keys
+        return self.seqs * self.kv_heads * self.q_per_kv * parts * (self.head_dim + 2) * 4
 
     def loop_trips(self, op_name: str) -> int | None:
         """Trips of the XLA attention's chunk loop (`xla_chunks_t{T}_g{G}_ck{K}_n{N}[_w{W}]` in

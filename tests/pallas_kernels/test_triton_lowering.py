@@ -35,25 +35,27 @@ def _triton_calls(text: str) -> int:
     return text.count("xla.gpu.triton") + text.count("triton_kernel_call")
 
 
-@pytest.mark.parametrize("hq,hkv,d,bs,max_blocks,page_dtype,opts", [
-    (32, 8, 128, 16, 40, jnp.bfloat16, {}),
+# merge: the decode kernel's context spans several partitions, so the merge kernel runs too.
+@pytest.mark.parametrize("hq,hkv,d,bs,max_blocks,page_dtype,opts,merge", [
+    (32, 8, 128, 16, 40, jnp.bfloat16, {}, 1),
     (24, 8, 64, 32, 40, jnp.float8_e4m3fn, {"soft_cap": 30.0, "sliding_window": 100,
-                                            "k_scale": 0.5, "v_scale": 0.5}),
-    (12, 3, 128, 16, 40, jnp.float32, {}),
-    (4, 4, 64, 8, 1, jnp.bfloat16, {}),  # MHA, one 8-token page: steps widen to 16 keys
+                                            "k_scale": 0.5, "v_scale": 0.5}, 1),
+    (12, 3, 128, 16, 40, jnp.float32, {}, 1),
+    (4, 4, 64, 8, 1, jnp.bfloat16, {}, 0),  # MHA, one 8-token page: steps widen to 16 keys
 ])
-def test_kernels_lower_to_triton(hq, hkv, d, bs, max_blocks, page_dtype, opts):
+def test_kernels_lower_to_triton(hq, hkv, d, bs, max_blocks, page_dtype, opts, merge):
     b, t, blocks = 4, 48, 128
     pages = S((blocks, bs, hkv, d), page_dtype)
     ints = functools.partial(S, dtype=jnp.int32)
     decode = _lower_for_cuda(functools.partial(paged_decode_attention, **opts),
                              S((b, hq, d), jnp.bfloat16), pages, pages, ints((b,)),
                              ints((b, max_blocks)))
-    assert _triton_calls(decode) == 1
+    assert _triton_calls(decode) == 1 + merge
+    assert ("paged_merge_pk" in decode) == bool(merge)
     ragged = _lower_for_cuda(functools.partial(ragged_paged_attention, **opts),
                              S((t, hq, d), jnp.bfloat16), pages, pages, ints((b + 1,)),
                              ints((b,)), ints((b, max_blocks)))
-    assert _triton_calls(ragged) == 2  # the tiled kernel and the decode fast path
+    assert _triton_calls(ragged) == 2 + merge  # the tiled kernel, the decode fast path
     scales = {k: v for k, v in opts.items() if k.endswith("_scale")}
     write = _lower_for_cuda(functools.partial(write_kv, **scales), pages, pages,
                             S((t, hkv, d), jnp.bfloat16), S((t, hkv, d), jnp.bfloat16),

@@ -133,6 +133,11 @@ def test_handwritten_gpu_module_counted_by_hand():
     part = estimate_traffic(GPU_HLO, replace(model, kernel_rule=lambda n: KernelRule(
         1000, 0, write=100) if n.startswith("paged_decode") else _rules(n)))
     assert part.hbm_bytes == t.hbm_bytes - 4 * (1024 - 100)
+    # A rule that says what the kernel loads of its other operands (here 200 of the 512
+    # bytes of q) counts that instead of each whole.
+    read = estimate_traffic(GPU_HLO, replace(model, kernel_rule=lambda n: KernelRule(
+        1000, 0, read=200) if n.startswith("paged_decode") else _rules(n)))
+    assert read.hbm_bytes == t.hbm_bytes - 4 * (512 - 200)
     # No weights named: nothing is a weight copy or a weight collective.
     t4 = estimate_traffic(GPU_HLO, HbmModel(pool_shape="u16[64,16,2,64]", kernel_rule=_rules))
     assert (t4.param_copy_bytes, t4.param_collective_bytes) == (0, 0)
@@ -163,6 +168,19 @@ def test_step_rules_decode_and_prefill():
     assert fp8.kernel_rule("ragged_paged_qt16_ppb1") == KernelRule(2 * 48 * 128, 0,
                                                                    write=2 * out)
     assert pre.kernel_rule("paged_decode_ppb8_ppp8") == KernelRule(0, 0)
+    # The merge of a decode step's 64-key partitions: it loads the partials of the two that
+    # hold keys (3 real rows of 64 + 2 floats each, per sequence and kv head) and the lengths,
+    # and stores the 3 merged rows of 64 in bf16 (the model's dtype, fp8 pages or not).
+    merged = 4 * 2 * 3 * 64 * 2
+    assert dec.kernel_rule("paged_merge_pk64") == KernelRule(
+        0, 0, write=merged, read=4 * 2 * 3 * 2 * 66 * 4 + 4 * 4)
+    assert StepTraffic(**{**dec.__dict__, "page_bytes": 1}).kernel_rule(
+        "paged_merge_pk64").write == merged
+    # A 40-key window ending at key 100 (keys 60..99) touches both partitions; 30 keys only
+    # the second.
+    assert dec.kernel_rule("paged_merge_pk64_w40").read == 4 * 2 * 3 * 2 * 66 * 4 + 4 * 4
+    assert dec.kernel_rule("paged_merge_pk64_w30").read == 4 * 2 * 3 * 1 * 66 * 4 + 4 * 4
+    assert pre.kernel_rule("paged_merge_pk64") == KernelRule(0, 0)
     with pytest.raises(ValueError):
         pre.kernel_rule("ragged_paged_noparams")
 
