@@ -1,12 +1,13 @@
 """Where a compiled step's time goes, kernel by kernel: a jax.profiler trace, summed by kind.
 
-On a GPU the trace holds one event per kernel the device ran, on the device's own timeline;
-its `hlo_op` argument names the HLO instruction the kernel came from (a fusion, a Pallas
-custom call, a cuBLAS call). Summed per kind of op (the instruction's name less its numeric
-suffix, as `jpaged.aot.hbm.Traffic.by_op` names kinds), the time says which kinds fall short
-of their bytes, and the share of the step's wall time the device spent in kernels says how
-much went to launch gaps instead. On XLA:CPU the events are the runtime's thunks on the host's
-threads (a while loop's thunk encloses its body's, so there the kinds overlap).
+On a GPU the trace holds one event per kernel the device ran, on the device's stream lines;
+its `hlo_op` argument, where present, names the HLO instruction the kernel came from (a
+fusion, a Pallas custom call, a cuBLAS call), else the kernel's own name stands in. Summed
+per kind of op (the instruction's name less its numeric suffix, as
+`jpaged.aot.hbm.Traffic.by_op` names kinds), the time says which kinds fall short of their
+bytes, and the share of the step's wall time the device spent in kernels says how much went
+to launch gaps instead. On XLA:CPU the events are the runtime's thunks on the host's threads
+(a while loop's thunk encloses its body's, so there the kinds overlap).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ _SUFFIX = re.compile(r"([._]\d+)+$")
 # Instructions named for what launches them, not what runs: a device event of one is named by
 # its kernel (a Pallas kernel's `name`, as the HBM estimate names it).
 _BY_KERNEL_NAME = ("pallas_call", "custom-call", "custom_call")
+# Lines the trace viewer derives on a device from its kernels (one event per op, module or
+# step, spanning kernels that are also on the stream lines): counted, they would count twice.
+_DERIVED = ("XLA Modules", "XLA Ops", "Steps", "Framework", "Source", "TensorFlow")
 
 
 def op_kind(name: str) -> str:
@@ -53,16 +57,32 @@ def trace_calls(fn: Callable[[], Any], calls: int, out: Path) -> Path:
 
 
 def _events(doc: dict[str, Any], module: str | None) -> tuple[list[dict[str, Any]], str]:
-    """The complete events of ops of `module` (substring of `hlo_module`; None: any), from
-    the device processes when the trace has any, else from the host's; and which it was."""
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in doc.get("traceEvents", [])
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    devices = {pid for pid, n in names.items() if n.startswith("/device:")}
-    ops = [e for e in doc.get("traceEvents", [])
-           if e.get("ph") == "X" and "hlo_op" in e.get("args", {})
-           and (module is None or module in str(e["args"].get("hlo_module", "")))]
-    on_device = [e for e in ops if e["pid"] in devices]
-    return (on_device, "device") if on_device else (ops, "host")
+    """The complete events of the kernels the device ran (its stream threads; the derived
+    per-op and per-module lines of a device, which span those kernels again, left out), of
+    `module` where an event names its module (substring of `hlo_module`; None: any); with no
+    device process, the host's op events (`hlo_op`) instead. Returns them and which it was."""
+    meta = [e for e in doc.get("traceEvents", []) if e.get("ph") == "M"]
+    procs = {e["pid"]: e.get("args", {}).get("name", "") for e in meta
+             if e.get("name") == "process_name"}
+    threads = {(e["pid"], e.get("tid")): e.get("args", {}).get("name", "") for e in meta
+               if e.get("name") == "thread_name"}
+    devices = {pid for pid, n in procs.items() if n.startswith("/device:")}
+
+    def of_module(e: dict[str, Any], default: bool) -> bool:
+        named = e.get("args", {}).get("hlo_module")
+        return module is None or (module in str(named) if named is not None else default)
+
+    spans = [e for e in doc.get("traceEvents", []) if e.get("ph") == "X"]
+    on_device = [e for e in spans if e["pid"] in devices and of_module(e, True)]
+    streams = {k for k, n in threads.items() if k[0] in devices and n.startswith("Stream")}
+    if streams:
+        on_device = [e for e in on_device if (e["pid"], e.get("tid")) in streams]
+    else:
+        on_device = [e for e in on_device
+                     if not threads.get((e["pid"], e.get("tid")), "").startswith(_DERIVED)]
+    if on_device:
+        return on_device, "device"
+    return [e for e in spans if "hlo_op" in e.get("args", {}) and of_module(e, False)], "host"
 
 
 def summarize(trace: Path, calls: int, step_ms: float | None = None,
@@ -73,7 +93,8 @@ def summarize(trace: Path, calls: int, step_ms: float | None = None,
     events, where = _events(doc, module)
     kinds: dict[str, list[float]] = {}
     for e in events:
-        kind = op_kind(str(e["args"]["hlo_op"]))
+        op = e.get("args", {}).get("hlo_op")
+        kind = op_kind(str(op if op is not None else e.get("name", "?")))
         if where == "device" and kind in _BY_KERNEL_NAME:  # a Pallas kernel: its own name
             kind = op_kind(str(e.get("name", kind)))
         k = kinds.setdefault(kind, [0, 0.0])

@@ -61,7 +61,10 @@ def _gpu_trace(path):
     """Two steps on a GPU, as the profiler lays them out: host events (the launches, with the
     same hlo_op) and device events (the kernels), 'M' events naming the processes."""
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
-            {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+            {"ph": "M", "pid": 7, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 7, "tid": 1, "name": "thread_name",
+             "args": {"name": "Stream #13(Compute)"}},
+            {"ph": "M", "pid": 7, "tid": 9, "name": "thread_name", "args": {"name": "XLA Ops"}}]
     events = []
     for step in range(2):
         t = step * 1000.0
@@ -74,6 +77,8 @@ def _gpu_trace(path):
                            "args": args})
             events.append({"ph": "X", "pid": 1, "tid": 2, "ts": t, "dur": 5.0, "name": op,
                            "args": args})  # the host's launch: not a kernel
+            events.append({"ph": "X", "pid": 7, "tid": 9, "ts": t, "dur": dur, "name": op,
+                           "args": args})  # the derived per-op line: the same kernel again
             t += dur
         events.append({"ph": "X", "pid": 7, "tid": 1, "ts": t, "dur": 999.0, "name": "other",
                        "args": {"hlo_op": "fusion", "hlo_module": "jit_other"}})
@@ -112,3 +117,22 @@ def test_the_report_sets_predicted_bytes_beside_the_kernels(tmp_path):
     assert "| gemm_fusion_dot | 2 | 0.400 | 66.7% | 0.80 | 2,000 |" in table
     assert "| paged_decode_ppb8_ppp64 | 1 | 0.150 | 25.0% | 0.03 | 200 |" in table
     assert "| loop_add_fusion | 1 | 0.050 | 8.3% |  |  |" in table
+
+
+def test_device_kernels_without_op_names_are_named_by_their_kernel(tmp_path):
+    """A device whose lines are not named Stream..., and kernels that carry no `hlo_op`: the
+    kernel's name is the kind, and a derived 'XLA Modules' line is still left out."""
+    meta = [{"ph": "M", "pid": 3, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 3, "tid": 5, "name": "thread_name",
+             "args": {"name": "XLA Modules"}}]
+    events = [{"ph": "X", "pid": 3, "tid": 1, "ts": 0.0, "dur": 40.0,
+               "name": "loop_add_fusion_12", "args": {}},
+              {"ph": "X", "pid": 3, "tid": 1, "ts": 40.0, "dur": 60.0,
+               "name": "gemm_fusion_dot_7", "args": {}},
+              {"ph": "X", "pid": 3, "tid": 5, "ts": 0.0, "dur": 100.0, "name": "jit__step",
+               "args": {"hlo_module": "jit__step"}}]
+    path = tmp_path / "bare.trace.json.gz"
+    path.write_bytes(gzip.compress(json.dumps({"traceEvents": meta + events}).encode()))
+    prof = summarize(path, 1, module="_step")
+    assert prof["events_from"] == "device" and prof["kernel_ms_per_step"] == pytest.approx(0.1)
+    assert [k["kind"] for k in prof["kinds"]] == ["gemm_fusion_dot", "loop_add_fusion"]
