@@ -316,6 +316,4 @@ def paged_decode_attention(
     active = partition_active(seq_lens, parts, pages_per_partition * bs, pages_per_block * bs,
                               sliding_window)
     out = merge_partitions(acc[:, :, :, :g], m[:, :, :, :g], lsum[:, :, :, :g], active)
-    if reference.is_fp8(v_pages.dtype):
-        out = out * jnp.asarray(v_scale, jnp.float32)
-    return out.reshape(b, hq, d).astype(q.dtype)
+    return (out * jnp.asarray(vs, jnp.float32)).reshape(b, hq, d).astype(q.dtype)

@@ -335,12 +335,12 @@ def main() -> int:
     _guard("check vs jax kernel", check_vs_jax_kernel, cfg)
 
     print("== bandwidth ceiling")
-    copy_bw = bi.copy_bandwidth(cfg["copy_bytes"], repeats=5 if not args.cpu_smoke else 1)
+    copy_reps = 5 if not args.cpu_smoke else 1
+    copy_bw = bi.copy_bandwidth(cfg["copy_bytes"], repeats=copy_reps)
     RESULTS["copy_GBps"] = copy_bw / 1e9
     print(f"  device-to-device copy: {copy_bw / 1e9:.0f} GB/s (read + write)")
     # The same in float32: XLA's elementwise kernels then access 16 bytes a thread, not 8.
-    copy_f32 = bi.copy_bandwidth(cfg["copy_bytes"], repeats=5 if not args.cpu_smoke else 1,
-                                 dtype=jnp.float32)
+    copy_f32 = bi.copy_bandwidth(cfg["copy_bytes"], repeats=copy_reps, dtype=jnp.float32)
     RESULTS["copy_GBps_f32"] = copy_f32 / 1e9
     print(f"  device-to-device copy, float32: {copy_f32 / 1e9:.0f} GB/s (read + write)")
 

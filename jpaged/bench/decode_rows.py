@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,17 +60,28 @@ def decode_step(runner: ModelRunner, batch: int, context_len: int, seed: int = 0
     return packed
 
 
+def _warm_step(runner: ModelRunner, batch: int, context_len: int) -> Callable[[], None]:
+    """One call of the compiled decode step at (batch, context_len), waiting for its result;
+    called once here, so the step is compiled (or loaded) and warm."""
+    packed = decode_step(runner, batch, context_len)
+    flat = flatten_step(packed.batch)
+
+    def call() -> None:
+        runner.launch(flat, packed.flags, False)[0].block_until_ready()
+
+    call()
+    return call
+
+
 def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int = 10
                 ) -> dict[str, Any]:
     """Median ms of the compiled decode step at (batch, context_len); the first call compiles
     (or loads) it and is not timed."""
-    packed = decode_step(runner, batch, context_len)
-    flat = flatten_step(packed.batch)
-    runner.launch(flat, packed.flags, False)[0].block_until_ready()
+    call = _warm_step(runner, batch, context_len)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
-        runner.launch(flat, packed.flags, False)[0].block_until_ready()
+        call()
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times) * 1e3
     return {"batch": batch, "context_len": context_len, "step_ms": round(ms, 3),
@@ -80,11 +92,7 @@ def profile_decode(runner: ModelRunner, batch: int, context_len: int, trace: Pat
                    step_ms: float | None = None, calls: int = 3) -> dict[str, Any]:
     """`calls` runs of the decode step at (batch, context_len) under the profiler: the trace
     kept at `trace`, its kernels summed by kind (`step_profile.summarize`)."""
-    packed = decode_step(runner, batch, context_len)
-    flat = flatten_step(packed.batch)
-    runner.launch(flat, packed.flags, False)[0].block_until_ready()  # compiled, warm
-    trace_calls(lambda: runner.launch(flat, packed.flags, False)[0].block_until_ready(),
-                calls, trace)
+    trace_calls(_warm_step(runner, batch, context_len), calls, trace)
     return {"trace": trace.name, **summarize(trace, calls, step_ms, module="_step")}
 
 
