@@ -290,18 +290,20 @@ class ModelRunner:
         norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)
         rank = 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32)
-        top_k, _ = self._vocab_ops
+        top_k = self._vocab_ops[0]
         top_logits, top_ids = top_k(logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
         out = ((chosen - norm)[:, 0], rank, top_ids.astype(jnp.int32), top_logits - norm)
         return out if self.parallel is None else tuple(map(self.parallel.replicated, out))
 
     @property
-    def _vocab_ops(self) -> tuple[Callable[..., Any], Callable[[jax.Array], jax.Array]]:
-        """The sampler's (top_k, keep_split): lax.top_k and nothing, or under tensor parallel
-        the two-stage top-k and the pin to the vocab split (`sample`)."""
+    def _vocab_ops(self) -> tuple[Callable[..., Any], Callable[[jax.Array], jax.Array], int]:
+        """The sampler's (top_k, keep_split, vocab_shards): lax.top_k, nothing and 1, or under
+        tensor parallel the two-stage top-k, the pin to the vocab split and its share count
+        (`sample`)."""
         if self.parallel is None:
-            return jax.lax.top_k, lambda x: x
-        return self.parallel.top_k, self.parallel.split_logits
+            return jax.lax.top_k, lambda x: x, 1
+        shards = self.parallel.size if self.parallel.split_vocab else 1  # divides V
+        return self.parallel.top_k, self.parallel.split_logits, shards
 
     @property
     def num_compiled(self) -> int:

@@ -1,9 +1,20 @@
 """On-device sampling: filters, penalties, seeds and logprobs against direct numpy math."""
 
+import math
+
 import jax
 import numpy as np
 
-from jpaged.runner.sampler import SamplingBatch, SamplingFlags, apply_penalties, sample
+from jpaged.runner.sampler import (
+    SamplingBatch,
+    SamplingFlags,
+    _threshold_by_count,
+    _threshold_by_mass,
+    apply_penalties,
+    row_chunks,
+    row_stats,
+    sample,
+)
 
 V = 12
 
@@ -49,6 +60,35 @@ def test_greedy_is_argmax_and_logprobs():
     assert top_ids0.shape == (3, 0) and top_lp0.shape == (3, 0)
 
 
+def test_row_stats_one_read_matches_two_pass_log_softmax():
+    rng = np.random.default_rng(1)
+    for v, shards in ((300, 1), (300, 2), (300, 4), (4099, 1), (8198, 2), (49152, 1)):
+        x = (rng.standard_normal((5, v)) * 4).astype(np.float32)
+        x[0, [7, 3, v - 1]] = x[0].max() + 2  # ties: the first id wins, as argmax's
+        x[1, : v // 2] = -np.inf  # masked logits count for nothing
+        x[2, 1:] = -np.inf  # one token left
+        m, log_norm, ids = map(np.asarray, jax.jit(row_stats, static_argnums=1)(x, shards))
+        top = x.max(-1, keepdims=True)
+        with np.errstate(over="ignore"):
+            ref = np.log(np.exp((x - top).astype(np.float64)).sum(-1, keepdims=True))
+        np.testing.assert_array_equal(ids, x.argmax(-1))
+        np.testing.assert_array_equal(m, top)
+        np.testing.assert_allclose(log_norm, ref, rtol=0, atol=2e-6)
+        assert ids[0] == 3 and log_norm[2, 0] == 0.0
+    # A row with nothing allowed: max -inf, log-normaliser -inf, id 0 (as argmax), no nan.
+    m, log_norm, ids = jax.jit(row_stats)(np.full((1, 64), -np.inf, np.float32))
+    assert float(m[0, 0]) == float(log_norm[0, 0]) == -np.inf and int(ids[0]) == 0
+
+
+def test_row_chunks_cover_the_row_with_short_chains():
+    assert row_chunks(49152) == (192, 256) and row_chunks(262144) == (512, 512)
+    assert row_chunks(128256 // 4) == (167, 192)
+    assert row_chunks(4099) == (64, 65)  # a prime: padded
+    for n in (1, 2, 75, 150, 4099, 50257, 64128, 151936):
+        c, length = row_chunks(n)
+        assert n <= c * length < n + length and max(c, length) <= 4 * math.isqrt(n) + 1
+
+
 def test_top_k_top_p_min_p_restrict_support():
     logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1] + [1e-9] * (V - 4)] * 3, np.float32))
     sb = _batch(3, top_k=np.array([2, V, V], np.int32), top_p=np.array([1.0, 0.65, 1.0],
@@ -57,6 +97,40 @@ def test_top_k_top_p_min_p_restrict_support():
     assert seen[0] == {0, 1}  # top-2
     assert seen[1] == {0, 1}  # 0.4 + 0.3 >= 0.65
     assert seen[2] == {0, 1}  # p >= 0.6 * 0.4 = 0.24
+    # Each filter alone in its batch: the searches the batch does not use are skipped.
+    for r in range(3):
+        alone = _batch(1, top_k=sb.top_k[r:r + 1], top_p=sb.top_p[r:r + 1],
+                       min_p=sb.min_p[r:r + 1])
+        assert _draws(logits[r:r + 1], alone, SamplingFlags(), n=150)[0] == {0, 1}
+
+
+def test_thresholds_are_exact_on_a_real_vocabulary():
+    """The 16-way searches land on the k-th largest logit and the nucleus floor that a full
+    sort gives, on 49,152-token rows (ties and masked tokens included)."""
+    rng = np.random.default_rng(2)
+    b, v = 6, 49152
+    x = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    x[1, :100] = x[1].max() + 1  # 100 tied at the top
+    x[2, rng.choice(v, v // 2, replace=False)] = -np.inf  # a grammar's mask
+    k = np.array([1, 50, 7, 1000, v // 3, 2], np.int32)
+    kth = np.asarray(jax.jit(_threshold_by_count)(x, k))
+    np.testing.assert_array_equal(kth, -np.sort(-x, -1)[np.arange(b), k - 1])
+    p = np.asarray(jax.nn.softmax(x, axis=-1))
+    top_p = np.array([0.9, 0.5, 0.95, 0.3, 0.999, 0.7], np.float32)
+    floor = np.asarray(jax.jit(_threshold_by_mass)(p, top_p))
+    for r in range(b):  # the kept tokens reach top_p; without the least of them they do not
+        kept = p[r][p[r] >= floor[r]]
+        assert kept.sum(dtype=np.float64) >= top_p[r] - 1e-4  # float32 sums of 49,152
+        assert p[r][p[r] > kept.min()].sum(dtype=np.float64) < top_p[r] + 1e-4
+
+
+def test_top_k_ignores_masked_tokens():
+    """top_k counts among the tokens a mask allows: with half the vocabulary at -inf, top-2
+    still keeps two tokens (the search once started at the row's -inf minimum and kept all)."""
+    logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1] + [1e-3] * (V - 4)], np.float32))
+    logits[0, 6:] = -np.inf
+    sb = _batch(1, top_k=np.array([2], np.int32))
+    assert _draws(logits, sb, SamplingFlags(), n=200)[0] == {0, 1}
 
 
 def test_unfiltered_sampling_covers_support_and_seed_is_reproducible():
