@@ -131,50 +131,71 @@ def _search(lo: jax.Array, hi: jax.Array,
     return lo
 
 
+def _finite_min(x: Float[Array, "B V"]) -> Float[Array, " B"]:
+    """Each row's smallest finite value (-inf for a row masked whole)."""
+    lo = jnp.min(jnp.where(x > -jnp.inf, x, jnp.inf), axis=-1)
+    return jnp.minimum(lo, x.max(axis=-1))
+
+
 def _threshold_by_count(x: Float[Array, "B V"], k: Int[Array, " B"]) -> Float[Array, " B"]:
     """Largest t with count(x >= t) >= k: the k-th largest value, ties kept (the smallest
     finite value where fewer than k are finite: masked tokens stay out)."""
-    lo = jnp.min(jnp.where(x > -jnp.inf, x, jnp.inf), axis=-1)
-    lo = jnp.minimum(lo, x.max(axis=-1))  # a row masked whole: -inf, as its max
 
     def count(t: jax.Array) -> jax.Array:
         return _sums(lambda j: (x >= t[:, j:j + 1]).astype(jnp.int32), t.shape[1],
                      jnp.int32(0))
 
-    return _search(lo, x.max(axis=-1), count, k)
+    return _search(_finite_min(x), x.max(axis=-1), count, k)
 
 
-def _threshold_by_mass(p: Float[Array, "B V"], top_p: Float[Array, " B"]) -> Float[Array, " B"]:
-    """Largest t with sum(p[p >= t]) >= top_p: the nucleus floor."""
+def _threshold_by_mass(x: Float[Array, "B V"], floor: Float[Array, " B"],
+                       top_p: Float[Array, " B"], shards: int) -> Float[Array, " B"]:
+    """Largest t such that the tokens with x >= t (and x >= floor, the top-k's) hold top_p of
+    the probability of those with x >= floor: the nucleus's least logit, found on the logits
+    (softmax is monotonic), so no probability array is written.
+
+    The search starts 128 below the row's max: a token further down has a probability under
+    e^-128 of the max's, which float32 sums as 0 and which never wins the Gumbel draw.
+    """
+    m, log_z, _ = row_stats(jnp.where(x >= floor[:, None], x, -jnp.inf), shards)
 
     def mass(t: jax.Array) -> jax.Array:
-        return _sums(lambda j: jnp.where(p >= t[:, j:j + 1], p, 0.0), t.shape[1],
-                     jnp.float32(0.0))
+        # The barrier ties x to the loop's state, so XLA computes p inside each pass instead
+        # of hoisting a [B, V] probability array out of the loop and reading it too.
+        xs, _ = jax.lax.optimization_barrier((x, t))
+        p = jnp.exp(xs - m - log_z)
+        return _sums(lambda j: jnp.where((xs >= t[:, j:j + 1]) & (xs >= floor[:, None]), p,
+                                         0.0), t.shape[1], jnp.float32(0.0))
 
-    lo = _search(jnp.zeros_like(top_p), p.max(axis=-1), mass, top_p)
-    return jnp.where(top_p >= 1.0, 0.0, lo)
+    return _search(jnp.maximum(m[:, 0] - 128.0, floor), m[:, 0], mass, top_p)
 
 
-def _filter(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"]:
-    """Mask everything outside top-k, the top-p nucleus and the min-p floor to -inf.
+def _filter_floor(x: Float[Array, "B V"], s: SamplingBatch, shards: int = 1
+                  ) -> Float[Array, " B"]:
+    """[B]: the least (temperature-scaled) logit each row keeps under its top-k, top-p and
+    min-p; -inf keeps every token. Order as vLLM: top-k, then top-p on the renormalised
+    survivors, then min-p (relative to the most probable token).
 
     Thresholds come from a 16-way search rather than a full sort of the vocabulary, which
     costs ~100x more on CPU; each search (about 10 reads of the row) runs only when some row
-    of the batch uses its filter. Order as vLLM: top-k, then top-p on the renormalised
-    survivors, then min-p.
+    of the batch uses its filter. Only [B] thresholds leave: the caller masks the row inside
+    the pass that draws, so no filtered [B, V] array is written.
     """
-    b, v = logits.shape
+    b, v = x.shape
     k = jnp.clip(s.top_k, 1, v)
+    minus_inf = jnp.full((b,), -jnp.inf, jnp.float32)
     kth = jax.lax.cond(jnp.any(k < v),
                        lambda x: jnp.where(k >= v, -jnp.inf, _threshold_by_count(x, k)),
-                       lambda x: jnp.full((b,), -jnp.inf, jnp.float32), logits)
-    logits = jnp.where(logits >= kth[:, None], logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
-    pth = jax.lax.cond(jnp.any(s.top_p < 1.0), lambda p: _threshold_by_mass(p, s.top_p),
-                       lambda p: jnp.zeros((b,), jnp.float32), probs)
-    keep = (probs >= pth[:, None]) & (probs >= s.min_p[:, None] * probs.max(axis=-1,
-                                                                           keepdims=True))
-    return jnp.where(keep, logits, -jnp.inf)
+                       lambda x: minus_inf, x)
+    top = jax.lax.cond(
+        jnp.any(s.top_p < 1.0),
+        lambda x: jnp.where(s.top_p >= 1.0, -jnp.inf, _threshold_by_mass(x, kth, s.top_p,
+                                                                         shards)),
+        lambda x: minus_inf, x)
+    # p >= min_p * p_max  <=>  x >= max + log(min_p) (-inf where min_p = 0)
+    least = jax.lax.cond(jnp.any(s.min_p > 0.0),
+                         lambda x: x.max(axis=-1) + jnp.log(s.min_p), lambda x: minus_inf, x)
+    return jnp.maximum(jnp.maximum(kth, top), least)
 
 
 def row_chunks(n: int) -> tuple[int, int]:
@@ -264,14 +285,15 @@ def sample(
 
     def draw(_: None) -> Int[Array, " B"]:
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
-        scaled = logits / temp[:, None]
+        scaled = keep_split(logits / temp[:, None])
         needs_filter = jnp.any((s.top_k < v) | (s.top_p < 1.0) | (s.min_p > 0.0))
-        scaled = keep_split(jax.lax.cond(needs_filter, lambda x: _filter(x, s), lambda x: x,
-                                         keep_split(scaled)))
+        floor = jax.lax.cond(needs_filter, lambda x: _filter_floor(x, s, vocab_shards),
+                             lambda x: jnp.full(x.shape[:1], -jnp.inf, jnp.float32), scaled)
         keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(
             s.seeds.astype(jnp.uint32), s.counters)
         gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,)))(keys)
-        sampled = jnp.argmax(scaled + gumbel, axis=-1).astype(jnp.int32)
+        kept = jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
+        sampled = jnp.argmax(keep_split(kept + gumbel), axis=-1).astype(jnp.int32)
         return jnp.where(s.temperature > 0, sampled, greedy_ids)
 
     ids = jax.lax.cond(jnp.all(s.temperature <= 0), lambda _: greedy_ids, draw, None)

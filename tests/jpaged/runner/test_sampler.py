@@ -115,13 +115,18 @@ def test_thresholds_are_exact_on_a_real_vocabulary():
     k = np.array([1, 50, 7, 1000, v // 3, 2], np.int32)
     kth = np.asarray(jax.jit(_threshold_by_count)(x, k))
     np.testing.assert_array_equal(kth, -np.sort(-x, -1)[np.arange(b), k - 1])
-    p = np.asarray(jax.nn.softmax(x, axis=-1))
+    p = np.asarray(jax.nn.softmax(x, axis=-1), np.float64)
     top_p = np.array([0.9, 0.5, 0.95, 0.3, 0.999, 0.7], np.float32)
-    floor = np.asarray(jax.jit(_threshold_by_mass)(p, top_p))
-    for r in range(b):  # the kept tokens reach top_p; without the least of them they do not
-        kept = p[r][p[r] >= floor[r]]
-        assert kept.sum(dtype=np.float64) >= top_p[r] - 1e-4  # float32 sums of 49,152
-        assert p[r][p[r] > kept.min()].sum(dtype=np.float64) < top_p[r] + 1e-4
+    floor = np.array([-np.inf, -np.inf, -np.inf, kth[3], -np.inf, -np.inf], np.float32)
+    least = np.asarray(jax.jit(_threshold_by_mass, static_argnums=3)(x, floor, top_p, 1))
+    for r in range(b):  # the kept tokens reach top_p (of what the floor leaves, row 3 top-k's
+        # survivors); without the least of them they do not
+        alive = x[r] >= floor[r]
+        q = np.where(alive, p[r], 0) / p[r][alive].sum()
+        kept = x[r] >= least[r]
+        assert kept[alive].all() == (least[r] <= floor[r]) and not kept[~alive].any()
+        assert q[kept].sum() >= top_p[r] - 1e-4  # float32 sums of 49,152
+        assert q[x[r] > x[r][kept].min()].sum() < top_p[r] + 1e-4
 
 
 def test_top_k_ignores_masked_tokens():
