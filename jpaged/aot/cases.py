@@ -183,7 +183,7 @@ class StepBuilder:
             model = nnx.merge(graphdef, jax.tree.map(self._abstract, state))
         return ModelRunner(model, self.abstract_kv(), self.plan, self.block_size,
                            self.spec.vocab_size, self.ops, parallel=self.parallel,
-                           kv_layout=self.kv_layout)
+                           kv_layout=self.kv_layout, platform=self.platform)
 
     @property
     def param_bytes(self) -> int:

@@ -127,8 +127,11 @@ class ModelRunner:
                  vocab_size: int, ops: AttentionOps, seed: int = 0,
                  parallel: TensorParallel | None = None,
                  calculate_kv_scales: bool = False,
-                 kv_layout: KVCacheLayout | None = None) -> None:
+                 kv_layout: KVCacheLayout | None = None, platform: str | None = None) -> None:
         self.graphdef, self.params = nnx.split(model)
+        # The platform the step compiles for (a deviceless GPU compile runs on the CPU backend):
+        # off XLA:CPU the sampler's filters search the row in as few reads as they can.
+        self.wide_search = (platform or jax.default_backend()) != "cpu"
         # KV cache groups: layer i writes and reads slot slot_of[i] of the blocks in group
         # group_of[i]'s table. None (or one group): layer i is slot i, one table.
         self.kv_layout = kv_layout if kv_layout is not None and kv_layout.num_groups > 1 else None
@@ -296,14 +299,15 @@ class ModelRunner:
         return out if self.parallel is None else tuple(map(self.parallel.replicated, out))
 
     @property
-    def _vocab_ops(self) -> tuple[Callable[..., Any], Callable[[jax.Array], jax.Array], int]:
-        """The sampler's (top_k, keep_split, vocab_shards): lax.top_k, nothing and 1, or under
-        tensor parallel the two-stage top-k, the pin to the vocab split and its share count
-        (`sample`)."""
+    def _vocab_ops(self) -> tuple[Callable[..., Any], Callable[[jax.Array], jax.Array], int,
+                                  bool]:
+        """The sampler's (top_k, keep_split, vocab_shards, wide_search): lax.top_k, nothing
+        and 1, or under tensor parallel the two-stage top-k, the pin to the vocab split and its
+        share count; and the platform's search (`sample`)."""
         if self.parallel is None:
-            return jax.lax.top_k, lambda x: x, 1
+            return jax.lax.top_k, lambda x: x, 1, self.wide_search
         shards = self.parallel.size if self.parallel.split_vocab else 1  # divides V
-        return self.parallel.top_k, self.parallel.split_logits, shards
+        return self.parallel.top_k, self.parallel.split_logits, shards, self.wide_search
 
     @property
     def num_compiled(self) -> int:

@@ -55,9 +55,12 @@ class SamplingFlags:
 # Top-N candidates whose logprobs a step with top_logprobs returns (requests read the first
 # `logprobs`).
 NUM_TOP_LOGPROBS = 20
-# The top-k/top-p thresholds' search: 16 ways a pass (15 thresholds), 8 passes (16^8 = 2^32).
-_SEARCH_WAYS = 16
-_SEARCH_ITERS = 8
+# The top-k/top-p thresholds' search, (ways a pass, passes), both resolving the range to 2^-32:
+# wide (16 ways, 15 thresholds a read of the row) where the bytes a pass moves cost most (a
+# GPU); a bisection on XLA:CPU, whose row sits in cache and whose many-operand float reduces
+# run element by element, so that 15 thresholds a pass cost more than 15 passes.
+_WIDE_SEARCH = (16, 8)
+_BISECTION = (2, 32)
 
 
 def apply_penalties(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"]:
@@ -110,13 +113,13 @@ def _sums(terms: Callable[[int], jax.Array], n: int, zero: jax.Array) -> jax.Arr
     return jnp.stack(sums, axis=-1)
 
 
-def _search(lo: jax.Array, hi: jax.Array,
-            measure: Callable[[jax.Array], jax.Array], need: jax.Array) -> jax.Array:
+def _search(lo: jax.Array, hi: jax.Array, measure: Callable[[jax.Array], jax.Array],
+            need: jax.Array, wide: bool) -> jax.Array:
     """Largest t in [lo, hi] with measure(t) >= need, to 2^-32 of the range, for a measure
     that falls as t rises (a prefix of the thresholds passes). `measure` takes [B, W - 1]
-    thresholds and makes one pass over the row for all of them: a W-way search needs a quarter
-    of the passes of a bisection (8 for 16^8 = 2^32)."""
-    ways = _SEARCH_WAYS
+    thresholds and makes one pass over the row for all of them: a W-way search (`wide`, W = 16)
+    needs a quarter of the passes of a bisection (8 for 16^8 = 2^32)."""
+    ways, passes = _WIDE_SEARCH if wide else _BISECTION
     frac = jnp.arange(1, ways, dtype=jnp.float32) / ways
 
     def body(_, c):
@@ -127,7 +130,7 @@ def _search(lo: jax.Array, hi: jax.Array,
         pick = jnp.take_along_axis(grid, jnp.stack([passed, passed + 1], axis=-1), axis=-1)
         return pick[:, 0], pick[:, 1]
 
-    lo, _ = jax.lax.fori_loop(0, _SEARCH_ITERS, body, (lo, hi))
+    lo, _ = jax.lax.fori_loop(0, passes, body, (lo, hi))
     return lo
 
 
@@ -137,7 +140,8 @@ def _finite_min(x: Float[Array, "B V"]) -> Float[Array, " B"]:
     return jnp.minimum(lo, x.max(axis=-1))
 
 
-def _threshold_by_count(x: Float[Array, "B V"], k: Int[Array, " B"]) -> Float[Array, " B"]:
+def _threshold_by_count(x: Float[Array, "B V"], k: Int[Array, " B"], wide: bool = True
+                        ) -> Float[Array, " B"]:
     """Largest t with count(x >= t) >= k: the k-th largest value, ties kept (the smallest
     finite value where fewer than k are finite: masked tokens stay out)."""
 
@@ -145,52 +149,65 @@ def _threshold_by_count(x: Float[Array, "B V"], k: Int[Array, " B"]) -> Float[Ar
         return _sums(lambda j: (x >= t[:, j:j + 1]).astype(jnp.int32), t.shape[1],
                      jnp.int32(0))
 
-    return _search(_finite_min(x), x.max(axis=-1), count, k)
+    return _search(_finite_min(x), x.max(axis=-1), count, k, wide)
 
 
 def _threshold_by_mass(x: Float[Array, "B V"], floor: Float[Array, " B"],
-                       top_p: Float[Array, " B"], shards: int) -> Float[Array, " B"]:
+                       top_p: Float[Array, " B"], shards: int = 1, wide: bool = True
+                       ) -> Float[Array, " B"]:
     """Largest t such that the tokens with x >= t (and x >= floor, the top-k's) hold top_p of
     the probability of those with x >= floor: the nucleus's least logit, found on the logits
-    (softmax is monotonic), so no probability array is written.
+    (softmax is monotonic).
 
-    The search starts 128 below the row's max: a token further down has a probability under
-    e^-128 of the max's, which float32 sums as 0 and which never wins the Gumbel draw.
+    The search starts 128 below the row's max (and not below `floor`, so every threshold tried
+    leaves the top-k's losers out): a token further down has a probability under e^-128 of the
+    max's, which float32 sums as 0 and which never wins the Gumbel draw. `wide`: each pass
+    recomputes the probabilities it sums, so no [B, V] probability array is written or read;
+    else they are stored once and each pass reads them beside the logits.
     """
     m, log_z, _ = row_stats(jnp.where(x >= floor[:, None], x, -jnp.inf), shards)
+    if wide:
+        def probs(t: jax.Array) -> tuple[jax.Array, jax.Array]:
+            # The barrier ties the row to the loop's state, so XLA computes p inside each pass
+            # instead of hoisting a [B, V] probability array out of the loop.
+            xs, _ = jax.lax.optimization_barrier((x, t))
+            return xs, jnp.exp(xs - m - log_z)
+    else:
+        stored = jax.lax.optimization_barrier(jnp.exp(x - m - log_z))  # once, not per pass
+
+        def probs(t: jax.Array) -> tuple[jax.Array, jax.Array]:
+            return x, stored
 
     def mass(t: jax.Array) -> jax.Array:
-        # The barrier ties x to the loop's state, so XLA computes p inside each pass instead
-        # of hoisting a [B, V] probability array out of the loop and reading it too.
-        xs, _ = jax.lax.optimization_barrier((x, t))
-        p = jnp.exp(xs - m - log_z)
-        return _sums(lambda j: jnp.where((xs >= t[:, j:j + 1]) & (xs >= floor[:, None]), p,
-                                         0.0), t.shape[1], jnp.float32(0.0))
+        xs, p = probs(t)
+        return _sums(lambda j: jnp.where(xs >= t[:, j:j + 1], p, 0.0), t.shape[1],
+                     jnp.float32(0.0))
 
-    return _search(jnp.maximum(m[:, 0] - 128.0, floor), m[:, 0], mass, top_p)
+    return _search(jnp.maximum(m[:, 0] - 128.0, floor), m[:, 0], mass, top_p, wide)
 
 
-def _filter_floor(x: Float[Array, "B V"], s: SamplingBatch, shards: int = 1
-                  ) -> Float[Array, " B"]:
+def _filter_floor(x: Float[Array, "B V"], s: SamplingBatch, shards: int = 1,
+                  wide: bool = True) -> Float[Array, " B"]:
     """[B]: the least (temperature-scaled) logit each row keeps under its top-k, top-p and
     min-p; -inf keeps every token. Order as vLLM: top-k, then top-p on the renormalised
     survivors, then min-p (relative to the most probable token).
 
-    Thresholds come from a 16-way search rather than a full sort of the vocabulary, which
-    costs ~100x more on CPU; each search (about 10 reads of the row) runs only when some row
-    of the batch uses its filter. Only [B] thresholds leave: the caller masks the row inside
-    the pass that draws, so no filtered [B, V] array is written.
+    Thresholds come from a search (16-way where `wide`, else a bisection) rather than a full
+    sort of the vocabulary, which costs ~100x more on CPU; each search (about 10 reads of the
+    row when wide) runs only when some row of the batch uses its filter. Only [B] thresholds
+    leave: the caller masks the row inside the pass that draws, so no filtered [B, V] array
+    is written.
     """
     b, v = x.shape
     k = jnp.clip(s.top_k, 1, v)
     minus_inf = jnp.full((b,), -jnp.inf, jnp.float32)
     kth = jax.lax.cond(jnp.any(k < v),
-                       lambda x: jnp.where(k >= v, -jnp.inf, _threshold_by_count(x, k)),
+                       lambda x: jnp.where(k >= v, -jnp.inf, _threshold_by_count(x, k, wide)),
                        lambda x: minus_inf, x)
     top = jax.lax.cond(
         jnp.any(s.top_p < 1.0),
         lambda x: jnp.where(s.top_p >= 1.0, -jnp.inf, _threshold_by_mass(x, kth, s.top_p,
-                                                                         shards)),
+                                                                         shards, wide)),
         lambda x: minus_inf, x)
     # p >= min_p * p_max  <=>  x >= max + log(min_p) (-inf where min_p = 0)
     least = jax.lax.cond(jnp.any(s.min_p > 0.0),
@@ -260,13 +277,14 @@ def sample(
     logits: Float[Array, "B V"], s: SamplingBatch, flags: SamplingFlags,
     top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
     keep_split: Callable[[jax.Array], jax.Array] = lambda x: x,
-    vocab_shards: int = 1,
+    vocab_shards: int = 1, wide_search: bool | None = None,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"]]:
     """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates
     (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract). Tensor
     parallel passes a `top_k` that works on the vocab-split logits, a `keep_split` that pins
     a [B, V] value to that split (else XLA may gather the filtered logits whole), and the
-    number of vocab shards.
+    number of vocab shards. `wide_search`: the filters' threshold search reads the row as
+    few times as it can (a GPU; the default off XLA:CPU) or bisects (XLA:CPU).
 
     Rows with temperature 0 take the argmax. Filtering and random draws run only when some row
     needs them (lax.cond), so one compiled step serves every mix of parameters.
@@ -281,13 +299,14 @@ def sample(
     # log_softmax's own terms per row, [B, 1] each; no [B, V] log-probability array is kept:
     # a logprob is (logit - row max) - log(sum(exp(logits - row max))), as log_softmax computes.
     row_max, log_norm, greedy_ids = row_stats(logits, vocab_shards)
+    wide = jax.default_backend() != "cpu" if wide_search is None else wide_search
     v = logits.shape[-1]
 
     def draw(_: None) -> Int[Array, " B"]:
         temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
         scaled = keep_split(logits / temp[:, None])
         needs_filter = jnp.any((s.top_k < v) | (s.top_p < 1.0) | (s.min_p > 0.0))
-        floor = jax.lax.cond(needs_filter, lambda x: _filter_floor(x, s, vocab_shards),
+        floor = jax.lax.cond(needs_filter, lambda x: _filter_floor(x, s, vocab_shards, wide),
                              lambda x: jnp.full(x.shape[:1], -jnp.inf, jnp.float32), scaled)
         keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(
             s.seeds.astype(jnp.uint32), s.counters)

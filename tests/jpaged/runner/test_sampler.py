@@ -4,6 +4,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 
 from jpaged.runner.sampler import (
     SamplingBatch,
@@ -31,13 +32,13 @@ def _batch(b, **kw):
     return SamplingBatch(**base)
 
 
-def _draws(logits, sb, flags, n=400):
+def _draws(logits, sb, flags, n=400, wide=None):
     """Sample n times with different counters; return the set of ids drawn per row."""
-    fn = jax.jit(sample, static_argnames=("flags",))
+    fn = jax.jit(sample, static_argnames=("flags", "wide_search"))
     seen = [set() for _ in range(logits.shape[0])]
     for c in range(n):
         sb.counters = np.full(logits.shape[0], c, np.int32)
-        ids = np.asarray(fn(logits, sb, flags=flags)[0])
+        ids = np.asarray(fn(logits, sb, flags=flags, wide_search=wide)[0])
         for r, t in enumerate(ids):
             seen[r].add(int(t))
     return seen
@@ -89,11 +90,12 @@ def test_row_chunks_cover_the_row_with_short_chains():
         assert n <= c * length < n + length and max(c, length) <= 4 * math.isqrt(n) + 1
 
 
-def test_top_k_top_p_min_p_restrict_support():
+@pytest.mark.parametrize("wide", [False, True], ids=["bisection", "wide"])
+def test_top_k_top_p_min_p_restrict_support(wide):
     logits = np.log(np.array([[0.4, 0.3, 0.2, 0.1] + [1e-9] * (V - 4)] * 3, np.float32))
     sb = _batch(3, top_k=np.array([2, V, V], np.int32), top_p=np.array([1.0, 0.65, 1.0],
                 np.float32), min_p=np.array([0.0, 0.0, 0.6], np.float32))
-    seen = _draws(logits, sb, SamplingFlags())
+    seen = _draws(logits, sb, SamplingFlags(), wide=wide)
     assert seen[0] == {0, 1}  # top-2
     assert seen[1] == {0, 1}  # 0.4 + 0.3 >= 0.65
     assert seen[2] == {0, 1}  # p >= 0.6 * 0.4 = 0.24
@@ -101,24 +103,28 @@ def test_top_k_top_p_min_p_restrict_support():
     for r in range(3):
         alone = _batch(1, top_k=sb.top_k[r:r + 1], top_p=sb.top_p[r:r + 1],
                        min_p=sb.min_p[r:r + 1])
-        assert _draws(logits[r:r + 1], alone, SamplingFlags(), n=150)[0] == {0, 1}
+        assert _draws(logits[r:r + 1], alone, SamplingFlags(), n=150, wide=wide)[0] == {0, 1}
 
 
-def test_thresholds_are_exact_on_a_real_vocabulary():
-    """The 16-way searches land on the k-th largest logit and the nucleus floor that a full
-    sort gives, on 49,152-token rows (ties and masked tokens included)."""
+@pytest.mark.parametrize("wide", [False, True], ids=["bisection", "wide"])
+def test_thresholds_are_exact_on_a_real_vocabulary(wide):
+    """The searches (16-way and bisection) land on the k-th largest logit and the nucleus
+    floor that a full sort gives, on 49,152-token rows (ties and masked tokens included)."""
     rng = np.random.default_rng(2)
     b, v = 6, 49152
     x = (rng.standard_normal((b, v)) * 3).astype(np.float32)
     x[1, :100] = x[1].max() + 1  # 100 tied at the top
     x[2, rng.choice(v, v // 2, replace=False)] = -np.inf  # a grammar's mask
     k = np.array([1, 50, 7, 1000, v // 3, 2], np.int32)
-    kth = np.asarray(jax.jit(_threshold_by_count)(x, k))
-    np.testing.assert_array_equal(kth, -np.sort(-x, -1)[np.arange(b), k - 1])
+    kth = np.asarray(jax.jit(_threshold_by_count, static_argnums=2)(x, k, wide))
+    true_kth = -np.sort(-x, -1)[np.arange(b), k - 1]
+    # The same tokens kept (a bisection may stop an ulp below the k-th value).
+    np.testing.assert_array_equal(x >= kth[:, None], x >= true_kth[:, None])
     p = np.asarray(jax.nn.softmax(x, axis=-1), np.float64)
     top_p = np.array([0.9, 0.5, 0.95, 0.3, 0.999, 0.7], np.float32)
     floor = np.array([-np.inf, -np.inf, -np.inf, kth[3], -np.inf, -np.inf], np.float32)
-    least = np.asarray(jax.jit(_threshold_by_mass, static_argnums=3)(x, floor, top_p, 1))
+    least = np.asarray(jax.jit(_threshold_by_mass, static_argnums=(3, 4))(x, floor, top_p, 1,
+                                                                          wide))
     for r in range(b):  # the kept tokens reach top_p (of what the floor leaves, row 3 top-k's
         # survivors); without the least of them they do not
         alive = x[r] >= floor[r]
