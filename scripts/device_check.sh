@@ -3,7 +3,8 @@
 # the kernels' check (scripts/gpu_check.py --quick), the decode step rows that `make gpu-aot`
 # predicts and the engine end to end, both on random Llama-3-8B-shaped weights
 # (scripts/gpu_engine_check.py --part decode / --part check; the bf16 rows at batch 1 and 256
-# also traced by jax's profiler, their kernels' time summed by kind into the rows; the
+# also traced by jax's profiler, their kernels' time summed by kind into the rows, and timed
+# again drawing at random through every sampling filter; the
 # engine check with the synchronous and the overlapped loop compared),
 # the bf16 decode rows again with XLA's split-K heuristic
 # forced off (docs/benchmarks.md: it trades HBM bytes for parallel GEMM tiles; which is faster
@@ -30,13 +31,13 @@ export PYTHONUNBUFFERED=1
 if [ "${1:-}" = "--cpu-smoke" ]; then
   KERNEL_ARGS=(--cpu-smoke)
   ENGINE_ARGS=(--cpu-smoke)
-  DECODE_ARGS=(--cpu-smoke --profile-batches 4)
+  DECODE_ARGS=(--cpu-smoke --profile-batches 4 --sampled-batches 4)
   HOST_ARGS=(--batches 4 --no-core-process)
   SPLITK_ARGS=(--cpu-smoke --decode-batches 4)
   LIMITS=(300 300 300 300 300)
 else
   KERNEL_ARGS=(--quick --budget-s 90)
-  DECODE_ARGS=(--decode-budget-s 100 --profile-batches 1 256)
+  DECODE_ARGS=(--decode-budget-s 100 --profile-batches 1 256 --sampled-batches 1 256)
   ENGINE_ARGS=(--budget-s 100)
   HOST_ARGS=(--batches 64 256)
   SPLITK_ARGS=(--decode-budget-s 40 --decode-batches 64 256)

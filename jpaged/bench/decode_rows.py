@@ -6,7 +6,9 @@ distinct pool blocks in a random order) runs through the engine's own jitted ste
 context reads. The KV content is whatever the pool holds: the time does not depend on it.
 No prefill is run, so a 256 x 4096-token row costs a few steps, not a million-token prefill.
 Rows may also be profiled (jpaged/bench/step_profile.py): the same step traced, its kernels'
-time summed by kind of op.
+time summed by kind of op. A row is greedy (what `hbm_bytes` predicts) unless it says
+`"sampling": "random"`: every sequence then draws with every filter (RANDOM_SAMPLING), the
+step's largest branches, which `hbm_bytes_sampling` predicts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import gc
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +30,15 @@ from jpaged.runner.batch import PackedStep, empty_step, flatten_step
 from jpaged.runner.model_runner import ModelRunner
 from models.loader import LoadedModel
 
+# A random draw through every filter (Gemma 3's generation defaults, and a min-p): every
+# conditional of the sampler takes its largest branch.
+RANDOM_SAMPLING = {"temperature": 1.0, "top_k": 64, "top_p": 0.95, "min_p": 0.05}
 
-def decode_step(runner: ModelRunner, batch: int, context_len: int, seed: int = 0
-                ) -> PackedStep:
-    """A greedy decode step of `batch` sequences, each at `context_len` tokens after it.
+
+def decode_step(runner: ModelRunner, batch: int, context_len: int, seed: int = 0,
+                sampled: bool = False) -> PackedStep:
+    """A decode step of `batch` sequences, each at `context_len` tokens after it: greedy, or
+    with `sampled` every row drawn at random through RANDOM_SAMPLING's filters.
 
     Raises ValueError when the pool or the block tables cannot hold them.
     """
@@ -57,13 +65,23 @@ def decode_step(runner: ModelRunner, batch: int, context_len: int, seed: int = 0
     b.seq_lens[:] = context_len
     b.block_tables[:] = tables
     b.logits_indices[:] = np.arange(batch)
-    return packed
+    if not sampled:
+        return packed
+    # New arrays, not writes into the greedy ones: the empty step shares one zeros array
+    # between several fields.
+    top_k = min(RANDOM_SAMPLING["top_k"], runner.vocab_size - 1)
+    sampling = replace(b.sampling, **{
+        name: np.full(batch, top_k if name == "top_k" else value,
+                      np.int32 if name == "top_k" else np.float32)
+        for name, value in RANDOM_SAMPLING.items()})
+    return replace(packed, batch=replace(b, sampling=sampling))
 
 
-def _warm_step(runner: ModelRunner, batch: int, context_len: int) -> Callable[[], None]:
+def _warm_step(runner: ModelRunner, batch: int, context_len: int, sampled: bool = False
+               ) -> Callable[[], None]:
     """One call of the compiled decode step at (batch, context_len), waiting for its result;
     called once here, so the step is compiled (or loaded) and warm."""
-    packed = decode_step(runner, batch, context_len)
+    packed = decode_step(runner, batch, context_len, sampled=sampled)
     flat = flatten_step(packed.batch)
 
     def call() -> None:
@@ -73,19 +91,20 @@ def _warm_step(runner: ModelRunner, batch: int, context_len: int) -> Callable[[]
     return call
 
 
-def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int = 10
-                ) -> dict[str, Any]:
-    """Median ms of the compiled decode step at (batch, context_len); the first call compiles
-    (or loads) it and is not timed."""
-    call = _warm_step(runner, batch, context_len)
+def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int = 10,
+                sampled: bool = False) -> dict[str, Any]:
+    """Median ms of the compiled decode step at (batch, context_len), greedy or (`sampled`)
+    random; the first call compiles (or loads) it and is not timed."""
+    call = _warm_step(runner, batch, context_len, sampled)
     times = []
     for _ in range(iters):
         t0 = time.perf_counter()
         call()
         times.append(time.perf_counter() - t0)
     ms = statistics.median(times) * 1e3
-    return {"batch": batch, "context_len": context_len, "step_ms": round(ms, 3),
-            "output_tokens_per_s": round(batch / ms * 1e3, 1), "iters": iters}
+    row = {"batch": batch, "context_len": context_len, "step_ms": round(ms, 3),
+           "output_tokens_per_s": round(batch / ms * 1e3, 1), "iters": iters}
+    return {**row, "sampling": "random"} if sampled else row
 
 
 def profile_decode(runner: ModelRunner, batch: int, context_len: int, trace: Path,
@@ -105,16 +124,31 @@ def _print_profile(row: dict[str, Any]) -> None:
           f"{prof['step_ms']} ms step ({prof['events_from']}); {top}", flush=True)
 
 
+def _profile_row(runner: ModelRunner, row: dict[str, Any], profile_dir: Path) -> None:
+    """Profile a timed row's step into `row["profile"]` (or name the failure in
+    `row["profile_error"]`: the row's time stands without it)."""
+    b, ctx = row["batch"], row["context_len"]
+    trace = profile_dir / f"decode_{row['kv_cache_dtype']}_b{b}_c{ctx}.trace.json.gz"
+    try:
+        row["profile"] = profile_decode(runner, b, ctx, trace, row["step_ms"])
+        _print_profile(row)
+    except Exception as e:  # noqa: BLE001 - the row's time stands without it
+        row["profile_error"] = f"{type(e).__name__}: {e}"[:500]
+        print(f"  decode profile B={b}: {row['profile_error']}", flush=True)
+
+
 def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[int, ...],
                 contexts: tuple[int, ...], engine_args: dict[str, Any],
                 budget_s: float = 1e9, profile_batches: tuple[int, ...] = (),
-                profile_dir: Path | None = None) -> list[dict[str, Any]]:
+                profile_dir: Path | None = None,
+                sampled_batches: tuple[int, ...] = ()) -> list[dict[str, Any]]:
     """Per KV dtype, an engine at the default pool and one row per (batch, context); a row
     that does not fit the pool, or comes after the budget, says so instead of a time.
 
     The rows of the first KV dtype and first context whose batch is in `profile_batches` are
     also profiled, each trace written under `profile_dir` (a failed profile is named in
-    the row's `profile_error`; its time stays)."""
+    the row's `profile_error`; its time stays); those whose batch is in `sampled_batches` are
+    timed again drawing at random (the same compiled step)."""
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for kvd in kv_dtypes:
@@ -123,25 +157,23 @@ def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[
                                       max_num_seqs=max(batches), **engine_args), loaded=loaded)
         for b in batches:
             for ctx in contexts:
-                row: dict[str, Any] = {"kv_cache_dtype": kvd, "batch": b, "context_len": ctx}
-                if time.perf_counter() - t_start > budget_s:
-                    rows.append({**row, "skipped": "time budget"})
-                    continue
-                try:
-                    rows.append({**row, **time_decode(engine.runner, b, ctx)})
-                except ValueError as e:  # does not fit this pool: named, not timed
-                    rows.append({**row, "skipped": str(e)})
-                print(f"  decode row {rows[-1]}", flush=True)  # a cut-short run keeps its rows
-                if ("step_ms" in rows[-1] and profile_dir is not None and b in profile_batches
-                        and kvd == kv_dtypes[0] and ctx == contexts[0]):
-                    trace = profile_dir / f"decode_{kvd}_b{b}_c{ctx}.trace.json.gz"
+                first = kvd == kv_dtypes[0] and ctx == contexts[0]
+                for sampled in (False, True) if first and b in sampled_batches else (False,):
+                    row: dict[str, Any] = {"kv_cache_dtype": kvd, "batch": b,
+                                           "context_len": ctx,
+                                           **({"sampling": "random"} if sampled else {})}
+                    if time.perf_counter() - t_start > budget_s:
+                        rows.append({**row, "skipped": "time budget"})
+                        continue
                     try:
-                        rows[-1]["profile"] = profile_decode(engine.runner, b, ctx, trace,
-                                                             rows[-1]["step_ms"])
-                        _print_profile(rows[-1])
-                    except Exception as e:  # noqa: BLE001 - the row's time stands without it
-                        rows[-1]["profile_error"] = f"{type(e).__name__}: {e}"[:500]
-                        print(f"  decode profile B={b}: {rows[-1]['profile_error']}", flush=True)
+                        rows.append({**row, **time_decode(engine.runner, b, ctx,
+                                                          sampled=sampled)})
+                    except ValueError as e:  # does not fit this pool: named, not timed
+                        rows.append({**row, "skipped": str(e)})
+                    print(f"  decode row {rows[-1]}", flush=True)  # a cut-short run keeps them
+                    if ("step_ms" in rows[-1] and profile_dir is not None and not sampled
+                            and b in profile_batches and first):
+                        _profile_row(engine.runner, rows[-1], profile_dir)
         engine.runner.kv = None  # free this pool before the next engine allocates its own
         del engine
         gc.collect()

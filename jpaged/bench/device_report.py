@@ -79,7 +79,8 @@ def _key(row: dict[str, Any]) -> tuple[str, int, int]:
 def compare(rows: list[dict[str, Any]], aot: dict[str, Any], copy_gbps: float | None
             ) -> list[dict[str, Any]]:
     """Each measured row beside its predicted case (Llama-3-8B, tp=1, same KV dtype, batch and
-    context)."""
+    context): a greedy row beside `hbm_bytes`, a random one (`"sampling": "random"`) beside
+    `hbm_bytes_sampling`, the step with every sampler conditional at its largest branch."""
     cases = {(c["kv_cache_dtype"], c["seqs"], c["context_len"]): c for c in aot["cases"]
              if c["model"] == "llama3-8b" and c["tensor_parallel_size"] == 1
              and c.get("program", "step") == "step"}
@@ -88,11 +89,17 @@ def compare(rows: list[dict[str, Any]], aot: dict[str, Any], copy_gbps: float | 
         c = cases.get(_key(r))
         row = {**r}
         if c is not None and "step_ms" in r:
-            gbps = c["hbm_bytes"] / (r["step_ms"] * 1e-3) / 1e9
-            row.update(predicted_ms=c["predicted_step_ms"],
-                       predicted_ms_at_80pct=c["predicted_step_ms_at_80pct"],
-                       hbm_bytes=c["hbm_bytes"], min_hbm_bytes=c["min_hbm_bytes"],
-                       measured_over_predicted=round(r["step_ms"] / c["predicted_step_ms"], 2),
+            moved = c["hbm_bytes"]
+            pred, pred80 = c["predicted_step_ms"], c["predicted_step_ms_at_80pct"]
+            if r.get("sampling") == "random":
+                moved = c["hbm_bytes_sampling"]
+                pred = round(moved / aot["hbm_bytes_per_s"] * 1e3, 3)
+                pred80 = round(pred * c["predicted_step_ms_at_80pct"] / c["predicted_step_ms"],
+                               3)
+            gbps = moved / (r["step_ms"] * 1e-3) / 1e9
+            row.update(predicted_ms=pred, predicted_ms_at_80pct=pred80,
+                       hbm_bytes=moved, min_hbm_bytes=c["min_hbm_bytes"],
+                       measured_over_predicted=round(r["step_ms"] / pred, 2),
                        achieved_GBps=round(gbps),
                        achieved_fraction_of_peak=round(gbps / (aot["hbm_bytes_per_s"] / 1e9), 3))
             if copy_gbps:
@@ -107,8 +114,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              "measured / predicted | achieved TB/s (% of 4.8) |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        kv = r["kv_cache_dtype"] + (" (random)" if r.get("sampling") == "random" else "")
         if "step_ms" not in r:
-            lines.append(f"| {r['kv_cache_dtype']} | {r['batch']} | {r['context_len']} | "
+            lines.append(f"| {kv} | {r['batch']} | {r['context_len']} | "
                          f"not run: {r.get('skipped')} | | | | |")
             continue
         pred = (f"{r['predicted_ms']:.2f} / {r['predicted_ms_at_80pct']:.2f}"
@@ -116,7 +124,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         ratio = f"{r['measured_over_predicted']:.2f}x" if "predicted_ms" in r else ""
         bw = (f"{r['achieved_GBps'] / 1000:.2f} ({r['achieved_fraction_of_peak']:.0%})"
               if "achieved_GBps" in r else "")
-        lines.append(f"| {r['kv_cache_dtype']} | {r['batch']} | {r['context_len']} | "
+        lines.append(f"| {kv} | {r['batch']} | {r['context_len']} | "
                      f"{r['step_ms']:.2f} | {r['output_tokens_per_s']:,.0f} | {pred} | "
                      f"{ratio} | {bw} |")
     return "\n".join(lines)

@@ -219,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="batches of the decode step rows (default: the configuration's)")
     p.add_argument("--profile-batches", nargs="+", type=int, default=[],
                    help="profile these batches' decode rows (first KV dtype and context)")
+    p.add_argument("--sampled-batches", nargs="+", type=int, default=[],
+                   help="time these batches' decode rows again drawing at random through "
+                        "every filter (first KV dtype and context)")
     p.add_argument("--profile-dir", type=Path,
                    help="where the profiled rows' traces go (default: jpaged-profiles in the "
                         "temporary directory; a lent GPU brings back 8 files, no traces)")
@@ -246,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                                       cfg.decode_contexts, cfg.decode_args,
                                       budget_s=args.decode_budget_s,
                                       profile_batches=tuple(args.profile_batches),
-                                      profile_dir=profile_dir))
+                                      profile_dir=profile_dir,
+                                      sampled_batches=tuple(args.sampled_batches)))
     res["wall_s"] = round(res["wall_s"] + time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))

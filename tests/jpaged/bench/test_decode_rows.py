@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from helpers import tiny
 
-from jpaged.bench.decode_rows import decode_step, time_decode
+from jpaged.bench.decode_rows import RANDOM_SAMPLING, decode_step, time_decode
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 
@@ -44,3 +44,16 @@ def test_timed_row(runner):
     row = time_decode(runner, 4, 20, iters=2)
     assert row["batch"] == 4 and row["context_len"] == 20 and row["step_ms"] > 0
     assert np.isclose(row["output_tokens_per_s"], 4 / row["step_ms"] * 1e3, rtol=1e-2)
+
+
+def test_sampled_step_draws_through_every_filter(runner):
+    """The random row's batch: every row at RANDOM_SAMPLING (so every conditional of the
+    sampler takes its largest branch), on the same compiled step as the greedy row."""
+    s = decode_step(runner, 4, 20, sampled=True).batch.sampling
+    assert (s.temperature == RANDOM_SAMPLING["temperature"]).all()
+    assert (s.top_k == RANDOM_SAMPLING["top_k"]).all() and (s.top_k < runner.vocab_size).all()
+    assert (s.top_p < 1).all() and (s.min_p > 0).all()
+    compiled = runner.num_compiled
+    row = time_decode(runner, 4, 20, iters=2, sampled=True)
+    assert row["sampling"] == "random" and row["step_ms"] > 0
+    assert runner.num_compiled == compiled

@@ -51,10 +51,13 @@ def test_device_check_cpu_smoke(tmp_path):
     # The decode step rows gpu-aot predicts, measured: each KV dtype, batch and context.
     assert engine["decode_rows"] == []  # measured in their own stage, before the engine check
     rows = doc["decode"]["decode_rows"]
-    assert [(r["kv_cache_dtype"], r["batch"], r["context_len"]) for r in rows] == [
-        (k, b, 40) for k in ("bfloat16", "fp8_e4m3") for b in (1, 4)]
+    # The first KV dtype's batch 4 twice: greedy, then drawing at random through every filter.
+    assert [(r["kv_cache_dtype"], r["batch"], r["context_len"], r.get("sampling"))
+            for r in rows] == [("bfloat16", 1, 40, None), ("bfloat16", 4, 40, None),
+                               ("bfloat16", 4, 40, "random"), ("fp8_e4m3", 1, 40, None),
+                               ("fp8_e4m3", 4, 40, None)]
     assert all(r["step_ms"] > 0 and r["output_tokens_per_s"] > 0 for r in rows), rows
-    # The profiled row (the first KV dtype's batch 4): its kernels by kind, from the trace.
+    # The profiled row (the first KV dtype's greedy batch 4): its kernels by kind.
     assert [r["batch"] for r in rows if "profile" in r] == [4], rows
     prof = rows[1]["profile"]
     assert prof["step_ms"] == rows[1]["step_ms"] and prof["launches_per_step"] > 0

@@ -43,6 +43,14 @@ def test_rows_from_the_log_and_a_json_beside_their_prediction(tmp_path):
     table = markdown(rows)
     assert "| bfloat16 | 1 | 1024 | 6.21 | 161 | 3.20 / 4.00 | 1.94x | 2.48 (52%) |" in table
     assert "not run: 256 x 4096 tokens need 65536 blocks" in table
+    # A row drawn at random is set beside the step's largest branches (hbm_bytes_sampling).
+    aot["cases"][0]["hbm_bytes_sampling"] = 19_200_000_000  # 4.0 ms at 4.8 TB/s
+    random = {**doc["decode_rows"][0], "sampling": "random", "step_ms": 8.0}
+    r = compare([random], aot, copy_gbps=None)[0]
+    assert (r["hbm_bytes"], r["predicted_ms"], r["measured_over_predicted"]) == (
+        19_200_000_000, 4.0, 2.0)
+    assert r["predicted_ms_at_80pct"] == round(4.0 * 4.003 / 3.202, 3)
+    assert "| bfloat16 (random) | 1 | 1024 | 8.00 |" in markdown([r])
 
 
 def test_main_writes_the_merged_document(tmp_path, capsys):
