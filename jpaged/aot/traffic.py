@@ -177,6 +177,14 @@ class StepTraffic:
         return self.seqs * _cdiv(self.context_len, self.block_size) <= self.num_blocks
 
 
+def predicted_ms(hbm_bytes: float, bandwidth: float = H200_HBM_BYTES_PER_S
+                 ) -> tuple[float, float]:
+    """ms to move `hbm_bytes` at `bandwidth` and at HBM_REALISTIC_FRACTION of it (rounded as
+    the gpu-aot JSON keeps them)."""
+    return (round(hbm_bytes / bandwidth * 1e3, 3),
+            round(hbm_bytes / (bandwidth * HBM_REALISTIC_FRACTION) * 1e3, 3))
+
+
 def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: str,
                bandwidth: float = H200_HBM_BYTES_PER_S,
                lookup_weights: tuple[int, ...] = ()) -> dict[str, Any]:
@@ -188,15 +196,14 @@ def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: s
     t = estimate_traffic(hlo_text, model)
     sampling = estimate_traffic(hlo_text, replace(model, branch="largest"))
     least = case.min_hbm_bytes()
+    at_peak, realistic = predicted_ms(t.hbm_bytes, bandwidth)
     return {
         "context_len": case.context_len, "hbm_bytes": t.hbm_bytes,
         "hbm_bytes_sampling": sampling.hbm_bytes, "min_hbm_bytes": least,
         "traffic_ratio": round(t.hbm_bytes / least, 3),
         "param_copy_bytes": t.param_copy_bytes,
         "param_collective_bytes": t.param_collective_bytes,
-        "predicted_step_ms": round(t.hbm_bytes / bandwidth * 1e3, 3),
-        "predicted_step_ms_at_80pct": round(
-            t.hbm_bytes / (bandwidth * HBM_REALISTIC_FRACTION) * 1e3, 3),
+        "predicted_step_ms": at_peak, "predicted_step_ms_at_80pct": realistic,
         "kernel_hbm_bytes": t.kernel_bytes, "hbm_notes": t.notes,
         "context_fits_pool": case.fits_pool(),
         "largest_traffic": t.largest(),

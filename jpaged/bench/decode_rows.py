@@ -69,11 +69,13 @@ def decode_step(runner: ModelRunner, batch: int, context_len: int, seed: int = 0
         return packed
     # New arrays, not writes into the greedy ones: the empty step shares one zeros array
     # between several fields.
-    top_k = min(RANDOM_SAMPLING["top_k"], runner.vocab_size - 1)
-    sampling = replace(b.sampling, **{
-        name: np.full(batch, top_k if name == "top_k" else value,
-                      np.int32 if name == "top_k" else np.float32)
-        for name, value in RANDOM_SAMPLING.items()})
+    def full(name: str) -> np.ndarray:
+        return np.full(batch, RANDOM_SAMPLING[name], np.float32)
+
+    sampling = replace(b.sampling, temperature=full("temperature"), top_p=full("top_p"),
+                       min_p=full("min_p"), top_k=np.full(
+                           batch, min(RANDOM_SAMPLING["top_k"], runner.vocab_size - 1),
+                           np.int32))
     return replace(packed, batch=replace(b, sampling=sampling))
 
 

@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from jpaged.aot.traffic import predicted_ms
 from jpaged.bench.step_profile import op_kind
 
 
@@ -89,13 +90,8 @@ def compare(rows: list[dict[str, Any]], aot: dict[str, Any], copy_gbps: float | 
         c = cases.get(_key(r))
         row = {**r}
         if c is not None and "step_ms" in r:
-            moved = c["hbm_bytes"]
-            pred, pred80 = c["predicted_step_ms"], c["predicted_step_ms_at_80pct"]
-            if r.get("sampling") == "random":
-                moved = c["hbm_bytes_sampling"]
-                pred = round(moved / aot["hbm_bytes_per_s"] * 1e3, 3)
-                pred80 = round(pred * c["predicted_step_ms_at_80pct"] / c["predicted_step_ms"],
-                               3)
+            moved = c["hbm_bytes_sampling" if r.get("sampling") == "random" else "hbm_bytes"]
+            pred, pred80 = predicted_ms(moved, aot["hbm_bytes_per_s"])
             gbps = moved / (r["step_ms"] * 1e-3) / 1e9
             row.update(predicted_ms=pred, predicted_ms_at_80pct=pred80,
                        hbm_bytes=moved, min_hbm_bytes=c["min_hbm_bytes"],

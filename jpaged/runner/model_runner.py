@@ -24,7 +24,7 @@ from jpaged.runner.batch import (
 )
 from jpaged.runner.input_batch import InputBatch
 from jpaged.runner.kv_cache import KVCache, amax_scale
-from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample
+from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample, searches_wide
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
 
@@ -131,7 +131,7 @@ class ModelRunner:
         self.graphdef, self.params = nnx.split(model)
         # The platform the step compiles for (a deviceless GPU compile runs on the CPU backend):
         # off XLA:CPU the sampler's filters search the row in as few reads as they can.
-        self.wide_search = (platform or jax.default_backend()) != "cpu"
+        self.wide_search = searches_wide(platform)
         # KV cache groups: layer i writes and reads slot slot_of[i] of the blocks in group
         # group_of[i]'s table. None (or one group): layer i is slot i, one table.
         self.kv_layout = kv_layout if kv_layout is not None and kv_layout.num_groups > 1 else None

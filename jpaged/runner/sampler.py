@@ -63,6 +63,12 @@ _WIDE_SEARCH = (16, 8)
 _BISECTION = (2, 32)
 
 
+def searches_wide(platform: str | None = None) -> bool:
+    """Whether the filters' threshold search on `platform` (default: jax's backend) reads the
+    row as few times as it can (_WIDE_SEARCH) rather than bisecting: everywhere but XLA:CPU."""
+    return (platform or jax.default_backend()) != "cpu"
+
+
 def apply_penalties(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"]:
     """vLLM's repetition (prompt+output), presence and frequency (output only) penalties."""
     b, v = logits.shape
@@ -299,7 +305,7 @@ def sample(
     # log_softmax's own terms per row, [B, 1] each; no [B, V] log-probability array is kept:
     # a logprob is (logit - row max) - log(sum(exp(logits - row max))), as log_softmax computes.
     row_max, log_norm, greedy_ids = row_stats(logits, vocab_shards)
-    wide = jax.default_backend() != "cpu" if wide_search is None else wide_search
+    wide = searches_wide() if wide_search is None else wide_search
     v = logits.shape[-1]
 
     def draw(_: None) -> Int[Array, " B"]:
