@@ -88,6 +88,9 @@ class HbmModel:
     # Which branch of a conditional counts: "largest" (a bound for any predicate) or
     # "smallest" (the step's lax.conds skip random draws and filtering for a greedy batch).
     branch: str = "largest"
+    # Name scopes (in a conditional's op_name) whose conditionals count their smallest branch
+    # whatever `branch` says: work a batch of the case skips (the sampler's whole-row draw).
+    skip_scopes: tuple[str, ...] = ()
     # Trip count of a while loop whose count is data, from its op_name (None: not known).
     loop_trips: Callable[[str], int | None] | None = None
 
@@ -411,16 +414,20 @@ class _Estimator:
     def _conditional(self, ins: Instr, tags: dict[str, object], mult: int, t: Traffic) -> None:
         best: Traffic | None = None
         branches = ins.called()
+        op_name = _OP_NAME_ANY.search(ins.attrs)
+        skipped = op_name is not None and any(f"{scope}/cond" in op_name.group(1)
+                                              for scope in self.model.skip_scopes)
+        branch = "smallest" if skipped else self.model.branch
         for k, name in enumerate(branches):
             arg = tags.get(ins.operands[k + 1]) if k + 1 < len(ins.operands) else None
             sub, _ = self.run(self.comps[name], [arg], mult)
             smaller = best is not None and sub.hbm_bytes < best.hbm_bytes
-            if best is None or (smaller if self.model.branch == "smallest" else
+            if best is None or (smaller if branch == "smallest" else
                                 sub.hbm_bytes > best.hbm_bytes):
                 best = sub
         if best is not None:
             t.add(best)
-        t.notes.append(f"{ins.name}: {self.model.branch} of {len(branches)} branches counted")
+        t.notes.append(f"{ins.name}: {branch} of {len(branches)} branches counted")
         return None
 
 

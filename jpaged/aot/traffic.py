@@ -18,7 +18,11 @@ path's chunk loop, whose trip count is data, runs the trips its schedule gives t
 
 `hbm_bytes` is a greedy batch's traffic: the sampler's lax.conds run no random draw and no
 top-k/top-p filtering when no row asks (conditionals at their smallest branch);
-`hbm_bytes_sampling` counts their largest branch (a batch with a filtered random row).
+`hbm_bytes_sampling` counts their largest branch (a batch with a filtered random row whose
+filters the draw's candidates cannot settle, so that it searches the whole row too);
+`hbm_bytes_sampling_candidates` a batch whose filtering rows the candidates settle (a top-k of
+at most 64, a nucleus above the best run of 64 tokens left out: jpaged/runner/sampler.py), its
+whole-row conditionals (`WHOLE_ROW_SCOPE`) at their smallest branch.
 """
 
 from __future__ import annotations
@@ -29,11 +33,13 @@ from typing import Any
 
 from jpaged.aot.hbm import HbmModel, KernelRule, estimate_traffic
 from jpaged.aot.target import H200_HBM_BYTES_PER_S, HBM_REALISTIC_FRACTION
+from jpaged.runner.sampler import WHOLE_ROW_SCOPE
 
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (1024, 4096)
 # Every key a case row carries (None when its program did not compile).
-HBM_KEYS = ("context_len", "hbm_bytes", "hbm_bytes_sampling", "min_hbm_bytes", "traffic_ratio",
+HBM_KEYS = ("context_len", "hbm_bytes", "hbm_bytes_sampling", "hbm_bytes_sampling_candidates",
+            "min_hbm_bytes", "traffic_ratio",
             "param_copy_bytes", "param_collective_bytes", "predicted_step_ms",
             "predicted_step_ms_at_80pct", "kernel_hbm_bytes", "hbm_notes", "context_fits_pool",
             "largest_traffic")
@@ -195,11 +201,14 @@ def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: s
                      branch="smallest", loop_trips=case.loop_trips)
     t = estimate_traffic(hlo_text, model)
     sampling = estimate_traffic(hlo_text, replace(model, branch="largest"))
+    settled = estimate_traffic(hlo_text, replace(model, branch="largest",
+                                                  skip_scopes=(WHOLE_ROW_SCOPE,)))
     least = case.min_hbm_bytes()
     at_peak, realistic = predicted_ms(t.hbm_bytes, bandwidth)
     return {
         "context_len": case.context_len, "hbm_bytes": t.hbm_bytes,
-        "hbm_bytes_sampling": sampling.hbm_bytes, "min_hbm_bytes": least,
+        "hbm_bytes_sampling": sampling.hbm_bytes,
+        "hbm_bytes_sampling_candidates": settled.hbm_bytes, "min_hbm_bytes": least,
         "traffic_ratio": round(t.hbm_bytes / least, 3),
         "param_copy_bytes": t.param_copy_bytes,
         "param_collective_bytes": t.param_collective_bytes,

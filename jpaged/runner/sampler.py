@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -221,6 +222,101 @@ def _filter_floor(x: Float[Array, "B V"], s: SamplingBatch, shards: int = 1,
     return jnp.maximum(jnp.maximum(kth, top), least)
 
 
+# The draw's candidates where every row that filters can be served by them: (tokens a chunk,
+# chunks kept), so 4,096 candidates a row. A top-k of at most that many, and a nucleus or min-p
+# floor that lands among them, is found on the candidates alone (_candidate_draw).
+_CANDIDATES = (64, 64)
+# The name scope of the draw's whole-row work (the rows the candidates did not settle): the
+# deviceless HBM estimate counts those conditionals skipped for a batch the candidates settle.
+WHOLE_ROW_SCOPE = "sampler_whole_row"
+
+
+def candidate_shape(v: int, shards: int = 1,
+                    candidates: tuple[int, int] | None = None) -> tuple[int, int] | None:
+    """(chunk, kept chunks) of the candidate path for a `v`-token row, or None where it does
+    not pay (fewer than four times the kept chunks) or the row is split over devices."""
+    chunk, keep = _CANDIDATES if candidates is None else candidates
+    if chunk <= 0 or keep <= 0 or shards != 1:
+        return None
+    return (chunk, keep) if -(-v // chunk) >= 4 * keep else None
+
+
+def _candidates(x: Float[Array, "B V"], chunk: int, keep: int
+                ) -> tuple[Float[Array, "B C"], Int[Array, "B C"], Float[Array, " B"]]:
+    """The `keep` runs of `chunk` consecutive tokens with the largest maxima, as values and ids
+    [B, keep * chunk] (padding past the row: -inf, id >= V), and the largest maximum of a run
+    left out [B]: no token outside the candidates is above it."""
+    b, v = x.shape
+    n = -(-v // chunk)
+    if n * chunk > v:
+        x = jnp.pad(x, ((0, 0), (0, n * chunk - v)), constant_values=-jnp.inf)
+    runs = x.reshape(b, n, chunk)
+    top, which = jax.lax.top_k(runs.max(axis=-1), keep + 1)  # one read of the row
+    vals = jnp.take_along_axis(runs, which[:, :keep, None], axis=1).reshape(b, keep * chunk)
+    ids = (which[:, :keep, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)).reshape(
+        b, keep * chunk)
+    return vals, ids.astype(jnp.int32), top[:, keep]
+
+
+def _candidate_draw(logits: Float[Array, "B V"], temp: Float[Array, " B"], s: SamplingBatch,
+                    active: Bool[Array, " B"], keys: jax.Array, chunk: int, keep: int
+                    ) -> tuple[Int[Array, " B"], Bool[Array, " B"]]:
+    """Each filtering (`active`) row's draw from its candidates (the kept runs of
+    `_candidates`, scaled by the row's temperature) and whether it is exact: every token at or
+    above the row's floor is a candidate, and each threshold the floor is made of is the one
+    the whole row gives. Rows where this does not hold are drawn on the whole row by the
+    caller.
+
+    The candidates are sorted (4,096 a row, not the vocabulary): the top-k threshold is the
+    k-th of them, the nucleus's the first whose running sum of probabilities reaches top_p,
+    min-p's the max plus log(min_p). A top-k or nucleus threshold above the best run left out
+    (`bound`) is the whole row's: every token above it is a candidate, and k <= keep runs
+    always hold the top k (each token above the k-th best run's maximum lies in one of the
+    top k runs). The nucleus sums the top-k's survivors, or with no top-k the whole row's
+    probabilities, whose normaliser one read of the row gives. Searched on the whole row
+    (`_filter_floor`), the same thresholds keep the same tokens, and the Gumbel draw over the
+    kept candidates, each with the noise of its own id, is the whole row's draw.
+    """
+    b, v = logits.shape
+    raw, cid, raw_bound = _candidates(logits, chunk, keep)
+    # Scaling by a positive temperature keeps the order: the same runs as scaling first.
+    cv, bound = raw / temp[:, None], raw_bound / temp
+    n = cv.shape[1]
+    desc = -jnp.sort(-cv, axis=-1)  # masked (-inf) candidates last
+    k_on, p_on, m_on = active & (s.top_k < v), active & (s.top_p < 1.0), active & (s.min_p > 0)
+    at_k = jnp.take_along_axis(desc, jnp.clip(s.top_k, 1, n)[:, None] - 1, axis=1)[:, 0]
+    # As _threshold_by_count: the smallest finite value where fewer than k are finite.
+    kth = jnp.where(k_on, jnp.where(at_k > -jnp.inf, at_k, _finite_min(desc)), -jnp.inf)
+    top_m = desc[:, 0]  # the row's max: the best run is a candidate
+    # The nucleus's normaliser: of the top-k's survivors (all candidates where kth is exact),
+    # else of the whole row, read once only when some row has top-p without top-k.
+    kept_k = desc >= kth[:, None]
+    z_k = jnp.log(jnp.sum(jnp.where(kept_k, jnp.exp(desc - top_m[:, None]), 0.0), axis=-1))
+    z_w = jax.lax.cond(jnp.any(p_on & ~k_on),
+                       lambda x: row_stats(x / temp[:, None])[1][:, 0],
+                       lambda x: z_k, logits)
+    log_z = jnp.where(k_on, z_k, z_w)
+    cum = jnp.cumsum(jnp.where(kept_k, jnp.exp(desc - top_m[:, None] - log_z[:, None]), 0.0),
+                     axis=-1)
+    reach = cum >= s.top_p[:, None]
+    at_p = jnp.take_along_axis(desc, jnp.argmax(reach, axis=-1)[:, None], axis=1)[:, 0]
+    # As _threshold_by_mass's search, never below 128 under the max or below the top-k's.
+    lo = jnp.maximum(top_m - 128.0, kth)
+    top = jnp.where(p_on, jnp.where(jnp.any(reach, axis=-1), jnp.maximum(at_p, lo), lo),
+                    -jnp.inf)
+    least = jnp.where(m_on, top_m + jnp.log(s.min_p), -jnp.inf)
+    floor = jnp.maximum(jnp.maximum(kth, top), least)
+    exact = ((~k_on | ((s.top_k <= n) & (kth > bound))) & (~p_on | (top > bound))
+             & (floor > bound))
+    noise = jax.vmap(lambda key, ids: jnp.take(jax.random.gumbel(key, (v,)), ids,
+                                               mode="clip"))(keys, cid)
+    z = jnp.where(cv >= floor[:, None], cv, -jnp.inf) + noise
+    best = z.max(axis=-1, keepdims=True)
+    # The first id among equal maxima, as the whole row's argmax picks.
+    drawn = jnp.min(jnp.where(z == best, cid, v), axis=-1).astype(jnp.int32)
+    return drawn, exact
+
+
 def row_chunks(n: int) -> tuple[int, int]:
     """(chunks, chunk length) that `row_stats` cuts n logits into: the largest divisor of n
     not above sqrt(n) when it leaves chunks of at most 4 sqrt(n), else about sqrt(n) chunks of
@@ -284,13 +380,16 @@ def sample(
     top_k: Callable[[jax.Array, int], tuple[jax.Array, jax.Array]] = jax.lax.top_k,
     keep_split: Callable[[jax.Array], jax.Array] = lambda x: x,
     vocab_shards: int = 1, wide_search: bool | None = None,
+    candidates: tuple[int, int] | None = None,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"]]:
     """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates
     (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract). Tensor
     parallel passes a `top_k` that works on the vocab-split logits, a `keep_split` that pins
     a [B, V] value to that split (else XLA may gather the filtered logits whole), and the
     number of vocab shards. `wide_search`: the filters' threshold search reads the row as
-    few times as it can (a GPU; the default off XLA:CPU) or bisects (XLA:CPU).
+    few times as it can (a GPU; the default off XLA:CPU) or bisects (XLA:CPU). `candidates`:
+    (tokens a run, runs kept) of the filtering rows' candidate path (default: `_CANDIDATES`
+    where the search is wide, else none; (0, 0) draws every row on the whole row).
 
     Rows with temperature 0 take the argmax. Filtering and random draws run only when some row
     needs them (lax.cond), so one compiled step serves every mix of parameters.
@@ -309,17 +408,48 @@ def sample(
     v = logits.shape[-1]
 
     def draw(_: None) -> Int[Array, " B"]:
-        temp = jnp.where(s.temperature > 0, s.temperature, 1.0)
-        scaled = keep_split(logits / temp[:, None])
-        needs_filter = jnp.any((s.top_k < v) | (s.top_p < 1.0) | (s.min_p > 0.0))
-        floor = jax.lax.cond(needs_filter, lambda x: _filter_floor(x, s, vocab_shards, wide),
-                             lambda x: jnp.full(x.shape[:1], -jnp.inf, jnp.float32), scaled)
+        active = s.temperature > 0
+        temp = jnp.where(active, s.temperature, 1.0)
+        filters = active & ((s.top_k < v) | (s.top_p < 1.0) | (s.min_p > 0.0))
         keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(
             s.seeds.astype(jnp.uint32), s.counters)
-        gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,)))(keys)
-        kept = jnp.where(scaled >= floor[:, None], scaled, -jnp.inf)
-        sampled = jnp.argmax(keep_split(kept + gumbel), axis=-1).astype(jnp.int32)
-        return jnp.where(s.temperature > 0, sampled, greedy_ids)
+        b = logits.shape[0]
+        # By default only where the search is wide (a GPU): on XLA:CPU the row sits in cache,
+        # the whole-row bisection costs about what the candidates do, and a row they cannot
+        # settle pays for both (docs/benchmarks.md).
+        shape = candidate_shape(v, vocab_shards, candidates if candidates is not None else
+                                _CANDIDATES if wide else (0, 0))
+        if shape is None:
+            picked, exact = jnp.zeros(b, jnp.int32), jnp.zeros(b, bool)
+        else:  # filtering rows first from their candidates: no search reads the whole row
+            picked, exact = jax.lax.cond(
+                jnp.any(filters),
+                lambda x: _candidate_draw(x, temp, s, filters, keys, *shape),
+                lambda x: (jnp.zeros(b, jnp.int32), jnp.zeros(b, bool)), logits)
+        # Rows left to the whole row: no filter, or one the candidates could not settle. Only
+        # those rows' filters are searched there (the others' count as off).
+        rest = filters & ~exact
+        whole = active & ~(filters & exact)
+        off = dataclasses.replace(s, top_k=jnp.where(rest, s.top_k, v),
+                                  top_p=jnp.where(rest, s.top_p, 1.0),
+                                  min_p=jnp.where(rest, s.min_p, 0.0))
+        with jax.named_scope(WHOLE_ROW_SCOPE):  # named for the HBM estimate (jpaged/aot)
+            floor = jax.lax.cond(jnp.any(rest),
+                                 lambda x: _filter_floor(keep_split(x / temp[:, None]), off,
+                                                         vocab_shards, wide),
+                                 lambda x: jnp.full(x.shape[:1], -jnp.inf, jnp.float32), logits)
+
+        def whole_row(x: jax.Array) -> jax.Array:
+            gumbel = jax.vmap(lambda key: jax.random.gumbel(key, (v,)))(keys)
+            x = keep_split(x / temp[:, None])
+            kept = jnp.where(x >= floor[:, None], x, -jnp.inf)
+            return jnp.argmax(keep_split(kept + gumbel), axis=-1).astype(jnp.int32)
+
+        with jax.named_scope(WHOLE_ROW_SCOPE):
+            drawn = jax.lax.cond(jnp.any(whole), whole_row,
+                                 lambda x: jnp.zeros(b, jnp.int32), logits)
+        sampled = jnp.where(filters & exact, picked, drawn)
+        return jnp.where(active, sampled, greedy_ids)
 
     ids = jax.lax.cond(jnp.all(s.temperature <= 0), lambda _: greedy_ids, draw, None)
     chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)

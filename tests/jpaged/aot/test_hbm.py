@@ -267,3 +267,23 @@ def test_a_contraction_is_no_weight_copy_however_large_its_output():
     t = estimate_traffic(SPLIT_K, HbmModel(num_weights=1))
     assert t.param_copy_bytes == 0
     assert t.hbm_bytes == 4 * 32 * 4 + 32 * 16 * 4 + 8 * 4 * 16 * 4
+
+
+def test_skip_scopes_count_their_conditionals_smallest_branch():
+    """A conditional under a named scope in `skip_scopes` counts its smallest branch while the
+    others keep `branch` (the sampler's whole-row work, skipped when the candidates settle)."""
+    n = 4096
+
+    def f(x, y, p):  # each larger branch reads y beside x
+        a = jax.lax.cond(p, lambda x, y: jnp.sin(x) * y, lambda x, y: x + 1, x, y)
+        with jax.named_scope("whole_row"):
+            b = jax.lax.cond(p, lambda x, y: jnp.cos(x) * y, lambda x, y: -x, x, y)
+        return a + b
+
+    text = _hlo(f, jnp.zeros(n, jnp.float32), jnp.ones(n, jnp.float32), True)
+    largest = estimate_traffic(text, HbmModel(branch="largest"))
+    smallest = estimate_traffic(text, HbmModel(branch="smallest"))
+    skipped = estimate_traffic(text, HbmModel(branch="largest", skip_scopes=("whole_row",)))
+    assert smallest.hbm_bytes < skipped.hbm_bytes < largest.hbm_bytes
+    assert sorted(x.split(": ")[1] for x in skipped.notes) == [
+        "largest of 2 branches counted", "smallest of 2 branches counted"]

@@ -9,9 +9,11 @@ import pytest
 from jpaged.runner.sampler import (
     SamplingBatch,
     SamplingFlags,
+    _candidate_draw,
     _threshold_by_count,
     _threshold_by_mass,
     apply_penalties,
+    candidate_shape,
     row_chunks,
     row_stats,
     sample,
@@ -234,3 +236,96 @@ def test_packed_token_mask_restricts_each_row_to_its_bits():
                  token_mask=words)
     seen = _draws(logits, hot, flags, n=100)
     assert seen[0] == {3, 33} and seen[2] == {worst} and len(seen[1]) > 2
+
+
+def _row_batch(b, v, **kw):
+    """A SamplingBatch for b rows of a v-token vocabulary (filters off unless given)."""
+    base = dict(top_k=np.full(b, v, np.int32), seeds=np.arange(b, dtype=np.uint32) + 7)
+    base.update(kw)
+    return _batch(b, **base)
+
+
+def test_candidate_shape_only_where_it_pays():
+    assert candidate_shape(49152) == (64, 64)
+    assert candidate_shape(49152, shards=2) is None  # a vocab split over devices
+    assert candidate_shape(V) is None and candidate_shape(4 * 64 * 64 - 64) is None
+    assert candidate_shape(512, candidates=(8, 16)) == (8, 16)
+    assert candidate_shape(49152, candidates=(0, 0)) is None
+
+
+def test_candidates_by_default_only_where_the_search_is_wide():
+    """sample() takes the candidate path by default where the search is wide (a GPU), not on
+    XLA:CPU's bisection: compiled, only the wide program sorts its candidates."""
+    x = np.zeros((2, 49152), np.float32)
+    sb = _row_batch(2, 49152, top_k=np.full(2, 64, np.int32))
+
+    def sorts(wide):
+        text = jax.jit(sample, static_argnames=("flags", "wide_search")).lower(
+            x, sb, flags=SamplingFlags(), wide_search=wide).as_text()
+        return "stablehlo.sort" in text
+
+    assert sorts(True) and not sorts(False)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["bisection", "wide"])
+def test_candidate_draws_equal_the_whole_rows(wide):
+    """Filtering rows drawn from their 4,096 candidates draw exactly the tokens the whole-row
+    search draws, row by row, with the same seeds: peaked and flat rows, ties at the top, a
+    grammar's mask, a top-k beyond the candidates, every filter mix, greedy rows beside. The
+    rows the candidates cannot settle (flat ones, the wide top-k, top-p over a wide nucleus)
+    fall back to the whole row inside the same step."""
+    rng = np.random.default_rng(0)
+    b, v = 10, 49152
+    x = (rng.standard_normal((b, v)) * 3).astype(np.float32)
+    x[3, :100] = x[3].max() + 1  # 100 tied at the top
+    x[4, rng.choice(v, v // 2, replace=False)] = -np.inf  # a grammar's mask
+    x[5] = 0.0  # flat: no run is better than another
+    x[6] *= 0.1  # a wide nucleus
+    x[8] *= 4  # peaked
+    sb = _row_batch(b, v, top_k=np.array([64, v, 64, 50, 7, 64, v, 5000, v, 1], np.int32),
+                    top_p=np.array([1, .95, .9, 1, .8, 1, .95, 1, .9, 1], np.float32),
+                    min_p=np.array([0, 0, .05, 0, 0, 0, 0, 0, .1, 0], np.float32),
+                    temperature=np.array([1, 1, .7, 1, 1, 1, 1, 1, 1, 0], np.float32))
+    fn = jax.jit(sample, static_argnames=("flags", "wide_search", "candidates"))
+    temp = np.where(sb.temperature > 0, sb.temperature, 1).astype(np.float32)
+    filters = (sb.temperature > 0) & ((sb.top_k < v) | (sb.top_p < 1) | (sb.min_p > 0))
+    for c in range(12):
+        sb.counters = np.full(b, c, np.int32)
+        got = np.asarray(fn(x, sb, flags=SamplingFlags(), wide_search=wide,
+                            candidates=(64, 64))[0])
+        whole = np.asarray(fn(x, sb, flags=SamplingFlags(), wide_search=wide,
+                              candidates=(0, 0))[0])
+        np.testing.assert_array_equal(got, whole)
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(sb.seeds,
+                                                                           sb.counters)
+    drawn, exact = jax.jit(_candidate_draw, static_argnums=(5, 6))(
+        x, temp, sb, filters, keys, 64, 64)
+    # Settled by the candidates: the peaked rows' filters; not: the flat rows, the top-k of
+    # 5,000 (more than the candidates hold), top-p alone over Gaussian logits of scale 3.
+    np.testing.assert_array_equal(np.asarray(exact), [True, False, True, True, True, False,
+                                                      False, False, True, False])
+    np.testing.assert_array_equal(np.asarray(drawn)[np.asarray(exact)], got[np.asarray(exact)])
+
+
+def test_candidate_path_on_a_small_vocabulary_with_short_runs():
+    """The same equality with runs of 8 and 16 kept (128 candidates of a 512-token row), where
+    top-k above the candidates and masked runs are common."""
+    rng = np.random.default_rng(1)
+    b, v = 6, 512
+    x = (rng.standard_normal((b, v)) * 4).astype(np.float32)
+    x[1, 40:] = -np.inf  # only 40 tokens allowed: fewer finite than some k below
+    x[2, ::2] = -np.inf
+    sb = _row_batch(b, v, top_k=np.array([5, 64, 200, v, 16, 3], np.int32),
+                    top_p=np.array([0.9, 1, 1, 0.5, 0.99, 1], np.float32),
+                    min_p=np.array([0, 0, 0.01, 0, 0, 0.2], np.float32))
+    fn = jax.jit(sample, static_argnames=("flags", "wide_search", "candidates"))
+    for c in range(20):
+        sb.counters = np.full(b, c, np.int32)
+        np.testing.assert_array_equal(
+            np.asarray(fn(x, sb, flags=SamplingFlags(), candidates=(8, 16))[0]),
+            np.asarray(fn(x, sb, flags=SamplingFlags(), candidates=(0, 0))[0]))
+    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(sb.seeds,
+                                                                           sb.counters)
+    _, exact = _candidate_draw(x, np.ones(b, np.float32), sb, np.ones(b, bool), keys, 8, 16)
+    # The top-k of 200 needs more than 128 candidates; the others settle.
+    assert not bool(exact[2]) and bool(exact[0]) and bool(exact[5])
