@@ -22,7 +22,9 @@ top-k/top-p filtering when no row asks (conditionals at their smallest branch);
 filters the draw's candidates cannot settle, so that it searches the whole row too);
 `hbm_bytes_sampling_candidates` a batch whose filtering rows the candidates settle (a top-k of
 at most 64, a nucleus above the best run of 64 tokens left out: jpaged/runner/sampler.py), its
-whole-row conditionals (`WHOLE_ROW_SCOPE`) at their smallest branch.
+whole-row conditionals (`WHOLE_ROW_SCOPE`) at their smallest branch; in a program with no
+candidate path (`CANDIDATES_SCOPE` absent: a vocab split over devices) it is
+`hbm_bytes_sampling`.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from typing import Any
 
 from jpaged.aot.hbm import HbmModel, KernelRule, estimate_traffic
 from jpaged.aot.target import H200_HBM_BYTES_PER_S, HBM_REALISTIC_FRACTION
-from jpaged.runner.sampler import WHOLE_ROW_SCOPE
+from jpaged.runner.sampler import CANDIDATES_SCOPE, WHOLE_ROW_SCOPE
 
 DECODE_BATCHES = (1, 16, 64, 256)
 DECODE_CONTEXTS = (1024, 4096)
@@ -201,8 +203,9 @@ def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: s
                      branch="smallest", loop_trips=case.loop_trips)
     t = estimate_traffic(hlo_text, model)
     sampling = estimate_traffic(hlo_text, replace(model, branch="largest"))
-    settled = estimate_traffic(hlo_text, replace(model, branch="largest",
-                                                  skip_scopes=(WHOLE_ROW_SCOPE,)))
+    # Without a candidate path (a vocab split over devices) the whole row is the only one.
+    settled = sampling if CANDIDATES_SCOPE not in hlo_text else estimate_traffic(
+        hlo_text, replace(model, branch="largest", skip_scopes=(WHOLE_ROW_SCOPE,)))
     least = case.min_hbm_bytes()
     at_peak, realistic = predicted_ms(t.hbm_bytes, bandwidth)
     return {

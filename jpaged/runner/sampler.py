@@ -229,6 +229,8 @@ _CANDIDATES = (64, 64)
 # The name scope of the draw's whole-row work (the rows the candidates did not settle): the
 # deviceless HBM estimate counts those conditionals skipped for a batch the candidates settle.
 WHOLE_ROW_SCOPE = "sampler_whole_row"
+# The name scope of the candidate path (absent from a program that has none: a vocab split).
+CANDIDATES_SCOPE = "sampler_candidates"
 
 
 def candidate_shape(v: int, shards: int = 1,
@@ -422,10 +424,11 @@ def sample(
         if shape is None:
             picked, exact = jnp.zeros(b, jnp.int32), jnp.zeros(b, bool)
         else:  # filtering rows first from their candidates: no search reads the whole row
-            picked, exact = jax.lax.cond(
-                jnp.any(filters),
-                lambda x: _candidate_draw(x, temp, s, filters, keys, *shape),
-                lambda x: (jnp.zeros(b, jnp.int32), jnp.zeros(b, bool)), logits)
+            with jax.named_scope(CANDIDATES_SCOPE):
+                picked, exact = jax.lax.cond(
+                    jnp.any(filters),
+                    lambda x: _candidate_draw(x, temp, s, filters, keys, *shape),
+                    lambda x: (jnp.zeros(b, jnp.int32), jnp.zeros(b, bool)), logits)
         # Rows left to the whole row: no filter, or one the candidates could not settle. Only
         # those rows' filters are searched there (the others' count as off).
         rest = filters & ~exact

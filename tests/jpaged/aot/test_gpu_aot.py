@@ -142,6 +142,9 @@ def test_one_step_compiles_for_an_h200():
     hbm = row["hbm"][0]
     # Every weight is read at least once and the decode kernel reads the 512-token contexts.
     assert hbm["hbm_bytes"] >= hbm["min_hbm_bytes"] > b.param_bytes
+    # A random batch its candidates settle moves more than a greedy one and less than one the
+    # whole row must settle (its searches read the 49,152-token row again and again).
+    assert hbm["hbm_bytes"] < hbm["hbm_bytes_sampling_candidates"] < hbm["hbm_bytes_sampling"]
     case = b.traffic_case(16, 16, 512)
     decode = [k for k in hbm["kernel_hbm_bytes"] if k.startswith("paged_decode_")]
     assert len(decode) == 1
