@@ -222,9 +222,9 @@ def _filter_floor(x: Float[Array, "B V"], s: SamplingBatch, shards: int = 1,
     return jnp.maximum(jnp.maximum(kth, top), least)
 
 
-# The draw's candidates where every row that filters can be served by them: (tokens a chunk,
-# chunks kept), so 4,096 candidates a row. A top-k of at most that many, and a nucleus or min-p
-# floor that lands among them, is found on the candidates alone (_candidate_draw).
+# The draw's candidates on a GPU: (tokens a run, runs kept), 4,096 candidates a row. A top-k
+# of at most 64 and a nucleus or min-p floor above the best run left out are found on the
+# candidates alone (_candidate_draw); other rows are searched on the whole row.
 _CANDIDATES = (64, 64)
 # The name scope of the draw's whole-row work (the rows the candidates did not settle): the
 # deviceless HBM estimate counts those conditionals skipped for a batch the candidates settle.
