@@ -7,8 +7,10 @@ context reads. The KV content is whatever the pool holds: the time does not depe
 No prefill is run, so a 256 x 4096-token row costs a few steps, not a million-token prefill.
 Rows may also be profiled (jpaged/bench/step_profile.py): the same step traced, its kernels'
 time summed by kind of op. A row is greedy (what `hbm_bytes` predicts) unless it says
-`"sampling": "random"`: every sequence then draws with every filter (RANDOM_SAMPLING), the
-step's largest branches, which `hbm_bytes_sampling` predicts.
+`"sampling": "random"`: every sequence then draws with every filter (RANDOM_SAMPLING), which
+`hbm_bytes_sampling_candidates` predicts where the draw's candidates settle its rows (its
+top-k of 64 does, unless the logits are flat) and `hbm_bytes_sampling` where the whole row
+must.
 """
 
 from __future__ import annotations

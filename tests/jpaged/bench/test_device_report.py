@@ -51,6 +51,13 @@ def test_rows_from_the_log_and_a_json_beside_their_prediction(tmp_path):
         19_200_000_000, 4.0, 2.0)
     assert r["predicted_ms_at_80pct"] == 5.0  # 19.2 GB at 80% of 4.8 TB/s
     assert "| bfloat16 (random) | 1 | 1024 | 8.00 |" in markdown([r])
+    # With the candidates' figure (its top-k 64 lets them settle the rows) that is the
+    # prediction, and the whole-row worst case rides beside it.
+    aot["cases"][0]["hbm_bytes_sampling_candidates"] = 16_800_000_000  # 3.5 ms
+    r = compare([random], aot, copy_gbps=None)[0]
+    assert (r["hbm_bytes"], r["predicted_ms"], r["worst_hbm_bytes"], r["worst_predicted_ms"]
+            ) == (16_800_000_000, 3.5, 19_200_000_000, 4.0)
+    assert "| 3.50 / 4.38 (whole row: 4.00) | 2.29x |" in markdown([r])
 
 
 def test_main_writes_the_merged_document(tmp_path, capsys):
