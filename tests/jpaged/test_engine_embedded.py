@@ -93,3 +93,21 @@ def test_chat_answers_paris():
                    SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
+
+
+def test_gpu_sampling_path_draws_the_cpu_paths_tokens(prompts):
+    """The sampler a GPU compiles (16-way searches, filtering rows drawn from their
+    candidates), run here on the real model through the runner, draws the very tokens of
+    XLA:CPU's whole-row bisection for seeded requests with top-k, top-p and min-p."""
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1, max_tokens=12),
+              SamplingParams(temperature=1.0, top_p=0.5, seed=2, max_tokens=12),
+              SamplingParams(temperature=0.7, min_p=0.1, seed=3, max_tokens=12),
+              SamplingParams(temperature=1.2, top_k=5, seed=4, max_tokens=12)]
+    runs = []
+    for gpu_path in (False, True):
+        llm = make_llm(max_model_len=1024, max_num_seqs=4)
+        llm.llm_engine.runner.wide_search = gpu_path  # read when the step is traced
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        runs.append([o.outputs[0].token_ids for o in outs])
+    assert runs[0] == runs[1]
+    assert all(len(t) == 12 for t in runs[0])
