@@ -23,7 +23,7 @@ filters the draw's candidates cannot settle, so that it searches the whole row t
 `hbm_bytes_sampling_candidates` a batch whose filtering rows the candidates settle (a top-k of
 at most 64, a nucleus above the best run of 64 tokens left out: jpaged/runner/sampler.py), its
 whole-row conditionals (`WHOLE_ROW_SCOPE`) at their smallest branch; in a program with no
-candidate path (`CANDIDATES_SCOPE` absent: a vocab split over devices) it is
+candidate path (`CANDIDATES_SCOPE` absent: a vocabulary too small for it) it is
 `hbm_bytes_sampling`.
 """
 
@@ -203,7 +203,7 @@ def hbm_fields(hlo_text: str, case: StepTraffic, num_weights: int, pool_shape: s
                      branch="smallest", loop_trips=case.loop_trips)
     t = estimate_traffic(hlo_text, model)
     sampling = estimate_traffic(hlo_text, replace(model, branch="largest"))
-    # Without a candidate path (a vocab split over devices) the whole row is the only one.
+    # Without a candidate path (a vocabulary too small for one) the whole row is the only one.
     settled = sampling if CANDIDATES_SCOPE not in hlo_text else estimate_traffic(
         hlo_text, replace(model, branch="largest", skip_scopes=(WHOLE_ROW_SCOPE,)))
     least = case.min_hbm_bytes()

@@ -265,7 +265,7 @@ class ModelRunner:
             plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target),)
         if defer:  # sampled later by _sample_step, once the host has the token masks
             return (logits, *plp), new_kv, last_tokens
-        ids, lp, top_ids, top_lp = sample(logits, sampling, flags, *self._vocab_ops)
+        ids, lp, top_ids, top_lp = sample(logits, sampling, flags, **self._vocab_ops)
         if self.parallel is not None:  # [B]-sized results, whole on every device
             ids, lp, top_ids, top_lp = map(self.parallel.replicated, (ids, lp, top_ids, top_lp))
         last_tokens = jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
@@ -278,7 +278,7 @@ class ModelRunner:
         batch = unflatten_step(flat)
         fed_ids = jnp.take(last_tokens, jnp.maximum(batch.feed_rows, 0))
         ids, lp, top_ids, top_lp = sample(logits, _fed_history(batch, fed_ids, flags), flags,
-                                          *self._vocab_ops)
+                                          **self._vocab_ops)
         if self.parallel is not None:  # as _step: [B]-sized results whole on every device
             ids, lp, top_ids, top_lp = map(self.parallel.replicated, (ids, lp, top_ids, top_lp))
         return (ids, lp, top_ids, top_lp), jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
@@ -293,21 +293,24 @@ class ModelRunner:
         norm = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)
         rank = 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32)
-        top_k = self._vocab_ops[0]
+        top_k = self._vocab_ops["top_k"]
         top_logits, top_ids = top_k(logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
         out = ((chosen - norm)[:, 0], rank, top_ids.astype(jnp.int32), top_logits - norm)
         return out if self.parallel is None else tuple(map(self.parallel.replicated, out))
 
     @property
-    def _vocab_ops(self) -> tuple[Callable[..., Any], Callable[[jax.Array], jax.Array], int,
-                                  bool]:
-        """The sampler's (top_k, keep_split, vocab_shards, wide_search): lax.top_k, nothing
-        and 1, or under tensor parallel the two-stage top-k, the pin to the vocab split and its
-        share count; and the platform's search (`sample`)."""
+    def _vocab_ops(self) -> dict[str, Any]:
+        """The sampler's vocabulary operations (`sample`'s keywords): lax.top_k, nothing, 1 and
+        the whole-row candidate pick, or under tensor parallel the two-stage top-k, the pin to
+        the vocab split, its share count and the two-stage candidate pick; and the platform's
+        search."""
         if self.parallel is None:
-            return jax.lax.top_k, lambda x: x, 1, self.wide_search
+            return {"top_k": jax.lax.top_k, "keep_split": lambda x: x, "vocab_shards": 1,
+                    "wide_search": self.wide_search}
         shards = self.parallel.size if self.parallel.split_vocab else 1  # divides V
-        return self.parallel.top_k, self.parallel.split_logits, shards, self.wide_search
+        return {"top_k": self.parallel.top_k, "keep_split": self.parallel.split_logits,
+                "vocab_shards": shards, "wide_search": self.wide_search,
+                "pick_candidates": self.parallel.candidates}
 
     @property
     def num_compiled(self) -> int:

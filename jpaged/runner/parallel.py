@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jpaged.runner.kv_cache import KVCache, storage_dtype
+from jpaged.runner.sampler import best_runs, row_candidates
 from models.config import ModelSpec
 from models.sharding import AXIS, make_mesh, param_shardings, param_spec, plan_layout, vocab_splits
 from pallas_kernels.backend import AttentionOps
@@ -140,6 +141,35 @@ class TensorParallel:
 
         f = jax.shard_map(local, mesh=self.mesh, in_specs=P(None, AXIS), out_specs=(P(), P()),
                           check_vma=False)
+        return f(logits)
+
+    def candidates(self, logits: jax.Array, chunk: int, keep: int
+                   ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The sampler's candidates (`sampler.row_candidates`' contract: the `keep` runs of `chunk`
+        tokens with the best maxima, as values and global ids, and the best run left out's
+        maximum; replicated) of vocab-split logits, moving [B, tp x keep x chunk] values: each
+        device takes its own best runs, and the best `keep` of the devices' are the best
+        overall (a run among the best overall is among its device's best). The best run left
+        out is the best of the devices' runs not taken and of each device's first run not
+        sent."""
+        if not self.split_vocab or self.size == 1:
+            return row_candidates(logits, chunk, keep)
+
+        def local(part: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+            b = part.shape[0]
+            vals, ids, top = best_runs(part, chunk, keep)
+            ids = ids + jax.lax.axis_index(AXIS) * part.shape[-1]
+            vals, ids, top = (jax.lax.all_gather(a, AXIS, axis=1, tiled=True)
+                              for a in (vals, ids, top))
+            top = top.reshape(b, -1, keep + 1)  # [B, devices, keep + 1], best first
+            best, pos = jax.lax.top_k(top[:, :, :keep].reshape(b, -1), keep + 1)
+            vals = jnp.take_along_axis(vals.reshape(b, -1, chunk), pos[:, :keep, None], axis=1)
+            ids = jnp.take_along_axis(ids.reshape(b, -1, chunk), pos[:, :keep, None], axis=1)
+            bound = jnp.maximum(best[:, keep], top[:, :, keep].max(axis=-1))
+            return vals.reshape(b, -1), ids.reshape(b, -1), bound
+
+        f = jax.shard_map(local, mesh=self.mesh, in_specs=P(None, AXIS),
+                          out_specs=(P(), P(), P()), check_vma=False)
         return f(logits)
 
     def replicated(self, x: jax.Array) -> jax.Array:

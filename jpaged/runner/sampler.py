@@ -235,19 +235,20 @@ CANDIDATES_SCOPE = "sampler_candidates"
 
 def candidate_shape(v: int, shards: int = 1,
                     candidates: tuple[int, int] | None = None) -> tuple[int, int] | None:
-    """(chunk, kept chunks) of the candidate path for a `v`-token row, or None where it does
-    not pay (fewer than four times the kept chunks) or the row is split over devices."""
+    """(run length, runs kept) of the candidate path for a `v`-token row split in `shards`
+    equal parts, or None where it does not pay (a part of fewer than four times the kept
+    runs) or is turned off ((0, 0))."""
     chunk, keep = _CANDIDATES if candidates is None else candidates
-    if chunk <= 0 or keep <= 0 or shards != 1:
+    if chunk <= 0 or keep <= 0:
         return None
-    return (chunk, keep) if -(-v // chunk) >= 4 * keep else None
+    return (chunk, keep) if -(-(v // shards) // chunk) >= 4 * keep else None
 
 
-def _candidates(x: Float[Array, "B V"], chunk: int, keep: int
-                ) -> tuple[Float[Array, "B C"], Int[Array, "B C"], Float[Array, " B"]]:
+def best_runs(x: Float[Array, "B V"], chunk: int, keep: int
+              ) -> tuple[Float[Array, "B C"], Int[Array, "B C"], Float[Array, "B K1"]]:
     """The `keep` runs of `chunk` consecutive tokens with the largest maxima, as values and ids
-    [B, keep * chunk] (padding past the row: -inf, id >= V), and the largest maximum of a run
-    left out [B]: no token outside the candidates is above it."""
+    [B, keep * chunk] (padding past the row: -inf, ids past it), and the maxima of the best
+    keep + 1 runs, largest first: the last is the best run left out."""
     b, v = x.shape
     n = -(-v // chunk)
     if n * chunk > v:
@@ -257,14 +258,24 @@ def _candidates(x: Float[Array, "B V"], chunk: int, keep: int
     vals = jnp.take_along_axis(runs, which[:, :keep, None], axis=1).reshape(b, keep * chunk)
     ids = (which[:, :keep, None] * chunk + jnp.arange(chunk, dtype=jnp.int32)).reshape(
         b, keep * chunk)
-    return vals, ids.astype(jnp.int32), top[:, keep]
+    return vals, ids.astype(jnp.int32), top
+
+
+def row_candidates(x: Float[Array, "B V"], chunk: int, keep: int
+                ) -> tuple[Float[Array, "B C"], Int[Array, "B C"], Float[Array, " B"]]:
+    """The candidates of a whole row (`best_runs`) and the largest maximum of a run left out
+    [B]: no token outside the candidates is above it."""
+    vals, ids, top = best_runs(x, chunk, keep)
+    return vals, ids, top[:, keep]
 
 
 def _candidate_draw(logits: Float[Array, "B V"], temp: Float[Array, " B"], s: SamplingBatch,
-                    active: Bool[Array, " B"], keys: jax.Array, chunk: int, keep: int
+                    active: Bool[Array, " B"], keys: jax.Array, chunk: int, keep: int,
+                    pick: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] = row_candidates,
+                    shards: int = 1, keep_split: Callable[[jax.Array], jax.Array] = lambda x: x
                     ) -> tuple[Int[Array, " B"], Bool[Array, " B"]]:
     """Each filtering (`active`) row's draw from its candidates (the kept runs of
-    `_candidates`, scaled by the row's temperature) and whether it is exact: every token at or
+    `row_candidates`, scaled by the row's temperature) and whether it is exact: every token at or
     above the row's floor is a candidate, and each threshold the floor is made of is the one
     the whole row gives. Rows where this does not hold are drawn on the whole row by the
     caller.
@@ -277,10 +288,12 @@ def _candidate_draw(logits: Float[Array, "B V"], temp: Float[Array, " B"], s: Sa
     top k runs). The nucleus sums the top-k's survivors, or with no top-k the whole row's
     probabilities, whose normaliser one read of the row gives. Searched on the whole row
     (`_filter_floor`), the same thresholds keep the same tokens, and the Gumbel draw over the
-    kept candidates, each with the noise of its own id, is the whole row's draw.
+    kept candidates, each with the noise of its own id, is the whole row's draw. `pick` finds
+    the candidates (`row_candidates`; under tensor parallel `TensorParallel.candidates`, from the
+    vocab-split row, with its `shards` and `keep_split` for the whole row's normaliser).
     """
     b, v = logits.shape
-    raw, cid, raw_bound = _candidates(logits, chunk, keep)
+    raw, cid, raw_bound = pick(logits, chunk, keep)
     # Scaling by a positive temperature keeps the order: the same runs as scaling first.
     cv, bound = raw / temp[:, None], raw_bound / temp
     n = cv.shape[1]
@@ -295,7 +308,7 @@ def _candidate_draw(logits: Float[Array, "B V"], temp: Float[Array, " B"], s: Sa
     kept_k = desc >= kth[:, None]
     z_k = jnp.log(jnp.sum(jnp.where(kept_k, jnp.exp(desc - top_m[:, None]), 0.0), axis=-1))
     z_w = jax.lax.cond(jnp.any(p_on & ~k_on),
-                       lambda x: row_stats(x / temp[:, None])[1][:, 0],
+                       lambda x: row_stats(keep_split(x / temp[:, None]), shards)[1][:, 0],
                        lambda x: z_k, logits)
     log_z = jnp.where(k_on, z_k, z_w)
     cum = jnp.cumsum(jnp.where(kept_k, jnp.exp(desc - top_m[:, None] - log_z[:, None]), 0.0),
@@ -383,6 +396,7 @@ def sample(
     keep_split: Callable[[jax.Array], jax.Array] = lambda x: x,
     vocab_shards: int = 1, wide_search: bool | None = None,
     candidates: tuple[int, int] | None = None,
+    pick_candidates: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"]]:
     """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates
     (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract). Tensor
@@ -391,7 +405,9 @@ def sample(
     number of vocab shards. `wide_search`: the filters' threshold search reads the row as
     few times as it can (a GPU; the default off XLA:CPU) or bisects (XLA:CPU). `candidates`:
     (tokens a run, runs kept) of the filtering rows' candidate path (default: `_CANDIDATES`
-    where the search is wide, else none; (0, 0) draws every row on the whole row).
+    where the search is wide, else none; (0, 0) draws every row on the whole row), found by
+    `pick_candidates` (`row_candidates`' contract; tensor parallel passes its own, and without
+    one a vocab-split row has no candidate path).
 
     Rows with temperature 0 take the argmax. Filtering and random draws run only when some row
     needs them (lax.cond), so one compiled step serves every mix of parameters.
@@ -421,13 +437,17 @@ def sample(
         # settle pays for both (docs/benchmarks.md).
         shape = candidate_shape(v, vocab_shards, candidates if candidates is not None else
                                 _CANDIDATES if wide else (0, 0))
+        if vocab_shards > 1 and pick_candidates is None:
+            shape = None
+        pick = pick_candidates or row_candidates
         if shape is None:
             picked, exact = jnp.zeros(b, jnp.int32), jnp.zeros(b, bool)
         else:  # filtering rows first from their candidates: no search reads the whole row
             with jax.named_scope(CANDIDATES_SCOPE):
                 picked, exact = jax.lax.cond(
                     jnp.any(filters),
-                    lambda x: _candidate_draw(x, temp, s, filters, keys, *shape),
+                    lambda x: _candidate_draw(x, temp, s, filters, keys, *shape, pick,
+                                              vocab_shards, keep_split),
                     lambda x: (jnp.zeros(b, jnp.int32), jnp.zeros(b, bool)), logits)
         # Rows left to the whole row: no filter, or one the candidates could not settle. Only
         # those rows' filters are searched there (the others' count as off).

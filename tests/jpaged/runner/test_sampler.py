@@ -247,7 +247,9 @@ def _row_batch(b, v, **kw):
 
 def test_candidate_shape_only_where_it_pays():
     assert candidate_shape(49152) == (64, 64)
-    assert candidate_shape(49152, shards=2) is None  # a vocab split over devices
+    # A vocab split over devices: each device's share must hold four times the runs kept.
+    assert candidate_shape(49152, shards=2) == (64, 64)
+    assert candidate_shape(49152, shards=8) is None
     assert candidate_shape(V) is None and candidate_shape(4 * 64 * 64 - 64) is None
     assert candidate_shape(512, candidates=(8, 16)) == (8, 16)
     assert candidate_shape(49152, candidates=(0, 0)) is None

@@ -95,6 +95,19 @@ def test_tiny_greedy_equal_across_tp(facts):
                                        [lp for pos in w for _, lp in pos], atol=1e-5)
 
 
+def test_candidates_from_vocab_split_logits_draw_the_whole_rows_tokens(facts):
+    """Each device's best runs, the best of them overall: at tp 2 and 4 the candidate path
+    draws the tokens the whole-row path and one device draw, row by row and seed by seed."""
+    base = facts["candidates_tp1"]["whole_row"]
+    assert len({tuple(d) for d in base}) > 1  # the seeds draw differently
+    for tp in (1, 2, 4):
+        assert facts[f"candidates_tp{tp}"]["candidates"] == base, tp
+        assert facts[f"candidates_tp{tp}"]["whole_row"] == base, tp
+        # Settled by the candidates: the peaked rows; not the flat one, nor the greedy one.
+        settled = facts[f"candidates_tp{tp}"]["settled"]
+        assert settled[4] is False and settled[5] is False and sum(settled) >= 3, (tp, settled)
+
+
 def test_each_device_holds_its_share_of_the_pool(facts):
     one = facts["tiny_tp1"]["kv"]
     assert one["global_shape"][2] == 2 and one["tensor_parallel_size"] == 1

@@ -14,6 +14,7 @@ import sys
 import time
 import warnings
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -119,6 +120,55 @@ def tiny_cases(out: dict) -> None:
         out[f"tiny_tp{tp}"] = case
 
 
+def candidate_cases(out: dict) -> None:
+    """The sampler's candidate path on vocab-split logits (`TensorParallel.candidates`, runs
+    of 8, 4 kept): the tokens each row draws at tp 1, 2 and 4, and with the whole-row path,
+    on 1,024-token rows with every filter mix, a mask and a flat row; and which rows the
+    candidates settled."""
+    from tiny_models import tiny_spec
+
+    from jpaged.runner.parallel import TensorParallel
+    from jpaged.runner.sampler import SamplingBatch, SamplingFlags, _candidate_draw, sample
+
+    rng = np.random.default_rng(3)
+    b, v = 6, 1024
+    x = (rng.standard_normal((b, v)) * 4).astype(np.float32)
+    x[1, 300:] = -np.inf  # a mask
+    x[4] = 0.0  # flat: the whole row settles it
+    sb = SamplingBatch(
+        temperature=np.array([1.0, 0.8, 1.0, 1.3, 1.0, 0.0], np.float32),
+        top_k=np.array([3, 4, v, 2, 4, 4], np.int32),
+        top_p=np.array([1.0, 0.9, 0.5, 0.95, 1.0, 1.0], np.float32),
+        min_p=np.array([0.0, 0.0, 0.0, 0.1, 0.0, 0.0], np.float32),
+        seeds=np.arange(b, dtype=np.uint32), counters=np.zeros(b, np.int32),
+        repetition_penalty=np.ones(b, np.float32), presence_penalty=np.zeros(b, np.float32),
+        frequency_penalty=np.zeros(b, np.float32), history=np.zeros((b, 0), np.int32),
+        history_is_output=np.zeros((b, 0), bool))
+    for tp in (1, 2, 4):
+        par = TensorParallel(tiny_spec(vocab_size=v), tp)
+        logits = par.split_logits(jax.device_put(x))
+        runs = {}
+        for name, cand in (("candidates", (8, 4)), ("whole_row", (0, 0))):
+            fn = jax.jit(partial(sample, flags=SamplingFlags(), top_k=par.top_k,
+                                 keep_split=par.split_logits,
+                                 vocab_shards=tp if par.split_vocab else 1, wide_search=True,
+                                 candidates=cand, pick_candidates=par.candidates))
+            draws = []
+            for c in range(6):
+                sb.counters = np.full(b, c, np.int32)
+                draws.append(np.asarray(fn(logits, sb)[0]).tolist())
+            runs[name] = draws
+        temp = np.where(sb.temperature > 0, sb.temperature, 1.0).astype(np.float32)
+        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(sb.seeds,
+                                                                               sb.counters)
+        _, exact = jax.jit(partial(_candidate_draw, chunk=8, keep=4, pick=par.candidates,
+                                   shards=tp if par.split_vocab else 1,
+                                   keep_split=par.split_logits))(
+            logits, temp, sb, sb.temperature > 0, keys)
+        runs["settled"] = np.asarray(exact).tolist()
+        out[f"candidates_tp{tp}"] = runs
+
+
 def embedded_cases(out: dict) -> None:
     """SmolLM2 (9 query / 3 KV heads): tp 3 equals tp 1; tp 2 and tp 8 are refused clearly."""
     loaded = embedded()
@@ -210,6 +260,7 @@ def main() -> None:
         warnings.simplefilter("always")
         sharded_load_cases(out)
         tiny_cases(out)
+        candidate_cases(out)
         embedded_cases(out)
         default_pool_cases(out)
     out["warnings"] = [str(w.message)[:200] for w in caught]
