@@ -229,7 +229,8 @@ _CANDIDATES = (64, 64)
 # The name scope of the draw's whole-row work (the rows the candidates did not settle): the
 # deviceless HBM estimate counts those conditionals skipped for a batch the candidates settle.
 WHOLE_ROW_SCOPE = "sampler_whole_row"
-# The name scope of the candidate path (absent from a program that has none: a vocab split).
+# The name scope of the candidate path (absent from a program that has none: a vocabulary
+# too small for one, or XLA:CPU's bisection).
 CANDIDATES_SCOPE = "sampler_candidates"
 
 
@@ -262,7 +263,7 @@ def best_runs(x: Float[Array, "B V"], chunk: int, keep: int
 
 
 def row_candidates(x: Float[Array, "B V"], chunk: int, keep: int
-                ) -> tuple[Float[Array, "B C"], Int[Array, "B C"], Float[Array, " B"]]:
+                   ) -> tuple[Float[Array, "B C"], Int[Array, "B C"], Float[Array, " B"]]:
     """The candidates of a whole row (`best_runs`) and the largest maximum of a run left out
     [B]: no token outside the candidates is above it."""
     vals, ids, top = best_runs(x, chunk, keep)
