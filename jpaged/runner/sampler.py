@@ -70,6 +70,13 @@ def searches_wide(platform: str | None = None) -> bool:
     return (platform or jax.default_backend()) != "cpu"
 
 
+def row_keys(s: SamplingBatch) -> jax.Array:
+    """Each row's random key for this step: its seed folded with the tokens it has sampled,
+    so a seeded request draws the same tokens whatever batch it shares."""
+    return jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(
+        s.seeds.astype(jnp.uint32), s.counters)
+
+
 def apply_penalties(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Array, "B V"]:
     """vLLM's repetition (prompt+output), presence and frequency (output only) penalties."""
     b, v = logits.shape
@@ -430,8 +437,7 @@ def sample(
         active = s.temperature > 0
         temp = jnp.where(active, s.temperature, 1.0)
         filters = active & ((s.top_k < v) | (s.top_p < 1.0) | (s.min_p > 0.0))
-        keys = jax.vmap(lambda seed, c: jax.random.fold_in(jax.random.key(seed), c))(
-            s.seeds.astype(jnp.uint32), s.counters)
+        keys = row_keys(s)
         b = logits.shape[0]
         # By default only where the search is wide (a GPU): on XLA:CPU the row sits in cache,
         # the whole-row bisection costs about what the candidates do, and a row they cannot

@@ -15,6 +15,7 @@ from jpaged.runner.sampler import (
     apply_penalties,
     candidate_shape,
     row_chunks,
+    row_keys,
     row_stats,
     sample,
 )
@@ -298,8 +299,7 @@ def test_candidate_draws_equal_the_whole_rows(wide):
         whole = np.asarray(fn(x, sb, flags=SamplingFlags(), wide_search=wide,
                               candidates=(0, 0))[0])
         np.testing.assert_array_equal(got, whole)
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(sb.seeds,
-                                                                           sb.counters)
+    keys = row_keys(sb)
     drawn, exact = jax.jit(_candidate_draw, static_argnums=(5, 6))(
         x, temp, sb, filters, keys, 64, 64)
     # Settled by the candidates: the peaked rows' filters; not: the flat rows, the top-k of
@@ -326,8 +326,7 @@ def test_candidate_path_on_a_small_vocabulary_with_short_runs():
         np.testing.assert_array_equal(
             np.asarray(fn(x, sb, flags=SamplingFlags(), candidates=(8, 16))[0]),
             np.asarray(fn(x, sb, flags=SamplingFlags(), candidates=(0, 0))[0]))
-    keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(sb.seeds,
-                                                                           sb.counters)
+    keys = row_keys(sb)
     _, exact = _candidate_draw(x, np.ones(b, np.float32), sb, np.ones(b, bool), keys, 8, 16)
     # The top-k of 200 needs more than 128 candidates; the others settle.
     assert not bool(exact[2]) and bool(exact[0]) and bool(exact[5])

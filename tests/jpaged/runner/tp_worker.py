@@ -128,7 +128,13 @@ def candidate_cases(out: dict) -> None:
     from tiny_models import tiny_spec
 
     from jpaged.runner.parallel import TensorParallel
-    from jpaged.runner.sampler import SamplingBatch, SamplingFlags, _candidate_draw, sample
+    from jpaged.runner.sampler import (
+        SamplingBatch,
+        SamplingFlags,
+        _candidate_draw,
+        row_keys,
+        sample,
+    )
 
     rng = np.random.default_rng(3)
     b, v = 6, 1024
@@ -159,8 +165,7 @@ def candidate_cases(out: dict) -> None:
                 draws.append(np.asarray(fn(logits, sb)[0]).tolist())
             runs[name] = draws
         temp = np.where(sb.temperature > 0, sb.temperature, 1.0).astype(np.float32)
-        keys = jax.vmap(lambda s, c: jax.random.fold_in(jax.random.key(s), c))(sb.seeds,
-                                                                               sb.counters)
+        keys = row_keys(sb)
         _, exact = jax.jit(partial(_candidate_draw, chunk=8, keep=4, pick=par.candidates,
                                    shards=tp if par.split_vocab else 1,
                                    keep_split=par.split_logits))(
