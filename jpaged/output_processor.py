@@ -9,7 +9,7 @@ from typing import Any
 
 from jpaged.detokenizer import IncrementalDetokenizer
 from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
-from jpaged.request import Request
+from jpaged.request import Request, RequestStatus
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -100,7 +100,14 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
             detok = child.detok = IncrementalDetokenizer(tokenizer,
                                                          group.params.skip_special_tokens)
         if child.finish_reason is None:  # a stop string may have cut the text already
-            detok.feed(req.output_token_ids, finished)
+            ids = req.output_token_ids
+            # The token that stopped the request (EOS or one of stop_token_ids) is in the
+            # token ids but not in the text, unless include_stop_str_in_output (as vLLM).
+            if (finished and req.status is RequestStatus.FINISHED_STOPPED and ids
+                    and ids[-1] in req.stop_token_ids
+                    and not group.params.include_stop_str_in_output):
+                ids = ids[:-1]
+            detok.feed(ids, finished)
     if not finished:
         if group.max_stop_len:
             _check_stop_strings(child, group, stop_request)
@@ -126,6 +133,11 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
     checked = child.stop_checked_len
     if n == checked:
         return  # no new text (e.g. a character still incomplete)
+    if len(child.request.output_token_ids) <= group.params.min_tokens:
+        # No stop string ends a request before min_tokens outputs (as vLLM): this text is
+        # passed over, but its last max_stop_len - 1 chars still start a later match.
+        child.stop_checked_len = n
+        return
     start = checked - group.max_stop_len + 1
     if start < 0:
         start = 0

@@ -206,13 +206,32 @@ def prompt_logprob_rows(scheduled: Sequence[Any], starts: Sequence[int]
 
 def token_constraints(params: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """A request's logit_bias and allowed_token_ids as (ids, values) entries (None: neither):
-    a bias is its value, an allowed token +inf (SamplingBatch.bias_ids)."""
+    a bias is its value, an allowed token +inf (SamplingBatch.bias_ids; a banned one, -inf,
+    comes from `stop_ban`)."""
     bias, allowed = params.logit_bias, params.allowed_token_ids
     if not bias and not allowed:
         return None
     ids = [*(bias or {}), *(allowed or ())]
     vals = [*(float(v) for v in (bias or {}).values()), *([np.inf] * len(allowed or ()))]
     return np.asarray(ids, np.int32), np.asarray(vals, np.float32)
+
+
+def stop_ban(request: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """The entries that keep a request with min_tokens from sampling a stop token (EOS unless
+    ignore_eos, and its stop_token_ids) before it has min_tokens outputs: each id at -inf
+    (None without min_tokens or stop ids). Applied only while the request is short of them."""
+    if not request.sampling_params.min_tokens or not request.stop_token_ids:
+        return None
+    ids = np.asarray(sorted(request.stop_token_ids), np.int32)
+    return ids, np.full(len(ids), -np.inf, np.float32)
+
+
+def join_entries(a: tuple[np.ndarray, np.ndarray] | None,
+                 b: tuple[np.ndarray, np.ndarray] | None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Two token-constraint entry lists as one (either may be None)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]])
 
 
 def constraint_rows(entries: Sequence[tuple[np.ndarray, np.ndarray] | None], b_pad: int
@@ -323,7 +342,9 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     qsl[n + 1:] = cur
     history, is_out = penalty_history(scheduled, b_pad, use_pen)
     bias_ids, bias_vals = constraint_rows(
-        [token_constraints(s.request.sampling_params) for s in scheduled], b_pad)
+        [join_entries(token_constraints(s.request.sampling_params),
+                      stop_ban(s.request) if counters[i] < s.request.sampling_params.min_tokens
+                      else None) for i, s in enumerate(scheduled)], b_pad)
 
     sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
                              history, is_out, bias_ids, bias_vals, mask_rows(token_masks, b_pad))

@@ -27,10 +27,12 @@ from jpaged.runner.batch import (
     StepBatch,
     constraint_rows,
     is_decode_step,
+    join_entries,
     mask_rows,
     penalty_history,
     prompt_logprob_rows,
     sampling_row,
+    stop_ban,
     token_constraints,
 )
 from jpaged.runner.sampler import SamplingBatch, SamplingFlags
@@ -63,6 +65,11 @@ class InputBatch:
         self._seeds = np.zeros(0, np.uint32)
         self._bias: list[tuple[np.ndarray, np.ndarray] | None] = []  # token constraints
         self._constrained: set[int] = set()  # rows whose _bias entry is not None
+        # min_tokens: the stop-token ban of each row whose request has one (applied while the
+        # request has fewer outputs than min_tokens), and those rows.
+        self._ban: list[tuple[np.ndarray, np.ndarray] | None] = []
+        self._min_tokens = np.zeros(0, np.int32)
+        self._banning: set[int] = set()
         self._plp: set[int] = set()  # rows whose request asked for prompt logprobs
 
     def _grow(self) -> None:
@@ -75,6 +82,8 @@ class InputBatch:
         self._seeds = np.concatenate([self._seeds, np.zeros(new - old, np.uint32)])
         self._nblocks.extend([0] * (new - old))
         self._bias.extend([None] * (new - old))
+        self._ban.extend([None] * (new - old))
+        self._min_tokens = np.concatenate([self._min_tokens, np.zeros(new - old, np.int32)])
         self._free.extend(range(new - 1, old - 1, -1))  # pop() hands out low rows first
         self.capacity = new
 
@@ -93,6 +102,12 @@ class InputBatch:
             self._constrained.discard(row)
         else:
             self._constrained.add(row)
+        self._ban[row] = stop_ban(request)
+        self._min_tokens[row] = request.sampling_params.min_tokens
+        if self._ban[row] is None:
+            self._banning.discard(row)
+        else:
+            self._banning.add(row)
         if request.sampling_params.prompt_logprobs is None:
             self._plp.discard(row)
         else:
@@ -107,6 +122,7 @@ class InputBatch:
             row = self.row_of.pop(rid, None)
             if row is not None:
                 self._constrained.discard(row)
+                self._banning.discard(row)
                 self._free.append(row)
 
     @property
@@ -216,9 +232,12 @@ class InputBatch:
         use_top = bool(n) and bool(samp[:, 7].any())
         history, is_out = penalty_history(scheduled, b_pad, use_pen)
         bias_ids = bias_vals = None
-        if self._constrained and not self._constrained.isdisjoint(rows):  # else no per-row work
-            bias = self._bias
-            bias_ids, bias_vals = constraint_rows([bias[i] for i in rows], b_pad)
+        if ((self._constrained and not self._constrained.isdisjoint(rows))
+                or (self._banning and not self._banning.isdisjoint(rows))):  # else no row work
+            bias, ban, min_tokens = self._bias, self._ban, self._min_tokens
+            bias_ids, bias_vals = constraint_rows(
+                [join_entries(bias[i], ban[i] if c < min_tokens[i] else None)
+                 for i, c in zip(rows, counters, strict=True)], b_pad)
         sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
                                  history, is_out, bias_ids, bias_vals,
                                  mask_rows(token_masks, b_pad))

@@ -31,7 +31,7 @@ class SamplingBatch:
     history_is_output: Bool[Array, "B H"]
     # Token constraints, per row K entries padded with id -1 (None: no row has any):
     # a finite value is a logit_bias, +inf marks an allowed token (a row with any allows
-    # only those).
+    # only those), -inf a banned one (min_tokens' stop tokens; a ban beats an allow).
     bias_ids: Int[Array, "B K"] | None = None
     bias_vals: Float[Array, "B K"] | None = None
     # Structured outputs: packed allowed-token bits per row, ceil(V / 32) int32 words, bit j of
@@ -96,14 +96,16 @@ def apply_penalties(logits: Float[Array, "B V"], s: SamplingBatch) -> Float[Arra
 
 def apply_token_bias(logits: Float[Array, "B V"], ids: Int[Array, "B K"],
                      vals: Float[Array, "B K"]) -> Float[Array, "B V"]:
-    """logit_bias (added) and allowed_token_ids (every other token of such a row to -inf)."""
+    """logit_bias (added), allowed_token_ids (every other token of such a row to -inf) and
+    banned tokens (-inf entries) to -inf."""
     b, v = logits.shape
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
     valid = ids >= 0
     idx = jnp.where(valid, ids, v)  # v is out of range: dropped
     allow_mark = valid & jnp.isposinf(vals)
+    # A banned token's bias is -inf: the sum below sends it to -inf whatever else holds.
     bias = jnp.zeros((b, v), jnp.float32).at[rows, idx].add(
-        jnp.where(valid & jnp.isfinite(vals), vals, 0.0), mode="drop")
+        jnp.where(valid & ~jnp.isposinf(vals), vals, 0.0), mode="drop")
     allowed = jnp.zeros((b, v), bool).at[rows, idx].max(allow_mark, mode="drop")
     restrict = jnp.any(allow_mark, axis=-1, keepdims=True)
     return jnp.where(restrict & ~allowed, -jnp.inf, logits + bias)

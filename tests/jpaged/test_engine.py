@@ -88,6 +88,37 @@ def test_stop_token_ids_stop_strings_and_min_tokens(llm):
     assert _free(llm)
 
 
+def test_min_tokens_bans_stop_tokens_and_stop_strings_until_reached(llm):
+    """As vLLM: before min_tokens outputs a stop token is never sampled (its logit is -inf,
+    so the request does not emit and run past it) and no stop string ends the request; the
+    token that stops a request is in its token ids but not its text, unless
+    include_stop_str_in_output."""
+    prompt = {"prompt_token_ids": [9, 8, 7]}
+    base = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = llm.generate(prompt, base)[0].outputs[0]
+    hot = next(t for t in range(VOCAB) if t not in ref.token_ids[:8])
+    # A bias of 100 makes `hot` the greedy choice at every step it is allowed.
+    p = base.clone(stop_token_ids=[hot], min_tokens=5, logit_bias={hot: 100.0})
+    c = llm.generate(prompt, p)[0].outputs[0]
+    assert c.token_ids == ref.token_ids[:5] + [hot]  # banned for 5 tokens, then it stops
+    assert (c.finish_reason, c.stop_reason) == ("stop", hot)
+    shown = llm.get_tokenizer().decode([hot])
+    assert shown and not c.text.endswith(shown)
+    c2 = llm.generate(prompt, p.clone(include_stop_str_in_output=True))[0].outputs[0]
+    assert c2.token_ids == c.token_ids and c2.text == c.text + shown
+    # A stop string met only in the first tokens' text is passed over before min_tokens.
+    text = ref.text
+    needle = next((ch for ch in text if text.count(ch) == 1 and ch.strip() and ch != "\ufffd"),
+                  None)
+    assert needle is not None, text
+    c = llm.generate(prompt, base.clone(stop=[needle]))[0].outputs[0]
+    assert c.finish_reason == "stop" and len(c.token_ids) < 12
+    late = base.clone(stop=[needle], min_tokens=len(c.token_ids) + 2)
+    c = llm.generate(prompt, late)[0].outputs[0]
+    assert (c.finish_reason, c.text) == ("length", text)
+    assert _free(llm)
+
+
 @pytest.mark.parametrize("small", [TextBuffer.SMALL, 5], ids=["str", "stringio"])
 def test_stop_strings_that_straddle_steps_end_exactly_there(llm, small, monkeypatch):
     """The stop search looks at the new tail only (plus the longest stop string less one

@@ -38,6 +38,7 @@ class PackingSim(Sim):
         self.prev_rows: dict[str, int] = {}
         self.packed = 0
         self.flags_seen: set = set()
+        self.bans = 0  # steps that banned some row's stop tokens (min_tokens)
 
     def on_schedule(self, out) -> None:
         """Pack the step both ways and compare."""
@@ -51,6 +52,8 @@ class PackingSim(Sim):
         assert (got.num_seqs, got.num_tokens, got.flags) == (want.num_seqs, want.num_tokens,
                                                              want.flags)
         self.flags_seen.add(got.flags)
+        vals = got.batch.sampling.bias_vals
+        self.bans += vals is not None and bool(np.isneginf(vals).any())
         # A pure decode step (one token per sequence) and only it says so.
         assert got.flags.decode_only == (got.num_tokens == got.num_seqs > 0)
         for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
@@ -93,7 +96,10 @@ def test_persistent_batch_packs_like_pack_step(seed):
         if i % 5 == 4:  # token constraints: their rows' entries, a [B, K] class per step
             sp.update(logit_bias={3: 2.0, 7: -1.5},
                       allowed_token_ids=[1, 3, 7, 9] if i % 10 == 9 else None)
-        pending.append((rng.randint(0, 10), make_request(f"q{i}", prompt, rng.randint(1, 12),
+        max_tokens = rng.randint(1, 12)
+        if i % 3 == 1:  # min_tokens: EOS and stop_token_ids banned until it is reached
+            sp.update(min_tokens=rng.randint(1, max_tokens), stop_token_ids=[11, 13])
+        pending.append((rng.randint(0, 10), make_request(f"q{i}", prompt, max_tokens,
                                                          priority=rng.randint(0, 1), **sp)))
     step = 0
     while pending or s.has_unfinished_requests():
@@ -107,7 +113,7 @@ def test_persistent_batch_packs_like_pack_step(seed):
         step += 1
         assert step < 1000
     sim.assert_drained()
-    assert sim.packed > 5
+    assert sim.packed > 5 and sim.bans > 0
     assert {f.top_logprobs for f in sim.flags_seen} == {False, True}, sim.flags_seen
     assert {f.decode_only for f in sim.flags_seen} == {False, True}, sim.flags_seen
     if seed < 2:  # the smallest pool: requests are preempted and come back with new tables

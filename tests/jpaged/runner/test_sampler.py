@@ -212,6 +212,32 @@ def test_logit_bias_and_allowed_token_ids_by_row():
     assert _draws(logits, hot, flags, n=100)[1] == {2, 7}
 
 
+def test_banned_tokens_never_drawn_and_a_ban_beats_an_allow():
+    """-inf entries (min_tokens' stop tokens) ban their tokens: row 0 bans its best token and
+    boosts another with a logit_bias; row 1 allows 2 and 7 but bans 7, so only 2 is left; row
+    2 bans nothing. Greedy and hot draws alike."""
+    from jpaged.runner.batch import constraint_rows
+
+    b, v, flags = 3, V, SamplingFlags()
+    logits = np.array(jax.random.normal(jax.random.key(5), (b, v)) * 3)
+    best = logits.argmax(-1)
+    boosted = (int(best[0]) + 1) % v
+    rows = [(np.array([best[0], boosted], np.int32), np.array([-np.inf, 0.5], np.float32)),
+            (np.array([2, 7, 7], np.int32), np.array([np.inf, np.inf, -np.inf], np.float32)),
+            None]
+    ids, vals = constraint_rows(rows, b)
+    greedy = _batch(b, temperature=np.zeros(b, np.float32), bias_ids=ids, bias_vals=vals)
+    got, lps = sample(logits, greedy, flags)[:2]
+    row0 = logits[0].copy()
+    row0[best[0]] = -np.inf
+    row0[boosted] += 0.5
+    assert int(got[0]) == int(row0.argmax()) and int(got[1]) == 2 and int(got[2]) == best[2]
+    assert float(lps[1]) == 0.0  # the one token left holds all the mass
+    hot = _batch(b, temperature=np.full(b, 2.0, np.float32), bias_ids=ids, bias_vals=vals)
+    seen = _draws(logits, hot, flags, n=100)
+    assert best[0] not in seen[0] and len(seen[0]) > 2 and seen[1] == {2}
+
+
 def test_packed_token_mask_restricts_each_row_to_its_bits():
     """A 40-token vocabulary (two mask words, the second partly past the vocabulary): row 0
     allows tokens 3 and 33 only (33 is bit 1 of word 1), row 1 is all ones (unconstrained:
