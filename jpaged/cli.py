@@ -194,6 +194,38 @@ def _setup_logging(verbose: bool) -> None:
                         format="%(levelname)s %(name)s: %(message)s")
 
 
+def _read_prompts(path: Path) -> list[str]:
+    """The prompts of a --input JSONL file: one {"prompt": "..."} object a line (blank lines
+    skipped); anything else stops the command with the file and line named."""
+    if not path.is_file():
+        _fail(f"--input file not found: {path}" if not path.exists()
+              else f"--input is not a file: {path}")
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        _fail(f"--input {path} is not UTF-8 text ({e.reason} at byte {e.start})")
+    except OSError as e:
+        _fail(f"--input: cannot read {path}: {e.strerror or e}")
+    out = []
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            _fail(f"{where}: not JSON ({e})")
+        if not isinstance(obj, dict) or "prompt" not in obj:
+            _fail(f"{where}: expected a JSON object with 'prompt', got {line.strip()[:60]}")
+        if not isinstance(obj["prompt"], str):
+            _fail(f"{where}: 'prompt' must be a string")
+        if extra := sorted(set(obj) - {"prompt"}):
+            _fail(f"{where}: unknown key(s) {', '.join(map(repr, extra))}: a line holds only "
+                  "'prompt'; the command's flags set max tokens and sampling")
+        out.append(obj["prompt"])
+    return out
+
+
 @engine_command()
 def generate(
     prompts: Annotated[list[str] | None, typer.Argument(help="Prompts to complete.")] = None,
@@ -219,18 +251,12 @@ def generate(
         return
     texts = list(prompts or [])
     if input_file is not None:
-        if not input_file.exists():
-            _fail(f"--input file not found: {input_file}")
-        for lineno, line in enumerate(input_file.read_text().splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                texts.append(obj["prompt"] if isinstance(obj, dict) else str(obj))
-            except (json.JSONDecodeError, KeyError) as e:
-                _fail(f"{input_file}:{lineno}: expected a JSON object with 'prompt' ({e})")
-            if not isinstance(texts[-1], str):
-                _fail(f"{input_file}:{lineno}: 'prompt' must be a string")
+        texts.extend(_read_prompts(input_file))
+    if output_file is not None:  # checked before the model loads, not after the batch ran
+        if output_file.is_dir():
+            _fail(f"--output is a directory: {output_file}")
+        if not output_file.parent.is_dir():
+            _fail(f"--output: no such directory: {output_file.parent}")
     if not texts:
         _fail("give at least one PROMPT or --input FILE")
     for i, t in enumerate(texts, 1):  # checked before the model loads
@@ -265,7 +291,11 @@ def generate(
     except (ValueError, FileNotFoundError) as e:
         _fail(str(e))
         return
-    sink = output_file.open("w") if output_file is not None else None
+    try:
+        sink = output_file.open("w") if output_file is not None else None
+    except OSError as e:
+        _fail(f"--output: cannot write {output_file}: {e.strerror or e}")
+        return
     try:
         for out in outs:
             for c in out.outputs:
@@ -537,6 +567,10 @@ def bench(
     """Offline throughput on random prompts, as `vllm bench throughput` (--seed seeds both)."""
     flags = {**locals(), **(engine_flags or {})}  # own options + the engine flags
     _setup_logging(verbose)
+    for flag, value in (("--num-prompts", num_prompts), ("--input-len", input_len),
+                        ("--output-len", output_len)):
+        if value < 1:  # before the model loads
+            _fail(f"{flag} must be >= 1, got {value}")
     if _run_worker_if_not_rank0(model, engine_flags or {}):
         return
     from jpaged.bench import report

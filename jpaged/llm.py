@@ -11,6 +11,7 @@ from jpaged.engine import LLMEngine, PromptType
 from jpaged.engine_core import create_engine
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from models.tokenizer import message_text
 
 Messages = list[Mapping[str, Any]]
 
@@ -113,19 +114,34 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template: str | None = None,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+        tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the chat template to one conversation or a list of them, then generate."""
+        """Apply the chat template to one conversation or a list of them, then generate.
+
+        As vLLM's: a message's content is a string, a list of text parts or None;
+        `chat_template` replaces the model's, `chat_template_kwargs` and `tools` reach it as
+        variables, and `continue_final_message` (with add_generation_prompt=False) leaves the
+        last message open for the model to continue."""
         if not messages:
             raise ValueError("messages is empty")
         convs = [messages] if isinstance(messages[0], Mapping) else list(messages)
         tok = self.get_tokenizer()
+        extra = {**(chat_template_kwargs or {}), **({"tools": tools} if tools else {})}
         prompts: list[PromptType] = []
         for conv in convs:
+            msgs = []
             for m in conv:
-                if not isinstance(m, Mapping) or "role" not in m or "content" not in m:
-                    raise ValueError("each chat message must be a dict with 'role' and 'content'")
-            text = tok.apply_chat_template(list(conv), add_generation_prompt=add_generation_prompt)
+                if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
+                    raise ValueError("each chat message must be a dict with a string 'role'")
+                msgs.append({**m, "content": message_text(m.get("content"))})
+            text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
+                                           chat_template=chat_template,
+                                           continue_final_message=continue_final_message,
+                                           **extra)
             # The template already holds the special tokens; do not add a BOS again.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})

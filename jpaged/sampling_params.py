@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -173,7 +174,8 @@ class SamplingParams:
                "a RequestOutputKind (0 cumulative, 1 delta, 2 final only)", self.output_kind)
         self.output_kind = RequestOutputKind(self.output_kind)  # members compare by identity
         _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
-        _check(self.temperature >= 0.0, "temperature", ">= 0", self.temperature)
+        _check(0.0 <= self.temperature < math.inf, "temperature", ">= 0 and finite",
+               self.temperature)
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and (self.top_k in (-1, 0) or self.top_k >= 1),
                "top_k", "-1 (disabled) or >= 1", self.top_k)
@@ -199,8 +201,9 @@ class SamplingParams:
                ">= 0 or None", self.prompt_logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "non-empty strings", self.stop)
-        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               "non-negative integers", self.stop_token_ids)
+        _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                   for t in self.stop_token_ids), "stop_token_ids", "non-negative integers",
+               self.stop_token_ids)
         if self.seed is not None:
             _check(isinstance(self.seed, int) and -2**63 <= self.seed < 2**63, "seed",
                    "a 64-bit signed integer or None (vLLM's range)", self.seed)

@@ -94,6 +94,25 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+def message_text(content: Any) -> str:
+    """A chat message's content as plain text: a string, a list of OpenAI text parts
+    ({"type": "text", "text": ...}, joined) or None (empty); anything else is a ValueError."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("message content must be a string or a list of text parts, got "
+                         f"{type(content).__name__}")
+    parts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ValueError(f"only text content parts are supported, got type {kind!r}")
+        parts.append(part["text"])
+    return "".join(parts)
+
+
 def _token_content(token: Any) -> str | None:
     """tokenizer_config.json spells special tokens as a string or {"content": ...}."""
     if isinstance(token, dict):

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from jpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from models.tokenizer import message_text
 
 
 class OpenAIError(Exception):
@@ -295,17 +296,10 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         """The message content as plain text (text parts joined)."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        parts = []
-        for part in self.content:
-            if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise OpenAIError(400, "only text content parts are supported, got type "
-                                  f"{part.get('type')!r}", param="messages")
-            parts.append(part["text"])
-        return "".join(parts)
+        try:
+            return message_text(self.content)
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="messages") from None
 
 
 class ChatCompletionRequest(_SamplingRequest):

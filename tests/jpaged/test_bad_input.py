@@ -163,14 +163,29 @@ def test_cli_flag_of_the_wrong_type(args: tuple[str, ...], needle: str) -> None:
 def test_cli_bad_input_files(tmp_path) -> None:
     cases = {"missing.jsonl": None, "not_json.jsonl": '{"prompt": "a"}\n{oops\n',
              "no_prompt.jsonl": '{"text": "a"}\n', "int_prompt.jsonl": '{"prompt": 5}\n',
-             "empty_prompt.jsonl": '{"prompt": "a"}\n{"prompt": ""}\n'}
+             "empty_prompt.jsonl": '{"prompt": "a"}\n{"prompt": ""}\n',
+             # JSON that is not an object, an unknown key, bytes that are not UTF-8, a folder
+             "list.jsonl": '[1, 2, 3]\n', "null.jsonl": 'null\n',
+             "extra_key.jsonl": '{"prompt": "a", "max_tokens": 3}\n', "latin1.jsonl": b"\xff\xfe\n",
+             "folder.jsonl": ...}
     for name, text in cases.items():
         path = tmp_path / name
-        if text is not None:
+        if isinstance(text, str):
             path.write_text(text)
+        elif isinstance(text, bytes):
+            path.write_bytes(text)
+        elif text is ...:
+            path.mkdir()
         code, err = _cli("generate", "--input", str(path), *CLI_ENGINE)
         assert code == 2, (name, err)
         assert str(path) in err or "prompt 2" in err, (name, err)
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt": "a"}\n')
+    # --output that cannot be written is refused before the model loads.
+    for bad, needle in ((tmp_path, "is a directory"), (tmp_path / "nope" / "o.jsonl",
+                                                       "no such directory")):
+        code, err = _cli("generate", "--input", str(good), "--output", str(bad), *CLI_ENGINE)
+        assert code == 2 and needle in err and "--output" in err, err
 
 
 # ------------------------------------------------------------------------------ model files

@@ -263,6 +263,8 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, msg):
     (dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(n=0), "n"),
     (dict(max_tokens=0), "max_tokens"), (dict(logprobs=-1), "logprobs"),
+    (dict(temperature=float("inf")), "temperature"), (dict(stop_token_ids=[True]),
+                                                       "stop_token_ids"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -93,6 +93,23 @@ def test_chat_answers_paris():
                    SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason in ("stop", "length")
+    # OpenAI-style text parts are the same prompt; other content is refused by name.
+    parts = [{"type": "text", "text": "What is the capital "},
+             {"type": "text", "text": "of France?"}]
+    again = llm.chat([{"role": "user", "content": parts}],
+                     SamplingParams(temperature=0.0, max_tokens=24))
+    assert again[0].outputs[0].token_ids == out[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])
+    with pytest.raises(ValueError, match="content must be a string"):
+        llm.chat([{"role": "user", "content": 5}])
+    # The assistant's last message continued, not a new turn.
+    cont = llm.chat([{"role": "user", "content": "What is the capital of France?"},
+                     {"role": "assistant", "content": "The capital of France is"}],
+                    SamplingParams(temperature=0.0, max_tokens=4),
+                    add_generation_prompt=False, continue_final_message=True)
+    assert "Paris" in cont[0].outputs[0].text
+    assert cont[0].prompt.endswith("The capital of France is")
 
 
 def test_gpu_sampling_path_draws_the_cpu_paths_tokens(prompts):

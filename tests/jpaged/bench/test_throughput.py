@@ -75,3 +75,10 @@ def test_cli_rejects_too_long_requests():
                                    "250", "--output-len", "10", *FLAGS])
     assert res.exit_code == 2
     assert "max_model_len" in res.stderr and "Traceback" not in res.output
+
+
+def test_cli_names_the_flag_of_a_size_below_one():
+    for flag in ("--num-prompts", "--input-len", "--output-len"):
+        res = CliRunner().invoke(app, ["bench", "--model", "/nonexistent", flag, "0", *FLAGS])
+        # Refused before the model loads: the missing model is never reached.
+        assert res.exit_code == 2 and f"{flag} must be >= 1" in res.stderr, res.output
