@@ -500,16 +500,28 @@ class LLMEngine(RequestFrontend):
                         break  # stay incomplete: the output then carries no prompt_logprobs
             row += count
 
-    def _consume(self, updated: list[Request], rows: list[int], ids: list[int]) -> None:
-        """Advance each constrained request's matcher past the token it just sampled."""
-        for req, row in zip(updated, rows, strict=True):
+    def _consume(self, updated: list[Request], rows: list[int], ids: list[int],
+                 finished_at: list[int] | None = None) -> None:
+        """Advance each constrained request's matcher past the token it just sampled (a
+        request it ends goes into `finished_at`, as update_from_output's own)."""
+        for i, (req, row) in enumerate(zip(updated, rows, strict=True)):
             m = self._matchers.get(req.request_id)
             if m is not None and req.output_token_ids:
                 err = consume(m, ids[row])
                 if err is not None:  # only if another constraint overrode the grammar's mask
-                    logger.warning("request %s left its grammar (%s); it is no longer "
-                                   "constrained", req.request_id, err)
+                    # (allowed_token_ids or logit_bias leaving no token the grammar allows):
+                    # the request ends here, aborted with the reason as its stop_reason,
+                    # rather than going on unconstrained as if it had succeeded.
+                    why = (err.strip().splitlines() or [""])[0][:200]
+                    req.stop_reason = (f"sampled token {ids[row]} is outside the request's "
+                                       f"structured output (another constraint, such as "
+                                       f"allowed_token_ids, left no token it allows): {why}")
+                    logger.warning("request %s aborted: %s", req.request_id, req.stop_reason)
                     del self._matchers[req.request_id]
+                    if not req.is_finished():
+                        self._finish([req.request_id], RequestStatus.FINISHED_ABORTED)
+                        if finished_at is not None:
+                            finished_at.append(i)
 
     def _record(self, cur: tuple[Any, PendingStep | None]) -> None:
         # One point per call, for the step dispatched by it (none: a drain call, see _launch).
@@ -601,7 +613,7 @@ class LLMEngine(RequestFrontend):
             self._record_prompt_logprobs(result)
         updated = self.scheduler.update_from_output(out, ids, rows, finished_at)
         if self._matchers and ids:
-            self._consume(updated, rows, ids)
+            self._consume(updated, rows, ids, finished_at)
         if self.kv_worker is not None:
             self._kv_connector_meta()
         return updated, ids, lps, result

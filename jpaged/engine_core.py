@@ -73,15 +73,15 @@ class CoreStep:
     """One core step's sampled tokens, as sent to the front end.
 
     Position i: sequence `req_ids[i]` got token `token_ids[i]` (log-prob `logprobs[i]`, top
-    candidates `top_ids[i]`, `top_logprobs[i]`). `finished`: (position, status name,
-    stop_reason) of the sequences this step ended; `num_cached`: (position, prompt tokens found
-    in the prefix cache) of those that got their first token. `kv_cache_usage`: the pool's
+    candidates `top_ids[i]`, `top_logprobs[i]`, rank `ranks[i]`). `finished`: (position, status
+    name, stop_reason) of the sequences this step ended; `num_cached`: (position, prompt tokens
+    found in the prefix cache) of those that got their first token. `kv_cache_usage`: the pool's
     usage after the step. `loop_s`: the core loop's thread CPU time of its previous iteration
-    (take messages, step, send). `req_ids` is None when it equals the previous CoreStep's
-    (sent in order, so the front end keeps the last list: the batch is mostly unchanged).
+    (take messages, step, send). `req_ids` is None when it equals the previous CoreStep's (sent
+    in order, so the front end keeps the last list: the batch is mostly unchanged).
     """
 
-    __slots__ = ("req_ids", "token_ids", "logprobs", "top_ids", "top_logprobs", "finished",
+    __slots__ = ("req_ids", "token_ids", "logprobs", "top_ids", "top_logprobs", "ranks", "finished",
                  "num_cached", "prompt_logprobs", "kv_cache_usage", "loop_s")
 
     def __init__(self) -> None:
@@ -90,6 +90,7 @@ class CoreStep:
         self.logprobs: list[float] = []
         self.top_ids: Any = None
         self.top_logprobs: Any = None
+        self.ranks: Any = None
         self.finished: list[tuple[int, str, Any]] = []
         self.num_cached: list[tuple[int, int]] = []
         # (position, Request.prompt_logprob_rows) of sequences whose first token is here.
@@ -113,10 +114,12 @@ class CoreStep:
         if len(rows) == len(ids):  # every row updated: rows are 0..n-1 (they only increase)
             self.token_ids, self.logprobs = ids, lps
             self.top_ids, self.top_logprobs = result.top_ids, result.top_logprobs
+            self.ranks = result.ranks
         else:
             self.token_ids = [ids[i] for i in rows]
             self.logprobs = [lps[i] for i in rows]
             self.top_ids, self.top_logprobs = result.top_ids[rows], result.top_logprobs[rows]
+            self.ranks = result.ranks[rows]
         self.finished = [(i, updated[i].status.name, updated[i].stop_reason)
                          for i in finished_at]
         self.num_cached = [(i, r.num_cached_tokens) for i, r in enumerate(updated)

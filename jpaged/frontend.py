@@ -217,7 +217,8 @@ class RequestFrontend:
                  lps: Sequence[float], result: Any) -> list[RequestOutput]:
         """RequestOutputs of the sequences a step updated (each got token ids[row]).
 
-        `result`: what carries the step's top logprobs (`top_ids`, `top_logprobs` by row),
+        `result`: what carries the step's top logprobs and ranks (`top_ids`, `top_logprobs`,
+        `ranks` by row),
         read only for a sequence that asked for logprobs.
         """
         now = time.monotonic()

@@ -134,7 +134,7 @@ class NaiveEngine:
                                  (cache.k, cache.v))
         last = jnp.arange(b) * nq + jnp.maximum(q_len - 1, 0)
         logits = model.compute_logits(hidden[last])
-        tok, _, _, _ = sample(logits, sampling, flags)
+        tok = sample(logits, sampling, flags)[0]
         return tok, ContiguousCache(ck, cv)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],

@@ -76,11 +76,9 @@ def record_logprobs(group: RequestGroup, child: ChildState, token: int, logprob:
     child.cumulative_logprob += logprob
     if child.logprobs is None:
         return
-    entry = {token: Logprob(logprob, None, decode([token]))}
+    entry = {token: Logprob(logprob, int(result.ranks[row]), decode([token]))}
     for j in range(group.params.logprobs or 0):
         cand = int(result.top_ids[row, j])
-        if cand == token:
-            entry[token].rank = j + 1
         entry.setdefault(cand, Logprob(float(result.top_logprobs[row, j]), j + 1,
                                        decode([cand])))
     child.logprobs.append(entry)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import time
 from pathlib import Path
@@ -276,23 +277,42 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
         lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings))
     stacked = manifest["format_version"] == STACKED_VERSION
     params_dir = path / PARAMS_DIR
+    redo = f"; write it again with `jpaged convert SOURCE {path} --overwrite`"
     with ocp.StandardCheckpointer() as ckptr:
         try:
-            stored = ckptr.metadata(params_dir).item_metadata.tree
+            meta = ckptr.metadata(params_dir).item_metadata
         except Exception as e:  # orbax/tensorstore errors of a damaged directory
-            raise ValueError(f"corrupt checkpoint parameters {params_dir}: {e}") from e
+            raise ValueError(f"corrupt checkpoint parameters {params_dir}: "
+                             f"{_orbax_reason(e)}{redo}") from e
+        if meta is None or getattr(meta, "tree", None) is None:
+            raise ValueError(f"corrupt checkpoint parameters {params_dir}: no parameter "
+                             f"metadata (the directory is empty or incomplete){redo}")
+        stored = meta.tree
         wanted = _stacked_target(target, spec.num_layers) if stacked else target
         _check_tree(path, _flat(stored), _flat(wanted))
         try:
             restored = ckptr.restore(params_dir, wanted)
         except Exception as e:
-            raise ValueError(f"reading checkpoint parameters {params_dir} failed: {e}") from e
+            raise ValueError(f"reading checkpoint parameters {params_dir} failed: "
+                             f"{_orbax_reason(e)}{redo}") from e
     if stacked:
         restored = _unstack_layers(restored, target)
     nnx.replace_by_pure_dict(state, restored)
     model = nnx.merge(graphdef, state)
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedModel(spec, model, tokenizer, str(path))
+
+
+def _orbax_reason(e: Exception) -> str:
+    """One line from an orbax / TensorStore error: its first sentence and the tensor it names,
+    without the TensorStore spec it dumps (tens of lines)."""
+    text = str(e) or type(e).__name__
+    head = text.split(" See full TensorStore details")[0].splitlines()[0].strip()
+    # The spec names the store's folder (absolute) and the array inside it (relative).
+    tensors = [t for t in re.findall(r"'path': '([^']+?)/?'", text) if not t.startswith("/")]
+    if tensors:
+        head += f" (tensor {tensors[-1]})"
+    return head[:300]
 
 
 def _stacked_target(target: dict[str, Any], num_layers: int) -> dict[str, Any]:

@@ -156,8 +156,8 @@ def seed32(seed: int) -> int:
 def sampling_row(params: Any, vocab_size: int, default_seed: int
                  ) -> tuple[float, int, float, float, int, float, float, float, bool, bool]:
     """A request's sampling values as the step batch holds them: (temperature, top_k, top_p,
-    min_p, uint32 seed, repetition, presence, frequency penalty, uses penalties, wants top
-    candidates' logprobs)."""
+    min_p, uint32 seed, repetition, presence, frequency penalty, uses penalties, wants
+    logprobs: its top candidates' and the sampled token's rank, logprobs=0 included)."""
     p = params
     # k >= vocab keeps every token; clamped so it fits int32.
     top_k = min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size
@@ -165,7 +165,7 @@ def sampling_row(params: Any, vocab_size: int, default_seed: int
     pen = p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
     return (0.0 if p.greedy else p.temperature, top_k, p.top_p, p.min_p, seed32(seed),
             p.repetition_penalty, p.presence_penalty, p.frequency_penalty, pen,
-            (p.logprobs or 0) > 0)
+            p.logprobs is not None)
 
 
 MIN_BIAS_BUCKET = 8  # token-constraint entries per row: a power of two no smaller than this

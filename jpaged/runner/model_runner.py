@@ -81,6 +81,7 @@ class StepResult:
     logprobs: np.ndarray  # [n] float32, log-prob of the sampled token
     top_ids: np.ndarray  # [n, N] int32
     top_logprobs: np.ndarray  # [n, N] float32
+    ranks: np.ndarray  # [n] int32: the sampled token's rank (read where logprobs were asked)
     # prompt_logprobs: (request id, first prompt position, count) runs over the rows below.
     prompt_spans: tuple[tuple[str, int, int], ...] = ()
     prompt_logprobs: np.ndarray | None = None  # [P] float32: of the next prompt token
@@ -106,15 +107,15 @@ class PendingStep:
         """Host copies of the step's sampled tokens (blocks until the device has them)."""
         if self._result is None:
             t0 = time.perf_counter()
-            ids, lp, top_ids, top_lp = (np.asarray(x) for x in self._outs[:4])
-            plp = ((np.asarray(x) for x in self._outs[4]) if self.prompt_spans
+            ids, lp, top_ids, top_lp, ranks = (np.asarray(x) for x in self._outs[:5])
+            plp = ((np.asarray(x) for x in self._outs[5]) if self.prompt_spans
                    else (None,) * 4)
             t1 = time.perf_counter()
             self._runner.last_wait_s += t1 - t0
             # Device seconds: dispatch until the results are on the host.
             self._runner.last_device_s = t1 - self._t_dispatch
             n = self.num_seqs
-            self._result = StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n],
+            self._result = StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n], ranks[:n],
                                       self.prompt_spans, *plp)
             self._outs = ()
         return self._result
@@ -265,11 +266,11 @@ class ModelRunner:
             plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target),)
         if defer:  # sampled later by _sample_step, once the host has the token masks
             return (logits, *plp), new_kv, last_tokens
-        ids, lp, top_ids, top_lp = sample(logits, sampling, flags, **self._vocab_ops)
+        outs = sample(logits, sampling, flags, **self._vocab_ops)
         if self.parallel is not None:  # [B]-sized results, whole on every device
-            ids, lp, top_ids, top_lp = map(self.parallel.replicated, (ids, lp, top_ids, top_lp))
-        last_tokens = jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
-        return (ids, lp, top_ids, top_lp, *plp), new_kv, last_tokens
+            outs = tuple(map(self.parallel.replicated, outs))
+        last_tokens = jax.lax.dynamic_update_slice(last_tokens, outs[0], (0,))
+        return (*outs, *plp), new_kv, last_tokens
 
     def _sample_step(self, logits: jax.Array, flat: FlatStep, last_tokens: jax.Array,
                      flags: SamplingFlags) -> tuple[tuple[jax.Array, ...], jax.Array]:
@@ -277,11 +278,10 @@ class ModelRunner:
         the token masks) and the last-token buffer, which it updates as `_step` does."""
         batch = unflatten_step(flat)
         fed_ids = jnp.take(last_tokens, jnp.maximum(batch.feed_rows, 0))
-        ids, lp, top_ids, top_lp = sample(logits, _fed_history(batch, fed_ids, flags), flags,
-                                          **self._vocab_ops)
+        outs = sample(logits, _fed_history(batch, fed_ids, flags), flags, **self._vocab_ops)
         if self.parallel is not None:  # as _step: [B]-sized results whole on every device
-            ids, lp, top_ids, top_lp = map(self.parallel.replicated, (ids, lp, top_ids, top_lp))
-        return (ids, lp, top_ids, top_lp), jax.lax.dynamic_update_slice(last_tokens, ids, (0,))
+            outs = tuple(map(self.parallel.replicated, outs))
+        return outs, jax.lax.dynamic_update_slice(last_tokens, outs[0], (0,))
 
     def _prompt_logprobs(self, model: Any, hidden: jax.Array, idx: jax.Array,
                          target: jax.Array) -> tuple[jax.Array, ...]:

@@ -44,7 +44,8 @@ class SamplingFlags:
     """Static switches (part of the compile key); everything else is decided at run time."""
 
     use_penalties: bool = False  # the history arrays are non-empty
-    # Some row asked for its top candidates' logprobs (SamplingParams.logprobs > 0). Without
+    # Some row asked for logprobs (SamplingParams.logprobs >= 0): its top candidates and the
+    # sampled token's rank. Without
     # it the step returns [B, 0] candidates and skips the top-k over the vocabulary.
     top_logprobs: bool = False
     # Every sequence of the step has exactly one new token (BucketPlan's T == B shapes). The
@@ -407,9 +408,11 @@ def sample(
     vocab_shards: int = 1, wide_search: bool | None = None,
     candidates: tuple[int, int] | None = None,
     pick_candidates: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None,
-) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"]]:
-    """Sampled ids, their logprobs (of the penalised distribution), and the top-N candidates
-    (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract). Tensor
+) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"],
+           Int[Array, " B"]]:
+    """Sampled ids, their logprobs (of the penalised distribution), the top-N candidates
+    (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract), and each
+    sampled id's rank in its row (1 = the most likely; 0 unless flags.top_logprobs). Tensor
     parallel passes a `top_k` that works on the vocab-split logits, a `keep_split` that pins
     a [B, V] value to that split (else XLA may gather the filtered logits whole), and the
     number of vocab shards. `wide_search`: the filters' threshold search reads the row as
@@ -486,9 +489,13 @@ def sample(
     ids = jax.lax.cond(jnp.all(s.temperature <= 0), lambda _: greedy_ids, draw, None)
     chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)
     chosen_lp = ((chosen - row_max) - log_norm)[:, 0]
+    b = logits.shape[0]
     if not flags.top_logprobs:  # nobody reads candidates: no top-k over the vocabulary
-        b = logits.shape[0]
-        return ids, chosen_lp, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32)
-    # The logprob is monotonic in the logit: the top logits are the top logprobs.
+        return (ids, chosen_lp, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32),
+                jnp.zeros(b, jnp.int32))
+    # The logprob is monotonic in the logit: the top logits are the top logprobs, and a
+    # token's rank is one more than the logits above its own (ties share the better rank).
     top_logits, top_ids = top_k(logits, min(NUM_TOP_LOGPROBS, v))
-    return ids, chosen_lp, top_ids.astype(jnp.int32), (top_logits - row_max) - log_norm
+    ranks = 1 + jnp.sum(keep_split(logits) > chosen, axis=-1).astype(jnp.int32)
+    return (ids, chosen_lp, top_ids.astype(jnp.int32), (top_logits - row_max) - log_norm,
+            ranks)

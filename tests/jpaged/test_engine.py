@@ -182,6 +182,18 @@ def test_logprobs_top_n(llm):
         assert 3 <= len(entry) <= 4 and all(lp.logprob <= 0 for lp in entry.values())
     assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
                                                      zip(c.token_ids, c.logprobs, strict=True)))
+    # logprobs=0 still ranks the sampled token; so does logprobs=1 for a hot draw below the
+    # top candidate (the rank counts the whole vocabulary, as vLLM's).
+    c = llm.generate({"prompt_token_ids": [4, 5]}, p.clone(logprobs=0))[0].outputs[0]
+    assert all(list(e) == [t] and e[t].rank == 1 for t, e in zip(c.token_ids, c.logprobs,
+                                                                 strict=True))
+    hot = SamplingParams(temperature=5.0, max_tokens=12, logprobs=1, seed=3, ignore_eos=True)
+    c = llm.generate({"prompt_token_ids": [4, 5]}, hot)[0].outputs[0]
+    ranks = [e[t].rank for t, e in zip(c.token_ids, c.logprobs, strict=True)]
+    assert all(isinstance(r, int) and 1 <= r <= VOCAB for r in ranks) and max(ranks) > 1
+    for t, e in zip(c.token_ids, c.logprobs, strict=True):  # the top candidate outranks it
+        top = next(x for x in e.values() if x.rank == 1)
+        assert e[t].rank == 1 or top.logprob >= e[t].logprob
 
 
 def test_abort_frees_blocks_and_engine_keeps_serving(llm):

@@ -120,6 +120,19 @@ def test_bad_grammar_is_refused_and_the_engine_goes_on(llm):
                                                                     max_tokens=4),
                        use_tqdm=False)
     assert out[0].outputs[0].text
+    # allowed_token_ids that leave the grammar no token: the request is aborted with the
+    # reason, not continued unconstrained; the request beside it is untouched.
+    paris = llm.get_tokenizer().encode(" Paris", add_special_tokens=False)
+    both = SamplingParams(temperature=0.0, max_tokens=5, allowed_token_ids=paris,
+                          structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    free = SamplingParams(temperature=0.0, max_tokens=4)
+    bad, ok = llm.generate(["Answer:", "The capital of France is"], [both, free],
+                           use_tqdm=False)
+    c = bad.outputs[0]
+    assert c.finish_reason == "abort" and "structured output" in c.stop_reason, c
+    assert len(c.token_ids) == 1
+    assert ok.outputs[0].token_ids == out[0].outputs[0].token_ids
+    assert llm.get_metrics()["kv_cache_usage"] == 0.0
 
 
 def test_openai_client_response_format_and_tool_call(llm):

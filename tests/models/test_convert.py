@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -244,6 +245,26 @@ def test_missing_params(ckpt_copy):
     shutil.rmtree(ckpt_copy / PARAMS_DIR)
     with pytest.raises(FileNotFoundError, match="has no parameters"):
         check_model_source(str(ckpt_copy))
+
+
+def test_damaged_parameter_files_give_one_line_naming_the_tensor(ckpt_copy, tmp_path):
+    """A truncated data file: one line naming the tensor and the re-convert command, none of
+    TensorStore's spec dump. An emptied parameters folder: said so, not an AttributeError."""
+    data = max((f for f in (ckpt_copy / PARAMS_DIR).rglob("*") if f.is_file()
+                and f.parent.name == "d"), key=lambda f: f.stat().st_size)
+    data.write_bytes(data.read_bytes()[:100])
+    with pytest.raises(ValueError) as info:
+        load_model(str(ckpt_copy), "float32")
+    msg = str(info.value)
+    assert "TensorStore(" not in msg and "\n" not in msg and len(msg) < 600, msg
+    assert "jpaged convert SOURCE" in msg and str(ckpt_copy) in msg, msg
+    assert re.search(r"\(tensor [\w.]+\)", msg) or "corrupt checkpoint parameters" in msg, msg
+    empty = Path(shutil.copytree(ckpt_copy, tmp_path / "empty"))
+    for f in list((empty / PARAMS_DIR).iterdir()):
+        shutil.rmtree(f) if f.is_dir() else f.unlink()
+    with pytest.raises(ValueError, match="corrupt checkpoint parameters .*(empty or incomplete|"
+                                         "jpaged convert)"):
+        load_model(str(empty), "float32")
 
 
 def test_shape_mismatch_names_the_tensor(ckpt_copy):

@@ -1,5 +1,6 @@
 """On-device sampling: filters, penalties, seeds and logprobs against direct numpy math."""
 
+import dataclasses
 import math
 
 import jax
@@ -51,17 +52,38 @@ def test_greedy_is_argmax_and_logprobs():
     rng = np.random.default_rng(0)
     logits = rng.standard_normal((3, V)).astype(np.float32)
     sb = _batch(3, temperature=np.zeros(3, np.float32))
-    ids, lp, top_ids, top_lp = sample(logits, sb, SamplingFlags(top_logprobs=True))
+    ids, lp, top_ids, top_lp, ranks = sample(logits, sb, SamplingFlags(top_logprobs=True))
     np.testing.assert_array_equal(np.asarray(ids), logits.argmax(-1))
+    np.testing.assert_array_equal(np.asarray(ranks), 1)  # greedy: the best token
     ref = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(lp), ref.max(-1), rtol=1e-5)
     np.testing.assert_array_equal(np.asarray(top_ids)[:, :4], np.argsort(-ref, -1)[:, :4])
     np.testing.assert_allclose(np.asarray(top_lp)[:, :4], -np.sort(-ref, -1)[:, :4], rtol=1e-5)
     # Nobody asking for candidates: the same tokens and logprobs, no candidates computed.
-    ids0, lp0, top_ids0, top_lp0 = sample(logits, sb, SamplingFlags())
+    ids0, lp0, top_ids0, top_lp0, _ = sample(logits, sb, SamplingFlags())
     np.testing.assert_array_equal(np.asarray(ids0), np.asarray(ids))
     np.testing.assert_array_equal(np.asarray(lp0), np.asarray(lp))
     assert top_ids0.shape == (3, 0) and top_lp0.shape == (3, 0)
+
+
+def test_sampled_tokens_rank_is_counted_over_the_whole_row():
+    """A hot draw often lands outside the top candidates: its rank is still exact (one more
+    than the logits above its own), with top-k/top-p filters on and off."""
+    rng, v = np.random.default_rng(2), 500
+    logits = (rng.standard_normal((4, v)) * 2).astype(np.float32)
+    flags = SamplingFlags(top_logprobs=True)
+    sb = _batch(4, temperature=np.full(4, 3.0, np.float32),
+                top_k=np.array([v, 50, v, v], np.int32), top_p=np.array([1, 1, 0.9, 1],
+                                                                      np.float32))
+    outside = 0
+    for c in range(12):
+        ids, _, top_ids, _, ranks = sample(logits, dataclasses.replace(
+            sb, counters=np.full(4, c, np.int32)), flags)
+        ids, ranks = np.asarray(ids), np.asarray(ranks)
+        want = 1 + (logits > logits[np.arange(4), ids][:, None]).sum(-1)
+        np.testing.assert_array_equal(ranks, want)
+        outside += int((ranks > top_ids.shape[1]).sum())
+    assert outside > 0  # some draws were ranked past the top candidates
 
 
 def test_row_stats_one_read_matches_two_pass_log_softmax():
