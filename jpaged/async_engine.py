@@ -172,7 +172,10 @@ class AsyncLLMEngine:
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
-            self.abort(request_id)  # it may have been added after all
+            # It may be added after all: then abort it, but only then (a refused id is
+            # another request's, which must go on).
+            done.add_done_callback(
+                lambda f: f.cancelled() or f.exception() is not None or self.abort(request_id))
             raise
         return queue
 

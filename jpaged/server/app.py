@@ -12,12 +12,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import uvicorn
-from fastapi import APIRouter, Depends, FastAPI
+from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
-from starlette.types import Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
@@ -54,6 +54,25 @@ class _EventStreamResponse(StreamingResponse):
         finally:
             self._stream.close()  # synchronous, so it runs even while being cancelled
             await self._stream.events.aclose()  # type: ignore[attr-defined]
+
+
+class _ApiKeyGate:
+    """ASGI middleware: a /v1 request without `Authorization: Bearer KEY` gets its 401 before
+    anything reads its body (a malformed body with a wrong key is a 401, not a 400)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.want = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.want):
+                err = OpenAIError(401, "Incorrect or missing API key (Authorization: Bearer KEY)",
+                                  "authentication_error", code="invalid_api_key")
+                await JSONResponse(err.body(), status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -128,15 +147,9 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     async def _dead(_: Request, exc: EngineDeadError) -> JSONResponse:
         return JSONResponse(error_body(str(exc), "server_error", code=503), status_code=503)
 
-    async def check_api_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise OpenAIError(401, "Incorrect or missing API key (Authorization: Bearer KEY)",
-                              "authentication_error", code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_api_key)])
+    if api_key is not None:
+        app.add_middleware(_ApiKeyGate, api_key=api_key)
+    v1 = APIRouter(prefix="/v1")
 
     def respond(result: dict[str, Any] | EventStream | None) -> Response:
         if result is None:  # the client disconnected; its requests were aborted

@@ -34,11 +34,18 @@ def error_body(message: str, type_: str = "invalid_request_error", param: str | 
 _FIELD_RE = re.compile(r"SamplingParams\.(\w+)")
 
 
-def bad_value(e: ValueError, default_param: str | None = None) -> OpenAIError:
-    """A 400 for a ValueError from SamplingParams or the engine; `param` names the field."""
+def bad_value(e: ValueError, default_param: str | None = None,
+              names: dict[str, str] | None = None) -> OpenAIError:
+    """A 400 for a ValueError from SamplingParams or the engine; `param` names the field, as
+    the request spells it (`names`: SamplingParams field -> request field, where they differ)."""
     msg = str(e)
     m = _FIELD_RE.search(msg)
-    return OpenAIError(400, msg, param=m.group(1) if m else default_param)
+    if m is None:
+        return OpenAIError(400, msg, param=default_param)
+    field = (names or {}).get(m.group(1), m.group(1))
+    if field != m.group(1):
+        msg = msg.replace(m.group(0), field)
+    return OpenAIError(400, msg, param=field)
 
 
 class StreamOptions(BaseModel):
@@ -55,6 +62,8 @@ _NOT_YET: dict[str, Any] = {
     "length_penalty": 1.0,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
     "documents": None, "mm_processor_kwargs": None, "reasoning_effort": None,
+    # OpenAI's deprecated function calling (`tools` and `tool_choice` replace them).
+    "functions": None, "function_call": None,
 }
 # vLLM's structured-output backends this server can honour (llguidance is the one it has).
 _BACKENDS = (None, "auto", "guidance", "llguidance")
@@ -228,7 +237,11 @@ class _SamplingRequest(BaseModel):
         try:
             return SamplingParams(**kw)
         except ValueError as e:
-            raise bad_value(e) from None
+            raise bad_value(e, names=self.field_names()) from None
+
+    def field_names(self) -> dict[str, str]:
+        """SamplingParams fields this request spells otherwise (its errors name its own)."""
+        return {}
 
     def structured_or_tools(self) -> StructuredOutputsParams | None:
         """The output constraint (chat requests add their tool calls' schema)."""
@@ -371,8 +384,17 @@ class ChatCompletionRequest(_SamplingRequest):
                           param="tool_choice")
 
     def structured_param(self) -> str | None:
-        """The field the output constraint came from: tool_choice for a forced tool call."""
-        return "tool_choice" if self.tool_mode()[0] != "none" else super().structured_param()
+        """The field the output constraint came from: tools (the called function's
+        parameters) for a forced tool call."""
+        return "tools" if self.tool_mode()[0] != "none" else super().structured_param()
+
+    def field_names(self) -> dict[str, str]:
+        """Chat spells logprobs' count top_logprobs, and max_tokens max_completion_tokens
+        where that was given."""
+        names = {"logprobs": "top_logprobs"}
+        if self.max_completion_tokens is not None:
+            names["max_tokens"] = "max_completion_tokens"
+        return names
 
     def structured_or_tools(self) -> StructuredOutputsParams | None:
         """A forced tool call constrains the output to its arguments' schema ('required': a

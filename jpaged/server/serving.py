@@ -58,6 +58,7 @@ class _Batch:
         self.continuous_usage = False  # vLLM's stream_options.continuous_usage_stats
         self.so_param: str | None = None  # the field a grammar came from (its errors name it)
         self.tokens_as_ids = False  # vLLM's return_tokens_as_token_ids
+        self.field_names: dict[str, str] = {}  # SamplingParams field -> the request's name
 
     def configure(self, req: Any) -> None:
         """Read the response options of the HTTP request `req`."""
@@ -66,6 +67,7 @@ class _Batch:
                                      and req.stream_options.continuous_usage_stats)
         self.so_param = req.structured_param()
         self.tokens_as_ids = req.return_tokens_as_token_ids
+        self.field_names = req.field_names()
 
     def chunk_usage(self) -> dict[str, Any] | None:
         """A content chunk's usage: the counts so far (continuous_usage_stats), else null."""
@@ -76,15 +78,22 @@ class _Batch:
         try:
             for i, prompt in enumerate(prompts):
                 rid = f"{self.base_id}-{i}"
-                self.pending.add(rid)
                 self.index[rid] = i
                 await self.engine.add_request(rid, prompt, self.params, self.priority,
                                               queue=self.queue)
+                # Only once added: a refused id (one in use) belongs to another request, which
+                # close() must never abort. (A cancelled add aborts itself if it went in.)
+                self.pending.add(rid)
         except ValueError as e:
             self.close()
             if self.so_param is not None and str(e).startswith("structured_outputs"):
-                param = self.so_param  # the grammar did not compile: name its field
-            raise bad_value(e, param) from None
+                # The grammar did not compile: name the field it came from.
+                raise OpenAIError(400, self.so_param + str(e)[len("structured_outputs"):],
+                                  param=self.so_param) from None
+            elif "is already in use" in str(e):
+                raise OpenAIError(400, f"request_id {self.base_id!r} is already in use by a "
+                                  "request that has not finished", param="request_id") from None
+            raise bad_value(e, param, self.field_names) from None
         except BaseException:
             self.close()
             raise
@@ -243,9 +252,11 @@ def completion_logprobs(c: CompletionOutput, tokenizer: Any, offset: int,
             "text_offset": offsets}
 
 
-def chat_logprobs(c: CompletionOutput, tokenizer: Any, as_ids: bool = False
+def chat_logprobs(c: CompletionOutput, tokenizer: Any, as_ids: bool = False, top_n: int = 0
                   ) -> dict[str, Any] | None:
-    """The chat `logprobs` object ({"content": [...]}) for the tokens of `c`."""
+    """The chat `logprobs` object ({"content": [...]}) for the tokens of `c`: each token's
+    `top_logprobs` are its step's `top_n` most likely (the sampled token, ranked in every
+    entry, is among them only when it is one of them)."""
     if c.logprobs is None:
         return None
 
@@ -255,10 +266,17 @@ def chat_logprobs(c: CompletionOutput, tokenizer: Any, as_ids: bool = False
 
     content = []
     for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
-        top = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank is not None)
+        top = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank is not None)[:top_n]
         content.append({**item(tok, entry[tok]), "top_logprobs": [item(t, lp)
                                                                   for _, t, lp in top]})
     return {"content": content}
+
+
+def _max_token_bytes(tokenizer: Any) -> int:
+    """The most UTF-8 bytes any single token id decodes to (at least 1)."""
+    n = tokenizer.vocab_size
+    return max([1, *(len(tokenizer.decode([i], False).encode("utf-8", "surrogatepass"))
+                     for i in range(n))])
 
 
 # ------------------------------------------------------------------------------ completions
@@ -268,6 +286,47 @@ class Serving:
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
+        self._max_token_bytes: int | None = None  # the longest token's UTF-8 text (bytes)
+
+    async def _tokenized(self, prompts: list[Any], params: SamplingParams, param: str,
+                         add_special_tokens: bool = True, max_tokens_param: str = "max_tokens"
+                         ) -> list[Any]:
+        """The prompts with their token ids, encoded off the event loop and checked as vLLM's
+        server checks them: a prompt that leaves no room to generate, or a max_tokens past
+        max_model_len, is a 400 here (the offline engine would cut max_tokens short)."""
+        tok, limit = self.engine.tokenizer, self.engine.max_model_len
+        loop = asyncio.get_running_loop()
+        out = []
+        for p in prompts:
+            text = p if isinstance(p, str) else None
+            if isinstance(p, dict) and "prompt_token_ids" not in p:
+                text = p.get("prompt")
+            if isinstance(text, str):
+                if self._max_token_bytes is None:  # once: the decode of every token id
+                    self._max_token_bytes = await loop.run_in_executor(None, _max_token_bytes,
+                                                                       tok)
+                size = len(text.encode("utf-8", "surrogatepass"))
+                # No token covers more than the longest token's bytes (x4: normalizers may
+                # shrink text), so a longer text needs more tokens than max_model_len: refused
+                # without tokenizing megabytes.
+                if size > 4 * limit * self._max_token_bytes:
+                    raise OpenAIError(400, f"prompt of {size} bytes is longer than this model's "
+                                      f"maximum context length of {limit} tokens", param=param)
+                ids = await loop.run_in_executor(None, lambda t=text: tok.encode(
+                    t, add_special_tokens=add_special_tokens))
+                p = {**(p if isinstance(p, dict) else {}), "prompt": text,
+                     "prompt_token_ids": ids}
+            out.append(p)
+            n = len(p["prompt_token_ids"]) if isinstance(p, dict) else 0
+            keep = params.truncate_prompt_tokens
+            if keep is not None:
+                n = min(n, limit - 1 if keep == -1 else keep)
+            if params.max_tokens is not None and n < limit and n + params.max_tokens > limit:
+                raise OpenAIError(
+                    400, f"{max_tokens_param} is too large: {params.max_tokens}. This model's "
+                    f"maximum context length is {limit} tokens and your request has {n} input "
+                    f"tokens ({params.max_tokens} > {limit} - {n})", param=max_tokens_param)
+        return out
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is absent, empty (vLLM: the default model) or the served name."""
@@ -280,7 +339,7 @@ class Serving:
         """A completion response dict, an SSE stream, or None if the client went away."""
         self.check_model(req.model)
         params = req.to_sampling_params()
-        prompts = req.prompts()
+        prompts = await self._tokenized(req.prompts(), params, "prompt")
         if req.kv_transfer_params is not None and len(prompts) > 1:
             raise OpenAIError(400, "kv_transfer_params needs a single prompt (one request's KV "
                               "moves)", param="kv_transfer_params")
@@ -422,9 +481,7 @@ class Serving:
                               param="messages") from None
         except ValueError as e:
             raise OpenAIError(400, str(e), param="continue_final_message") from None
-        # The template holds the special tokens already: no second BOS.
-        return req.salted({"prompt": text,
-                           "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
+        return req.salted({"prompt": text})
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest
                    ) -> dict[str, Any] | EventStream | None:
@@ -432,7 +489,10 @@ class Serving:
         self.check_model(req.model)
         params = req.to_sampling_params()
         tools = req.tool_mode()[0]  # 'none', 'required' or the forced function's name
-        prompt = self._chat_prompt(req)
+        # The template holds the special tokens already: no second BOS.
+        prompt = (await self._tokenized(
+            [self._chat_prompt(req)], params, "messages", add_special_tokens=False,
+            max_tokens_param=req.field_names().get("max_tokens", "max_tokens")))[0]
         batch = _Batch(self.engine, req.request_id or f"chatcmpl-{uuid.uuid4().hex}", params,
                        req.priority)
         batch.configure(req)
@@ -457,7 +517,8 @@ class Serving:
                     message, finish = tool_call_message(echo + c.text, c.finish_reason, tools)
                     choices.append({"index": c.index, "message": message,
                                     "logprobs": chat_logprobs(c, self.engine.tokenizer,
-                                                              batch.tokens_as_ids),
+                                                              batch.tokens_as_ids,
+                                                              batch.params.logprobs or 0),
                                     "finish_reason": finish,
                                     "stop_reason": c.stop_reason})
                     if batch.return_token_ids:
@@ -498,7 +559,8 @@ class Serving:
             for c in out.outputs:
                 if c.index in done:
                     continue
-                lps = chat_logprobs(c, self.engine.tokenizer, batch.tokens_as_ids)
+                lps = chat_logprobs(c, self.engine.tokenizer, batch.tokens_as_ids,
+                                    batch.params.logprobs or 0)
                 if not c.text and c.finish_reason is None and not (
                         (lps or batch.return_token_ids) and c.token_ids):
                     continue

@@ -181,7 +181,7 @@ def test_a_killed_replica_fails_only_its_requests(rr):
         try:
             async def one(i: int) -> tuple[str, str]:
                 stream = await oai.completions.create(
-                    model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=120,
+                    model=MODEL, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=100,
                     temperature=0, stream=True, extra_body={"ignore_eos": True})
                 text = ""
                 try:
@@ -361,7 +361,7 @@ def test_disaggregated_prefill_and_decode_replicas(cluster):
         assert 'jpaged:kv_transfer_blocks_sent_total{engine="0"}' in text
         assert 'jpaged:kv_transfer_blocks_received_total{engine="1"}' in text
         # A client that hangs up after its first chunk: aborted on the decode replica.
-        stream = oai.completions.create(model=MODEL, prompt=long, max_tokens=60,
+        stream = oai.completions.create(model=MODEL, prompt=long, max_tokens=30,
                                         temperature=0, stream=True,
                                         extra_body={"ignore_eos": True})
         next(iter(stream))

@@ -118,3 +118,40 @@ def test_nan_and_extreme_values(served: Served, reference: str) -> None:
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == reference
     _still_serves(served, reference)
+
+
+def test_max_tokens_past_the_context_and_a_huge_prompt_are_refused(served: Served,
+                                                                    reference: str) -> None:
+    """As vLLM's server: max_tokens beyond what max_model_len leaves after the prompt is a 400
+    (not cut short in silence); a prompt of megabytes is refused by its size alone, before
+    it is tokenized."""
+    limit = served.engine.max_model_len
+    for path, body in (("/v1/completions", {**GOOD, "max_tokens": 1000}),
+                       ("/v1/chat/completions", {**CHAT, "max_tokens": 1000})):
+        r = _post(served, path, json=body)
+        _check_error(r, 400, "max_tokens")
+        assert f"maximum context length is {limit} tokens" in r.json()["error"]["message"]
+    n = len(served.engine.tokenizer.encode(GOOD_PROMPT))
+    r = _post(served, "/v1/completions", json={**GOOD, "max_tokens": limit - n})  # fits
+    assert r.status_code == 200, r.text
+    r = _post(served, "/v1/completions", json={**GOOD, "prompt": "word " * 2_000_000})
+    _check_error(r, 400, "prompt")
+    assert "bytes is longer" in r.json()["error"]["message"]
+    _still_serves(served, reference)
+
+
+def test_chat_errors_name_the_chat_spelling_of_a_field(served: Served, reference: str) -> None:
+    """Chat spells logprobs' count `top_logprobs` and may spell max_tokens
+    `max_completion_tokens`: their errors name those, as does a forced tool call's bad
+    schema (`tools`), and a duplicate of a running request's id (`request_id`) is checked
+    in the engine yet named as the request spells it."""
+    cases = [({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+             ({"max_completion_tokens": -5}, "max_completion_tokens"),
+             ({"max_completion_tokens": 1000}, "max_completion_tokens"),
+             ({"tools": [{"type": "function", "function": {
+                 "name": "f", "parameters": {"type": "object", "properties": {
+                     "a": {"type": "string", "pattern": "([a-"}}}}}],
+               "tool_choice": "required"}, "tools")]
+    for extra, param in cases:
+        _check_error(_post(served, "/v1/chat/completions", json={**CHAT, **extra}), 400, param)
+    _still_serves(served, reference)

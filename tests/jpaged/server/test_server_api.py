@@ -89,6 +89,12 @@ def test_chat_stream_equals_full_reply(served):
     content = lp.choices[0].logprobs.content
     assert len(content) == 12 and all(len(c.top_logprobs) == 2 for c in content)
     assert content[0].top_logprobs[0].logprob == pytest.approx(content[0].logprob, abs=1e-5)
+    # A hot draw below the top two still lists only the top two; top_logprobs 0, none.
+    hot = {**GREEDY, "temperature": 5.0, "seed": 3}
+    for k in (0, 2):
+        content = client.chat.completions.create(messages=msgs, logprobs=True, top_logprobs=k,
+                                                 **hot).choices[0].logprobs.content
+        assert all(len(c.top_logprobs) == k for c in content), k
 
 
 def _post(url: str, path: str, **kw) -> httpx.Response:
@@ -153,6 +159,9 @@ def test_api_key(served):
             r = httpx.get(f"{server.url}/v1/models", headers=headers)
             assert r.status_code == 401
             assert r.json()["error"]["code"] == "invalid_api_key"
+            # The key is checked before the body is read: a malformed body is a 401 too.
+            r = httpx.post(f"{server.url}/v1/completions", headers=headers, content=b"{bad")
+            assert r.status_code == 401, r.text
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong",
                           max_retries=0).completions.create(model=MODEL, prompt="x")
@@ -254,11 +263,12 @@ def test_cache_salt_isolates_tenants(served):
 
 @pytest.mark.parametrize("field,value", [
     ("use_beam_search", True), ("logits_processors", ["x"]), ("reasoning_effort", "low"),
-    ("spaces_between_special_tokens", False), ("documents", [{"text": "x"}])])
+    ("spaces_between_special_tokens", False), ("documents", [{"text": "x"}]),
+    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto")])
 def test_vllm_fields_not_implemented_are_refused_by_name(served, field, value):
-    path = "/v1/chat/completions" if field == "documents" else "/v1/completions"
-    body = ({"messages": [{"role": "user", "content": "hi"}]} if field == "documents"
-            else {"prompt": "x"})
+    chat = field in ("documents", "functions", "function_call")
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "x"}
     r = _post(served.url, path, json={"model": MODEL, "max_tokens": 1, **body, field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]

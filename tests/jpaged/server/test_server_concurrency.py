@@ -83,3 +83,38 @@ def test_non_streaming_client_that_disconnects_is_aborted(served, path, body):
     m = served.wait_drained(timeout=30)
     assert served.engine.engine.stats["num_requests_aborted"] == aborted0 + 1
     assert m["kv_cache_usage"] == 0.0
+
+
+def test_a_duplicate_request_id_is_refused_and_never_aborts_the_request_holding_it(served):
+    """A second request that reuses a running request's `request_id` gets a 400 naming
+    `request_id`; the first one is neither aborted nor left hanging: it streams to its end."""
+    stats0 = served.engine.engine.stats.copy()
+
+    async def run() -> tuple:
+        client = served.async_client()
+        try:
+            stream = await client.completions.create(
+                model=MODEL, prompt="A long story:", max_tokens=40, temperature=0, stream=True,
+                extra_body={"ignore_eos": True, "request_id": "held"})
+            chunks, finish, dup = 0, None, None
+            async for chunk in stream:
+                chunks += 1
+                finish = chunk.choices[0].finish_reason or finish
+                if chunks == 2:  # the first one is running now: reuse its id
+                    try:
+                        await client.completions.create(
+                            model=MODEL, prompt="y", max_tokens=2,
+                            extra_body={"request_id": "held"})
+                    except Exception as e:  # noqa: BLE001 - the API error is the result
+                        dup = e
+            return chunks, finish, dup
+        finally:
+            await client.close()
+
+    chunks, finish, dup = asyncio.run(asyncio.wait_for(run(), timeout=120))
+    assert finish == "length" and chunks >= 2, (chunks, finish)  # ran to max_tokens
+    assert getattr(dup, "status_code", None) == 400, dup
+    assert dup.body["param"] == "request_id" and "already in use" in dup.body["message"]
+    m = served.wait_drained(timeout=60)
+    assert m["kv_cache_usage"] == 0.0
+    assert served.engine.engine.stats["num_requests_aborted"] == stats0["num_requests_aborted"]

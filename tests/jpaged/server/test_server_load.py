@@ -24,7 +24,9 @@ NUM_CLIENTS = 64
 DROP_EVERY = 10  # clients 0, 10, ..., 60 (7 of 64) hang up after their first chunks
 DROP_AFTER_CHUNKS = 2
 NUM_PROMPTS = 16  # distinct prompts; client i sends prompt i % 16
-SHORT, DROP_LEN, LONG = 16, 40, 120  # max_tokens of completing, hanging-up, timing-out clients
+# max_tokens of completing, hanging-up and timing-out clients (LONG: what max_model_len 128
+# leaves after LONG_PROMPT's tokens)
+SHORT, DROP_LEN, LONG = 16, 40, 110
 LONG_PROMPT = "a long one"
 CLIENT_TIMEOUT_S = 0.5  # usually less than LONG decode steps take (all outcomes are checked)
 # Prompts are <= 8 tokens, so at the peak 57 x 2 + 7 x 3 + 8 blocks fit in 159: no preemption.
@@ -111,7 +113,8 @@ def test_64_streams_with_hangups_and_a_client_timeout(load_server, monkeypatch) 
 
     def add_and_note(request_id: str, prompt, *args, **kwargs):
         out = add(request_id, prompt, *args, **kwargs)
-        if prompt == LONG_PROMPT:
+        # The server hands the engine its tokens with the text: {"prompt": ..., ...}.
+        if (prompt.get("prompt") if isinstance(prompt, dict) else prompt) == LONG_PROMPT:
             long_ids.append(request_id)
         return out
 

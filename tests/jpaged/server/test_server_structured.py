@@ -86,14 +86,14 @@ def test_named_tool_call_whole_and_streamed(served):
 
 def test_required_tool_calls_whole_and_streamed(served):
     client = served.client()
-    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=120, seed=2,
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=110, seed=2,
                                        temperature=0.5, tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False)
     assert r.choices[0].finish_reason == "tool_calls"
     calls = r.choices[0].message.tool_calls
     assert len(calls) == 1 and calls[0].function.name in ("weather", "noop")
     json.loads(calls[0].function.arguments)
-    stream = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=120, seed=2,
+    stream = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=110, seed=2,
                                             temperature=0.5, tools=TOOLS,
                                             tool_choice="required", parallel_tool_calls=False,
                                             stream=True)
