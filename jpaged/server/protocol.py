@@ -292,10 +292,23 @@ class CompletionRequest(_SamplingRequest):
             raise OpenAIError(400, "suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise OpenAIError(400, "best_of different from n is not supported", param="best_of")
-        if self.echo and self.logprobs is not None:
-            raise OpenAIError(400, "echo with logprobs (prompt logprobs) is not supported",
-                              param="echo")
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        max_tokens = self.max_tokens
+        if max_tokens == 0:
+            if not self.echo:
+                raise OpenAIError(400, "max_tokens must be >= 1 (0 only with echo: the prompt "
+                                  "comes back, scored with logprobs if asked, and nothing is "
+                                  "generated)", param="max_tokens")
+            max_tokens = 1  # as vLLM: one token is generated, then left out of the answer
+        params = self.sampling_params(max_tokens, self.logprobs)
+        if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
+            # The echoed prompt's tokens come with their logprobs (an eval harness's scores).
+            params = params.clone(prompt_logprobs=self.logprobs)
+        return params
+
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone."""
+        return self.echo and self.max_tokens == 0
 
 
 class ChatMessage(BaseModel):

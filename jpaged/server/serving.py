@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -233,23 +233,65 @@ def _token_text(lp: Logprob, tok: int, tokenizer: Any, as_ids: bool = False) -> 
     return lp.decoded_token if lp.decoded_token is not None else tokenizer.decode([tok], False)
 
 
-def completion_logprobs(c: CompletionOutput, tokenizer: Any, offset: int,
-                        as_ids: bool = False) -> dict[str, Any] | None:
-    """The legacy completions `logprobs` object for the tokens of `c`, text starting at offset
-    (as_ids: tokens written "token_id:N", vLLM's return_tokens_as_token_ids)."""
-    if c.logprobs is None:
-        return None
+def legacy_logprobs(ids: Sequence[int], entries: Sequence[dict[int, Logprob] | None],
+                    tokenizer: Any, offset: int, as_ids: bool = False) -> dict[str, Any]:
+    """The legacy completions `logprobs` object of tokens `ids` with their entries (None: a
+    token nothing scored, the prompt's first: null logprob and candidates), text starting at
+    offset (as_ids: tokens written "token_id:N", vLLM's return_tokens_as_token_ids)."""
     tokens, token_lps, tops, offsets = [], [], [], []
-    for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
-        s = _token_text(entry[tok], tok, tokenizer, as_ids)
+    for tok, entry in zip(ids, entries, strict=False):
+        if entry is None:
+            s = f"token_id:{tok}" if as_ids else tokenizer.decode([tok], False)
+            lp, top = None, None
+        else:
+            s = _token_text(entry[tok], tok, tokenizer, as_ids)
+            lp = entry[tok].logprob
+            top = {_token_text(x, t, tokenizer, as_ids): x.logprob for t, x in entry.items()}
         tokens.append(s)
-        token_lps.append(entry[tok].logprob)
-        tops.append({_token_text(lp, t, tokenizer, as_ids): lp.logprob
-                     for t, lp in entry.items()})
+        token_lps.append(lp)
+        tops.append(top)
         offsets.append(offset)
         offset += len(s)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
             "text_offset": offsets}
+
+
+def completion_logprobs(c: CompletionOutput, tokenizer: Any, offset: int,
+                        as_ids: bool = False) -> dict[str, Any] | None:
+    """The legacy completions `logprobs` object for the tokens of `c` (None unless asked)."""
+    if c.logprobs is None:
+        return None
+    return legacy_logprobs(c.token_ids, c.logprobs, tokenizer, offset, as_ids)
+
+
+@dataclass
+class _Echo:
+    """A completion's echo: each prompt's text; whether its tokens come with their logprobs
+    (echo with logprobs); whether the answer is the prompt alone (max_tokens 0)."""
+
+    texts: list[str]
+    logprobs: bool
+    only: bool
+
+    def head(self, i: int, out: RequestOutput, tokenizer: Any, as_ids: bool
+             ) -> tuple[str, dict[str, Any] | None, int]:
+        """What a choice of prompt i starts with: the prompt's text, its tokens' legacy
+        logprobs (None unless asked; text offsets from 0), and where the generated tokens'
+        text offsets start (after the prompt's tokens' text, or its text without logprobs)."""
+        if not self.logprobs:
+            return self.texts[i], None, len(self.texts[i])
+        ids = out.prompt_token_ids
+        lps = legacy_logprobs(ids, out.prompt_logprobs or [None] * len(ids), tokenizer, 0,
+                              as_ids)
+        end = lps["text_offset"][-1] + len(lps["tokens"][-1]) if ids else 0
+        return self.texts[i], lps, end
+
+
+def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy logprobs objects one after the other (either may be None)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return {k: a[k] + b[k] for k in a}
 
 
 def chat_logprobs(c: CompletionOutput, tokenizer: Any, as_ids: bool = False, top_n: int = 0
@@ -350,8 +392,10 @@ class Serving:
         tok = self.engine.tokenizer
         echo = None
         if req.echo:  # a salted prompt is a dict that may hold the text
-            echo = [p if isinstance(p, str) else p["prompt"] if isinstance(p.get("prompt"), str)
-                    else tok.decode(p["prompt_token_ids"], False) for p in prompts]
+            echo = _Echo([p if isinstance(p, str) else p["prompt"]
+                          if isinstance(p.get("prompt"), str)
+                          else tok.decode(p["prompt_token_ids"], False) for p in prompts],
+                         req.logprobs is not None, req.echo_only)
         head = {"id": batch.base_id, "object": "text_completion", "created": int(time.time()),
                 "model": self.model_name}
         if req.stream:
@@ -360,22 +404,25 @@ class Serving:
         return await until_disconnected(http, self._full_completion(batch, head, echo))
 
     async def _full_completion(self, batch: _Batch, head: dict[str, Any],
-                               echo: list[str] | None) -> dict[str, Any]:
+                               echo: _Echo | None) -> dict[str, Any]:
         n = batch.params.n
+        tok, as_ids = self.engine.tokenizer, batch.tokens_as_ids
+        only = echo is not None and echo.only  # the prompt alone: the generated token is left
         choices: list[dict[str, Any]] = []
         try:
             async for i, out in batch.outputs():
                 for c in out.outputs:
-                    prefix = echo[i] if echo else ""
-                    choices.append({"index": i * n + c.index, "text": prefix + c.text,
-                                    "logprobs": completion_logprobs(c, self.engine.tokenizer,
-                                                                    len(prefix),
-                                                                    batch.tokens_as_ids),
+                    prefix, plps, start = (echo.head(i, out, tok, as_ids) if echo
+                                           else ("", None, 0))
+                    gen = None if only else completion_logprobs(c, tok, start, as_ids)
+                    choices.append({"index": i * n + c.index,
+                                    "text": prefix + ("" if only else c.text),
+                                    "logprobs": _joined(plps, gen),
                                     "finish_reason": c.finish_reason,
                                     "stop_reason": c.stop_reason})
                     if batch.return_token_ids:
                         choices[-1].update(prompt_token_ids=out.prompt_token_ids,
-                                           token_ids=list(c.token_ids))
+                                           token_ids=[] if only else list(c.token_ids))
                     if batch.params.prompt_logprobs is not None:
                         choices[-1]["prompt_logprobs"] = prompt_logprobs_json(
                             out.prompt_logprobs)
@@ -402,15 +449,17 @@ class Serving:
             await chunks.aclose()  # type: ignore[attr-defined]
         yield DONE
 
-    def _stream_completion(self, batch: _Batch, head: dict[str, Any], echo: list[str] | None,
+    def _stream_completion(self, batch: _Batch, head: dict[str, Any], echo: _Echo | None,
                            include_usage: bool) -> AsyncIterator[str]:
         return self._framed(self._completion_chunks(batch, head, echo, include_usage), batch,
                             head, include_usage)
 
     async def _completion_chunks(self, batch: _Batch, head: dict[str, Any],
-                                 echo: list[str] | None, include_usage: bool
+                                 echo: _Echo | None, include_usage: bool
                                  ) -> AsyncIterator[str]:
         n = batch.params.n
+        tok, as_ids = self.engine.tokenizer, batch.tokens_as_ids
+        only = echo is not None and echo.only  # the prompt alone: the generated token is left
         # Choice index -> where its next token's text starts: the echo plus every token's text
         # so far, as the non-streamed offsets count (text held back by a stop string moves
         # the text sent, not the tokens).
@@ -425,14 +474,16 @@ class Serving:
                 idx = i * n + c.index
                 if idx in done:
                     continue
-                text = c.text
-                if idx not in offsets:
-                    offsets[idx] = len(echo[i]) if echo else 0
-                    text = (echo[i] if echo else "") + text
-                lps = completion_logprobs(c, self.engine.tokenizer, offsets[idx],
-                                          batch.tokens_as_ids)
+                text = "" if only else c.text
+                plps = None
+                if idx not in offsets:  # the choice's first chunk: the echo goes first
+                    prefix, plps, offsets[idx] = (echo.head(i, out, tok, as_ids) if echo
+                                                  else ("", None, 0))
+                    text = prefix + text
+                lps = None if only else completion_logprobs(c, tok, offsets[idx], as_ids)
                 if lps is not None:
                     offsets[idx] += sum(map(len, lps["tokens"]))
+                lps = _joined(plps, lps)
                 if not text and c.finish_reason is None and not (
                         (lps or batch.return_token_ids) and c.token_ids):
                     continue  # a token held back (incomplete UTF-8 character)
@@ -441,7 +492,7 @@ class Serving:
                 choice = {"index": idx, "text": text, "logprobs": lps,
                           "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
                 if batch.return_token_ids:
-                    choice["token_ids"] = list(c.token_ids)
+                    choice["token_ids"] = [] if only else list(c.token_ids)
                     if idx not in sent_prompt:
                         sent_prompt.add(idx)
                         choice["prompt_token_ids"] = out.prompt_token_ids

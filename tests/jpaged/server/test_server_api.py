@@ -64,6 +64,42 @@ def test_completion_logprobs(served):
         assert val <= 0.0 and 1 <= len(top) <= 3 and tok in top
 
 
+def test_echo_with_logprobs_scores_the_prompt_and_max_tokens_0_only_scores(served):
+    """As vLLM (an eval harness's log-likelihood call): echo with logprobs returns the prompt's
+    tokens, each with its logprob (the first null), then the generated ones; max_tokens 0
+    with echo returns the prompt alone, scored, streamed or not."""
+    client, tok = served.client(), served.engine.tokenizer
+    prompt = "The capital of France is"
+    n = len(tok.encode(prompt))
+    kw = {**GREEDY, "max_tokens": 3}
+    plain = client.completions.create(prompt=prompt, logprobs=2, **kw).choices[0]
+    scored = client.completions.create(prompt=prompt, max_tokens=1, temperature=0,
+                                       model=MODEL, extra_body={"prompt_logprobs": 2})
+    want_prompt = [None] + [e[str(t)]["logprob"] for t, e in zip(
+        tok.encode(prompt)[1:], scored.choices[0].prompt_logprobs[1:], strict=True)]
+    echo = client.completions.create(prompt=prompt, logprobs=2, echo=True, **kw).choices[0]
+    lp = echo.logprobs
+    assert echo.text == prompt + plain.text
+    assert len(lp.tokens) == n + 3 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[:n] == pytest.approx(want_prompt, abs=1e-5)
+    assert lp.token_logprobs[n:] == pytest.approx(plain.logprobs.token_logprobs, abs=1e-5)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(n + 3)]
+    only = client.completions.create(prompt=prompt, logprobs=1, echo=True,
+                                     **{**kw, "max_tokens": 0}).choices[0]
+    assert only.text == prompt and only.finish_reason == "length"
+    assert only.logprobs.token_logprobs == pytest.approx(want_prompt, abs=1e-5)
+    chunks = list(client.completions.create(prompt=prompt, logprobs=2, echo=True, stream=True,
+                                            **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == echo.text
+    streamed = [v for c in chunks if c.choices and c.choices[0].logprobs
+                for v in c.choices[0].logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:],
+                                                                 abs=1e-5)
+    r = _post(served.url, "/v1/completions", json={"model": MODEL, "prompt": prompt,
+                                                     "max_tokens": 0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
 def test_chat_stream_equals_full_reply(served):
     client = served.client()
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi!"}]
