@@ -218,8 +218,7 @@ class RequestFrontend:
         """RequestOutputs of the sequences a step updated (each got token ids[row]).
 
         `result`: what carries the step's top logprobs and ranks (`top_ids`, `top_logprobs`,
-        `ranks` by row),
-        read only for a sequence that asked for logprobs.
+        `ranks` by row), read only for a sequence that asked for logprobs.
         """
         now = time.monotonic()
         outputs: list[RequestOutput] = []
