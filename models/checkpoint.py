@@ -34,7 +34,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 from .config import ModelSpec
-from .registry import get_model_class
 from .sharding import make_mesh, param_shardings, plan_layout, vocab_splits
 from .tokenizer import Tokenizer
 
@@ -252,7 +251,7 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
     import orbax.checkpoint as ocp
     from jax.sharding import SingleDeviceSharding
 
-    from .loader import LoadedModel, resolve_dtype
+    from .loader import LoadedModel, abstract_model, resolve_dtype
 
     path = Path(path).expanduser().resolve()
     manifest = read_manifest(path)
@@ -261,9 +260,7 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
     except (TypeError, ValueError) as e:
         raise ValueError(f"corrupt checkpoint manifest {path / MARKER}: spec: {e}") from e
     jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
-    cls = get_model_class(spec.architecture)
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: cls(spec, dtype=jdtype,
-                                                            rngs=nnx.Rngs(0))))
+    graphdef, state = nnx.split(abstract_model(spec, jdtype))
     if tensor_parallel_size > 1:
         layout = plan_layout(spec, tensor_parallel_size)  # validates the size, then the devices
         shardings = param_shardings(state, make_mesh(tensor_parallel_size), layout,

@@ -33,7 +33,7 @@ from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.parallel import TensorParallel
 from jpaged.runner.sampler import SamplingFlags
 from models.config import ModelSpec
-from models.registry import get_model_class
+from models.loader import abstract_model
 from pallas_kernels.backend import select_backend
 
 # The step with top candidates on (what a request with logprobs runs): the default step is the
@@ -171,8 +171,7 @@ class StepBuilder:
     @cached_property
     def abstract_model(self) -> nnx.Module:
         """The model with ShapeDtypeStruct weights (nothing allocated, nothing initialized)."""
-        cls = get_model_class(self.spec.architecture)
-        return nnx.eval_shape(lambda: cls(self.spec, dtype=self.model_dtype, rngs=nnx.Rngs(0)))
+        return abstract_model(self.spec, self.model_dtype)
 
     @cached_property
     def runner(self) -> ModelRunner:

@@ -243,3 +243,28 @@ def test_runtime_never_imports_torch(tmp_path, spec, weights, hf_dir):
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"architecture": "Qwen2ForCausalLM", "attention_bias": True},
+    {"architecture": "Qwen3ForCausalLM", "qk_norm": True},
+    {"architecture": "Gemma3ForCausalLM", "tie_word_embeddings": True}], ids=lambda c: str(
+        c.get("architecture", "LlamaForCausalLM")))
+def test_abstract_model_has_a_random_inits_structure_shapes_and_dtypes(changes):
+    """The loaders build the model for its shapes with a stand-in for nnx.Rngs (fast): the
+    module graph, every parameter's shape and dtype are those of a real random init."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.loader import abstract_model
+    from models.registry import get_model_class
+
+    spec = tiny_spec(**changes)
+    real = nnx.eval_shape(lambda: get_model_class(spec.architecture)(
+        spec, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
+    (g1, s1), (g2, s2) = nnx.split(real), nnx.split(abstract_model(spec, jnp.bfloat16))
+    assert g1 == g2
+    pairs = jax.tree.leaves(jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype),
+                                         s1, s2))
+    assert pairs and all(pairs)
