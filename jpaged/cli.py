@@ -45,12 +45,28 @@ HashSeed = Annotated[str | None, typer.Option(
 KvDtype = Annotated[str, typer.Option(
     "--kv-cache-dtype",
     help="Page dtype, one of: auto, float32, bfloat16, float16, fp8, fp8_e4m3, fp8_e5m2.")]
+HashAlgo = Annotated[str, typer.Option(
+    "--prefix-caching-hash-algo", help="Prefix-cache block hash, one of: sha256, xxhash.")]
 Swap = Annotated[float, typer.Option("--swap-space", help="Disk tier size in GiB.")]
+KvDir = Annotated[str | None, typer.Option(
+    "--kv-cache-dir", help="The disk tier's folder (default ~/.cache/jpaged/kv).")]
+KvScales = Annotated[bool, typer.Option(
+    "--calculate-kv-scales", help="fp8 KV only: per-layer scales from the first batch's K/V, "
+    "then fixed (default: scale 1).")]
 Offload = Annotated[float, typer.Option("--kv-offloading-size", help="Host RAM tier in GiB.")]
 MaxSeqs = Annotated[int, typer.Option("--max-num-seqs", help="Max sequences per step.")]
 MaxTokens = Annotated[int | None, typer.Option("--max-num-batched-tokens",
                                                help="Token budget per step.")]
 MaxLen = Annotated[int | None, typer.Option("--max-model-len", help="Context length limit.")]
+Dtype = Annotated[str, typer.Option(
+    "--dtype", help="Weights' and activations' dtype, one of: auto, float32, bfloat16, float16.")]
+Chunked = Annotated[bool, typer.Option(
+    "--enable-chunked-prefill/--no-enable-chunked-prefill",
+    help="Split long prompts over steps to fit the token budget (default on).")]
+LongPrefill = Annotated[int | None, typer.Option(
+    "--long-prefill-token-threshold", help="Most prompt tokens one request takes in a step.")]
+Policy = Annotated[str, typer.Option(
+    "--scheduling-policy", help="One of: priority, fcfs, lpm.")]
 TP = Annotated[int, typer.Option("--tensor-parallel-size", help="Devices for tensor parallelism.")]
 Preempt = Annotated[str, typer.Option("--preemption-mode", help="One of: recompute, swap.")]
 Backend = Annotated[str, typer.Option("--attention-backend",
@@ -100,12 +116,19 @@ def _engine_flags(
     kv_cache_memory_bytes: KvBytes = None,
     enable_prefix_caching: Prefix = True,
     prefix_caching_hash_seed: HashSeed = None,
+    prefix_caching_hash_algo: HashAlgo = "sha256",
     kv_cache_dtype: KvDtype = "auto",
+    calculate_kv_scales: KvScales = False,
     swap_space: Swap = 0.0,
+    kv_cache_dir: KvDir = None,
     kv_offloading_size: Offload = 0.0,
     max_num_seqs: MaxSeqs = DEFAULT_MAX_NUM_SEQS,
     max_num_batched_tokens: MaxTokens = None,
     max_model_len: MaxLen = None,
+    dtype: Dtype = "auto",
+    enable_chunked_prefill: Chunked = True,
+    long_prefill_token_threshold: LongPrefill = None,
+    scheduling_policy: Policy = "priority",
     tensor_parallel_size: TP = 1,
     preemption_mode: Preempt = "recompute",
     disable_hybrid_kv_cache_manager: NoHybrid = False,

@@ -209,8 +209,8 @@ class LLMEngine(RequestFrontend):
                                         kv_layers))
         calc_scales = config.cache.calculate_kv_scales and is_fp8(self.kv_dtype)
         if config.cache.calculate_kv_scales and not calc_scales:
-            logger.info("calculate_kv_scales is ignored: kv_cache_dtype=%s is not fp8 "
-                        "(scales stay 1.0)", config.cache.kv_cache_dtype)
+            logger.warning("calculate_kv_scales is ignored: kv_cache_dtype=%s is not fp8 "
+                           "(scales stay 1.0)", config.cache.kv_cache_dtype)
         self.runner = ModelRunner(self.loaded.model, kv, plan, self.config.cache.block_size,
                                   self.spec.vocab_size, self.ops, self.config.model.seed,
                                   parallel=self.parallel, calculate_kv_scales=calc_scales,
@@ -638,7 +638,8 @@ class LLMEngine(RequestFrontend):
         return state
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block that no request uses; False if some are in use."""
+        """Drop every cached block that no request uses, device and host tier (the disk tier
+        persists: LLM.reset_prefix_cache); False if some are in use."""
         ok = self.scheduler.reset_prefix_cache()
         if self.kv_events is not None:
             self.kv_events.flush()

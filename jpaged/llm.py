@@ -182,7 +182,10 @@ class LLM:
         return self.llm_engine.metrics_history.snapshot()
 
     def reset_prefix_cache(self) -> bool:
-        """Forget cached prefix blocks (only when no request holds them)."""
+        """Forget cached prefix blocks, on the device and in the host tier (only when no
+        request holds them). The disk tier is kept: a persistent cache under a fingerprint of
+        the weights, dtype, block size and scales, which changed weights already change;
+        delete its folder under kv_cache_dir to empty it."""
         return self.llm_engine.reset_prefix_cache()
 
 

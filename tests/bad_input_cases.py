@@ -94,6 +94,9 @@ CONFIG_CASES: list[ConfigCase] = [
     _config("gpu_memory_utilization_negative", "gpu_memory_utilization", -0.2),
     _config("gpu_memory_utilization_wrong_type", "gpu_memory_utilization", "0.9", cli=False),
     _config("kv_cache_dtype_unknown", "kv_cache_dtype", "int3"),
+    _config("dtype_unknown", "dtype", "float8"),
+    _config("scheduling_policy_unknown", "scheduling_policy", "lifo"),
+    _config("prefix_caching_hash_algo_unknown", "prefix_caching_hash_algo", "md5"),
     _config("async_scheduling_wrong_type", "async_scheduling", "yes", cli=False),
 ]
 

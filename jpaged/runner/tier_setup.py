@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 from typing import Any
 
 import jax
@@ -30,6 +31,27 @@ def check_tier_config(cache: CacheConfig) -> None:
     if cache.swap_space > 0 and cache.kv_offloading_size <= 0:
         raise ValueError("swap_space > 0 (the disk KV tier) is fed by the host tier: set "
                          "kv_offloading_size > 0 too")
+    if cache.swap_space > 0:  # the disk tier opens after the first step: its folder now
+        directory = os.path.expanduser(cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"kv_cache_dir={directory!r}: cannot make the disk KV tier's "
+                             f"folder ({e.strerror or e})") from None
+        if not os.access(directory, os.W_OK | os.X_OK):
+            raise ValueError(f"kv_cache_dir={directory!r} is not writable")
+        free = shutil.disk_usage(directory).free
+        if cache.swap_space * 2**30 > free:
+            logger.warning("swap_space=%s GiB is more than the free space under %s (%.1f GiB): "
+                           "the disk KV tier will fail to write past it", cache.swap_space,
+                           directory, free / 2**30)
+    elif cache.kv_cache_dir is not None:
+        logger.warning("kv_cache_dir is set but swap_space is 0: no disk KV tier is used")
+    if (cache.kv_offloading_size > 0 and not cache.enable_prefix_caching
+            and cache.preemption_mode != "swap"):
+        logger.warning("kv_offloading_size > 0 with prefix caching off and recompute preemption: "
+                       "the KV tiers hold cached prefixes and swapped requests, so they stay "
+                       "empty")
 
 
 def block_shape(spec: ModelSpec, block_size: int,
@@ -51,8 +73,25 @@ def build_host_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any,
     if capacity < 1:
         raise ValueError(f"kv_offloading_size={cache.kv_offloading_size} GiB holds no KV block "
                          f"of {per_block} bytes; raise it")
+    available = host_memory_available()
+    if available is not None and capacity * per_block > available:
+        raise ValueError(f"kv_offloading_size={cache.kv_offloading_size} GiB is more than the "
+                         f"host memory available now ({available / 2**30:.1f} GiB); lower it")
     logger.info("host KV tier: %d blocks, %.2f GiB", capacity, capacity * per_block / 2**30)
     return KVTiers(HostTier(capacity, shape, np.dtype(kv_dtype)))
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory available to a new allocation (Linux MemAvailable; None where the
+    system does not say)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def weights_digest(model: nnx.Module) -> str:
@@ -91,4 +130,26 @@ def open_disk_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any, source: s
                     np.dtype(kv_dtype), seed_digest=seed_digest(cache.prefix_caching_hash_seed))
     logger.info("disk KV store: %s/%s, %d blocks found, %.2f GiB", directory, fp[:12],
                 len(disk), capacity / 2**30)
+    others = _other_folders_bytes(directory, fp)
+    if others > capacity:
+        # swap_space caps each fingerprint's folder; the others (other models, dtypes, block
+        # sizes, or fp8 scales calculated from another first batch) are never deleted here.
+        logger.warning("kv_cache_dir %s holds %.2f GiB of other disk KV tiers (other models, "
+                       "dtypes or calculated fp8 scales) beside this one's %.2f GiB cap; "
+                       "swap_space caps each, so delete the folders you no longer use",
+                       directory, others / 2**30, capacity / 2**30)
     return disk
+
+
+def _other_folders_bytes(directory: str, fingerprint: str) -> int:
+    """Bytes of the files in `directory`'s subfolders other than `fingerprint`'s."""
+    total = 0
+    try:
+        with os.scandir(directory) as entries:
+            folders = [e.path for e in entries if e.is_dir() and e.name != fingerprint]
+        for folder in folders:
+            for root, _, files in os.walk(folder):
+                total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
+    except OSError:  # a folder removed meanwhile: its bytes are gone anyway
+        pass
+    return total

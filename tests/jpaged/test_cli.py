@@ -66,8 +66,22 @@ def test_help_lists_vllm_flags():
                  "--kv-cache-dtype", "--swap-space", "--kv-offloading-size", "--max-num-seqs",
                  "--max-num-batched-tokens", "--max-model-len", "--tensor-parallel-size",
                  "--preemption-mode", "--async-scheduling", "--no-async-scheduling",
-                 "--kv-events-config"):
+                 "--kv-events-config", "--dtype", "--kv-cache-dir", "--calculate-kv-scales",
+                 "--prefix-caching-hash-algo", "--scheduling-policy"):
         assert flag in r.stdout
+
+
+def test_every_engine_arg_has_a_flag():
+    """`--help` promises every engine flag: each EngineArgs field is one, but for `model`
+    (each command's own argument), `disable_log_stats` (serve's own flag) and two internals."""
+    import dataclasses
+
+    from jpaged.cli import ENGINE_FLAGS
+    from jpaged.config import EngineArgs
+
+    own = {"model", "disable_log_stats", "extra", "data_parallel_rank"}
+    fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    assert fields - set(ENGINE_FLAGS) - own == set()
 
 
 def test_every_help_keeps_flags_and_choices_whole_at_80_columns():

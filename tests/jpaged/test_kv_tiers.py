@@ -127,10 +127,37 @@ def test_disk_tier_round_trip_warm_restart_and_corrupt_file(tmp_path, baseline):
     (dict(preemption_mode="swap"), "kv_offloading_size"),
     (dict(swap_space=1.0), "kv_offloading_size"),
     (dict(kv_offloading_size=1e-9), "kv_offloading_size"),
+    # More host RAM than the machine has (a MemoryError from numpy before).
+    (dict(kv_offloading_size=2.0**20), "kv_offloading_size=.*host memory available"),
+    # A disk tier whose folder cannot be made: refused at start, not at the first step.
+    (dict(kv_offloading_size=gib(16), swap_space=gib(200), kv_cache_dir="/proc/no/such"),
+     "kv_cache_dir='/proc/no/such'"),
 ])
 def test_bad_tier_settings_are_refused(kw, field):
     with pytest.raises(ValueError, match=field):
         LLMEngine(EngineArgs(max_model_len=64, num_gpu_blocks_override=16, **kw), loaded=tiny())
+
+
+def test_a_kv_cache_dir_that_is_a_file_is_refused(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("x")
+    with pytest.raises(ValueError, match="kv_cache_dir="):
+        LLMEngine(EngineArgs(max_model_len=64, num_gpu_blocks_override=16,
+                             kv_offloading_size=gib(16), swap_space=gib(200),
+                             kv_cache_dir=str(f)), loaded=tiny())
+
+
+def test_other_disk_tiers_beyond_swap_space_are_reported(tmp_path, caplog):
+    """swap_space caps each fingerprint's folder; the folders of other models or scales left
+    in kv_cache_dir are never deleted, so when they outgrow the cap a warning says so."""
+    old = tmp_path / "an-old-fingerprint"
+    old.mkdir()
+    (old / "x.kvb").write_bytes(b"\0" * (200 * BLOCK_BYTES + 1))
+    llm = _llm(kv_offloading_size=gib(16), swap_space=gib(200), kv_cache_dir=str(tmp_path))
+    with caplog.at_level("WARNING", logger="jpaged"):
+        _gen(llm, [LONG])  # the disk tier opens after the first step
+    assert any("other disk KV tiers" in r.getMessage() for r in caplog.records)
+    assert (old / "x.kvb").exists()
 
 
 def test_two_engines_share_one_disk_tier(tmp_path, baseline):
