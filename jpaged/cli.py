@@ -497,6 +497,8 @@ def serve(
     try:
         if data_parallel_backend != "ray":
             raise ValueError(f"--data-parallel-backend must be ray, got {data_parallel_backend!r}")
+        if data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
         if (data_parallel_size > 1 or ray_address is not None or prefill_replicas
                 or decode_replicas):
             from jpaged.dp.client import DPEngineClient

@@ -173,7 +173,7 @@ class LLM:
         - ``num_free_blocks``, ``num_cached_free_blocks``, ``num_in_use_blocks``, ``usage``
         - ``prefix_caching``, ``prefix_cache_hit_rate``, ``prefix_cache_hits``,
           ``prefix_cache_queries`` (tokens)
-        - ``tiers``: the host/disk KV tier entries of get_metrics() (empty without tiers)
+        - ``tiers``: the host/disk KV tier entries of get_metrics() (zeros without tiers)
         """
         return self.llm_engine.cache_state()
 

@@ -13,7 +13,13 @@ from typing import Any
 
 from jpaged.config import DEFAULT_BLOCK_SIZE, EngineArgs
 from jpaged.tune.driver import TuneReport, run_tune, serve_command
-from jpaged.tune.policy import GPU_START_UTILIZATION, TrialConfig, TunePolicy, memory_ladder
+from jpaged.tune.policy import (
+    GPU_START_UTILIZATION,
+    SEQS_START,
+    TrialConfig,
+    TunePolicy,
+    memory_ladder,
+)
 from jpaged.tune.workload import (
     SYNTHETIC_DEFAULT,
     SYNTHETIC_QUICK,
@@ -28,6 +34,9 @@ from jpaged.tune.workload import (
 
 DEFAULT_NUM_REQUESTS = 64
 QUICK_NUM_REQUESTS = 16
+
+
+logger = logging.getLogger("jpaged.tune")
 
 
 def _gib(x: float) -> str:
@@ -162,9 +171,22 @@ def tune(base: EngineArgs, *, workload: Path | None = None, synthetic_spec: str 
     per_block = bytes_per_block(spec, base.block_size, kv_dtype(base.kv_cache_dtype,
                                                                 loaded.model.dtype),
                                 base.tensor_parallel_size, layout.num_slots)
-    need = blocks_needed(requests, base.block_size)
+    # The engine refuses a pool that cannot hold one max_model_len request (null block
+    # included): no rung of the ladder may be below it, however small the sample.
+    floor_blocks = -(-max_len // base.block_size) + 1
+    need = max(blocks_needed(requests, base.block_size), floor_blocks)
     flag, start, top = start_memory(base, jax.default_backend(), per_block, need)
+    floor = {"num_gpu_blocks_override": floor_blocks,
+             "kv_cache_memory_bytes": floor_blocks * per_block}.get(flag)
+    if floor is not None and start < floor:
+        logger.warning("%s=%s cannot hold one request of max_model_len=%d: the tuner starts at "
+                       "%s", flag, start, max_len, floor)
+        start = floor
     ladder = memory_ladder(flag, start, quick=quick, top=top)
+    if len(requests) < SEQS_START:
+        logger.warning("the workload has %d requests: max_num_seqs is tried only up to that; "
+                       "give a sample as large as the concurrency you expect to size it",
+                       len(requests))
     start_cfg = TrialConfig(flag, ladder[0], base.max_num_seqs, base.enable_prefix_caching,
                             base.kv_cache_dtype, base.kv_offloading_size, base.preemption_mode)
     policy = TunePolicy(start_cfg, ladder, seqs_cap=len(requests), quick=quick)

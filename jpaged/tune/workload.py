@@ -10,6 +10,7 @@ prompt (a system prompt), ``seed`` (e.g. ``n=64,in=256,out=64,prefix=128``).
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,10 @@ def sample(requests: list[WorkloadRequest], n: int | None, seed: int = 0
 
 
 def fit(requests: list[WorkloadRequest], max_model_len: int) -> list[WorkloadRequest]:
-    """Clip output lengths to max_model_len; ValueError naming a prompt that cannot fit."""
+    """Clip output lengths to max_model_len (a warning counts them); ValueError naming a
+    prompt that cannot fit."""
     out = []
+    clipped = 0
     for i, r in enumerate(requests):
         room = max_model_len - len(r.prompt_token_ids)
         if room < 1:
@@ -137,6 +140,12 @@ def fit(requests: list[WorkloadRequest], max_model_len: int) -> list[WorkloadReq
                              f"max_model_len ({max_model_len}) leaves no room to generate: "
                              "raise --max-model-len")
         out.append(WorkloadRequest(r.prompt_token_ids, min(r.max_tokens, room)))
+        clipped += r.max_tokens > room
+    if clipped:
+        logging.getLogger("jpaged.tune").warning(
+            "%d workload request(s) ask for more tokens than max_model_len=%d leaves after "
+            "their prompt: replayed with max_tokens cut to fit (a server would refuse them)",
+            clipped, max_model_len)
     return out
 
 

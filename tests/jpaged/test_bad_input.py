@@ -154,6 +154,8 @@ def test_bad_engine_config(llm: LLM, reference: list[int], case: ConfigCase) -> 
     (("generate", "hi", "--temperature", "hot"), "--temperature"),
     (("serve", "--block-size", "x"), "--block-size"),
     (("serve", "--port", "http"), "--port"),
+    # A value of the right type that no server can use, refused before anything starts.
+    (("serve", "--data-parallel-size", "0", *SERVE_GUARD), "--data-parallel-size must be >= 1"),
 ])
 def test_cli_flag_of_the_wrong_type(args: tuple[str, ...], needle: str) -> None:
     code, err = _cli(*args)
