@@ -3,6 +3,7 @@ and greedy tokens, at tensor_parallel_size 1 and 3, and bad checkpoints fail cle
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import re
@@ -247,6 +248,9 @@ def test_missing_params(ckpt_copy):
         check_model_source(str(ckpt_copy))
 
 
+# orbax leaves the reads of the other arrays pending when one fails: their coroutines are
+# collected unawaited (its noise, not a failure of this test).
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_parameter_files_give_one_line_naming_the_tensor(ckpt_copy, tmp_path):
     """A truncated data file: one line naming the tensor and the re-convert command, none of
     TensorStore's spec dump. An emptied parameters folder: said so, not an AttributeError."""
@@ -265,6 +269,8 @@ def test_damaged_parameter_files_give_one_line_naming_the_tensor(ckpt_copy, tmp_
     with pytest.raises(ValueError, match="corrupt checkpoint parameters .*(empty or incomplete|"
                                          "jpaged convert)"):
         load_model(str(empty), "float32")
+    del info
+    gc.collect()  # orbax's abandoned reads go now, under this test's warning filter
 
 
 def test_shape_mismatch_names_the_tensor(ckpt_copy):
