@@ -120,7 +120,8 @@ def bytes_per_block(spec: ModelSpec, block_size: int, dtype: jnp.dtype,
     return layers * block_size * 2 * heads * spec.head_dim * jnp.dtype(dtype).itemsize
 
 
-def _available_host_bytes() -> int:
+def available_host_bytes() -> int:
+    """Host memory available to a new allocation (Linux MemAvailable, else free pages)."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -140,7 +141,7 @@ def device_memory_bytes() -> int:
         stats = {}
     if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
-    return _available_host_bytes()
+    return available_host_bytes()
 
 
 @dataclass(frozen=True)

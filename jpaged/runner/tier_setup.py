@@ -16,7 +16,7 @@ from jpaged.config import DEFAULT_KV_CACHE_DIR, CacheConfig
 from jpaged.core.block_hash import seed_digest
 from jpaged.core.disk_tier import DiskTier, model_fingerprint
 from jpaged.core.offload import HostTier, KVTiers
-from jpaged.runner.kv_cache import KVCache
+from jpaged.runner.kv_cache import KVCache, available_host_bytes
 from models.config import ModelSpec
 
 logger = logging.getLogger("jpaged")
@@ -73,25 +73,12 @@ def build_host_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any,
     if capacity < 1:
         raise ValueError(f"kv_offloading_size={cache.kv_offloading_size} GiB holds no KV block "
                          f"of {per_block} bytes; raise it")
-    available = host_memory_available()
-    if available is not None and capacity * per_block > available:
+    available = available_host_bytes()
+    if capacity * per_block > available:
         raise ValueError(f"kv_offloading_size={cache.kv_offloading_size} GiB is more than the "
                          f"host memory available now ({available / 2**30:.1f} GiB); lower it")
     logger.info("host KV tier: %d blocks, %.2f GiB", capacity, capacity * per_block / 2**30)
     return KVTiers(HostTier(capacity, shape, np.dtype(kv_dtype)))
-
-
-def host_memory_available() -> int | None:
-    """Bytes of host memory available to a new allocation (Linux MemAvailable; None where the
-    system does not say)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
 
 
 def weights_digest(model: nnx.Module) -> str:
