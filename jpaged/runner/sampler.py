@@ -45,8 +45,8 @@ class SamplingFlags:
 
     use_penalties: bool = False  # the history arrays are non-empty
     # Some row asked for logprobs (SamplingParams.logprobs >= 0): its top candidates and the
-    # sampled token's rank. Without
-    # it the step returns [B, 0] candidates and skips the top-k over the vocabulary.
+    # sampled token's rank. Without it the step returns [B, 0] candidates and skips the top-k
+    # over the vocabulary.
     top_logprobs: bool = False
     # Every sequence of the step has exactly one new token (BucketPlan's T == B shapes). The
     # Pallas backend then launches only the split-K decode kernel, and a mixed step only the

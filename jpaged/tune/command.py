@@ -154,6 +154,7 @@ def tune(base: EngineArgs, *, workload: Path | None = None, synthetic_spec: str 
     """Run the flow; returns the report, the table rows and the `jpaged serve` line."""
     import jax
 
+    from jpaged.core.kv_cache_groups import blocks_needed as seq_blocks
     from jpaged.core.kv_cache_groups import kv_cache_layout
     from jpaged.runner.kv_cache import bytes_per_block, kv_dtype
     from jpaged.tune.replay import EngineReplayer
@@ -163,7 +164,8 @@ def tune(base: EngineArgs, *, workload: Path | None = None, synthetic_spec: str 
         raise ValueError(f"--max-minutes must be > 0, got {max_minutes}")
     loaded = loaded or load_model(base.model, base.dtype)
     spec = loaded.spec
-    max_len = base.create_engine_config(spec.max_position_embeddings).scheduler.max_model_len
+    sched = base.create_engine_config(spec.max_position_embeddings).scheduler
+    max_len = sched.max_model_len
     requests = load_workload(loaded.tokenizer, spec.vocab_size, workload, synthetic_spec,
                              num_requests, quick, max_len)
     layout = kv_cache_layout(spec.layer_windows,
@@ -172,8 +174,9 @@ def tune(base: EngineArgs, *, workload: Path | None = None, synthetic_spec: str 
                                                                 loaded.model.dtype),
                                 base.tensor_parallel_size, layout.num_slots)
     # The engine refuses a pool that cannot hold one max_model_len request (null block
-    # included): no rung of the ladder may be below it, however small the sample.
-    floor_blocks = -(-max_len // base.block_size) + 1
+    # included; the engine's own count, sliding-window groups too): no rung of the ladder may
+    # be below it, however small the sample.
+    floor_blocks = 1 + seq_blocks(max_len, layout, base.block_size, sched.max_chunk_tokens)
     need = max(blocks_needed(requests, base.block_size), floor_blocks)
     flag, start, top = start_memory(base, jax.default_backend(), per_block, need)
     floor = {"num_gpu_blocks_override": floor_blocks,
