@@ -32,7 +32,7 @@ def check_tier_config(cache: CacheConfig) -> None:
         raise ValueError("swap_space > 0 (the disk KV tier) is fed by the host tier: set "
                          "kv_offloading_size > 0 too")
     if cache.swap_space > 0:  # the disk tier opens after the first step: its folder now
-        directory = os.path.expanduser(cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
+        directory = disk_tier_dir(cache)
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as e:
@@ -52,6 +52,11 @@ def check_tier_config(cache: CacheConfig) -> None:
         logger.warning("kv_offloading_size > 0 with prefix caching off and recompute preemption: "
                        "the KV tiers hold cached prefixes and swapped requests, so they stay "
                        "empty")
+
+
+def disk_tier_dir(cache: CacheConfig) -> str:
+    """The disk tier's folder: kv_cache_dir, else the default, with ~ expanded."""
+    return os.path.expanduser(cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
 
 
 def block_shape(spec: ModelSpec, block_size: int,
@@ -109,7 +114,7 @@ def open_disk_tier(cache: CacheConfig, spec: ModelSpec, kv_dtype: Any, source: s
                            weights_digest=weights_digest(model), kv_scales=scales,
                            kv_groups=None if kv_groups is None else repr(kv_groups.describe()),
                            seed_digest=seed_digest(cache.prefix_caching_hash_seed))
-    directory = os.path.expanduser(directory or cache.kv_cache_dir or DEFAULT_KV_CACHE_DIR)
+    directory = os.path.expanduser(directory) if directory else disk_tier_dir(cache)
     capacity = int(cache.swap_space * 2**30) if capacity_bytes is None else capacity_bytes
     disk = DiskTier(directory, capacity, fp,
                     block_shape(spec, cache.block_size,
