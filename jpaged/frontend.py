@@ -42,6 +42,13 @@ def _token_id_list(ids: Any) -> list[Any]:
     return list(ids)
 
 
+
+def truncation_keep(truncate: int, max_model_len: int) -> int:
+    """Prompt tokens truncate_prompt_tokens keeps (the last ones): k, or with -1 all that
+    leave room for one generated token (vLLM's rule)."""
+    return max_model_len - 1 if truncate == -1 else truncate
+
+
 class RequestFrontend:
     """add_request / abort_request and output processing, over a scheduler reached by hooks.
 
@@ -136,7 +143,7 @@ class RequestFrontend:
         ids = [int(t) for t in ids]  # numpy integers become Python ints
         max_len = self.config.scheduler.max_model_len
         if truncate is not None:  # vLLM: the last k tokens (-1: all that leave room)
-            keep = max_len - 1 if truncate == -1 else truncate
+            keep = truncation_keep(truncate, max_len)
             if len(ids) > keep:
                 ids, text = ids[-keep:], None
         if len(ids) >= max_len:

@@ -14,6 +14,7 @@ import jinja2
 from starlette.requests import Request as HTTPRequest
 
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from jpaged.frontend import truncation_keep
 from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jpaged.sampling_params import SamplingParams
 from jpaged.server.protocol import (
@@ -360,9 +361,8 @@ class Serving:
                      "prompt_token_ids": ids}
             out.append(p)
             n = len(p["prompt_token_ids"]) if isinstance(p, dict) else 0
-            keep = params.truncate_prompt_tokens
-            if keep is not None:
-                n = min(n, limit - 1 if keep == -1 else keep)
+            if params.truncate_prompt_tokens is not None:
+                n = min(n, truncation_keep(params.truncate_prompt_tokens, limit))
             if params.max_tokens is not None and n < limit and n + params.max_tokens > limit:
                 raise OpenAIError(
                     400, f"{max_tokens_param} is too large: {params.max_tokens}. This model's "
