@@ -114,6 +114,10 @@ class Request:
         extra = sampling_params.extra_args or {}
         self.kv_transfer_params: dict | None = extra.get("kv_transfer_params")
         self.finished_kv_transfer_params: dict | None = None
+        # True: every prompt position is computed here, none taken from a cache (the device
+        # prefix cache, the host/disk tiers, another engine's pages). Prompt logprobs need each
+        # position's logits (vLLM's rule). Every lookup of any tier asks this one attribute.
+        self.skip_reading_prefix_cache: bool = sampling_params.prompt_logprobs is not None
         self.block_hashes: list[bytes] = []
         self._hasher: PrefixHasher | None = None
         self._hash_extra: tuple[bytes, bytes] = (b"", b"")

@@ -224,7 +224,7 @@ class HybridKVCacheManager(KVCacheManager):
         last W tokens before the hit point (their earlier positions hold the null block).
         """
         G = self.layout.num_groups
-        if not self.enable_caching:
+        if not self.enable_caching or request.skip_reading_prefix_cache:
             return [[] for _ in range(G)], 0
         hashes = request.block_hashes
         maps = self.block_pool.group_maps
@@ -247,7 +247,7 @@ class HybridKVCacheManager(KVCacheManager):
         group_key(hash, group)); the hit is again the longest every group accepts.
         """
         tiers = self.tiers
-        if tiers is None or not self.enable_caching:
+        if tiers is None or not self.enable_caching or request.skip_reading_prefix_cache:
             return []
         hashes = request.block_hashes
         maps = self.block_pool.group_maps
@@ -299,14 +299,16 @@ class HybridKVCacheManager(KVCacheManager):
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[Sequence[KVCacheBlock]] = (),  # type: ignore
                        num_new_computed_tokens: int = 0,
-                       offloaded: HybridHit | Sequence[int] = ()) -> list[KVCacheBlock] | None:
+                       offloaded: HybridHit | Sequence[int] = (),
+                       delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
         """Grow every group's table to cover the request's tokens so far + num_new_tokens.
 
         Sliding groups first return the blocks their window has left behind. A HybridHit from
         get_offloaded_blocks (on admission) replaces `new_computed_blocks`: its host slots are
         loaded into fresh blocks before this step's forward. Returns the new blocks (all
         groups), or None when the pool cannot supply them: then nothing else changed but that
-        freeing (the freed blocks were never to be read again).
+        freeing (the freed blocks were never to be read again). `delay_cache_blocks`: as the
+        plain manager's (nothing is in flight).
         """
         loads: HybridHit | None = None
         if offloaded:
@@ -402,7 +404,7 @@ class HybridKVCacheManager(KVCacheManager):
                 self.block_pool.cache_full_blocks(request.block_hashes, table, 0, num_hit,
                                                   request.all_token_ids, group=g)
             self.tiers.record_hits(num_loads, bs)  # type: ignore[union-attr]
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             self._mark_in_flight(request, total)
         return new_blocks
 

@@ -120,8 +120,8 @@ class KVCacheManager:
 
         Pure lookup (no reference taken, nothing counted); pass the result to allocate_slots.
         """
-        if not self.enable_caching or request.sampling_params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed (vLLM's rule)
+        if not self.enable_caching or request.skip_reading_prefix_cache:
+            return [], 0
         get = self.block_pool.cached_blocks.get
         hashes = request.block_hashes
         out: list[KVCacheBlock] = []
@@ -137,14 +137,19 @@ class KVCacheManager:
 
         Pass them to allocate_slots as `offloaded`; disk hits are verified and copied to the host.
         """
-        if self.tiers is None or not self.enable_caching:
+        if self.tiers is None or not self.enable_caching or request.skip_reading_prefix_cache:
             return []
         end = self.max_cache_hit_blocks(request)
         return self.tiers.fetch_prefix(request.block_hashes[num_hit_blocks:end])
 
     def is_prefix_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
-        """True if the block after a `num_hit_blocks` hit is being computed by a running request."""
-        if not self._in_flight_count or num_hit_blocks >= self.max_cache_hit_blocks(request):
+        """True if the block after a `num_hit_blocks` hit is being computed by a running request.
+
+        Never for a request that takes no hit (``skip_reading_prefix_cache``): it has nothing
+        to wait for.
+        """
+        if not self._in_flight_count or request.skip_reading_prefix_cache \
+                or num_hit_blocks >= self.max_cache_hit_blocks(request):
             return False
         return request.block_hashes[num_hit_blocks] in self._in_flight_count
 
@@ -153,7 +158,8 @@ class KVCacheManager:
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVCacheBlock] = (),
                        num_new_computed_tokens: int = 0,
-                       offloaded: Sequence[int] = ()) -> list[KVCacheBlock] | None:
+                       offloaded: Sequence[int] = (),
+                       delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
         """Grow the table to cover num_computed + num_new_computed + num_new_tokens tokens.
 
         Returns the newly allocated blocks ([] if none were needed), or None — changing
@@ -161,6 +167,8 @@ class KVCacheManager:
         only on admission) are referenced; cached free ones count against the free queue.
         `offloaded` (host slots from get_offloaded_blocks) continue the hit: the first
         len(offloaded) new blocks are loaded from them and count as computed.
+        `delay_cache_blocks`: no step computes the new blocks now (another engine's pages land
+        in them later), so they are not in flight: nobody waits for them.
         """
         rid = request.request_id
         bs = self.block_size
@@ -216,7 +224,7 @@ class KVCacheManager:
         if offloaded:
             self._load_offloaded(request, new_blocks, offloaded, len(new_computed_blocks))
 
-        if self.enable_caching:
+        if self.enable_caching and not delay_cache_blocks:
             self._mark_in_flight(request, total)
         return new_blocks
 

@@ -170,7 +170,13 @@ class KVConnectorScheduler:
         if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
             return 0, False
         want = request.num_prompt_tokens - 1 - num_computed_tokens
+        if request.skip_reading_prefix_cache:
+            want = 0  # its prompt is computed here (prompt logprobs): another engine's pages
+            # are a cache like any other
         if self.shared_storage:  # the full blocks found in the directory, in order
+            if want <= 0:
+                params["do_remote_prefill"] = False
+                return 0, False
             bs, hashes = self.block_size, request.block_hashes
             first = k = num_computed_tokens // bs
             end = min((request.num_prompt_tokens - 1) // bs, len(hashes))
@@ -179,7 +185,8 @@ class KVConnectorScheduler:
             if k == first:
                 params["do_remote_prefill"] = False
             return (k - first) * bs, k > first
-        if want <= 0:  # the local prefix cache holds it all: the producer may free its blocks
+        if want <= 0:  # nothing to pull (the local prefix cache holds it all, or the prompt is
+            # computed here): the producer may free its blocks now
             self._meta.releases.append((params["remote_host"], params["remote_port"],
                                         params["remote_request_id"]))
             params["do_remote_prefill"] = False

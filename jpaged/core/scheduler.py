@@ -13,7 +13,8 @@ One step (``schedule``):
    prefix block is being computed right now by a running request is skipped for one step, so it
    shares that block instead of computing a copy (see kv_cache_manager). While a running
    request is stalled for memory, only requests of strictly better priority are admitted
-   (``fcfs``: none).
+   (``fcfs``: none). Once admission stops for memory, landed remote loads behind the stop
+   still start: they hold every block their first step needs (reserved with their pages).
 
 Memory pressure — ``allocate_slots`` returns None — is handled in the seed's order:
 (1) free cached blocks are reused LRU-first: automatic, they sit in the free queue;
@@ -380,12 +381,13 @@ class Scheduler:
     def _allocate(self, req: Request, num_new: int, st: _Step,
                   hit_blocks: Sequence[KVCacheBlock] = (), hit_tokens: int = 0,
                   admission: bool = False, offloaded: Sequence[int] = (),
-                  swapped: bool = False) -> bool:
+                  swapped: bool = False, delay_cache_blocks: bool = False) -> bool:
         """allocate_slots (or swap_in), preempting eligible victims (stage 2, then 3) until it
         succeeds."""
         kv = self.kv_cache_manager
         while (kv.swap_in(req, num_new) if swapped else
-               kv.allocate_slots(req, num_new, hit_blocks, hit_tokens, offloaded)) is None:
+               kv.allocate_slots(req, num_new, hit_blocks, hit_tokens, offloaded,
+                                 delay_cache_blocks)) is None:
             victim = self._pick_victim(req, st, admission)
             if victim is None:
                 return False
@@ -460,6 +462,11 @@ class Scheduler:
             items.sort(key=lambda it: (it[0][0], -it[2], it[0]))
             lpm = [(key, r) for key, r, _ in reversed(items)]  # pop() from the end
         skipped: list[tuple[QueueKey, Request]] = []
+        # Admission stopped for memory (the queue's next request cannot get its blocks, or a
+        # running request is stalled for them): from then on only landed remote loads start.
+        # They hold the blocks they need (reserved with their pages), and running is how those
+        # blocks come back, so none of them may wait behind a request that waits for memory.
+        blocked = False
         while st.budget > 0 and st.num_running < cfg.max_num_seqs:
             item = (lpm.pop() if lpm else None) if lpm is not None else self.waiting.pop()
             if item is None:
@@ -473,20 +480,28 @@ class Scheduler:
                     self.policy == "fcfs" or req.priority >= st.stall_priority):
                 # Memory is short for a running request: only a strictly more important one
                 # may be admitted (possibly preempting it).
-                self.waiting.push(req, key)
-                break
+                blocked = True
             if req.request_id in self._kv_loaded:
-                # Its remote pages landed: it holds their blocks; the rest is computed here.
+                # Its remote pages landed: the rest of its prompt is computed here.
                 num_new = min(self._cap_prefill(req.num_tokens - req.num_computed_tokens),
                               st.budget)
-                if not self._allocate(req, num_new, st, admission=True):
-                    self.waiting.push(req, key)
-                    break
+                if not (kv.allocate_slots(req, num_new) is not None if blocked
+                        else self._allocate(req, num_new, st, admission=True)):
+                    skipped.append((key, req))
+                    blocked = True
+                    if not self._kv_loaded:
+                        break
+                    continue
                 self._kv_loaded.discard(req.request_id)
                 req.status = RUNNING  # first admitted when its blocks were allocated
                 self.running.append(req)
                 st.num_running += 1
                 self._add_scheduled(req, num_new, st)
+                continue
+            if blocked:
+                skipped.append((key, req))
+                if not self._kv_loaded:
+                    break
                 continue
             restored = kv.swapped_tokens(req.request_id)
             if restored is not None:  # swapped out: its blocks come back from the host tier
@@ -505,11 +520,14 @@ class Scheduler:
                     if how == "waiting":
                         continue  # waits for its pages, taking none of this step's budget
                     if how == "no_memory":
-                        self.waiting.push(req, key)
-                        break
+                        skipped.append((key, req))
+                        blocked = True
+                        if not self._kv_loaded:
+                            break
+                        continue
             num_new = req.num_tokens - hit_tokens
             if not cfg.enable_chunked_prefill and num_new > st.budget:
-                self.waiting.push(req, key)
+                skipped.append((key, req))
                 break
             num_new = min(self._cap_prefill(num_new), st.budget)
             if restored is not None:
@@ -518,8 +536,11 @@ class Scheduler:
                 ok = self._allocate(req, num_new, st, hit_blocks, hit_tokens, admission=True,
                                     offloaded=offloaded)
             if not ok:
-                self.waiting.push(req, key)
-                break
+                skipped.append((key, req))
+                blocked = True
+                if not self._kv_loaded:
+                    break
+                continue
             req.status = RUNNING
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
@@ -550,8 +571,13 @@ class Scheduler:
         ext, _ = conn.get_num_new_matched_tokens(req, hit_tokens)
         if ext <= 0:
             return "local"
-        if not self._allocate(req, ext, st, hit_blocks, hit_tokens, admission=True,
-                              offloaded=offloaded):
+        # Blocks for the pages and for the first chunk computed here once they land (the last
+        # prompt token at least): a landed request always runs on the blocks it holds, so
+        # loads that fill the pool cannot each wait for a block another one holds.
+        rest = req.num_tokens - hit_tokens - ext
+        local = min(self._cap_prefill(rest), self.scheduler_config.max_num_batched_tokens)
+        if not self._allocate(req, ext + local, st, hit_blocks, hit_tokens, admission=True,
+                              offloaded=offloaded, delay_cache_blocks=True):
             return "no_memory"
         req.num_computed_tokens = hit_tokens
         if req.first_scheduled_time is None:

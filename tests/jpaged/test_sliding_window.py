@@ -168,3 +168,25 @@ def test_hybrid_groups_through_the_pallas_kernels(cases):
     assert llm.llm_engine.ops.name == "pallas"
     assert tokens(llm, ps[:2]) == want[:2]
     assert llm.llm_engine.get_metrics()["num_blocks_freed_out_of_window"] > 0
+
+
+def test_prompt_logprobs_are_complete_when_the_prefix_is_cached(cases):
+    # The hybrid manager takes prefix hits a window needs; a request asking for prompt
+    # logprobs takes none, so every prompt position is scored, as on a cold cache.
+    kind, loaded, ps, _ = cases("gemma3")
+    llm = make_llm(loaded, block_size=BLOCK, max_model_len=96, num_gpu_blocks_override=POOL,
+                   enable_prefix_caching=True)
+    assert llm.llm_engine.get_metrics()["num_kv_cache_groups"] > 1
+    prompt = {"prompt_token_ids": ps[0] + ps[1]}
+    scoring = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    cold = llm.generate([prompt], scoring, use_tqdm=False)[0]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False)[0].num_cached_tokens > 0
+    warm = llm.generate([prompt], scoring, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == 0
+
+    def rounded(out):
+        return [None if e is None else {t: round(lp.logprob, 4) for t, lp in e.items()}
+                for e in out.prompt_logprobs]
+
+    assert len(warm.prompt_logprobs) == len(prompt["prompt_token_ids"])
+    assert rounded(warm) == rounded(cold)
