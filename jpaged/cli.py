@@ -404,8 +404,9 @@ def convert(
     """Write SRC as an orbax checkpoint that --model OUT loads faster (docs/distributed.md)."""
     import time
 
+    from models.build import DTYPES
     from models.checkpoint import MARKER, PARAMS_DIR, save_checkpoint
-    from models.loader import DEFAULT_MODEL, DTYPES, load_model
+    from models.loader import DEFAULT_MODEL, load_model
 
     if dtype not in DTYPES:
         _fail(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")

@@ -27,18 +27,16 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from .build import LoadedModel, abstract_model, resolve_dtype
 from .config import ModelSpec
 from .sharding import make_mesh, param_shardings, plan_layout, vocab_splits
 from .tokenizer import Tokenizer
-
-if TYPE_CHECKING:  # loader imports this module when it meets a checkpoint
-    from .loader import LoadedModel
 
 MARKER = "jpaged_checkpoint.json"
 PARAMS_DIR = "params"
@@ -250,8 +248,6 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
     """
     import orbax.checkpoint as ocp
     from jax.sharding import SingleDeviceSharding
-
-    from .loader import LoadedModel, abstract_model, resolve_dtype
 
     path = Path(path).expanduser().resolve()
     manifest = read_manifest(path)

@@ -9,19 +9,17 @@ import os
 import re
 import tempfile
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from .build import LoadedModel, abstract_model, resolve_dtype
 from .checkpoint import MARKER as CHECKPOINT_MARKER
 from .checkpoint import load_checkpoint, read_manifest
 from .config import ModelSpec
-from .registry import get_model_class
 from .sharding import make_mesh, param_spec, plan_layout, vocab_splits
 from .tokenizer import Tokenizer
 from .weights import assign_weights, load_gguf, load_hf_dir_weights, place_weights
@@ -44,24 +42,9 @@ GEMMA3_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a681
 GEMMA3_CHUNKS = tuple((f"{GEMMA3_PACKAGE}_part{i + 1}", f"data/{GEMMA3_GGUF}.part{i:02d}")
                       for i in range(4))
 
-DTYPES: dict[str, Any] = {
-    "float32": jnp.float32,
-    "bfloat16": jnp.bfloat16,
-    "float16": jnp.float16,
-}
 # Files fetched for an HF repo id; weights must be safetensors.
 HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja"]
 _REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-@dataclass
-class LoadedModel:
-    """A ready model: spec, NNX module holding weights, tokenizer, and where it came from."""
-
-    spec: ModelSpec
-    model: nnx.Module
-    tokenizer: Tokenizer
-    source: str  # local path of the .gguf file or HF directory that was loaded
 
 
 def embedded_gguf_path() -> Path:
@@ -172,40 +155,6 @@ def gemma3_gguf_path(cache: Path | None = None, assemble: bool = True) -> Path:
 
 # Names `--model` resolves to a GGUF file that packages provide: name -> its path function.
 NAMED_GGUF_MODELS: dict[str, Callable[..., Path]] = {GEMMA3_MODEL: gemma3_gguf_path}
-
-
-def resolve_dtype(dtype: str) -> Any:
-    """jnp dtype for 'auto' | 'float32' | 'bfloat16' | 'float16'; auto = bf16 on accelerators."""
-    if dtype == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
-    if dtype not in DTYPES:
-        allowed = ", ".join(map(repr, ["auto", *DTYPES]))
-        raise ValueError(f"dtype must be one of {allowed}; got {dtype!r}")
-    return DTYPES[dtype]
-
-
-class _ShapeOnlyRngs:
-    """Stands in for nnx.Rngs where a model is built for its shapes alone: every draw is one
-    fixed key. nnx.Rngs counts its draws in a Variable; updating it with a traced value made
-    flax probe the tracer's `.sharding`, for which jax writes an error message that walks the
-    whole trace so far, so building the embedded model's 211 parameters took ~0.8 s of its
-    load (~0.2 s this way; the structure and shapes are the same)."""
-
-    def __init__(self) -> None:
-        self._key = jax.random.key(0)
-
-    def params(self) -> jax.Array:
-        """The key a parameter's initializer reads (its values are never made)."""
-        return self._key
-
-    def __call__(self) -> jax.Array:
-        return self._key
-
-
-def abstract_model(spec: ModelSpec, dtype: Any) -> nnx.Module:
-    """The spec's model with abstract parameters (shapes and dtypes; nothing allocated)."""
-    cls = get_model_class(spec.architecture)
-    return nnx.eval_shape(lambda: cls(spec, dtype=dtype, rngs=_ShapeOnlyRngs()))
 
 
 def build_model(spec: ModelSpec, weights: Mapping[str, Any], dtype: Any,

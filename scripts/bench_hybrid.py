@@ -18,7 +18,7 @@ import numpy as np
 
 from jpaged.aot.cases import model_spec
 from jpaged.bench import report
-from jpaged.bench.gpu_engine import random_model
+from jpaged.bench.fixtures import random_model
 from jpaged.bench.hybrid import make_engine, max_concurrent, prefix_hits, run_batch, shared_prefix
 from jpaged.runner.kv_cache import bytes_per_block
 

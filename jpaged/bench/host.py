@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from jpaged.bench.gpu_engine import TINY_CONFIG, random_model
+from jpaged.bench.fixtures import TINY_CONFIG, random_model
 from jpaged.bench.report import median
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine

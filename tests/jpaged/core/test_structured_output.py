@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jpaged.bench.gpu_engine import byte_tokenizer
+from jpaged.bench.fixtures import byte_tokenizer
 from jpaged.core.structured_output import GrammarCompiler, consume, mask_words
 from jpaged.sampling_params import StructuredOutputsParams
 
