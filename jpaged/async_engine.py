@@ -262,7 +262,11 @@ class AsyncLLMEngine:
             for rid in cmd.request_ids:
                 self._sinks.pop(rid, None)
             return
-        if cmd.done.cancelled():
+        # From here the caller can no longer cancel the add (a cancelled caller's callback
+        # aborts it once added). Checking cancelled() instead left a window: a cancel between
+        # the check and set_result made set_result raise InvalidStateError, which stopped this
+        # loop with the request added and never aborted.
+        if not cmd.done.set_running_or_notify_cancel():
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,

@@ -20,6 +20,7 @@ from jpaged.config import (
     DEFAULT_HOST,
     DEFAULT_MASTER_ADDR,
     DEFAULT_MASTER_PORT,
+    DEFAULT_MAX_LOGPROBS,
     DEFAULT_MAX_NUM_BATCHED_TOKENS,
     DEFAULT_MAX_NUM_SEQS,
     DEFAULT_PORT,
@@ -95,6 +96,12 @@ KvTransfer = Annotated[str | None, typer.Option(
     help="A KV connector as JSON, vLLM's: disaggregated prefill/decode, e.g. "
     "'{\"kv_connector\": \"JaxTransferConnector\", \"kv_role\": \"kv_producer\", "
     "\"kv_port\": 14579}' (docs/distributed.md).")]
+StructuredOut = Annotated[str | None, typer.Option(
+    "--structured-outputs-config",
+    help="Structured outputs' engine-wide defaults as JSON, vLLM's: '{\"backend\": "
+    "\"guidance\"}' lets an object schema that does not say additionalProperties take other "
+    "keys (default \"auto\": only the listed ones); \"disable_additional_properties\" and "
+    "\"disable_any_whitespace\" go with \"guidance\" (docs/architecture.md).")]
 
 Nnodes = Annotated[int, typer.Option(
     "--nnodes", help="Processes (hosts) one model spans; each runs this same command.")]
@@ -108,6 +115,12 @@ MasterPort = Annotated[int, typer.Option("--master-port", help="Process 0's coor
 DistTimeout = Annotated[float, typer.Option(
     "--distributed-timeout-s", help="Seconds to wait for every process to join, and to notice "
     "a dead one.")]
+MaxLogprobs = Annotated[int, typer.Option(
+    "--max-logprobs", help="Most logprobs / prompt_logprobs a request may ask for (-1: the "
+    "whole vocabulary, which a request asks for with -1); each step with logprobs computes "
+    "this many candidates.")]
+LogprobsMode = Annotated[str, typer.Option(
+    "--logprobs-mode", help="vLLM's: only raw_logprobs (its default) is implemented.")]
 
 
 def _engine_flags(
@@ -139,11 +152,14 @@ def _engine_flags(
     engine_core_process: CoreProc = False,
     kv_events_config: KvEvents = None,
     kv_transfer_config: KvTransfer = None,
+    structured_outputs_config: StructuredOut = None,
     nnodes: Nnodes = 1,
     node_rank: NodeRank = 0,
     master_addr: MasterAddr = DEFAULT_MASTER_ADDR,
     master_port: MasterPort = DEFAULT_MASTER_PORT,
     distributed_timeout_s: DistTimeout = DEFAULT_DISTRIBUTED_TIMEOUT_S,
+    max_logprobs: MaxLogprobs = DEFAULT_MAX_LOGPROBS,
+    logprobs_mode: LogprobsMode = "raw_logprobs",
 ) -> None:
     """Template of the engine flags every engine command takes, spelled as vLLM's."""
 
@@ -184,7 +200,7 @@ def _root() -> None:
 # their fields (--top-p), so the message can name the flag too.
 _FIELD_RE = re.compile(r"\b(?:SamplingParams|CacheConfig|SchedulerConfig|ModelConfig|"
                        r"ParallelConfig|EngineArgs)\.(\w+)\b"
-                       r"|\b(kv_events_config|kv_transfer_config)\b")
+                       r"|\b(kv_events_config|kv_transfer_config|structured_outputs_config)\b")
 
 
 def _run_worker_if_not_rank0(model: str | None, flags: dict[str, Any]) -> bool:

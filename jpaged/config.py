@@ -37,6 +37,12 @@ ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla")
 HASH_ALGOS = ("sha256", "xxhash")
 SCHEDULING_POLICIES = ("priority", "fcfs", "lpm")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --max-logprobs default: the most logprobs (and prompt_logprobs) a request may ask for.
+DEFAULT_MAX_LOGPROBS = 20
+# vLLM's --logprobs-mode values. jpaged returns logprobs of the raw logits (no temperature or
+# top-k/top-p), vLLM's default; the other three modes are refused by name.
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+SUPPORTED_LOGPROBS_MODES = ("raw_logprobs",)
 # Disaggregated prefill/decode (--kv-transfer-config): the connectors and roles (vLLM's names).
 KV_CONNECTORS = ("JaxTransferConnector", "SharedStorageConnector")
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -46,6 +52,11 @@ DEFAULT_KV_PORT = 14579  # vLLM's default kv_port
 # (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT is 480 s; a pull takes milliseconds here).
 DEFAULT_KV_ABORT_TIMEOUT_S = 120.0
 DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0  # a consumer gives up on a producer that does not answer
+# Structured outputs (--structured-outputs-config): the grammar behaviours a config may name,
+# spelled as vLLM's backends. jpaged compiles every grammar with llguidance; "auto" behaves as
+# vLLM's default (xgrammar, strict: listed properties only), "guidance" as vLLM's guidance
+# backend (an object schema that does not say additionalProperties allows any other key).
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
 
 
 def _fail(cls: str, name: str, allowed: str, value: object) -> None:
@@ -213,6 +224,10 @@ class ModelConfig:
     dtype: str = "auto"
     attention_backend: str = "auto"
     seed: int = 0
+    # vLLM's: the most logprobs / prompt_logprobs a request may ask for (-1: the whole
+    # vocabulary); also how many candidates a step with logprobs computes.
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    logprobs_mode: str = "raw_logprobs"  # vLLM's; only its default is implemented
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -220,6 +235,19 @@ class ModelConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             _fail("ModelConfig", "attention_backend", f"one of {ATTENTION_BACKENDS}",
                   self.attention_backend)
+        if not _is_int(self.max_logprobs) or self.max_logprobs < -1:
+            _fail("ModelConfig", "max_logprobs", "an integer >= 0, or -1 (the whole vocabulary)",
+                  self.max_logprobs)
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            _fail("ModelConfig", "logprobs_mode", f"one of {LOGPROBS_MODES}", self.logprobs_mode)
+        if self.logprobs_mode not in SUPPORTED_LOGPROBS_MODES:
+            raise ValueError(f"ModelConfig.logprobs_mode {self.logprobs_mode!r} is not supported "
+                             "by jpaged, whose logprobs are vLLM's default 'raw_logprobs' ("
+                             "taken before temperature and top-k/top-p/min-p)")
+
+    def logprobs_limit(self, vocab_size: int) -> int:
+        """The most logprobs a request may ask for: max_logprobs, or with -1 the vocabulary."""
+        return vocab_size if self.max_logprobs == -1 else self.max_logprobs
 
 
 @dataclass(frozen=True)
@@ -310,6 +338,52 @@ class KVTransferConfig:
 
 
 @dataclass(frozen=True)
+class StructuredOutputsConfig:
+    """vLLM's `--structured-outputs-config`: the engine-wide defaults of structured outputs.
+
+    `backend` "auto" (vLLM's default, xgrammar's strict mode): an object schema that lists
+    `properties` and says neither `additionalProperties` nor `unevaluatedProperties` allows
+    only the listed keys. "guidance" (vLLM's guidance backend): such objects allow any other
+    key too, unless `disable_additional_properties` (here or per request) closes them.
+    `disable_any_whitespace`: no whitespace inside JSON (as a request's own flag).
+    """
+
+    backend: str = "auto"
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+
+    def __post_init__(self) -> None:
+        c = "structured_outputs_config"  # errors name the flag's fields
+        if self.backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"{c}.backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, got "
+                             f"{self.backend!r} (jpaged compiles every grammar with llguidance; "
+                             "'auto' behaves as vLLM's default xgrammar backend)")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{c}.{name} must be true or false, "
+                                 f"got {getattr(self, name)!r}")
+        # vLLM's own checks: these two switch behaviours of a named backend.
+        if self.disable_any_whitespace and self.backend != "guidance":
+            raise ValueError(f"{c}.disable_any_whitespace needs backend 'guidance' (as vLLM, "
+                             "where it needs xgrammar or guidance)")
+        if self.disable_additional_properties and self.backend != "guidance":
+            raise ValueError(f"{c}.disable_additional_properties needs backend 'guidance' (as "
+                             "vLLM; 'auto' already allows only the listed properties)")
+
+    @property
+    def open_objects(self) -> bool:
+        """Whether an object schema that does not say additionalProperties allows other keys."""
+        return self.backend == "guidance" and not self.disable_additional_properties
+
+    @classmethod
+    def parse(cls, value: StructuredOutputsConfig | Mapping[str, Any] | str | None
+              ) -> StructuredOutputsConfig:
+        """From a StructuredOutputsConfig, a dict, or its JSON text (the CLI flag); None gives
+        the defaults."""
+        return parse_json_config(cls, value, "structured_outputs_config") or cls()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
 
@@ -319,6 +393,8 @@ class EngineConfig:
     parallel: ParallelConfig
     kv_events: KVEventsConfig | None = None  # KV cache events (None: none)
     kv_transfer: KVTransferConfig | None = None  # a KV connector (None: none)
+    # Structured outputs' engine-wide defaults (the grammar compiler reads them).
+    structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """The same config with the pool size filled in."""
@@ -369,7 +445,11 @@ class EngineArgs:
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
     # vLLM's --kv-transfer-config: a KVTransferConfig, a dict or its JSON text
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
+    # vLLM's --structured-outputs-config: a StructuredOutputsConfig, a dict or its JSON text
+    structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
     disable_log_stats: bool = False  # no periodic stats line in the log
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # vLLM's --max-logprobs (-1: whole vocabulary)
+    logprobs_mode: str = "raw_logprobs"  # vLLM's --logprobs-mode (only its default)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -391,7 +471,9 @@ class EngineArgs:
             batched = DEFAULT_MAX_NUM_BATCHED_TOKENS if self.enable_chunked_prefill else max(
                 DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
         return EngineConfig(
-            model=ModelConfig(self.model, self.dtype, self.attention_backend, self.seed),
+            model=ModelConfig(self.model, self.dtype, self.attention_backend, self.seed,
+                              max_logprobs=self.max_logprobs,
+                              logprobs_mode=self.logprobs_mode),
             cache=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,
@@ -424,4 +506,5 @@ class EngineArgs:
                                     self.master_port, self.distributed_timeout_s),
             kv_events=KVEventsConfig.parse(self.kv_events_config),
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
+            structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
         )

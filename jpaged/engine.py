@@ -214,7 +214,9 @@ class LLMEngine(RequestFrontend):
         self.runner = ModelRunner(self.loaded.model, kv, plan, self.config.cache.block_size,
                                   self.spec.vocab_size, self.ops, self.config.model.seed,
                                   parallel=self.parallel, calculate_kv_scales=calc_scales,
-                                  kv_layout=self.kv_layout)
+                                  kv_layout=self.kv_layout,
+                                  num_top_logprobs=config.model.logprobs_limit(
+                                      self.spec.vocab_size))
         if self.group is not None and self.group.is_leader:
             self.runner.announce = self.group.announce_step  # the others launch it too
         # The disk tier is keyed by the fp8 scales too: opened once they are final.
@@ -527,7 +529,6 @@ class LLMEngine(RequestFrontend):
         # One point per call, for the step dispatched by it (none: a drain call, see _launch).
         n = cur[0].num_scheduled_tokens if cur[0] is not None else 0
         self.metrics_history.record(self.scheduler, n)
-        self.stat_logger.on_iteration(n)
         if self.kv_events is not None:
             self.kv_events.flush()  # this step's cache changes, as one batch
 

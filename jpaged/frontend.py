@@ -28,7 +28,6 @@ from jpaged.output_processor import (
 )
 from jpaged.outputs import RequestOutput
 from jpaged.request import Request, RequestStatus
-from jpaged.runner.sampler import NUM_TOP_LOGPROBS
 from jpaged.sampling_params import SamplingParams
 from models.config import ModelSpec
 
@@ -44,9 +43,20 @@ def _token_id_list(ids: Any) -> list[Any]:
 
 
 def truncation_keep(truncate: int, max_model_len: int) -> int:
-    """Prompt tokens truncate_prompt_tokens keeps (the last ones): k, or with -1 all that
-    leave room for one generated token (vLLM's rule)."""
+    """How many prompt tokens truncate_prompt_tokens keeps: k, or with -1 all that leave room
+    for one generated token (vLLM's rule)."""
     return max_model_len - 1 if truncate == -1 else truncate
+
+
+def truncated(ids: list[int], truncate: int, max_model_len: int, side: str = "left"
+              ) -> list[int]:
+    """The prompt tokens truncate_prompt_tokens keeps, the one rule engine and server share:
+    truncation_keep() of them, the last ones (side "left", vLLM's default: the start is cut)
+    or the first ones ("right")."""
+    keep = truncation_keep(truncate, max_model_len)
+    if len(ids) <= keep:
+        return ids
+    return ids[-keep:] if side == "left" else ids[:keep]
 
 
 class RequestFrontend:
@@ -106,11 +116,11 @@ class RequestFrontend:
             if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
                 eos = eos + (self.tokenizer.eos_token_id,)
             gc = self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
-                                                          eos)
+                                                          eos, self.config.structured_outputs)
         return gc
 
     # ----------------------------------------------------------------- requests
-    def _tokenize(self, prompt: PromptType, truncate: int | None = None
+    def _tokenize(self, prompt: PromptType, truncate: int | None = None, side: str = "left"
                   ) -> tuple[str | None, list[int], str | None]:
         salt = None
         if isinstance(prompt, str):
@@ -142,10 +152,10 @@ class RequestFrontend:
                                  f"in the vocabulary [0, {vocab})")
         ids = [int(t) for t in ids]  # numpy integers become Python ints
         max_len = self.config.scheduler.max_model_len
-        if truncate is not None:  # vLLM: the last k tokens (-1: all that leave room)
-            keep = truncation_keep(truncate, max_len)
-            if len(ids) > keep:
-                ids, text = ids[-keep:], None
+        if truncate is not None:  # vLLM: k tokens (-1: all that leave room), from its side
+            kept = truncated(ids, truncate, max_len, side)
+            if len(kept) < len(ids):
+                ids, text = kept, None
         if len(ids) >= max_len:
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
                              "it must leave room for at least one generated token")
@@ -162,12 +172,21 @@ class RequestFrontend:
             raise ValueError("params must be a SamplingParams")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
+        vocab = self.spec.vocab_size
+        limit = self.config.model.logprobs_limit(vocab)  # max_logprobs (-1: the vocabulary)
+        whole: dict[str, int] = {}  # -1 (the whole vocabulary, vLLM's) as that many tokens
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
-            if k is not None and k > NUM_TOP_LOGPROBS:
-                raise ValueError(f"SamplingParams.{name} must be <= {NUM_TOP_LOGPROBS}, got {k}")
+            if k is not None and (vocab if k == -1 else k) > limit:
+                asked = f"the whole vocabulary ({vocab} logprobs)" if k == -1 else f"{k} logprobs"
+                raise ValueError(f"SamplingParams.{name} asks for {asked}, more than "
+                                 f"the engine's max_logprobs ({self.config.model.max_logprobs}) "
+                                 "allows (vLLM's --max-logprobs; -1: the whole vocabulary)")
+            if k == -1:
+                whole[name] = vocab
+        if whole:  # past here every count is a number of candidates
+            params = params.clone(**whole)
         self._check_params(params)
-        vocab = self.spec.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", params.logit_bias)):
@@ -175,7 +194,8 @@ class RequestFrontend:
                 if not 0 <= t < vocab:
                     raise ValueError(f"SamplingParams.{name} holds {t}: token ids must be in "
                                      f"the vocabulary [0, {vocab})")
-        text, ids, salt = self._tokenize(prompt, params.truncate_prompt_tokens)
+        text, ids, salt = self._tokenize(prompt, params.truncate_prompt_tokens,
+                                         params.truncation_side)
         eos = tuple(self.spec.eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
             eos = eos + (self.tokenizer.eos_token_id,)

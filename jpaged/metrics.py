@@ -193,8 +193,8 @@ class StatLogger:
         self.request_params_max_tokens = hist("request_params_max_tokens",
                                               "The max_tokens of each request.", tokens)
         self.iteration_tokens = hist("iteration_tokens_total",
-                                     "Tokens computed per engine step.",
-                                     buckets_1_2_5(max(max_model_len, 16384)))
+                                     "Prompt and generated tokens per engine step (vLLM's "
+                                     "count).", buckets_1_2_5(max(max_model_len, 16384)))
         self.cache_config_info = Gauge(f"{PREFIX}cache_config_info",
                                        "Information of the KV cache config (value 1).",
                                        ["block_size", "cache_dtype", "num_gpu_blocks",
@@ -222,11 +222,6 @@ class StatLogger:
         self.request_params_n.observe(n)
         self.request_params_max_tokens.observe(max_tokens)
 
-    def on_iteration(self, num_tokens: int) -> None:
-        """An engine step computed `num_tokens` tokens (none: not recorded)."""
-        if num_tokens:
-            self.iteration_tokens.observe(num_tokens)
-
     def on_step(self, updated: Sequence[Any], now: float,
                 finished: Iterable[Any] | None = None) -> None:
         """Record one engine step: `updated` requests each got one token at time `now`.
@@ -238,11 +233,18 @@ class StatLogger:
         # update per distinct gap rather than per request, counted in C (this runs per request
         # per step).
         gaps = Counter(map(_LAST_TOKEN_TIME, updated))
+        # vLLM's iteration_tokens_total: each token this step gave (a sequence's first one
+        # included) plus the whole prompt of each sequence it gave its first token, so a
+        # sequence counts prompt + output tokens in all, however its prefill was chunked.
+        iteration = len(updated)
         if gaps.pop(None, 0):
             for req in updated:
                 if req.last_token_time is None:
                     req.first_token_time = now  # a Request field this logger owns too
                     self.time_to_first_token.observe(max(0.0, now - req.arrival_time))
+                    iteration += req.num_prompt_tokens
+        if iteration:
+            self.iteration_tokens.observe(iteration)
         for req in updated:
             req.last_token_time = now  # a Request field this logger owns
         for req in (finished if finished is not None

@@ -28,6 +28,9 @@ _REAL_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_
                 "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
+# truncate_prompt_tokens keeps the prompt's last tokens ("left": its start is cut, vLLM's
+# default) or its first ones ("right").
+TRUNCATION_SIDES = ("left", "right")
 
 
 def _coerce_types(sp: SamplingParams) -> None:
@@ -148,8 +151,10 @@ class SamplingParams:
     # [-100, 100]); sample only among allowed_token_ids.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
-    # Keep only the prompt's last k tokens (-1: the last max_model_len - 1), as vLLM.
+    # Keep only k of the prompt's tokens (-1: max_model_len - 1 of them), as vLLM:
+    # truncation_side "left" (the default) keeps the last ones, "right" the first ones.
     truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"
     # The output's form: JSON schema, regex, choice or grammar (a packed token mask per step).
     structured_outputs: StructuredOutputsParams | None = None
     # vLLM's bad_words: words the output may not contain (each as its tokens, with and without a
@@ -195,10 +200,11 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", "<= max_tokens",
                    self.min_tokens)
-        _check(self.logprobs is None or self.logprobs >= 0, "logprobs", ">= 0 or None",
-               self.logprobs)
-        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
-               ">= 0 or None", self.prompt_logprobs)
+        # -1: every token of the vocabulary (vLLM's; the engine's max_logprobs must allow it).
+        _check(self.logprobs is None or self.logprobs >= -1, "logprobs",
+               ">= 0, -1 (the whole vocabulary) or None", self.logprobs)
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= -1, "prompt_logprobs",
+               ">= 0, -1 (the whole vocabulary) or None", self.prompt_logprobs)
         _check(all(isinstance(s, str) and s for s in self.stop), "stop",
                "non-empty strings", self.stop)
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
@@ -212,6 +218,8 @@ class SamplingParams:
                 self.truncate_prompt_tokens, bool) and (self.truncate_prompt_tokens == -1
                                                         or self.truncate_prompt_tokens >= 1)),
             "truncate_prompt_tokens", "-1, an integer >= 1 or None", self.truncate_prompt_tokens)
+        _check(self.truncation_side in TRUNCATION_SIDES, "truncation_side",
+               f"one of {TRUNCATION_SIDES}", self.truncation_side)
         if self.logit_bias is not None:
             _check(isinstance(self.logit_bias, dict) and all(
                 isinstance(t, int) and not isinstance(t, bool) and t >= 0

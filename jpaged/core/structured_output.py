@@ -15,10 +15,12 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from jpaged.config import StructuredOutputsConfig
 from jpaged.sampling_params import StructuredOutputsParams
 
 # Distinct grammars kept compiled (their pristine matchers); least recently used dropped first.
@@ -37,18 +39,24 @@ def forbid(mask_row: np.ndarray, tokens: Any) -> None:
         bits[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
 
-def grammar_source(so: StructuredOutputsParams) -> str:
-    """The llguidance grammar of a StructuredOutputsParams (not yet checked)."""
+def grammar_source(so: StructuredOutputsParams,
+                   config: StructuredOutputsConfig | None = None) -> str:
+    """The llguidance grammar of a StructuredOutputsParams (not yet checked), under the
+    engine's structured-outputs defaults `config` (None: vLLM's defaults). The one place a
+    grammar is built: offline LLM and server requests alike."""
     import llguidance as llg
 
+    config = config or StructuredOutputsConfig()
     matcher = llg.LLMatcher
     if so.json is not None:
         schema = json.loads(so.json) if isinstance(so.json, str) else so.json
-        if so.disable_additional_properties:
-            schema = _closed_objects(schema)
-        return matcher.grammar_from_json_schema(json.dumps(schema), defaults=_json_options(so))
+        if so.disable_additional_properties or not config.open_objects:
+            schema = closed_objects(schema)
+        return matcher.grammar_from_json_schema(json.dumps(schema),
+                                                defaults=_json_options(so, config))
     if so.json_object:
-        return matcher.grammar_from_json_schema('{"type": "object"}', defaults=_json_options(so))
+        return matcher.grammar_from_json_schema('{"type": "object"}',
+                                                defaults=_json_options(so, config))
     if so.regex is not None:
         return matcher.grammar_from_regex(so.regex)
     if so.choice is not None:
@@ -63,6 +71,11 @@ def grammar_source(so: StructuredOutputsParams) -> str:
                 src = gbnf_to_lark(src)
             except GbnfToLarkError as e:
                 raise ValueError(f"GBNF: {e}") from None
+            except Exception as e:
+                # Its rule checks raise a bare Exception (a rule used but never defined, one
+                # defined twice, no root rule): the grammar's fault, so a ValueError as any
+                # other bad grammar (a 400 naming the field), never a server error.
+                raise ValueError(f"GBNF: {e}") from None
         return matcher.grammar_from_lark(src)
     raise ValueError("StructuredOutputsParams names no constraint")
 
@@ -75,26 +88,72 @@ def grammar_source(so: StructuredOutputsParams) -> str:
 JSON_WHITESPACE = r" ?(\n {0,16})?"
 
 
-def _json_options(so: StructuredOutputsParams) -> dict[str, Any]:
-    # No whitespace with disable_any_whitespace (vLLM's flag), else the request's pattern, else
-    # JSON_WHITESPACE.
-    if so.disable_any_whitespace:
+def _json_options(so: StructuredOutputsParams, config: StructuredOutputsConfig
+                  ) -> dict[str, Any]:
+    # No whitespace with disable_any_whitespace (vLLM's flag, per request or engine-wide), else
+    # the request's pattern, else JSON_WHITESPACE.
+    if so.disable_any_whitespace or config.disable_any_whitespace:
         return {"whitespace_flexible": False}
     return {"whitespace_flexible": True,
             "whitespace_pattern": so.whitespace_pattern or JSON_WHITESPACE}
 
 
-def _closed_objects(schema: Any) -> Any:
-    """The schema with `additionalProperties: false` on every object schema that does not say
-    (vLLM's disable_additional_properties)."""
-    if isinstance(schema, list):
-        return [_closed_objects(s) for s in schema]
+# JSON schema keywords whose value is one subschema, a list of them, or a map of names to them
+# (draft 2020-12 and the earlier drafts' spellings). Every other keyword's value is data
+# (enum, const, default, examples, ...) or a scalar, never walked as a schema.
+_ONE_SCHEMA = ("items", "additionalItems", "unevaluatedItems", "contains", "not", "if", "then",
+               "else", "additionalProperties", "unevaluatedProperties", "propertyNames",
+               "contentSchema")
+_SCHEMA_LIST = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_SCHEMA_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+               "dependencies")
+
+
+def map_schemas(schema: Any, fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Any:
+    """A copy of JSON schema `schema` with `fn` applied to every schema object in it, the
+    innermost first (only where a keyword holds schemas: a property named "properties" or an
+    enum value holding "$ref" is not taken for one). `schema` itself is left untouched."""
     if not isinstance(schema, dict):
-        return schema
-    out = {k: _closed_objects(v) for k, v in schema.items()}
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
-        out["additionalProperties"] = False
-    return out
+        return schema  # a boolean schema, or not a schema
+    out = dict(schema)
+    for k in _ONE_SCHEMA:
+        if isinstance(out.get(k), dict):
+            out[k] = map_schemas(out[k], fn)
+    for k in _SCHEMA_LIST:
+        if isinstance(out.get(k), list):
+            out[k] = [map_schemas(s, fn) for s in out[k]]
+    for k in _SCHEMA_MAP:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: map_schemas(s, fn) for name, s in out[k].items()}
+    return fn(out)
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object schema that lists
+    `properties` (or `patternProperties`) and says neither `additionalProperties` nor
+    `unevaluatedProperties`: vLLM's default (xgrammar's strict mode) and its guidance backend's
+    disable_additional_properties. A free-form object (`{"type": "object"}`) stays open."""
+    def close(node: dict[str, Any]) -> dict[str, Any]:
+        if (("properties" in node or "patternProperties" in node)
+                and "additionalProperties" not in node and "unevaluatedProperties" not in node):
+            node["additionalProperties"] = False
+        return node
+
+    return map_schemas(schema, close)
+
+
+def relocated(schema: Any, pointer: str) -> Any:
+    """`schema` made to sit at JSON pointer `pointer` (e.g. "/items/properties/parameters") of
+    a larger schema: its local references ("#", "#/$defs/X", "#/properties/a", ...) are
+    rewritten to point under `pointer`, so they still resolve to its own definitions there
+    (external refs and "#anchor" refs are left as they are)."""
+    def move(node: dict[str, Any]) -> dict[str, Any]:
+        ref = node.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            node["$ref"] = "#" + pointer + ref[1:]
+        return node
+
+    return map_schemas(schema, move)
 
 
 def _looks_like_gbnf(src: str) -> bool:
@@ -110,8 +169,11 @@ class GrammarCompiler:
     fresh matcher for one request (a copy of the cached pristine one).
     """
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 config: StructuredOutputsConfig | None = None) -> None:
         self._tokenizer = tokenizer
+        # The engine's defaults: fixed for the compiler's life, so cached grammars stay right.
+        self.config = config or StructuredOutputsConfig()
         self.vocab_size = vocab_size
         self._eos = list(eos_token_ids)
         self._lock = threading.Lock()
@@ -144,7 +206,7 @@ class GrammarCompiler:
                 return hit
             llt = self._llt()
         try:
-            source = grammar_source(so)
+            source = grammar_source(so, self.config)
         except (ValueError, TypeError) as e:
             raise ValueError(f"structured_outputs: {so.kind} is invalid: {e}") from None
         m = llg.LLMatcher(llt, source, log_level=0)  # drops the GIL while it compiles

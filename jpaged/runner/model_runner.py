@@ -128,8 +128,12 @@ class ModelRunner:
                  vocab_size: int, ops: AttentionOps, seed: int = 0,
                  parallel: TensorParallel | None = None,
                  calculate_kv_scales: bool = False,
-                 kv_layout: KVCacheLayout | None = None, platform: str | None = None) -> None:
+                 kv_layout: KVCacheLayout | None = None, platform: str | None = None,
+                 num_top_logprobs: int = NUM_TOP_LOGPROBS) -> None:
         self.graphdef, self.params = nnx.split(model)
+        # Candidates a step with logprobs returns per row (sampled and prompt alike): the
+        # engine's max_logprobs, at most the vocabulary. Static: part of every compiled step.
+        self.num_top_logprobs = max(1, min(num_top_logprobs, vocab_size))
         # The platform the step compiles for (a deviceless GPU compile runs on the CPU backend):
         # off XLA:CPU the sampler's filters search the row in as few reads as they can.
         self.wide_search = searches_wide(platform)
@@ -266,7 +270,7 @@ class ModelRunner:
             plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target),)
         if defer:  # sampled later by _sample_step, once the host has the token masks
             return (logits, *plp), new_kv, last_tokens
-        outs = sample(logits, sampling, flags, **self._vocab_ops)
+        outs = sample(logits, sampling, flags, num_top=self.num_top_logprobs, **self._vocab_ops)
         if self.parallel is not None:  # [B]-sized results, whole on every device
             outs = tuple(map(self.parallel.replicated, outs))
         last_tokens = jax.lax.dynamic_update_slice(last_tokens, outs[0], (0,))
@@ -278,7 +282,8 @@ class ModelRunner:
         the token masks) and the last-token buffer, which it updates as `_step` does."""
         batch = unflatten_step(flat)
         fed_ids = jnp.take(last_tokens, jnp.maximum(batch.feed_rows, 0))
-        outs = sample(logits, _fed_history(batch, fed_ids, flags), flags, **self._vocab_ops)
+        outs = sample(logits, _fed_history(batch, fed_ids, flags), flags,
+                      num_top=self.num_top_logprobs, **self._vocab_ops)
         if self.parallel is not None:  # as _step: [B]-sized results whole on every device
             outs = tuple(map(self.parallel.replicated, outs))
         return outs, jax.lax.dynamic_update_slice(last_tokens, outs[0], (0,))
@@ -294,7 +299,7 @@ class ModelRunner:
         chosen = jnp.take_along_axis(logits, target[:, None], axis=-1)
         rank = 1 + jnp.sum(logits > chosen, axis=-1).astype(jnp.int32)
         top_k = self._vocab_ops["top_k"]
-        top_logits, top_ids = top_k(logits, min(NUM_TOP_LOGPROBS, logits.shape[-1]))
+        top_logits, top_ids = top_k(logits, min(self.num_top_logprobs, logits.shape[-1]))
         out = ((chosen - norm)[:, 0], rank, top_ids.astype(jnp.int32), top_logits - norm)
         return out if self.parallel is None else tuple(map(self.parallel.replicated, out))
 

@@ -54,7 +54,8 @@ CHANNEL_PORT_OFFSET = 1  # the step channel listens on master_port + this
 _LOCAL_FIELDS = ("node_rank", "extra", "disable_log_stats", "kv_events_config",
                  "scheduling_policy", "enable_prefix_caching", "prefix_caching_hash_algo",
                  "preemption_mode", "long_prefill_token_threshold", "async_scheduling",
-                 "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override")
+                 "gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override",
+                 "structured_outputs_config")
 
 
 class ProcessGroupError(RuntimeError):

@@ -54,8 +54,9 @@ class SamplingFlags:
     decode_only: bool = False
 
 
-# Top-N candidates whose logprobs a step with top_logprobs returns (requests read the first
-# `logprobs`).
+# Top-N candidates whose logprobs a step with top_logprobs returns by default (requests read the
+# first `logprobs`): vLLM's default max_logprobs. An engine returns its own max_logprobs (the
+# whole vocabulary when that is -1): `sample`'s num_top.
 NUM_TOP_LOGPROBS = 20
 # The top-k/top-p thresholds' search, (ways a pass, passes), both resolving the range to 2^-32:
 # wide (16 ways, 15 thresholds a read of the row) where the bytes a pass moves cost most (a
@@ -408,11 +409,13 @@ def sample(
     vocab_shards: int = 1, wide_search: bool | None = None,
     candidates: tuple[int, int] | None = None,
     pick_candidates: Callable[..., tuple[jax.Array, jax.Array, jax.Array]] | None = None,
+    num_top: int = NUM_TOP_LOGPROBS,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"],
            Int[Array, " B"]]:
     """Sampled ids, their logprobs (of the penalised distribution), the top-N candidates
-    (N = 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's contract), and each
-    sampled id's rank in its row (1 = the most likely; 0 unless flags.top_logprobs). Tensor
+    (N = min(num_top, V); 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's
+    contract), and each sampled id's rank in its row (1 = the most likely; 0 unless
+    flags.top_logprobs). Tensor
     parallel passes a `top_k` that works on the vocab-split logits, a `keep_split` that pins
     a [B, V] value to that split (else XLA may gather the filtered logits whole), and the
     number of vocab shards. `wide_search`: the filters' threshold search reads the row as
@@ -495,7 +498,7 @@ def sample(
                 jnp.zeros(b, jnp.int32))
     # The logprob is monotonic in the logit: the top logits are the top logprobs, and a
     # token's rank is one more than the logits above its own (ties share the better rank).
-    top_logits, top_ids = top_k(logits, min(NUM_TOP_LOGPROBS, v))
+    top_logits, top_ids = top_k(logits, min(num_top, v))
     ranks = 1 + jnp.sum(keep_split(logits) > chosen, axis=-1).astype(jnp.int32)
     return (ids, chosen_lp, top_ids.astype(jnp.int32), (top_logits - row_max) - log_norm,
             ranks)

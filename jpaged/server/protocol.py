@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jpaged.core.structured_output import relocated
 from jpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
 from models.tokenizer import message_text
 
@@ -102,8 +103,10 @@ class _SamplingRequest(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None
     # vLLM's prefix-cache salt: requests with different salts share no cached block.
     cache_salt: str | None = None
-    # vLLM: keep only the prompt's last k tokens (-1: as many as max_model_len allows).
+    # vLLM: keep only k of the prompt's tokens (-1: as many as max_model_len allows), the
+    # last ones, or with truncation_side "right" the first ones.
     truncate_prompt_tokens: int | None = None
+    truncation_side: Literal["left", "right"] | None = None  # None: "left", vLLM's default
     # vLLM: each choice carries its token ids, and the response (first chunk) the prompt's.
     return_token_ids: bool = False
     request_id: str | None = None  # vLLM: the id the response carries
@@ -228,6 +231,7 @@ class _SamplingRequest(BaseModel):
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            truncation_side=self.truncation_side or "left",
             logit_bias=self.token_bias(), allowed_token_ids=self.allowed_token_ids,
             prompt_logprobs=self.prompt_logprobs, bad_words=self.bad_words,
             structured_outputs=self.structured_or_tools(),
@@ -367,7 +371,8 @@ class ChatCompletionRequest(_SamplingRequest):
                     or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise OpenAIError(400, f"tools[{i}] must be {{'type': 'function', 'function': "
                                   "{'name': ..., 'parameters': {...}}}", param="tools")
-            params = fn.get("parameters", {"type": "object"})
+            # No parameters: an empty object (vLLM's shape for a function without arguments).
+            params = fn.get("parameters", {"type": "object", "properties": {}})
             if not isinstance(params, dict):
                 raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON schema "
                                   "object", param="tools")
@@ -421,10 +426,16 @@ class ChatCompletionRequest(_SamplingRequest):
         if mode != "required":
             schema = funcs[mode]["parameters"]
         else:
+            # Each function's parameters schema sits inside the array's: its local `$ref`s
+            # (`#/$defs/X`, `#`) are rewritten to point where it now sits, so they resolve to
+            # its own definitions (two tools may define the same name differently).
+            where = ["/items"] if len(funcs) == 1 else [f"/items/anyOf/{i}"
+                                                         for i in range(len(funcs))]
             calls = [{"type": "object", "properties": {
-                "name": {"enum": [name]}, "parameters": fn["parameters"]},
+                "name": {"enum": [name]},
+                "parameters": relocated(fn["parameters"], f"{at}/properties/parameters")},
                 "required": ["name", "parameters"], "additionalProperties": False}
-                for name, fn in funcs.items()]
+                for at, (name, fn) in zip(where, funcs.items(), strict=True)]
             schema = {"type": "array", "minItems": 1,
                       "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
             if self.parallel_tool_calls is False:

@@ -51,9 +51,13 @@ class _Batch:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.index: dict[str, int] = {}  # engine request id -> prompt index
         self.pending: set[str] = set()  # added and not finished: aborted by close()
+        # Prompt index -> its tokens as the engine keeps them (truncate_prompt_tokens applied):
+        # known from start(), so a stream's first chunk can count them before any output.
         self.prompt_tokens: dict[int, int] = {}
+        self.seen: set[int] = set()  # prompt indices whose first output arrived
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self.choice_tokens: dict[int, int] = {}  # choice index (i * n + c.index) -> tokens
         self.kv_transfer_params: dict[str, Any] | None = None  # a producer's, at the finish
         self.return_token_ids = False  # vLLM's return_token_ids
         self.continuous_usage = False  # vLLM's stream_options.continuous_usage_stats
@@ -70,16 +74,27 @@ class _Batch:
         self.tokens_as_ids = req.return_tokens_as_token_ids
         self.field_names = req.field_names()
 
-    def chunk_usage(self) -> dict[str, Any] | None:
-        """A content chunk's usage: the counts so far (continuous_usage_stats), else null."""
-        return self.usage() if self.continuous_usage else None
+    def chunk_usage(self, choice: int) -> dict[str, Any] | None:
+        """A chunk's usage under continuous_usage_stats, as vLLM counts it: the prompt of
+        choice `choice` (i * n + index) and that choice's tokens so far; else null."""
+        if not self.continuous_usage:
+            return None
+        prompt = self.prompt_tokens.get(choice // self.params.n, 0)
+        done = self.choice_tokens.get(choice, 0)
+        return {"prompt_tokens": prompt, "completion_tokens": done,
+                "total_tokens": prompt + done}
 
     async def start(self, prompts: list[Any], param: str) -> None:
         """Add every prompt; a bad one aborts those already added and raises OpenAIError."""
         try:
+            limit = self.engine.max_model_len
             for i, prompt in enumerate(prompts):
                 rid = f"{self.base_id}-{i}"
                 self.index[rid] = i
+                n = len(prompt["prompt_token_ids"])  # Serving._tokenized gave every prompt ids
+                if self.params.truncate_prompt_tokens is not None:
+                    n = min(n, truncation_keep(self.params.truncate_prompt_tokens, limit))
+                self.prompt_tokens[i] = n
                 await self.engine.add_request(rid, prompt, self.params, self.priority,
                                               queue=self.queue)
                 # Only once added: a refused id (one in use) belongs to another request, which
@@ -106,10 +121,14 @@ class _Batch:
             if isinstance(item, BaseException):
                 raise item
             i = self.index[item.request_id]
-            if i not in self.prompt_tokens:
+            if i not in self.seen:
+                self.seen.add(i)
                 self.prompt_tokens[i] = len(item.prompt_token_ids)
                 self.cached_tokens += item.num_cached_tokens
-            self.completion_tokens += sum(len(c.token_ids) for c in item.outputs)
+            for c in item.outputs:
+                k = i * self.params.n + c.index
+                self.choice_tokens[k] = self.choice_tokens.get(k, 0) + len(c.token_ids)
+                self.completion_tokens += len(c.token_ids)
             if item.finished:
                 self.pending.discard(item.request_id)
                 if item.kv_transfer_params is not None:
@@ -153,12 +172,23 @@ async def until_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T | No
         return None
 
 
+# The least logprob a response carries, as vLLM writes it: a token a constraint (a grammar, a
+# structured choice) masks out has logprob -inf, which JSON cannot hold (OpenAI documents
+# -9999.0 as "very unlikely"). Every logprob a response serializes goes through json_logprob.
+MIN_JSON_LOGPROB = -9999.0
+
+
+def json_logprob(logprob: float) -> float:
+    """A logprob as a response writes it: -inf (a masked token) becomes MIN_JSON_LOGPROB."""
+    return max(logprob, MIN_JSON_LOGPROB)
+
+
 def prompt_logprobs_json(plp: list[dict[int, Logprob] | None] | None) -> list[Any] | None:
     """vLLM's JSON of prompt_logprobs: None, then {token id: {logprob, rank, decoded_token}}."""
     if plp is None:
         return None
-    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank,
-                                             "decoded_token": lp.decoded_token}
+    return [None if e is None else {str(t): {"logprob": json_logprob(lp.logprob),
+                                             "rank": lp.rank, "decoded_token": lp.decoded_token}
                                     for t, lp in e.items()} for e in plp]
 
 
@@ -167,29 +197,38 @@ def _tool_call(name: str, arguments: str) -> dict[str, Any]:
             "function": {"name": name, "arguments": arguments}}
 
 
+def required_tool_calls(text: str) -> list[dict[str, Any]]:
+    """The tool calls of a 'required' answer: its JSON array of {name, parameters}, each a
+    call; none when the array is not whole (max_tokens or a stop string cut it), as vLLM,
+    which parses the whole array or nothing."""
+    try:
+        return [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
+                for c in json.loads(text)]
+    except (ValueError, TypeError, KeyError):  # the grammar holds, unless the output stopped
+        return []
+
+
 def tool_call_message(text: str, finish_reason: str | None, tools: str
                       ) -> tuple[dict[str, Any], str | None]:
-    """The assistant message of a finished choice and its finish_reason: plain content, or the
-    tool calls a forced tool choice produced (a named function: its arguments, finish "stop" as
-    OpenAI answers a forced call; 'required': the generated JSON array of {name, parameters},
-    finish "tool_calls"). Output cut by max_tokens stays content, finish "length"."""
-    if tools == "none" or finish_reason == "length":
+    """The assistant message of a finished choice and its finish_reason, as vLLM answers them.
+    No forced tool: plain content. A forced one always answers `tool_calls` with content ""
+    (never the generated JSON as content): a named function's one call, its arguments as
+    generated even when max_tokens cut them (finish as the output's: "stop", as OpenAI answers
+    a forced call, or "length"); 'required': the calls of the generated array, none when it was
+    cut, finish "tool_calls" where the output stopped by itself ("stop"), else the output's."""
+    if tools == "none":
         return {"role": "assistant", "content": text}, finish_reason
     if tools != "required":
-        return ({"role": "assistant", "content": None,
+        return ({"role": "assistant", "content": "",
                  "tool_calls": [_tool_call(tools, text)]}, finish_reason)
-    try:
-        calls = json.loads(text)
-        made = [_tool_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
-                for c in calls]
-    except (ValueError, TypeError, KeyError):  # the grammar holds, unless the output stopped
-        return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": made}, "tool_calls"
+    return ({"role": "assistant", "content": "", "tool_calls": required_tool_calls(text)},
+            "tool_calls" if finish_reason == "stop" else finish_reason)
 
 
 class _ToolCallStream:
     """Streamed deltas of forced tool calls: a named function's arguments as they come (its id
-    and name in the first delta); 'required' calls whole, in the finishing chunk."""
+    and name in the first delta), cut ones too; 'required' calls whole, in the finishing chunk
+    (none, and no content, when the array was cut). No content delta ever, as vLLM."""
 
     def __init__(self, tools: str) -> None:
         self.tools = tools
@@ -213,11 +252,11 @@ class _ToolCallStream:
         self.text[index] = self.text.get(index, "") + text
         if finish is None:
             return None, None
-        message, finish = tool_call_message(self.text.pop(index), finish, "required")
-        if "tool_calls" not in message:
-            return {"content": message["content"]}, finish
-        return {"tool_calls": [{"index": i, **tc} for i, tc in
-                               enumerate(message["tool_calls"])]}, finish
+        calls = required_tool_calls(self.text.pop(index))
+        if not calls:  # cut: an empty finishing delta; vLLM's stream says "tool_calls" only
+            return {}, finish  # after it streamed a call
+        return ({"tool_calls": [{"index": i, **tc} for i, tc in enumerate(calls)]},
+                "tool_calls" if finish == "stop" else finish)
 
 
 def _stream_error(e: BaseException) -> dict[str, Any]:
@@ -246,8 +285,9 @@ def legacy_logprobs(ids: Sequence[int], entries: Sequence[dict[int, Logprob] | N
             lp, top = None, None
         else:
             s = _token_text(entry[tok], tok, tokenizer, as_ids)
-            lp = entry[tok].logprob
-            top = {_token_text(x, t, tokenizer, as_ids): x.logprob for t, x in entry.items()}
+            lp = json_logprob(entry[tok].logprob)
+            top = {_token_text(x, t, tokenizer, as_ids): json_logprob(x.logprob)
+                   for t, x in entry.items()}
         tokens.append(s)
         token_lps.append(lp)
         tops.append(top)
@@ -298,18 +338,22 @@ def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any
 def chat_logprobs(c: CompletionOutput, tokenizer: Any, as_ids: bool = False, top_n: int = 0
                   ) -> dict[str, Any] | None:
     """The chat `logprobs` object ({"content": [...]}) for the tokens of `c`: each token's
-    `top_logprobs` are its step's `top_n` most likely (the sampled token, ranked in every
-    entry, is among them only when it is one of them)."""
+    `top_logprobs` are its step's `top_n` most likely (-1: all the entry holds, the whole
+    vocabulary; the sampled token, ranked in every entry, is among them only when it is one of
+    them)."""
     if c.logprobs is None:
         return None
 
     def item(t: int, lp: Logprob) -> dict[str, Any]:
         s = _token_text(lp, t, tokenizer, as_ids)
-        return {"token": s, "logprob": lp.logprob, "bytes": list(s.encode("utf-8"))}
+        return {"token": s, "logprob": json_logprob(lp.logprob),
+                "bytes": list(s.encode("utf-8"))}
 
     content = []
     for tok, entry in zip(c.token_ids, c.logprobs, strict=False):
-        top = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank is not None)[:top_n]
+        top = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank is not None)
+        if top_n >= 0:
+            top = top[:top_n]
         content.append({**item(tok, entry[tok]), "top_logprobs": [item(t, lp)
                                                                   for _, t, lp in top]})
     return {"content": content}
@@ -329,7 +373,11 @@ class Serving:
     def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
         self.engine = engine
         self.model_name = model_name
-        self._max_token_bytes: int | None = None  # the longest token's UTF-8 text (bytes)
+        # The longest token's UTF-8 text (bytes): the decode of every token id, once per server
+        # and before any request. (Computed lazily, every request that arrived before the first
+        # computation ended, or was cancelled during it, ran it again: 200 requests at once
+        # queued 200 of them on the executor, ahead of the next request's tokenization.)
+        self.max_token_bytes = _max_token_bytes(engine.tokenizer)
 
     async def _tokenized(self, prompts: list[Any], params: SamplingParams, param: str,
                          add_special_tokens: bool = True, max_tokens_param: str = "max_tokens"
@@ -345,14 +393,11 @@ class Serving:
             if isinstance(p, dict) and "prompt_token_ids" not in p:
                 text = p.get("prompt")
             if isinstance(text, str):
-                if self._max_token_bytes is None:  # once: the decode of every token id
-                    self._max_token_bytes = await loop.run_in_executor(None, _max_token_bytes,
-                                                                       tok)
                 size = len(text.encode("utf-8", "surrogatepass"))
                 # No token covers more than the longest token's bytes (x4: normalizers may
                 # shrink text), so a longer text needs more tokens than max_model_len: refused
                 # without tokenizing megabytes.
-                if size > 4 * limit * self._max_token_bytes:
+                if size > 4 * limit * self.max_token_bytes:
                     raise OpenAIError(400, f"prompt of {size} bytes is longer than this model's "
                                       f"maximum context length of {limit} tokens", param=param)
                 ids = await loop.run_in_executor(None, lambda t=text: tok.encode(
@@ -379,6 +424,11 @@ class Serving:
     async def completion(self, req: CompletionRequest, http: HTTPRequest
                          ) -> dict[str, Any] | EventStream | None:
         """A completion response dict, an SSE stream, or None if the client went away."""
+        # Watched from the start: a client gone while its prompt is tokenized or added is never
+        # run (the add aborts itself), rather than found out only when output is ready.
+        return await until_disconnected(http, self._completion(req))
+
+    async def _completion(self, req: CompletionRequest) -> dict[str, Any] | EventStream:
         self.check_model(req.model)
         params = req.to_sampling_params()
         prompts = await self._tokenized(req.prompts(), params, "prompt")
@@ -401,7 +451,7 @@ class Serving:
         if req.stream:
             return EventStream(self._stream_completion(batch, head, echo, req.include_usage),
                                batch.close)
-        return await until_disconnected(http, self._full_completion(batch, head, echo))
+        return await self._full_completion(batch, head, echo)
 
     async def _full_completion(self, batch: _Batch, head: dict[str, Any],
                                echo: _Echo | None) -> dict[str, Any]:
@@ -500,7 +550,7 @@ class Serving:
                     choice["prompt_logprobs"] = plp.pop(i)
                 chunk = {**head, "choices": [choice]}
                 if include_usage:
-                    chunk["usage"] = batch.chunk_usage()
+                    chunk["usage"] = batch.chunk_usage(idx)
                 yield sse(chunk)
 
     # -------------------------------------------------------------------------- chat
@@ -537,6 +587,9 @@ class Serving:
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest
                    ) -> dict[str, Any] | EventStream | None:
         """A chat completion dict, an SSE stream, or None if the client went away."""
+        return await until_disconnected(http, self._chat(req))  # as completion(): from the start
+
+    async def _chat(self, req: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         self.check_model(req.model)
         params = req.to_sampling_params()
         tools = req.tool_mode()[0]  # 'none', 'required' or the forced function's name
@@ -553,7 +606,7 @@ class Serving:
         if req.stream:
             return EventStream(self._stream_chat(batch, head, req.include_usage, tools, echo),
                                batch.close)
-        return await until_disconnected(http, self._full_chat(batch, head, tools, echo))
+        return await self._full_chat(batch, head, tools, echo)
 
     async def _full_chat(self, batch: _Batch, head: dict[str, Any], tools: str = "none",
                          echo: str = "") -> dict[str, Any]:
@@ -593,8 +646,10 @@ class Serving:
 
     async def _chat_chunks(self, batch: _Batch, head: dict[str, Any], include_usage: bool,
                            tools: str = "none", echo: str = "") -> AsyncIterator[str]:
-        extra = {"usage": None} if include_usage else {}
         for i in range(batch.params.n):  # the role comes first, before any token
+            # Every chunk carries usage when asked (vLLM's continuous_usage_stats: the prompt
+            # and this choice's tokens so far, here none; else null until the final chunk).
+            extra = {"usage": batch.chunk_usage(i)} if include_usage else {}
             yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
                                                                   "content": ""},
                                             "logprobs": None, "finish_reason": None}],
@@ -624,10 +679,10 @@ class Serving:
                           "finish_reason": finish, "stop_reason": c.stop_reason}
                 if batch.return_token_ids:
                     choice["token_ids"] = list(c.token_ids)
-                chunk = {**head, "choices": [choice], **extra}
+                chunk = {**head, "choices": [choice]}
                 if batch.return_token_ids and c.index not in sent_prompt:
                     sent_prompt.add(c.index)
                     chunk["prompt_token_ids"] = out.prompt_token_ids
                 if include_usage:
-                    chunk["usage"] = batch.chunk_usage()
+                    chunk["usage"] = batch.chunk_usage(c.index)
                 yield sse(chunk)

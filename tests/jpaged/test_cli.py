@@ -50,6 +50,8 @@ def test_generate_json_and_jsonl_files(tmp_path):
     (["generate"], "PROMPT"),
     (["generate", "hi", "--kv-events-config", '{"enable_kv_cache_events": true, "publisher": 1}'],
      "--kv-events-config: kv_events_config.publisher must be one of"),
+    (["generate", "hi", "--structured-outputs-config", '{"backend": "xgrammar"}'],
+     "--structured-outputs-config: structured_outputs_config.backend must be one of"),
 ])
 def test_bad_input_gives_clear_error(args, needle):
     r = _jpaged(*args)
@@ -67,7 +69,8 @@ def test_help_lists_vllm_flags():
                  "--max-num-batched-tokens", "--max-model-len", "--tensor-parallel-size",
                  "--preemption-mode", "--async-scheduling", "--no-async-scheduling",
                  "--kv-events-config", "--dtype", "--kv-cache-dir", "--calculate-kv-scales",
-                 "--prefix-caching-hash-algo", "--scheduling-policy"):
+                 "--prefix-caching-hash-algo", "--scheduling-policy",
+                 "--structured-outputs-config"):
         assert flag in r.stdout
 
 

@@ -196,6 +196,31 @@ def test_logprobs_top_n(llm):
         assert e[t].rank == 1 or top.logprob >= e[t].logprob
 
 
+def test_truncation_side_and_max_logprobs(llm):
+    """truncate_prompt_tokens keeps the prompt's last tokens, or with truncation_side "right"
+    its first ones (vLLM's); logprobs over the engine's max_logprobs (20 by default) are
+    refused by name, and max_logprobs=-1 lets -1 return the whole vocabulary."""
+    ids = list(range(10, 30))
+    for side, want in (("left", ids[-5:]), ("right", ids[:5])):
+        out = llm.generate({"prompt_token_ids": ids}, SamplingParams(
+            max_tokens=1, truncate_prompt_tokens=5, truncation_side=side))[0]
+        assert out.prompt_token_ids == want, side
+    for params in (SamplingParams(max_tokens=1, logprobs=21),
+                   SamplingParams(max_tokens=1, logprobs=-1),
+                   SamplingParams(max_tokens=1, prompt_logprobs=-1)):
+        with pytest.raises(ValueError, match="max_logprobs"):
+            llm.generate({"prompt_token_ids": [4, 5]}, params)
+    assert _free(llm)
+    whole = make_llm(tiny(), max_model_len=64, max_num_seqs=2, num_gpu_blocks_override=32,
+                     block_size=8, max_logprobs=-1)
+    out = whole.generate({"prompt_token_ids": [4, 5, 6]}, SamplingParams(
+        temperature=0, max_tokens=2, logprobs=-1, prompt_logprobs=-1, ignore_eos=True))[0]
+    assert [len(e) for e in out.outputs[0].logprobs] == [VOCAB, VOCAB]
+    assert [len(e) for e in out.prompt_logprobs[1:]] == [VOCAB, VOCAB]
+    entry = out.outputs[0].logprobs[0]
+    assert sorted(lp.rank for lp in entry.values()) == list(range(1, VOCAB + 1))
+
+
 def test_abort_frees_blocks_and_engine_keeps_serving(llm):
     eng = llm.llm_engine
     p = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
@@ -274,7 +299,9 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, msg):
 @pytest.mark.parametrize("kwargs,field", [
     (dict(temperature=-1), "temperature"), (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"),
     (dict(top_k=-2), "top_k"), (dict(min_p=1.5), "min_p"), (dict(n=0), "n"),
-    (dict(max_tokens=0), "max_tokens"), (dict(logprobs=-1), "logprobs"),
+    (dict(max_tokens=0), "max_tokens"), (dict(logprobs=-2), "logprobs"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs"), (dict(truncation_side="middle"),
+                                                    "truncation_side"),
     (dict(temperature=float("inf")), "temperature"), (dict(stop_token_ids=[True]),
                                                        "stop_token_ids"),
 ])
@@ -290,6 +317,10 @@ def test_bad_sampling_params(kwargs, field):
     (dict(kv_cache_dtype="int3"), "kv_cache_dtype"), (dict(max_num_seqs=0), "max_num_seqs"),
     (dict(preemption_mode="drop"), "preemption_mode"), (dict(max_model_len=100000),
                                                         "max_model_len"),
+    (dict(max_logprobs=-2), "max_logprobs"), (dict(logprobs_mode="raw"), "logprobs_mode"),
+    # vLLM's other modes: refused by name, as jpaged's logprobs are raw_logprobs only.
+    (dict(logprobs_mode="processed_logprobs"), "logprobs_mode"),
+    (dict(logprobs_mode="raw_logits"), "logprobs_mode"),
 ])
 def test_bad_engine_args(kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -13,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 import jsonschema
 import openai
 import pytest
-from helpers import make_llm
+from helpers import make_llm, tiny
 
 from jpaged.async_engine import AsyncLLMEngine
 from jpaged.bench.schemas import SCHEMAS
+from jpaged.core.structured_output import consume
 from jpaged.sampling_params import SamplingParams, StructuredOutputsParams
 from jpaged.server import BackgroundServer, build_app
 
@@ -177,3 +178,25 @@ def test_openai_client_response_format_and_tool_call(llm):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_offline_llm_closes_objects_by_default_and_takes_the_guidance_backend_option():
+    """The offline LLM builds its grammars where the server does: by default (vLLM's default
+    backend) an object schema without additionalProperties takes only its listed keys;
+    LLM(structured_outputs_config={"backend": "guidance"}) keeps such objects open, as vLLM's
+    guidance backend (tiny model: every sample would wander into other keys if it could)."""
+    schema = {"type": "object", "properties": {"result": {"type": "integer", "minimum": 0,
+                                                          "maximum": 9}},
+              "required": ["result"]}
+    sp = SamplingParams(n=4, temperature=1.0, seed=7, max_tokens=40,
+                        structured_outputs=StructuredOutputsParams(json=schema))
+    args = dict(max_model_len=128, max_num_seqs=8, max_num_batched_tokens=64)
+    strict = make_llm(tiny(), **args)
+    for c in strict.generate(["x"], sp, use_tqdm=False)[0].outputs:
+        assert c.finish_reason == "stop" and set(json.loads(c.text)) <= {"result"}, c.text
+    lenient = make_llm(tiny(), structured_outputs_config={"backend": "guidance"}, **args)
+    gc = lenient.llm_engine.grammar_compiler
+    assert gc.config.open_objects and not strict.llm_engine.grammar_compiler.config.open_objects
+    m = gc.matcher(StructuredOutputsParams(json=schema, disable_any_whitespace=True))
+    for ch in '{"result":1,"x':  # then a key the schema does not list
+        assert consume(m, ord(ch)) is None

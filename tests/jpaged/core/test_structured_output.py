@@ -1,6 +1,8 @@
 """The grammar compiler and matchers of structured outputs (llguidance), on a byte-level
 tokenizer: compiled once per spec, the compiler's message for a bad grammar, the packed mask
-allows exactly what the grammar allows next, and a matcher follows the tokens it is fed."""
+allows exactly what the grammar allows next, and a matcher follows the tokens it is fed;
+objects take only their listed properties unless the engine's structured-outputs config says
+vLLM's guidance backend; a schema moved into a larger one keeps its references."""
 
 from __future__ import annotations
 
@@ -8,7 +10,8 @@ import numpy as np
 import pytest
 
 from jpaged.bench.fixtures import byte_tokenizer
-from jpaged.core.structured_output import GrammarCompiler, consume, mask_words
+from jpaged.config import EngineArgs, StructuredOutputsConfig
+from jpaged.core.structured_output import GrammarCompiler, consume, mask_words, relocated
 from jpaged.sampling_params import StructuredOutputsParams
 
 EOS = 257  # byte_tokenizer: 256 bytes, then <s>, </s>
@@ -105,3 +108,99 @@ def test_a_grammar_no_token_can_start_is_refused():
     with pytest.raises(ValueError, match="no token of this model's vocabulary"):
         gc.compile(StructuredOutputsParams(regex="[0-9]{3}"))
     assert gc.num_cached == 0
+
+
+def _keys_after_brace(gc: GrammarCompiler, so: StructuredOutputsParams) -> set[int]:
+    """What may follow `{"` (a key's first character) under `so`."""
+    m = gc.matcher(so)
+    for ch in '{"':
+        assert consume(m, ord(ch)) is None
+    return _allowed(gc, m)
+
+
+SCHEMA_K = {"type": "object", "properties": {"k": {"type": "boolean"}}}
+
+
+def test_objects_allow_only_listed_properties_by_default():
+    """vLLM's default backend (xgrammar, strict): an object schema listing properties and not
+    saying additionalProperties takes no other key, nested ones and `$defs` alike; a
+    free-form `{"type": "object"}`, or one that says additionalProperties, stays open; a
+    property named "properties" is not taken for a schema."""
+    gc = _compiler()
+    closed = StructuredOutputsParams(json=SCHEMA_K, disable_any_whitespace=True)
+    assert _keys_after_brace(gc, closed) == {ord("k")}
+    nested = {"type": "object", "properties": {"k": {"$ref": "#/$defs/In"}},
+              "required": ["k"], "$defs": {"In": SCHEMA_K}}
+    m = gc.matcher(StructuredOutputsParams(json=nested, disable_any_whitespace=True))
+    for ch in '{"k":{"':
+        assert consume(m, ord(ch)) is None
+    assert _allowed(gc, m) == {ord("k")}
+    for open_schema in ({"type": "object"},
+                        {**SCHEMA_K, "additionalProperties": True},
+                        {**SCHEMA_K, "additionalProperties": {"type": "integer"}}):
+        allowed = _keys_after_brace(gc, StructuredOutputsParams(json=open_schema,
+                                                                disable_any_whitespace=True))
+        assert {ord("k"), ord("x")} <= allowed, open_schema
+    odd = {"type": "object", "properties": {"properties": {"type": "integer"}},
+           "required": ["properties"]}
+    m = gc.matcher(StructuredOutputsParams(json=odd, disable_any_whitespace=True))
+    for ch in '{"properties":7}':
+        assert consume(m, ord(ch)) is None, ch
+    assert m.is_accepting()
+
+
+def test_guidance_backend_config_keeps_objects_open_unless_disabled():
+    """structured_outputs_config {"backend": "guidance"} (vLLM's guidance backend): objects
+    that do not say additionalProperties take other keys; its disable_additional_properties,
+    or a request's, closes them again."""
+    tok = byte_tokenizer()
+    lenient = GrammarCompiler(tok, 260, (tok.eos_token_id,),
+                              StructuredOutputsConfig(backend="guidance"))
+    so = StructuredOutputsParams(json=SCHEMA_K, disable_any_whitespace=True)
+    assert {ord("k"), ord("x")} <= _keys_after_brace(lenient, so)
+    per_request = StructuredOutputsParams(json=SCHEMA_K, disable_any_whitespace=True,
+                                          disable_additional_properties=True)
+    assert _keys_after_brace(lenient, per_request) == {ord("k")}
+    closed = GrammarCompiler(tok, 260, (tok.eos_token_id,), StructuredOutputsConfig(
+        backend="guidance", disable_additional_properties=True))
+    assert _keys_after_brace(closed, so) == {ord("k")}
+    no_ws = GrammarCompiler(tok, 260, (tok.eos_token_id,), StructuredOutputsConfig.parse(
+        '{"backend": "guidance", "disable_any_whitespace": true}'))
+    m = no_ws.matcher(StructuredOutputsParams(json=SCHEMA_K))
+    consume(m, ord("{"))
+    assert _allowed(no_ws, m) == {ord('"'), ord("}")}  # no whitespace, engine-wide
+
+
+@pytest.mark.parametrize("value,match", [
+    ({"backend": "xgrammar"}, r"backend must be one of \('auto', 'guidance'\)"),
+    ({"backend": "outlines"}, "backend must be one of"),
+    ({"disable_additional_properties": True}, "disable_additional_properties needs backend"),
+    ({"disable_any_whitespace": True}, "disable_any_whitespace needs backend"),
+    ({"backend": "guidance", "disable_any_whitespace": "yes"}, "must be true or false"),
+    ({"reasoning_parser": "qwen3"}, r"unknown field\(s\) \['reasoning_parser'\]"),
+    ("{not json", "structured_outputs_config is not valid JSON")])
+def test_structured_outputs_config_is_validated_by_name(value, match):
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsConfig.parse(value)
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(structured_outputs_config=value).create_engine_config(512)
+
+
+def test_relocated_rewrites_local_refs_only():
+    """A schema moved under a pointer keeps its references: local ones ("#", "#/...") point
+    under the pointer; external and anchor refs, and data that looks like a ref, stay."""
+    schema = {"type": "object", "properties": {
+        "a": {"$ref": "#/$defs/A"}, "self": {"$ref": "#"},
+        "b": {"anyOf": [{"$ref": "#/definitions/B"}, {"$ref": "other.json#/x"}]},
+        "c": {"$ref": "#anchor"}, "d": {"enum": [{"$ref": "#/$defs/A"}]}},
+        "$defs": {"A": {"items": {"$ref": "#/$defs/A"}}}}
+    out = relocated(schema, "/items/properties/parameters")
+    p = "#/items/properties/parameters"
+    assert out["properties"]["a"] == {"$ref": p + "/$defs/A"}
+    assert out["properties"]["self"] == {"$ref": p}
+    assert out["properties"]["b"]["anyOf"] == [{"$ref": p + "/definitions/B"},
+                                               {"$ref": "other.json#/x"}]
+    assert out["properties"]["c"] == {"$ref": "#anchor"}
+    assert out["properties"]["d"] == {"enum": [{"$ref": "#/$defs/A"}]}  # data, not a schema
+    assert out["$defs"]["A"]["items"] == {"$ref": p + "/$defs/A"}
+    assert schema["properties"]["a"] == {"$ref": "#/$defs/A"}  # the input is left as it was

@@ -133,3 +133,43 @@ def test_a_request_the_engine_failed_gets_a_json_500(served):
     ok = httpx.post(f"{served.url}/v1/completions", timeout=60, json={
         "model": MODEL, "prompt": "works", "max_tokens": 3})
     assert ok.status_code == 200
+
+
+def test_an_add_cancelled_while_the_engine_adds_it_is_aborted_and_the_loop_lives():
+    """A caller cancelled while the loop thread is inside LLMEngine.add_request (a client
+    gone during a burst): the request, added after all, is aborted and the loop serves on.
+    Before, the cancel landed between the loop's cancelled() check and set_result, whose
+    InvalidStateError stopped the loop with the request added and never aborted."""
+    import threading
+
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE_ARGS), loaded=tiny()))
+    core = engine.engine
+    entered, release = threading.Event(), threading.Event()
+
+    def slow_add(*args, **kwargs):
+        entered.set()
+        release.wait(30)
+        return LLMEngine.add_request(core, *args, **kwargs)
+
+    core.add_request = slow_add  # instance attribute: the loop thread calls this one
+
+    async def run() -> None:
+        task = asyncio.create_task(engine.add_request("cut-short", "x", DELTA))
+        assert await asyncio.to_thread(entered.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        release.set()
+
+    try:
+        asyncio.run(run())
+        del core.add_request
+        assert engine.wait_until_idle(30)
+        assert engine.is_running and engine.dead_error is None
+        assert core.stats["num_requests_aborted"] == 1
+        assert not core.has_unfinished_requests() and engine._sinks == {}
+        outs = asyncio.run(_collect(engine, "after the cancel", DELTA))
+        assert outs[-1].finished
+    finally:
+        release.set()
+        engine.shutdown()

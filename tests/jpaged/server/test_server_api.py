@@ -437,3 +437,161 @@ def test_chat_template_kwargs_continue_final_message_echo_and_token_ids(served):
             "model": MODEL, "messages": cont, "max_tokens": 1, **body})
         assert bad.status_code == 400, bad.text
         assert bad.json()["error"]["param"] == param
+
+
+def _sse(path_url: str, body: dict) -> list[dict]:
+    """The JSON chunks of a streamed response (the [DONE] line left out)."""
+    with httpx.stream("POST", path_url, timeout=60, json=body) as s:
+        assert s.status_code == 200, s.read()
+        return [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+
+
+def test_logprobs_of_tokens_a_choice_masks_are_written_as_vllms_floor(served):
+    """A structured choice leaves every other token -inf, which JSON cannot carry: each
+    logprob a response writes is at least -9999.0, vLLM's floor, on both endpoints, whole
+    and streamed (a 500 "Out of range float values are not JSON compliant" before)."""
+    from jpaged.outputs import Logprob
+    from jpaged.server.serving import prompt_logprobs_json
+
+    choice = {"guided_choice": ["123", "456"], "max_tokens": 4, "seed": 0}
+    comp = {"model": MODEL, "prompt": "x", "logprobs": 5, **choice}
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+            "top_logprobs": 5, **choice}
+
+    def values(lps: dict | None, path: str) -> list[float]:
+        if lps is None:
+            return []
+        if path == "/v1/completions":
+            return [*lps["token_logprobs"], *(v for t in lps["top_logprobs"] for v in t.values())]
+        return [x for c in lps["content"] for x in
+                (c["logprob"], *(t["logprob"] for t in c["top_logprobs"]))]
+
+    for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat)):
+        r = _post(served.url, path, json=body)
+        assert r.status_code == 200, r.text
+        whole = values(r.json()["choices"][0]["logprobs"], path)
+        chunks = _sse(f"{served.url}{path}", {**body, "stream": True})
+        streamed = [v for c in chunks if c["choices"]
+                    for v in values(c["choices"][0].get("logprobs"), path)]
+        for got in (whole, streamed):
+            assert got and min(got) == -9999.0, got  # masked candidates among the top 5
+            assert all(v == -9999.0 or -9999.0 < v <= 0.0 for v in got)
+    # Prompt logprobs go through the same floor.
+    plp = prompt_logprobs_json([None, {5: Logprob(float("-inf"), 7, "x")}])
+    assert plp == [None, {"5": {"logprob": -9999.0, "rank": 7, "decoded_token": "x"}}]
+
+
+def test_continuous_usage_stats_on_every_chunk_the_first_included(served):
+    """stream_options {include_usage, continuous_usage_stats}: every chunk carries usage as
+    vLLM counts it (the choice's prompt and its tokens so far), the chat role chunk too."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    msgs = [{"role": "user", "content": "count me"}]
+    chunks = _sse(f"{served.url}/v1/chat/completions", {
+        "model": MODEL, "messages": msgs, "max_tokens": 5, "ignore_eos": True, "n": 2,
+        "temperature": 1.0, "seed": 3, "stream": True, "stream_options": opts})
+    final = chunks[-1]["usage"]
+    assert chunks[-1]["choices"] == [] and final["completion_tokens"] == 10
+    content = chunks[:-1]
+    assert content[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["usage"] is not None for c in content), content[0]
+    assert all(c["usage"]["prompt_tokens"] == final["prompt_tokens"] for c in content)
+    for i in range(2):  # each choice's count climbs from 0 (its role chunk) to max_tokens
+        counts = [c["usage"]["completion_tokens"] for c in content
+                  if c["choices"][0]["index"] == i]
+        assert counts[0] == 0 and counts[-1] == 5 and counts == sorted(counts)
+        assert all(c["usage"]["total_tokens"] == final["prompt_tokens"] + n
+                   for c, n in zip([c for c in content if c["choices"][0]["index"] == i],
+                                   counts, strict=True))
+    comp = _sse(f"{served.url}/v1/completions", {
+        "model": MODEL, "prompt": ["one", "three"], "max_tokens": 4, "ignore_eos": True,
+        "stream": True, "stream_options": opts})
+    tok = served.engine.tokenizer
+    for c in comp[:-1]:
+        i = c["choices"][0]["index"]
+        assert c["usage"]["prompt_tokens"] == len(tok.encode(["one", "three"][i]))
+    assert comp[-1]["usage"]["completion_tokens"] == 8
+
+
+def test_iteration_tokens_count_prompt_and_every_generated_token_as_vllm(served):
+    """vLLM's iteration_tokens_total: per step, the generated tokens plus the prompt of each
+    sequence that got its first token; a request adds prompt + max_tokens in all, its prompt
+    whole even when the prefix cache held part of it (before: prompt + max_tokens - 1)."""
+    prompt = "iteration tokens " * 6  # over one 16-token block: the repeat hits the cache
+    n_prompt = len(served.engine.tokenizer.encode(prompt))
+    for _ in range(2):
+        served.wait_drained()
+        before = served.metrics()["jpaged:iteration_tokens_total_sum"]
+        r = _post(served.url, "/v1/completions", json={
+            "model": MODEL, "prompt": prompt, "max_tokens": 7, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        served.wait_drained()
+        after = served.metrics()["jpaged:iteration_tokens_total_sum"]
+        assert after - before == n_prompt + 7
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_truncation_side_keeps_the_first_or_the_last_tokens(served):
+    """vLLM's truncation_side with truncate_prompt_tokens: "right" keeps the prompt's first
+    tokens, "left" (the default) its last; any other value is a 400 naming the field."""
+    ids = served.engine.tokenizer.encode("one two three four five six seven eight")
+    kw = {"model": MODEL, "prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": 5,
+          "return_token_ids": True}
+    for side, want in (("right", ids[:5]), ("left", ids[-5:]), (None, ids[-5:])):
+        r = _post(served.url, "/v1/completions", json={**kw, "truncation_side": side})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["prompt_token_ids"] == want, side
+        assert r.json()["usage"]["prompt_tokens"] == 5
+    chat = _post(served.url, "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "a b c d e f g h"}],
+        "max_tokens": 1, "truncate_prompt_tokens": 3, "truncation_side": "right",
+        "return_token_ids": True})
+    assert chat.status_code == 200, chat.text
+    full = _post(served.url, "/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "a b c d e f g h"}],
+        "max_tokens": 1, "return_token_ids": True}).json()["prompt_token_ids"]
+    assert chat.json()["prompt_token_ids"] == full[:3]
+    bad = _post(served.url, "/v1/completions", json={**kw, "truncation_side": "middle"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncation_side"
+
+
+def test_max_logprobs_and_the_whole_vocabulary(served):
+    """vLLM's --max-logprobs (EngineArgs.max_logprobs, default 20): a request over it is a 400
+    naming its field; -1 (the whole vocabulary) needs max_logprobs -1, and then every token
+    of the vocabulary comes back, as logprobs and as prompt_logprobs."""
+    for body, param in (({"prompt": "x", "logprobs": -1}, "logprobs"),
+                        ({"prompt": "x", "prompt_logprobs": -1}, "prompt_logprobs"),
+                        ({"prompt": "x", "logprobs": -2}, "logprobs"),
+                        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True,
+                          "top_logprobs": -1}, "top_logprobs")):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        r = _post(served.url, path, json={"model": MODEL, "max_tokens": 1, **body})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and param in r.json()["error"]["message"]
+
+    from helpers import tiny
+    from serverkit import ENGINE_ARGS
+
+    from jpaged.async_engine import AsyncLLMEngine
+    from jpaged.config import EngineArgs
+    from jpaged.engine import LLMEngine
+
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(**{**ENGINE_ARGS, "max_logprobs": -1}),
+                                      loaded=tiny()))
+    server = BackgroundServer(build_app(engine, MODEL))
+    try:
+        vocab = engine.engine.spec.vocab_size
+        r = _post(server.url, "/v1/completions", json={
+            "model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2, "logprobs": -1,
+            "prompt_logprobs": -1, "return_tokens_as_token_ids": True})
+        assert r.status_code == 200, r.text
+        ch = r.json()["choices"][0]
+        assert [len(t) for t in ch["logprobs"]["top_logprobs"]] == [vocab, vocab]
+        assert [len(e) for e in ch["prompt_logprobs"][1:]] == [vocab, vocab]
+        chat = _post(server.url, "/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 1,
+            "logprobs": True, "top_logprobs": -1})
+        assert chat.status_code == 200, chat.text
+        assert len(chat.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == vocab
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -118,3 +118,61 @@ def test_a_duplicate_request_id_is_refused_and_never_aborts_the_request_holding_
     m = served.wait_drained(timeout=60)
     assert m["kv_cache_usage"] == 0.0
     assert served.engine.engine.stats["num_requests_aborted"] == stats0["num_requests_aborted"]
+
+
+def test_two_hundred_cancelled_streams_leave_nothing_behind(served, monkeypatch):
+    """vLLM's request-cancellation test: 200 streams whose clients go away (half after their
+    first chunk, half at a 0.5 s read timeout), then a request that must be answered; after
+    it the engine holds no request, no KV block and no output sink. The tokenizer's longest
+    token is measured once per server (at start-up), never per request: computed lazily, each
+    request of a burst ran it again (the embedded model: 200 x 44 ms queued on the executor
+    ahead of the next request's tokenization)."""
+    import jpaged.server.serving as serving
+    from jpaged.server import BackgroundServer, build_app
+
+    calls = []
+    measure = serving._max_token_bytes
+    monkeypatch.setattr(serving, "_max_token_bytes", lambda tok: calls.append(1) or measure(tok))
+    server = BackgroundServer(build_app(served.engine, MODEL))  # a new app: its own Serving
+    stats0 = served.engine.engine.stats.copy()
+    body = {"model": MODEL, "max_tokens": LONG, "ignore_eos": True, "stream": True}
+
+    async def cancelled(client: httpx.AsyncClient, i: int) -> str:
+        try:
+            # Even: closed after the first chunk; odd: a read that waits over 0.5 s gives up.
+            async with client.stream("POST", "/v1/chat/completions", json={
+                    **body, "messages": [{"role": "user", "content": f"story {i}"}]},
+                    timeout=60 if i % 2 == 0 else 0.5) as r:
+                async for _ in r.aiter_lines():
+                    if i % 2 == 0:
+                        return "closed"  # leaving the block closes the connection
+        except httpx.TimeoutException:
+            return "timed out"
+        return "finished"
+
+    async def run() -> tuple[list[str], httpx.Response]:
+        limits = httpx.Limits(max_connections=250, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, limits=limits) as client:
+            ends = await asyncio.gather(*(cancelled(client, i) for i in range(200)))
+        async with httpx.AsyncClient(base_url=server.url) as client:
+            after = await client.post("/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "max_tokens": 5, "messages": [{"role": "user",
+                                                                "content": "still there?"}]})
+        return ends, after
+
+    try:
+        ends, after = asyncio.run(asyncio.wait_for(run(), timeout=300))
+    finally:
+        server.stop()
+    assert after.status_code == 200 and after.json()["choices"][0]["message"]["content"]
+    assert ends.count("closed") == 100 and "timed out" in ends, ends
+    m = served.wait_drained(timeout=120)
+    assert m["num_unfinished_requests"] == 0 and m["kv_cache_usage"] == 0.0
+    assert m["num_blocks_free"] == m["num_blocks_total"]
+    assert not served.engine.engine.has_unfinished_requests()
+    assert served.engine._sinks == {}  # no output queue kept for a request that is gone
+    stats = served.engine.engine.stats
+    added = (stats["num_requests_aborted"] - stats0["num_requests_aborted"]
+             + stats["num_requests_finished"] - stats0["num_requests_finished"])
+    assert added <= 201  # each one added either finished or was aborted: none left running
+    assert len(calls) == 1  # once for the server, whatever the burst
