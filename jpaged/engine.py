@@ -21,7 +21,7 @@ from jpaged.core.kv_connector import KVConnectorScheduler
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.scheduler import Scheduler
 from jpaged.core.structured_output import consume, forbid, mask_words
-from jpaged.engine_core import CoreStep
+from jpaged.core_step import CoreStep
 from jpaged.frontend import PromptType, RequestFrontend
 from jpaged.kv_events import KVEventBatch, KVEventHub
 from jpaged.metrics import StatLogger

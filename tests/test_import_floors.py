@@ -1,4 +1,5 @@
-"""The import floors of docs/architecture.md hold: no module imports from a floor above its own.
+"""The import floors of docs/architecture.md hold: no module imports from a floor above its own,
+and no two modules import each other, directly or through others (a cycle on one floor).
 
 The map of the floors is read from docs/architecture.md ("Import floors"), so the page stays the
 one map. Every import counts: module level, inside functions, under `if TYPE_CHECKING:`,
@@ -113,6 +114,58 @@ def upward_imports(floors: dict[str, int]) -> list[str]:
     return bad
 
 
+def import_graph() -> dict[str, set[str]]:
+    """{module: the modules it imports} over the three packages (every kind of import)."""
+    modules = all_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = {module_name(target_path(mod, modules))
+                       for _, mod in imports_of(path, name, modules)} - {name}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each set of modules that import one another (strongly connected, 2 or more), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+    for root in sorted(graph):  # Tarjan's algorithm, iterative (no recursion limit)
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next(edges, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                comp = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    comp.append(m)
+                    if m == node:
+                        break
+                if len(comp) > 1:
+                    cycles.append(sorted(comp))
+    return sorted(cycles)
+
+
 @pytest.fixture(scope="module")
 def floors() -> dict[str, int]:
     return floor_map(DOC.read_text())
@@ -159,3 +212,15 @@ def test_the_checker_sees_every_kind_of_import(tmp_path, floors, monkeypatch):
                                            "jpaged.engine", "jpaged.llm", "jpaged.runner.batch"]
     bad = [line for line in upward_imports(floors) if line.startswith("jpaged/config.py")]
     assert len(bad) == 5, bad
+
+
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph())
+    assert not cycles, ("modules that import each other (move what they share down into a "
+                        "module both import):\n" + "\n".join(" <-> ".join(c) for c in cycles))
+
+
+def test_the_cycle_finder_sees_long_and_short_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"f"}, "f": {"e"},
+             "g": {"g"}}
+    assert import_cycles(graph) == [["a", "b", "c"], ["e", "f"]]
