@@ -6,9 +6,10 @@ engine, so `build_app` serves either. Each request is routed (`router.py`), adde
 replica, and its outputs are pumped from the replica's streaming call into the caller's queue.
 
 Threads: the caller's event loop routes and pumps; one thread reads every replica's KV events
-(ZMQ SUB sockets, replaying any gap from the replica's replay socket) into the router's index;
-one thread checks each replica every `HEALTH_INTERVAL_S` (a Ray call with a timeout) and
-refreshes its metrics. The router is shared under one lock.
+(`event_reader.py`: ZMQ SUB sockets, replaying any gap from the replica's replay socket) into
+the router's index; one thread checks each replica every `HEALTH_INTERVAL_S` (a Ray call with
+a timeout) and refreshes its metrics (merged in `metrics.py`). The router is shared under one
+lock.
 
 Faults: a replica that dies fails the requests it was serving with `RequestFailedError`
 (naming the replica); the others keep serving. Ray restarts the actor (a fresh engine, empty
@@ -23,23 +24,22 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from jpaged.async_engine import EngineDeadError, RequestFailedError
 from jpaged.config import EngineArgs
+from jpaged.dp.event_reader import KVEventReader
+from jpaged.dp.metrics import ReplicaCollector, metric_totals
 from jpaged.dp.replica import EngineReplica
 from jpaged.dp.router import ROUTING_POLICIES, Route, Router
 from jpaged.engine import PromptType
-from jpaged.kv_events import END_OF_REPLAY, decode_batch
-from jpaged.metrics import PREFIX, describe_metric, flatten_numeric
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jpaged.dp")
 
 HEALTH_INTERVAL_S = 0.5  # how often each replica is checked (and its metrics read)
 HEALTH_TIMEOUT_S = 5.0  # a replica that does not answer within this is marked down
-REPLAY_TIMEOUT_MS = 5000
 # No replica healthy for this long (Ray lost their node, or cannot restart them): the server
 # exits non-zero, naming the cause, so a supervisor restarts it (vLLM exits when its engine
 # dies).
@@ -164,7 +164,7 @@ class DPEngineClient:
         self._errors: list[str | None] = [None] * data_parallel_size
         self._tasks: dict[str, tuple[asyncio.Task, asyncio.AbstractEventLoop, int]] = {}
         self._stopping = threading.Event()
-        self._events = _EventReader(self)
+        self._events = KVEventReader(self.router, self._lock)
         for r, info in enumerate(infos):
             self._events.follow(r, info)
         self._health = threading.Thread(target=self._watch, name="jpaged-dp-health",
@@ -195,8 +195,8 @@ class DPEngineClient:
 
     def get_metrics(self) -> dict[str, Any]:
         """Totals over the replicas (fractions averaged), plus the router's per-replica counts."""
-        out = _totals([m for m, ok in zip(self._metrics, self.router.healthy, strict=True)
-                       if ok and m])
+        out = metric_totals([m for m, ok in zip(self._metrics, self.router.healthy, strict=True)
+                             if ok and m])
         out["num_unfinished_requests"] = len(self._tasks)
         out["data_parallel_size"] = self.size
         if self.prefill_ranks is not None:
@@ -215,7 +215,7 @@ class DPEngineClient:
         from prometheus_client import CollectorRegistry
 
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_ReplicaCollector(self))
+        registry.register(ReplicaCollector(self))
         return registry
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
@@ -529,165 +529,3 @@ def _init_error(message: str) -> Exception:
     cls = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}.get(kind,
                                                                                 RuntimeError)
     return cls(f"a replica failed to start: {' '.join(text.split())}")
-
-
-def _is_fraction(key: str) -> bool:
-    return "usage" in key or "rate" in key or "perc" in key
-
-
-def _totals(per_replica: list[dict[str, Any]]) -> dict[str, Any]:
-    """Counters and counts summed, fractions averaged."""
-    flat = [dict(flatten_numeric(m)) for m in per_replica]
-    out: dict[str, Any] = {}
-    for key in flat[0] if flat else ():
-        vals = [m[key] for m in flat if key in m]
-        out[key] = sum(vals) / len(vals) if _is_fraction(key) else sum(vals)
-    return out
-
-
-class _ReplicaCollector:
-    """Every engine metric with an `engine` label per replica, plus engine="total"."""
-
-    def __init__(self, client: DPEngineClient) -> None:
-        self.client = client
-
-    def collect(self) -> Iterator[Any]:
-        """Yield one family per metric, a sample per replica and the total."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
-        per = self.client.replica_metrics()
-        rows: dict[str, list[tuple[str, float]]] = {}
-        for r, m in enumerate(per):
-            for key, value in flatten_numeric(m):
-                rows.setdefault(key, []).append((str(r), value))
-        totals = dict(flatten_numeric(self.client.get_metrics()))
-        seen: set[str] = set()
-        for key in list(rows) + [k for k in totals if k not in rows]:
-            name, kind, doc = describe_metric(key)
-            if name in seen:
-                continue
-            seen.add(name)
-            family = (CounterMetricFamily if kind == "counter" else GaugeMetricFamily)(
-                f"{PREFIX}{name}", doc, labels=["engine"])
-            for label, value in rows.get(key, []):
-                family.add_metric([label], value)
-            if key in totals:
-                family.add_metric(["total"], totals[key])
-            yield family
-
-
-class _EventReader:
-    """Reads every followed replica's KV events into the router's index (one thread)."""
-
-    def __init__(self, client: DPEngineClient) -> None:
-        import zmq
-
-        self.client = client
-        self.ctx = zmq.Context()
-        self._lock = threading.Lock()
-        self._subs: dict[int, Any] = {}  # replica -> SUB socket
-        self._replay: dict[int, str] = {}
-        self._next: dict[int, int] = {}  # replica -> next expected sequence number
-        # (replica, "drop" or None, events endpoint, replay endpoint): changes for the thread
-        self._pending: list[tuple[int, str | None, str, str]] = []
-        self._closed = False
-        self._thread = threading.Thread(target=self._run, name="jpaged-dp-events",
-                                        daemon=True)
-        self._thread.start()
-
-    def follow(self, replica: int, info: Mapping[str, Any]) -> None:
-        """Start reading a replica's events from their beginning."""
-        if info.get("events_endpoint") is None:
-            return
-        with self._lock:
-            self._pending.append((replica, None, info["events_endpoint"],
-                                  info["replay_endpoint"]))
-
-    def unfollow(self, replica: int) -> None:
-        """Stop reading a replica (it is down); its index entries are dropped by the caller."""
-        with self._lock:
-            self._pending.append((replica, "drop", "", ""))
-
-    def close(self) -> None:
-        """Stop the thread and close the sockets."""
-        self._closed = True
-        self._thread.join(5.0)
-        for s in self._subs.values():
-            s.close(0)
-        self.ctx.term()
-
-    def _run(self) -> None:
-        import zmq
-
-        poller = zmq.Poller()
-        while not self._closed:
-            with self._lock:
-                pending, self._pending = self._pending, []
-            for r, what, endpoint, replay in pending:
-                old = self._subs.pop(r, None)
-                if old is not None:
-                    poller.unregister(old)
-                    old.close(0)
-                self._next.pop(r, None)
-                if what == "drop":
-                    continue
-                sub = self.ctx.socket(zmq.SUB)
-                sub.setsockopt(zmq.SUBSCRIBE, b"")
-                sub.connect(endpoint)
-                self._subs[r], self._replay[r] = sub, replay
-                poller.register(sub, zmq.POLLIN)
-                self._catch_up(r, 0)
-            try:
-                ready = dict(poller.poll(50))
-            except zmq.ZMQError:
-                continue
-            for r, sub in list(self._subs.items()):
-                if sub not in ready:
-                    continue
-                while True:
-                    try:
-                        _, seq_b, payload = sub.recv_multipart(zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
-                    seq = int.from_bytes(seq_b, "big")
-                    expected = self._next.get(r, 0)
-                    if seq < expected:
-                        continue  # already applied (from a replay)
-                    if seq > expected:  # a gap: fetch what was missed first
-                        self._catch_up(r, expected)
-                        if seq < self._next.get(r, 0):
-                            continue
-                    self._apply(r, seq, payload)
-
-    def _apply(self, replica: int, seq: int, payload: bytes) -> None:
-        batch = decode_batch(payload)
-        with self.client._lock:
-            for e in batch.events:
-                self.client.router.index.apply(replica, e)
-        self._next[replica] = seq + 1
-
-    def _catch_up(self, replica: int, start: int) -> None:
-        """Replay a replica's batches from `start` (its replay socket) and apply them."""
-        import zmq
-
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.RCVTIMEO, REPLAY_TIMEOUT_MS)
-        dealer.setsockopt(zmq.LINGER, 0)
-        try:
-            dealer.connect(self._replay[replica])
-            dealer.send(start.to_bytes(8, "big"))
-            self._next.setdefault(replica, start)
-            while True:
-                _, seq_b, payload = dealer.recv_multipart()
-                seq = int.from_bytes(seq_b, "big", signed=True)
-                if seq == END_OF_REPLAY:
-                    break
-                if seq > self._next[replica]:  # older than the replay buffer keeps
-                    logger.warning("replica %d: KV events %d..%d are gone; its index entries "
-                                   "may be incomplete", replica, self._next[replica], seq - 1)
-                if seq >= self._next[replica]:
-                    self._apply(replica, seq, payload)
-        except zmq.Again:
-            logger.warning("replica %d: no answer from its KV event replay socket", replica)
-        finally:
-            dealer.close(0)

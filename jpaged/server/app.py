@@ -25,18 +25,24 @@ from jpaged.engine import LLMEngine
 from jpaged.frontend import RequestFrontend
 from jpaged.gc_heap import freeze_gc_heap
 from jpaged.metrics import render
+from jpaged.server.chat import ChatServing
+from jpaged.server.completions import CompletionServing
 from jpaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
     error_body,
 )
-from jpaged.server.serving import EventStream, Serving
+from jpaged.server.serving import EventStream
 
 if TYPE_CHECKING:
     from jpaged.dp.client import DPEngineClient
 
 logger = logging.getLogger("jpaged.server")
+
+
+class _Serving(CompletionServing, ChatServing):
+    """Both generation endpoints over one engine (its tokenizer measured once)."""
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -108,7 +114,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     aengine = AsyncLLMEngine(engine) if wrapped else engine
     aengine.start()
     name = served_model_name or default_model_name(aengine.model_source)
-    serving = Serving(aengine, name)
+    serving = _Serving(aengine, name)
     registry = aengine.metrics_registry()
     created = int(time.time())
 

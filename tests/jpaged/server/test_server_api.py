@@ -451,7 +451,7 @@ def test_logprobs_of_tokens_a_choice_masks_are_written_as_vllms_floor(served):
     logprob a response writes is at least -9999.0, vLLM's floor, on both endpoints, whole
     and streamed (a 500 "Out of range float values are not JSON compliant" before)."""
     from jpaged.outputs import Logprob
-    from jpaged.server.serving import prompt_logprobs_json
+    from jpaged.server.logprobs import prompt_logprobs_json
 
     choice = {"guided_choice": ["123", "456"], "max_tokens": 4, "seed": 0}
     comp = {"model": MODEL, "prompt": "x", "logprobs": 5, **choice}

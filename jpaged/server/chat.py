@@ -1,0 +1,154 @@
+"""The /v1/chat/completions endpoint: a chat completion or its SSE stream."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+from starlette.requests import Request as HTTPRequest
+
+from jpaged.server.batch import RequestBatch
+from jpaged.server.logprobs import chat_logprobs, prompt_logprobs_json
+from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
+from jpaged.server.serving import EventStream, Serving, sse, until_disconnected
+from jpaged.server.tool_calls import ToolCallStream, tool_call_message
+
+
+class ChatServing(Serving):
+    """The handler of /v1/chat/completions."""
+
+    def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        tok = self.engine.tokenizer
+        if not tok.has_chat_template and req.chat_template is None:
+            raise OpenAIError(400, "this model has no chat template; use /v1/completions or "
+                              "pass chat_template", param="messages")
+        kwargs = req.chat_template_kwargs or {}
+        if not isinstance(kwargs, dict):
+            raise OpenAIError(400, "chat_template_kwargs must be an object",
+                              param="chat_template_kwargs")
+        extra = {**kwargs, **({"tools": req.tools} if req.tools else {})}
+        add_prompt = req.add_generation_prompt and not req.continue_final_message
+        if req.continue_final_message and "add_generation_prompt" in req.model_fields_set \
+                and req.add_generation_prompt:
+            raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot "
+                              "both be true", param="continue_final_message")
+        try:
+            text = tok.apply_chat_template(req.conversation(), add_generation_prompt=add_prompt,
+                                           chat_template=req.chat_template,
+                                           continue_final_message=req.continue_final_message,
+                                           **extra)
+        except jinja2.TemplateSyntaxError as e:
+            raise OpenAIError(400, f"chat_template does not compile: {e}",
+                              param="chat_template") from None
+        except jinja2.TemplateError as e:
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}",
+                              param="messages") from None
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="continue_final_message") from None
+        return req.salted({"prompt": text})
+
+    async def chat(self, req: ChatCompletionRequest, http: HTTPRequest
+                   ) -> dict[str, Any] | EventStream | None:
+        """A chat completion dict, an SSE stream, or None if the client went away."""
+        return await until_disconnected(http, self._chat(req))  # as completion(): from the start
+
+    async def _chat(self, req: ChatCompletionRequest) -> dict[str, Any] | EventStream:
+        self.check_model(req.model)
+        params = req.to_sampling_params()
+        tools = req.tool_mode()[0]  # 'none', 'required' or the forced function's name
+        # The template holds the special tokens already: no second BOS.
+        prompt = (await self._tokenized(
+            [self._chat_prompt(req)], params, "messages", add_special_tokens=False,
+            max_tokens_param=req.field_names().get("max_tokens", "max_tokens")))[0]
+        batch = RequestBatch(self.engine, req.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+                             params, req.priority)
+        batch.configure(req)
+        await batch.start([prompt], "messages")
+        head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
+        echo = req.echoed() if tools == "none" else ""
+        if req.stream:
+            return EventStream(self._stream_chat(batch, head, req.include_usage, tools, echo),
+                               batch.close)
+        return await self._full_chat(batch, head, tools, echo)
+
+    async def _full_chat(self, batch: RequestBatch, head: dict[str, Any], tools: str = "none",
+                         echo: str = "") -> dict[str, Any]:
+        choices: list[dict[str, Any]] = []
+        prompt_ids: list[int] | None = None
+        plp = None
+        try:
+            async for _, out in batch.outputs():
+                prompt_ids = out.prompt_token_ids
+                plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
+                for c in out.outputs:
+                    message, finish = tool_call_message(echo + c.text, c.finish_reason, tools)
+                    choices.append({"index": c.index, "message": message,
+                                    "logprobs": chat_logprobs(c, self.engine.tokenizer,
+                                                              batch.tokens_as_ids,
+                                                              batch.params.logprobs or 0),
+                                    "finish_reason": finish,
+                                    "stop_reason": c.stop_reason})
+                    if batch.return_token_ids:
+                        choices[-1]["token_ids"] = list(c.token_ids)
+        finally:
+            batch.close()
+        choices.sort(key=lambda ch: ch["index"])
+        body = {**head, "object": "chat.completion", "choices": choices, "usage": batch.usage(),
+                "kv_transfer_params": batch.kv_transfer_params}
+        if batch.return_token_ids:
+            body["prompt_token_ids"] = prompt_ids
+        if batch.params.prompt_logprobs is not None:
+            body["prompt_logprobs"] = prompt_logprobs_json(plp)
+        return body
+
+    def _stream_chat(self, batch: RequestBatch, head: dict[str, Any], include_usage: bool,
+                     tools: str = "none", echo: str = "") -> AsyncIterator[str]:
+        head = {**head, "object": "chat.completion.chunk"}
+        return self._framed(self._chat_chunks(batch, head, include_usage, tools, echo), batch,
+                            head, include_usage)
+
+    async def _chat_chunks(self, batch: RequestBatch, head: dict[str, Any], include_usage: bool,
+                           tools: str = "none", echo: str = "") -> AsyncIterator[str]:
+        for i in range(batch.params.n):  # the role comes first, before any token
+            # Every chunk carries usage when asked (vLLM's continuous_usage_stats: the prompt
+            # and this choice's tokens so far, here none; else null until the final chunk).
+            extra = {"usage": batch.chunk_usage(i)} if include_usage else {}
+            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
+                                                                  "content": ""},
+                                            "logprobs": None, "finish_reason": None}],
+                       **extra})
+            if echo:  # vLLM's echo: the continued message's text, before the new tokens
+                yield sse({**head, "choices": [{"index": i, "delta": {"content": echo},
+                                                "logprobs": None, "finish_reason": None}],
+                           **extra})
+        done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
+        sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out
+        calls = ToolCallStream(tools)
+        async for _, out in batch.outputs():
+            for c in out.outputs:
+                if c.index in done:
+                    continue
+                lps = chat_logprobs(c, self.engine.tokenizer, batch.tokens_as_ids,
+                                    batch.params.logprobs or 0)
+                if not c.text and c.finish_reason is None and not (
+                        (lps or batch.return_token_ids) and c.token_ids):
+                    continue
+                if c.finish_reason is not None:
+                    done.add(c.index)
+                delta, finish = calls.delta(c.index, c.text, c.finish_reason)
+                if delta is None:  # held back: 'required' calls go out whole at the finish
+                    continue
+                choice = {"index": c.index, "delta": delta, "logprobs": lps,
+                          "finish_reason": finish, "stop_reason": c.stop_reason}
+                if batch.return_token_ids:
+                    choice["token_ids"] = list(c.token_ids)
+                chunk = {**head, "choices": [choice]}
+                if batch.return_token_ids and c.index not in sent_prompt:
+                    sent_prompt.add(c.index)
+                    chunk["prompt_token_ids"] = out.prompt_token_ids
+                if include_usage:
+                    chunk["usage"] = batch.chunk_usage(c.index)
+                yield sse(chunk)
