@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jpaged.config import EngineArgs
+from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
-from jpaged.engine_core import create_engine
 from jpaged.outputs import RequestOutput
 from jpaged.runner.multiprocess import ProcessGroupError, exit_soon
 from jpaged.sampling_params import SamplingParams

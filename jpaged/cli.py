@@ -507,7 +507,7 @@ def serve(
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if _run_worker_if_not_rank0(model, engine_flags or {}):
         return
-    from jpaged.engine_core import create_engine
+    from jpaged.core_client import create_engine
     from jpaged.runner.multiprocess import ProcessGroupError, exit_now
     from jpaged.server import run_server
 
@@ -578,7 +578,7 @@ def chat(
     if _run_worker_if_not_rank0(model, engine_flags or {}):
         return
     from jpaged.chat_cli import ChatSession, run_chat
-    from jpaged.engine_core import create_engine
+    from jpaged.core_client import create_engine
     from jpaged.sampling_params import SamplingParams
 
     try:
@@ -617,7 +617,7 @@ def bench(
         return
     from jpaged.bench import report
     from jpaged.bench.throughput import run_throughput, summary_line
-    from jpaged.engine_core import create_engine
+    from jpaged.core_client import create_engine
 
     try:
         engine = create_engine(_engine_args({**flags, "disable_log_stats": True}))

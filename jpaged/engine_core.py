@@ -1,468 +1,617 @@
-"""The engine core in a process of its own (vLLM V1's EngineCoreProc), its front end in yours.
+"""EngineCore: the scheduler, the device runner, the KV tiers and connector, and the step.
 
-`EngineArgs(engine_core_process=True)` (CLI `--engine-core-process`) splits the engine in two,
-as vLLM V1 does:
-
-- the **engine-core process** runs the scheduler, the KV pool and the device step
-  (`LLMEngine.core_step`) in a busy loop: it takes new requests and aborts between steps and
-  sends back each step's sampled tokens (a `CoreStep`: ids, tokens, logprobs, finishes);
-- the **front end** (`CoreProcessEngine`, in the caller's process) validates and tokenizes
-  prompts, fans n > 1 out, and turns each CoreStep into RequestOutputs: incremental
-  detokenization, stop strings (a stop string found ends the sequence in the core by an abort,
-  one or more steps later; tokens past it are never shown), logprobs, timing metrics.
-
-The two overlap: the host loop the device waits on does no per-token text work, and the text
-work runs on another core. Queries of the core's state (metrics, cache state, prefix-cache
-reset, metrics history) are calls answered between two steps.
-
-Invariants:
-- Messages are pickled tuples on one duplex pipe. Front end -> core: ("add", [Request]),
-  ("abort", [id], status name), ("ack", n), ("call", seq, name, args), ("shutdown",).
-  Core -> front end:
-  ("ready", info), ("step", CoreStep), ("reply", seq, ok, value), ("fatal", text).
-- The core never blocks on sending (a sender thread writes its messages), so it always drains
-  the front end's messages and neither side can wait on the other's full pipe.
-- Every CoreStep is delivered, in order, to one `step()` call, which acknowledges it; a reply
-  read while waiting for a call's answer leaves the steps before it queued. The core steps
-  only while fewer than MAX_AHEAD of its steps are unacknowledged (it still answers messages).
-- The front end checks what the scheduler would refuse (`check_request_fits`) before sending:
-  a request the core takes is never refused there.
+vLLM V1's split: the core owns everything a step needs and nothing a user sees. `step()`
+schedules one step, dispatches it (one jitted device call), and applies the tokens of the step
+it reads back (this one; with async scheduling the one dispatched by the previous call, so the
+host plans step N+1 while step N runs). It returns what it applied (`CoreOutput`): the requests
+that got a token, the tokens, and what a front end needs to turn them into outputs. It never
+makes text or RequestOutputs and never imports a front end: `LLMEngine` (engine.py) is the
+front end of an in-process core, `CoreProcessEngine` (core_client.py) of a core in its own
+process.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
+import functools
 import logging
-import multiprocessing
-import os
-import pickle
-import queue
-import threading
 import time
-import traceback
-import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from jpaged.config import EngineArgs
+import jax
+from flax import nnx
+
+from jpaged.config import EngineArgs, EngineConfig
+from jpaged.core.cache_state import snapshot as _cache_snapshot
+from jpaged.core.cache_state import tier_metrics as _tier_metrics
+from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
+from jpaged.core.kv_connector import KVConnectorScheduler
+from jpaged.core.metrics_history import MetricsHistory
+from jpaged.core.sched_output import SchedulerOutput
+from jpaged.core.scheduler import Scheduler
+from jpaged.core.structured_output import GrammarCompiler, make_grammar_compiler
+from jpaged.core.structured_output_manager import StructuredOutputManager
 from jpaged.core_step import CoreStep
-from jpaged.frontend import RequestFrontend
-from jpaged.kv_events import KVEventBatch
-from jpaged.metrics import StatLogger
-from jpaged.outputs import RequestOutput
+from jpaged.kv_events import KVEventBatch, KVEventHub
 from jpaged.request import Request, RequestStatus
+from jpaged.runner.batch import BucketPlan
+from jpaged.runner.compile_cache import enable_compilation_cache
+from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
+from jpaged.runner.kv_connector import (
+    JaxTransferWorker,
+    KVConnectorWorker,
+    SharedStorageWorker,
+    kv_identity,
+)
+from jpaged.runner.kv_transfer import KVTransfer
+from jpaged.runner.memory_probe import step_activation_bytes
+from jpaged.runner.model_runner import (
+    DeferredStep,
+    ModelRunner,
+    PendingStep,
+    StepResult,
+    scans_layers,
+)
+from jpaged.runner.multiprocess import (
+    ProcessGroup,
+    ProcessGroupError,
+    peak_rss_bytes,
+    rss_bytes,
+)
+from jpaged.runner.parallel import TensorParallel, kv_bytes_per_device
+from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
+from models.build import LoadedModel
+from models.llama import stack_layers
+from models.loader import load_model
+from models.sharding import check_device_count
+from pallas_kernels.backend import select_backend
+from pallas_kernels.reference import is_fp8
 
-logger = logging.getLogger("jpaged.engine_core")
+logger = logging.getLogger("jpaged")
 
-# How long the front end waits for the core process to load the model and report ready.
-DEFAULT_START_TIMEOUT_S = 900.0
-_POLL_S = 0.5  # the front end's wait between liveness checks of the core process
-# Steps the core may run ahead of the front end: past it the core waits, so a slow front end
-# (or one not stepping) bounds the tokens computed unseen: stream latency, the tokens past a
-# stop string, and the steps queued in memory.
-MAX_AHEAD = 4
-# Core-state queries the front end may make (LLMEngine methods, run between two steps).
-_CALLS = frozenset({"get_metrics", "cache_state", "reset_prefix_cache", "cached_block_hashes",
-                    "metrics_snapshot", "warmup_decode"})
+__all__ = ["CoreOutput", "Dispatched", "EngineCore"]
 
 
-class CoreProcessError(RuntimeError):
-    """The engine-core process failed or exited; the message says how."""
+@dataclass(frozen=True)
+class Dispatched:
+    """A scheduled step and its device work (`pending` None: it scheduled nothing to run)."""
+
+    out: SchedulerOutput
+    pending: PendingStep | DeferredStep | None
 
 
-# ----------------------------------------------------------------------------- core process
-def _core_main(conn: Any, args: EngineArgs, loader: Callable[[], Any] | None,
-               log_level: int) -> None:
-    """The engine-core process: build the engine, then step it while it has work."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        from jpaged.engine import LLMEngine
+@dataclass
+class CoreOutput:
+    """What one EngineCore.step applied: `updated[i]` got token `token_ids[rows[i]]` (log-prob
+    `logprobs[rows[i]]`; `result` has the rows' top candidates and ranks); `finished_at`: the
+    positions in `updated` of the sequences that ended; `failures`: (id, reason) of requests a
+    failed KV load ended (already released). `applied` is False when no step's tokens came
+    back (the first call of an overlapped run, or nothing scheduled)."""
 
-        engine = LLMEngine(args, loaded=loader() if loader is not None else None)
-    except BaseException as e:  # noqa: BLE001 - every start-up failure goes to the front end
-        try:  # the exception itself when it pickles (the front end raises it: bad input)
-            exc = e if isinstance(e, ValueError | OSError) and pickle.loads(pickle.dumps(e)) \
-                else None
-        except Exception:  # noqa: BLE001
-            exc = None
-        conn.send(("fatal", f"{type(e).__name__}: {e}", exc))
+    applied: bool = False
+    updated: list[Request] = field(default_factory=list)
+    rows: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    result: StepResult | None = None
+    finished_at: list[int] = field(default_factory=list)
+    failures: list[tuple[str, str]] = field(default_factory=list)
+
+
+def _param_bytes(params: Any) -> int:
+    return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+
+
+def _check_multiprocess(config: EngineConfig, loaded: LoadedModel | None) -> None:
+    """Refuse what a multi-process run cannot do, before joining the others."""
+    p = config.parallel
+    if p.node_rank != 0:
+        raise ValueError(
+            f"ParallelConfig.node_rank={p.node_rank}: only process 0 builds an LLM or an engine; "
+            "the other processes run jpaged.multiprocess_worker.run_worker(args) (CLI: the same "
+            "command with --node-rank N)")
+    if loaded is not None:
+        raise ValueError("a preloaded model cannot span several processes (nnodes > 1): "
+                         "each process loads its own slices; pass model= instead")
+    if config.cache.kv_offloading_size > 0 or config.cache.swap_space > 0:
+        raise ValueError("CacheConfig.kv_offloading_size: the host and disk KV tiers are not "
+                         "supported with nnodes > 1 (their copies would run on process 0 only)")
+
+
+def _check_connector(config: EngineConfig, args: EngineArgs) -> None:
+    """Refuse what a KV connector cannot do, naming the setting."""
+    x = config.kv_transfer
+    if x is None:
         return
-    from jpaged.gc_heap import freeze_gc_heap
-
-    freeze_gc_heap()  # a long-lived serving loop, like jpaged serve's (JPAGED_GC_FREEZE=0: no)
-    conn.send(("ready", {"tokenizer": engine.tokenizer, "spec": engine.spec,
-                         "config": engine.config, "source": engine.loaded.source,
-                         "pid": os.getpid()}))
-    _CoreLoop(engine, conn).run()
-
-
-class _CoreLoop:
-    """The core's busy loop: take messages, step while there is work, send each CoreStep."""
-
-    def __init__(self, engine: Any, conn: Any) -> None:
-        self.engine = engine
-        self.conn = conn
-        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.sender = threading.Thread(target=self._send_all, name="core-sender", daemon=True)
-        self.parent = os.getppid()
-        self.last_ids: list[str] | None = None  # req_ids of the latest CoreStep sent
-        self.sent = 0  # CoreSteps sent
-        self.acked = 0  # CoreSteps the front end has taken (its "ack" messages)
-
-    def _send_all(self) -> None:
-        while (data := self.outbox.get()) is not None:
-            try:
-                self.conn.send_bytes(data)
-            except OSError:  # the front end is gone
-                return
-
-    def _send(self, msg: tuple[Any, ...]) -> None:
-        self.outbox.put(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-
-    def _ready(self) -> bool:
-        """Work to step, and the front end has read all but MAX_AHEAD - 1 of the steps sent."""
-        e = self.engine
-        return (e.has_unfinished_requests() or e._in_flight is not None) and (
-            self.sent - self.acked < MAX_AHEAD)
-
-    def run(self) -> None:
-        """Serve until the front end says shutdown or goes away."""
-        self.sender.start()
-        engine, conn = self.engine, self.conn
-        loop_s = 0.0
-        try:
-            while True:
-                if not self._ready():  # idle, or far enough ahead: wait for a message
-                    while not conn.poll(_POLL_S):
-                        if os.getppid() != self.parent:
-                            return  # the front end died without a word
-                c0 = time.thread_time()
-                while conn.poll(0):
-                    if not self._handle(pickle.loads(conn.recv_bytes())):
-                        return
-                if not self._ready():
-                    continue
-                step = engine.core_step()
-                step.loop_s = loop_s
-                step.kv_cache_usage = engine.kv_cache_usage
-                if step.req_ids == self.last_ids:
-                    step.req_ids = None  # the front end has this list already
-                else:
-                    self.last_ids = step.req_ids
-                self._send(("step", step))
-                self.sent += 1
-                loop_s = time.thread_time() - c0
-        except (EOFError, OSError):
-            return  # the front end closed the pipe
-        except BaseException:  # noqa: BLE001 - the front end must learn why the core stopped
-            self._send(("fatal", traceback.format_exc(), None))
-        finally:
-            try:
-                engine.shutdown()
-            finally:
-                self.outbox.put(None)
-                self.sender.join(timeout=30)
-
-    def _handle(self, msg: tuple[Any, ...]) -> bool:
-        """Apply one front-end message; False on shutdown."""
-        op = msg[0]
-        sched = self.engine.scheduler
-        if op == "add":
-            self.engine.queue_requests(msg[1])
-        elif op == "ack":
-            self.acked += msg[1]
-        elif op == "abort":
-            sched.finish_requests(msg[1], RequestStatus[msg[2]])
-        elif op == "call":
-            _, seq, name, args = msg
-            try:
-                if name not in _CALLS:
-                    raise ValueError(f"unknown engine-core call {name!r}")
-                value = self._call(name, args)
-                self._send(("reply", seq, True, value))
-            except Exception as e:  # noqa: BLE001 - the caller gets the error, the core goes on
-                self._send(("reply", seq, False, f"{type(e).__name__}: {e}"))
-        elif op == "shutdown":
-            return False
-        else:
-            raise ValueError(f"unknown engine-core message {op!r}")
-        return True
-
-    def _call(self, name: str, args: tuple[Any, ...]) -> Any:
-        engine = self.engine
-        if name == "metrics_snapshot":
-            return engine.metrics_history.snapshot()
-        if name == "warmup_decode":
-            runner = engine.runner
-            runner.warmup([(b, b) for b in runner.plan.seq_buckets])
-            return None
-        return getattr(engine, name)(*args)
+    if config.parallel.tensor_parallel_size > 1 or config.parallel.nnodes > 1:
+        raise ValueError("kv_transfer_config: a KV connector moves the pages of a pool on one "
+                         "device; tensor_parallel_size and nnodes must be 1")
+    if args.engine_core_process:
+        raise ValueError("kv_transfer_config is not supported with engine_core_process (the "
+                         "connector's outputs are made beside the scheduler)")
+    if config.cache.calculate_kv_scales:
+        raise ValueError("kv_transfer_config with calculate_kv_scales: each engine would scale "
+                         "its fp8 pages differently; use fixed scales (the default)")
+    if x.kv_connector == "SharedStorageConnector" and not config.cache.enable_prefix_caching:
+        raise ValueError("kv_transfer_config: SharedStorageConnector finds blocks by their "
+                         "prefix hashes; it needs enable_prefix_caching")
 
 
-# ----------------------------------------------------------------------------- front end
-class _RemoteHistory:
-    """`engine.metrics_history` of a core process: `snapshot()` asks the core."""
-
-    def __init__(self, engine: CoreProcessEngine) -> None:
-        self._engine = weakref.proxy(engine)
-
-    def snapshot(self) -> dict[str, Any]:
-        """The core's metrics history (see MetricsHistory.snapshot)."""
-        return self._engine._call("metrics_snapshot")
+def _check_supported(config: EngineConfig) -> None:
+    """Refuse settings this version cannot honour, with the field named."""
+    check_device_count(config.parallel.tensor_parallel_size)
+    check_tier_config(config.cache)  # swap needs a host tier; the disk tier needs one too
+    ev = config.kv_events
+    if ev is not None and ev.enable_kv_cache_events and not config.cache.enable_prefix_caching:
+        raise ValueError("kv_events_config: KV cache events need enable_prefix_caching "
+                         "(without it no block is ever cached)")
 
 
-class _Source:
-    """What the front end knows of the loaded model (LoadedModel's `source`, `spec`,
-    `tokenizer`); the weights stay in the core process."""
 
-    def __init__(self, spec: Any, tokenizer: Any, source: str) -> None:
-        self.spec, self.tokenizer, self.source = spec, tokenizer, source
+class EngineCore:
+    """The engine's core: one jitted device step per `step()` call, no front end.
 
-
-def _stop_core(proc: Any, conn: Any, timeout: float = 30.0) -> None:
-    """Ask the core process to stop, then make sure it has (terminate, kill)."""
-    try:
-        conn.send_bytes(pickle.dumps(("shutdown",)))
-    except (OSError, ValueError):
-        pass
-    proc.join(timeout)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(5)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
-    try:
-        conn.close()
-    except OSError:
-        pass
-
-
-class CoreProcessEngine(RequestFrontend):
-    """LLMEngine's API with the engine core in a child process (see the module docstring).
-
-    `loader`: a picklable function returning the LoadedModel, called in the core process
-    (instead of loading `args.model`); for benchmarks and tests of made-up models.
+    Built from EngineArgs: joins a multi-process group when asked, loads the model (or takes
+    `loaded`), sizes the KV pool, and builds the scheduler, the runner, the KV tiers, the KV
+    events and the connector's worker side.
     """
 
-    def __init__(self, args: EngineArgs, loader: Callable[[], Any] | None = None,
-                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S) -> None:
-        early = args.create_engine_config(model_max_len=2**31 - 1)  # validated before spawning
-        if early.parallel.nnodes > 1:
-            raise ValueError("engine_core_process: not supported with nnodes > 1 (process 0 "
-                             "already coordinates the others from its engine loop)")
-        ctx = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe
-        self._conn, child = ctx.Pipe(duplex=True)
-        self.proc = ctx.Process(target=_core_main, name="jpaged-engine-core", daemon=True,
-                                args=(child, args, loader, logging.getLogger().level))
-        self.proc.start()
-        child.close()
-        self._finalizer = weakref.finalize(self, _stop_core, self.proc, self._conn)
-        self._steps: collections.deque[CoreStep] = collections.deque()
-        self._last_req_ids: list[str] = []  # of the latest CoreStep (see CoreStep.req_ids)
-        self._seq = 0
-        self._closed = False
-        try:
-            msg = self._recv(deadline=time.monotonic() + start_timeout_s)
-        except BaseException:
-            self._finalizer()
-            raise
-        if msg[0] != "ready":
-            self._finalizer()
-            raise CoreProcessError(f"the engine-core process failed to start: {msg}")
-        info = msg[1]
-        self.tokenizer, self.spec, self.config = info["tokenizer"], info["spec"], info["config"]
-        self.loaded = _Source(self.spec, self.tokenizer, info["source"])
+    def __init__(self, args: EngineArgs | None = None, loaded: LoadedModel | None = None, *,
+                 group: ProcessGroup | None = None) -> None:
+        args = args or EngineArgs()
+        t0 = time.perf_counter()
+        early = args.create_engine_config(model_max_len=2**31 - 1)  # validated before loading
+        enable_compilation_cache()
+        # Several processes, one model: join them before any device use (group: a process
+        # other than 0 joined already, in run_worker).
+        self.group = group
+        if early.parallel.nnodes > 1 and group is None:
+            _check_multiprocess(early, loaded)
+            self.group = ProcessGroup(args)
+        if self.group is not None and jax.device_count() != early.parallel.tensor_parallel_size:
+            raise ValueError(
+                f"tensor_parallel_size={early.parallel.tensor_parallel_size} must equal the "
+                f"{jax.device_count()} devices of the {early.parallel.nnodes} processes "
+                "(the mesh spans every process's devices)")
+        _check_supported(early)
+        _check_connector(early, args)
+        # With tensor parallelism the weights load straight into their shards.
+        rss_before = rss_bytes()
+        self.loaded = loaded or load_model(args.model, args.dtype, args.tensor_parallel_size)
+        if self.group is not None:  # what loading took from this process (docs/distributed.md)
+            mine = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(nnx.state(
+                self.loaded.model)) for s in x.addressable_shards)
+            logger.info("process %d of %d loaded its parameter slices: %d bytes on its devices; "
+                        "peak RSS %d bytes, %d before loading", self.group.rank,
+                        self.group.nnodes, mine, peak_rss_bytes(), rss_before)
+        if scans_layers():  # XLA:CPU: one scanned layer compiles ~5x faster than 30 unrolled
+            # A model this engine loaded gives up its per-layer arrays; a caller's stays whole.
+            self.loaded = dataclasses.replace(self.loaded, model=stack_layers(self.loaded.model))
+        self.spec = self.loaded.spec
+        self.tokenizer = self.loaded.tokenizer
+        config = args.create_engine_config(self.spec.max_position_embeddings)
+        self.kv_dtype = kv_dtype(config.cache.kv_cache_dtype, self.loaded.model.dtype)
+        tp = config.parallel.tensor_parallel_size
+        # Sizes below are per device: each holds its share of the params and of the KV heads.
+        self.parallel = TensorParallel(self.spec, tp) if tp > 1 else None
+        params_bytes = (_param_bytes(nnx.state(self.loaded.model)) if self.parallel is None else
+                        self.parallel.param_bytes_per_device(nnx.state(self.loaded.model)))
+        plan = BucketPlan.for_config(config)
+        # KV cache groups: sliding-window layers keep only their window's blocks (one group
+        # over all layers when the model has none or the hybrid manager is disabled).
+        # A KV connector moves one group's blocks: with one, the hybrid manager is off (as in
+        # vLLM), and sliding-window layers keep every block like full ones.
+        hybrid = not config.cache.disable_hybrid_kv_cache_manager and config.kv_transfer is None
+        self.kv_layout = kv_cache_layout(self.spec.layer_windows, hybrid=hybrid)
+        if config.kv_transfer is not None and kv_cache_layout(self.spec.layer_windows).is_hybrid:
+            logger.info("kv_transfer_config: the hybrid KV cache manager is disabled")
+        kv_layers = self.kv_layout.num_slots
+        self.ops = select_backend(config.model.attention_backend)
+        # Compiles the largest step shape; called only when the budget depends on it.
+        probe = functools.partial(step_activation_bytes, self.loaded.model, self.spec, plan,
+                                  config.cache.block_size, self.kv_dtype, self.ops)
+        if self.group is not None and not self.group.is_leader:
+            num_blocks = self.group.recv_config()  # every process allocates process 0's pool
+        else:
+            # Forced CPU devices share the machine's RAM: the CPU budget is split between them.
+            s = config.scheduler
+            num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
+                                        s.max_model_len, activation_bytes=probe,
+                                        kv_head_shards=tp, host_devices=tp, kv_layers=kv_layers,
+                                        blocks_per_seq=blocks_needed(
+                                            s.max_model_len, self.kv_layout,
+                                            config.cache.block_size, s.max_chunk_tokens))
+            if self.group is not None:
+                self.group.send_config(num_blocks)
+        self.config: EngineConfig = config.with_num_blocks(num_blocks)
+        # KV tiers (host RAM, then disk) below the device pool; None when kv_offloading_size=0.
+        self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype, kv_layers)
+        self.tier_transfer = KVTransfer()  # host/disk tier copies (not the KV connector)
+        # With chunked prefill the scheduler fits each step's token budget to these buckets.
+        xfer = self.config.kv_transfer
+        connector = (KVConnectorScheduler(xfer, self.config.cache.block_size)
+                     if xfer is not None else None)
+        self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
+                                   self.tiers, token_buckets=plan.token_buckets,
+                                   kv_layout=self.kv_layout, connector=connector)
+        plan.num_groups = self.kv_layout.num_groups  # after the probe, which runs one group
+        if self.kv_layout.is_hybrid:
+            logger.info("hybrid KV cache: %d groups (%s), %d layers' KV per block",
+                        self.kv_layout.num_groups, ", ".join(
+                            g.kind if g.sliding_window is None else f"sliding {g.sliding_window}"
+                            for g in self.kv_layout.groups), kv_layers)
+        # KV cache events: set before the disk tier opens, so its blocks are stated too.
+        self.kv_events: KVEventHub | None = None
+        ev = self.config.kv_events
+        if ev is not None and ev.enable_kv_cache_events and (self.group is None
+                                                             or self.group.is_leader):
+            self.kv_events = KVEventHub(ev, self.config.cache.block_size,
+                                        self.config.parallel.data_parallel_rank)
+            self.scheduler.kv_cache_manager.set_events(self.kv_events.collector)
+        kv = (allocate_kv_cache(self.spec, num_blocks, self.config.cache.block_size, self.kv_dtype,
+                                kv_layers)
+              if self.parallel is None else
+              self.parallel.allocate_kv(num_blocks, self.config.cache.block_size, self.kv_dtype,
+                                        kv_layers))
+        calc_scales = config.cache.calculate_kv_scales and is_fp8(self.kv_dtype)
+        if config.cache.calculate_kv_scales and not calc_scales:
+            logger.warning("calculate_kv_scales is ignored: kv_cache_dtype=%s is not fp8 "
+                           "(scales stay 1.0)", config.cache.kv_cache_dtype)
+        self.runner = ModelRunner(self.loaded.model, kv, plan, self.config.cache.block_size,
+                                  self.spec.vocab_size, self.ops, self.config.model.seed,
+                                  parallel=self.parallel, calculate_kv_scales=calc_scales,
+                                  kv_layout=self.kv_layout,
+                                  num_top_logprobs=config.model.logprobs_limit(
+                                      self.spec.vocab_size))
+        if self.group is not None and self.group.is_leader:
+            self.runner.announce = self.group.announce_step  # the others launch it too
+        # The disk tier is keyed by the fp8 scales too: opened once they are final.
+        self._disk_pending = (self.tiers is not None and self.config.cache.swap_space > 0
+                              and self.config.cache.enable_prefix_caching)
+        self._open_disk_tier()
+        self.kv_worker: KVConnectorWorker | None = None
+        if connector is not None:
+            self.kv_worker = self._build_kv_worker(connector)
+        # (request id, reason) of requests a failed KV load ended, for the front end to report.
+        self.failures: list[tuple[str, str]] = []
+        # Structured outputs and bad_words of the requests the scheduler holds.
+        self.structured_output = StructuredOutputManager(lambda: self.grammar_compiler,
+                                                         self.spec.vocab_size)
+        self._grammar_compiler: GrammarCompiler | None = None
+        # Async scheduling: the dispatched step whose tokens the next step() reads.
         self.async_scheduling = self.config.scheduler.async_scheduling
-        self.metrics_history = _RemoteHistory(self)
-        self.stat_logger = StatLogger(self.get_metrics, log=not args.disable_log_stats,
-                                      max_model_len=self.config.scheduler.max_model_len)
-        c = self.config.cache
-        self.stat_logger.set_cache_config(
-            block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
-            num_gpu_blocks=c.num_gpu_blocks, enable_prefix_caching=c.enable_prefix_caching,
-            prefix_caching_hash_algo=c.prefix_caching_hash_algo)
-        self.last_core_loop_s = 0.0  # the core loop's CPU time of the step before the last
-        self.kv_cache_usage = 0.0  # the KV pool's usage after the core's latest step read
-        self._init_frontend()
-        logger.info("engine core running in process %d", info["pid"])
+        self._in_flight: Dispatched | None = None
+        self.metrics_history = MetricsHistory()  # one point per step()
+        logger.info("engine ready in %.1fs: %s, %d KV blocks, backend %s",
+                    time.perf_counter() - t0, self.loaded.source, num_blocks, self.ops.name)
 
-    # ----------------------------------------------------------------- the pipe
-    def _send(self, msg: tuple[Any, ...]) -> None:
-        if self._closed:
-            raise CoreProcessError("the engine has been shut down")
-        try:
-            self._conn.send_bytes(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
-        except (OSError, ValueError) as e:
-            raise self._died() from e
-
-    def _died(self) -> CoreProcessError:
-        self.proc.join(1)
-        return CoreProcessError(f"the engine-core process exited (exit code "
-                                f"{self.proc.exitcode}); the engine cannot go on")
-
-    def _recv(self, deadline: float | None = None) -> tuple[Any, ...]:
-        """The core's next message (a "fatal" one raised), waiting while it is alive."""
-        if self._closed:
-            raise CoreProcessError("the engine has been shut down")
-        conn = self._conn
-        while not conn.poll(_POLL_S):
-            if not self.proc.is_alive() and not conn.poll(0):
-                raise self._died()
-            if deadline is not None and time.monotonic() > deadline:
-                raise CoreProcessError("the engine-core process did not answer in time")
-        try:
-            msg = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError) as e:
-            raise self._died() from e
-        if msg[0] == "fatal":
-            self._closed = True
-            self._finalizer()
-            if msg[2] is not None:  # bad input found while starting (a model path, a flag)
-                raise msg[2]
-            raise CoreProcessError(f"engine-core process failed: {msg[1]}")
-        return msg
-
-    def _call(self, name: str, *args: Any) -> Any:
-        """Run an engine method in the core between two steps; its steps meanwhile queue."""
-        self._seq += 1
-        seq = self._seq
-        self._send(("call", seq, name, args))
-        while True:
-            msg = self._recv()
-            if msg[0] == "step":
-                self._steps.append(msg[1])
-            elif msg[0] == "reply" and msg[1] == seq:
-                if not msg[2]:
-                    raise ValueError(msg[3])
-                return msg[3]
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """Structured outputs' grammars for this model's tokenizer (made on first use)."""
+        if self._grammar_compiler is None:
+            self._grammar_compiler = make_grammar_compiler(
+                self.tokenizer, self.spec.eos_token_ids, self.spec.vocab_size,
+                self.config.structured_outputs)
+        return self._grammar_compiler
 
     # ----------------------------------------------------------------- requests
-    def _submit(self, requests: list[Request]) -> None:
-        from jpaged.core.scheduler import check_request_fits
-
-        sc, cc = self.config.scheduler, self.config.cache
+    def queue_requests(self, requests: list[Request]) -> None:
+        """Hand checked requests to the scheduler, with their grammar matchers and bad words
+        (all or none: a grammar that does not compile raises before any is queued)."""
+        so = self.structured_output
+        matchers = so.add_requests(requests)
         for req in requests:
-            if req.request_id in self._child_of:
-                raise ValueError(f"request id {req.request_id!r} is already in use")
-            check_request_fits(req, sc.max_model_len, cc.block_size, cc.num_gpu_blocks)
-        self._send(("add", requests))
+            self.scheduler.add_request(req)
+        so.track(requests, matchers)
 
-    def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
-        for rid in request_ids:
-            entry = self._child_of.get(rid)
-            if entry is not None:
-                entry[1].request.status = status  # the front end's copy; the core's below
-        if request_ids:
-            self._send(("abort", request_ids, status.name))
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """End requests early (an abort, a stop string found by the front end)."""
+        self.scheduler.finish_requests(request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is not finished (the core may still be running one the
-        front end has stopped: its abort is on the way)."""
-        return bool(self._groups)
+        """True while any request is waiting or running."""
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def step_in_flight(self) -> bool:
+        """True while a dispatched step's tokens are unread (async scheduling)."""
+        return self._in_flight is not None
+
+    def has_work(self) -> bool:
+        """True while a request is unfinished or a dispatched step's tokens are unread."""
+        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
 
     def has_pending_kv_transfers(self) -> bool:
-        """Always False: a KV connector is refused with an engine-core process."""
-        return False
+        """True while a KV connector holds blocks for a consumer or pulls pages: the engine's
+        loop must keep stepping (an idle step waits on the connector, it does not spin)."""
+        return self.kv_worker is not None and (self.scheduler.has_held_blocks()
+                                               or self.kv_worker.has_pending())
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of the KV pool's blocks in use now."""
+        return self.scheduler.kv_cache_manager.usage
+
+    def set_async_scheduling(self, enabled: bool) -> None:
+        """Switch an idle core between the overlapped and the synchronous loop.
+
+        For A/B runs of the two loops on one engine (the same compiled steps, pool and heap):
+        the host benchmark and the device check use it. A step still in flight (its requests
+        all finished or aborted) is read first; its tokens are dropped as they would be.
+        """
+        # SchedulerConfig validates the value (ValueError naming the field).
+        scheduler = dataclasses.replace(self.config.scheduler, async_scheduling=enabled)
+        if self.has_unfinished_requests():
+            raise ValueError("set_async_scheduling: the engine has unfinished requests; switch "
+                             "loops on an idle engine")
+        if self._in_flight is not None:
+            self.step()  # schedules nothing; applies the step in flight
+        self.async_scheduling = enabled
+        self.config = dataclasses.replace(self.config, scheduler=scheduler)
 
     # ----------------------------------------------------------------- stepping
-    def step(self) -> list[RequestOutput]:
-        """Outputs of the core's next step (waits for it); see LLMEngine.step.
+    def step(self) -> CoreOutput:
+        """Schedule and dispatch one device step; apply the tokens of the step read back now.
 
-        With no request unfinished and no step waiting to be read it returns [] at once (the
-        core has nothing to step), as the in-process engine's empty step does.
+        With async scheduling that is the step dispatched by the previous call: this step is
+        on the device while the host applies them (and learns of stops one step late; a token
+        computed past a request's end is dropped).
         """
-        if not self._groups and not self._steps and not self._conn.poll(0):
-            return []
-        if self._steps:
-            step = self._steps.popleft()
-        else:
-            while (msg := self._recv())[0] != "step":
-                pass  # a late reply to a call that raised on the front end's side
-            step = msg[1]
-        self._send(("ack", 1))  # the core may run one more step ahead
-        if step.req_ids is None:
-            step.req_ids = self._last_req_ids
-        else:
-            self._last_req_ids = step.req_ids
-        self.last_core_loop_s = step.loop_s
-        self.kv_cache_usage = step.kv_cache_usage
-        child_of = self._child_of
-        updated: list[Request] = []  # the front end's copy of each updated sequence
-        rows: list[int] = []
-        tokens = step.token_ids
-        for i, rid in enumerate(step.req_ids):
-            entry = child_of.get(rid)
-            if entry is None or entry[1].finish_reason is not None:
-                continue  # aborted, or ended by a stop string: the core learns it later
-            req = entry[1].request
-            req.append_output_token(tokens[i])
-            updated.append(req)
-            rows.append(i)
-        if step.finished or step.num_cached or step.prompt_logprobs:
-            names = step.req_ids
-            for i, status, stop_reason in step.finished:
-                entry = child_of.get(names[i])
-                if entry is not None and entry[1].finish_reason is None:
-                    entry[1].request.status = RequestStatus[status]
-                    entry[1].request.stop_reason = stop_reason
-            for i, n in step.num_cached:
-                entry = child_of.get(names[i])
-                if entry is not None:
-                    entry[1].request.num_cached_tokens = n
-            for i, plp in step.prompt_logprobs:
-                entry = child_of.get(names[i])
-                if entry is not None:
-                    entry[1].request.prompt_logprob_rows = plp
-        return self._outputs(updated, rows, tokens, step.logprobs, step)
+        cur, done = self._launch()
+        res = CoreOutput()
+        if done is not None:
+            res.applied = True
+            self._apply(done, res)
+        cur = self._finish_deferred(cur)  # its masks follow the tokens just applied
+        self._record(cur)
+        if self.failures:
+            res.failures, self.failures = self.failures, []
+        if (self.kv_worker is not None and (cur is None or cur.pending is None)
+                and (done is None or done.pending is None) and self.has_pending_kv_transfers()):
+            self.kv_worker.wait_for_work(0.02)  # nothing ran: wait for pages or a pull
+        return res
 
-    # ----------------------------------------------------------------- core state
+    def core_step(self) -> CoreStep:
+        """`step` for an engine-core process: the sampled tokens as sent to its front end."""
+        res = self.step()
+        step = CoreStep()
+        step.fill(res.updated, res.rows, res.token_ids, res.logprobs, res.result,
+                  res.finished_at)
+        return step
+
+    def _launch(self) -> tuple[Dispatched | None, Dispatched | None]:
+        """Dispatch one step; return it and the step whose tokens to apply now.
+
+        None to apply: the first step of an overlapped run (nothing back yet). None
+        dispatched: a drain call (a constrained request needs the step in flight first).
+        """
+        self.runner.last_wait_s = 0.0
+        so = self.structured_output
+        if not self.async_scheduling or so.needs_sync(self.scheduler.requests,
+                                                      self.runner.announce is not None):
+            if self._in_flight is not None:
+                # A constrained request's next mask needs the token in flight: apply that step
+                # first and dispatch nothing in this call (one bubble, then synchronous steps).
+                prev, self._in_flight = self._in_flight, None
+                return None, prev
+            cur = self._dispatch(advance=False)
+            return cur, cur
+        cur = self._dispatch(advance=True)
+        prev, self._in_flight = self._in_flight, (cur if cur.pending is not None else None)
+        if prev is None and cur.pending is not None:
+            return cur, None
+        return cur, (prev if prev is not None else cur)
+
+    def _finish_deferred(self, cur: Dispatched | None) -> Dispatched | None:
+        """Sample the step just dispatched if its forward ran without its token masks: the
+        previous step's tokens are applied now, so the grammars are where that step left
+        them. Returns `cur` with its PendingStep (and keeps it as the step in flight)."""
+        if cur is None or not isinstance(cur.pending, DeferredStep):
+            return cur
+        pending = self._on_device(self.runner.finish_deferred, cur.pending,
+                                  self.structured_output.token_masks(cur.out.scheduled))
+        done = Dispatched(cur.out, pending)
+        if self._in_flight is not None and self._in_flight.out is cur.out:
+            self._in_flight = done
+        return done
+
+    def _record_prompt_logprobs(self, result: StepResult) -> None:
+        """File a step's prompt-logprob rows under their requests, by prompt position (a
+        prefill recomputed after a preemption rewrites the same entries)."""
+        held = self.scheduler.requests
+        lp, rank = result.prompt_logprobs.tolist(), result.prompt_ranks.tolist()
+        top_ids, top_lp = result.prompt_top_ids, result.prompt_top_logprobs
+        row = 0
+        for rid, first, count in result.prompt_spans:
+            req = held.get(rid)
+            if req is not None:
+                rows = req.prompt_logprob_rows
+                for j in range(count):
+                    entry = (lp[row + j], rank[row + j], top_ids[row + j], top_lp[row + j])
+                    if first + j < len(rows):
+                        rows[first + j] = entry
+                    elif first + j == len(rows):
+                        rows.append(entry)
+                    else:  # positions computed elsewhere (a KV connector's remote prefill)
+                        break  # stay incomplete: the output then carries no prompt_logprobs
+            row += count
+
+    def _record(self, cur: Dispatched | None) -> None:
+        # One point per call, for the step dispatched by it (none: a drain call, see _launch).
+        n = cur.out.num_scheduled_tokens if cur is not None else 0
+        self.metrics_history.record(self.scheduler, n)
+        if self.kv_events is not None:
+            self.kv_events.flush()  # this step's cache changes, as one batch
+
+    def _dispatch(self, advance: bool) -> Dispatched:
+        """Schedule one step and launch it (advance: as if it had run, for async scheduling)."""
+        if self.kv_worker is not None:
+            self._kv_connector_before_schedule()
+        out = self.scheduler.schedule()
+        if self.kv_worker is not None:
+            self._kv_connector_meta()
+        if out.kv_transfers is not None and not out.kv_transfers.is_empty:
+            # Gathers, then loads, both before the forward (see jpaged/core/offload.py).
+            self.runner.kv = self.tier_transfer.apply(self.runner.kv, out.kv_transfers,
+                                                      self.tiers.host.store)
+        # Packed from the requests as scheduled; only then advanced past this step.
+        self.runner.remove_requests(out.finished_request_ids)
+        self.runner.remove_requests(out.preempted)  # re-admitted with a new block table
+        pending = None
+        if out.scheduled:
+            so = self.structured_output
+            if advance and so.needs_deferral(out.scheduled):
+                # Async: the masks need the tokens of the step in flight. The forward goes now;
+                # the sampling once those tokens are applied (_finish_deferred).
+                pending = self._on_device(self.runner.dispatch_deferred, out.scheduled,
+                                          so.mask_words)
+            else:
+                masks = so.token_masks(out.scheduled)
+                pending = (self._on_device(self.runner.dispatch, out.scheduled) if masks is None
+                           else self._on_device(self.runner.dispatch, out.scheduled, masks))
+        if advance:
+            self.scheduler.update_after_schedule(out)
+        return Dispatched(out, pending)
+
+    def _kv_connector_meta(self) -> None:
+        """Hand the scheduler side's plan to the worker: after a schedule (pulls to start) and
+        after a step's tokens are applied (holds of finished requests: registered before their
+        kv_transfer_params reach anyone, so a consumer never asks too early)."""
+        meta = self.scheduler.connector.build_connector_meta()
+        if meta is not None:
+            self.kv_worker.save_kv(meta, self.runner.kv)
+            self.kv_worker.start_load_kv(meta)
+
+    def _kv_connector_before_schedule(self) -> None:
+        """Land finished pulls and serve queued ones (on this thread, in step order), then
+        let the scheduler free pulled blocks and queue requests whose pages landed."""
+        sched = self.scheduler
+        self.runner.kv, kout = self.kv_worker.get_finished(self.runner.kv,
+                                                           sched.connector.is_pending)
+        if not kout.is_empty:
+            sched.update_from_kv_xfer(kout)
+        if sched.kv_failures:
+            failures, sched.kv_failures = sched.kv_failures, []
+            self.failures.extend((rid, f"KV load failed: {why}") for rid, why in failures)
+
+    def _on_device(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """fn(*args); in a multi-process run a failure is the mesh's (ProcessGroupError)."""
+        if self.group is None:
+            return fn(*args)
+        try:
+            return fn(*args)
+        except ProcessGroupError:
+            raise
+        except Exception as e:
+            raise self.group.failed(e) from e
+
+    def _apply(self, done: Dispatched, res: CoreOutput) -> None:
+        """Read a step's sampled tokens and apply them to the scheduler's requests, into
+        `res` (row i of the step: done.out.scheduled[i])."""
+        result = None
+        ids: list[int] = []
+        lps: list[float] = []
+        if done.pending is not None:
+            result = self._on_device(done.pending.result)
+            self._open_disk_tier()
+            ids = result.token_ids.tolist()
+            lps = result.logprobs.tolist()
+        if result is not None and result.prompt_spans:
+            self._record_prompt_logprobs(result)
+        updated = self.scheduler.update_from_output(done.out, ids, res.rows, res.finished_at)
+        so = self.structured_output
+        if so.matchers and ids:
+            for i in so.accept_tokens(updated, res.rows, ids):
+                req = updated[i]
+                if not req.is_finished():
+                    self.finish_requests([req.request_id], RequestStatus.FINISHED_ABORTED)
+                    res.finished_at.append(i)
+        if self.kv_worker is not None:
+            self._kv_connector_meta()
+        res.updated, res.token_ids, res.logprobs, res.result = updated, ids, lps, result
+
+    # ----------------------------------------------------------------- state
     def get_metrics(self) -> dict[str, Any]:
-        """The core's scheduler and cache gauges plus the front end's request counters."""
-        m = dict(self._call("get_metrics"))
-        m.update(self.stats)
+        """Scheduler and cache gauges (vLLM's names)."""
+        m = dict(self.scheduler.get_stats())
+        m["num_gpu_blocks"] = self.config.cache.num_gpu_blocks
+        m["block_size"] = self.config.cache.block_size
+        m["tensor_parallel_size"] = self.config.parallel.tensor_parallel_size
+        m["kv_pool_bytes_per_device"] = kv_bytes_per_device(self.runner.kv)
+        if self.kv_worker is not None:
+            m.update(self.kv_worker.stats)
         return m
 
     def cache_state(self) -> dict[str, Any]:
-        """The core's KV pool and block tables (see LLM.cache_state)."""
-        return self._user_request_ids(self._call("cache_state"))
+        """Read-only JSON-able snapshot of the KV pool and block tables, by scheduler ids."""
+        state = _cache_snapshot(self.scheduler)
+        state["tiers"] = _tier_metrics(self.get_metrics())
+        return state
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached block that no request uses; False if some are in use."""
-        return self._call("reset_prefix_cache")
-
-    def cached_block_hashes(self) -> dict[str, set[bytes]]:
-        """The block hashes each tier holds now ("GPU", "CPU", "DISK")."""
-        return self._call("cached_block_hashes")
+        """Drop every cached block that no request uses, device and host tier (the disk tier
+        persists: LLM.reset_prefix_cache); False if some are in use."""
+        ok = self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        return ok
 
     def warmup_decode(self) -> None:
-        """Compile every decode step shape in the core (benchmarks time no compiles)."""
-        self._call("warmup_decode")
+        """Compile every decode step shape (benchmarks time no compiles)."""
+        self.runner.warmup([(b, b) for b in self.runner.plan.seq_buckets])
 
     def subscribe_kv_events(self, fn: Callable[[KVEventBatch], None]) -> Callable[[], None]:
-        """Refused: the events are made in the core process; use the ZMQ publisher."""
-        raise ValueError("subscribe_kv_events: with engine_core_process the KV cache events are "
-                         "made in the engine-core process; subscribe to its ZMQ publisher "
-                         "(kv_events_config={'enable_kv_cache_events': True, 'publisher': "
-                         "'zmq', 'endpoint': ...}) instead")
+        """Call fn(batch) with every later KVEventBatch, in order; returns the unsubscribe.
+
+        Batches are handed over on the engine's thread at the end of the step that made them.
+        """
+        if self.kv_events is None:
+            raise ValueError("KV cache events are off: start the engine with "
+                             "kv_events_config={'enable_kv_cache_events': True}")
+        return self.kv_events.subscribe(fn)
+
+    def cached_block_hashes(self) -> dict[str, set[bytes]]:
+        """The block hashes each tier holds now ("GPU", "CPU", "DISK"), read off the pool."""
+        return self.scheduler.kv_cache_manager.cached_hashes()
 
     def shutdown(self) -> None:
-        """Stop the engine-core process (idempotent)."""
-        self._closed = True
-        self._finalizer()
+        """Stop the core's background parts (the KV event publisher, the connector; in a
+        multi-process run, the other processes' loops); idempotent."""
+        if self.kv_events is not None:
+            self.kv_events.close()
+        if self.kv_worker is not None:
+            self.kv_worker.close()
+        if self.group is not None:
+            self.group.stop()
 
+    # ----------------------------------------------------------------- set-up helpers
+    def _open_disk_tier(self) -> None:
+        if not self._disk_pending or self.runner.scales_pending:
+            return
+        self._disk_pending = False
+        self.tiers.attach_disk(open_disk_tier(
+            self.config.cache, self.spec, self.kv_dtype, self.loaded.source, self.loaded.model,
+            self.runner.kv, self.kv_layout if self.kv_layout.is_hybrid else None))
 
-def create_engine(args: EngineArgs, loaded: Any = None) -> Any:
-    """The engine `args` ask for: an LLMEngine, or a CoreProcessEngine when
-    `args.engine_core_process` (which loads the model in its core process, not from `loaded`)."""
-    if not isinstance(args.engine_core_process, bool):
-        raise ValueError(f"EngineArgs.engine_core_process must be True or False, got "
-                         f"{args.engine_core_process!r}")
-    if args.engine_core_process:
-        if loaded is not None:
-            raise ValueError("engine_core_process: the core process loads the model itself; "
-                             "pass model= (not an already loaded model)")
-        return CoreProcessEngine(args)
-    from jpaged.engine import LLMEngine
-
-    return LLMEngine(args, loaded=loaded)
+    def _build_kv_worker(self, connector: KVConnectorScheduler) -> KVConnectorWorker:
+        """The connector's worker side, on this engine's pool; tells the scheduler side where
+        it listens (a producer's kv_transfer_params name it)."""
+        xfer = connector.config
+        if xfer.kv_connector == "SharedStorageConnector":
+            storage = open_disk_tier(
+                self.config.cache, self.spec, self.kv_dtype, self.loaded.source,
+                self.loaded.model, self.runner.kv,
+                directory=xfer.kv_connector_extra_config["shared_storage_path"],
+                capacity_bytes=2**62)  # the directory is the engines' to prune, as vLLM's
+            connector.storage = storage
+            return SharedStorageWorker(xfer, storage)
+        source = self.loaded.source
+        identity = kv_identity(source.rsplit("/", 1)[-1], self.config.cache.block_size,
+                               self.runner.kv, self.config.cache.prefix_caching_hash_algo)
+        worker = JaxTransferWorker(xfer, self.runner.kv, identity, connector.engine_id)
+        connector.set_address(xfer.kv_ip, worker.port)
+        if xfer.is_producer:  # answer pulls while a step runs, not only between steps
+            self.runner.while_waiting = functools.partial(worker.serve_asks, timeout=0.002)
+        return worker

@@ -16,7 +16,7 @@ from typing import Any
 
 from jpaged.config import EngineConfig
 from jpaged.core.kv_connector import check_kv_transfer_params
-from jpaged.core.structured_output import GrammarCompiler
+from jpaged.core.structured_output import GrammarCompiler, make_grammar_compiler
 from jpaged.metrics import StatLogger
 from jpaged.output_processor import (
     ChildState,
@@ -112,11 +112,9 @@ class RequestFrontend:
         """Structured outputs' grammars for this model's tokenizer (made on first use)."""
         gc = getattr(self, "_grammar_compiler", None)
         if gc is None:
-            eos = tuple(self.spec.eos_token_ids)
-            if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
-                eos = eos + (self.tokenizer.eos_token_id,)
-            gc = self._grammar_compiler = GrammarCompiler(self.tokenizer, self.spec.vocab_size,
-                                                          eos, self.config.structured_outputs)
+            gc = self._grammar_compiler = make_grammar_compiler(
+                self.tokenizer, self.spec.eos_token_ids, self.spec.vocab_size,
+                self.config.structured_outputs)
         return gc
 
     # ----------------------------------------------------------------- requests

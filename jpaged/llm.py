@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from jpaged.config import EngineArgs
+from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
-from jpaged.engine_core import create_engine
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from models.tokenizer import message_text

@@ -1,8 +1,8 @@
 """Processes 1..nnodes-1 of a multi-process run: build the same engine, launch every step that
 process 0 announces, return when it says stop.
 
-The loop builds an `LLMEngine`, so it stands above the engine (docs/architecture.md, import
-floors); the process group, step channel and step wire format it uses are
+The loop builds an `EngineCore` (no front end: it takes no requests), so it stands above the
+engine (docs/architecture.md, import floors); the process group, step channel and step wire format it uses are
 jpaged/runner/multiprocess.py's, shared with process 0's engine. Faults: that module's docstring.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 
 from jpaged.config import EngineArgs
-from jpaged.engine import LLMEngine
+from jpaged.engine_core import EngineCore
 from jpaged.runner.multiprocess import ProcessGroup, ProcessGroupError, decode_step
 
 logger = logging.getLogger("jpaged")
@@ -25,7 +25,7 @@ def run_worker(args: EngineArgs) -> None:
                          f"(got nnodes={args.nnodes}, node_rank={args.node_rank})")
     group = ProcessGroup(args)
     # Loads alongside process 0 (an orbax restore is collective), then takes its pool size.
-    engine = LLMEngine(args, group=group)
+    engine = EngineCore(args, group=group)
     runner = engine.runner
     steps = 0
     while True:

@@ -133,7 +133,7 @@ def measure_host(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> di
 def host_core_engine(max_batch: int) -> Any:
     """`host_engine`'s async engine with its core in a process of its own (CoreProcessEngine),
     every decode shape compiled there."""
-    from jpaged.engine_core import CoreProcessEngine
+    from jpaged.core_client import CoreProcessEngine
 
     engine = CoreProcessEngine(_host_args(max_batch, True), loader=host_model)
     try:
@@ -290,9 +290,9 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
     next dispatch, or its result read): an upper bound on the device's busy time.
     """
     events: list[dict[str, Any]] = []
-    sched, runner = engine.scheduler, engine.runner
+    sched, runner, core = engine.scheduler, engine.runner, engine.core
     real_schedule, real_dispatch = sched.schedule, runner.dispatch
-    real_apply, real_outputs = engine._apply, engine._outputs
+    real_apply, real_outputs = core._apply, engine._outputs
     step_no = [0]
 
     def span(lane: str, name: str, fn: Any, *a: Any) -> Any:
@@ -327,7 +327,7 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
     sched.schedule = lambda: span("host", "schedule", real_schedule)
     runner.dispatch = dispatch
     # Reading and applying the tokens, then text and outputs: both "process outputs".
-    engine._apply = lambda *a: span("host", "process outputs", real_apply, *a)
+    core._apply = lambda *a: span("host", "process outputs", real_apply, *a)
     engine._outputs = lambda *a: span("host", "process outputs", real_outputs, *a)
     rng = np.random.default_rng(seed)
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True, stop=STOP,
@@ -343,7 +343,7 @@ def timeline(engine: LLMEngine, batch: int, steps: int, seed: int = 0) -> list[d
             step_no[0] += 1
             engine.step()
     finally:
-        del sched.schedule, runner.dispatch, engine._apply, engine._outputs
+        del sched.schedule, runner.dispatch, core._apply, engine._outputs
     while engine.has_unfinished_requests():
         engine.step()
     engine.step()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -257,3 +257,12 @@ def consume(matcher: Any, token: int) -> str | None:
     if not matcher.consume_token(token):
         return matcher.get_error() or f"token {token} is not allowed by the grammar"
     return None
+
+
+def make_grammar_compiler(tokenizer: Any, eos_token_ids: Sequence[int], vocab_size: int,
+                          config: StructuredOutputsConfig | None) -> GrammarCompiler:
+    """The GrammarCompiler of a model: its EOS ids (and the tokenizer's own EOS) end a grammar."""
+    eos = tuple(eos_token_ids)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
+        eos = eos + (tokenizer.eos_token_id,)
+    return GrammarCompiler(tokenizer, vocab_size, eos, config)

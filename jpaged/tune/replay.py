@@ -43,16 +43,16 @@ def reset_host_state(engine: LLMEngine, num_blocks: int, max_num_seqs: int,
     if not 2 <= num_blocks <= allocated:
         raise ValueError(f"num_blocks must be in [2, {allocated}] (the allocated pool), got "
                          f"{num_blocks}")
-    cfg = engine.config
+    core = engine.core  # the host state lives in the core: its config, tiers and scheduler
+    cfg = core.config
     cache = dataclasses.replace(cfg.cache, num_gpu_blocks=num_blocks,
                                 enable_prefix_caching=enable_prefix_caching)
     sched = dataclasses.replace(cfg.scheduler, max_num_seqs=max_num_seqs)
-    engine.config = dataclasses.replace(cfg, cache=cache, scheduler=sched)
-    engine.tiers = build_host_tier(cache, engine.spec, engine.kv_dtype,
-                                   engine.kv_layout.num_slots)
-    engine.scheduler = Scheduler(sched, cache, num_blocks, engine.tiers,
-                                 token_buckets=engine.runner.plan.token_buckets,
-                                 kv_layout=engine.kv_layout)
+    core.config = dataclasses.replace(cfg, cache=cache, scheduler=sched)
+    core.tiers = build_host_tier(cache, core.spec, core.kv_dtype, core.kv_layout.num_slots)
+    core.scheduler = Scheduler(sched, cache, num_blocks, core.tiers,
+                               token_buckets=core.runner.plan.token_buckets,
+                               kv_layout=core.kv_layout)
 
 
 class EngineReplayer:

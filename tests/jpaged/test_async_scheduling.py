@@ -217,7 +217,7 @@ def test_warmup_while_a_step_is_in_flight(engines):
     final = {}
     for k in range(200):
         if k == 4:
-            assert e._in_flight is not None
+            assert e.core.step_in_flight
             e.runner.warmup([(1, 1), (4, 4)])
         for out in e.step():
             if out.finished:
@@ -243,10 +243,10 @@ def test_one_engine_switches_loops_when_idle():
     with pytest.raises(ValueError, match="unfinished requests"):
         e.set_async_scheduling(False)
     e.abort_request("x")
-    assert e._in_flight is not None
+    assert e.core.step_in_flight
     compiled = e.runner.num_compiled
     e.set_async_scheduling(False)
-    assert e._in_flight is None and not e.async_scheduling
+    assert not e.core.step_in_flight and not e.async_scheduling
     assert e.config.scheduler.async_scheduling is False
     b, _ = _run(e, [(p, sp) for p in prompts])
     assert _tokens(a) == _tokens(b)

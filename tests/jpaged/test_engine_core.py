@@ -18,8 +18,8 @@ import pytest
 from jpaged.async_engine import AsyncLLMEngine
 from jpaged.bench.host import host_model
 from jpaged.config import EngineArgs
+from jpaged.core_client import MAX_AHEAD, CoreProcessEngine, CoreProcessError, create_engine
 from jpaged.engine import LLMEngine
-from jpaged.engine_core import MAX_AHEAD, CoreProcessEngine, CoreProcessError, create_engine
 from jpaged.llm import LLM
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.server import BackgroundServer, build_app
