@@ -404,53 +404,129 @@ class EngineConfig:
 
 @dataclass
 class EngineArgs:
-    """Flat engine arguments, as vLLM's; `create_engine_config()` validates and groups them."""
+    """Flat engine arguments, as vLLM's; `create_engine_config()` validates and groups them.
+
+    Each field's docstring is its documentation and the help of its `jpaged` flag (the CLI
+    derives every engine flag from these fields: jpaged/cli_engine_flags.py).
+    """
 
     model: str | None = None
+    """The model: a Hugging Face directory or hub repo id, a .gguf file, or a checkpoint
+    written by `jpaged convert`. Unset: the embedded SmolLM2."""
     dtype: str = "auto"
+    """Dtype of the weights and activations ("auto": bfloat16 on an accelerator, float32 on
+    CPU)."""
     seed: int = 0
+    """Engine seed: a request without a seed of its own samples with one derived from it and
+    the request's arrival order, so the same requests with the same seed sample alike."""
     attention_backend: str = "auto"
+    """Attention kernels: pallas (the Pallas kernels; off GPU their slow interpreter), xla
+    (jnp attention that skips empty chunks), reference (the plain version the kernels are
+    tested against), or auto (pallas on GPU, xla elsewhere)."""
     block_size: int = DEFAULT_BLOCK_SIZE
+    """Tokens per KV cache block: a power of two, at most 1024."""
     gpu_memory_utilization: float | None = None
+    """Fraction of device memory, in (0, 1], for the weights, the activations and the KV pool.
+    Unset: 0.9 on an accelerator; on CPU a 2 GiB KV pool, capped by what 0.9 of the RAM
+    allows (a value given there is a fraction of the available RAM)."""
     kv_cache_memory_bytes: int | None = None
+    """Size of the KV pool in bytes, taken as is (nothing measured or subtracted); overrides
+    gpu_memory_utilization."""
     num_gpu_blocks_override: int | None = None
+    """Exact number of KV blocks per layer, block 0 (the null block) included, so at least 2;
+    overrides every other sizing."""
     kv_cache_dtype: str = "auto"
+    """Dtype of the KV pages ("auto": the model's dtype; fp8 is fp8_e4m3)."""
     calculate_kv_scales: bool = False
+    """fp8 KV only: per-layer K and V scales computed from the first batch, then fixed (off: a
+    scale of 1)."""
     enable_prefix_caching: bool = True
+    """Reuse the KV blocks of prompt prefixes already computed (automatic prefix caching)."""
     prefix_caching_hash_algo: str = "sha256"
-    prefix_caching_hash_seed: str | None = None  # None: $JPAGED_PREFIX_CACHING_HASH_SEED, if set
+    """Hash that keys prefix-cache blocks."""
+    prefix_caching_hash_seed: str | None = None
+    """A deployment's secret mixed into every prefix-cache block hash, so other deployments
+    cannot predict or share them; every process and restart must use the same one. Unset:
+    $JPAGED_PREFIX_CACHING_HASH_SEED, else none."""
     kv_offloading_size: float = 0.0
+    """GiB of host RAM for the KV tier below the device pool: evicted prefix blocks are kept
+    there and loaded back on a hit (0: no host tier)."""
     swap_space: float = 0.0
+    """GiB of disk for the KV tier below host RAM, under kv_cache_dir: the host tier's evicted
+    blocks, kept across restarts (0: no disk tier)."""
     kv_cache_dir: str | None = None
+    """Directory of the disk KV tier (unset: ~/.cache/jpaged/kv)."""
     preemption_mode: str = "recompute"
+    """What a request preempted for memory loses: recompute drops its KV and computes it
+    again; swap moves its blocks to the host tier (kv_offloading_size > 0) and back."""
     disable_hybrid_kv_cache_manager: bool = False
+    """Keep every token's KV in every layer, sliding-window layers too (one full-attention
+    group); by default sliding-window layers free the blocks behind their window."""
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
+    """Most sequences in one step."""
     max_num_batched_tokens: int | None = None
+    """Token budget of one step. Unset: 2048, or max_model_len when that is larger and
+    chunked prefill is off."""
     max_model_len: int | None = None
+    """Longest sequence, prompt and output together. Unset: the model's context length, at
+    most 2048."""
     enable_chunked_prefill: bool = True
+    """Split a prompt longer than the step's token budget over several steps (off: a prompt
+    is computed in one step, so the budget must hold max_model_len)."""
     long_prefill_token_threshold: int | None = None
+    """Most prompt tokens one request computes in a step (unset: the whole token budget)."""
     scheduling_policy: str = "priority"
+    """Order of the waiting requests: priority (by request priority, then arrival), fcfs
+    (arrival), or lpm (longest cached prefix first, within a priority)."""
     tensor_parallel_size: int = 1
+    """Devices one model's weights and KV heads are split over (tensor parallelism)."""
     data_parallel_rank: int | None = None
+    """This engine's rank among data-parallel replicas, which tags its KV cache events; set
+    by the data-parallel client for each replica it starts (None: not a replica)."""
     nnodes: int = 1
+    """Processes (hosts) one model spans; each runs the same command."""
     node_rank: int = 0
+    """This process's rank in [0, nnodes): 0 schedules and serves, the others run the steps
+    process 0 sends them."""
     master_addr: str = DEFAULT_MASTER_ADDR
+    """Address of process 0: the JAX coordinator listens on master_port, the step channel on
+    master_port + 1."""
     master_port: int = DEFAULT_MASTER_PORT
+    """Port of process 0's JAX coordinator (the step channel takes the next one)."""
     distributed_timeout_s: float = DEFAULT_DISTRIBUTED_TIMEOUT_S
+    """Seconds to wait for every process to join, and to notice one that died."""
     async_scheduling: bool = True
-    # The scheduler and device step in a process of their own, text and outputs in the
-    # caller's (vLLM V1's engine-core process; jpaged/engine_core.py).
+    """Overlap the host with the device: dispatch the next step before this one's tokens are
+    read back (off: the synchronous loop, the reference)."""
     engine_core_process: bool = False
-    # vLLM's --kv-events-config: a KVEventsConfig, a dict or its JSON text (jpaged/kv_events.py)
+    """Run the scheduler and the device step in a process of their own; tokenization,
+    detokenization, stop strings and outputs stay in the caller's (vLLM V1's engine-core
+    process)."""
     kv_events_config: KVEventsConfig | dict[str, Any] | str | None = None
-    # vLLM's --kv-transfer-config: a KVTransferConfig, a dict or its JSON text
+    """KV cache events, vLLM's, as JSON (from Python also a KVEventsConfig or a dict), e.g.
+    '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}'
+    (docs/distributed.md)."""
     kv_transfer_config: KVTransferConfig | dict[str, Any] | str | None = None
-    # vLLM's --structured-outputs-config: a StructuredOutputsConfig, a dict or its JSON text
+    """A KV connector that moves KV between engines (disaggregated prefill/decode), vLLM's, as
+    JSON (from Python also a KVTransferConfig or a dict), e.g. '{"kv_connector":
+    "JaxTransferConnector", "kv_role": "kv_producer", "kv_port": 14579}'
+    (docs/distributed.md)."""
     structured_outputs_config: StructuredOutputsConfig | dict[str, Any] | str | None = None
-    disable_log_stats: bool = False  # no periodic stats line in the log
-    max_logprobs: int = DEFAULT_MAX_LOGPROBS  # vLLM's --max-logprobs (-1: whole vocabulary)
-    logprobs_mode: str = "raw_logprobs"  # vLLM's --logprobs-mode (only its default)
+    """Engine-wide defaults of structured outputs, vLLM's, as JSON (from Python also a
+    StructuredOutputsConfig or a dict): '{"backend": "guidance"}' lets an object schema that
+    does not say additionalProperties take other keys (default "auto": only the listed ones);
+    "disable_additional_properties" and "disable_any_whitespace" go with "guidance"."""
+    disable_log_stats: bool = False
+    """No periodic stats line in the log."""
+    max_logprobs: int = DEFAULT_MAX_LOGPROBS
+    """Most logprobs / prompt_logprobs a request may ask for (-1: the whole vocabulary, which
+    a request then asks for with -1); a step with logprobs computes this many candidates."""
+    logprobs_mode: str = "raw_logprobs"
+    """What logprobs are taken from, vLLM's: only its default, raw_logprobs (the model's
+    logits before temperature and top-k/top-p/min-p), is implemented."""
     extra: dict[str, Any] = field(default_factory=dict)
+    """More EngineArgs fields for the engines a data-parallel client starts, laid over these
+    in each replica; the engine itself reads nothing from it."""
 
     @classmethod
     def field_names(cls) -> set[str]:

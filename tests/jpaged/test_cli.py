@@ -74,17 +74,161 @@ def test_help_lists_vllm_flags():
         assert flag in r.stdout
 
 
-def test_every_engine_arg_has_a_flag():
-    """`--help` promises every engine flag: each EngineArgs field is one, but for `model`
-    (each command's own argument), `disable_log_stats` (serve's own flag) and two internals."""
-    import dataclasses
+# Which engine flags each command takes (jpaged/cli_*.py): offline commands log no stats, tune
+# runs in one process, estimate plans the pool's shape only.
+_NOT_ON = {
+    "generate": {"disable_log_stats"}, "chat": {"disable_log_stats"},
+    "bench": {"disable_log_stats"}, "serve": set(),
+    "tune": {"disable_log_stats", "swap_space", "nnodes", "node_rank", "master_addr",
+             "master_port", "distributed_timeout_s", "engine_core_process"},
+}
+_ESTIMATE_FLAGS = {"block_size", "kv_cache_dtype", "max_model_len", "tensor_parallel_size",
+                   "max_num_seqs"}
 
-    from jpaged.cli import ENGINE_FLAGS
+
+def _commands() -> dict:
+    import typer
+
+    from jpaged.cli import app
+
+    return typer.main.get_command(app).commands
+
+
+def test_every_engine_arg_is_a_flag_with_its_default_and_help():
+    """Each EngineArgs field (but the two that code sets) is a flag of every engine command:
+    its kebab-cased name, `--x/--no-x` for a boolean, the field's default, and as help its
+    docstring, with the other fields it names written as flags."""
+    import dataclasses
+    import typing
+
+    from jpaged.cli_engine_flags import CHOICES, NOT_FLAGS, field_docs
     from jpaged.config import EngineArgs
 
-    own = {"model", "disable_log_stats", "extra", "data_parallel_rank"}
-    fields = {f.name for f in dataclasses.fields(EngineArgs)}
-    assert fields - set(ENGINE_FLAGS) - own == set()
+    assert NOT_FLAGS == {"data_parallel_rank", "extra"}
+    docs = field_docs(EngineArgs)
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    types = typing.get_type_hints(EngineArgs)
+    assert set(docs) == set(fields) and all(docs.values())  # every field documented
+    commands = _commands()
+    expected = {name: set(fields) - NOT_FLAGS - off for name, off in _NOT_ON.items()}
+    expected["estimate"] = _ESTIMATE_FLAGS
+    for name, flags in expected.items():
+        params = {p.name: p for p in commands[name].params}
+        for field in flags:
+            p, f = params[field], fields[field]
+            kebab = "--" + field.replace("_", "-")
+            assert p.default == f.default and type(p.default) is type(f.default), (name, field)
+            assert p.help and p.help.split()[:3] == docs[field].split()[:3], (name, field)
+            if field in CHOICES:
+                assert p.help.endswith(f"One of: {', '.join(CHOICES[field])}."), (name, field)
+            if types[field] is bool:
+                assert (p.opts, p.secondary_opts) == ([kebab], ["--no-" + kebab[2:]]), field
+            else:
+                assert p.opts == [kebab, *(["-m"] if field == "model" else [])], p.opts
+    serve = {p.name: p for p in commands["serve"].params}
+    assert serve["model"].opts == ["--model", "-m"]
+    assert "--gpu-memory-utilization." in serve["kv_cache_memory_bytes"].help  # a field named
+    assert "--max-model-len" in serve["max_num_batched_tokens"].help
+    assert "the model's dtype" in serve["kv_cache_dtype"].help  # one-word names stay words
+
+
+def test_flag_types_follow_the_field_types():
+    """Optional fields take a value or stay unset; a config field takes its JSON text."""
+    from jpaged.cli_engine_flags import ENGINE_FLAGS, _flag_type
+    from jpaged.config import KVTransferConfig
+
+    assert _flag_type("x", int | None) == (int, True)
+    assert _flag_type("x", float) == (float, False)
+    assert _flag_type("x", bool) == (bool, False)
+    assert _flag_type("x", KVTransferConfig | dict | str | None) == (str, True)
+    for bad in (list[int], dict, bool | None, int | float):
+        with pytest.raises(TypeError, match="EngineArgs.x: no flag"):
+            _flag_type("x", bad)
+    kinds = {name: (f.value_type.__name__, f.optional) for name, f in ENGINE_FLAGS.items()}
+    assert kinds["gpu_memory_utilization"] == ("float", True)
+    assert kinds["max_model_len"] == ("int", True)
+    assert kinds["enable_prefix_caching"] == ("bool", False)
+    assert kinds["kv_events_config"] == kinds["kv_transfer_config"] == ("str", True)
+    assert kinds["structured_outputs_config"] == ("str", True)
+
+
+def test_with_engine_flags_refuses_unknown_and_doubled_flags():
+    from jpaged.cli_engine_flags import with_engine_flags
+
+    with pytest.raises(ValueError, match="not engine flags: \\['block_sise'\\]"):
+        with_engine_flags(exclude=("block_sise",))
+    with pytest.raises(ValueError, match="not engine flags: \\['extra'\\]"):
+        with_engine_flags(only=("extra",))
+
+    def command(block_size: int = 16, engine_flags: dict | None = None) -> None:
+        """A command that declares an engine flag itself."""
+
+    with pytest.raises(ValueError, match="declares engine flags itself: \\['block_size'\\]"):
+        with_engine_flags()(command)
+
+
+def test_field_docs_reads_attribute_docstrings():
+    import dataclasses
+
+    from jpaged.cli_engine_flags import field_docs
+
+    @dataclasses.dataclass
+    class Args:
+        a: int = 1
+        """First
+        line two."""
+        b: str = "x"  # a comment is no docstring
+        c: float = 0.0
+        """Third."""
+
+    assert field_docs(Args) == {"a": "First\nline two.", "c": "Third."}
+
+
+# The one command line whose EngineArgs changed on purpose: serve gives its workers (node
+# rank > 0) --disable-log-stats as well now (it was serve's own flag, not an engine flag, so
+# they got the default). A worker runs process 0's steps and never logs stats either way.
+_KNOWN_CHANGES = {("serve", "--disable-log-stats", "--nnodes", "2", "--node-rank", "1"):
+                  {"disable_log_stats": True}}
+
+
+def _before() -> dict:
+    from pathlib import Path
+
+    return json.loads((Path(__file__).parent / "cli_engine_args_before.json").read_text())
+
+
+def test_command_lines_build_the_same_engine_args_as_before():
+    """Every command line of tests/jpaged/cli_capture.py builds the EngineArgs (or estimate's
+    arguments) the hand-declared flags built, recorded from that code (commit b2df20e)."""
+    import dataclasses
+
+    from cli_capture import GOOD, capture, typed
+
+    from jpaged.config import EngineArgs
+
+    before = _before()["good"]
+    assert [argv for argv, _ in before] == GOOD
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)
+                if f.default is not dataclasses.MISSING}
+    for argv, old in before:
+        new = capture(argv)
+        assert new.get("target") == old["target"], (argv, new)
+        expected = {**old["args"], **_KNOWN_CHANGES.get(tuple(argv), {})}
+        got = new["args"]
+        assert typed({k: got[k] for k in expected}) == typed(expected), argv
+        for k in set(got) - set(expected):  # a field added since: its default
+            assert typed(got[k]) == typed(defaults[k]), (argv, k)
+
+
+def test_bad_values_stop_with_the_same_errors_as_before():
+    """Bad values keep their exit status and message, which names the flag."""
+    from cli_capture import BAD, capture
+
+    before = _before()["bad"]
+    assert [argv for argv, _ in before] == BAD
+    for argv, old in before:
+        assert capture(argv) == old, argv
+        assert old["exit_code"] == 2 and "--" in old["output"]
 
 
 def test_every_help_keeps_flags_and_choices_whole_at_80_columns():

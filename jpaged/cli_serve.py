@@ -1,0 +1,105 @@
+"""`jpaged serve`: the OpenAI-compatible server over one engine, or over data-parallel
+replicas on Ray (disaggregated prefill/decode included)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from typing import Annotated, Any
+
+import typer
+
+from jpaged.cli_common import create_engine, fail, run_worker_if_not_rank0
+from jpaged.cli_engine_flags import engine_args, with_engine_flags
+from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
+
+
+@with_engine_flags()
+def serve(
+    host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = DEFAULT_HOST,
+    port: Annotated[int, typer.Option("--port", help="TCP port.")] = DEFAULT_PORT,
+    api_key: Annotated[str | None, typer.Option(
+        "--api-key", envvar="JPAGED_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1/* routes.")] = None,
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="Model name clients use (default: --model as given).")
+    ] = None,
+    data_parallel_size: Annotated[int, typer.Option(
+        "--data-parallel-size", "-dp",
+        help="Engine replicas behind one router (each its own process, devices and cache).")
+    ] = 1,
+    data_parallel_backend: Annotated[str, typer.Option(
+        "--data-parallel-backend", help="How replicas run: ray (the only backend).")] = "ray",
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="Join this Ray cluster (default: start a local one).")] = None,
+    routing_policy: Annotated[str, typer.Option(
+        "--routing-policy", help="Data parallel, one of: kv_aware, round_robin, least_load.")
+    ] = "kv_aware",
+    prefill_replicas: Annotated[int, typer.Option(
+        "--prefill-replicas",
+        help="Disaggregated serving on Ray: replicas that only prefill (with "
+        "--decode-replicas; the KV moves to a decode replica).")] = 0,
+    decode_replicas: Annotated[int, typer.Option(
+        "--decode-replicas",
+        help="Disaggregated serving on Ray: replicas that pull a prompt's KV and decode.")] = 0,
+    replica_dead_timeout_s: Annotated[float, typer.Option(
+        "--replica-dead-timeout-s",
+        help="Data parallel: exit non-zero once no replica has been healthy this long (Ray "
+        "lost their node), so a supervisor restarts the server.")] = 60.0,
+    engine_flags: dict[str, Any] | None = None,
+) -> None:
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
+    flags = engine_flags or {}
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if run_worker_if_not_rank0(flags):
+        return
+    from jpaged.runner.multiprocess import ProcessGroupError, exit_now
+    from jpaged.server import run_server
+
+    try:
+        if data_parallel_backend != "ray":
+            raise ValueError(f"--data-parallel-backend must be ray, got {data_parallel_backend!r}")
+        if data_parallel_size < 1:
+            raise ValueError(f"--data-parallel-size must be >= 1, got {data_parallel_size}")
+        if (data_parallel_size > 1 or ray_address is not None or prefill_replicas
+                or decode_replicas):
+            from jpaged.dp.client import DPEngineClient
+            from jpaged.dp.router import ROUTING_POLICIES
+
+            if routing_policy not in ROUTING_POLICIES:
+                raise ValueError(f"--routing-policy must be one of {ROUTING_POLICIES}, "
+                                 f"got {routing_policy!r}")
+            engine = DPEngineClient(engine_args(flags), data_parallel_size, routing_policy,
+                                    ray_address=ray_address, prefill_replicas=prefill_replicas,
+                                    decode_replicas=decode_replicas,
+                                    dead_timeout_s=replica_dead_timeout_s)
+            engine.on_dead = _exit_cluster_lost
+        else:
+            engine = create_engine(engine_args(flags))
+    except ProcessGroupError as e:
+        exit_now(e)
+        return
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    try:
+        run_server(engine, host=host, port=port, api_key=api_key,
+                   served_model_name=served_model_name or flags.get("model"))
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
+        pass
+
+
+def _exit_cluster_lost(cause: BaseException) -> None:
+    """No replica can come back: stop Ray if this server started it (bounded), then exit 1."""
+    import threading
+
+    from jpaged.runner.multiprocess import exit_now
+
+    threading.Timer(15.0, exit_now, (cause,)).start()  # a stuck Ray cannot keep us up
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+    finally:
+        exit_now(cause)
