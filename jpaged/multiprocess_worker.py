@@ -2,8 +2,9 @@
 process 0 announces, return when it says stop.
 
 The loop builds an `EngineCore` (no front end: it takes no requests), so it stands above the
-engine (docs/architecture.md, import floors); the process group, step channel and step wire format it uses are
-jpaged/runner/multiprocess.py's, shared with process 0's engine. Faults: that module's docstring.
+engine (docs/architecture.md, import floors); the process group, step channel and step wire
+format it uses are jpaged/runner/multiprocess.py's, shared with process 0's engine. Faults:
+that module's docstring.
 """
 
 from __future__ import annotations
