@@ -45,7 +45,6 @@ from jpaged.runner.kv_connector import (
     SharedStorageWorker,
     kv_identity,
 )
-from jpaged.runner.kv_transfer import KVTransfer
 from jpaged.runner.memory_probe import step_activation_bytes
 from jpaged.runner.model_runner import (
     DeferredStep,
@@ -62,6 +61,7 @@ from jpaged.runner.multiprocess import (
 )
 from jpaged.runner.parallel import TensorParallel, kv_bytes_per_device
 from jpaged.runner.tier_setup import build_host_tier, check_tier_config, open_disk_tier
+from jpaged.runner.tier_transfer import TierTransfer
 from models.build import LoadedModel
 from models.llama import stack_layers
 from models.loader import load_model
@@ -228,7 +228,7 @@ class EngineCore:
         self.config: EngineConfig = config.with_num_blocks(num_blocks)
         # KV tiers (host RAM, then disk) below the device pool; None when kv_offloading_size=0.
         self.tiers = build_host_tier(self.config.cache, self.spec, self.kv_dtype, kv_layers)
-        self.tier_transfer = KVTransfer()  # host/disk tier copies (not the KV connector)
+        self.tier_transfer = TierTransfer()  # host/disk tier copies (not the KV connector)
         # With chunked prefill the scheduler fits each step's token budget to these buckets.
         xfer = self.config.kv_transfer
         connector = (KVConnectorScheduler(xfer, self.config.cache.block_size)

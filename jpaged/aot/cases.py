@@ -27,11 +27,11 @@ from jpaged.config import EngineArgs, EngineConfig
 from jpaged.core.kv_cache_groups import kv_cache_layout
 from jpaged.runner.batch import BucketPlan, empty_step, flatten_step
 from jpaged.runner.kv_cache import KVCache, kv_dtype, storage_dtype
-from jpaged.runner.kv_transfer import _gather_impl, _scatter_impl
 from jpaged.runner.memory_probe import abstract_kv
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.parallel import TensorParallel
 from jpaged.runner.sampler import SamplingFlags
+from jpaged.runner.tier_transfer import _gather_impl, _scatter_impl
 from models.config import ModelSpec
 from models.loader import abstract_model
 from pallas_kernels.backend import select_backend

@@ -95,7 +95,7 @@ class HostTier:
         self.block_shape = tuple(block_shape)
         self.dtype = np.dtype(dtype)
         # The slot store is numpy (random access by slot); transfers to and from the device are
-        # staged through jax's pinned_host memory where the device has it (runner/kv_transfer).
+        # staged through jax's pinned_host memory where the device has it (runner/tier_transfer).
         self.store = np.empty((capacity, *self.block_shape), self.dtype)
         self.disk = disk
         self._free: list[int] = list(range(capacity - 1, -1, -1))  # pop() gives slot 0 first

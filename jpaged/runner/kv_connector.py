@@ -46,7 +46,7 @@ from jax.sharding import SingleDeviceSharding
 from jpaged.config import KVTransferConfig
 from jpaged.core.kv_connector import KVConnectorMetadata, KVConnectorOutput, LoadSpec, SendSpec
 from jpaged.runner.kv_cache import KVCache
-from jpaged.runner.kv_transfer import KVTransfer, gather_on_device, scatter_from_device
+from jpaged.runner.tier_transfer import TierTransfer, gather_on_device, scatter_from_device
 
 logger = logging.getLogger("jpaged")
 
@@ -430,7 +430,7 @@ class SharedStorageWorker(KVConnectorWorker):
     def __init__(self, config: KVTransferConfig, storage: Any) -> None:
         super().__init__(config)
         self.storage = storage  # a DiskTier on kv_connector_extra_config.shared_storage_path
-        self._copy = KVTransfer()
+        self._copy = TierTransfer()
         self._saved: set[str] = set()
         self._loads: list[LoadSpec] = []
 

@@ -12,7 +12,7 @@ from jpaged import SamplingParams
 from jpaged.config import EngineArgs
 from jpaged.core.block_hash import hash_request_blocks
 from jpaged.engine import LLMEngine
-from jpaged.runner.kv_transfer import KVTransfer
+from jpaged.runner.tier_transfer import TierTransfer
 
 BS = 8
 BLOCK_BYTES = 2 * 2 * BS * 2 * 16 * 4  # tiny(): 2 layers, K+V, 2 kv heads x 16, float32
@@ -55,7 +55,7 @@ def _device_blocks(llm, hashes):
     """Host copies of the device blocks now caching `hashes`."""
     eng = llm.llm_engine
     cached = eng.scheduler.kv_cache_manager.block_pool.cached_blocks
-    return KVTransfer().gather(eng.runner.kv, [cached[h].block_id for h in hashes])
+    return TierTransfer().gather(eng.runner.kv, [cached[h].block_id for h in hashes])
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from jpaged.core.offload import TransferPlan
 from jpaged.runner.kv_cache import KVCache
-from jpaged.runner.kv_transfer import KVTransfer, bucket, pinned_staging
+from jpaged.runner.tier_transfer import TierTransfer, bucket, pinned_staging
 from pallas_kernels.reference import to_bits
 
 L, NB, BS, H, D = 3, 10, 4, 2, 8
@@ -44,7 +44,7 @@ def test_round_trip_is_bit_exact(dtype, use_pinned):
     kv = random_pool(dtype)
     k0, v0 = host_copy(kv)
     blocks = [7, 2, 9, 1, 5]
-    t = KVTransfer(use_pinned=use_pinned)
+    t = TierTransfer(use_pinned=use_pinned)
     data = t.gather(kv, blocks)
     assert data.shape == (5, L, 2, BS, H, D) and data.dtype == np.dtype(dtype)
     for i, b in enumerate(blocks):
@@ -75,7 +75,7 @@ def test_apply_runs_gathers_before_loads():
     # Block 5 goes out to slot 0 and is re-filled from slot 2 in the same step; slot 0 is then
     # loaded into block 6: it must carry block 5's OLD content.
     plan = TransferPlan(gathers=[(5, 0)], loads=[(2, 5), (0, 6)])
-    kv = KVTransfer().apply(kv, plan, store)
+    kv = TierTransfer().apply(kv, plan, store)
     k1, _ = host_copy(kv)
     assert np.array_equal(store[0, :, 0], np.stack([k0[layer * NB + 5] for layer in range(L)]))
     for layer in range(L):
@@ -86,7 +86,7 @@ def test_apply_runs_gathers_before_loads():
 def test_buckets_bound_compiles():
     assert [bucket(n) for n in (1, 4, 5, 16, 17, 64, 65)] == [4, 4, 16, 16, 64, 64, 256]
     kv = random_pool(jnp.float32, seed=2)
-    t = KVTransfer()
+    t = TierTransfer()
     for n in (1, 2, 3):
         data = t.gather(kv, list(range(1, n + 1)))
         kv = t.scatter(kv, list(range(1, n + 1)), data)

@@ -141,7 +141,7 @@ def scatter_from_device(kv: KVCache, block_ids: Sequence[int],
     return kv
 
 
-class KVTransfer:
+class TierTransfer:
     """Runs a step's TransferPlan against the device pool and a host store."""
 
     def __init__(self, use_pinned: bool = True) -> None:
