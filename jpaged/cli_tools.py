@@ -78,7 +78,7 @@ def tune(
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
-    """Find engine flags for a workload (seed 4.3): memory, then max_num_seqs, then features."""
+    """Find engine flags for a workload: memory, then max_num_seqs, then features."""
     setup_logging(verbose)
     from jpaged.tune.command import print_report
     from jpaged.tune.command import tune as run_tune

@@ -1,10 +1,10 @@
-"""The KV capacity planner behind `jpaged estimate` (seed 2.2/4.4): no engine, no weights loaded.
+"""The KV capacity planner behind `jpaged estimate`: no engine, no weights loaded.
 
 Arithmetic, per device (``--gpu-memory`` is the memory of one device):
 
 * bytes per token = 2 (K and V) x layers x kv heads x head_dim x kv dtype bytes;
   a block holds ``block_size`` TOKENS, so bytes per block = block_size x bytes per token
-  (the seed's "16 KB blocks" mixes the two: a block of LLaMA-13B in bf16 is 13.1 MB).
+  (a "16 KB block" mixes the two: a block of LLaMA-13B in bf16 is 13.1 MB).
 * parameter bytes = embedding + lm_head (unless tied) + per layer (q/k/v/o, their biases,
   q/k norms, gate/up/down, their biases, two RMSNorms) + final norm, times the weights dtype.
 * activation allowance = max_num_batched_tokens x weights dtype bytes x (2 hidden + q/k/v/o

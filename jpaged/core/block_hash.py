@@ -1,4 +1,4 @@
-"""Prefix hash chain for automatic prefix caching (seed 4.2).
+"""Prefix hash chain for automatic prefix caching.
 
 The hash of FULL block i of a token sequence is
 

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 
 class KVCacheBlock:
-    """One physical block (seed 3.1): id, ref count, prefix hash if cached, valid tokens, LRU."""
+    """One physical block: id, ref count, prefix hash if cached, valid tokens, LRU."""
 
     __slots__ = ("block_id", "ref_count", "block_hash", "num_tokens", "last_accessed",
                  "prev_free", "next_free", "is_null", "group")

@@ -1,4 +1,4 @@
-"""Preemption and KV-pressure warnings, rate-limited, with what to change (seed 4.3/5.3).
+"""Preemption and KV-pressure warnings, rate-limited, with what to change.
 
 The scheduler reports each preemption and, once per step, KV usage, the cumulative eviction
 count and the waiting-queue length. Two kinds of warning reach the ``jpaged.pressure`` logger:

@@ -1,1 +1,2 @@
-"""`jpaged tune`: the seed's tuning flow, replayed on the user's workload (policy apart)."""
+"""`jpaged tune`: the tuning flow (memory until preemptions stop, then max_num_seqs, then
+features), replayed on the user's workload (the decisions in policy.py)."""

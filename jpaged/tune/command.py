@@ -73,8 +73,8 @@ def start_memory(base: EngineArgs, backend: str, per_block: int, need_blocks: in
                  ) -> tuple[str, float, float | None]:
     """(flag, starting value, top) of the memory ladder for these starting flags.
 
-    The knob the user set is the one tuned; with none, GPU starts at utilization 0.70 (seed
-    4.3) and CPU at 0.70 of its default KV space. Byte and block ladders end at the first
+    The knob the user set is the one tuned; with none, GPU starts at utilization 0.70 (the
+    ladder's start) and CPU at 0.70 of its default KV space. Byte and block ladders end at the first
     setting that holds the whole sample at once (no preemption is possible beyond it).
     """
     from jpaged.runner.kv_cache import CPU_DEFAULT_KV_BYTES

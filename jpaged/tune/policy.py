@@ -1,4 +1,5 @@
-"""The tuning flow of seed 4.3-5.3 as a pure decision procedure (no engine, no jax).
+"""The tuning flow (memory, then max_num_seqs, then features) as a pure decision procedure
+(no engine, no jax).
 
 Given the trials measured so far, `TunePolicy` chooses the next trial and the recommendation:
 
@@ -26,9 +27,9 @@ from dataclasses import dataclass
 from typing import Any
 
 MEMORY_FLAGS = ("gpu_memory_utilization", "kv_cache_memory_bytes", "num_gpu_blocks_override")
-GPU_START_UTILIZATION = 0.70  # the seed's starting point
+GPU_START_UTILIZATION = 0.70  # where the memory ladder starts on a GPU
 GPU_MAX_UTILIZATION = 0.95
-SEQS_START = 32  # the seed raises max_num_seqs from here
+SEQS_START = 32  # max_num_seqs is raised (doubled) from here
 POOL_FULL = 0.99  # peak KV usage at which the pool, not max_num_seqs, limited admission
 
 

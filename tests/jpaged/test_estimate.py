@@ -1,4 +1,4 @@
-"""`jpaged estimate`: the seed's 13B figure, GQA, fp8, tensor parallelism, bad input -> exit 2."""
+"""`jpaged estimate`: the LLaMA-13B figure, GQA, fp8, tensor parallelism, bad input -> exit 2."""
 
 from __future__ import annotations
 
@@ -195,7 +195,7 @@ def test_unreadable_model_files_exit_2(tmp_path):
 
 def test_hybrid_gemma3_27b_at_128k_against_the_full_layout(tmp_path):
     """Sliding layers need their window plus a chunk: cdiv(1024 - 1 + 2048, 16) + 1 = 193
-    blocks against 8192 for a 131072-token sequence; the seed's dense figures are untouched."""
+    blocks against 8192 for a 131072-token sequence; the dense figures are untouched."""
     path = tmp_path / "config.json"
     path.write_text(json.dumps(GEMMA3_27B))
     est = estimate_capacity(str(path), gpu_memory="141GiB", max_model_len=131072,

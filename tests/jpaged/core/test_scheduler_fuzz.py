@@ -4,10 +4,10 @@ with a host/disk offload tier, and swap; chunked prefill on/off; fcfs/priority/l
 
 Every step is checked by core_sim's Sim (TierSim with tiers: the step's TransferPlan runs on a
 fake pool first). On top of that, each step's preemptions are checked FROM OUTSIDE against the
-seed's order, using only what the scheduler shows (its running/waiting requests before the
-step, and the step's output): victims come from the requests running at the step's start, the
-prompt-phase ones before any decoding one, least important first within each phase, each
-strictly less important than some request that could have needed the memory; and they are
+documented preemption order, using only what the scheduler shows (its running/waiting requests
+before the step, and the step's output): victims come from the requests running at the step's
+start, the prompt-phase ones before any decoding one, least important first within each phase,
+each strictly less important than some request that could have needed the memory; and they are
 requeued at the front of their priority class. At the end: every non-aborted request finished
 with the tokens of an unconstrained run (reference_output) and no block or host slot leaked.
 
@@ -42,7 +42,7 @@ def importance(policy: str, r: Request) -> tuple:
 
 def check_preemptions(s: Scheduler, running: list[tuple[Request, bool]], waiting: list[Request],
                       preempted: list[str]) -> None:
-    """The seed's preemption order, from the running (request, decoding?) pairs and the waiting
+    """The documented preemption order, from the running (request, decoding?) pairs and the waiting
     requests seen before a step and the ids the step preempted."""
     if not preempted:
         return
