@@ -101,6 +101,11 @@ class LLMEngine(RequestFrontend):
         return self.core.kv_worker
 
     @property
+    def ops(self) -> Any:
+        """The core's attention backend (AttentionOps)."""
+        return self.core.ops
+
+    @property
     def kv_dtype(self) -> Any:
         """The KV pool's dtype."""
         return self.core.kv_dtype

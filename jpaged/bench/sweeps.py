@@ -47,9 +47,9 @@ def kv_waste(engine: LLMEngine) -> tuple[int, int]:
     blocks: set[int] = set()
     empty = 0
     for req in sched.running:
-        ids = kv.get_block_ids(req.request_id)
-        blocks.update(ids)
-        empty += max(len(ids) * bs - req.num_computed_tokens, 0)
+        for ids in kv.get_block_ids(req.request_id):  # per KV cache group
+            blocks.update(b for b in ids if b)
+            empty += max(len(ids) * bs - req.num_computed_tokens, 0)
     return empty, len(blocks) * bs
 
 

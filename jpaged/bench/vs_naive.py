@@ -61,7 +61,8 @@ def run_paged(engine: LLMEngine, requests: list[tuple[list[int], int]], tag: str
             holders = [r for r in sched.running if kv.num_blocks_held(r.request_id)]
             max_conc = max(max_conc, len(sched.running))
             if holders:
-                allocated = bs * len({b for r in holders for b in kv.get_block_ids(r.request_id)})
+                allocated = bs * len({b for r in holders for ids in kv.get_block_ids(r.request_id)
+                                      for b in ids if b})
                 used = sum(r.num_computed_tokens for r in holders)
                 waste_sum += max(allocated - used, 0) / allocated
                 waste_steps += 1

@@ -46,24 +46,19 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
     running = {r.request_id: r for r in scheduler.running}
     requests: dict[str, dict[str, Any]] = {}
     # Tables exist exactly for requests holding blocks (running, possibly stalled this step).
-    # With KV cache groups each request has one table per group (0: a sliding group's freed
-    # position); "block_table" is group 0's.
-    layout = getattr(kv, "layout", None)
-    gtables = getattr(kv, "_gtables", None)
-    for rid, table in kv._tables.items():
-        tables = gtables[rid] if gtables is not None else [table]
-        per_group = [[b.block_id for b in t] for t in tables]
+    # Each request has one table per KV cache group (0: a windowed group's freed position);
+    # "block_table" is group 0's.
+    for rid in kv.request_ids():
+        per_group = kv.get_block_ids(rid)
         for ids in per_group:
             for i in ids:  # a table never holds a block twice, nor two groups one block
                 if i:
                     owners[i].append(rid)
         held = scheduler.held_requests.get(rid)  # a producer's, kept for its consumer
         req = running.get(rid) or scheduler.requests.get(rid) or held
-        entry: dict[str, Any] = {"block_table": per_group[0]}
+        entry: dict[str, Any] = {"block_table": per_group[0], "block_tables": per_group}
         if held is not None:
             entry["held_for_kv_transfer"] = True
-        if gtables is not None:
-            entry["block_tables"] = per_group
         if req is not None:
             entry.update(num_tokens=req.num_tokens, num_computed_tokens=req.num_computed_tokens,
                          num_prompt_tokens=req.num_prompt_tokens,
@@ -73,11 +68,10 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
 
     waiting = [rid for rid in scheduler.requests if rid not in requests]
     # Swap preemption parks a request's KV in the host tier: {request id: tokens it gets back}.
-    swapped_tokens = getattr(kv, "swapped_tokens", lambda rid: None)
-    swapped = {rid: t for rid, t in ((r, swapped_tokens(r)) for r in waiting) if t is not None}
+    swapped = {rid: t for rid, t in ((r, kv.swapped_tokens(r)) for r in waiting)
+               if t is not None}
     cached_blocks = {h.hex()[:HASH_HEX_CHARS]: b.block_id for h, b in pool.cached_blocks.items()}
-    groups = layout.describe() if layout is not None else [
-        {"kind": "full", "sliding_window": None, "layers": None}]
+    groups = kv.layout.describe()
     for g, m in enumerate(pool.group_maps):
         groups[g]["num_cached_blocks"] = len(m)
     stats = kv.stats

@@ -1,92 +1,74 @@
-"""Per-request block tables on top of the BlockPool: prefix lookup, allocation, caching, freeing.
+"""Per-request block tables over the KV cache groups, on one BlockPool: prefix lookup,
+allocation, caching, freeing, swap. One manager for every model: a request's table is per group
+(``kv_cache_groups.py``; one full-attention group for a model without sliding layers), and each
+group's policy (``kv_cache_policies.py``) says which positions it needs, which hits it accepts
+and which blocks it frees while the request runs; ``kv_cache_lookup.py`` finds the hits.
 
-When a block becomes shareable: a full block is registered in the hash map by ``commit`` — after
-the step that computed it, when its KV has been WRITTEN — never at allocation. Between
-``allocate_slots`` and ``commit`` its hash is *in flight*; ``is_prefix_in_flight`` lets the
-scheduler hold back a request whose next prefix block some running request is computing right now,
-so it hits the block one step later instead of computing a private copy (this is what bounds the
-n > 1 fan-out to prompt_blocks + n × (generated blocks + 1)).
+When a block becomes shareable: a full block is registered in its group's hash map by
+``commit`` — after the step that computed it, when its KV has been WRITTEN — never at
+allocation. Between ``allocate_slots`` and ``commit`` its hash is *in flight*;
+``is_prefix_in_flight`` lets the scheduler hold back a request whose next prefix block some
+running request is computing right now, so it hits the block one step later instead of
+computing a private copy (this is what bounds the n > 1 fan-out to
+prompt_blocks + n × (generated blocks + 1)).
 
-Prefix-cache metrics count TOKENS once per admission (the first ``allocate_slots`` of a request
-with no blocks), not per ``get_computed_blocks`` call, so a request that has to wait is not
-counted twice. Re-admissions after preemption are counted apart (``preempted_*``) so that the
-hit rate reflects sharing between requests, not a request finding its own freed blocks.
+Prefix-cache metrics (``prefix_cache_stats.py``) count TOKENS once per admission.
 
-With KV tiers (``offload.KVTiers``): evicting a cached block offloads it to the host tier; a
-lookup continues on the host/disk tiers (``get_offloaded_blocks``), and those hits get fresh
-blocks, registered in the hash map at once (their load runs before this step's forward) and
-counted as prefix hits; ``swap_out``/``swap_in`` move a preempted request's table.
+With KV tiers (``offload.KVTiers``): evicting a cached block offloads it to the host tier (a
+group's block under ``group_key(hash, group)``); a lookup continues on the host/disk tiers
+(``get_offloaded_blocks``), and those hits get fresh blocks, registered in the maps at once
+(their load runs before this step's forward) and counted as prefix hits; ``swap_out`` /
+``swap_in`` move a preempted request's needed blocks (a window's only, for a sliding group).
+
+Invariants (``check_invariants``), for every request holding blocks:
+
+* every group's table has the same length, cdiv(tokens scheduled so far, block_size); every
+  real block but the last is full, so internal waste is < 1 block per request and group;
+* positions [0, freed[g]) of group g hold the null block, the others real blocks; freed[g] <=
+  first_held(computed tokens), so a position a query reads is never null, and a windowed
+  group holds at most its policy's max_blocks (these two against the requests' tokens:
+  tests/jpaged/core/test_kv_cache_groups_state_machine.py);
+* a block sits in one group's tables only (shared between requests only through the prefix
+  cache, whose maps are per group) and its ref count is the number of tables holding it;
+* blocks [0, num_cached) of every table were offered to their group's map (a duplicate of a
+  cached hash included); the null block is never written.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jpaged.core.block_hash import BlockHash, BlockHasher
 from jpaged.core.block_pool import BlockPool, KVCacheBlock
+from jpaged.core.kv_block_tables import RequestTables
+from jpaged.core.kv_cache_groups import KVCacheLayout, kv_cache_layout
+from jpaged.core.kv_cache_lookup import (
+    TierHit,
+    cached_hashes,
+    device_hit,
+    load_tier_hit,
+    tier_hit,
+)
 from jpaged.core.offload import KVTiers, TransferPlan, empty_tier_stats
+from jpaged.core.prefix_cache_stats import RECENT_WINDOW, PrefixCacheStats
 from jpaged.request import Request
 
 if TYPE_CHECKING:
     from jpaged.kv_events import KVEventCollector
 
-RECENT_WINDOW = 1000  # requests in the "recent" hit rate
-
-
-class PrefixCacheStats:
-    """Prefix-cache counters in tokens; `recent` covers the last RECENT_WINDOW admissions."""
-
-    def __init__(self) -> None:
-        self.queries = 0  # prompt tokens of first admissions
-        self.hits = 0  # of which found in the cache
-        self.requests = 0  # first admissions looked up (cache_access_total)
-        self.preempted_queries = 0  # tokens looked up again after a preemption
-        self.preempted_hits = 0
-        self._recent: deque[tuple[int, int]] = deque()
-        self._recent_q = 0
-        self._recent_h = 0
-
-    def record(self, queries: int, hits: int, preempted: bool) -> None:
-        """Count one lookup of `queries` tokens of which `hits` were cached."""
-        if preempted:
-            self.preempted_queries += queries
-            self.preempted_hits += hits
-            return
-        self.queries += queries
-        self.hits += hits
-        self.requests += 1
-        self._recent.append((queries, hits))
-        self._recent_q += queries
-        self._recent_h += hits
-        if len(self._recent) > RECENT_WINDOW:
-            q, h = self._recent.popleft()
-            self._recent_q -= q
-            self._recent_h -= h
-
-    @property
-    def hit_rate(self) -> float:
-        """hits / queries over all first admissions (0 when none)."""
-        return self.hits / self.queries if self.queries else 0.0
-
-    @property
-    def recent_hit_rate(self) -> float:
-        """hits / queries over the last RECENT_WINDOW first admissions."""
-        return self._recent_h / self._recent_q if self._recent_q else 0.0
+__all__ = ["RECENT_WINDOW", "KVCacheManager", "PrefixCacheStats", "TierHit"]
 
 
 class KVCacheManager:
-    """Block tables of running requests; allocation is all-or-nothing.
+    """Block tables of running requests, one per KV cache group; allocation is all-or-nothing.
 
-    Invariants: a request's table covers cdiv(tokens scheduled so far, block_size) blocks; every
-    block but the last is full, so internal waste is < 1 block per request; blocks
-    [0, num_cached[r]) of a table are cached (a duplicate of a cached hash included).
+    `layout` (None: one full-attention group) gives the groups and their policies.
     """
 
     def __init__(self, block_size: int, num_blocks: int, max_model_len: int,
                  enable_caching: bool = True, hash_algo: str = "sha256",
-                 tiers: KVTiers | None = None, num_groups: int = 1,
+                 tiers: KVTiers | None = None, layout: KVCacheLayout | None = None,
                  hash_seed: str | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"KVCacheManager.block_size must be >= 1, got {block_size}")
@@ -97,13 +79,18 @@ class KVCacheManager:
         # Requests must carry block_hashes made by an equivalent hasher (Scheduler sets it).
         self.block_hasher = (BlockHasher(block_size, hash_algo, hash_seed) if enable_caching
                              else None)
-        self.block_pool = BlockPool(num_blocks, enable_caching, num_groups)
+        self.layout = layout if layout is not None else kv_cache_layout([None])
+        self.policies = self.layout.policies(block_size)
+        self.num_groups = len(self.policies)
+        self.block_pool = BlockPool(num_blocks, enable_caching, self.num_groups)
         self.stats = PrefixCacheStats()
-        self._tables: dict[str, list[KVCacheBlock]] = {}
-        self._block_ids: dict[str, list[int]] = {}  # mirrors _tables, kept incrementally
-        self._num_cached: dict[str, int] = {}  # blocks of the table already offered to the map
+        self.num_freed_out_of_window = 0  # blocks windowed groups returned while running
+        self._windowed_groups = [g for g, p in enumerate(self.policies) if p.frees_behind]
+        # The fast path's shortcut: one group that frees nothing (a model without windows).
+        self._one_full_group = self.num_groups == 1 and not self._windowed_groups
+        self._req_tables: dict[str, RequestTables] = {}
         # Hashes of full blocks being computed in the current step, per request and overall.
-        self._in_flight: dict[str, list[BlockHash]] = {}
+        self._in_flight_marks: dict[str, list[BlockHash]] = {}
         self._in_flight_count: dict[BlockHash, int] = {}
         self.tiers = tiers
         if tiers is not None and enable_caching:
@@ -115,32 +102,26 @@ class KVCacheManager:
         """Most blocks a lookup may return: the last token is always recomputed."""
         return min((request.num_tokens - 1) // self.block_size, len(request.block_hashes))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
-        """Longest chain of cached full blocks prefixing the request, and its length in tokens.
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[KVCacheBlock]], int]:
+        """Per group, the blocks of the longest prefix hit every group accepts on the device,
+        and its length in tokens (a window's group has the null block before its window).
 
         Pure lookup (no reference taken, nothing counted); pass the result to allocate_slots.
         """
         if not self.enable_caching or request.skip_reading_prefix_cache:
-            return [], 0
-        get = self.block_pool.cached_blocks.get
-        hashes = request.block_hashes
-        out: list[KVCacheBlock] = []
-        for i in range(self.max_cache_hit_blocks(request)):
-            b = get(hashes[i])
-            if b is None:
-                break
-            out.append(b)
-        return out, len(out) * self.block_size
+            return [[] for _ in self.policies], 0
+        rows, n = device_hit(self.policies, self.block_pool, request.block_hashes,
+                             self.max_cache_hit_blocks(request))
+        return rows, n * self.block_size
 
-    def get_offloaded_blocks(self, request: Request, num_hit_blocks: int) -> list[int]:
-        """Host slots continuing a `num_hit_blocks` device hit on the host/disk tiers (pinned).
-
-        Pass them to allocate_slots as `offloaded`; disk hits are verified and copied to the host.
-        """
+    def get_offloaded_blocks(self, request: Request, num_hit_blocks: int) -> TierHit | None:
+        """The hit continued on the host/disk tiers past a `num_hit_blocks` device hit (its host
+        slots pinned, disk hits verified and copied to the host), or None when they add
+        nothing. Pass it to allocate_slots as `offloaded`."""
         if self.tiers is None or not self.enable_caching or request.skip_reading_prefix_cache:
-            return []
-        end = self.max_cache_hit_blocks(request)
-        return self.tiers.fetch_prefix(request.block_hashes[num_hit_blocks:end])
+            return None
+        return tier_hit(self.policies, self.block_pool, self.tiers, request.block_hashes,
+                        num_hit_blocks, self.max_cache_hit_blocks(request))
 
     def is_prefix_in_flight(self, request: Request, num_hit_blocks: int) -> bool:
         """True if the block after a `num_hit_blocks` hit is being computed by a running request.
@@ -156,77 +137,131 @@ class KVCacheManager:
     # -- allocation ------------------------------------------------------------------------------
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVCacheBlock] = (),
-                       num_new_computed_tokens: int = 0,
-                       offloaded: Sequence[int] = (),
+                       new_computed_blocks: Sequence[Sequence[KVCacheBlock]] = (),
+                       num_new_computed_tokens: int = 0, offloaded: TierHit | None = None,
                        delay_cache_blocks: bool = False) -> list[KVCacheBlock] | None:
-        """Grow the table to cover num_computed + num_new_computed + num_new_tokens tokens.
+        """Grow every group's table to cover num_computed + num_new_computed + num_new_tokens.
 
-        Returns the newly allocated blocks ([] if none were needed), or None — changing
-        nothing — when the free queue cannot supply them. `new_computed_blocks` (a prefix hit,
-        only on admission) are referenced; cached free ones count against the free queue.
-        `offloaded` (host slots from get_offloaded_blocks) continue the hit: the first
-        len(offloaded) new blocks are loaded from them and count as computed.
+        Returns the blocks taken from the free queue ([] if none were needed), or None when the
+        queue cannot supply them; then nothing changed but that windowed groups released the
+        blocks their window has left (never to be read again). `new_computed_blocks` (a device
+        hit per group from get_computed_blocks, only on admission) are referenced; cached free
+        ones count against the free queue. `offloaded` (a TierHit from get_offloaded_blocks)
+        replaces them: its host slots are loaded into fresh blocks before this step's forward.
         `delay_cache_blocks`: no step computes the new blocks now (another engine's pages land
         in them later), so they are not in flight: nobody waits for them.
         """
-        rid = request.request_id
-        bs = self.block_size
-        table = self._tables.get(rid)
-        if table and not new_computed_blocks and num_new_computed_tokens == 0 and not offloaded:
-            # Fast path (decodes, most chunks): the new tokens fit in the last block.
-            total = request.num_computed_tokens + num_new_tokens
-            last = len(table) - 1
-            if last * bs < total <= (last + 1) * bs \
+        req = self._req_tables.get(request.request_id)
+        if req is not None and offloaded is None and not num_new_computed_tokens \
+                and not new_computed_blocks:
+            # Fast path (decodes, most chunks): the new tokens fit in the last position, which
+            # every group holds (the last position is never behind a window).
+            bs = self.block_size
+            computed = request.num_computed_tokens
+            total = computed + num_new_tokens
+            tables = req.blocks
+            first_table = tables[0]
+            last = len(first_table) - 1
+            if last >= 0 and last * bs < total <= (last + 1) * bs \
                     and total <= len(request.all_token_ids) + request.num_output_placeholders \
                     and total <= self.max_model_len:
-                table[last].num_tokens = total - last * bs
-                if self.enable_caching and total // bs > self._num_cached[rid]:
-                    self._mark_in_flight(request, total)
+                if self._one_full_group:  # a plain model's table: nothing to free, one block
+                    first_table[last].num_tokens = total - last * bs
+                else:
+                    if computed >= req.release_at:
+                        self.num_freed_out_of_window += req.release_behind(
+                            self.policies, self._windowed_groups, computed, self.block_pool)
+                    n = total - last * bs
+                    for table in tables:
+                        table[last].num_tokens = n
+                if self.enable_caching and total // bs > req.num_cached:
+                    self._mark_in_flight(request, req, total)
                 return []
-        admitting = table is None
-        num_hit = len(new_computed_blocks) + len(offloaded)
-        if num_hit and not admitting:
-            raise ValueError(f"prefix hit blocks given for request {rid!r} that already has blocks")
+            return self._grow(request, req, num_new_tokens, delay_cache_blocks)
+        return self._admit(request, req,
+                           new_computed_blocks if offloaded is None else offloaded.entries,
+                           num_new_computed_tokens, num_new_tokens, delay_cache_blocks)
+
+    def _grow(self, request: Request, req: RequestTables, num_new_tokens: int,
+              delay_cache_blocks: bool) -> list[KVCacheBlock] | None:
+        """allocate_slots for a request holding tables, past the fast path: new positions."""
+        bs, G = self.block_size, self.num_groups
+        computed = request.num_computed_tokens
+        total = computed + num_new_tokens
+        if total > self.max_model_len or total > request.num_tokens_with_placeholders:
+            raise ValueError(f"request {request.request_id!r}: {total} tokens exceed "
+                             f"max_model_len ({self.max_model_len}) or the known tokens "
+                             f"({request.num_tokens})")
+        pool = self.block_pool
+        if computed >= req.release_at:
+            self.num_freed_out_of_window += req.release_behind(
+                self.policies, self._windowed_groups, computed, pool)
+        num_new = max(0, -(-total // bs) - req.num_positions)
+        if G * num_new > pool.get_num_free_blocks():
+            return None
+        fresh = pool.get_new_blocks(G * num_new) if num_new else []
+        req.extend(fresh, num_new, computed // bs, total, bs)
+        if self.enable_caching and not delay_cache_blocks:
+            self._mark_in_flight(request, req, total)
+        return fresh
+
+    def _admit(self, request: Request, req: RequestTables | None,
+               hits: Sequence[Sequence[KVCacheBlock | int]], num_new_computed_tokens: int,
+               num_new_tokens: int, delay_cache_blocks: bool) -> list[KVCacheBlock] | None:
+        """allocate_slots with a prefix hit (`hits`: per group, at each hit position a device
+        block, the null block behind a window, or a host slot to load) or a first table."""
+        rid = request.request_id
+        bs, G = self.block_size, self.num_groups
+        if hits and len(hits) != G:
+            raise ValueError(f"prefix hit blocks must come per group ({G}), got {len(hits)} "
+                             "lists")
+        num_hit = len(hits[0]) if hits else 0
+        if any(len(h) != num_hit for h in hits):
+            raise ValueError("every group's prefix hit must cover the same blocks")
         if num_new_computed_tokens != num_hit * bs:
-            raise ValueError("num_new_computed_tokens must equal (len(new_computed_blocks) + "
-                             f"len(offloaded)) * block_size, got {num_new_computed_tokens}")
-        total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+            raise ValueError("num_new_computed_tokens must equal the hit blocks * block_size, "
+                             f"got {num_new_computed_tokens}")
+        if req is not None:  # hits only on admission
+            if num_hit:
+                raise ValueError(f"prefix hit blocks given for request {rid!r} that already "
+                                 "has blocks")
+            return self._grow(request, req, num_new_tokens, delay_cache_blocks)
+        computed = request.num_computed_tokens + num_new_computed_tokens
+        total = computed + num_new_tokens
         if total > self.max_model_len or total > request.num_tokens_with_placeholders:
             raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len "
                              f"({self.max_model_len}) or the known tokens ({request.num_tokens})")
-        have = 0 if admitting else len(table)  # type: ignore[arg-type]
-        num_new_blocks = max(0, -(-total // bs) - have - len(new_computed_blocks))
-        # Free cached hit blocks leave the free queue when referenced.
-        num_reused_free = sum(1 for b in new_computed_blocks if b.ref_count == 0)
+        num_new = max(0, -(-total // bs) - num_hit)
+        num_loads = reused = 0
+        for row in hits:
+            for b in row:
+                if isinstance(b, int):
+                    num_loads += 1
+                elif b.ref_count == 0 and not b.is_null:
+                    reused += 1  # a free cached hit block leaves the free queue
         pool = self.block_pool
-        if num_new_blocks + num_reused_free > pool.get_num_free_blocks():
+        if G * num_new + num_loads + reused > pool.get_num_free_blocks():
             return None
-
-        # Reference hit blocks BEFORE popping new ones, so popping cannot evict them.
-        if new_computed_blocks:
-            pool.touch(new_computed_blocks)
-        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks else []
-        if admitting:
-            table = self._tables[rid] = []
-            self._block_ids[rid] = []
-            self._num_cached[rid] = num_hit
-            self._record_admission(request, num_new_computed_tokens)
-        assert table is not None
-        ids = self._block_ids[rid]
-        for b in (*new_computed_blocks, *new_blocks):
-            table.append(b)
-            ids.append(b.block_id)
-        # Slots assigned: blocks before the last are full, the last holds the remainder.
-        first = max(0, (request.num_computed_tokens + num_new_computed_tokens) // bs)
-        for i in range(first, len(table)):
-            table[i].num_tokens = min(bs, total - i * bs)
-        if offloaded:
-            self._load_offloaded(request, new_blocks, offloaded, len(new_computed_blocks))
-
+        if hits:  # referenced BEFORE popping new ones, so popping cannot evict them
+            pool.touch([b for row in hits for b in row if not isinstance(b, int)])
+        fresh = pool.get_new_blocks(num_loads + G * num_new) if num_loads or num_new else []
+        rows = load_tier_hit(self.tiers, hits, fresh[:num_loads], bs) if num_loads else [
+            [b for b in row if not isinstance(b, int)] for row in hits]
+        # A hit row holds the null block before its group's first_held(hit tokens).
+        req = self._req_tables[rid] = RequestTables(
+            rows if rows else [[] for _ in range(G)], num_hit,
+            [p.first_held(num_hit * bs) for p in self.policies], self.policies)
+        self._record_admission(request, num_new_computed_tokens)
+        req.extend(fresh[num_loads:], num_new, computed // bs, total, bs)
+        if num_loads:  # the loads run before the forward, so the blocks are shareable at once
+            assert self.tiers is not None  # host slots come from the tiers only
+            for g, table in enumerate(req.blocks):
+                pool.cache_full_blocks(request.block_hashes, table, 0, num_hit,
+                                       request.all_token_ids, group=g)
+            self.tiers.record_hits(num_loads, bs)
         if self.enable_caching and not delay_cache_blocks:
-            self._mark_in_flight(request, total)
-        return new_blocks
+            self._mark_in_flight(request, req, total)
+        return fresh
 
     def _record_admission(self, request: Request, hit_tokens: int) -> None:
         """Count a request's first lookup (prefix-cache metrics; re-admissions apart)."""
@@ -236,34 +271,21 @@ class KVCacheManager:
             if request.num_preemptions == 0:
                 request.num_cached_tokens = hit_tokens
 
-    def _load_offloaded(self, request: Request, new_blocks: Sequence[KVCacheBlock],
-                        slots: Sequence[int], first: int) -> None:
-        # The loads run before this step's forward, so the blocks are shareable at once.
-        tiers = self.tiers
-        assert tiers is not None
-        for slot, b in zip(slots, new_blocks, strict=False):
-            b.num_tokens = self.block_size
-            tiers.plan_load(slot, b.block_id)
-        # Table positions first.. hold them (after the device hit blocks).
-        self.block_pool.cache_full_blocks(request.block_hashes, self._tables[request.request_id],
-                                          first, first + len(slots), request.all_token_ids)
-        tiers.record_hits(len(slots), self.block_size)
-
-    def _mark_in_flight(self, request: Request, total: int) -> None:
+    def _mark_in_flight(self, request: Request, req: RequestTables, total: int) -> None:
         rid = request.request_id
         self._clear_in_flight(rid)
-        start = self._num_cached[rid]
+        start = req.num_cached
         end = min(total // self.block_size, len(request.block_hashes))
         if end <= start:
             return
         marked = request.block_hashes[start:end]
-        self._in_flight[rid] = marked
+        self._in_flight_marks[rid] = marked
         counts = self._in_flight_count
         for h in marked:
             counts[h] = counts.get(h, 0) + 1
 
     def _clear_in_flight(self, rid: str) -> None:
-        marked = self._in_flight.pop(rid, None)
+        marked = self._in_flight_marks.pop(rid, None)
         if not marked:
             return
         counts = self._in_flight_count
@@ -275,22 +297,24 @@ class KVCacheManager:
                 del counts[h]
 
     def commit(self, request: Request) -> None:
-        """After a step: cache the request's blocks made full by its computed tokens."""
+        """After a step: cache every group's blocks made full by the computed tokens."""
         rid = request.request_id
-        if rid in self._in_flight:
+        if rid in self._in_flight_marks:
             self._clear_in_flight(rid)
-        start = self._num_cached.get(rid)  # None: no table (caching off keeps it at 0)
-        if start is None or not self.enable_caching:
+        req = self._req_tables.get(rid)
+        if req is None or not self.enable_caching:
             return
+        start = req.num_cached
         end = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         if end <= start:  # most calls (decodes inside a block) end here
             return
-        table = self._tables[rid]
-        end = min(end, len(table))
+        tables = req.blocks
+        end = min(end, len(tables[0]))
         if end > start:
-            self.block_pool.cache_full_blocks(request.block_hashes, table, start, end,
-                                              request.all_token_ids)
-            self._num_cached[rid] = end
+            for g, table in enumerate(tables):
+                self.block_pool.cache_full_blocks(request.block_hashes, table, start, end,
+                                                  request.all_token_ids, group=g)
+            req.num_cached = end
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (a chain's tail is evicted before its head).
@@ -300,70 +324,68 @@ class KVCacheManager:
         rid = request.request_id
         if self.tiers is not None:
             self.tiers.drop_swap(rid)
-        self._free_table(rid)
+        self._free_tables(rid)
 
-    def _free_table(self, rid: str) -> None:
+    def _free_tables(self, rid: str) -> None:
         self._clear_in_flight(rid)
-        table = self._tables.pop(rid, None)
-        self._block_ids.pop(rid, None)
-        self._num_cached.pop(rid, None)
-        if table:
-            self.block_pool.free_blocks(reversed(table))
+        req = self._req_tables.pop(rid, None)
+        if req is not None:
+            for table in req.blocks:
+                self.block_pool.free_blocks(reversed(table))
 
     # -- swap and transfers ----------------------------------------------------------------------
 
     def swap_out(self, request: Request) -> bool:
-        """Move a running request's computed blocks to the host tier and free its table.
+        """Move a running request's computed blocks that its groups still need (every block of
+        a full group, the window's of a sliding one) to the host tier and free its tables.
 
         False — changing nothing — without a host tier or when it cannot take them.
         """
-        if self.tiers is None:
-            return False
         rid = request.request_id
-        n = -(-request.num_computed_tokens // self.block_size)
-        ids = self._block_ids.get(rid, [])[:n]
-        if n == 0 or not self.tiers.swap_out(rid, ids, request.num_computed_tokens):
+        req = self._req_tables.get(rid)
+        computed = request.num_computed_tokens
+        n = -(-computed // self.block_size)
+        if self.tiers is None or req is None or n == 0:
             return False
-        self._free_table(rid)
+        ids = req.needed_ids(self.policies, computed, self.block_size)
+        if not self.tiers.swap_out(rid, ids, computed):
+            return False
+        self._free_tables(rid)
         return True
 
     def swapped_tokens(self, request_id: str) -> int | None:
         """Computed tokens a swapped-out request will get back (None: not swapped out)."""
         return self.tiers.swapped_tokens(request_id) if self.tiers is not None else None
 
-    def _swap_in_tokens(self, request: Request, num_new_tokens: int) -> tuple[int, int]:
-        """(swapped tokens, tokens after this step) of a request to swap in; ValueError if it
-        is not swapped out or would exceed its limits."""
+    def swap_in(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
+        """Give a swapped-out request its tables back (the needed positions of each group) for
+        its swapped tokens + num_new_tokens and plan the loads; sets num_computed_tokens.
+        None — changing nothing — without enough blocks."""
         rid = request.request_id
         restored = self.swapped_tokens(rid)
-        if restored is None or rid in self._tables:
+        if restored is None or rid in self._req_tables:
             raise ValueError(f"request {rid!r} is not swapped out")
         total = restored + num_new_tokens
         if total > min(self.max_model_len, request.num_tokens):
             raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len or the "
                              "known tokens")
-        return restored, total
-
-    def swap_in(self, request: Request, num_new_tokens: int) -> list[KVCacheBlock] | None:
-        """Give a swapped-out request a table for its swapped tokens + num_new_tokens and plan
-        the loads; sets num_computed_tokens. None — changing nothing — without enough blocks."""
-        rid = request.request_id
-        restored, total = self._swap_in_tokens(request, num_new_tokens)
-        need = -(-total // self.block_size)
+        bs = self.block_size
+        n_tab, n_loaded = -(-total // bs), -(-restored // bs)
+        firsts = [p.first_held(restored) for p in self.policies]
+        need = sum(n_tab - f for f in firsts)
         if need > self.block_pool.get_num_free_blocks():
             return None
         assert self.tiers is not None
         blocks = self.block_pool.get_new_blocks(need)
-        n_loaded = -(-restored // self.block_size)
-        self.tiers.swap_in(rid, [b.block_id for b in blocks[:n_loaded]])
-        self._tables[rid] = list(blocks)
-        self._block_ids[rid] = [b.block_id for b in blocks]
-        self._num_cached[rid] = 0  # commit re-offers the full blocks to the hash map
-        for i, b in enumerate(blocks):
-            b.num_tokens = min(self.block_size, total - i * self.block_size)
+        req = self._req_tables[rid] = RequestTables.from_blocks(
+            blocks, firsts, total, bs, self.block_pool.null_block, self.policies)
+        # Positions [firsts[g], n_loaded) of each group get the swapped blocks back, in the
+        # order swap_out gathered them (needed_ids).
+        self.tiers.swap_in(rid, [i for f, ids in zip(firsts, req.ids, strict=True)
+                                 for i in ids[f:n_loaded]])
         request.num_computed_tokens = restored
         if self.enable_caching:
-            self._mark_in_flight(request, total)
+            self._mark_in_flight(request, req, total)
         return blocks
 
     def begin_step(self) -> None:
@@ -381,24 +403,46 @@ class KVCacheManager:
 
     # -- queries ---------------------------------------------------------------------------------
 
-    def get_blocks(self, request_id: str) -> list[KVCacheBlock]:
-        """The request's block table (a copy; empty if it holds none)."""
-        return list(self._tables.get(request_id, ()))
+    def request_ids(self) -> list[str]:
+        """Ids of the requests holding tables, in the order they got them."""
+        return list(self._req_tables)
 
-    def get_block_ids(self, request_id: str) -> list[int]:
-        """Physical block ids of the request's table (a copy; empty if it holds none)."""
-        return list(self._block_ids.get(request_id, ()))
+    def get_blocks(self, request_id: str) -> list[list[KVCacheBlock]]:
+        """Per group, the request's block table (copies; empty if it holds none)."""
+        req = self._req_tables.get(request_id)
+        return [list(t) for t in req.blocks] if req is not None else [[] for _ in self.policies]
 
-    def live_block_ids(self, request_id: str) -> list[int]:
-        """The request's block ids as kept here, not copied: a copy per request per step would
-        cost the table's length. Do not mutate; it grows in place as the table grows and is
-        dropped (not cleared) when the request's blocks are freed."""
-        ids = self._block_ids.get(request_id)
-        return [] if ids is None else ids
+    def get_block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group, the request's block ids (copies; 0 where a window freed one)."""
+        req = self._req_tables.get(request_id)
+        return [list(t) for t in req.ids] if req is not None else [[] for _ in self.policies]
+
+    def live_block_ids(self, request_id: str) -> list[list[int]]:
+        """Per group, the request's block ids as kept here, not copied: a copy per request per
+        step would cost the table's length. Do not mutate.
+
+        Each list grows in place at its end as the table grows and is dropped (not cleared)
+        when the request's blocks are freed; a windowed group also writes 0 over positions it
+        frees: a runner copying only new positions keeps the stale ids there, which is safe
+        because no step reads or writes positions outside the window.
+        """
+        req = self._req_tables.get(request_id)
+        return req.ids if req is not None else [[] for _ in self.policies]
 
     def num_blocks_held(self, request_id: str) -> int:
-        """Length of the request's block table."""
-        return len(self._tables.get(request_id, ()))
+        """Real blocks the request holds across all groups."""
+        req = self._req_tables.get(request_id)
+        return req.num_held() if req is not None else 0
+
+    def num_cached_blocks(self, request_id: str) -> int:
+        """Positions of the request's tables already offered to the prefix cache (0: none)."""
+        req = self._req_tables.get(request_id)
+        return req.num_cached if req is not None else 0
+
+    def in_flight_hashes(self) -> dict[BlockHash, int]:
+        """Hashes of the full blocks being computed this step, with how many requests compute
+        each (a copy)."""
+        return dict(self._in_flight_count)
 
     @property
     def num_free_blocks(self) -> int:
@@ -431,13 +475,8 @@ class KVCacheManager:
         return ok
 
     def cached_hashes(self) -> dict[str, set[BlockHash]]:
-        """The prefix-cache hashes each tier holds ("GPU", "CPU", "DISK")."""
-        out = {"GPU": set(self.block_pool.cached_blocks), "CPU": set(), "DISK": set()}
-        if self.tiers is not None:
-            out["CPU"] = set(self.tiers.host.prefix_hashes())
-            if self.tiers.disk is not None:
-                out["DISK"] = set(self.tiers.disk.hashes())
-        return out
+        """Group 0's prefix-cache hashes each tier holds ("GPU", "CPU", "DISK")."""
+        return cached_hashes(self.block_pool, self.tiers)
 
     def set_events(self, events: KVEventCollector) -> None:
         """Report every cached-block change of the pool and the tiers to `events` from now on.
@@ -449,25 +488,19 @@ class KVCacheManager:
             self.tiers.set_events(events)
 
     def check_invariants(self) -> None:
-        """Pool invariants plus: ref counts equal the number of tables holding each block."""
+        """Pool invariants plus the module docstring's: table lengths and id mirrors, null
+        positions, one group per block, ref counts = tables holding a block, tiers."""
         self.block_pool.check_invariants()
         refs: dict[int, int] = {}
-        for rid, table in self._tables.items():
-            if [b.block_id for b in table] != self._block_ids[rid]:
-                raise AssertionError(f"block id mirror of {rid!r} is stale")
-            for b in table:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
-        self._check_holders(refs)
-
-    def _check_holders(self, refs: dict[int, int]) -> None:
-        """Every block's ref count equals `refs[id]` (the tables holding it); the tiers'
-        invariants hold and no swapped-out request holds device blocks."""
+        group_of: dict[int, int] = {}
+        for rid, req in self._req_tables.items():
+            req.check(rid, self.policies, refs, group_of)
         for b in self.block_pool.blocks[1:]:
             if b.ref_count != refs.get(b.block_id, 0):
                 raise AssertionError(f"{b}: ref_count != tables holding it "
                                      f"({refs.get(b.block_id, 0)})")
         if self.tiers is not None:
             self.tiers.check_invariants()
-            for rid in self.tiers.host._swap:
-                if rid in self._tables:
+            for rid in self._req_tables:
+                if self.tiers.swapped_tokens(rid) is not None:
                     raise AssertionError(f"{rid!r} holds device blocks and a swap entry")

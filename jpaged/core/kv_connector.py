@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from jpaged.config import KVTransferConfig
 from jpaged.request import Request, RequestStatus
 
 __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "LoadSpec",
-           "SendSpec", "check_kv_transfer_params"]
+           "SendSpec", "check_kv_transfer_params", "one_group"]
 
 _REMOTE_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int,
                 "remote_request_id": str, "remote_block_ids": list}
@@ -193,11 +194,13 @@ class KVConnectorScheduler:
             return 0, False
         return want, True
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int],
+    def update_state_after_alloc(self, request: Request, block_ids: Sequence[Sequence[int]],
                                  num_external_tokens: int) -> None:
-        """Plan the pull of the blocks just allocated for `num_external_tokens` tokens."""
+        """Plan the pull of the blocks just allocated for `num_external_tokens` tokens
+        (`block_ids`: the request's table per KV cache group)."""
         if num_external_tokens <= 0:
             return
+        ids = one_group(block_ids)
         params = request.kv_transfer_params
         assert params is not None
         bs = self.block_size
@@ -208,7 +211,7 @@ class KVConnectorScheduler:
                   list(params["remote_block_ids"][first:last]))
         hashes = request.block_hashes[first:min(last, len(request.block_hashes))]
         params["do_remote_prefill"] = False  # one try: a failure recomputes or fails, never pulls
-        spec = LoadSpec(request.request_id, list(block_ids[first:last]), remote,
+        spec = LoadSpec(request.request_id, list(ids[first:last]), remote,
                         params.get("remote_request_id", ""), params.get("remote_engine_id", ""),
                         params.get("remote_host", ""), params.get("remote_port", 0), list(hashes),
                         end)
@@ -241,12 +244,12 @@ class KVConnectorScheduler:
 
     # -- producer ------------------------------------------------------------------------------
 
-    def request_finished(self, request: Request,
-                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: Sequence[Sequence[int]]
+                         ) -> tuple[bool, dict[str, Any] | None]:
         """(keep the blocks until the consumer has them, the params the consumer needs).
 
         Only a request that asked for a remote decode and ended normally is held; an aborted
-        one frees its blocks at once.
+        one frees its blocks at once. `block_ids`: its table per KV cache group.
         """
         params = request.kv_transfer_params
         if (not self.config.is_producer or not params or not params.get("do_remote_decode")
@@ -257,7 +260,7 @@ class KVConnectorScheduler:
         # What a consumer reads: tokens [0, n-1) (the shared directory: only its full blocks).
         num_blocks = ((n - 1) // self.block_size if self.shared_storage
                       else -(-(n - 1) // self.block_size))
-        held = list(block_ids[:num_blocks])
+        held = list(one_group(block_ids)[:num_blocks])
         out = {"do_remote_prefill": True, "do_remote_decode": False,
                "remote_engine_id": self.engine_id, "remote_host": self.host,
                "remote_port": self.port, "remote_request_id": request.request_id,
@@ -279,3 +282,12 @@ class KVConnectorScheduler:
             return None
         meta, self._meta = self._meta, KVConnectorMetadata()
         return meta
+
+
+def one_group(block_ids: Sequence[Sequence[int]]) -> Sequence[int]:
+    """The one group's table: pages move between engines of one full-attention group (an
+    engine with kv_transfer keeps its layers in one group, as vLLM's connectors need)."""
+    if len(block_ids) != 1:
+        raise ValueError(f"the KV connector moves one KV cache group's blocks, got "
+                         f"{len(block_ids)} groups")
+    return block_ids[0]

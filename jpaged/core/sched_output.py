@@ -22,11 +22,11 @@ class ScheduledRequest:
     # [num_tokens] == request.all_token_ids[start_pos:start_pos+num_tokens], then
     # PLACEHOLDER_TOKEN for a last token still on device
     token_ids: list[int]
-    # [cdiv(start_pos + num_tokens, block_size)] the whole block table: the manager's own
-    # list, not a copy (KVCacheManager.live_block_ids): exact until the next schedule(), which
-    # may append to it. Read it (the runner packs it) before then; never mutate it. With KV
-    # cache groups (HybridKVCacheManager, more than one group): one such list per group.
-    block_ids: list[int] | list[list[int]]
+    # Per KV cache group (one for a model without sliding layers), the whole block table of
+    # cdiv(start_pos + num_tokens, block_size) ids: the manager's own lists, not copies
+    # (KVCacheManager.live_block_ids), exact until the next schedule(), which may append to
+    # them. Read them (the runner packs them) before then; never mutate them.
+    block_ids: list[list[int]]
     sample: bool  # start_pos + num_tokens == request.num_tokens: this step yields a token
 
 

@@ -43,8 +43,8 @@ from operator import attrgetter
 
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.block_pool import KVCacheBlock
-from jpaged.core.kv_cache_groups import HybridKVCacheManager, KVCacheLayout, blocks_needed
-from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.kv_cache_groups import KVCacheLayout, blocks_needed
+from jpaged.core.kv_cache_manager import KVCacheManager, TierHit
 from jpaged.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from jpaged.core.offload import KVTiers
 from jpaged.core.pressure import PressureMonitor
@@ -133,19 +133,12 @@ class Scheduler:
         self.swap = cache_config.preemption_mode == "swap"
         if self.swap and tiers is None:
             raise ValueError("preemption_mode='swap' needs a host tier: set kv_offloading_size > 0")
-        # KV cache groups (a model with sliding-window layers): one table per group, sliding
-        # groups freeing the blocks behind their window. None or one full group: the plain
-        # manager.
-        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.is_hybrid else None
-        self.kv_cache_manager: KVCacheManager
-        if self.kv_layout is not None:
-            self.kv_cache_manager = HybridKVCacheManager(
-                self.kv_layout, self.block_size, num_blocks, self.max_model_len,
-                self.enable_caching, algo, tiers, hash_seed=cache_config.prefix_caching_hash_seed)
-        else:
-            self.kv_cache_manager = KVCacheManager(
-                self.block_size, num_blocks, self.max_model_len, self.enable_caching, algo, tiers,
-                hash_seed=cache_config.prefix_caching_hash_seed)
+        # KV cache groups: a request's table is per group (one full-attention group without
+        # sliding layers, or None); sliding groups free the blocks behind their window.
+        self.kv_cache_manager = KVCacheManager(
+            self.block_size, num_blocks, self.max_model_len, self.enable_caching, algo, tiers,
+            layout=kv_layout, hash_seed=cache_config.prefix_caching_hash_seed)
+        self.kv_layout = self.kv_cache_manager.layout
         self._hasher = self.kv_cache_manager.block_hasher
         self.requests: dict[str, Request] = {}  # unfinished requests
         self.waiting = WaitingQueue(self.policy)
@@ -379,8 +372,8 @@ class Scheduler:
         return fit_token_budget(demand, budget, self.token_buckets, num_decodes)
 
     def _allocate(self, req: Request, num_new: int, st: _Step,
-                  hit_blocks: Sequence[KVCacheBlock] = (), hit_tokens: int = 0,
-                  admission: bool = False, offloaded: Sequence[int] = (),
+                  hit_blocks: Sequence[Sequence[KVCacheBlock]] = (), hit_tokens: int = 0,
+                  admission: bool = False, offloaded: TierHit | None = None,
                   swapped: bool = False, delay_cache_blocks: bool = False) -> bool:
         """allocate_slots (or swap_in), preempting eligible victims (stage 2, then 3) until it
         succeeds."""
@@ -504,17 +497,21 @@ class Scheduler:
                     break
                 continue
             restored = kv.swapped_tokens(req.request_id)
+            hit_blocks: Sequence[Sequence[KVCacheBlock]] = ()
+            offloaded: TierHit | None = None
             if restored is not None:  # swapped out: its blocks come back from the host tier
-                hit_blocks, hit_tokens, offloaded = [], restored, []
+                hit_tokens = restored
             else:
                 # Fresh lookup: hits stay valid through _allocate (freeing never evicts).
                 hit_blocks, hit_tokens = kv.get_computed_blocks(req)
                 num_hit = hit_tokens // self.block_size
                 offloaded = kv.get_offloaded_blocks(req, num_hit)
-                if kv.is_prefix_in_flight(req, num_hit + len(offloaded)):
+                if offloaded is not None:  # the tiers continue the hit
+                    num_hit = offloaded.num_blocks
+                    hit_tokens = num_hit * self.block_size
+                if kv.is_prefix_in_flight(req, num_hit):
                     skipped.append((key, req))  # share the block next step, not a copy
                     continue
-                hit_tokens += len(offloaded) * self.block_size
                 if self.connector is not None and req.kv_transfer_params:
                     how = self._start_remote_load(req, st, hit_blocks, hit_tokens, offloaded)
                     if how == "waiting":
@@ -553,8 +550,9 @@ class Scheduler:
         for key, req in lpm or ():
             self.waiting.push(req, key)
 
-    def _start_remote_load(self, req: Request, st: _Step, hit_blocks: Sequence[KVCacheBlock],
-                           hit_tokens: int, offloaded: Sequence[int]) -> str:
+    def _start_remote_load(self, req: Request, st: _Step,
+                           hit_blocks: Sequence[Sequence[KVCacheBlock]], hit_tokens: int,
+                           offloaded: TierHit | None) -> str:
         """Allocate the blocks a remote engine's KV fills and plan their pull.
 
         Returns "waiting" (it now waits for its pages), "no_memory" (nothing changed; queue it
@@ -738,9 +736,9 @@ class Scheduler:
             "generation_tokens_total": self.num_generation_tokens,
             "num_steps": self.num_steps,
             # KV cache groups: 1 unless a model's sliding-window layers free blocks behind
-            # their window (hybrid manager); blocks so freed while requests ran.
-            "num_kv_cache_groups": len(kv.block_pool.group_maps),
-            "num_blocks_freed_out_of_window": getattr(kv, "num_freed_out_of_window", 0),
+            # their window; blocks so freed while requests ran.
+            "num_kv_cache_groups": kv.num_groups,
+            "num_blocks_freed_out_of_window": kv.num_freed_out_of_window,
             # KV connector (disaggregated prefill/decode)
             "kv_transfer_requests_waiting": len(self.waiting_for_kv),
             "kv_transfer_requests_held": len(self._held),

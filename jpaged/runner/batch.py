@@ -288,17 +288,19 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     A PLACEHOLDER_TOKEN (always a sequence's last new token) is read on device from row
     `prev_rows[request_id]` of the last-token buffer: the row it had in the previous step.
     token_masks: [n, W] packed allowed-token bits of the scheduled rows (structured outputs).
+    Block ids come per KV cache group (`plan.num_groups` of them); a position a window freed
+    holds 0 here, where the persistent batch keeps the stale id (nothing reads either).
     """
     n = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
     t_pad, b_pad = plan.pick(num_tokens, n)
-    mb = plan.max_blocks
+    mb, groups = plan.max_blocks, plan.num_groups
     input_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
-    slot_mapping = np.full(t_pad, -1, np.int32)
+    slot_mapping = np.full(groups * t_pad, -1, np.int32)
     qsl = np.zeros(b_pad + 1, np.int32)
     seq_lens = np.zeros(b_pad, np.int32)
-    tables = np.zeros((b_pad, mb), np.int32)
+    tables = np.zeros((b_pad, groups * mb), np.int32)
     logits_idx = np.zeros(b_pad, np.int32)
     feed_rows = np.full(b_pad, -1, np.int32)
 
@@ -327,9 +329,11 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
             input_ids[cur + k - 1] = 0
         pos = np.arange(start, start + k, dtype=np.int32)
         positions[cur:cur + k] = pos
-        blocks = np.asarray(s.block_ids, np.int32)
-        slot_mapping[cur:cur + k] = blocks[pos // block_size] * block_size + pos % block_size
-        tables[i, :len(blocks)] = blocks
+        for g, ids in enumerate(s.block_ids):  # per KV cache group (0 where a window freed)
+            blocks = np.asarray(ids, np.int32)
+            slot_mapping[g * t_pad + cur:g * t_pad + cur + k] = (
+                blocks[pos // block_size] * block_size + pos % block_size)
+            tables[i, g * mb:g * mb + len(blocks)] = blocks
         cur += k
         qsl[i + 1] = cur
         seq_lens[i] = start + k

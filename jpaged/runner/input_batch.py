@@ -55,8 +55,8 @@ class InputBatch:
         self.row_of: dict[str, int] = {}
         self._free: list[int] = []
         self._nblocks: list[int] = []  # block ids written into each row's table (per group)
-        # KV cache groups: row r holds group g's table in columns [g*M, (g+1)*M); the
-        # scheduled block ids then come per group.
+        # KV cache groups: row r holds group g's table in columns [g*M, (g+1)*M) (the
+        # scheduled block ids come per group; one group: the row is that table).
         self.num_groups = plan.num_groups
         self.tables = np.zeros((0, plan.num_groups * plan.max_blocks), np.int32)
         # temp, top_p, min_p, rep, pres, freq, uses penalties, wants top logprobs
@@ -146,18 +146,14 @@ class InputBatch:
             if row is None:
                 row = self._add(req)
                 tables = self.tables  # _add may have grown it
-            ids = s.block_ids
-            have = nblocks[row]
-            if groups == 1:
-                if len(ids) != have:  # grown since the last step: write only the new block ids
-                    tables[row, have:len(ids)] = ids[have:]
-                    nblocks[row] = len(ids)
-            elif len(ids[0]) != have:  # every group's table has the same length
-                n_ids = len(ids[0])
-                for g in range(groups):
-                    # Positions a sliding group freed since keep their stale ids here: no step
-                    # reads or writes outside the window (kv_cache_groups.live_block_ids).
-                    tables[row, g * mb + have:g * mb + n_ids] = ids[g][have:]
+            ids = s.block_ids  # per group, all of the same length
+            n_ids = len(ids[0])
+            if n_ids != nblocks[row]:  # grown since the last step: write only the new ids
+                have = nblocks[row]
+                for g, gids in enumerate(ids):
+                    # Positions a windowed group freed since keep their stale ids here: no step
+                    # reads or writes outside the window (KVCacheManager.live_block_ids).
+                    tables[row, g * mb + have:g * mb + n_ids] = gids[have:]
                 nblocks[row] = n_ids
             rows.append(row)
             counters.append(len(req.output_token_ids) + req.num_output_placeholders)

@@ -30,10 +30,11 @@ def _assert_matches_truth(llm: LLM, state: dict) -> None:
     assert state["num_blocks"] == pool.num_blocks == len(state["status"])
     assert state["block_size"] == kv.block_size
     tables = {r.request_id: kv.get_block_ids(r.request_id) for r in sched.running}
-    assert {rid: e["block_table"] for rid, e in state["requests"].items()} == tables
+    assert {rid: e["block_tables"] for rid, e in state["requests"].items()} == tables
+    assert all(e["block_table"] == e["block_tables"][0] for e in state["requests"].values())
     holders: dict[int, list[str]] = {}
-    for rid, ids in tables.items():
-        for b in ids:
+    for rid, per_group in tables.items():
+        for b in (b for ids in per_group for b in ids if b):
             holders.setdefault(b, []).append(rid)
     for b in pool.blocks:
         i = b.block_id

@@ -109,19 +109,21 @@ class Sim:
             assert x.token_ids == r.all_token_ids[x.start_pos:end] + [PLACEHOLDER_TOKEN] * max(
                 0, end - r.num_tokens)
             assert end <= r.num_tokens_with_placeholders
-            assert len(x.block_ids) == -(-end // bs), "table must be exactly cdiv(tokens, bs)"
             assert x.block_ids == kvm.get_block_ids(r.request_id)
-            assert 0 not in x.block_ids
+            assert len(x.block_ids) == 1, "one KV cache group (no sliding layers)"
+            ids = x.block_ids[0]
+            assert len(ids) == -(-end // bs), "table must be exactly cdiv(tokens, bs)"
+            assert 0 not in ids
             assert x.sample == (end == r.num_tokens_with_placeholders)
             pos = np.arange(x.start_pos)
-            got = self.kv[np.asarray(x.block_ids)[pos // bs], pos % bs]
+            got = self.kv[np.asarray(ids)[pos // bs], pos % bs]
             assert got.tolist() == r.all_token_ids[:x.start_pos], f"{r.request_id} reads bad KV"
         # Writes: never into a cached (shared, immutable) block, never twice per step.
         written: set[tuple[int, int]] = set()
         pool = kvm.block_pool
         for x in out.scheduled:
             for p in range(x.start_pos, x.start_pos + x.num_tokens):
-                b, o = x.block_ids[p // bs], p % bs
+                b, o = x.block_ids[0][p // bs], p % bs
                 assert pool.blocks[b].block_hash is None, f"write into cached block {b}"
                 assert pool.blocks[b].ref_count == 1, f"write into shared block {b}"
                 assert (b, o) not in written
@@ -196,5 +198,5 @@ class Sim:
         kvm = self.sched.kv_cache_manager
         assert kvm.usage == 0.0
         assert kvm.num_free_blocks == kvm.block_pool.num_blocks - 1
-        assert not kvm._in_flight and not kvm._in_flight_count
+        assert not kvm.in_flight_hashes()
         kvm.check_invariants()

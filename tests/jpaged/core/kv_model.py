@@ -1,5 +1,6 @@
-"""A driver and oracle for KVCacheManager (+ prefix cache, host and disk tiers), used by the
-state machine in test_block_manager_state_machine.py.
+"""A driver and oracle for KVCacheManager with one full-attention group (+ prefix cache, host
+and disk tiers), used by the state machine in test_block_manager_state_machine.py. The manager's
+tables and hits come per group: this model reads group 0's, the only one.
 
 ``KVModel`` drives the manager the way the scheduler does, one engine step at a time, and keeps
 its own record of what should be true: which requests run / wait / are swapped out, what each
@@ -115,26 +116,28 @@ class KVModel:
         """Lookup (device, then tiers) + allocate_slots, as Scheduler._admit; (device hit
         blocks, tier hit blocks) or None when the pool is short (then nothing changed)."""
         m, rid = self.m, r.request_id
-        blocks, hit = m.get_computed_blocks(r)
-        slots = m.get_offloaded_blocks(r, len(blocks))
-        hit += len(slots) * self.bs
+        hit_blocks, hit = m.get_computed_blocks(r)
+        blocks = hit_blocks[0]
+        tier = m.get_offloaded_blocks(r, len(blocks))
+        extra = tier.extra_blocks if tier is not None else 0
+        hit += extra * self.bs
         n = min(chunk, r.num_tokens - hit)
         assert n >= 1, "a lookup must leave the last token to compute"
         free_before = m.num_free_blocks
-        if m.allocate_slots(r, n, blocks, hit, slots) is None:
+        if m.allocate_slots(r, n, hit_blocks, hit, tier) is None:
             assert m.num_blocks_held(rid) == 0 and m.num_free_blocks == free_before
             STATS["~admit_short"] += 1
             return None
         STATS["~admitted"] += 1
-        table = m.get_blocks(rid)
+        table = m.get_blocks(rid)[0]
         assert table[:len(blocks)] == blocks, "hit blocks head the table"
-        if slots:
-            loaded = table[len(blocks):len(blocks) + len(slots)]
+        if extra:
+            loaded = table[len(blocks):len(blocks) + extra]
             assert {b.block_id for b in loaded} <= m.tiers.plan.load_targets
         r.num_computed_tokens = hit
         self.where[rid] = "running"
         self.sched[rid] = (hit, n)
-        return len(blocks), len(slots)
+        return len(blocks), extra
 
     # -- operations --------------------------------------------------------------------------------
 
@@ -208,7 +211,7 @@ class KVModel:
             for slot, b in plan.loads:
                 fake[b] = store[slot]
         for rid, (start, n) in self.sched.items():
-            r, ids = self.reqs[rid], m.get_block_ids(rid)
+            r, ids = self.reqs[rid], m.get_block_ids(rid)[0]
             toks = r.all_token_ids
             assert len(ids) == cdiv(start + n, bs)
             got = [int(fake[ids[p // bs], p % bs]) for p in range(start)]
@@ -241,9 +244,9 @@ class KVModel:
         assert len(free_ids) == len(free) == m.num_free_blocks
         refs: Counter[int] = Counter()
         running = self._ids("running")
-        assert len(m._tables) == len(running)
+        assert len(m.request_ids()) == len(running)
         for rid in running:
-            r, table = self.reqs[rid], m.get_blocks(rid)
+            r, table = self.reqs[rid], m.get_blocks(rid)[0]
             ids = [b.block_id for b in table]
             assert 0 not in ids and len(set(ids)) == len(ids), "null or repeated block in a table"
             start, n = self.sched.get(rid, (r.num_computed_tokens, 0))
@@ -326,7 +329,7 @@ class KVModel:
         self.end_step()
         m = self.m
         assert m.usage == 0.0 and m.num_free_blocks == m.block_pool.num_blocks - 1
-        assert not m._in_flight and not m._in_flight_count
+        assert not m.in_flight_hashes()
         m.check_invariants()
         ts = m.tier_stats()
         for k in ("offload_hits_blocks", "num_swapped_in", "num_swap_fallbacks",

@@ -146,7 +146,7 @@ class BlockManagerMachine(KVModel, RuleBasedStateMachine):
         r = self._new(prompt, seed % 4, 1)
         if self._admit(r, n) is None:
             return
-        ids = m.get_block_ids(r.request_id)
+        ids = m.get_block_ids(r.request_id)[0]
         evicted = [b for b in ids if b in free_cached]
         assert pool.num_evictions - ev0 == len(evicted)
         # An evicted hash is gone from the device unless another copy of it (a duplicate the

@@ -7,12 +7,12 @@ from core_sim import make_request
 
 from jpaged.core.block_hash import BlockHasher
 from jpaged.core.kv_cache_groups import (
-    HybridKVCacheManager,
     blocks_needed,
     first_needed_block,
     kv_cache_layout,
     sliding_blocks_bound,
 )
+from jpaged.core.kv_cache_manager import KVCacheManager
 
 GEMMA3 = tuple(None if (i + 1) % 6 == 0 else 512 for i in range(18))
 
@@ -54,7 +54,7 @@ def test_layout_refuses_bad_windows(bad):
 def test_sliding_group_frees_behind_the_window_and_stays_bounded():
     bs, w = 4, 6
     lay = kv_cache_layout([None, w])
-    m = HybridKVCacheManager(lay, bs, 64, 512)
+    m = KVCacheManager(bs, 64, 512, layout=lay)
     r = req("r", list(range(1, 11)), bs)
     chunk = 3
     while r.num_computed_tokens < r.num_tokens:
@@ -85,7 +85,7 @@ def test_sliding_group_frees_behind_the_window_and_stays_bounded():
 def test_hit_needs_only_the_window_blocks_found_from_the_right():
     bs, w = 4, 6  # a hit at block boundary k needs blocks covering tokens >= 4k - 5
     lay = kv_cache_layout([None, w])
-    m = HybridKVCacheManager(lay, bs, 64, 512)
+    m = KVCacheManager(bs, 64, 512, layout=lay)
     prompt = list(range(1, 26))  # 6 full blocks + 1 token
     a = req("a", prompt, bs)
     assert m.allocate_slots(a, a.num_tokens) is not None
@@ -120,7 +120,7 @@ def test_hit_needs_only_the_window_blocks_found_from_the_right():
 def test_hit_length_is_the_longest_every_group_accepts():
     bs = 2
     lay = kv_cache_layout([None, 3, 3])  # gcd 1: full, sliding, sliding
-    m = HybridKVCacheManager(lay, bs, 64, 512)
+    m = KVCacheManager(bs, 64, 512, layout=lay)
     prompt = list(range(1, 12))
     a = req("a", prompt, bs)
     assert m.allocate_slots(a, a.num_tokens) is not None
@@ -157,9 +157,9 @@ def test_bad_flag_is_refused_by_name_and_tiers_work_with_groups():
     tiers = KVTiers(HostTier(4, (4,), np.int64))
     sched = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4), 32, tiers,
                       kv_layout=kv_cache_layout(GEMMA3))
-    assert isinstance(sched.kv_cache_manager, HybridKVCacheManager)
+    assert sched.kv_cache_manager.num_groups == 6
     assert sched.kv_cache_manager.tiers is tiers
-    # no sliding layer: the flag changes nothing, the plain manager runs
+    # no sliding layer: the flag changes nothing, the one manager runs one full group
     sched = Scheduler(SchedulerConfig(max_model_len=64), CacheConfig(block_size=4), 32, tiers,
                       kv_layout=kv_cache_layout([None] * 4))
-    assert type(sched.kv_cache_manager).__name__ == "KVCacheManager"
+    assert sched.kv_cache_manager.num_groups == 1

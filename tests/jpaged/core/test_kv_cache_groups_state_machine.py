@@ -1,4 +1,4 @@
-"""A hypothesis state machine over HybridKVCacheManager: KV cache groups over one pool, with
+"""A hypothesis state machine over KVCacheManager with KV cache groups over one pool, with
 host and disk tiers.
 
 Requests arrive (taking prefix hits every group accepts, on the device and continued on the
@@ -28,11 +28,11 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from jpaged.core.block_hash import BlockHasher
 from jpaged.core.disk_tier import DiskTier
 from jpaged.core.kv_cache_groups import (
-    HybridKVCacheManager,
     first_needed_block,
     kv_cache_layout,
     sliding_blocks_bound,
 )
+from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.offload import HostTier, KVTiers
 from jpaged.kv_events import split_group_key
 
@@ -43,7 +43,7 @@ LAYOUTS = [(None, "w"), ("w",), (None, "w", "w"), (None, None, "w")]
 
 
 class GroupsMachine(RuleBasedStateMachine):
-    """Random arrive / step / preempt / finish sequences over the hybrid manager."""
+    """Random arrive / step / preempt / finish sequences over the manager with groups."""
 
     @initialize(kinds=st.sampled_from(LAYOUTS), window=st.integers(1, 9),
                 block_size=st.sampled_from([1, 2, 4]), num_blocks=st.integers(6, 48),
@@ -59,8 +59,8 @@ class GroupsMachine(RuleBasedStateMachine):
                 else None
             tiers = KVTiers(HostTier(host, (block_size,), np.int64, store))
         self.swap = swap and tiers is not None
-        self.m = HybridKVCacheManager(self.layout, block_size, num_blocks, MAX_LEN, caching,
-                                      tiers=tiers)
+        self.m = KVCacheManager(block_size, num_blocks, MAX_LEN, caching, tiers=tiers,
+                                layout=self.layout)
         self.fake = np.full((num_blocks, block_size), -1, np.int64)
         self.reqs: dict = {}
         self.running: list[str] = []
@@ -100,7 +100,8 @@ class GroupsMachine(RuleBasedStateMachine):
             return
         hit, n = m.get_computed_blocks(r)
         off = m.get_offloaded_blocks(r, n // self.bs)
-        n += len(off) * self.bs
+        if off is not None:  # the tiers continue the hit
+            n = off.num_blocks * self.bs
         num_new = min(chunk, r.num_tokens - n)
         if m.allocate_slots(r, num_new, hit, n, off) is None:
             self._transfers()
@@ -149,7 +150,7 @@ class GroupsMachine(RuleBasedStateMachine):
         check what is read."""
         self._transfers()
         toks = r.all_token_ids
-        ids = self.m.group_block_ids(r.request_id)
+        ids = self.m.get_block_ids(r.request_id)
         bs = self.bs
         end = start + num_new
         for g, spec in enumerate(self.layout.groups):
@@ -218,7 +219,7 @@ class GroupsMachine(RuleBasedStateMachine):
                     assert host.store[slot].tolist() == self._kv(*split_group_key(key)), key
         for rid in self.running:
             r = self.reqs[rid]
-            ids = self.m.group_block_ids(rid)
+            ids = self.m.get_block_ids(rid)
             for g, spec in enumerate(self.layout.groups):
                 if spec.sliding_window is not None:
                     first = first_needed_block(r.num_computed_tokens, spec.sliding_window,

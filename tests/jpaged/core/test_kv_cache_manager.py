@@ -1,4 +1,5 @@
-"""KVCacheManager: all-or-nothing allocation, waste, prefix lookup, commit timing, metrics."""
+"""KVCacheManager with one full-attention group (a plain model's): all-or-nothing allocation,
+waste, prefix lookup, commit timing, metrics. Tables and hits come per group: [group 0]."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ import pytest
 from core_sim import make_request
 
 from jpaged.core.block_hash import BlockHasher
-from jpaged.core.kv_cache_manager import RECENT_WINDOW, KVCacheManager
+from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.prefix_cache_stats import RECENT_WINDOW
 
 
 def req(rid, prompt, bs=4, max_tokens=8, **kw):
@@ -19,8 +21,9 @@ def snapshot(m: KVCacheManager):
     pool = m.block_pool
     return (ids_(pool.free_block_queue.get_all_free_blocks()),
             [(b.ref_count, b.block_hash, b.num_tokens) for b in pool.blocks],
-            dict(pool.cached_blocks), {k: list(v) for k, v in m._block_ids.items()},
-            dict(m._num_cached), dict(m._in_flight_count), pool.num_evictions,
+            dict(pool.cached_blocks), {rid: m.get_block_ids(rid) for rid in m.request_ids()},
+            {rid: m.num_cached_blocks(rid) for rid in m.request_ids()}, m.in_flight_hashes(),
+            pool.num_evictions,
             m.stats.queries, m.stats.hits)
 
 
@@ -56,7 +59,7 @@ def test_allocate_grows_on_demand_with_at_most_one_partial_block():
         assert held * 4 - r.num_computed_tokens < 4
         m.check_invariants()
     m.free(r)
-    assert m.usage == 0.0 and m.get_block_ids("r") == []
+    assert m.usage == 0.0 and m.get_block_ids("r") == [[]]
     m.check_invariants()
 
 
@@ -79,7 +82,7 @@ def test_exhaustion_returns_none_and_changes_nothing():
     assert m.allocate_slots(c2, 20) is None and snapshot(m) == before
     m.free(c)
     assert m.allocate_slots(b, 6, blocks, n) is not None
-    assert m.get_block_ids("b")[:3] == ids_(blocks)
+    assert m.get_block_ids("b")[0][:3] == ids_(blocks[0])
     m.check_invariants()
 
 
@@ -93,8 +96,8 @@ def test_hit_blocks_are_not_evicted_by_the_same_allocation():
     assert n == 8
     new = m.allocate_slots(b, 5, blocks, n)
     assert new is not None and len(new) == 2
-    assert set(ids_(new)).isdisjoint(ids_(blocks))
-    assert all(blk.block_hash is not None for blk in blocks)
+    assert set(ids_(new)).isdisjoint(ids_(blocks[0]))
+    assert all(blk.block_hash is not None for blk in blocks[0])
     m.check_invariants()
 
 
@@ -104,7 +107,7 @@ def test_last_token_always_recomputed():
     run_prefill(m, a)
     same = req("same", list(range(12)))
     blocks, n = m.get_computed_blocks(same)
-    assert n == 8 and len(blocks) == 2  # (12 - 1) // 4 blocks
+    assert n == 8 and len(blocks[0]) == 2  # (12 - 1) // 4 blocks
     longer = req("longer", list(range(13)))
     assert m.get_computed_blocks(longer)[1] == 12
 
@@ -122,8 +125,8 @@ def test_theoretical_hits_four_requests_share_three_blocks():
     assert m.stats.hit_rate == pytest.approx(m.stats.hits / m.stats.queries)
     assert m.stats.recent_hit_rate == pytest.approx(m.stats.hit_rate)
     # Shared blocks are referenced by all four tables.
-    first = m.get_block_ids("r0")[:3]
-    assert all(m.get_block_ids(r.request_id)[:3] == first for r in reqs)
+    first = m.get_block_ids("r0")[0][:3]
+    assert all(m.get_block_ids(r.request_id)[0][:3] == first for r in reqs)
     assert all(m.block_pool.blocks[i].ref_count == 4 for i in first)
     for r in reqs:
         m.free(r)
@@ -137,19 +140,19 @@ def test_blocks_shareable_only_after_commit_and_in_flight_tracking():
     b = req("b", list(range(10)))
     assert m.allocate_slots(a, 10) is not None
     # a computes blocks 0, 1 this step: not cached yet, but in flight.
-    assert m.get_computed_blocks(b) == ([], 0)
+    assert m.get_computed_blocks(b) == ([[]], 0)
     assert m.is_prefix_in_flight(b, 0)
     a.num_computed_tokens = 10
     m.commit(a)
     assert not m.is_prefix_in_flight(b, 0)
     blocks, n = m.get_computed_blocks(b)
-    assert n == 8 and blocks == m.get_blocks("a")[:2]
+    assert n == 8 and blocks == [m.get_blocks("a")[0][:2]]
     # A freed request clears its in-flight marks.
     c = req("c", [5] * 9)
     m.allocate_slots(c, 9)
     assert m.is_prefix_in_flight(req("d", [5] * 9), 0)
     m.free(c)
-    assert not m._in_flight_count
+    assert not m.in_flight_hashes()
 
 
 def test_preempted_lookups_counted_apart_and_recent_window():
@@ -174,7 +177,7 @@ def test_caching_disabled_no_hits_no_hashes_needed():
     a = make_request("a", list(range(12)))
     run_prefill(m, a)
     b = make_request("b", list(range(12)))
-    assert m.get_computed_blocks(b) == ([], 0)
+    assert m.get_computed_blocks(b) == ([[]], 0)
     run_prefill(m, b)
     assert m.stats.queries == 0 and not m.block_pool.cached_blocks
     m.free(a)
@@ -192,4 +195,4 @@ def test_guards():
         m.allocate_slots(r2, 17)  # beyond max_model_len
     m.allocate_slots(r, 10)
     with pytest.raises(ValueError):
-        m.allocate_slots(r, 0, m.get_blocks("r")[:1], 4)  # hits only on admission
+        m.allocate_slots(r, 0, [m.get_blocks("r")[0][:1]], 4)  # hits only on admission

@@ -71,7 +71,7 @@ class TierSim(Sim):
         written = set(plan.load_targets)
         for x in out.scheduled:
             end = x.start_pos + x.num_tokens
-            written |= {x.block_ids[p // BS] for p in range(x.start_pos, end)}
+            written |= {x.block_ids[0][p // BS] for p in range(x.start_pos, end)}
         self.refilled += len(gathered & written)
         # Every host prefix entry holds its block's tokens.
         self._note_hashes(self.sched.requests.values())
@@ -132,17 +132,18 @@ def test_host_tier_spills_lru_victims_to_disk(tmp_path):
 def _run(m, fake, r, n=None):
     """Admit r (device + tier hits), run the plan then its forward, commit."""
     blocks, hit = m.get_computed_blocks(r)
-    slots = m.get_offloaded_blocks(r, len(blocks))
-    hit += len(slots) * BS
+    tier = m.get_offloaded_blocks(r, len(blocks[0]))
+    extra = tier.extra_blocks if tier is not None else 0
+    hit += extra * BS
     n = r.num_tokens - hit if n is None else n
-    assert m.allocate_slots(r, n, blocks, hit, slots) is not None
+    assert m.allocate_slots(r, n, blocks, hit, tier) is not None
     execute(m, fake)
-    ids = m.get_block_ids(r.request_id)
+    ids = m.get_block_ids(r.request_id)[0]
     for p in range(hit, hit + n):
         fake[ids[p // BS], p % BS] = r.all_token_ids[p]
     r.num_computed_tokens = hit + n
     m.commit(r)
-    return len(slots)
+    return extra
 
 
 def execute(m, fake):
@@ -161,7 +162,7 @@ def _req(rid, toks):
 
 
 def _reads(m, fake, r):
-    ids = m.get_block_ids(r.request_id)
+    ids = m.get_block_ids(r.request_id)[0]
     return [int(fake[ids[p // BS], p % BS]) for p in range(r.num_computed_tokens)]
 
 
@@ -202,9 +203,10 @@ def test_block_loaded_this_step_whose_owner_is_preempted():
     m.begin_step()
     a2 = _req("a2", prompt(1, 9))
     blocks, hit = m.get_computed_blocks(a2)
-    slots = m.get_offloaded_blocks(a2, len(blocks))
-    assert len(slots) == 2
-    assert m.allocate_slots(a2, 1, blocks, hit + 2 * BS, slots) is not None
+    tier = m.get_offloaded_blocks(a2, len(blocks[0]))
+    assert tier is not None and tier.extra_blocks == 2
+    slots = [x for x in tier.entries[0] if isinstance(x, int)]  # the host slots to load
+    assert m.allocate_slots(a2, 1, blocks, hit + 2 * BS, tier) is not None
     a2.num_computed_tokens = 2 * BS
     loaded = set(t.plan.load_targets)
     # Preempted in the same schedule: its loaded blocks hold nothing yet, so swap falls back.
@@ -215,7 +217,7 @@ def test_block_loaded_this_step_whose_owner_is_preempted():
     before = len(t.plan.gathers)  # a2's own allocation evicted (and gathered) c's blocks
     d = _req("d", prompt(3, 16))
     assert m.allocate_slots(d, 16) is not None
-    assert set(m.get_block_ids("d")) & loaded
+    assert set(m.get_block_ids("d")[0]) & loaded
     assert not loaded & {b for b, _ in t.plan.gathers[before:]}
     execute(m, fake)
     for h, s in t.host._lru.items():

@@ -248,18 +248,21 @@ def test_tokens_by_row_are_applied_like_tokens_by_id():
 
 
 def test_scheduled_block_ids_are_the_managers_list_not_a_copy():
-    """A step's block_ids is the manager's own list (a copy per request per step would cost the
-    table's length): exact when scheduled, grown in place later, left alone once freed."""
+    """A step's block_ids are the manager's own lists, one per KV cache group (a copy per
+    request per step would cost the table's length): exact when scheduled, grown in place
+    later, left alone once freed."""
     s = make_scheduler(64, max_num_seqs=2, block_size=4)
     s.add_request(make_request("a", prompt(1, 6), max_tokens=8))
     sim = Sim(s)
     out = sim.step()
-    ids = out.scheduled[0].block_ids
-    assert len(ids) == 2 and ids is s.kv_cache_manager.live_block_ids("a")
+    per_group = out.scheduled[0].block_ids
+    assert per_group is s.kv_cache_manager.live_block_ids("a") and len(per_group) == 1
+    ids = per_group[0]
+    assert len(ids) == 2
     before = list(ids)
     while len(ids) == 2:
         sim.step()
     assert ids[:2] == before and len(ids) == 3  # grew in place
     sim.run()
     assert ids[:2] == before  # freed: dropped by the manager, not cleared
-    assert s.kv_cache_manager.live_block_ids("a") == []
+    assert s.kv_cache_manager.live_block_ids("a") == [[]]

@@ -1,6 +1,7 @@
 """One rule for requests that take no prefix hit (``Request.skip_reading_prefix_cache``: prompt
-logprobs need every position's logits), applied by both KV managers, on every tier: the
-device prefix cache, the host/disk tiers, and the in-flight hold-back (nothing to wait for)."""
+logprobs need every position's logits), applied by the KV manager with one group or several, on
+every tier: the device prefix cache, the host/disk tiers, and the in-flight hold-back (nothing
+to wait for)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from core_sim import make_request
 
-from jpaged.core.kv_cache_groups import HybridKVCacheManager, kv_cache_layout
+from jpaged.core.kv_cache_groups import kv_cache_layout
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.offload import HostTier, KVTiers
 from jpaged.kv_events import group_key
@@ -17,10 +18,9 @@ BS = 4
 
 
 def manager(hybrid: bool, tiers: KVTiers) -> KVCacheManager:
-    if hybrid:  # a full-attention group and a sliding window of 4 tokens
-        return HybridKVCacheManager(kv_cache_layout([None, 4]), BS, 40, 64, True, "sha256",
-                                    tiers)
-    return KVCacheManager(BS, 40, 64, True, "sha256", tiers)
+    # hybrid: a full-attention group and a sliding window of 4 tokens
+    return KVCacheManager(BS, 40, 64, True, "sha256", tiers,
+                          layout=kv_cache_layout([None, 4]) if hybrid else None)
 
 
 def request(kvm: KVCacheManager, rid: str, prompt: list[int], **sp):
@@ -52,12 +52,12 @@ def test_prompt_logprobs_take_no_hit_from_device_host_or_in_flight_blocks(hybrid
 
     # The same blocks on the host tier only (under each group's key): a tier hit for the
     # plain request, none for the scoring one.
-    groups = kvm.layout.num_groups if hybrid else 1
     for i, h in enumerate(plain.block_hashes):
-        for g in range(groups):
-            tiers.on_device_evict(i + 1, group_key(h, g) if hybrid else h)
-    assert len(kvm.get_offloaded_blocks(plain, 0)) > 0
-    assert len(kvm.get_offloaded_blocks(scoring, 0)) == 0
+        for g in range(kvm.num_groups):
+            tiers.on_device_evict(i + 1, group_key(h, g))
+    hit = kvm.get_offloaded_blocks(plain, 0)
+    assert hit is not None and hit.extra_blocks > 0
+    assert kvm.get_offloaded_blocks(scoring, 0) is None
 
     # A running request computing this prefix now holds back the plain one (it will share
     # the blocks next step), not the scoring one (it takes no hit, so it waits for nothing).

@@ -27,7 +27,7 @@ def request(rid: str, **sp) -> Request:
 
 
 def row(req: Request, sample: bool = True) -> ScheduledRequest:
-    return ScheduledRequest(req, 0, 3, [1, 2, 3], [1], sample)
+    return ScheduledRequest(req, 0, 3, [1, 2, 3], [[1]], sample)
 
 
 def allowed(masks: np.ndarray, i: int) -> set[int]:
