@@ -452,9 +452,9 @@ class EngineCore:
         out = self.scheduler.schedule()
         if self.kv_worker is not None:
             self._kv_connector_meta()
-        if out.kv_transfers is not None and not out.kv_transfers.is_empty:
+        if out.tier_transfers is not None and not out.tier_transfers.is_empty:
             # Gathers, then loads, both before the forward (see jpaged/core/offload.py).
-            self.runner.kv = self.tier_transfer.apply(self.runner.kv, out.kv_transfers,
+            self.runner.kv = self.tier_transfer.apply(self.runner.kv, out.tier_transfers,
                                                       self.tiers.host.store)
         # Packed from the requests as scheduled; only then advanced past this step.
         self.runner.remove_requests(out.finished_request_ids)

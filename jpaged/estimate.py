@@ -45,6 +45,7 @@ from jpaged.config import (
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
 )
+from jpaged.intmath import cdiv
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # config.json torch_dtype values -> our names ("half" and "float" appear in old configs).
@@ -202,7 +203,7 @@ def _download_config(repo_id: str) -> Path:
 
 
 def _split(n: int, tp: int) -> int:
-    return -(-n // tp)
+    return cdiv(n, tp)
 
 
 def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
@@ -288,7 +289,7 @@ def estimate_capacity(
            + max_num_seqs * spec.vocab_size * 4)
     budget = int(mem * gpu_memory_utilization) - n_params_dev * wbytes - act - RUNTIME_MARGIN_BYTES
     block_dev = block_size * per_token_dev
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = cdiv(max_model_len, block_size)
     if budget < 2 * block_dev:
         raise EstimateError("--gpu-memory", f"{mem:,} bytes x {gpu_memory_utilization} minus "
                             f"{n_params_dev * wbytes:,} bytes of weights, {act:,} of activations "
@@ -301,7 +302,7 @@ def estimate_capacity(
         raise EstimateError("--max-model-len", f"one sequence of {max_model_len} tokens needs "
                             f"{blocks_per_seq} blocks but only {usable} fit; the largest "
                             f"max_model_len that fits is {usable * block_size}")
-    per_avg = None if avg_len is None else -(-avg_len // block_size)
+    per_avg = None if avg_len is None else cdiv(avg_len, block_size)
     hybrid = _hybrid_fields(spec, block_dev // spec.num_layers, blocks_per_seq,
                             max_num_batched_tokens, block_size, usable * block_dev)
     return CapacityEstimate(
@@ -331,7 +332,7 @@ def _hybrid_fields(spec: Any, layer_block_bytes: int, blocks_per_seq: int, chunk
         return {}
     window = max(sliding)
     # A sliding layer holds the blocks of its last window plus the chunk being computed.
-    held = min(blocks_per_seq, -(-(window - 1 + chunk) // block_size) + 1)
+    held = min(blocks_per_seq, cdiv(window - 1 + chunk, block_size) + 1)
     full = spec.num_layers * blocks_per_seq * layer_block_bytes
     hybrid = ((len(windows) - len(sliding)) * blocks_per_seq + len(sliding) * held) \
         * layer_block_bytes

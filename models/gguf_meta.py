@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import gguf
 import numpy as np
 
+from jpaged.intmath import cdiv
+
 _MAGIC = b"GGUF"
 # GGUF value type -> struct format of one element (STRING=8 and ARRAY=9 are variable-length).
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
@@ -141,7 +143,7 @@ def _parse(buf: memoryview, size: int, full: bool
         align = meta.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(align, int) or align < 1:
             raise ValueError(f"invalid general.alignment {align!r}")
-        data_start = -(-cur.pos // align) * align
+        data_start = cdiv(cur.pos, align) * align
     finally:
         del cur  # drop the cursor's view so the mmap can close
         buf.release()

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float, Int
 
+from jpaged.intmath import cdiv
 from pallas_kernels.reference import is_fp8, quantize
 
 
@@ -46,7 +47,7 @@ def paged_batch(key: Array, seq_lens: list[int], q_lens: list[int], *, hq: int, 
                 rotations: int = 1, pad_tokens: int = 0, scale: float = 1.0) -> PagedBatch:
     """A ragged batch whose K/V pages are random; each rotation uses its own shuffled blocks."""
     b = len(seq_lens)
-    max_blocks = max(1, max(-(-n // bs) for n in seq_lens))
+    max_blocks = max(1, max(cdiv(n, bs) for n in seq_lens))
     need = b * max_blocks
     num_blocks = 1 + rotations * need
     kq, kk, kv, kt = jax.random.split(key, 4)
@@ -56,7 +57,7 @@ def paged_batch(key: Array, seq_lens: list[int], q_lens: list[int], *, hq: int, 
     for r, kr in enumerate(jax.random.split(kt, rotations)):
         ids = 1 + r * need + jax.random.permutation(kr, need).reshape(b, max_blocks)
         used = jnp.arange(max_blocks)[None, :] < jnp.asarray(
-            [-(-n // bs) for n in seq_lens])[:, None]
+            [cdiv(n, bs) for n in seq_lens])[:, None]
         tables.append(jnp.where(used, ids, 0).astype(jnp.int32))
     t = sum(q_lens) + pad_tokens
     q = jax.random.normal(kq, (t, hq, d), q_dtype)

@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Bool, Float, Int
 
+from jpaged.intmath import cdiv
 from pallas_kernels import reference
 from pallas_kernels._compat import (
     MASK_VALUE,
@@ -196,8 +197,8 @@ def partition_active(seq_lens: Int[Array, " B"], parts: int, part_keys: int, ste
 def default_pages_per_partition(batch: int, kv_heads: int, max_blocks: int,
                                 pages_per_block: int) -> int:
     """Pages per split-K partition: enough partitions for ~_TARGET_PROGRAMS programs."""
-    want = max(1, -(-_TARGET_PROGRAMS // max(1, batch * kv_heads)))
-    ppp = next_pow2(-(-max_blocks // want))
+    want = max(1, cdiv(_TARGET_PROGRAMS, max(1, batch * kv_heads)))
+    ppp = next_pow2(cdiv(max_blocks, want))
     return max(ppp, pages_per_block)
 
 
@@ -256,13 +257,13 @@ def paged_decode_attention(
         pages_per_block = max(1, 128 // bs)
     pages_per_block = next_pow2(min(pages_per_block, next_pow2(max_blocks)))
     if not interpret:  # a tensor-core product needs >= 16 keys per step
-        pages_per_block = max(pages_per_block, next_pow2(-(-16 // bs)))
+        pages_per_block = max(pages_per_block, next_pow2(cdiv(16, bs)))
     if pages_per_partition is None:
         pages_per_partition = default_pages_per_partition(b, hkv, max_blocks, pages_per_block)
     if pages_per_partition % pages_per_block:
         raise ValueError(f"pages_per_partition={pages_per_partition} must be a multiple of "
                          f"pages_per_block={pages_per_block}")
-    parts = -(-max_blocks // pages_per_partition)
+    parts = cdiv(max_blocks, pages_per_partition)
     # Padded table entries point at block 0; they lie past seq_len and are masked.
     tables = jnp.pad(block_tables.astype(jnp.int32),
                      ((0, 0), (0, parts * pages_per_partition - max_blocks)))

@@ -33,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float, Int
 
+from jpaged.intmath import cdiv
 from pallas_kernels import reference
 from pallas_kernels._compat import (
     check_dot_tiles,
@@ -148,7 +149,7 @@ def _default_q_tile(rows_per_token: int, num_tokens: int, head_dim: int = 128) -
     """Tokens per tile: about 64 rows, fewer for wide heads so the accumulator stays in
     registers (16 rows at least, the smallest tensor-core M)."""
     rows = min(64, max(16, _ACC_ELEMENTS // head_dim))
-    return max(next_pow2(-(-16 // rows_per_token)),
+    return max(next_pow2(cdiv(16, rows_per_token)),
                min(next_pow2(num_tokens), max(1, rows // rows_per_token)))
 
 
@@ -185,11 +186,11 @@ def ragged_kernel_attention(
         pages_per_block = max(1, 64 // bs)
     pages_per_block = next_pow2(min(pages_per_block, next_pow2(max_blocks)))
     if not interpret:  # a tensor-core product needs >= 16 keys per step
-        pages_per_block = max(pages_per_block, next_pow2(-(-16 // bs)))
+        pages_per_block = max(pages_per_block, next_pow2(cdiv(16, bs)))
     rows = q_tile * gp
     check_dot_tiles(rows, pages_per_block * bs, interpret)
     # Each sequence adds at most one partial tile.
-    num_tiles = -(-t_total // q_tile) + num_seqs
+    num_tiles = cdiv(t_total, q_tile) + num_seqs
     tables, _ = reference.chunked_tables(block_tables.astype(jnp.int32), pages_per_block)
     padded_blocks = tables.shape[1]
     meta = tile_metadata(query_start_loc.astype(jnp.int32), seq_lens.astype(jnp.int32), q_tile,

@@ -23,6 +23,7 @@ from pathlib import Path
 from jpaged.bench import report
 from jpaged.bench.pd import pd_workload, run_pd
 from jpaged.config import EngineArgs
+from jpaged.intmath import cdiv
 
 
 def main() -> None:
@@ -60,7 +61,7 @@ def main() -> None:
         ray.shutdown()
     bs = engine.block_size
     prompts = work.streams + work.longs
-    needed = sum(-(-(len(p) - 1) // bs) for p in prompts)  # what a decode engine reads
+    needed = sum(cdiv(len(p) - 1, bs) for p in prompts)  # what a decode engine reads
     data: dict = {
         "quick": args.quick, "cores": cores,
         "workload": {**shape, "stream_len": len(work.streams[0]), "requests": len(prompts)},

@@ -24,6 +24,7 @@ import re
 from dataclasses import dataclass, field
 
 from jpaged.aot.hlo import Computation, Instr, arrays
+from jpaged.intmath import cdiv
 
 Box = tuple[tuple[int, int], ...]
 
@@ -128,7 +129,7 @@ def _reshape_box(box: Box, out: tuple[int, ...], src: tuple[int, ...]) -> Box:
             inner_out = math.prod(out[k] for k in gi[1:])
             lo, hi = box[gi[0]][0] * inner_out, box[gi[0]][1] * inner_out
             inner_src = math.prod(src[k] for k in gj[1:])
-            result.append((lo // inner_src, -(-hi // inner_src)))
+            result.append((lo // inner_src, cdiv(hi, inner_src)))
             result += [(0, src[k]) for k in gj[1:]]
         else:
             result += [(0, src[k]) for k in gj]

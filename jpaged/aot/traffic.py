@@ -35,6 +35,7 @@ from typing import Any
 
 from jpaged.aot.hbm import HbmModel, KernelRule, estimate_traffic
 from jpaged.aot.target import H200_HBM_BYTES_PER_S, HBM_REALISTIC_FRACTION
+from jpaged.intmath import cdiv
 from jpaged.runner.sampler import CANDIDATES_SCOPE, WHOLE_ROW_SCOPE
 
 DECODE_BATCHES = (1, 16, 64, 256)
@@ -48,10 +49,6 @@ HBM_KEYS = ("context_len", "hbm_bytes", "hbm_bytes_sampling", "hbm_bytes_samplin
 
 
 _CHUNK_LOOP = re.compile(r"xla_chunks_t(\d+)_g(\d+)_ck(\d+)_n(\d+)(?:_w(\d+))?")
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _param(name: str, key: str) -> int:
@@ -70,7 +67,7 @@ def _window(name: str) -> int | None:
 def _reach(first_key: int, end: int, step: int) -> int:
     """Keys read, in whole `step`-key units, by a kernel whose queries see keys first_key ..
     end-1 (first_key <= 0: from the start): the steps from the one holding first_key on."""
-    return (_cdiv(end, step) - max(0, first_key) // step) * step
+    return (cdiv(end, step) - max(0, first_key) // step) * step
 
 
 @dataclass(frozen=True)
@@ -132,7 +129,7 @@ class StepTraffic:
             n, w = max(1, self.tokens // self.seqs), _window(name)
             # Tile j holds rows j*qt .. min((j+1)*qt, n)-1; its first row sees w keys back.
             keys = sum(_reach(0 if w is None else j * qt - w + 1, min((j + 1) * qt, n), step)
-                       for j in range(_cdiv(n, qt)))
+                       for j in range(cdiv(n, qt)))
             # It stores the real rows of its output tiles: every token's query heads, in the
             # model's dtype (f32 for fp8 pages, whose v_scale is applied after).
             out = 4 if self.page_bytes == 1 else self.model_bytes
@@ -145,7 +142,7 @@ class StepTraffic:
         `part_keys`-key partitions that hold a key the window sees, in this decode case."""
         ctx = self.context_len
         first = 0 if window is None else max(0, ctx - window)
-        parts = _cdiv(ctx, part_keys) - first // part_keys
+        parts = cdiv(ctx, part_keys) - first // part_keys
         return self.seqs * self.kv_heads * self.q_per_kv * parts * (self.head_dim + 2) * 4
 
     def loop_trips(self, op_name: str) -> int | None:
@@ -162,14 +159,14 @@ class StepTraffic:
             spans = [(self.context_len - 1, self.context_len - 1)] * self.seqs
         else:  # each sequence prefills tokens // seqs tokens from position 0
             n = max(1, self.tokens // self.seqs)
-            spans = [(k * tile, min((k + 1) * tile, n) - 1) for k in range(_cdiv(n, tile))]
+            spans = [(k * tile, min((k + 1) * tile, n) - 1) for k in range(cdiv(n, tile))]
             spans *= self.seqs
         need = []
         for first, last in spans:
             end = min(last // ck + 1, n_chunks)
             start = 0 if w is None else min(max(first - w + 1, 0) // ck, end)
             need.append(end - start)
-        return sum(_cdiv(sum(1 for x in need if x > j), group) for j in range(n_chunks))
+        return sum(cdiv(sum(1 for x in need if x > j), group) for j in range(n_chunks))
 
     def min_hbm_bytes(self) -> int:
         """Weights once, the attended K/V once (a sliding layer's window of it), the new K/V
@@ -182,7 +179,7 @@ class StepTraffic:
 
     def fits_pool(self) -> bool:
         """Whether the pool holds every sequence's context at once."""
-        return self.seqs * _cdiv(self.context_len, self.block_size) <= self.num_blocks
+        return self.seqs * cdiv(self.context_len, self.block_size) <= self.num_blocks
 
 
 def predicted_ms(hbm_bytes: float, bandwidth: float = H200_HBM_BYTES_PER_S

@@ -28,6 +28,7 @@ import numpy as np
 from jpaged.bench.step_profile import summarize, trace_calls
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
+from jpaged.intmath import cdiv
 from jpaged.runner.batch import PackedStep, empty_step, flatten_step
 from jpaged.runner.model_runner import ModelRunner
 from models.loader import LoadedModel
@@ -47,7 +48,7 @@ def decode_step(runner: ModelRunner, batch: int, context_len: int, seed: int = 0
     if batch not in runner.plan.seq_buckets:
         raise ValueError(f"batch={batch} is not a decode bucket {runner.plan.seq_buckets}")
     bs, num_blocks = runner.block_size, runner.kv.num_blocks
-    per_seq = -(-context_len // bs)
+    per_seq = cdiv(context_len, bs)
     if per_seq > runner.plan.max_blocks:
         raise ValueError(f"context_len={context_len} needs {per_seq} blocks per sequence; the "
                          f"block tables hold {runner.plan.max_blocks} (raise max_model_len)")

@@ -28,6 +28,7 @@ import numpy as np
 
 from jpaged.bench.dp import _percentile, _wait_idle
 from jpaged.config import EngineArgs
+from jpaged.intmath import cdiv
 
 
 @dataclass
@@ -140,7 +141,7 @@ def run_pd(args: EngineArgs, disagg: bool, work: PDWorkload, warmup: PDWorkload,
                 probe_s = ((m1[1]["kv_transfer_receive_seconds_total"]
                             - m0[1]["kv_transfer_receive_seconds_total"]) / max(1, got_blocks))
             else:
-                probe_s = secs / -(-len(probe) // args.block_size)
+                probe_s = secs / cdiv(len(probe), args.block_size)
         before = client.replica_metrics()
         got = asyncio.run(_drive(server.url, work))
         _wait_idle(client)

@@ -29,6 +29,7 @@ from jpaged.bench.workloads import (
 )
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
+from jpaged.intmath import cdiv
 from jpaged.tune.replay import reset_host_state
 from models.loader import LoadedModel
 
@@ -102,7 +103,7 @@ def _timed(engine: LLMEngine, prompts: Sequence[Sequence[int]],
 
 def blocks_for(prompts: Sequence[Sequence[int]], max_tokens: int, block_size: int) -> int:
     """Blocks (null block included) that hold every request at full length at once."""
-    return 1 + sum(-(-(len(p) + max_tokens - 1) // block_size) for p in prompts)
+    return 1 + sum(cdiv(len(p) + max_tokens - 1, block_size) for p in prompts)
 
 
 def block_size_sweep(loaded: LoadedModel, prompts: Sequence[Sequence[int]],
@@ -256,7 +257,7 @@ def run_sweeps(loaded: LoadedModel, *, bs_prefix_tokens: int, bs_per_group: int,
     pool_prompts = sweep_prompts(tok, prefix_tokens, pool_groups, pool_per_group)
     pool_warm = sweep_prompts(tok, prefix_tokens, pool_groups, pool_per_group, variant=1)
     need = blocks_for(pool_prompts, max_tokens, pool_block_size)
-    floor = 2 + max(-(-(len(p) + max_tokens) // pool_block_size) for p in pool_prompts)
+    floor = 2 + max(cdiv(len(p) + max_tokens, pool_block_size) for p in pool_prompts)
     pools = [max(floor, int(round(f * need))) for f in pool_fracs]
     return {
         "workload": {"block_size_common_prefix_tokens": len(os.path.commonprefix(bs_prompts)),

@@ -15,6 +15,7 @@ from typing import Any
 from jpaged.bench.timing import stopwatch
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
+from jpaged.intmath import cdiv
 from jpaged.naive import NaiveEngine
 from jpaged.runner.kv_cache import bytes_per_block, kv_dtype
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -96,7 +97,7 @@ def parallel_sampling_blocks(loaded: LoadedModel, prompts: list[list[int]], max_
                              ) -> dict[str, int]:
     """Peak KV blocks in use for `n` samples per prompt, with and without block sharing."""
     out = {}
-    need = len(prompts) * n * (-(-(max(map(len, prompts)) + max_tokens) // block_size)) + 1
+    need = len(prompts) * n * (cdiv(max(map(len, prompts)) + max_tokens, block_size)) + 1
     for share in (True, False):
         args = EngineArgs(max_model_len=max_model_len, block_size=block_size,
                           num_gpu_blocks_override=need, enable_prefix_caching=share,

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from jpaged.core.block_pool import BlockPool, KVCacheBlock
 from jpaged.core.kv_cache_policies import NEVER, BlockPolicy
+from jpaged.intmath import cdiv
 
 
 class RequestTables:
@@ -40,7 +41,7 @@ class RequestTables:
         """Tables of cdiv(total, block_size) positions whose group g holds the null block
         before firsts[g] and the next of `blocks` (in order) after; none offered to the prefix
         cache yet (commit offers the full ones)."""
-        n = -(-total // block_size)
+        n = cdiv(total, block_size)
         it = iter(blocks)
         tables: list[list[KVCacheBlock]] = []
         for g, f in enumerate(firsts):
@@ -100,7 +101,7 @@ class RequestTables:
                    block_size: int) -> list[int]:
         """The real block ids holding the computed tokens that each group still needs, group
         after group (what swap-out gathers)."""
-        n = -(-num_computed // block_size)
+        n = cdiv(num_computed, block_size)
         return [b for p, ids in zip(policies, self.ids, strict=True)
                 for b in ids[p.first_held(num_computed):n]]
 

@@ -52,6 +52,7 @@ from jpaged.core.kv_cache_lookup import (
 )
 from jpaged.core.offload import KVTiers, TransferPlan, empty_tier_stats
 from jpaged.core.prefix_cache_stats import RECENT_WINDOW, PrefixCacheStats
+from jpaged.intmath import cdiv
 from jpaged.request import Request
 
 if TYPE_CHECKING:
@@ -196,7 +197,7 @@ class KVCacheManager:
         if computed >= req.release_at:
             self.num_freed_out_of_window += req.release_behind(
                 self.policies, self._windowed_groups, computed, pool)
-        num_new = max(0, -(-total // bs) - req.num_positions)
+        num_new = max(0, cdiv(total, bs) - req.num_positions)
         if G * num_new > pool.get_num_free_blocks():
             return None
         fresh = pool.get_new_blocks(G * num_new) if num_new else []
@@ -231,7 +232,7 @@ class KVCacheManager:
         if total > self.max_model_len or total > request.num_tokens_with_placeholders:
             raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len "
                              f"({self.max_model_len}) or the known tokens ({request.num_tokens})")
-        num_new = max(0, -(-total // bs) - num_hit)
+        num_new = max(0, cdiv(total, bs) - num_hit)
         num_loads = reused = 0
         for row in hits:
             for b in row:
@@ -344,7 +345,7 @@ class KVCacheManager:
         rid = request.request_id
         req = self._req_tables.get(rid)
         computed = request.num_computed_tokens
-        n = -(-computed // self.block_size)
+        n = cdiv(computed, self.block_size)
         if self.tiers is None or req is None or n == 0:
             return False
         ids = req.needed_ids(self.policies, computed, self.block_size)
@@ -370,7 +371,7 @@ class KVCacheManager:
             raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len or the "
                              "known tokens")
         bs = self.block_size
-        n_tab, n_loaded = -(-total // bs), -(-restored // bs)
+        n_tab, n_loaded = cdiv(total, bs), cdiv(restored, bs)
         firsts = [p.first_held(restored) for p in self.policies]
         need = sum(n_tab - f for f in firsts)
         if need > self.block_pool.get_num_free_blocks():
@@ -393,7 +394,7 @@ class KVCacheManager:
         if self.tiers is not None:
             self.tiers.begin_step()
 
-    def take_transfers(self) -> TransferPlan | None:
+    def take_tier_transfers(self) -> TransferPlan | None:
         """The device transfers this schedule() planned (None without tiers)."""
         return self.tiers.take_plan() if self.tiers is not None else None
 

@@ -24,13 +24,14 @@ from collections.abc import Container, Sequence
 
 from jpaged.core.block_hash import BlockHash
 from jpaged.core.block_pool import KVCacheBlock
+from jpaged.intmath import cdiv
 
 NEVER = sys.maxsize  # release_point of a group that frees nothing
 
 
 def sliding_blocks_bound(window: int, chunk: int, block_size: int) -> int:
     """Most blocks a request holds in a sliding group: cdiv(W - 1 + chunk, bs) + 1."""
-    return -(-(window - 1 + chunk) // block_size) + 1
+    return cdiv(window - 1 + chunk, block_size) + 1
 
 
 def first_needed_block(num_computed_tokens: int, window: int, block_size: int) -> int:
@@ -71,7 +72,7 @@ class BlockPolicy:
 
     def max_blocks(self, num_tokens: int, chunk: int) -> int:
         """Most real blocks a request of `num_tokens` tokens (chunks <= `chunk`) holds."""
-        return -(-num_tokens // self.block_size)
+        return cdiv(num_tokens, self.block_size)
 
     def release_behind(self, table: list[KVCacheBlock], ids: list[int], start: int,
                        num_tokens: int, null: KVCacheBlock) -> tuple[int, list[KVCacheBlock]]:
@@ -134,7 +135,7 @@ class SlidingWindow(BlockPolicy):
 
     def max_blocks(self, num_tokens: int, chunk: int) -> int:
         """min(the blocks of all its tokens, cdiv(W - 1 + chunk, bs) + 1)."""
-        return min(-(-num_tokens // self.block_size),
+        return min(cdiv(num_tokens, self.block_size),
                    sliding_blocks_bound(self.window, chunk, self.block_size))
 
 

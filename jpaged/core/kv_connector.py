@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jpaged.config import KVTransferConfig
+from jpaged.intmath import cdiv
 from jpaged.request import Request, RequestStatus
 
 __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "LoadSpec",
@@ -206,7 +207,7 @@ class KVConnectorScheduler:
         bs = self.block_size
         first = request.num_computed_tokens // bs  # the local hit's blocks come first
         end = request.num_computed_tokens + num_external_tokens
-        last = -(-end // bs)
+        last = cdiv(end, bs)
         remote = ([] if self.shared_storage else
                   list(params["remote_block_ids"][first:last]))
         hashes = request.block_hashes[first:min(last, len(request.block_hashes))]
@@ -235,7 +236,7 @@ class KVConnectorScheduler:
         params = request.kv_transfer_params
         if self.shared_storage or not params or not params.get("do_remote_prefill"):
             return None
-        need = -(-(request.num_prompt_tokens - 1) // self.block_size)
+        need = cdiv(request.num_prompt_tokens - 1, self.block_size)
         have = len(params["remote_block_ids"])
         if have < need:
             return (f"kv_transfer_params.remote_block_ids names {have} blocks but the prompt's "
@@ -259,7 +260,7 @@ class KVConnectorScheduler:
         n = request.num_prompt_tokens
         # What a consumer reads: tokens [0, n-1) (the shared directory: only its full blocks).
         num_blocks = ((n - 1) // self.block_size if self.shared_storage
-                      else -(-(n - 1) // self.block_size))
+                      else cdiv(n - 1, self.block_size))
         held = list(one_group(block_ids)[:num_blocks])
         out = {"do_remote_prefill": True, "do_remote_decode": False,
                "remote_engine_id": self.engine_id, "remote_host": self.host,

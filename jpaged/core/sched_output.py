@@ -39,7 +39,7 @@ class SchedulerOutput:
     preempted: list[str]  # ids preempted (recompute) during this schedule()
     finished_request_ids: list[str] = field(default_factory=list)  # since the last schedule()
     # Device<->host block moves to run before this step's forward (None without KV tiers).
-    kv_transfers: TransferPlan | None = None
+    tier_transfers: TransferPlan | None = None
     # True once Scheduler.update_after_schedule advanced its requests (async scheduling).
     advanced: bool = False
 

@@ -51,6 +51,7 @@ from jpaged.core.pressure import PressureMonitor
 from jpaged.core.request_queue import QueueKey, WaitingQueue
 from jpaged.core.sched_output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
 from jpaged.core.token_budget import fit_token_budget
+from jpaged.intmath import cdiv
 from jpaged.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput", "is_decoding"]
@@ -100,7 +101,7 @@ def check_request_fits(request: Request, max_model_len: int, block_size: int,
     longest = max(max_model_len, n + 1)
     if request.max_tokens is not None:
         longest = min(longest, n + request.max_tokens)
-    blocks = -(-(longest - 1) // block_size)
+    blocks = cdiv(longest - 1, block_size)
     if layout is not None:
         blocks = blocks_needed(longest - 1, layout, block_size, chunk)
     usable = num_blocks - 1  # block 0 is the null block
@@ -351,7 +352,7 @@ class Scheduler:
         scheduled = list(st.scheduled.values())
         out = SchedulerOutput(scheduled, sum(map(_NUM_TOKENS, scheduled)),
                               [r.request_id for r in st.preempted], self._finished_ids,
-                              self.kv_cache_manager.take_transfers())
+                              self.kv_cache_manager.take_tier_transfers())
         self._finished_ids = []
         self.pressure.on_step(self.kv_cache_manager.usage, self.kv_cache_manager.num_evictions,
                               len(self.waiting))

@@ -12,6 +12,7 @@ import numpy as np
 from jaxtyping import Array, Int
 
 from jpaged.core.sched_output import PLACEHOLDER_TOKEN
+from jpaged.intmath import cdiv
 from jpaged.runner.sampler import SamplingBatch, SamplingFlags
 
 # Sampling history (penalties) is padded to a power of two no smaller than this.
@@ -70,7 +71,7 @@ class BucketPlan:
         self.seq_buckets = _powers(4, 1, max_num_seqs)
         self.mixed_seq_buckets = _powers(4, 16, max_num_seqs)
         self.token_buckets = _powers(4, 64, max(max_num_batched_tokens, max_num_seqs))
-        self.max_blocks = -(-max_model_len // block_size)
+        self.max_blocks = cdiv(max_model_len, block_size)
         # KV cache groups (kv_cache_groups.py): each has its own block table and slot mapping.
         self.num_groups = 1
 

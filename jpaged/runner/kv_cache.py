@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jpaged.config import CacheConfig
+from jpaged.intmath import cdiv
 from models.config import ModelSpec
 from pallas_kernels.reference import bits_dtype, from_bits
 
@@ -115,7 +116,7 @@ def bytes_per_block(spec: ModelSpec, block_size: int, dtype: jnp.dtype,
     """
     if not isinstance(kv_head_shards, int) or kv_head_shards < 1:
         raise ValueError(f"kv_head_shards must be an integer >= 1, got {kv_head_shards!r}")
-    heads = max(1, -(-spec.num_kv_heads // kv_head_shards))
+    heads = max(1, cdiv(spec.num_kv_heads, kv_head_shards))
     layers = spec.num_layers if kv_layers is None else kv_layers
     return layers * block_size * 2 * heads * spec.head_dim * jnp.dtype(dtype).itemsize
 
@@ -168,7 +169,7 @@ class KVPoolPlan:
     @property
     def max_concurrent_seqs(self) -> int:
         """max_model_len sequences the pool holds at once (block 0 is never handed out)."""
-        per = self.blocks_per_seq or -(-self.max_model_len // self.block_size)
+        per = self.blocks_per_seq or cdiv(self.max_model_len, self.block_size)
         return max(self.num_blocks - 1, 0) // per
 
     def log(self) -> None:
@@ -252,14 +253,14 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
     n = (cache.num_gpu_blocks_override if cache.num_gpu_blocks_override is not None
          else max(budget, 0) // per_block)
     if blocks_per_seq is None:
-        blocks_per_seq = -(-max_model_len // cache.block_size)
+        blocks_per_seq = cdiv(max_model_len, cache.block_size)
     plan = KVPoolPlan(source, dev, util, param_bytes, act, margin, avail, max(budget, 0),
                       per_block, int(n), max_model_len, cache.block_size, share, blocks_per_seq)
     plan.log()
     if cache.num_gpu_blocks_override is None and n - 1 < blocks_per_seq:
         # With groups a request's blocks do not grow in proportion to its length: the
         # figure is then an estimate (exact without groups).
-        per = -(-max_model_len // cache.block_size) / blocks_per_seq
+        per = cdiv(max_model_len, cache.block_size) / blocks_per_seq
         fit = int(max(n - 1, 0) * per) * cache.block_size
         what = (f"the largest max_model_len that fits is {fit}" if fit > 0
                 else "not even one block fits")

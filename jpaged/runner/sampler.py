@@ -11,6 +11,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, Int
 
+from jpaged.intmath import cdiv
+
 
 @jax.tree_util.register_dataclass
 @dataclass
@@ -253,7 +255,7 @@ def candidate_shape(v: int, shards: int = 1,
     chunk, keep = _CANDIDATES if candidates is None else candidates
     if chunk <= 0 or keep <= 0:
         return None
-    return (chunk, keep) if -(-(v // shards) // chunk) >= 4 * keep else None
+    return (chunk, keep) if cdiv(v // shards, chunk) >= 4 * keep else None
 
 
 def best_runs(x: Float[Array, "B V"], chunk: int, keep: int
@@ -262,7 +264,7 @@ def best_runs(x: Float[Array, "B V"], chunk: int, keep: int
     [B, keep * chunk] (padding past the row: -inf, ids past it), and the maxima of the best
     keep + 1 runs, largest first: the last is the best run left out."""
     b, v = x.shape
-    n = -(-v // chunk)
+    n = cdiv(v, chunk)
     if n * chunk > v:
         x = jnp.pad(x, ((0, 0), (0, n * chunk - v)), constant_values=-jnp.inf)
     runs = x.reshape(b, n, chunk)
@@ -353,7 +355,7 @@ def row_chunks(n: int) -> tuple[int, int]:
     if n // c <= 4 * max(root, 1):
         return c, n // c
     length = math.isqrt(n - 1) + 1
-    return -(-n // length), length
+    return cdiv(n, length), length
 
 
 def _combine(a: tuple[jax.Array, ...], b: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:

@@ -21,6 +21,7 @@ from jpaged.bench.throughput import run_batch
 from jpaged.config import EngineArgs
 from jpaged.core.scheduler import Scheduler
 from jpaged.engine import LLMEngine
+from jpaged.intmath import cdiv
 from jpaged.runner.kv_cache import bytes_per_block, device_memory_bytes, kv_dtype
 from jpaged.runner.tier_setup import build_host_tier
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -125,7 +126,7 @@ class EngineReplayer:
             return TrialResult(cfg, n, error=str(e), elapsed_s=time.monotonic() - t0)
         blocks = self.blocks_for(engine, cfg)
         bs = engine.config.cache.block_size
-        longest = max(-(-(len(r.prompt_token_ids) + r.max_tokens - 1) // bs)
+        longest = max(cdiv(len(r.prompt_token_ids) + r.max_tokens - 1, bs)
                       for r in self.requests)
         if blocks - 1 < longest:
             return TrialResult(cfg, n, num_gpu_blocks=blocks, elapsed_s=time.monotonic() - t0,

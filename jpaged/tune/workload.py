@@ -17,6 +17,8 @@ from typing import Any
 
 import numpy as np
 
+from jpaged.intmath import cdiv
+
 DEFAULT_OUTPUT_LEN = 128
 SYNTHETIC_DEFAULT = "n=64,in=256,out=64,prefix=0,seed=0"
 SYNTHETIC_QUICK = "n=16,in=128,out=32,prefix=0,seed=0"
@@ -151,5 +153,5 @@ def fit(requests: list[WorkloadRequest], max_model_len: int) -> list[WorkloadReq
 
 def blocks_needed(requests: list[WorkloadRequest], block_size: int) -> int:
     """KV blocks (null block included) that hold every request at full length at once."""
-    return 1 + sum(-(-(len(r.prompt_token_ids) + r.max_tokens - 1) // block_size)
+    return 1 + sum(cdiv(len(r.prompt_token_ids) + r.max_tokens - 1, block_size)
                    for r in requests)

@@ -10,6 +10,7 @@ from helpers import make_llm, tiny
 from jpaged import LLM, SamplingParams
 from jpaged.core.cache_state import CACHED_FREE, FREE, IN_USE, NULL
 from jpaged.core.metrics_history import FIELDS, MetricsHistory
+from jpaged.intmath import cdiv
 
 # The engine shape of tests/jpaged/test_engine.py, so the compiled steps are shared.
 ENGINE = dict(max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
@@ -54,7 +55,7 @@ def _assert_matches_truth(llm: LLM, state: dict) -> None:
         req = sched.requests[rid]
         assert (e["num_tokens"], e["num_computed_tokens"]) == (req.num_tokens,
                                                                req.num_computed_tokens)
-        assert -(-e["num_computed_tokens"] // kv.block_size) <= len(e["block_table"])
+        assert cdiv(e["num_computed_tokens"], kv.block_size) <= len(e["block_table"])
     assert set(state["waiting"]) == set(sched.requests) - set(tables)
     m = llm.get_metrics()
     assert state["usage"] == m["kv_cache_usage"]

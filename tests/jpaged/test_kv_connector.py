@@ -16,6 +16,7 @@ from jpaged import SamplingParams
 from jpaged.async_engine import AsyncLLMEngine
 from jpaged.config import EngineArgs, KVTransferConfig
 from jpaged.engine import LLMEngine
+from jpaged.intmath import cdiv
 
 BS = 8
 GREEDY = dict(temperature=0, max_tokens=6, ignore_eos=True)
@@ -151,8 +152,8 @@ def test_disaggregated_greedy_equals_one_engine(producer, reference):
         for i, prompt in enumerate([_prompt(1, 5), _prompt(2, 150)]):
             pre = _prefill(producer, prompt)
             kvp = pre.kv_transfer_params
-            assert kvp["do_remote_prefill"] and len(kvp["remote_block_ids"]) == -(-(
-                len(prompt) - 1) // BS)
+            assert kvp["do_remote_prefill"]
+            assert len(kvp["remote_block_ids"]) == cdiv(len(prompt) - 1, BS)
             assert pre.outputs[0].token_ids == reference(prompt)[:1]
             before = m()["prompt_tokens_total"]
             out = _run(consumer, f"d{i}", prompt, _decode_params(kvp))
@@ -168,7 +169,7 @@ def test_disaggregated_greedy_equals_one_engine(producer, reference):
             out = _run(consumer, f"s{j}", prompt, _decode_params(pre.kv_transfer_params))
             assert out.outputs[0].token_ids == reference(prompt)
             assert out.num_cached_tokens == 64  # the shared blocks came from its own cache
-            need = -(-(len(prompt) - 1) // BS) - 8
+            need = cdiv(len(prompt) - 1, BS) - 8
             assert m()["kv_transfer_blocks_received_total"] - got == need
             got += need
         _wait(lambda: producer.engine.kv_cache_usage == 0.0)

@@ -8,6 +8,7 @@ import pytest
 from helpers import make_llm, tiny
 
 from jpaged import SamplingParams
+from jpaged.intmath import cdiv
 
 BS = 8
 
@@ -95,8 +96,8 @@ def test_parallel_sampling_shares_prompt_blocks():
         outs += eng.step()
         m = eng.get_metrics()
         peak = max(peak, m["num_blocks_total"] - m["num_blocks_free"])
-    prompt_blocks = -(-len(prompt) // BS)
-    gen_blocks = -(-gen // BS)
+    prompt_blocks = cdiv(len(prompt), BS)
+    gen_blocks = cdiv(gen, BS)
     assert peak <= prompt_blocks + 8 * (gen_blocks + 1)
     final = [o for o in outs if o.finished][0]
     assert len(final.outputs) == 8 and all(len(c.token_ids) == gen for c in final.outputs)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.intmath import cdiv
 from pallas_kernels._compat import compute_dtype
 from pallas_kernels.reference import write_kv
 
@@ -37,7 +38,7 @@ def make_case(rng: np.random.Generator, seqs: list[tuple[int, int]], *, bs: int,
     Block tables are a random permutation of blocks 1..; entries past a sequence's blocks are 0
     (the null block), and every unused slot holds random finite data, so a masking mistake shows.
     """
-    need = [-(-s // bs) for s, _ in seqs]
+    need = [cdiv(s, bs) for s, _ in seqs]
     max_blocks = max_blocks or max(max(need), 1)
     num_blocks = sum(need) + 3
     perm = rng.permutation(np.arange(1, num_blocks))

@@ -16,6 +16,7 @@ import pytest
 from jpaged.aot.hbm import HbmModel, KernelRule, estimate_traffic
 from jpaged.aot.hlo import parse_module, shape_bytes
 from jpaged.aot.traffic import StepTraffic
+from jpaged.intmath import cdiv
 
 K, LAYERS, ROWS = 128, 8, 4
 WEIGHT = K * K * 4  # one f32 [K, K] layer
@@ -239,7 +240,7 @@ def test_xla_chunk_loop_trips_follow_its_schedule():
     # 12 tokens); tile k ends at 32k + 31 (299 for the last): chunks 0..(last // 128).
     pre = StepTraffic(**{**dec.__dict__, "tokens": 1200, "seqs": 4, "context_len": 300})
     need = [min(32 * k + 31, 299) // 128 + 1 for k in range(10)] * 4  # 1 x 16, 2 x 16, 3 x 8
-    want = sum(-(-sum(1 for x in need if x > j) // 8) for j in range(32))
+    want = sum(cdiv(sum(1 for x in need if x > j), 8) for j in range(32))
     assert want == 5 + 3 + 1
     assert pre.loop_trips("jit(_step)/xla_chunks_t32_g8_ck128_n32/while") == want
 

@@ -18,6 +18,7 @@ import numpy as np
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.sched_output import PLACEHOLDER_TOKEN
 from jpaged.core.scheduler import Scheduler, SchedulerOutput
+from jpaged.intmath import cdiv
 from jpaged.request import Request, RequestStatus
 from jpaged.sampling_params import SamplingParams
 
@@ -112,7 +113,7 @@ class Sim:
             assert x.block_ids == kvm.get_block_ids(r.request_id)
             assert len(x.block_ids) == 1, "one KV cache group (no sliding layers)"
             ids = x.block_ids[0]
-            assert len(ids) == -(-end // bs), "table must be exactly cdiv(tokens, bs)"
+            assert len(ids) == cdiv(end, bs), "table must be exactly cdiv(tokens, bs)"
             assert 0 not in ids
             assert x.sample == (end == r.num_tokens_with_placeholders)
             pos = np.arange(x.start_pos)
@@ -173,7 +174,7 @@ class Sim:
         for r in s.running:
             assert r.status is RequestStatus.RUNNING
             # At most one partly filled block: the table covers exactly the computed tokens.
-            assert kvm.num_blocks_held(r.request_id) == -(-r.num_computed_tokens // s.block_size)
+            assert kvm.num_blocks_held(r.request_id) == cdiv(r.num_computed_tokens, s.block_size)
         for r in s.waiting:
             assert r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert kvm.num_blocks_held(r.request_id) == 0 and r.num_computed_tokens == 0

@@ -23,6 +23,7 @@ import numpy as np
 from jpaged.core.disk_tier import SUFFIX, DiskTier
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.offload import HostTier, KVTiers
+from jpaged.intmath import cdiv
 from jpaged.kv_events import BlockStored, CacheIndex, KVEventCollector
 from jpaged.request import Request
 from jpaged.sampling_params import SamplingParams
@@ -42,11 +43,6 @@ def disk_block_bytes(block_size: int) -> int:
         return probe.stats["bytes_used"]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division."""
-    return -(-a // b)
 
 
 class KVModel:
@@ -203,7 +199,7 @@ class KVModel:
         """Run the step: transfers (gathers, then loads), reads, forward writes, commit, sample."""
         STATS["~engine_steps"] += 1
         m, bs, fake = self.m, self.bs, self.fake
-        plan = m.take_transfers()
+        plan = m.take_tier_transfers()
         if plan is not None:
             store = m.tiers.host.store
             for b, slot in plan.gathers:  # all gathers read the pool as the last step left it

@@ -34,6 +34,7 @@ from jpaged.core.kv_cache_groups import (
 )
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.offload import HostTier, KVTiers
+from jpaged.intmath import cdiv
 from jpaged.kv_events import split_group_key
 
 MAX_LEN = 24
@@ -70,7 +71,7 @@ class GroupsMachine(RuleBasedStateMachine):
     def _need_fits(self, r) -> bool:
         total = 0
         for g in self.layout.groups:
-            full = -(-MAX_LEN // self.bs)
+            full = cdiv(MAX_LEN, self.bs)
             w = g.sliding_window
             total += full if w is None else min(full, sliding_blocks_bound(w, MAX_CHUNK, self.bs))
         return total <= self.m.block_pool.num_blocks - 1
@@ -112,7 +113,7 @@ class GroupsMachine(RuleBasedStateMachine):
 
     def _transfers(self) -> None:
         """The step's device moves, as the runner runs them: all gathers, then all loads."""
-        plan = self.m.take_transfers()
+        plan = self.m.take_tier_transfers()
         if plan is not None:
             store = self.m.tiers.host.store
             for b, slot in plan.gathers:
@@ -166,7 +167,7 @@ class GroupsMachine(RuleBasedStateMachine):
                     f"group {g} reads position {p} from block {b}: not this request's token")
             if w is not None:
                 held = sum(1 for x in ids[g] if x)
-                assert held <= sliding_blocks_bound(w, num_new, bs) or held <= -(-end // bs)
+                assert held <= sliding_blocks_bound(w, num_new, bs) or held <= cdiv(end, bs)
         r.num_computed_tokens = end
         self.m.commit(r)
         h = r.block_hashes

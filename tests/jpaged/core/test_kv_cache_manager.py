@@ -9,6 +9,7 @@ from core_sim import make_request
 from jpaged.core.block_hash import BlockHasher
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.prefix_cache_stats import RECENT_WINDOW
+from jpaged.intmath import cdiv
 
 
 def req(rid, prompt, bs=4, max_tokens=8, **kw):
@@ -55,7 +56,7 @@ def test_allocate_grows_on_demand_with_at_most_one_partial_block():
         r.num_computed_tokens += 1
         m.commit(r)
         held = m.num_blocks_held("r")
-        assert held == -(-r.num_computed_tokens // 4)  # waste < one block
+        assert held == cdiv(r.num_computed_tokens, 4)  # waste < one block
         assert held * 4 - r.num_computed_tokens < 4
         m.check_invariants()
     m.free(r)

@@ -18,6 +18,7 @@ from jpaged.core.kv_cache_policies import (
     longest_common_hit,
 )
 from jpaged.core.offload import HostTier, KVTiers
+from jpaged.intmath import cdiv
 from jpaged.kv_events import group_key
 
 HASHES = [bytes([i]) * 32 for i in range(12)]
@@ -44,7 +45,7 @@ def test_sliding_window_needs_the_window_and_frees_what_left_it():
     assert p.longest_hit(HASHES, held, 12) == 8  # 8 blocks: needs 6, 7
     held.discard(HASHES[6])
     assert p.longest_hit(HASHES, held, 12) == 6  # 6: needs blocks 4, 5
-    assert p.max_blocks(1000, 3) == -(-(6 - 1 + 3) // 4) + 1
+    assert p.max_blocks(1000, 3) == cdiv(6 - 1 + 3, 4) + 1
     pool = BlockPool(8)  # release_behind on a table
     table = pool.get_new_blocks(4)
     ids = [b.block_id for b in table]

@@ -61,7 +61,7 @@ class TierSim(Sim):
         """Execute the step's TransferPlan on the fake pool (before the forward)."""
         kvm = self.sched.kv_cache_manager
         t = kvm.tiers
-        plan = out.kv_transfers
+        plan = out.tier_transfers
         store = t.host.store
         gathered = {b for b, _ in plan.gathers}
         for b, slot in plan.gathers:  # 1: every gather reads the pool as the last step left it

@@ -27,6 +27,7 @@ from test_offload import TierSim, disk_tier, tiers
 
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.scheduler import Scheduler, is_decoding
+from jpaged.intmath import cdiv
 from jpaged.request import Request, RequestStatus
 
 MAX_LEN = 40
@@ -90,7 +91,7 @@ def run_workload(seed: int, mode: str, policy: str, tmp_path) -> None:
         specs.append((f"s{seed}r{i}", prompt, rng.randint(1, 12), rng.randint(0, 2),
                       rng.randint(0, 12),  # arrival step
                       rng.choice([None, None, None, rng.randint(0, 20)])))  # abort after k steps
-    need = max(-(-(min(MAX_LEN, len(p) + mt) - 1) // bs) for _, p, mt, *_ in specs)
+    need = max(cdiv(min(MAX_LEN, len(p) + mt) - 1, bs) for _, p, mt, *_ in specs)
     num_blocks = 1 + need + rng.choice([0, 0, 1, 2, 4, 8])
     budget = rng.randint(1, 32) if chunked else MAX_LEN + rng.randint(0, 8)
     threshold = rng.choice([None, rng.randint(1, 8)])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 from core_sim import Sim, make_request, make_scheduler, reference_output
 
+from jpaged.intmath import cdiv
 from jpaged.request import Request
 from jpaged.sampling_params import SamplingParams
 
@@ -54,7 +55,7 @@ def test_n8_fanout_shares_prompt_blocks(prompt_len):
         assert all(fin[k.request_id].output_token_ids == ref for k in kids)
         used[caching] = sim.max_used_blocks
     full_prompt_blocks = prompt_len // bs
-    gen_blocks = -(-gen // bs)
+    gen_blocks = cdiv(gen, bs)
     assert used[True] <= full_prompt_blocks + n * (gen_blocks + 1)
     assert used[False] >= n * full_prompt_blocks  # without sharing each child has a copy
 

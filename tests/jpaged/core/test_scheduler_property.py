@@ -6,6 +6,8 @@ from core_sim import Sim, make_request, make_scheduler, reference_output
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jpaged.intmath import cdiv
+
 MAX_LEN = 48
 
 BASES = [[(b * 37 + i * 5) % 900 for i in range(30)] for b in range(3)]
@@ -40,7 +42,7 @@ def test_random_workloads(reqs, block_size, extra_blocks, budget, chunked, cachi
     for i, (base, share, suffix, max_tokens, prio, arrive, abort) in enumerate(reqs):
         p = (BASES[base][:share] + suffix)[:MAX_LEN] or [7]
         specs.append((f"r{i}", p, max_tokens, prio, arrive, abort))
-    need = max(-(-(min(MAX_LEN, len(p) + mt) - 1) // block_size) for _, p, mt, *_ in specs)
+    need = max(cdiv(min(MAX_LEN, len(p) + mt) - 1, block_size) for _, p, mt, *_ in specs)
     s = make_scheduler(1 + need + extra_blocks, block_size=block_size,
                        max_num_batched_tokens=budget if chunked else max(budget, MAX_LEN),
                        max_model_len=MAX_LEN, caching=caching, policy=policy, chunked=chunked,

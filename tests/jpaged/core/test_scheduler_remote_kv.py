@@ -15,6 +15,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from jpaged.config import CacheConfig, KVTransferConfig, SchedulerConfig
 from jpaged.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
 from jpaged.core.scheduler import Scheduler
+from jpaged.intmath import cdiv
 from jpaged.request import Request, RequestStatus
 
 
@@ -33,7 +34,7 @@ def remote_request(rid: str, prompt: list[int], block_size: int = 16, max_tokens
                    **sp: object) -> Request:
     """A request whose prompt KV a producer holds (its blocks named 1.. on the producer)."""
     req = make_request(rid, prompt, max_tokens, **sp)
-    need = -(-(len(prompt) - 1) // block_size)
+    need = cdiv(len(prompt) - 1, block_size)
     req.kv_transfer_params = {
         "do_remote_prefill": True, "remote_engine_id": "producer", "remote_host": "127.0.0.1",
         "remote_port": 1, "remote_request_id": f"p-{rid}",

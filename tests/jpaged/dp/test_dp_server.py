@@ -19,6 +19,7 @@ from helpers import tiny_model_dir
 from jpaged import SamplingParams
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
+from jpaged.intmath import cdiv
 from jpaged.server import BackgroundServer, build_app
 
 ray = pytest.importorskip("ray")
@@ -355,7 +356,7 @@ def test_disaggregated_prefill_and_decode_replicas(cluster):
                           m[1]["kv_transfer_blocks_received_total"])
         assert sent == received > 0
         tok = client.tokenizer
-        need = sum(-(-(len(tok.encode(p)) - 1) // 8) for p in prompts)
+        need = sum(cdiv(len(tok.encode(p)) - 1, 8) for p in prompts)
         assert received < need  # q2's system-prompt blocks were the decode replica's own
         text = httpx.get(f"{server.url}/metrics", timeout=30).text
         assert 'jpaged:kv_transfer_blocks_sent_total{engine="0"}' in text
