@@ -334,7 +334,7 @@ class CoreProcessEngine(RequestFrontend):
 
     # ----------------------------------------------------------------- requests
     def _submit(self, requests: list[Request]) -> None:
-        from jpaged.core.scheduler import check_request_fits
+        from jpaged.core.request_fit import check_request_fits
 
         sc, cc = self.config.scheduler, self.config.cache
         for req in requests:

@@ -109,6 +109,9 @@ class Request:
         self.first_scheduled_time: float | None = None  # when the scheduler first admitted it
         # Snapshot: SamplingParams.all_stop_token_ids builds a set on every call.
         self.stop_token_ids: frozenset[int] = frozenset(sampling_params.all_stop_token_ids)
+        # The token count at which the request ends by length (set_length_limit; the
+        # scheduler sets it with its max_model_len): read per request per step, a plain int.
+        self.set_length_limit(2**62)
         # Disaggregated prefill/decode (a KV connector): the request's kv_transfer_params as
         # given (SamplingParams.extra_args), and the ones its finish hands to the next engine.
         extra = sampling_params.extra_args or {}
@@ -154,6 +157,13 @@ class Request:
         n = len(self.all_token_ids)
         if h is not None and n >= (len(self.block_hashes) + 1) * h.block_size:
             h.extend(self.block_hashes, self.all_token_ids, self._hash_extra)
+
+    def set_length_limit(self, max_model_len: int) -> None:
+        """The one length rule: the request ends once it holds max_model_len tokens, or its
+        prompt plus max_tokens outputs, whichever comes first (`length_limit`)."""
+        mt = self.sampling_params.max_tokens
+        self.length_limit = (max_model_len if mt is None
+                             else min(max_model_len, self.num_prompt_tokens + mt))
 
     # -- prefix hashes -------------------------------------------------------------------------
 

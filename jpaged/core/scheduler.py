@@ -1,5 +1,5 @@
-"""Continuous batching over the paged KV cache (seed 3.2): token budget, chunked prefill,
-priorities, and preemption by recompute.
+"""Continuous batching over the paged KV cache: token budget, chunked prefill, priorities, and
+preemption by recompute.
 
 One step (``schedule``):
 
@@ -16,7 +16,7 @@ One step (``schedule``):
    (``fcfs``: none). Once admission stops for memory, landed remote loads behind the stop
    still start: they hold every block their first step needs (reserved with their pages).
 
-Memory pressure — ``allocate_slots`` returns None — is handled in the seed's order:
+Memory pressure — ``allocate_slots`` returns None — is handled in this order:
 (1) free cached blocks are reused LRU-first: automatic, they sit in the free queue;
 (2) preempt a running request still in its prompt phase (prefill or recompute in progress, not
     yet decoding), the least important first;
@@ -31,27 +31,36 @@ Preemption = RECOMPUTE: blocks freed, num_computed_tokens = 0, outputs kept, sta
 requeued at the front of its priority class. With ``preemption_mode="swap"`` the victim's
 computed blocks go to the host tier first (falling back to recompute, logged, when it is full)
 and come back at re-admission with num_computed_tokens restored (``offload.py``).
+
+The Scheduler is one class in four modules, by responsibility: this one (requests, the
+schedule, admission, stats), ``preemption.py`` (allocation under pressure and the victim
+order), ``remote_kv.py`` (the KV connector's consumer and producer state), ``step_results.py``
+(applying a step: advance, append, stop, free, cache). ``request_fit.py`` has the admission
+check and the decoding test as plain functions.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from itertools import chain
 from operator import attrgetter
 
 from jpaged.config import CacheConfig, SchedulerConfig
 from jpaged.core.block_pool import KVCacheBlock
-from jpaged.core.kv_cache_groups import KVCacheLayout, blocks_needed
+from jpaged.core.kv_cache_groups import KVCacheLayout
 from jpaged.core.kv_cache_manager import KVCacheManager, TierHit
-from jpaged.core.kv_connector import KVConnectorOutput, KVConnectorScheduler
+from jpaged.core.kv_connector import KVConnectorScheduler
 from jpaged.core.offload import KVTiers
+from jpaged.core.preemption import PreemptionMixin, ScheduleStep
 from jpaged.core.pressure import PressureMonitor
+from jpaged.core.remote_kv import RemoteKVMixin
+from jpaged.core.request_fit import check_request_fits, is_decoding
 from jpaged.core.request_queue import QueueKey, WaitingQueue
 from jpaged.core.sched_output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from jpaged.core.step_results import StepResultsMixin
 from jpaged.core.token_budget import fit_token_budget
-from jpaged.intmath import cdiv
 from jpaged.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput", "is_decoding"]
@@ -61,56 +70,7 @@ _NUM_TOKENS = attrgetter("num_tokens")
 logger = logging.getLogger("jpaged")
 
 
-class _Step:
-    """Mutable state of one schedule() call."""
-
-    def __init__(self, budget: int, num_running: int) -> None:
-        self.budget = budget
-        self.num_running = num_running
-        self.scheduled: dict[str, ScheduledRequest] = {}
-        self.preempted: list[Request] = []
-        # Victim candidates: [prompt-phase, decoding], each sorted most important first; the
-        # preempted ones always form a suffix (we only take tails), so tails[i] only moves down.
-        self.victims: list[list[Request]] = [[], []]
-        self.tails = [-1, -1]
-        # Best priority among running requests that could not get memory (None: no stall).
-        self.stall_priority: int | None = None
-
-
-def is_decoding(request: Request) -> bool:
-    """True if the request has output and only its last sampled token lacks KV."""
-    # num_tokens_with_placeholders - 1 == computed, and some output (known or on device).
-    # Scheduler.schedule's partition has this test written out (per request per step): keep
-    # the two the same.
-    n = request.num_tokens_with_placeholders
-    return request.num_computed_tokens == n - 1 and n > request.num_prompt_tokens
-
-
-def check_request_fits(request: Request, max_model_len: int, block_size: int,
-                       num_blocks: int, layout: KVCacheLayout | None = None,
-                       chunk: int = 0) -> None:
-    """ValueError if `request` could never run: its prompt, or its longest length in blocks
-    (with KV cache groups: the blocks of every group, sliding ones bounded by their window
-    plus a `chunk` of new tokens)."""
-    rid = request.request_id
-    n = request.num_prompt_tokens
-    if n > max_model_len:
-        raise ValueError(f"request {rid!r}: prompt of {n} tokens exceeds max_model_len "
-                         f"({max_model_len})")
-    # Longest length it can reach; the last sampled token is never computed.
-    longest = max(max_model_len, n + 1)
-    if request.max_tokens is not None:
-        longest = min(longest, n + request.max_tokens)
-    blocks = cdiv(longest - 1, block_size)
-    if layout is not None:
-        blocks = blocks_needed(longest - 1, layout, block_size, chunk)
-    usable = num_blocks - 1  # block 0 is the null block
-    if blocks > usable:
-        raise ValueError(f"request {rid!r} may need {blocks} KV blocks but the pool has only "
-                         f"{usable}; lower max_tokens/max_model_len or enlarge the pool")
-
-
-class Scheduler:
+class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
     """Decides, each step, which requests compute how many tokens, owning the KVCacheManager."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
@@ -182,6 +142,7 @@ class Scheduler:
             request.set_block_hasher(self._hasher)
         # Snapshot the stop ids now: the engine fills eos_token_ids before adding the request.
         request.stop_token_ids = frozenset(request.sampling_params.all_stop_token_ids)
+        request.set_length_limit(self.max_model_len)
         self.requests[rid] = request
         self.waiting.push(request)
 
@@ -227,53 +188,6 @@ class Scheduler:
         """True while any request is waiting (for admission or remote KV) or running."""
         return bool(self.requests)
 
-    @property
-    def held_requests(self) -> Mapping[str, Request]:
-        """A producer's finished requests whose blocks wait for their consumers, by id."""
-        return self._held
-
-    def has_held_blocks(self) -> bool:
-        """True while a producer holds finished requests' blocks for their consumers."""
-        return bool(self._held)
-
-    def update_from_kv_xfer(self, output: KVConnectorOutput) -> None:
-        """Apply what the connector's worker side finished: free the blocks a consumer has
-        pulled (or that timed out); make landed pages computed, cached blocks and queue their
-        requests; a failed pull recomputes locally or fails its request (the policy)."""
-        kv = self.kv_cache_manager
-        for rid in output.finished_sending:
-            req = self._held.pop(rid, None)
-            if req is not None:
-                kv.free(req)
-        for rid in output.finished_recving:
-            req = self.waiting_for_kv.pop(rid, None)
-            if req is None:
-                continue  # aborted meanwhile; its blocks were freed then
-            req.num_computed_tokens = self.connector.loaded_tokens(rid)
-            kv.commit(req)  # hashed and shareable, as blocks computed here
-            req.status = RequestStatus.WAITING
-            self._kv_loaded.add(rid)
-            self.num_kv_loads += 1
-            self.waiting.push(req)
-        for rid, reason in output.failed_recving.items():
-            req = self.waiting_for_kv.pop(rid, None)
-            if req is None:
-                continue
-            self.connector.forget(rid)
-            self.num_kv_load_failures += 1
-            if self.connector.config.kv_load_failure_policy == "fail":
-                logger.error("request %r: KV load failed, request failed: %s", rid, reason)
-                req.status = RequestStatus.FINISHED_ABORTED
-                req.stop_reason = f"KV load failed: {reason}"
-                self._release(req)
-                self.kv_failures.append((rid, reason))
-                continue
-            logger.warning("request %r: KV load failed, recomputing its prompt: %s", rid, reason)
-            kv.free(req)
-            req.num_computed_tokens = 0
-            req.status = RequestStatus.WAITING
-            self.waiting.push(req)
-
     def get_num_unfinished_requests(self) -> int:
         """Waiting plus running requests."""
         return len(self.requests)
@@ -312,23 +226,19 @@ class Scheduler:
              else prompts).append(r)
         if self.token_buckets is not None and self.scheduler_config.enable_chunked_prefill:
             budget = self._fitted_budget(budget, len(decodes), prompts)
-        st = _Step(budget, len(self.running))
+        st = ScheduleStep(budget, len(self.running))
         st.victims = [prompts, decodes]
         st.tails = [len(prompts) - 1, len(decodes) - 1]
 
         kv = self.kv_cache_manager
-        max_len = self.max_model_len
         for req in chain(decodes, prompts):
             if st.budget <= 0:
                 break
             if req.status is not RUNNING:
                 continue  # preempted earlier in this step
             n = len(req.all_token_ids) + req.num_output_placeholders
-            if req.num_output_placeholders and (n >= max_len or (
-                    (mt := req.sampling_params.max_tokens) is not None
-                    and n - req.num_prompt_tokens >= mt)):
-                # async: its last token (on device) ends it by max_tokens / max_model_len;
-                # computing more is waste
+            if req.num_output_placeholders and n >= req.length_limit:
+                # async: its last token (on device) ends it by length; computing more is waste
                 continue
             num_new = n - req.num_computed_tokens
             if num_new > 1:
@@ -372,63 +282,7 @@ class Scheduler:
             demand += self._cap_prefill(req.num_tokens - req.num_computed_tokens)
         return fit_token_budget(demand, budget, self.token_buckets, num_decodes)
 
-    def _allocate(self, req: Request, num_new: int, st: _Step,
-                  hit_blocks: Sequence[Sequence[KVCacheBlock]] = (), hit_tokens: int = 0,
-                  admission: bool = False, offloaded: TierHit | None = None,
-                  swapped: bool = False, delay_cache_blocks: bool = False) -> bool:
-        """allocate_slots (or swap_in), preempting eligible victims (stage 2, then 3) until it
-        succeeds."""
-        kv = self.kv_cache_manager
-        while (kv.swap_in(req, num_new) if swapped else
-               kv.allocate_slots(req, num_new, hit_blocks, hit_tokens, offloaded,
-                                 delay_cache_blocks)) is None:
-            victim = self._pick_victim(req, st, admission)
-            if victim is None:
-                return False
-            self._preempt(victim, st)
-        return True
-
-    def _pick_victim(self, req: Request, st: _Step, admission: bool) -> Request | None:
-        if admission and self.policy == "fcfs":
-            return None
-        for stage in (0, 1):  # 0: prompt phase (seed stage 2), 1: decoding (seed stage 3)
-            lst, i = st.victims[stage], st.tails[stage]
-            while i >= 0 and lst[i].status is not RUNNING:
-                i -= 1
-            st.tails[stage] = i
-            if i < 0:
-                continue
-            cand = lst[i]  # the least important of its stage still running
-            if admission:
-                ok = cand.priority > req.priority
-            else:
-                ok = self._key(cand) > self._key(req)
-            if ok:
-                return cand
-        return None
-
-    def _preempt(self, victim: Request, st: _Step) -> None:
-        kv = self.kv_cache_manager
-        computed = victim.num_computed_tokens > 0
-        swapped = self.swap and computed and kv.swap_out(victim)
-        if not swapped:
-            if self.swap and computed:
-                logger.info("swap preemption of %r fell back to recompute (host tier full)",
-                            victim.request_id)
-            kv.free(victim)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self.pressure.on_preemption(victim.request_id, "swap" if swapped else "recompute",
-                                    self.num_preemptions)
-        st.num_running -= 1
-        sr = st.scheduled.pop(victim.request_id, None)
-        if sr is not None:  # already scheduled this step: give its tokens back
-            st.budget += sr.num_tokens
-        st.preempted.append(victim)
-
-    def _add_scheduled(self, req: Request, num_new: int, st: _Step) -> None:
+    def _add_scheduled(self, req: Request, num_new: int, st: ScheduleStep) -> None:
         start = req.num_computed_tokens
         end = start + num_new
         known = req.all_token_ids
@@ -445,7 +299,7 @@ class Scheduler:
             end == n_known + req.num_output_placeholders)
         st.budget -= num_new
 
-    def _admit(self, st: _Step) -> None:
+    def _admit(self, st: ScheduleStep) -> None:
         kv = self.kv_cache_manager
         cfg = self.scheduler_config
         lpm: list[tuple[QueueKey, Request]] | None = None
@@ -550,165 +404,6 @@ class Scheduler:
             self.waiting.push(req, key)
         for key, req in lpm or ():
             self.waiting.push(req, key)
-
-    def _start_remote_load(self, req: Request, st: _Step,
-                           hit_blocks: Sequence[Sequence[KVCacheBlock]], hit_tokens: int,
-                           offloaded: TierHit | None) -> str:
-        """Allocate the blocks a remote engine's KV fills and plan their pull.
-
-        Returns "waiting" (it now waits for its pages), "no_memory" (nothing changed; queue it
-        again) or "local" (nothing to pull: admit it as usual).
-        """
-        conn = self.connector
-        assert conn is not None
-        problem = conn.check_remote_blocks(req)
-        if problem is not None:  # the params cannot cover the prompt: as a failed pull
-            req.kv_transfer_params["do_remote_prefill"] = False
-            self.waiting_for_kv[req.request_id] = req
-            self.update_from_kv_xfer(KVConnectorOutput(failed_recving={req.request_id: problem}))
-            return "waiting"  # failed (policy "fail") or queued again to recompute
-        ext, _ = conn.get_num_new_matched_tokens(req, hit_tokens)
-        if ext <= 0:
-            return "local"
-        # Blocks for the pages and for the first chunk computed here once they land (the last
-        # prompt token at least): a landed request always runs on the blocks it holds, so
-        # loads that fill the pool cannot each wait for a block another one holds.
-        rest = req.num_tokens - hit_tokens - ext
-        local = min(self._cap_prefill(rest), self.scheduler_config.max_num_batched_tokens)
-        if not self._allocate(req, ext + local, st, hit_blocks, hit_tokens, admission=True,
-                              offloaded=offloaded, delay_cache_blocks=True):
-            return "no_memory"
-        req.num_computed_tokens = hit_tokens
-        if req.first_scheduled_time is None:
-            req.first_scheduled_time = time.monotonic()
-        conn.update_state_after_alloc(req, self.kv_cache_manager.get_block_ids(req.request_id),
-                                      ext)
-        req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-        self.waiting_for_kv[req.request_id] = req
-        return "waiting"
-
-    # -- results ---------------------------------------------------------------------------------
-
-    def update_after_schedule(self, output: SchedulerOutput) -> None:
-        """Async scheduling: advance the scheduled requests as if the step had run.
-
-        Called once its step is dispatched, before its sampled tokens are on the host: each
-        request's computed count moves past the step, a sampling request gets a placeholder for
-        its token (fed to the next step on device), and full blocks of known tokens are cached
-        (device steps run in dispatch order, so any later step reads them written).
-        """
-        if output.advanced:
-            raise ValueError("update_after_schedule called twice for one step")
-        output.advanced = True
-        advance = self._advance
-        for sr in output.scheduled:
-            advance(sr)
-            if sr.sample:
-                sr.request.num_output_placeholders += 1
-
-    def _advance(self, sr: ScheduledRequest) -> None:
-        req = sr.request
-        if req.num_computed_tokens != sr.start_pos:
-            raise ValueError(f"request {req.request_id!r}: output applied twice or out of order")
-        if sr.num_tokens == 1 and sr.token_ids[0] == PLACEHOLDER_TOKEN:
-            # A decode fed on device (async): no prompt tokens, and no block of known tokens
-            # completed (its input token is not on the host yet), so nothing to commit.
-            req.num_computed_tokens += 1
-            return
-        if not (sr.sample and sr.num_tokens == 1
-                and req.num_output_tokens + req.num_output_placeholders):
-            self.num_prompt_tokens += sr.num_tokens  # a prompt or recompute chunk
-        req.num_computed_tokens += sr.num_tokens
-        self.kv_cache_manager.commit(req)  # its KV is written (or will be, in order)
-
-    def update_from_output(self, output: SchedulerOutput,
-                           sampled_token_ids: Mapping[str, int] | Sequence[int],
-                           rows: list[int] | None = None,
-                           finished_at: list[int] | None = None) -> list[Request]:
-        """Commit a computed step: advance, append sampled tokens, stop, cache, free.
-
-        `sampled_token_ids`: request id -> token, or the step's tokens by row as Python ints
-        (row i is `output.scheduled[i]`; `tolist()` of the sampled array). After
-        `update_after_schedule` (async) only the tokens are applied: a request finished or
-        aborted meanwhile drops its token; one preempted meanwhile keeps it (its KV was
-        computed before the preemption, as the synchronous loop would have it). Returns the
-        requests that got a new token (finished ones included); `rows`, when given, gets the
-        row of each of them; `finished_at` the position in the returned list of each one that
-        finished.
-        """
-        kv = self.kv_cache_manager
-        changed: list[Request] = []
-        finished = False
-        advanced = output.advanced
-        by_id = isinstance(sampled_token_ids, Mapping)
-        if not by_id and len(sampled_token_ids) < len(output.scheduled):
-            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a step of "
-                             f"{len(output.scheduled)} rows")
-        requests, bs = self.requests, self.block_size
-        max_len = self.max_model_len
-        for i, sr in enumerate(output.scheduled):
-            req = sr.request
-            rid = req.request_id
-            # Live: still this scheduler's request, so not finished (every finish releases
-            # it from `requests`) nor aborted and replaced by another of the same id.
-            live = requests.get(rid) is req
-            if advanced:
-                if sr.sample:
-                    req.num_output_placeholders -= 1
-                if not live or not sr.sample:
-                    continue
-            else:
-                if req.status is not RUNNING or not live:
-                    continue  # finished or aborted since schedule()
-                self._advance(sr)
-                if not sr.sample:
-                    continue
-            if not by_id:
-                tok = sampled_token_ids[i]  # a list from tolist(): Python ints already
-            elif rid in sampled_token_ids:
-                tok = int(sampled_token_ids[rid])
-            else:
-                raise KeyError(f"no sampled token for scheduled request {rid!r}")
-            req.append_output_token(tok)
-            changed.append(req)
-            if rows is not None:
-                rows.append(i)
-            running = req.status is RUNNING
-            n = len(req.all_token_ids)
-            if advanced and running and n % bs == 0:
-                kv.commit(req)  # the token completed a block: it is shareable now
-            # A cheap superset of _check_stop's conditions first (this runs per request per
-            # step): a stop token, max_model_len, or max_tokens (outputs = n - prompt).
-            if (tok in req.stop_token_ids or n >= max_len
-                    or ((mt := req.sampling_params.max_tokens) is not None
-                        and n - req.num_prompt_tokens >= mt)) and self._check_stop(req):
-                if finished_at is not None:
-                    finished_at.append(len(changed) - 1)
-                if running:
-                    finished = True
-                else:  # preempted: it waits in the queue
-                    self.waiting.remove(rid)
-                self._release(req)
-        self.num_generation_tokens += len(changed)
-        if finished:
-            self.running = [r for r in self.running if r.status is RUNNING]
-        return changed
-
-    def _check_stop(self, req: Request) -> bool:
-        # update_from_output tests a cheap superset of these conditions before calling this:
-        # a new condition here goes there too.
-        out = req.output_token_ids
-        tok = out[-1]
-        sp = req.sampling_params
-        if tok in req.stop_token_ids and len(out) >= sp.min_tokens:
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = tok if tok in (sp.stop_token_ids or ()) else None
-            return True
-        if (sp.max_tokens is not None and len(out) >= sp.max_tokens) or \
-                req.num_tokens >= self.max_model_len:
-            req.status = RequestStatus.FINISHED_LENGTH
-            return True
-        return False
 
     # -- stats -----------------------------------------------------------------------------------
 

@@ -1,0 +1,150 @@
+"""Applying a step to the scheduler's requests: advance at dispatch (async scheduling), then
+append the sampled tokens, stop, free finished requests and cache newly full blocks.
+
+The stop rule is written once: a stop token once ``min_tokens`` are out, else the request's
+``length_limit`` (Request.set_length_limit: max_model_len, or its prompt plus max_tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+from jpaged.core.kv_cache_manager import KVCacheManager
+from jpaged.core.request_queue import WaitingQueue
+from jpaged.core.sched_output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from jpaged.request import Request, RequestStatus
+
+__all__ = ["StepResultsMixin"]
+
+RUNNING = RequestStatus.RUNNING
+
+
+class StepResultsMixin:
+    """The Scheduler's step application (its attributes are the Scheduler's)."""
+
+    kv_cache_manager: KVCacheManager
+    requests: dict[str, Request]
+    running: list[Request]
+    waiting: WaitingQueue
+    block_size: int
+    num_prompt_tokens: int
+    num_generation_tokens: int
+    _release: Callable[[Request], None]
+
+    def update_after_schedule(self, output: SchedulerOutput) -> None:
+        """Async scheduling: advance the scheduled requests as if the step had run.
+
+        Called once its step is dispatched, before its sampled tokens are on the host: each
+        request's computed count moves past the step, a sampling request gets a placeholder for
+        its token (fed to the next step on device), and full blocks of known tokens are cached
+        (device steps run in dispatch order, so any later step reads them written).
+        """
+        if output.advanced:
+            raise ValueError("update_after_schedule called twice for one step")
+        output.advanced = True
+        advance = self._advance
+        for sr in output.scheduled:
+            advance(sr)
+            if sr.sample:
+                sr.request.num_output_placeholders += 1
+
+    def _advance(self, sr: ScheduledRequest) -> None:
+        req = sr.request
+        if req.num_computed_tokens != sr.start_pos:
+            raise ValueError(f"request {req.request_id!r}: output applied twice or out of order")
+        if sr.num_tokens == 1 and sr.token_ids[0] == PLACEHOLDER_TOKEN:
+            # A decode fed on device (async): no prompt tokens, and no block of known tokens
+            # completed (its input token is not on the host yet), so nothing to commit.
+            req.num_computed_tokens += 1
+            return
+        if not (sr.sample and sr.num_tokens == 1
+                and req.num_output_tokens + req.num_output_placeholders):
+            self.num_prompt_tokens += sr.num_tokens  # a prompt or recompute chunk
+        req.num_computed_tokens += sr.num_tokens
+        self.kv_cache_manager.commit(req)  # its KV is written (or will be, in order)
+
+    def update_from_output(self, output: SchedulerOutput,
+                           sampled_token_ids: Mapping[str, int] | Sequence[int],
+                           rows: list[int] | None = None,
+                           finished_at: list[int] | None = None) -> list[Request]:
+        """Commit a computed step: advance, append sampled tokens, stop, cache, free.
+
+        `sampled_token_ids`: request id -> token, or the step's tokens by row as Python ints
+        (row i is `output.scheduled[i]`; `tolist()` of the sampled array). After
+        `update_after_schedule` (async) only the tokens are applied: a request finished or
+        aborted meanwhile drops its token; one preempted meanwhile keeps it (its KV was
+        computed before the preemption, as the synchronous loop would have it). Returns the
+        requests that got a new token (finished ones included); `rows`, when given, gets the
+        row of each of them; `finished_at` the position in the returned list of each one that
+        finished.
+        """
+        kv = self.kv_cache_manager
+        changed: list[Request] = []
+        finished = False
+        advanced = output.advanced
+        by_id = isinstance(sampled_token_ids, Mapping)
+        if not by_id and len(sampled_token_ids) < len(output.scheduled):
+            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a step of "
+                             f"{len(output.scheduled)} rows")
+        requests, bs = self.requests, self.block_size
+        for i, sr in enumerate(output.scheduled):
+            req = sr.request
+            rid = req.request_id
+            # Live: still this scheduler's request, so not finished (every finish releases
+            # it from `requests`) nor aborted and replaced by another of the same id.
+            live = requests.get(rid) is req
+            if advanced:
+                if sr.sample:
+                    req.num_output_placeholders -= 1
+                if not live or not sr.sample:
+                    continue
+            else:
+                if req.status is not RUNNING or not live:
+                    continue  # finished or aborted since schedule()
+                self._advance(sr)
+                if not sr.sample:
+                    continue
+            if not by_id:
+                tok = sampled_token_ids[i]  # a list from tolist(): Python ints already
+            elif rid in sampled_token_ids:
+                tok = int(sampled_token_ids[rid])
+            else:
+                raise KeyError(f"no sampled token for scheduled request {rid!r}")
+            req.append_output_token(tok)
+            changed.append(req)
+            if rows is not None:
+                rows.append(i)
+            running = req.status is RUNNING
+            n = len(req.all_token_ids)
+            if advanced and running and n % bs == 0:
+                kv.commit(req)  # the token completed a block: it is shareable now
+            # A cheap superset of _check_stop's conditions first (this runs per request per
+            # step): a stop token, or the length limit.
+            if (tok in req.stop_token_ids or n >= req.length_limit) and self._check_stop(req):
+                if finished_at is not None:
+                    finished_at.append(len(changed) - 1)
+                if running:
+                    finished = True
+                else:  # preempted: it waits in the queue
+                    self.waiting.remove(rid)
+                self._release(req)
+        self.num_generation_tokens += len(changed)
+        if finished:
+            self.running = [r for r in self.running if r.status is RUNNING]
+        return changed
+
+    def _check_stop(self, req: Request) -> bool:
+        # The stop rule (a stop token once min_tokens are out, else the length limit of
+        # Request.set_length_limit). update_from_output tests a cheap superset of it before
+        # calling this: a new condition here goes there too.
+        out = req.output_token_ids
+        tok = out[-1]
+        sp = req.sampling_params
+        if tok in req.stop_token_ids and len(out) >= sp.min_tokens:
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = tok if tok in (sp.stop_token_ids or ()) else None
+            return True
+        if req.num_tokens >= req.length_limit:
+            req.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False
