@@ -50,7 +50,6 @@ from jpaged.core_step import CoreStep
 from jpaged.engine_core import EngineCore
 from jpaged.frontend import RequestFrontend
 from jpaged.kv_events import KVEventBatch
-from jpaged.metrics import StatLogger
 from jpaged.outputs import RequestOutput
 from jpaged.request import Request, RequestStatus
 
@@ -270,16 +269,9 @@ class CoreProcessEngine(RequestFrontend):
         self.loaded = _Source(self.spec, self.tokenizer, info["source"])
         self.async_scheduling = self.config.scheduler.async_scheduling
         self.metrics_history = _RemoteHistory(self)
-        self.stat_logger = StatLogger(self.get_metrics, log=not args.disable_log_stats,
-                                      max_model_len=self.config.scheduler.max_model_len)
-        c = self.config.cache
-        self.stat_logger.set_cache_config(
-            block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
-            num_gpu_blocks=c.num_gpu_blocks, enable_prefix_caching=c.enable_prefix_caching,
-            prefix_caching_hash_algo=c.prefix_caching_hash_algo)
         self.last_core_loop_s = 0.0  # the core loop's CPU time of the step before the last
         self.kv_cache_usage = 0.0  # the KV pool's usage after the core's latest step read
-        self._init_frontend()
+        self._init_frontend(log_stats=not args.disable_log_stats)
         logger.info("engine core running in process %d", info["pid"])
 
     # ----------------------------------------------------------------- the pipe

@@ -20,7 +20,6 @@ from jpaged.core.structured_output import GrammarCompiler
 from jpaged.engine_core import EngineCore
 from jpaged.frontend import PromptType, RequestFrontend
 from jpaged.kv_events import KVEventBatch, KVEventHub
-from jpaged.metrics import StatLogger
 from jpaged.outputs import RequestOutput
 from jpaged.request import Request, RequestStatus
 from jpaged.runner.kv_connector import KVConnectorWorker
@@ -44,15 +43,7 @@ class LLMEngine(RequestFrontend):
         self.core = EngineCore(args, loaded, group=group)
         core = self.core
         self.loaded, self.spec, self.tokenizer = core.loaded, core.spec, core.tokenizer
-        self._init_frontend()
-        # Request timing histograms + the periodic stats log line (fed once per step).
-        self.stat_logger = StatLogger(self.get_metrics, log=not args.disable_log_stats,
-                                      max_model_len=self.config.scheduler.max_model_len)
-        c = self.config.cache
-        self.stat_logger.set_cache_config(
-            block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
-            num_gpu_blocks=c.num_gpu_blocks, enable_prefix_caching=c.enable_prefix_caching,
-            prefix_caching_hash_algo=c.prefix_caching_hash_algo)
+        self._init_frontend(log_stats=not args.disable_log_stats)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

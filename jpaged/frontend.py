@@ -62,8 +62,9 @@ def truncated(ids: list[int], truncate: int, max_model_len: int, side: str = "le
 class RequestFrontend:
     """add_request / abort_request and output processing, over a scheduler reached by hooks.
 
-    A subclass sets `tokenizer`, `spec`, `config`, `stat_logger` and calls `_init_frontend()`;
-    it implements `_submit` (queue new sequences) and `_finish` (end sequences early).
+    A subclass sets `tokenizer`, `spec`, `config` and calls `_init_frontend()` (which makes its
+    `stat_logger`); it implements `_submit` (queue new sequences) and `_finish` (end sequences
+    early).
     """
 
     tokenizer: Any
@@ -71,7 +72,15 @@ class RequestFrontend:
     config: EngineConfig
     stat_logger: StatLogger
 
-    def _init_frontend(self) -> None:
+    def _init_frontend(self, log_stats: bool = True) -> None:
+        # Request timing histograms + the periodic stats log line (fed once per step).
+        self.stat_logger = StatLogger(self.get_metrics, log=log_stats,
+                                      max_model_len=self.config.scheduler.max_model_len)
+        c = self.config.cache
+        self.stat_logger.set_cache_config(
+            block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
+            num_gpu_blocks=c.num_gpu_blocks, enable_prefix_caching=c.enable_prefix_caching,
+            prefix_caching_hash_algo=c.prefix_caching_hash_algo)
         self._groups: dict[str, RequestGroup] = {}
         # Scheduler request id (a child's, for n > 1) -> its user request and output state.
         self._child_of: dict[str, tuple[RequestGroup, ChildState]] = {}
