@@ -23,11 +23,14 @@ from jaxtyping import Array, Float
 
 from .attention import AttnFn
 from .config import ModelSpec
-from .llama import MLP, Attention, LlamaForCausalLM, LlamaModel, residual_sum
+from .linear_ops import DecodeLinears
+from .llama import MLP, Attention, LlamaForCausalLM, LlamaModel, _bias, _weight, residual_sum
 
 
 class GemmaRMSNorm(nnx.Module):
     """x / rms(x) * (1 + weight), in float32 then cast back (HF Gemma3RMSNorm order)."""
+
+    offset = 1.0  # the fused kernels' name for the (1 + weight) form
 
     def __init__(self, dim: int, eps: float, *, dtype: Any = jnp.float32):
         self.weight = nnx.Param(jnp.zeros((dim,), dtype))  # HF's init: the identity
@@ -59,8 +62,20 @@ class GemmaDecoderLayer(nnx.Module):
         layer_idx: int,
         attn_fn: AttnFn,
         attn_state: Any,
+        linears: DecodeLinears | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
-        """One layer; returns (x, attn_state after this layer)."""
+        """One layer; returns (x, attn_state after this layer). With `linears`, the
+        projections run on the fused kernels (input and pre-feedforward norms in their
+        prologues); the post norms sit between a projection and its residual add, so they and
+        the adds stay XLA's."""
+        if linears is not None:
+            attn = self.self_attn
+            out, attn_state = attn.fused_attention(x, self.input_layernorm, cos, sin,
+                                                   layer_idx, attn_fn, attn_state, linears)
+            o = linears.out(out, _weight(attn.o_proj), _bias(attn.o_proj), None)
+            x = residual_sum(x, self.post_attention_layernorm(o))
+            ff = self.mlp.fused(x, self.pre_feedforward_layernorm, linears, None)
+            return residual_sum(x, self.post_feedforward_layernorm(ff)), attn_state
         attn_out, attn_state = self.self_attn(
             self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state)
         x = residual_sum(x, self.post_attention_layernorm(attn_out))

@@ -24,6 +24,7 @@ from jaxtyping import Array, Float, Int
 
 from .attention import AttnFn
 from .config import ModelSpec
+from .linear_ops import DecodeLinears, activation_name
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
@@ -74,6 +75,8 @@ def residual_sum(x: Float[Array, "T hidden"], y: Float[Array, "T hidden"]) -> ja
 class RMSNorm(nnx.Module):
     """weight * x / rms(x), normalised in float32 then cast back (HF LlamaRMSNorm order)."""
 
+    offset = 0.0  # the fused kernels' name for the form: weight (Llama) or 1 + weight (Gemma)
+
     def __init__(self, dim: int, eps: float, *, dtype: Any = jnp.float32):
         self.weight = nnx.Param(jnp.ones((dim,), dtype))
         self.eps = eps
@@ -82,6 +85,22 @@ class RMSNorm(nnx.Module):
         xf = x.astype(jnp.float32)
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return self.weight[...] * normed.astype(x.dtype)
+
+
+def _weight(linear: nnx.Linear) -> jax.Array:
+    """A linear's [in, out] kernel as it lies."""
+    return linear.kernel[...]
+
+
+def _bias(linear: nnx.Linear) -> jax.Array | None:
+    """A linear's bias, or None."""
+    b = getattr(linear, "bias", None)
+    return None if b is None else b[...]
+
+
+def _norm_args(norm: nnx.Module) -> dict[str, Any]:
+    """The fused kernels' prologue arguments for one of the models' RMSNorms."""
+    return {"norm_weight": norm.weight[...], "norm_eps": norm.eps, "norm_offset": norm.offset}
 
 
 def _activation(name: str) -> Callable[[jax.Array], jax.Array]:
@@ -102,6 +121,14 @@ class MLP(nnx.Module):
     def __call__(self, x: Float[Array, "T hidden"]) -> Float[Array, "T hidden"]:
         gate = _activation(self.act)(_one_row_as_two(self.gate_proj, x))
         return _one_row_as_two(self.down_proj, gate * _one_row_as_two(self.up_proj, x))
+
+    def fused(self, x: jax.Array, norm: nnx.Module, linears: DecodeLinears,
+              residual: jax.Array | None) -> jax.Array:
+        """down(act(gate(norm(x))) * up(norm(x))) (+ residual) by the fused kernels."""
+        g, u = self.gate_proj, self.up_proj
+        h = linears.gate_up(x, _weight(g), _weight(u), _bias(g), _bias(u),
+                            act=activation_name(self.act), **_norm_args(norm))
+        return linears.out(h, _weight(self.down_proj), _bias(self.down_proj), residual)
 
 
 class Attention(nnx.Module):
@@ -132,16 +159,37 @@ class Attention(nnx.Module):
         attn_state: Any,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """Attention output projected back to hidden size, and the backend's updated state."""
-        t = x.shape[0]
-        q = _one_row_as_two(self.q_proj, x).reshape(t, self.num_heads, self.head_dim)
-        k = _one_row_as_two(self.k_proj, x).reshape(t, self.num_kv_heads, self.head_dim)
-        v = _one_row_as_two(self.v_proj, x).reshape(t, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3, Gemma 3: per-head norm, before RoPE
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, attn_state = attn_fn(layer_idx, q, k, v, attn_state)  # out: [T, num_heads, head_dim]
-        out = out.reshape(t, self.num_heads * self.head_dim)
+        q, k, v = (_one_row_as_two(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        out, attn_state = self.attend(q, k, v, cos, sin, layer_idx, attn_fn, attn_state)
         return _one_row_as_two(self.o_proj, out), attn_state
+
+    def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array,
+               sin: jax.Array, layer_idx: int, attn_fn: AttnFn, attn_state: Any,
+               roped: bool = False) -> tuple[Float[Array, "T q_features"], Any]:
+        """Attention of projected [T, heads * head_dim] q, k, v (q/k norm, RoPE unless `roped`
+        says q and k come rotated, the backend), before the output projection; and the
+        backend's updated state."""
+        t = q.shape[0]
+        q = q.reshape(t, self.num_heads, self.head_dim)
+        k = k.reshape(t, self.num_kv_heads, self.head_dim)
+        v = v.reshape(t, self.num_kv_heads, self.head_dim)
+        if not roped:
+            if self.q_norm is not None:  # Qwen3, Gemma 3: per-head norm, before RoPE
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out, attn_state = attn_fn(layer_idx, q, k, v, attn_state)  # out: [T, num_heads, head_dim]
+        return out.reshape(t, self.num_heads * self.head_dim), attn_state
+
+    def fused_attention(self, x: jax.Array, norm: nnx.Module, cos: jax.Array, sin: jax.Array,
+                        layer_idx: int, attn_fn: AttnFn, attn_state: Any,
+                        linears: DecodeLinears) -> tuple[jax.Array, Any]:
+        """`attend` of norm(x)'s q, k, v from the fused kernel: the norm in its prologue, and
+        RoPE in its epilogue unless q/k norms must come between (Qwen3, Gemma 3)."""
+        ps = (self.q_proj, self.k_proj, self.v_proj)
+        roped = self.q_norm is None
+        q, k, v = linears.qkv(x, *map(_weight, ps), *map(_bias, ps), **_norm_args(norm),
+                              rope=(cos, sin) if roped else None, head_dim=self.head_dim)
+        return self.attend(q, k, v, cos, sin, layer_idx, attn_fn, attn_state, roped=roped)
 
 
 class DecoderLayer(nnx.Module):
@@ -161,9 +209,17 @@ class DecoderLayer(nnx.Module):
         layer_idx: int,
         attn_fn: AttnFn,
         attn_state: Any,
+        linears: DecodeLinears | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
-        """One layer; returns (x, attn_state after this layer)."""
-        attn_out, attn_state = self.self_attn(
+        """One layer; returns (x, attn_state after this layer). `linears`: fused kernels for
+        the projections (norms and residual adds folded in), else XLA's GEMMs."""
+        attn = self.self_attn
+        if linears is not None:
+            out, attn_state = attn.fused_attention(x, self.input_layernorm, cos, sin,
+                                                   layer_idx, attn_fn, attn_state, linears)
+            x = linears.out(out, _weight(attn.o_proj), _bias(attn.o_proj), x)
+            return self.mlp.fused(x, self.post_attention_layernorm, linears, x), attn_state
+        attn_out, attn_state = attn(
             self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state
         )
         x = residual_sum(x, attn_out)
@@ -216,6 +272,7 @@ class LlamaModel(nnx.Module):
         attn_state: Any = None,
         *,
         embed_fn: EmbedFn | None = None,
+        linears: DecodeLinears | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """(final-norm hidden states, attn_state after the last layer)."""
         tables = self.rope_tables(positions)
@@ -225,11 +282,11 @@ class LlamaModel(nnx.Module):
             x = embed_fn(self.embed_tokens.embedding[...], input_ids)
         x = self.scale_embeddings(x)
         if isinstance(self.layers, ScannedLayers):  # XLA:CPU (stack_layers): uniform layers
-            x, attn_state = self.layers(x, *tables[0], attn_fn, attn_state)
+            x, attn_state = self.layers(x, *tables[0], attn_fn, attn_state, linears)
         else:
             # Unrolled at trace time: layer i's GEMMs read layer i's own weight arrays in place.
             for i, layer in enumerate(self.layers):
-                x, attn_state = layer(x, *tables[i], i, attn_fn, attn_state)
+                x, attn_state = layer(x, *tables[i], i, attn_fn, attn_state, linears)
         return self.norm(x), attn_state
 
 
@@ -248,13 +305,15 @@ class ScannedLayers(nnx.Module):
         sin: Float[Array, "T half"],
         attn_fn: AttnFn,
         attn_state: Any,
+        linears: DecodeLinears | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """All layers in order; returns (x, attn_state after the last layer)."""
         layer_def, stacked = nnx.split(self.layer)
 
         def body(carry: tuple[Any, Any, jax.Array], layer_state: Any) -> tuple[Any, None]:
             h, state, i = carry
-            h, state = nnx.merge(layer_def, layer_state)(h, cos, sin, i, attn_fn, state)
+            h, state = nnx.merge(layer_def, layer_state)(h, cos, sin, i, attn_fn, state,
+                                                         linears)
             return (h, state, i + 1), None
 
         (x, attn_state, _), _ = jax.lax.scan(body, (x, attn_state, jnp.int32(0)), stacked)
@@ -315,9 +374,14 @@ class LlamaForCausalLM(nnx.Module):
         attn_state: Any = None,
         *,
         embed_fn: EmbedFn | None = None,
+        linears: DecodeLinears | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
-        """(final-norm hidden states of a flattened token batch, attn_state after all layers)."""
-        return self.model(input_ids, positions, attn_fn, attn_state, embed_fn=embed_fn)
+        """(final-norm hidden states of a flattened token batch, attn_state after all layers).
+
+        `linears`: fused kernels for every decoder layer's projections (models/linear_ops.py).
+        """
+        return self.model(input_ids, positions, attn_fn, attn_state, embed_fn=embed_fn,
+                          linears=linears)
 
     def compute_logits(self, hidden: Float[Array, "N hidden"]) -> Float[Array, "N vocab"]:
         """float32 logits; accumulation in float32 whatever the parameter dtype."""

@@ -355,3 +355,63 @@ def paged_decode_attention(
     return ragged_paged_attention(q, k_pages, v_pages, qsl, seq_lens, block_tables,
                                   sm_scale=sm_scale, soft_cap=soft_cap,
                                   sliding_window=sliding_window, k_scale=k_scale, v_scale=v_scale)
+
+
+# --- Decode projections (twins of pallas_kernels/decode_matmul.py) -------------------------
+
+
+def rms_norm(x: Float[Array, "M K"], weight: Float[Array, " K"], eps: float,
+             offset: float = 0.0) -> Float[Array, "M K"]:
+    """The models' RMSNorm: Llama `w * round(x * r)`, Gemma (offset 1) `round(x * r * (1 + w))`."""
+    xf = x.astype(jnp.float32)
+    normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if offset:
+        return (normed * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight.astype(x.dtype) * normed.astype(x.dtype)
+
+
+def linear(x: Float[Array, "M K"], w: Float[Array, "K N"], b: Array | None = None
+           ) -> Float[Array, "M N"]:
+    """x @ w (+ b) in x's dtype, float32 accumulation (IEEE products for float32)."""
+    prec = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
+    y = jnp.dot(x, w, precision=prec, preferred_element_type=jnp.float32).astype(x.dtype)
+    return y if b is None else y + b.astype(x.dtype)
+
+
+def rope_rows(x: Float[Array, "M N"], cos: Array, sin: Array, head_dim: int) -> Array:
+    """RoPE (rotate-half pairs within each head) of [M, heads * head_dim] rows, in float32."""
+    m = x.shape[0]
+    xf = x.astype(jnp.float32).reshape(m, -1, head_dim)
+    half = head_dim // 2
+    x1, x2 = xf[..., :half], xf[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+    return out.reshape(x.shape).astype(x.dtype)
+
+
+def projections(x: Float[Array, "M K"], weights: list[Array], biases: list | None = None, *,
+                norm_weight: Array | None = None, norm_eps: float = 1e-6,
+                norm_offset: float = 0.0, rope: tuple[Array, Array] | None = None,
+                rope_outputs: int = 0, head_dim: int | None = None) -> list[Array]:
+    """[norm(x) @ w (+ b) for w in weights], the first `rope_outputs` rotated by RoPE."""
+    h = x if norm_weight is None else rms_norm(x, norm_weight, norm_eps, norm_offset)
+    biases = biases or [None] * len(weights)
+    outs = [linear(h, w, b) for w, b in zip(weights, biases, strict=True)]
+    return [rope_rows(y, *rope, head_dim) if n < rope_outputs else y
+            for n, y in enumerate(outs)]
+
+
+def gated_up(x: Float[Array, "M K"], w_gate: Array, w_up: Array, b_gate: Array | None = None,
+             b_up: Array | None = None, *, act: str = "silu", norm_weight: Array | None = None,
+             norm_eps: float = 1e-6, norm_offset: float = 0.0) -> Float[Array, "M N"]:
+    """act(norm(x) @ w_gate) * (norm(x) @ w_up); act is silu or tanh-approximated gelu."""
+    g, u = projections(x, [w_gate, w_up], [b_gate, b_up], norm_weight=norm_weight,
+                       norm_eps=norm_eps, norm_offset=norm_offset)
+    f = jax.nn.silu if act == "silu" else (lambda v: jax.nn.gelu(v, approximate=True))
+    return f(g) * u
+
+
+def projection_residual(x: Float[Array, "M K"], w: Array, residual: Array,
+                        b: Array | None = None) -> Float[Array, "M N"]:
+    """residual + (x @ w (+ b))."""
+    return residual + linear(x, w, b)

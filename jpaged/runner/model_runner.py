@@ -24,6 +24,7 @@ from jpaged.runner.batch import (
 )
 from jpaged.runner.input_batch import InputBatch
 from jpaged.runner.kv_cache import KVCache, amax_scale
+from jpaged.runner.linears import select_linears
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample, searches_wide
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
@@ -129,7 +130,8 @@ class ModelRunner:
                  parallel: TensorParallel | None = None,
                  calculate_kv_scales: bool = False,
                  kv_layout: KVCacheLayout | None = None, platform: str | None = None,
-                 num_top_logprobs: int = NUM_TOP_LOGPROBS) -> None:
+                 num_top_logprobs: int = NUM_TOP_LOGPROBS,
+                 decode_matmuls: bool = True) -> None:
         self.graphdef, self.params = nnx.split(model)
         # Candidates a step with logprobs returns per row (sampled and prompt alike): the
         # engine's max_logprobs, at most the vocabulary. Static: part of every compiled step.
@@ -148,12 +150,19 @@ class ModelRunner:
         self.block_size = block_size
         self.vocab_size = vocab_size
         self.ops = ops
+        # Fused projections for small steps (`decode_matmuls` and the Pallas backend; None: XLA's
+        # GEMMs for every step). Off: the XLA path, which the device check times beside it.
+        self.linears = None if not decode_matmuls else select_linears(
+            ops.name, platform or jax.default_backend(), model.spec, model.dtype,
+            parallel.size if parallel is not None else 1)
         self.seed = seed
         self.parallel = parallel
         if parallel is not None:  # params and pool on the mesh; attention per device's heads
             self.params = parallel.shard_params(self.params)
             self.kv = parallel.place_kv(kv)
             self.ops = parallel.wrap_ops(ops)
+            if self.linears is not None:
+                self.linears = parallel.wrap_linears(self.linears)
         # Plain nested dicts of the same arrays: every launch flattens the params, and an nnx
         # State flattens in Python (17 µs a step for the embedded model's 11 leaves, more with
         # more leaves), nested dicts in C++ (5 µs). nnx.merge takes either.
@@ -258,9 +267,11 @@ class ModelRunner:
 
         # Tensor parallel: the vocab-split table is looked up in place (no collective of it).
         embed_fn = None if self.parallel is None else self.parallel.embed_lookup
+        # Small steps stream each weight once through the fused kernels (static: t is a bucket).
+        linears = self.linears if self.linears is not None and t <= self.linears.max_rows else None
         hidden, (k_pages, v_pages, k_scale, v_scale) = model(
             input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
-            embed_fn=embed_fn)
+            embed_fn=embed_fn, linears=linears)
         logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0))
         if self.parallel is not None:  # vocab-split lm_head: the sampler works on the split
             logits = self.parallel.split_logits(logits)

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 from jpaged.runner.kv_cache import KVCache, storage_dtype
 from jpaged.runner.sampler import best_runs, row_candidates
 from models.config import ModelSpec
+from models.linear_ops import DecodeLinears
 from models.sharding import AXIS, make_mesh, param_shardings, param_spec, plan_layout, vocab_splits
 from pallas_kernels.backend import AttentionOps
 
@@ -244,6 +245,64 @@ class TensorParallel:
                      jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
 
         return AttentionOps(f"{ops.name}+tp{self.size}", write_kv, attention)
+
+
+    # ------------------------------------------------------------------ projections
+    def wrap_linears(self, lin: DecodeLinears) -> DecodeLinears:
+        """The fused projections per device on its own columns or rows, under shard_map.
+
+        q, gate and up are split by output columns (k and v too unless their heads are
+        replicated), so each device runs the kernel on its slabs with the whole (replicated)
+        input; o and down are split by input rows: each device's partial product is summed
+        across devices, then the bias and the residual are added (by XLA: the kernel's residual
+        epilogue would add it once per device)."""
+        mesh = self.mesh
+        col, rep = P(None, AXIS), P()
+        kv = col if self.layout.kv_replicas == 1 else rep
+        kvb = P(AXIS) if self.layout.kv_replicas == 1 else P()
+
+        def qkv(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array,
+                bq: jax.Array | None, bk: jax.Array | None, bv: jax.Array | None,
+                **kw: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+            # Each device's columns are whole heads, so RoPE's pairs (within a head) are local.
+            g, rope = kw.pop("norm_weight"), kw.pop("rope", None)
+
+            def local(x, g, rope, wq, wk, wv, bq, bk, bv):  # noqa: ANN001, ANN202
+                return lin.qkv(x, wq, wk, wv, bq, bk, bv, norm_weight=g, rope=rope, **kw)
+
+            bias_specs = tuple(None if b is None else s
+                               for b, s in ((bq, P(AXIS)), (bk, kvb), (bv, kvb)))
+            f = jax.shard_map(local, mesh=mesh,
+                              in_specs=(rep, rep, None if rope is None else (rep, rep), col, kv,
+                                        kv, *bias_specs),
+                              out_specs=(col, kv, kv), check_vma=False)
+            return f(x, g, rope, wq, wk, wv, bq, bk, bv)
+
+        def gate_up(x: jax.Array, wg: jax.Array, wu: jax.Array, bg: jax.Array | None,
+                    bu: jax.Array | None, **kw: Any) -> jax.Array:
+            g = kw.pop("norm_weight")
+
+            def local(x, g, wg, wu, bg, bu):  # noqa: ANN001, ANN202
+                return lin.gate_up(x, wg, wu, bg, bu, norm_weight=g, **kw)
+
+            bias_specs = tuple(None if b is None else P(AXIS) for b in (bg, bu))
+            f = jax.shard_map(local, mesh=mesh, in_specs=(rep, rep, col, col, *bias_specs),
+                              out_specs=col, check_vma=False)
+            return f(x, g, wg, wu, bg, bu)
+
+        def out(x: jax.Array, w: jax.Array, b: jax.Array | None,
+                residual: jax.Array | None) -> jax.Array:
+            def local(x, w):  # noqa: ANN001, ANN202
+                return jax.lax.psum(lin.out(x, w, None, None), AXIS)
+
+            f = jax.shard_map(local, mesh=mesh, in_specs=(col, P(AXIS, None)), out_specs=rep,
+                              check_vma=False)
+            y = f(x, w)
+            if b is not None:
+                y = y + b.astype(y.dtype)
+            return y if residual is None else residual + y
+
+        return DecodeLinears(f"{lin.name}+tp{self.size}", lin.max_rows, qkv, gate_up, out)
 
 
 def kv_bytes_per_device(kv: KVCache) -> int:

@@ -73,3 +73,24 @@ def test_shapes_the_triton_lowering_cannot_take():
     assert "int32" in triton_unsupported(fp8_3gib, dims=(128, 16))
     bf16_6gib = S((3 * 2**30 // (16 * 8 * 128), 16, 8, 128), jnp.bfloat16)
     assert triton_unsupported(bf16_6gib, dims=(128, 16)) is None  # 64-bit offsets there
+
+
+@pytest.mark.parametrize("rows,hidden,q,kv,inter,dtype", [
+    (1, 4096, 4096, 1024, 14336, jnp.bfloat16),  # Llama-3-8B at batch 1
+    (64, 4096, 4096, 1024, 14336, jnp.bfloat16),
+    (3, 576, 576, 192, 1536, jnp.float32),  # SmolLM2 (odd multiples of 64), 3 rows
+])
+def test_decode_matmuls_lower_to_one_triton_call_each(rows, hidden, q, kv, inter, dtype):
+    from pallas_kernels import decode_matmul as dm
+
+    x, g = S((rows, hidden), dtype), S((hidden,), dtype)
+    qkv = _lower_for_cuda(lambda x, g, a, b, c: dm.projections(x, [a, b, c], norm_weight=g),
+                          x, g, S((hidden, q), dtype), S((hidden, kv), dtype),
+                          S((hidden, kv), dtype))
+    assert _triton_calls(qkv) == 1 and "decode_matmul_proj" in qkv
+    up = _lower_for_cuda(lambda x, g, a, b: dm.gated_up(x, a, b, norm_weight=g), x, g,
+                         S((hidden, inter), dtype), S((hidden, inter), dtype))
+    assert _triton_calls(up) == 1 and "decode_matmul_gate_up" in up
+    down = _lower_for_cuda(dm.projection_residual, S((rows, inter), dtype),
+                           S((inter, hidden), dtype), x)
+    assert _triton_calls(down) == 1 and "decode_matmul_residual" in down

@@ -120,6 +120,32 @@ def tiny_cases(out: dict) -> None:
         out[f"tiny_tp{tp}"] = case
 
 
+def fused_linear_cases(out: dict) -> None:
+    """The Pallas backend's fused decode projections under tp 1, 2 and 4 (interpreter), on a
+    tiny Llama whose shapes they take: head_dim 32 (RoPE in the q/k/v kernel's epilogue),
+    biases on q/k/v and o (split and replicated), 4 query / 2 KV heads (tp 4 replicates each
+    KV head). Greedy tokens beside the XLA backend's at tp 1."""
+    import tempfile
+
+    from tiny_models import random_weights, tiny_spec, write_hf_dir
+
+    from models.loader import load_model
+
+    spec = tiny_spec(head_dim=32, intermediate_size=128, attention_bias=True, o_proj_bias=True,
+                     max_position_embeddings=512)
+    path = write_hf_dir(Path(tempfile.mkdtemp(prefix="jpaged-fused-")) / "m", spec,
+                        random_weights(spec, seed=3))
+    loaded = load_model(str(path), dtype="float32")
+    case: dict = {"xla": [o.outputs[0].token_ids
+                          for o in make_llm(loaded, **TINY_ARGS).generate(TINY_PROMPTS, GREEDY)]}
+    for tp in (1, 2, 4):
+        llm = make_llm(loaded, tensor_parallel_size=tp, attention_backend="pallas", **TINY_ARGS)
+        lin = llm.llm_engine.runner.linears
+        case[f"linears_tp{tp}"] = None if lin is None else lin.name
+        case[f"tp{tp}"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)]
+    out["fused_linears"] = case
+
+
 def candidate_cases(out: dict) -> None:
     """The sampler's candidate path on vocab-split logits (`TensorParallel.candidates`, runs
     of 8, 4 kept): the tokens each row draws at tp 1, 2 and 4, and with the whole-row path,
@@ -265,6 +291,7 @@ def main() -> None:
         warnings.simplefilter("always")
         sharded_load_cases(out)
         tiny_cases(out)
+        fused_linear_cases(out)
         candidate_cases(out)
         embedded_cases(out)
         default_pool_cases(out)

@@ -1,0 +1,42 @@
+"""The seam through which a decoder layer runs its projections on fused kernels.
+
+A step whose token count is small (decode) is bound by reading the weights, and XLA's GEMMs
+stream them at well under the memory's rate (docs/kernels.md, "Decode matmuls"). When the
+runner hands a layer a `DecodeLinears`, the layer calls it instead of its nnx.Linear modules:
+one call for q/k/v (the input norm folded in), one for gate/up with the activation, and one
+each for o and down with the residual added. The weights are the modules' own arrays, passed
+as they lie. `None` (the default everywhere) is the XLA path; the two give the same values up
+to float rounding.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import jax
+
+# qkv(x, wq, wk, wv, bq, bk, bv, norm_weight, norm_eps, norm_offset, rope, head_dim)
+#   -> (q, k, v), each [T, N_w]: norm(x) @ w (+ b); norm is the layer's RMSNorm (offset 1:
+#   Gemma's (1 + w)); with rope = (cos, sin), each [T, head_dim / 2], q and k come rotated.
+QkvFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+# gate_up(x, wg, wu, bg, bu, act, norm_weight, norm_eps, norm_offset) -> act(g) * u, [T, N]
+GateUpFn = Callable[..., jax.Array]
+# out(x, w, b, residual) -> residual + x @ w (+ b), or x @ w (+ b) with residual None
+OutFn = Callable[..., jax.Array]
+
+
+@dataclass(frozen=True)
+class DecodeLinears:
+    """Fused projections for steps of at most `max_rows` tokens (more: XLA's GEMMs)."""
+
+    name: str
+    max_rows: int
+    qkv: QkvFn
+    gate_up: GateUpFn
+    out: OutFn
+
+
+def activation_name(hidden_act: str) -> str:
+    """The kernels' name of a model's gate activation: silu, or gelu_tanh (Gemma's gelu)."""
+    return "silu" if hidden_act == "silu" else "gelu_tanh"
