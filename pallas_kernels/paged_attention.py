@@ -274,9 +274,11 @@ def paged_decode_attention(
     fp8 = reference.is_fp8(k_pages.dtype)
     qk_scale = sm_scale * k_scale if fp8 else sm_scale
     dt = compute_dtype(q.dtype, k_pages.dtype)
-    # Flat q rows (sequence-major, then kv head, then its G heads) and `rows` spare rows, so
-    # that every program's rows-long window lies inside the array; it loads only its G rows.
-    qf = jnp.pad(q.reshape(b * hq, d).astype(dt), ((0, rows), (0, 0)))
+    # Flat q rows (sequence-major, then kv head, then its G heads), as they lie: a program's
+    # rows-long window may run past the end, and its masked load reads only its G rows (the
+    # interpreter fills masked lanes past the end too). Until 2026-12-05 q was padded by
+    # `rows` spare rows first: one more XLA pass (and launch) per layer.
+    qf = q.reshape(b * hq, d).astype(dt)
     kernel = functools.partial(_decode_kernel, pages_per_block=pages_per_block,
                                soft_cap=soft_cap, sliding_window=sliding_window,
                                page_dtype=k_pages.dtype, heads=g, rows=rows)

@@ -282,8 +282,10 @@ def ragged_paged_attention(
     Extra static tuning: `q_tile` tokens per query tile, `pages_per_block` pages per inner step,
     Triton `num_warps`/`num_stages`; `decode_fast_path` routes decode-only steps to the split-K
     decode kernel. `decode_only` (static) says which kind the step is when the caller knows: True
-    launches only the split-K decode kernel (no sequence may have more than one new token),
-    False only the tiled kernel; None decides on device, launching both.
+    launches only the split-K decode kernel (no sequence may have more than one new token;
+    with T == B, as the engine's pure decode steps, sequence b's token must be row b and the
+    sequences without one must come last), False only the tiled kernel; None decides on
+    device, launching both.
     """
     t_total, hq, d = q.shape
     bs = k_pages.shape[1]
@@ -302,6 +304,16 @@ def ragged_paged_attention(
         return ragged(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables)
     decode = functools.partial(_decode_path, **common, num_warps=num_warps,
                                num_stages=num_stages, interpret=interpret)
+    if decode_only and t_total == seq_lens.shape[0]:
+        # The engine's pure decode step (T == B): sequence b's one token is row b, padding
+        # sequences (no token) come last and their rows are padding tokens. The decode kernel
+        # takes q as it lies and its rows are the result: no gather, no scatter (each was an
+        # XLA pass per layer). A sequence without a token gets length 0: zeros, as the padding.
+        qsl = query_start_loc.astype(jnp.int32)
+        lens = jnp.where(qsl[1:] > qsl[:-1], seq_lens, 0)
+        return paged_decode_attention(q, k_pages, v_pages, lens, block_tables, **common,
+                                      num_warps=num_warps, num_stages=num_stages,
+                                      interpret=interpret)
     if decode_only:  # no tiled launch, no q tiles gathered for it, no select
         return decode(q, k_pages, v_pages, query_start_loc, seq_lens, block_tables, active=True)
     q_len = query_start_loc[1:] - query_start_loc[:-1]

@@ -33,6 +33,9 @@ CASES = [
     (DECODE, 6, 2, 64, jnp.float8_e4m3fn, jnp.bfloat16,
      {"sliding_window": 6, "k_scale": 0.5, "decode_only": True}),
     (MIXED, 6, 2, 64, jnp.bfloat16, jnp.bfloat16, {"soft_cap": 5.0, "decode_only": False}),
+    # The engine's pure decode step, T == B (two padding sequences, two padding tokens): the
+    # decode kernel's rows are the result as they lie.
+    (DECODE, 8, 2, 64, jnp.bfloat16, jnp.bfloat16, {"decode_only": True, "pad": (2, 2)}),
 ]
 _KERNEL_ONLY = ("q_tile", "pages_per_block", "decode_fast_path", "decode_only")
 
@@ -43,9 +46,10 @@ def test_ragged_matches_reference(seqs, hq, hkv, d, page_dtype, q_dtype, opts):
     opts = dict(opts)
     scales = {k: opts.pop(k) for k in ("k_scale", "v_scale") if k in opts}
     tuning = {k: opts.pop(k) for k in _KERNEL_ONLY if k in opts}
+    pad_seqs, pad_tokens = opts.pop("pad", (2, 3))
     rng = np.random.default_rng(hq * 100 + d)
     case = make_case(rng, seqs, bs=BS, hq=hq, hkv=hkv, d=d, page_dtype=page_dtype,
-                     q_dtype=q_dtype, pad_seqs=2, pad_tokens=3, **scales)
+                     q_dtype=q_dtype, pad_seqs=pad_seqs, pad_tokens=pad_tokens, **scales)
     fn = functools.partial(ragged_paged_attention, interpret=True, **opts, **scales, **tuning)
     got = jax.jit(fn)(*case.ragged_args())
     want = jax.jit(functools.partial(reference.ragged_paged_attention, **opts, **scales))(
