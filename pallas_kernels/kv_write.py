@@ -30,14 +30,16 @@ def _quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array) -> jax.Array:
     return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
 
 
-def _write_kernel(scale_ref, slot_ref, k_ref, v_ref, k_in_ref, v_in_ref,  # inputs
-                  k_out_ref, v_out_ref,  # outputs (aliases of k_in_ref, v_in_ref)
-                  *, page_dtype: jnp.dtype) -> None:
+def _write_kernel(*refs, page_dtype: jnp.dtype) -> None:
     """Store one token's rows of one head group; only the named slot is touched.
 
-    The pool refs hold `page_dtype`, or its bit patterns for fp8 / bf16 (`reference.to_bits`).
+    refs: [scales (fp8 pages only)], slot, k, v, k pages in, v pages in; k and v pages out
+    (aliases of the inputs). The pool refs hold `page_dtype`, or its bit patterns for fp8 /
+    bf16 (`reference.to_bits`).
     """
-    del k_in_ref, v_in_ref  # read through the aliased outputs
+    fp8 = reference.is_fp8(page_dtype)
+    scale_ref = refs[0] if fp8 else None
+    slot_ref, k_ref, v_ref, _, _, k_out_ref, v_out_ref = refs[1:] if fp8 else refs
     nb, bs, _, _ = k_out_ref.shape
     hp = k_ref.shape[0]
     grp = pl.program_id(1)
@@ -48,7 +50,8 @@ def _write_kernel(scale_ref, slot_ref, k_ref, v_ref, k_in_ref, v_in_ref,  # inpu
         blk = slot // bs
         off = slot % bs
         heads = pl.ds(grp * hp, hp)
-        for src, dst, scale in ((k_ref, k_out_ref, scale_ref[0]), (v_ref, v_out_ref, scale_ref[1])):
+        scales = (scale_ref[0], scale_ref[1]) if fp8 else (1.0, 1.0)  # unused unless fp8
+        for src, dst, scale in ((k_ref, k_out_ref, scales[0]), (v_ref, v_out_ref, scales[1])):
             row = _quantize(src[...], page_dtype, scale)
             if dst.dtype != page_dtype:
                 row = jax.lax.bitcast_convert_type(row, dst.dtype)
@@ -79,22 +82,26 @@ def write_kv(
     if hkv % hp:
         raise ValueError(f"heads_per_program={hp} must divide kv_heads={hkv}")
     bits = to_bits(k_pages)  # fp8 / bf16 pools move as bit patterns (in place on CPU too)
-    scales = jnp.stack([jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32)])
     page_spec = pl.BlockSpec((nb, bs, hkv, d), lambda t, g: (0, 0, 0, 0))
     row_spec = pl.BlockSpec((None, hp, d), lambda t, g: (t, g, 0))
+    specs = [pl.BlockSpec((1,), lambda t, g: (t,)),  # slot of token t
+             row_spec, row_spec, page_spec, page_spec]
+    args = [slot_mapping.astype(jnp.int32), k, v, bits, to_bits(v_pages)]
+    # Only fp8 pages use the scales: other pools take no scale input (stacking the two per
+    # layer was an XLA launch of its own in every layer of every step).
+    if reference.is_fp8(k_pages.dtype):
+        specs.insert(0, pl.BlockSpec((2,), lambda t, g: (0,)))  # k_scale, v_scale
+        args.insert(0, jnp.stack([jnp.asarray(k_scale, jnp.float32),
+                                  jnp.asarray(v_scale, jnp.float32)]))
     kb, vb = pallas_call(
         functools.partial(_write_kernel, page_dtype=k_pages.dtype),
         grid=(t_total, hkv // hp),
-        in_specs=[
-            pl.BlockSpec((2,), lambda t, g: (0,)),  # k_scale, v_scale
-            pl.BlockSpec((1,), lambda t, g: (t,)),  # slot of token t
-            row_spec, row_spec, page_spec, page_spec,
-        ],
+        in_specs=specs,
         out_specs=[page_spec, page_spec],
         out_shape=[jax.ShapeDtypeStruct(k_pages.shape, bits.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, bits.dtype)],
-        input_output_aliases={4: 0, 5: 1},
+        input_output_aliases={len(args) - 2: 0, len(args) - 1: 1},
         interpret=interpret, num_warps=num_warps, num_stages=1,
         name="kv_write",
-    )(scales, slot_mapping.astype(jnp.int32), k, v, bits, to_bits(v_pages))
+    )(*args)
     return from_bits(kb, k_pages.dtype), from_bits(vb, v_pages.dtype)
