@@ -126,10 +126,10 @@ def plan_stream(rows: int, k: int, ns: Sequence[int], itemsize: int,
     return StreamPlan(bm, block_n, block_k)
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """a @ b with float32 accumulation; IEEE float32 products for float32 operands."""
+def _dot(a: jax.Array, b: jax.Array, trans_b: bool = False) -> jax.Array:
+    """a @ b (or a @ b.T) with float32 accumulation; IEEE float32 products for float32."""
     prec = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=prec,
+    return lax.dot_general(a, b, (((1,), (1 if trans_b else 0,)), ((), ())), precision=prec,
                            preferred_element_type=jnp.float32)
 
 
@@ -153,7 +153,7 @@ SLABS = {"plain": 1, "gated": 2, "rope": 2}
 def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple[int, ...],
                    kinds: tuple[str, ...], rope_pairs: int, has_bias: bool, has_norm: bool,
                    norm_offset: float, eps: float, act: str | None, has_residual: bool,
-                   has_rope: bool) -> None:
+                   has_rope: bool, transposed: bool) -> None:
     """One (row block, column block): stream the slab(s) of the segment the column block falls
     in (`kinds`) and write its [block_m, block_n] output tile.
 
@@ -216,8 +216,10 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
 
             def body(kk, accs):
                 xt = operand(kk)
-                return tuple(a + _dot(xt, w[pl.ds(kk * bk, bk), :]) for a, w in
-                             zip(accs, ws, strict=True))
+                ks = pl.ds(kk * bk, bk)
+                return tuple(a + (_dot(xt, w[:, ks], trans_b=True) if transposed
+                                  else _dot(xt, w[ks, :]))
+                             for a, w in zip(accs, ws, strict=True))
 
             zero = jnp.zeros((bm, width), jnp.float32)
             accs = lax.fori_loop(0, steps, body, (zero,) * len(ws))
@@ -259,14 +261,16 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
             norm_weight: jax.Array | None = None, norm_eps: float = 1e-6,
             norm_offset: float = 0.0, act: str | None = None,
             residual: jax.Array | None = None, rope: tuple[jax.Array, jax.Array] | None = None,
-            head_dim: int | None = None, interpret: bool = False,
+            head_dim: int | None = None, transposed: bool = False, interpret: bool = False,
             plan: StreamPlan | None = None) -> list[jax.Array]:
-    """One streaming launch over `segments`; one [M, N] output per segment (see `SLABS`)."""
+    """One streaming launch over `segments`; one [M, N] output per segment (see `SLABS`).
+    `transposed`: every weight is [N, K] (K contiguous) instead of [K, N]."""
     rows, k = x.shape
-    ns = [ws[0].shape[1] for _, ws, _ in segments]
+    kdim = 1 if transposed else 0
+    ns = [ws[0].shape[1 - kdim] for _, ws, _ in segments]
     for _, ws, _ in segments:
         for w in ws:
-            if w.shape[0] != k:
+            if w.ndim != 2 or w.shape[kdim] != k:
                 raise ValueError(f"weight {w.shape} does not take inputs of size {k}")
     kinds = tuple(kind for kind, _, _ in segments)
     plan = plan or plan_stream(rows, k, ns, x.dtype.itemsize,
@@ -307,17 +311,20 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
             slab_cols = [functools.partial(_slab_column, lo, nblk)] * len(ws)
         for w, col in zip(ws, slab_cols, strict=True):
             args.append(w)
-            specs.append(pl.BlockSpec((k, width), lambda i, j, col=col: (0, col(j))))
+            if transposed:
+                specs.append(pl.BlockSpec((width, k), lambda i, j, col=col: (col(j), 0)))
+            else:
+                specs.append(pl.BlockSpec((k, width), lambda i, j, col=col: (0, col(j))))
         if has_bias:
             for w, b, col in zip(ws, bs, slab_cols, strict=True):
-                args.append(jnp.zeros((w.shape[1],), x.dtype) if b is None else b)
+                args.append(jnp.zeros((w.shape[1 - kdim],), x.dtype) if b is None else b)
                 specs.append(pl.BlockSpec((width,), lambda i, j, col=col: (col(j),)))
         lo += nblk
     kernel = functools.partial(
         _stream_kernel, plan=plan, rows=rows, k=k, seg_blocks=seg_blocks, kinds=kinds,
         rope_pairs=rope_pairs, has_bias=has_bias, has_norm=norm_weight is not None,
         norm_offset=norm_offset, eps=norm_eps, act=act, has_residual=residual is not None,
-        has_rope="rope" in kinds)
+        has_rope="rope" in kinds, transposed=transposed)
     outs = pallas_call(
         kernel,
         grid=(cdiv(rows, plan.block_m), sum(seg_blocks)),
@@ -351,25 +358,26 @@ def projections(x: Float[Array, "M K"], weights: Sequence[Float[Array, "K N"]],
                 biases: Sequence[jax.Array | None] | None = None, *,
                 norm_weight: jax.Array | None = None, norm_eps: float = 1e-6,
                 norm_offset: float = 0.0, rope: tuple[jax.Array, jax.Array] | None = None,
-                rope_outputs: int = 0, head_dim: int | None = None, interpret: bool = False,
-                plan: StreamPlan | None = None) -> list[jax.Array]:
+                rope_outputs: int = 0, head_dim: int | None = None, transposed: bool = False,
+                interpret: bool = False, plan: StreamPlan | None = None) -> list[jax.Array]:
     """[norm(x) @ w (+ b) for w in weights], one launch (q/k/v): [M, N_w] each, x's dtype.
 
     `rope` (cos, sin), each [M, head_dim / 2]: the first `rope_outputs` outputs (q and k) are
     rotated by RoPE (rotate-half pairs within each head of `head_dim`) in the epilogue.
+    `transposed`: the weights are [N, K] (the device check times both layouts).
     """
     biases = list(biases) if biases is not None else [None] * len(weights)
     segs = [("rope" if n < rope_outputs else "plain", [w], [b])
             for n, (w, b) in enumerate(zip(weights, biases, strict=True))]
     return _launch(x, segs, name="decode_matmul_proj", norm_weight=norm_weight,
                    norm_eps=norm_eps, norm_offset=norm_offset, rope=rope, head_dim=head_dim,
-                   interpret=interpret, plan=plan)
+                   transposed=transposed, interpret=interpret, plan=plan)
 
 
 def gated_up(x: Float[Array, "M K"], w_gate: Float[Array, "K N"], w_up: Float[Array, "K N"],
              b_gate: jax.Array | None = None, b_up: jax.Array | None = None, *,
              act: str = "silu", norm_weight: jax.Array | None = None, norm_eps: float = 1e-6,
-             norm_offset: float = 0.0, interpret: bool = False,
+             norm_offset: float = 0.0, transposed: bool = False, interpret: bool = False,
              plan: StreamPlan | None = None) -> Float[Array, "M N"]:
     """act(norm(x) @ w_gate (+ b)) * (norm(x) @ w_up (+ b)) in one launch."""
     if act not in ACTIVATIONS:
@@ -378,17 +386,19 @@ def gated_up(x: Float[Array, "M K"], w_gate: Float[Array, "K N"], w_up: Float[Ar
         raise ValueError(f"gate {w_gate.shape} and up {w_up.shape} weights differ in shape")
     (out,) = _launch(x, [("gated", [w_gate, w_up], [b_gate, b_up])], name="decode_matmul_gate_up",
                      norm_weight=norm_weight, norm_eps=norm_eps, norm_offset=norm_offset,
-                     act=act, interpret=interpret, plan=plan)
+                     act=act, transposed=transposed, interpret=interpret, plan=plan)
     return out
 
 
 def projection_residual(x: Float[Array, "M K"], w: Float[Array, "K N"],
                         residual: Float[Array, "M N"], b: jax.Array | None = None, *,
-                        interpret: bool = False,
+                        transposed: bool = False, interpret: bool = False,
                         plan: StreamPlan | None = None) -> Float[Array, "M N"]:
     """residual + (x @ w (+ b)) in one launch (o and down projections)."""
-    if residual.shape != (x.shape[0], w.shape[1]):
-        raise ValueError(f"residual {residual.shape} is not [{x.shape[0]}, {w.shape[1]}]")
+    n = w.shape[0 if transposed else 1]
+    if residual.shape != (x.shape[0], n):
+        raise ValueError(f"residual {residual.shape} is not [{x.shape[0]}, {n}]")
     (out,) = _launch(x, [("plain", [w], [b])], name="decode_matmul_residual",
-                     residual=residual.astype(x.dtype), interpret=interpret, plan=plan)
+                     residual=residual.astype(x.dtype), transposed=transposed,
+                     interpret=interpret, plan=plan)
     return out

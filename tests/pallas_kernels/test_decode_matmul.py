@@ -162,3 +162,24 @@ def test_rope_fits_only_half_heads_of_16_columns_or_more():
     assert dm.rope_fits(64, [576, 192, 192]) and dm.rope_fits(128, [4096, 1024, 1024])
     assert not dm.rope_fits(16, [64, 32, 32])  # half a head is 8 columns
     assert not dm.rope_fits(64, [576, 16 * 3, 192])  # an output of 3 x 16 columns
+
+
+@pytest.mark.parametrize("rows,dtype", [(1, jnp.float32), (19, jnp.bfloat16), (70, jnp.float32)])
+def test_transposed_weights_give_the_same_results(rows, dtype):
+    """[N, K] weights (K contiguous: the layout the device check times beside [K, N]) through
+    every launch kind: q/k/v with norm and RoPE, gate/up, the residual projection."""
+    k, d = 192, 64
+    x, g, wq, wk, wu, r, bq = _arrays(rows, dtype, (rows, k), (k,), (k, 2 * d), (k, d), (k, d),
+                                      (rows, d), (2 * d,))
+    ang = jnp.arange(rows)[:, None] * (1.0 / 10000.0 ** (jnp.arange(0, d, 2) / d))
+    kw = {"norm_weight": g, "rope": (jnp.cos(ang), jnp.sin(ang)), "rope_outputs": 2,
+          "head_dim": d}
+    want = ref.projections(x, [wq, wk, wk], [bq, None, None], **kw)
+    got = dm.projections(x, [wq.T, wk.T, wk.T], [bq, None, None], transposed=True,
+                         interpret=True, **kw)
+    for a, b in zip(got, want, strict=True):
+        _close(a, b, dtype)
+    _close(dm.gated_up(x, wk.T, wu.T, norm_weight=g, transposed=True, interpret=True),
+           ref.gated_up(x, wk, wu, norm_weight=g), dtype)
+    _close(dm.projection_residual(x, wk.T, r, transposed=True, interpret=True),
+           ref.projection_residual(x, wk, r), dtype)

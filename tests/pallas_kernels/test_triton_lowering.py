@@ -94,3 +94,7 @@ def test_decode_matmuls_lower_to_one_triton_call_each(rows, hidden, q, kv, inter
     down = _lower_for_cuda(dm.projection_residual, S((rows, inter), dtype),
                            S((inter, hidden), dtype), x)
     assert _triton_calls(down) == 1 and "decode_matmul_residual" in down
+    # [N, K] weights (the layout the device check times beside [K, N]).
+    down_t = _lower_for_cuda(functools.partial(dm.projection_residual, transposed=True),
+                             S((rows, inter), dtype), S((hidden, inter), dtype), x)
+    assert _triton_calls(down_t) == 1
