@@ -26,6 +26,9 @@ from .config import ModelSpec
 #   state: any pytree of arrays the backend owns (None for stateless backends), passed from
 #          layer to layer: the returned state has the same tree structure, shapes and dtypes.
 #   out: Float[Array, "T num_heads head_dim"]    in q's dtype.
+#   kv_written=True (keyword, only from a layer whose DecodeLinears.qkv_write wrote k and v
+#     into the state's cache already; backends that never hand out such linears need not
+#     accept it): attend without writing k and v again.
 # Cost note: gather/scatter at layer-offset indices into the carried pool (e.g. a flat
 # [layers * blocks, ...] pool with block ids + layer_idx * blocks) updates it in place; slicing
 # out pool[layer_idx] whole and writing it back would copy the layer's pages.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -20,6 +21,10 @@ import jax
 #   -> (q, k, v), each [T, N_w]: norm(x) @ w (+ b); norm is the layer's RMSNorm (offset 1:
 #   Gemma's (1 + w)); with rope = (cos, sin), each [T, head_dim / 2], q and k come rotated.
 QkvFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+# qkv_write(x, wq, wk, wv, bq, bk, bv, layer_idx, attn_state, norm_weight, norm_eps,
+#   norm_offset, rope, head_dim) -> (q, k, v, attn_state): as qkv with RoPE, and k and v also
+#   written into the attention backend's KV cache (the AttnFn state), which it returns updated.
+QkvWriteFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array, Any]]
 # gate_up(x, wg, wu, bg, bu, act, norm_weight, norm_eps, norm_offset) -> act(g) * u, [T, N]
 GateUpFn = Callable[..., jax.Array]
 # out(x, w, b, residual) -> residual + x @ w (+ b), or x @ w (+ b) with residual None
@@ -28,13 +33,19 @@ OutFn = Callable[..., jax.Array]
 
 @dataclass(frozen=True)
 class DecodeLinears:
-    """Fused projections for steps of at most `max_rows` tokens (more: XLA's GEMMs)."""
+    """Fused projections for steps of at most `max_rows` tokens (more: XLA's GEMMs).
+
+    `qkv_write`, when the runner offers it for this step, takes the place of `qkv` for layers
+    whose RoPE runs in the kernel (no q/k norm between): the layer then calls its AttnFn with
+    `kv_written=True`, so the backend attends without writing K/V again.
+    """
 
     name: str
     max_rows: int
     qkv: QkvFn
     gate_up: GateUpFn
     out: OutFn
+    qkv_write: QkvWriteFn | None = None
 
 
 def activation_name(hidden_act: str) -> str:

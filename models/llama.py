@@ -165,10 +165,12 @@ class Attention(nnx.Module):
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array,
                sin: jax.Array, layer_idx: int, attn_fn: AttnFn, attn_state: Any,
-               roped: bool = False) -> tuple[Float[Array, "T q_features"], Any]:
+               roped: bool = False, kv_written: bool = False
+               ) -> tuple[Float[Array, "T q_features"], Any]:
         """Attention of projected [T, heads * head_dim] q, k, v (q/k norm, RoPE unless `roped`
         says q and k come rotated, the backend), before the output projection; and the
-        backend's updated state."""
+        backend's updated state. `kv_written`: k and v are in the backend's cache already
+        (`DecodeLinears.qkv_write`); the AttnFn is told so."""
         t = q.shape[0]
         q = q.reshape(t, self.num_heads, self.head_dim)
         k = k.reshape(t, self.num_kv_heads, self.head_dim)
@@ -177,7 +179,10 @@ class Attention(nnx.Module):
             if self.q_norm is not None:  # Qwen3, Gemma 3: per-head norm, before RoPE
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out, attn_state = attn_fn(layer_idx, q, k, v, attn_state)  # out: [T, num_heads, head_dim]
+        if kv_written:
+            out, attn_state = attn_fn(layer_idx, q, k, v, attn_state, kv_written=True)
+        else:
+            out, attn_state = attn_fn(layer_idx, q, k, v, attn_state)  # [T, heads, head_dim]
         return out.reshape(t, self.num_heads * self.head_dim), attn_state
 
     def fused_attention(self, x: jax.Array, norm: nnx.Module, cos: jax.Array, sin: jax.Array,
@@ -186,9 +191,16 @@ class Attention(nnx.Module):
         """`attend` of norm(x)'s q, k, v from the fused kernel: the norm in its prologue, and
         RoPE in its epilogue unless q/k norms must come between (Qwen3, Gemma 3)."""
         ps = (self.q_proj, self.k_proj, self.v_proj)
+        args = (x, *map(_weight, ps), *map(_bias, ps))
         roped = self.q_norm is None
-        q, k, v = linears.qkv(x, *map(_weight, ps), *map(_bias, ps), **_norm_args(norm),
-                              rope=(cos, sin) if roped else None, head_dim=self.head_dim)
+        if roped and linears.qkv_write is not None:  # K/V into the cache by the same launch
+            q, k, v, attn_state = linears.qkv_write(
+                *args, layer_idx=layer_idx, attn_state=attn_state, **_norm_args(norm),
+                rope=(cos, sin), head_dim=self.head_dim)
+            return self.attend(q, k, v, cos, sin, layer_idx, attn_fn, attn_state, roped=True,
+                               kv_written=True)
+        q, k, v = linears.qkv(*args, **_norm_args(norm), rope=(cos, sin) if roped else None,
+                              head_dim=self.head_dim)
         return self.attend(q, k, v, cos, sin, layer_idx, attn_fn, attn_state, roped=roped)
 
 

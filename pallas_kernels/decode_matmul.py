@@ -49,6 +49,8 @@ from jaxtyping import Array, Float
 
 from jpaged.intmath import cdiv
 from pallas_kernels._compat import next_pow2, pallas_call
+from pallas_kernels.kv_write import quantize
+from pallas_kernels.reference import from_bits, is_fp8, to_bits
 
 # An H200 has 132 SMs: below this many programs a launch leaves SMs idle.
 _MIN_PROGRAMS = 264
@@ -67,6 +69,26 @@ class StreamPlan:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class KVWritePlan:
+    """Which outputs of a `projections` launch also go into the KV pages, and how (static).
+
+    `segments`: the output indices of K and V (their pages, in that order); `slot_offset`: added
+    to every slot (a layer's slot region in a shared pool); `page_dtype`: the pages' dtype (fp8
+    quantized with the scales, stored as bits like kv_write).
+    """
+
+    segments: tuple[int, int]
+    head_dim: int
+    page_dtype: jnp.dtype
+    slot_offset: int = 0
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the pages are fp8 (the launch takes the K and V scales)."""
+        return is_fp8(self.page_dtype)
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -153,24 +175,31 @@ SLABS = {"plain": 1, "gated": 2, "rope": 2}
 def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple[int, ...],
                    kinds: tuple[str, ...], rope_pairs: int, has_bias: bool, has_norm: bool,
                    norm_offset: float, eps: float, act: str | None, has_residual: bool,
-                   has_rope: bool, transposed: bool) -> None:
+                   has_rope: bool, transposed: bool, kv: KVWritePlan | None) -> None:
     """One (row block, column block): stream the slab(s) of the segment the column block falls
-    in (`kinds`) and write its [block_m, block_n] output tile.
+    in (`kinds`) and write its [block_m, block_n] output tile (and, for the K and V segments
+    of `kv`, the same values into the pages at the rows' slots).
 
-    refs: x, [norm weight], [residual], [cos, sin], per segment its slabs then [their biases],
-    then one output per segment."""
+    refs: x, [norm weight], [residual], [cos, sin], [slots, [fp8 scales]], per segment its
+    slabs then [their biases], [K and V pages in]; then one output per segment, [K and V pages
+    out (aliases of the pages in)]."""
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     it = iter(refs)
     x_ref = next(it)
     g_ref = next(it) if has_norm else None
     res_ref = next(it) if has_residual else None
     cos_ref, sin_ref = (next(it), next(it)) if has_rope else (None, None)
+    slot_ref = next(it) if kv is not None else None
+    kvs_ref = next(it) if kv is not None and kv.fp8 else None
     segs = []
     for kind in kinds:
         ws = [next(it) for _ in range(SLABS[kind])]
         bs = [next(it) for _ in ws] if has_bias else [None] * len(ws)
         segs.append((ws, bs))
     outs = list(it)
+    pages_out: list = []
+    if kv is not None:  # the pages in (read through their aliased outputs), the pages out
+        outs, pages_out = outs[2:-2], outs[-2:]
     dtype = x_ref.dtype
     i, j = pl.program_id(0), pl.program_id(1)
     r = i * bm + lax.broadcasted_iota(jnp.int32, (bm,), 0)
@@ -200,17 +229,37 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
             return (normed * (norm_offset + gt.astype(jnp.float32))[None, :]).astype(dtype)
         return normed.astype(dtype) * gt[None, :].astype(dtype)  # Llama: w * round(x * r)
 
-    def store(out_ref, col0: jax.Array, width: int, y: jax.Array) -> None:
+    def store(out_ref, col0: jax.Array, width: int, y: jax.Array, page: int | None) -> None:
         plt.store(out_ref.at[rows_at, pl.ds(col0, width)], y.astype(out_ref.dtype),
                   mask=live[:, None])
+        if page is None:
+            return
+        # Rows with a slot also go to the pages ([slots, heads, head_dim], flat): the head and
+        # dims of these columns, quantized as kv_write does; slot < 0 (padding) writes nothing.
+        slot = plt.load(slot_ref.at[rows_at], mask=live, other=-1)
+        ok = live & (slot >= 0)
+        at = jnp.where(ok, slot + kv.slot_offset, 0)
+        dst = pages_out[page]
+        scale = kvs_ref[page] if kvs_ref is not None else 1.0
+        val = quantize(y, kv.page_dtype, scale)
+        if dst.dtype != kv.page_dtype:
+            val = lax.bitcast_convert_type(val, dst.dtype)
+        # Every index an array ([rows, width] pointers): the form both Triton and the
+        # interpreter take for a scatter. Masked lanes point at slot 0 (the null block).
+        dims = col0 % kv.head_dim + lax.broadcasted_iota(jnp.int32, (bm, width), 1)
+        heads = jnp.full((bm, width), col0 // kv.head_dim, jnp.int32)
+        plt.store(dst.at[jnp.broadcast_to(at[:, None], (bm, width)), heads, dims], val,
+                  mask=jnp.broadcast_to(ok[:, None], (bm, width)))
 
     start = 0
-    for (ws, bs), kind, out_ref, nblk in zip(segs, kinds, outs, seg_blocks, strict=True):
+    for n, ((ws, bs), kind, out_ref, nblk) in enumerate(
+            zip(segs, kinds, outs, seg_blocks, strict=True)):
         lo = start
         start += nblk
+        page = None if kv is None or n not in kv.segments else kv.segments.index(n)
 
         @pl.when((j >= lo) & (j < start))
-        def _segment(ws=ws, bs=bs, kind=kind, out_ref=out_ref, lo=lo) -> None:
+        def _segment(ws=ws, bs=bs, kind=kind, out_ref=out_ref, lo=lo, page=page) -> None:
             jj = j - lo  # the column block within the segment; weights come as its slabs
             width = bn // len(ws) if kind == "rope" else bn
 
@@ -232,8 +281,9 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
                 c = plt.load(cos_ref.at[ang], mask=live[:, None], other=0)
                 sn = plt.load(sin_ref.at[ang], mask=live[:, None], other=0)
                 x1, x2 = (v.astype(jnp.float32) for v in vals)
-                store(out_ref, lo_col, width, x1 * c - x2 * sn)
-                store(out_ref, lo_col + rope_pairs * width, width, x2 * c + x1 * sn)
+                store(out_ref, lo_col, width, (x1 * c - x2 * sn).astype(dtype), page)
+                store(out_ref, lo_col + rope_pairs * width, width,
+                      (x2 * c + x1 * sn).astype(dtype), page)
                 return
             if kind == "gated":  # act(gate) * up
                 y = _act(act, vals[0].astype(jnp.float32)).astype(dtype) * vals[1]
@@ -243,7 +293,7 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
                 res = plt.load(res_ref.at[rows_at, pl.ds(jj * bn, bn)], mask=live[:, None],
                                other=0)
                 y = y + res
-            store(out_ref, jj * bn, bn, y)
+            store(out_ref, jj * bn, bn, y.astype(dtype), page)
 
 
 def _rope_columns(jj: jax.Array, pairs: int, width: int) -> tuple[jax.Array, jax.Array]:
@@ -262,8 +312,13 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
             norm_offset: float = 0.0, act: str | None = None,
             residual: jax.Array | None = None, rope: tuple[jax.Array, jax.Array] | None = None,
             head_dim: int | None = None, transposed: bool = False, interpret: bool = False,
-            plan: StreamPlan | None = None) -> list[jax.Array]:
-    """One streaming launch over `segments`; one [M, N] output per segment (see `SLABS`).
+            plan: StreamPlan | None = None, kv: KVWritePlan | None = None,
+            kv_pages: tuple[jax.Array, jax.Array] | None = None,
+            kv_slots: jax.Array | None = None,
+            kv_scales: tuple[jax.Array | float, jax.Array | float] = (1.0, 1.0)
+            ) -> list[jax.Array]:
+    """One streaming launch over `segments`; one [M, N] output per segment (see `SLABS`),
+    then, with `kv`, the K and V pages with those outputs written at `kv_slots` (in place).
     `transposed`: every weight is [N, K] (K contiguous) instead of [K, N]."""
     rows, k = x.shape
     kdim = 1 if transposed else 0
@@ -275,7 +330,7 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
     kinds = tuple(kind for kind, _, _ in segments)
     plan = plan or plan_stream(rows, k, ns, x.dtype.itemsize,
                                weights_per_program=2 if "gated" in kinds else 1,
-                               head_dim=head_dim if "rope" in kinds else None)
+                               head_dim=head_dim if "rope" in kinds or kv else None)
     bn = plan.block_n
     rope_pairs = 0
     if "rope" in kinds:
@@ -292,6 +347,13 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
         front.append(residual)
     if "rope" in kinds:
         front.extend(t.astype(jnp.float32) for t in rope)
+    if kv is not None:
+        if head_dim % bn and "rope" not in kinds:
+            raise ValueError(f"a KV write needs column blocks within a head ({bn} vs {head_dim})")
+        front.append(kv_slots.astype(jnp.int32))
+        if kv.fp8:
+            front.append(jnp.stack([jnp.asarray(kv_scales[0], jnp.float32),
+                                    jnp.asarray(kv_scales[1], jnp.float32)]))
     # x, the norm weight, the residual and the angle tables whole (the kernel indexes their
     # rows); each weight and bias as the slab of the program's column block (clamped into its
     # segment: a program of another segment never reads it).
@@ -324,17 +386,36 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
         _stream_kernel, plan=plan, rows=rows, k=k, seg_blocks=seg_blocks, kinds=kinds,
         rope_pairs=rope_pairs, has_bias=has_bias, has_norm=norm_weight is not None,
         norm_offset=norm_offset, eps=norm_eps, act=act, has_residual=residual is not None,
-        has_rope="rope" in kinds, transposed=transposed)
+        has_rope="rope" in kinds, transposed=transposed, kv=kv)
+    out_specs = [pl.BlockSpec((rows, n), functools.partial(_origin, 2)) for n in ns]
+    out_shape = [jax.ShapeDtypeStruct((rows, n), x.dtype) for n in ns]
+    aliases = {}
+    if kv is not None:
+        # The pages flat ([slots, heads, head_dim]: a bitcast), as bits for bf16 / fp8 (as
+        # kv_write), whole, aliased in -> out: the launch writes only the rows' slots.
+        shape = kv_pages[0].shape
+        for pages in kv_pages:
+            flat = to_bits(pages).reshape(-1, *shape[2:])
+            aliases[len(args)] = len(out_shape)
+            args.append(flat)
+            specs.append(pl.BlockSpec(flat.shape, functools.partial(_origin, 3)))
+            out_specs.append(pl.BlockSpec(flat.shape, functools.partial(_origin, 3)))
+            out_shape.append(jax.ShapeDtypeStruct(flat.shape, flat.dtype))
     outs = pallas_call(
         kernel,
         grid=(cdiv(rows, plan.block_m), sum(seg_blocks)),
         in_specs=specs,
-        out_specs=[pl.BlockSpec((rows, n), functools.partial(_origin, 2)) for n in ns],
-        out_shape=[jax.ShapeDtypeStruct((rows, n), x.dtype) for n in ns],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         interpret=interpret, num_warps=plan.num_warps, num_stages=plan.num_stages,
         name=name,
     )(*args)
-    return list(outs)
+    outs = list(outs)
+    if kv is not None:
+        shape = kv_pages[0].shape
+        outs[-2:] = [from_bits(o.reshape(shape), kv.page_dtype) for o in outs[-2:]]
+    return outs
 
 
 def _rope_slab(lo: int, nblk: int, pairs: int, half: int, j: jax.Array) -> jax.Array:
@@ -359,19 +440,32 @@ def projections(x: Float[Array, "M K"], weights: Sequence[Float[Array, "K N"]],
                 norm_weight: jax.Array | None = None, norm_eps: float = 1e-6,
                 norm_offset: float = 0.0, rope: tuple[jax.Array, jax.Array] | None = None,
                 rope_outputs: int = 0, head_dim: int | None = None, transposed: bool = False,
-                interpret: bool = False, plan: StreamPlan | None = None) -> list[jax.Array]:
+                kv_pages: tuple[jax.Array, jax.Array] | None = None,
+                kv_slots: jax.Array | None = None,
+                kv_scales: tuple[jax.Array | float, jax.Array | float] = (1.0, 1.0),
+                kv_slot_offset: int = 0, interpret: bool = False,
+                plan: StreamPlan | None = None) -> list[jax.Array]:
     """[norm(x) @ w (+ b) for w in weights], one launch (q/k/v): [M, N_w] each, x's dtype.
 
     `rope` (cos, sin), each [M, head_dim / 2]: the first `rope_outputs` outputs (q and k) are
     rotated by RoPE (rotate-half pairs within each head of `head_dim`) in the epilogue.
-    `transposed`: the weights are [N, K] (the device check times both layouts).
+    `kv_pages` (K and V pages, [blocks, block_size, kv_heads, head_dim]): outputs 1 and 2 (k
+    and v, after RoPE) are also written at `kv_slots` [M] (+ `kv_slot_offset`; < 0 writes
+    nothing) as `kv_write` writes them (fp8 pages quantized by `kv_scales`), in place; the
+    updated pages follow the outputs. `transposed`: the weights are [N, K].
     """
     biases = list(biases) if biases is not None else [None] * len(weights)
     segs = [("rope" if n < rope_outputs else "plain", [w], [b])
             for n, (w, b) in enumerate(zip(weights, biases, strict=True))]
+    kv = None
+    if kv_pages is not None:
+        if len(weights) < 3 or head_dim is None or kv_slots is None:
+            raise ValueError("a KV write takes q, k, v weights, head_dim and the slots")
+        kv = KVWritePlan((1, 2), head_dim, jnp.dtype(kv_pages[0].dtype), kv_slot_offset)
     return _launch(x, segs, name="decode_matmul_proj", norm_weight=norm_weight,
                    norm_eps=norm_eps, norm_offset=norm_offset, rope=rope, head_dim=head_dim,
-                   transposed=transposed, interpret=interpret, plan=plan)
+                   transposed=transposed, interpret=interpret, plan=plan, kv=kv,
+                   kv_pages=kv_pages, kv_slots=kv_slots, kv_scales=kv_scales)
 
 
 def gated_up(x: Float[Array, "M K"], w_gate: Float[Array, "K N"], w_up: Float[Array, "K N"],

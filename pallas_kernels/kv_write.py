@@ -22,8 +22,8 @@ from pallas_kernels._compat import is_pow2, pallas_call, triton_unsupported
 from pallas_kernels.reference import from_bits, to_bits
 
 
-def _quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array) -> jax.Array:
-    """In-kernel twin of `reference.quantize`."""
+def quantize(x: jax.Array, dtype: jnp.dtype, scale: jax.Array | float) -> jax.Array:
+    """In-kernel twin of `reference.quantize` (also used by the decode matmuls' KV write)."""
     if not reference.is_fp8(dtype):
         return x.astype(dtype)
     fmax = float(jnp.finfo(dtype).max)
@@ -52,7 +52,7 @@ def _write_kernel(*refs, page_dtype: jnp.dtype) -> None:
         heads = pl.ds(grp * hp, hp)
         scales = (scale_ref[0], scale_ref[1]) if fp8 else (1.0, 1.0)  # unused unless fp8
         for src, dst, scale in ((k_ref, k_out_ref, scales[0]), (v_ref, v_out_ref, scales[1])):
-            row = _quantize(src[...], page_dtype, scale)
+            row = quantize(src[...], page_dtype, scale)
             if dst.dtype != page_dtype:
                 row = jax.lax.bitcast_convert_type(row, dst.dtype)
             dst[blk, off, heads, :] = row

@@ -76,6 +76,40 @@ def kernel_linears(interpret: bool, max_rows: int = DECODE_MATMUL_MAX_ROWS) -> D
     return DecodeLinears("pallas", max_rows, qkv, gate_up, out)
 
 
+def is_gpu_platform(platform: str) -> bool:
+    """Whether kernels compile for a GPU on this platform (else the Pallas interpreter)."""
+    return platform in ("gpu", "cuda", "rocm")
+
+
+def rope_in_kernel(spec: ModelSpec) -> bool:
+    """Whether every layer's q/k/v launch applies RoPE itself (no q/k norm comes between,
+    half a head is >= 16 columns): the condition for writing K/V from the same launch."""
+    q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return not spec.qk_norm and dm.rope_fits(spec.head_dim, [q, kv, kv])
+
+
+def fused_qkv_write(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array,
+                    bq: jax.Array | None, bk: jax.Array | None, bv: jax.Array | None, *,
+                    pages: tuple[jax.Array, jax.Array], slot_mapping: jax.Array,
+                    slot_region: int | jax.Array, scales: tuple[jax.Array, jax.Array],
+                    norm_weight: jax.Array, norm_eps: float, norm_offset: float,
+                    rope: tuple[jax.Array, jax.Array], head_dim: int, interpret: bool
+                    ) -> tuple[jax.Array, ...]:
+    """q, k, v (RoPE in the epilogue) with k and v also written into `pages` at the slot
+    mapping's slots plus `slot_region` (the layer's rows of a shared pool): q, k, v, k pages,
+    v pages. A static region is added in the kernel; a traced one (a scan's layer index)
+    here, in the slots (< 0 stays padding)."""
+    if isinstance(slot_region, int):
+        offset, slots = slot_region, slot_mapping
+    else:
+        offset, slots = 0, jnp.where(slot_mapping < 0, -1, slot_mapping + slot_region)
+    q, k, v, kp, vp = dm.projections(
+        x, [wq, wk, wv], [bq, bk, bv], norm_weight=norm_weight, norm_eps=norm_eps,
+        norm_offset=norm_offset, rope=rope, rope_outputs=2, head_dim=head_dim, kv_pages=pages,
+        kv_slots=slots, kv_scales=scales, kv_slot_offset=offset, interpret=interpret)
+    return q, k, v, kp, vp
+
+
 def select_linears(backend: str, platform: str, spec: ModelSpec, dtype: jnp.dtype,
                    tensor_parallel_size: int = 1) -> DecodeLinears | None:
     """The kernels when the attention backend is Pallas and the model's shapes fit, else None."""
@@ -85,4 +119,4 @@ def select_linears(backend: str, platform: str, spec: ModelSpec, dtype: jnp.dtyp
     if why is not None:
         logger.warning("decode projections stay on XLA's GEMMs: %s", why)
         return None
-    return kernel_linears(interpret=platform not in ("gpu", "cuda", "rocm"))
+    return kernel_linears(interpret=not is_gpu_platform(platform))

@@ -24,7 +24,12 @@ from jpaged.runner.batch import (
 )
 from jpaged.runner.input_batch import InputBatch
 from jpaged.runner.kv_cache import KVCache, amax_scale
-from jpaged.runner.linears import select_linears
+from jpaged.runner.linears import (
+    fused_qkv_write,
+    is_gpu_platform,
+    rope_in_kernel,
+    select_linears,
+)
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample, searches_wide
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
@@ -155,6 +160,11 @@ class ModelRunner:
         self.linears = None if not decode_matmuls else select_linears(
             ops.name, platform or jax.default_backend(), model.spec, model.dtype,
             parallel.size if parallel is not None else 1)
+        self.linears_interpret = not is_gpu_platform(platform or jax.default_backend())
+        # The q/k/v launch also writes K/V when its RoPE runs in the kernel (one launch less a
+        # layer); not under tensor parallel, whose pool shards go through the backend's write.
+        self.write_kv_in_qkv = (self.linears is not None and parallel is None
+                                and rope_in_kernel(model.spec))
         self.seed = seed
         self.parallel = parallel
         if parallel is not None:  # params and pool on the mesh; attention per device's heads
@@ -242,7 +252,8 @@ class ModelRunner:
                     batch.block_tables[:, g * m:(g + 1) * m])
 
         def attn_fn(i: int, q: jax.Array, k: jax.Array, v: jax.Array,
-                    pages: tuple[jax.Array, ...]) -> tuple[jax.Array, Any]:
+                    pages: tuple[jax.Array, ...], kv_written: bool = False
+                    ) -> tuple[jax.Array, Any]:
             # The carry holds the stored arrays (fp8/bf16 as bits); the ops see page-dtype views.
             k_stored, v_stored, k_scale, v_scale = pages
             k_pages, v_pages = from_bits(k_stored, kv.dtype), from_bits(v_stored, kv.dtype)
@@ -251,11 +262,12 @@ class ModelRunner:
                 valid = slot_mapping >= 0
                 k_scale = k_scale.at[i].set(amax_scale(k, valid, k_pages.dtype))
                 v_scale = v_scale.at[i].set(amax_scale(v, valid, v_pages.dtype))
-            # Slot j's blocks are rows j*nb .. j*nb+nb-1 of the shared pool (j = i without
-            # groups); padding stays -1.
-            slots = jnp.where(slot_mapping < 0, -1, slot_mapping + j * (nb * bs))
-            k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, slots, k_scale[i],
-                                            v_scale[i])
+            if not kv_written:  # (else the q/k/v launch wrote them: `qkv_write` below)
+                # Slot j's blocks are rows j*nb .. j*nb+nb-1 of the shared pool (j = i without
+                # groups); padding stays -1.
+                slots = jnp.where(slot_mapping < 0, -1, slot_mapping + j * (nb * bs))
+                k_pages, v_pages = ops.write_kv(k_pages, v_pages, k, v, slots, k_scale[i],
+                                                v_scale[i])
             # Write first, then attend: the new tokens see themselves through the pages.
             # Layer i's window (static: unrolled layers, or scanned ones that all share it).
             out = ops.ragged_paged_attention(
@@ -269,6 +281,20 @@ class ModelRunner:
         embed_fn = None if self.parallel is None else self.parallel.embed_lookup
         # Small steps stream each weight once through the fused kernels (static: t is a bucket).
         linears = self.linears if self.linears is not None and t <= self.linears.max_rows else None
+        if linears is not None and self.write_kv_in_qkv and not calc_scales:
+            # K/V written by the q/k/v launch itself (fp8 scales must exist before it runs).
+            def qkv_write(*args: Any, layer_idx: int, attn_state: Any, **kw: Any
+                          ) -> tuple[jax.Array, jax.Array, jax.Array, Any]:
+                k_stored, v_stored, k_scale, v_scale = attn_state
+                j, slot_mapping, _ = group_inputs(layer_idx)
+                q, k, v, kp, vp = fused_qkv_write(
+                    *args, pages=(from_bits(k_stored, kv.dtype), from_bits(v_stored, kv.dtype)),
+                    slot_mapping=slot_mapping, slot_region=j * (nb * bs),
+                    scales=(k_scale[layer_idx], v_scale[layer_idx]),
+                    interpret=self.linears_interpret, **kw)
+                return q, k, v, (to_bits(kp), to_bits(vp), k_scale, v_scale)
+
+            linears = dataclasses.replace(linears, qkv_write=qkv_write)
         hidden, (k_pages, v_pages, k_scale, v_scale) = model(
             input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
             embed_fn=embed_fn, linears=linears)

@@ -183,3 +183,39 @@ def test_transposed_weights_give_the_same_results(rows, dtype):
            ref.gated_up(x, wk, wu, norm_weight=g), dtype)
     _close(dm.projection_residual(x, wk.T, r, transposed=True, interpret=True),
            ref.projection_residual(x, wk, r), dtype)
+
+
+@pytest.mark.parametrize("dtype,page_dtype,rows,head_dim,hkv,offset", [
+    (jnp.float32, jnp.float32, 3, 64, 3, 0),
+    (jnp.bfloat16, jnp.bfloat16, 19, 128, 2, 40),
+    (jnp.bfloat16, jnp.float8_e4m3fn, 70, 32, 1, 8),
+])
+def test_kv_write_in_the_qkv_launch_matches_kv_write(dtype, page_dtype, rows, head_dim, hkv,
+                                                     offset):
+    """k (after RoPE) and v go into the pages at their slots (+ the layer's offset; -1 writes
+    nothing; fp8 quantized by the scales) exactly as kv_write's reference stores them, every
+    other slot keeps its bytes, and q, k, v come out as without the write."""
+    k, hq, nb, bs = 96, 2 * hkv, 24, 4
+    x, g, wq, wk, wv = _arrays(rows, dtype, (rows, k), (k,), (k, hq * head_dim),
+                               (k, hkv * head_dim), (k, hkv * head_dim))
+    pages = _arrays(7, jnp.float32, (nb, bs, hkv, head_dim), (nb, bs, hkv, head_dim))
+    pages = tuple(p.astype(page_dtype) for p in pages)
+    rng = np.random.default_rng(rows)
+    slots = rng.choice(np.arange(bs, nb * bs - offset), rows, replace=False).astype(np.int32)
+    slots[::4] = -1  # padding rows
+    ang = jnp.arange(rows)[:, None] * (1.0 / 10000.0 ** (jnp.arange(0, head_dim, 2) / head_dim))
+    kw = {"norm_weight": g, "rope": (jnp.cos(ang), jnp.sin(ang)), "rope_outputs": 2,
+          "head_dim": head_dim}
+    scales = (0.5, 2.0)
+    q, kk, v, kp, vp = dm.projections(x, [wq, wk, wv], kv_pages=pages, kv_slots=jnp.asarray(slots),
+                                      kv_scales=scales, kv_slot_offset=offset, interpret=True,
+                                      **kw)
+    want = ref.projections(x, [wq, wk, wv], **kw)
+    for a, b in zip((q, kk, v), want, strict=True):
+        _close(a, b, dtype)
+    at = jnp.asarray(np.where(slots < 0, -1, slots + offset))
+    wk_, wv_ = (y.reshape(rows, hkv, head_dim) for y in (kk, v))
+    kr, vr = ref.write_kv(*pages, wk_, wv_, at, *scales)
+    for a, b in ((kp, kr), (vp, vr)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
