@@ -234,11 +234,13 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
                   mask=live[:, None])
         if page is None:
             return
-        # Rows with a slot also go to the pages ([slots, heads, head_dim], flat): the head and
-        # dims of these columns, quantized as kv_write does; slot < 0 (padding) writes nothing.
+        # Rows with a slot also go to the pages: block slot // block_size, offset slot %
+        # block_size, the head and dims of these columns, quantized as kv_write does; slot < 0
+        # (padding) writes nothing.
         slot = plt.load(slot_ref.at[rows_at], mask=live, other=-1)
         ok = live & (slot >= 0)
         at = jnp.where(ok, slot + kv.slot_offset, 0)
+        page_rows = pages_out[page].shape[1]
         dst = pages_out[page]
         scale = kvs_ref[page] if kvs_ref is not None else 1.0
         val = quantize(y, kv.page_dtype, scale)
@@ -248,7 +250,9 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
         # interpreter take for a scatter. Masked lanes point at slot 0 (the null block).
         dims = col0 % kv.head_dim + lax.broadcasted_iota(jnp.int32, (bm, width), 1)
         heads = jnp.full((bm, width), col0 // kv.head_dim, jnp.int32)
-        plt.store(dst.at[jnp.broadcast_to(at[:, None], (bm, width)), heads, dims], val,
+        blk, off = (jnp.broadcast_to(a[:, None], (bm, width))
+                    for a in (at // page_rows, at % page_rows))
+        plt.store(dst.at[blk, off, heads, dims], val,
                   mask=jnp.broadcast_to(ok[:, None], (bm, width)))
 
     start = 0
@@ -391,16 +395,15 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
     out_shape = [jax.ShapeDtypeStruct((rows, n), x.dtype) for n in ns]
     aliases = {}
     if kv is not None:
-        # The pages flat ([slots, heads, head_dim]: a bitcast), as bits for bf16 / fp8 (as
-        # kv_write), whole, aliased in -> out: the launch writes only the rows' slots.
-        shape = kv_pages[0].shape
+        # The pages as bits for bf16 / fp8 (as kv_write), whole, aliased in -> out: the launch
+        # writes only the rows' slots.
         for pages in kv_pages:
-            flat = to_bits(pages).reshape(-1, *shape[2:])
+            bits = to_bits(pages)
             aliases[len(args)] = len(out_shape)
-            args.append(flat)
-            specs.append(pl.BlockSpec(flat.shape, functools.partial(_origin, 3)))
-            out_specs.append(pl.BlockSpec(flat.shape, functools.partial(_origin, 3)))
-            out_shape.append(jax.ShapeDtypeStruct(flat.shape, flat.dtype))
+            args.append(bits)
+            specs.append(pl.BlockSpec(bits.shape, functools.partial(_origin, 4)))
+            out_specs.append(pl.BlockSpec(bits.shape, functools.partial(_origin, 4)))
+            out_shape.append(jax.ShapeDtypeStruct(bits.shape, bits.dtype))
     outs = pallas_call(
         kernel,
         grid=(cdiv(rows, plan.block_m), sum(seg_blocks)),
@@ -413,8 +416,7 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
     )(*args)
     outs = list(outs)
     if kv is not None:
-        shape = kv_pages[0].shape
-        outs[-2:] = [from_bits(o.reshape(shape), kv.page_dtype) for o in outs[-2:]]
+        outs[-2:] = [from_bits(o, kv.page_dtype) for o in outs[-2:]]
     return outs
 
 

@@ -35,7 +35,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="print the tables of an earlier run's JSON as markdown, compile nothing")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",
                    help="an XLA compile option for every program, e.g. "
-                        "xla_gpu_experimental_force_split_k=1 (repeatable)")
+                        "xla_gpu_experimental_force_split_k=1 (repeatable); these go over the "
+                        "command-buffer options every program gets (launches."
+                        "COMMAND_BUFFER_OPTIONS): xla_gpu_enable_command_buffer= turns "
+                        "CUDA graphs off")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     try:

@@ -7,7 +7,8 @@ when jax starts with `TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=subprocess_compilati
 environment (scripts/gpu_aot.py sets them; `capture_stderr` catches the compile's log).
 Without that log, PTX files in the dump (jax 0.10 writes them; 0.11 does not) are assembled
 again with the same ptxas and flags. The Pallas kernels are found by their names
-(`pallas_kernels.KERNEL_PREFIXES`).
+(`pallas_kernels.KERNEL_PREFIXES`, the weight-streaming `decode_matmul_*` included). Each kernel's
+widest global load comes from its entry in those PTX files (`ptx.max_global_load_bytes`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from jpaged.aot.ptx import load_widths
 from pallas_kernels import KERNEL_PREFIXES
 
 _THUNK = re.compile(r"kCustomKernel\s+\[[^\]]*\]\s+(\S+)\s+grid:\s*\[(\d+),\s*(\d+),\s*(\d+)\]"
@@ -33,6 +35,10 @@ _PTXAS_REGS = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
                           r"(\d+) bytes spill loads")
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
+# Kernels that stream weights or K/V from HBM: each must load 16 bytes per thread per
+# instruction and spill nothing (report.check_rows).
+STREAMING_KERNEL_PREFIXES = ("decode_matmul", "paged_decode_", "ragged_paged_")
+MIN_STREAMING_LOAD_BYTES = 16
 
 
 @contextmanager
@@ -68,6 +74,8 @@ class KernelResources:
     threads: int  # per block
     grid: tuple[int, int, int]
     launches: int  # times the program launches it (once per layer inside the scan body: 1)
+    # Widest global load of its PTX entry, bytes per thread (0: none; None: no PTX found).
+    max_global_load_bytes: int | None = None
 
     def as_dict(self) -> dict:
         """JSON-ready fields."""
@@ -164,6 +172,7 @@ def kernel_resources(dump: Path, ptxas: str | None, log: str = "") -> list[Kerne
     ptx = {k: v for k, v in parse_ptxas(log).items() if k in names}
     if ptxas and names - set(ptx):
         ptx.update(ptxas_report(sorted(dump.glob("*.ptx")), names - set(ptx), ptxas))
+    widths = load_widths(sorted(dump.glob("*.ptx")), names) if names else {}
     out: dict[str, KernelResources] = {}
     for x in launches:
         if x.name in out:
@@ -172,5 +181,6 @@ def kernel_resources(dump: Path, ptxas: str | None, log: str = "") -> list[Kerne
         p = ptx.get(x.name, {})
         spill = p.get("spill")
         out[x.name] = KernelResources(x.name, p.get("registers"), spill, p.get("stack"),
-                                      x.dyn_smem + p.get("smem", 0), x.threads, x.grid, 1)
+                                      x.dyn_smem + p.get("smem", 0), x.threads, x.grid, 1,
+                                      widths.get(x.name))
     return list(out.values())

@@ -1,5 +1,5 @@
-"""Markdown tables of a gpu_aot JSON (for docs/kernels.md): kernels, programs, pool sizing, HBM
-traffic."""
+"""Markdown tables of a gpu_aot JSON (for docs/kernels.md): kernels, programs, launches per step,
+pool sizing, HBM traffic."""
 
 from __future__ import annotations
 
@@ -92,13 +92,36 @@ def kernel_table(doc: dict[str, Any]) -> str:
                 seen[key] = {**k, "shapes": []}
             seen[key]["shapes"].append(f"{c['tokens']}x{c['seqs']}")
     lines = ["| model | KV | tp | kernel | registers | spill B | shared mem B | threads | "
-             "seen in T x B |", "|---|---|---|---|---|---|---|---|---|"]
+             "seen in T x B | widest load B |", "|---" * 10 + "|"]
     for (model, kvd, tp, name), k in seen.items():
         shapes = k["shapes"]
         where = ", ".join(shapes) if len(shapes) <= 3 else f"{len(shapes)} shapes"
         lines.append(f"| {model} | {kvd} | {tp} | `{name}` | {k['registers']} | "
                      f"{k['spill_bytes']} | {k['shared_memory_bytes']} | {k['threads']} | "
-                     f"{where} |")
+                     f"{where} | {_dash(k.get('max_global_load_bytes'))} |")
+    return "\n".join(lines)
+
+
+def _dash(x: Any) -> str:
+    return "-" if x is None else str(x)
+
+
+def launch_table(doc: dict[str, Any]) -> str:
+    """One row per compiled step: kernel launches (per layer, outside the layers), copies, CUDA
+    graphs and what runs outside them, wide elementwise passes."""
+    lines = ["| model | KV | path | tp | T | B | launches | per layer | outside layers | copies | "
+             "graphs | outside graphs: launches + control flow | wide elementwise passes |",
+             "|---" * 13 + "|"]
+    for c in doc["cases"]:
+        if c["program"] != "step" or c.get("reuses_compile") or c.get("kernels_per_step") is None:
+            continue
+        lines.append(
+            f"| {c['model']} | {c['kv_cache_dtype']} | {c['backend']} | "
+            f"{c['tensor_parallel_size']} | {c['tokens']} | {c['seqs']} | "
+            f"{c['kernels_per_step']} | {_dash(c['kernels_per_layer'])} | "
+            f"{_dash(c['kernels_outside_layers'])} | {c['copies_per_step']} | "
+            f"{c['command_buffers']} | {c['kernels_outside_command_buffers']} + "
+            f"{c['control_flow_outside_command_buffers']} | {c['wide_elementwise_passes']} |")
     return "\n".join(lines)
 
 
@@ -145,5 +168,5 @@ def render(doc: dict[str, Any]) -> str:
     head = (f"jax {doc['jax_version']}, {doc['target']}, mode {doc['mode']}, "
             f"{programs(doc)} programs, {len(doc['problems'])} problems, "
             f"{doc.get('wall_s', '?')} s")
-    return "\n\n".join([head, program_table(doc), kernel_table(doc), sizing_table(doc),
-                        hbm_table(doc), prediction_table(doc)])
+    return "\n\n".join([head, program_table(doc), kernel_table(doc), launch_table(doc),
+                        sizing_table(doc), hbm_table(doc), prediction_table(doc)])

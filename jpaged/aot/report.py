@@ -2,7 +2,11 @@
 
 Per case: compiled or the exact error, compile seconds, XLA's memory analysis, the KV pool's
 bytes and whether it is aliased in place (`buffers.pool_report`), and every Pallas kernel's
-registers, spills, shared memory and threads (`kernels.kernel_resources`). Before the cases of
+registers, spills, shared memory, threads and widest global load (`kernels.kernel_resources`),
+and per step its kernel launches, per layer, outside command buffers and its wide elementwise
+passes (`launches.launch_fields`). Every program compiles with `launches.COMMAND_BUFFER_OPTIONS`
+under the options asked for (the target config gives CUDA 12.9, so no command type is
+dropped). Before the cases of
 one engine configuration, its largest bucket is compiled on a 2-block pool (what the engine's
 start-up probe does) to size the pool the engine would choose on the H200 at
 gpu_memory_utilization=0.9; the cases then run at that pool, so the check sees real pool sizes.
@@ -38,7 +42,14 @@ from jpaged.aot.cases import (
     model_spec,
 )
 from jpaged.aot.hbm import estimate_traffic
-from jpaged.aot.kernels import capture_stderr, find_ptxas, kernel_resources
+from jpaged.aot.kernels import (
+    MIN_STREAMING_LOAD_BYTES,
+    STREAMING_KERNEL_PREFIXES,
+    capture_stderr,
+    find_ptxas,
+    kernel_resources,
+)
+from jpaged.aot.launches import COMMAND_BUFFER_OPTIONS, LAUNCH_KEYS, StepShape, launch_fields
 from jpaged.aot.target import H200_HBM_BYTES_PER_S, TARGET_NAME, GpuTarget, h200_target
 from jpaged.aot.traffic import DECODE_BATCHES, DECODE_CONTEXTS, HBM_KEYS, hbm_fields
 from jpaged.core.kv_cache_groups import blocks_needed
@@ -70,10 +81,14 @@ class Config:
 def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
                     target: GpuTarget | None = None,
                     analyze: Callable[[str], list[dict[str, Any]]] | None = None,
-                    options: dict[str, Any] | None = None) -> dict[str, Any]:
+                    options: dict[str, Any] | None = None,
+                    step: StepShape | None = None) -> dict[str, Any]:
     """Lower (inside the target's context) and compile one program; its report fields.
 
     `options`: XLA compile options added to the dump options (e.g. a forced split-K).
+
+    `step`: for an engine step on a GPU, its shape; adds the LAUNCH_KEYS (`launches`; their
+    failure under "launch_error", the case still compiled).
 
     `analyze`: called with the optimized HLO text; its list (one dict per context length) is
     kept under "hbm" (its failure under "hbm_error", the case still compiled).
@@ -84,6 +99,8 @@ def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
                            "pool_aliased": None, "pool_copies": None, "largest_temps": None}
     if gpu:
         row["kernels"] = []
+        if step is not None:
+            row.update(dict.fromkeys(LAUNCH_KEYS))
     t0 = time.perf_counter()
     try:
         with dump_dir() as d, no_persistent_cache():
@@ -107,6 +124,12 @@ def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
                                     for v in rep.largest_temps]
             if gpu:
                 row["kernels"] = [k.as_dict() for k in kernel_resources(d, ptxas, log[0])]
+                if step is not None:
+                    try:
+                        row.update(launch_fields(d, compiled.as_text(), step))
+                    except Exception as e:  # noqa: BLE001 - the counts fail alone
+                        row["launch_error"] = f"{type(e).__name__}: {e}"[:2000]
+                        logger.debug("launch counts failed:\n%s", traceback.format_exc())
             if analyze is not None:
                 try:
                     row["hbm"] = analyze(compiled.as_text())
@@ -215,7 +238,8 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
         row["top_logprobs"] = flags.top_logprobs
         row.update(compile_lowered(
             lambda bld=bld, t=t, b=b, flags=flags: bld.lower_step(t, b, flags), True, ptxas,
-            bld.pool_shape(), target=target, analyze=analyze, options=dict(cfg.xla_options)))
+            bld.pool_shape(), target=target, analyze=analyze, options=dict(cfg.xla_options),
+            step=StepShape(t, spec.hidden_size, spec.num_layers)))
         if (t, b) == tuple(sizing["probe_shape"]):
             row["temp_bytes_at_probe_pool"] = sizing["activation_bytes_gpu"]
         for r in per_context(row, contexts):
@@ -258,11 +282,22 @@ def per_context(row: dict[str, Any], contexts: tuple[int, ...]) -> list[dict[str
 def _log_row(row: dict[str, Any]) -> None:
     status = "ok" if row.get("compiled") else f"FAILED {row.get('error', '')[:200]}"
     ks = ", ".join(f"{k['name']} r{k['registers']} s{k['spill_bytes']} "
-                   f"smem{k['shared_memory_bytes']}" for k in row.get("kernels", []))
+                   f"smem{k['shared_memory_bytes']} ld{k.get('max_global_load_bytes')}"
+                   for k in row.get("kernels", []))
     print(f"  {row['model']:13s} {row['kv_cache_dtype']:9s} {row['backend']:6s} "
           f"tp{row['tensor_parallel_size']} {row['program']:8s} T={row['tokens']:<5d} "
           f"B={row['seqs']:<4d} {row.get('compile_s', 0):6.1f}s "
-          f"aliased={row.get('pool_aliased')} {status} {ks}{_hbm_text(row)}", flush=True)
+          f"aliased={row.get('pool_aliased')} {status} {ks}{_launch_text(row)}"
+          f"{_hbm_text(row)}", flush=True)
+
+
+def _launch_text(row: dict[str, Any]) -> str:
+    if row.get("kernels_per_step") is None:
+        return ""
+    return (f" launches={row['kernels_per_step']} per_layer={row['kernels_per_layer']} "
+            f"outside_graphs={row['kernels_outside_command_buffers']}"
+            f"+{row['control_flow_outside_command_buffers']}cf "
+            f"wide={row['wide_elementwise_passes']}")
 
 
 def _hbm_text(row: dict[str, Any]) -> str:
@@ -274,7 +309,7 @@ def _hbm_text(row: dict[str, Any]) -> str:
 
 def check_rows(rows: list[dict[str, Any]]) -> list[str]:
     """What fails the bar: not compiled, pool not aliased, a weight copied or sent through a
-    collective, registers, spills, smem."""
+    collective, registers, spills, smem, a streaming kernel's loads narrower than 16 bytes."""
     bad = []
     for r in rows:
         if r.get("reuses_compile"):
@@ -300,6 +335,13 @@ def check_rows(rows: list[dict[str, Any]]) -> list[str]:
                 bad.append(f"{tag}: {k['name']} spills {k['spill_bytes']} bytes")
             if k["shared_memory_bytes"] > SHARED_MEMORY_OPTIN:
                 bad.append(f"{tag}: {k['name']} shared memory {k['shared_memory_bytes']} B")
+            if k["name"].startswith(STREAMING_KERNEL_PREFIXES):
+                width = k.get("max_global_load_bytes")
+                if width is None:
+                    bad.append(f"{tag}: {k['name']} load width unknown (no PTX entry)")
+                elif width < MIN_STREAMING_LOAD_BYTES:
+                    bad.append(f"{tag}: {k['name']} widest global load {width} B "
+                               f"(< {MIN_STREAMING_LOAD_BYTES})")
     return bad
 
 
@@ -333,7 +375,9 @@ def shapes_for(builder_plan: Any, which: str) -> list[tuple[int, int]]:
 def run(quick: bool, only: str | None = None, decode_only: bool = False,
         xla_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every case of the plan for one abstract H200 (two for TP); the JSON document.
-    `xla_options`: XLA compile options for every program (recorded in the document)."""
+    `xla_options`: XLA compile options for every program, over COMMAND_BUFFER_OPTIONS (all
+    recorded in the document)."""
+    xla_options = {**COMMAND_BUFFER_OPTIONS, **(xla_options or {})}
     ptxas = find_ptxas()
     targets = {1: h200_target(1)}
     try:
@@ -342,7 +386,7 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False,
         logger.warning("no 2-device topology: %s", e)
     cases, sizing = [], []
     for cfg, which in plan_configs(quick):
-        cfg = replace(cfg, xla_options=tuple(sorted((xla_options or {}).items())))
+        cfg = replace(cfg, xla_options=tuple(sorted(xla_options.items())))
         if only and only not in f"{cfg.model}/{cfg.kv_cache_dtype}/{cfg.backend}":
             continue
         target = targets.get(cfg.tensor_parallel_size)
@@ -357,5 +401,5 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False,
     mode = "decode" if decode_only else "quick" if quick else "full"
     return {"jax_version": jax.__version__, "target": TARGET_NAME,
             "hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "ptxas": ptxas, "mode": mode,
-            "xla_options": dict(xla_options or {}),
+            "xla_options": dict(xla_options),
             "cases": cases, "sizing": sizing, "problems": check_rows(cases)}

@@ -5,7 +5,9 @@ the Pallas kernels' read rules for `hbm.estimate_traffic` and `min_hbm_bytes`, a
 gives the JSON fields of a case from the compiled program's optimized HLO text.
 
 Kernel rules, per launch (one layer): `kv_write` writes the step's new tokens' K (and V) rows and
-reads none of the pool; the split-K decode kernel `paged_decode_ppb{P}_ppp{Q}` reads, per
+reads none of the pool, as does a `decode_matmul_proj` launch that writes them (the decode
+matmuls read their weights and inputs whole and write their outputs whole); the split-K
+decode kernel `paged_decode_ppb{P}_ppp{Q}` reads, per
 sequence, its context rounded up to its P-page steps, and stores the f32 partials (acc, m, l)
 of the Q-page partitions holding a visible key, real query rows only; the tiled kernel
 `ragged_paged_qt{T}_ppb{P}` reads, per query tile of T tokens, the keys up to the tile's last
@@ -102,6 +104,10 @@ class StepTraffic:
     def kernel_rule(self, name: str) -> KernelRule | None:
         """Pool bytes one launch of the named Pallas kernel reads / writes (None: unknown)."""
         if name.startswith("kv_write"):
+            return KernelRule(0, self.tokens * self.row_bytes)
+        if name.startswith("decode_matmul_"):
+            # Each weight, x and the other inputs read once, its outputs written once (counted
+            # whole); the q/k/v launch that writes K/V stores the new tokens' rows, as kv_write.
             return KernelRule(0, self.tokens * self.row_bytes)
         if name.startswith("paged_decode_"):
             if not self.decode:

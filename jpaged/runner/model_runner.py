@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -47,6 +48,44 @@ logger = logging.getLogger("jpaged")
 # pool cannot be rematerialized, so it never fits either way). The pool and the step's
 # temporaries are sized to fit by the engine (plan_kv_pool), so the limit is lifted 100x.
 STEP_COMPILER_OPTIONS: dict[str, Any] = {"xla_gpu_memory_limit_slop_factor": 10000}
+# On a GPU, every thunk of a step in command buffers (CUDA graphs): one graph launch a step
+# instead of ~300 kernel launches. XLA's default command types plus WHILE (the sampler's
+# searches; without it the conditionals holding them stay out too, each a host round trip a
+# step) and no minimum graph size. CUBLAS, CUBLASLT, CUSTOM_CALL, CUDNN, CONDITIONAL and WHILE
+# need a CUDA >= 12.3 driver and runtime. COLLECTIVES stay out (XLA's default): a tensor
+# parallel step's all-reduces run between graphs. `make gpu-aot` checks that every decode step
+# compiles to one graph (jpaged/aot/launches.py).
+COMMAND_BUFFER_TYPES = ("FUSION", "CUBLAS", "CUBLASLT", "CUSTOM_CALL", "CUDNN", "CONDITIONAL",
+                        "WHILE", "DYNAMIC_SLICE_FUSION")
+COMMAND_BUFFER_OPTIONS: dict[str, Any] = {
+    "xla_gpu_enable_command_buffer": ",".join(COMMAND_BUFFER_TYPES),
+    "xla_gpu_graph_min_graph_size": 1,
+}
+
+
+@functools.cache
+def _accepts(options: tuple[tuple[str, Any], ...]) -> str | None:
+    """None if this jax's XLA compiles a program with these options, else why not."""
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(
+            jnp.zeros(2, jnp.float32)).compile()
+    except Exception as e:  # noqa: BLE001 - any refusal means: leave them out
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    return None
+
+
+def step_compiler_options(platform: str) -> dict[str, Any]:
+    """The step program's XLA options on `platform`: STEP_COMPILER_OPTIONS, and on a GPU the
+    command-buffer options unless this XLA refuses them (then one log line says why)."""
+    out = dict(STEP_COMPILER_OPTIONS)
+    if is_gpu_platform(platform):
+        why = _accepts(tuple(sorted(COMMAND_BUFFER_OPTIONS.items())))
+        if why is None:
+            out.update(COMMAND_BUFFER_OPTIONS)
+        else:
+            logger.warning("step programs outside CUDA graphs: XLA refused %s (%s)",
+                           COMMAND_BUFFER_OPTIONS, why)
+    return out
 
 
 def scans_layers(platform: str | None = None) -> bool:
@@ -203,7 +242,8 @@ class ModelRunner:
         self.scales_pending = calculate_kv_scales
         self._jit_step = jax.jit(self._step, static_argnames=("flags", "calc_scales", "defer"),
                                  donate_argnames=("kv", "last_tokens"),
-                                 compiler_options=STEP_COMPILER_OPTIONS)
+                                 compiler_options=step_compiler_options(
+                                     platform or jax.default_backend()))
         self._jit_sample = jax.jit(self._sample_step, static_argnames=("flags",),
                                    donate_argnames=("last_tokens",))
         self.num_deferred = 0  # steps sampled after their forward (finish_deferred)

@@ -4,8 +4,6 @@ SmolLM2), bf16 and float32, with and without the norm prologue, biases and the r
 
 from __future__ import annotations
 
-import logging
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -120,19 +118,6 @@ def test_bad_arguments_are_refused():
         dm.projections(x, [w.T], interpret=True)
     with pytest.raises(ValueError, match="residual"):
         dm.projection_residual(x, w, x, interpret=True)
-
-
-def test_a_model_the_kernels_cannot_take_keeps_xla_and_says_why(caplog):
-    from tiny_models import tiny_spec
-
-    from jpaged.runner.linears import select_linears
-
-    spec = tiny_spec(intermediate_size=100)  # 100 = 4 x 25: no tile >= 16 divides it
-    with caplog.at_level(logging.WARNING, logger="jpaged.runner"):
-        assert select_linears("pallas", "gpu", spec, jnp.bfloat16) is None
-    assert "output size 100" in caplog.text
-    assert select_linears("pallas", "gpu", tiny_spec(), jnp.bfloat16) is not None
-    assert select_linears("xla", "gpu", tiny_spec(), jnp.bfloat16) is None
 
 
 @SETTINGS

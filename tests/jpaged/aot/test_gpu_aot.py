@@ -6,7 +6,13 @@ from __future__ import annotations
 import jax.numpy as jnp
 import pytest
 
-from jpaged.aot.kernels import capture_stderr, is_pallas_kernel, parse_ptxas, parse_thunks
+from jpaged.aot.kernels import (
+    capture_stderr,
+    is_pallas_kernel,
+    kernel_resources,
+    parse_ptxas,
+    parse_thunks,
+)
 from jpaged.aot.markdown import hbm_table, prediction_table, programs
 from jpaged.aot.report import check_rows, per_context, plan_configs, shapes_for
 from jpaged.aot.target import cuda_plugin_error, h200_target_config, target_field
@@ -44,6 +50,25 @@ def test_thunk_and_ptxas_readers():
     assert got["kv_write"]["registers"] == 16 and got["kv_write"]["spill"] == 0
 
 
+def test_kernel_resources_of_a_dump(tmp_path):
+    seq = THUNKS + ("042: kCustomKernel [prev=041 (1)  | next=043 (1)] decode_matmul_proj "
+                    "grid: [96, 1, 1] threads: [128, 1, 1]  shared_memory: 0 bytes\n")
+    (tmp_path / "module_0001.jit__step.thunk_sequence.txt").write_text(seq)
+    (tmp_path / "module_0001.jit__step.3.ptx").write_text(
+        ".version 8.8\n.target sm_90a\n"
+        ".visible .entry ragged_paged_qt16_ppb4(\n)\n{\n"
+        "cp.async.cg.shared.global [ %r2 + 0 ], [ %rd2 + 0 ], 0x10, %r3;\n}\n"
+        ".visible .entry decode_matmul_proj(\n)\n{\n"
+        "@%p1 ld.global.v2.b32 { %r1, %r2 }, [ %rd1 + 0 ];\n}\n")
+    got = {k.name: k for k in kernel_resources(tmp_path, None, PTXAS)}
+    # The weight-streaming kernels are ours too; loop fusions are not.
+    assert set(got) == {"kv_write", "ragged_paged_qt16_ppb4", "decode_matmul_proj"}
+    assert got["ragged_paged_qt16_ppb4"].max_global_load_bytes == 16
+    assert got["decode_matmul_proj"].max_global_load_bytes == 8
+    assert got["kv_write"].max_global_load_bytes is None  # no PTX entry in the dump
+    assert got["kv_write"].as_dict()["max_global_load_bytes"] is None
+
+
 def test_check_rows_names_every_failure():
     ok = {"model": "m", "kv_cache_dtype": "bfloat16", "backend": "pallas",
           "tensor_parallel_size": 1, "program": "step", "tokens": 64, "seqs": 64,
@@ -53,7 +78,7 @@ def test_check_rows_names_every_failure():
     assert check_rows([ok]) == []
     bad = {**ok, "pool_aliased": False, "kernels": [
         {"name": "paged_decode_x", "registers": 256, "spill_bytes": 8,
-         "shared_memory_bytes": 300000}]}
+         "shared_memory_bytes": 300000, "max_global_load_bytes": 16}]}
     problems = check_rows([bad, {**ok, "compiled": False, "error": "boom"}])
     assert len(problems) == 5 and "did not compile: boom" in problems[-1]
     # Every weight byte once: a weight copy or a weight in a collective fails the run.
@@ -61,6 +86,19 @@ def test_check_rows_names_every_failure():
                         {**ok, "param_copy_bytes": 0, "param_collective_bytes": 2048}])
     assert moved == ["m/bfloat16/pallas/tp1/step T=64 B=64: 512 bytes of weight copies",
                      "m/bfloat16/pallas/tp1/step T=64 B=64: collectives carry 2048 weight bytes"]
+    # Streaming kernels (weights, K/V) must load 16 bytes per instruction; others may not.
+    def kernel(name, width):
+        return {"name": name, "registers": 64, "spill_bytes": 0, "shared_memory_bytes": 0,
+                "max_global_load_bytes": width}
+
+    narrow = check_rows([{**ok, "kernels": [
+        kernel("kv_write", 4), kernel("paged_merge_pk128", 8), kernel("ragged_paged_qt16", 16),
+        kernel("decode_matmul_gate_up", 8), kernel("paged_decode_ppb8", None),
+        {**kernel("decode_matmul_proj", 16), "spill_bytes": 16}]}])
+    tag = "m/bfloat16/pallas/tp1/step T=64 B=64"
+    assert narrow == [f"{tag}: decode_matmul_gate_up widest global load 8 B (< 16)",
+                      f"{tag}: paged_decode_ppb8 load width unknown (no PTX entry)",
+                      f"{tag}: decode_matmul_proj spills 16 bytes"]
 
 
 def test_plan_covers_both_models_dtypes_backends_and_tp2():
@@ -124,6 +162,7 @@ def test_capture_stderr_reads_file_descriptor_2():
 @pytest.mark.skipif(cuda_plugin_error() is not None, reason="no CUDA plugin for jax here")
 def test_one_step_compiles_for_an_h200():
     from jpaged.aot.cases import DECODE_FLAGS, StepBuilder, model_spec
+    from jpaged.aot.launches import COMMAND_BUFFER_OPTIONS, StepShape
     from jpaged.aot.report import compile_lowered
     from jpaged.aot.target import h200_target
 
@@ -137,8 +176,19 @@ def test_one_step_compiles_for_an_h200():
 
     # A pure decode step (the engine's flags for T == B): the split-K decode kernel alone.
     row = compile_lowered(lambda: b.lower_step(16, 16, DECODE_FLAGS), True, None, b.pool_shape(),
-                          target=target, analyze=analyze)
+                          target=target, analyze=analyze, options=COMMAND_BUFFER_OPTIONS,
+                          step=StepShape(16, b.spec.hidden_size, b.spec.num_layers))
     assert row["compiled"], row.get("error")
+    # The whole step is one CUDA graph; every layer launches the same kernels.
+    assert row["all_in_command_buffers"] and row["command_buffers"] == 1, row
+    assert row["kernels_outside_command_buffers"] == 0 and row["outside_command_buffers"] == []
+    assert row["kernels_per_layer"] and row["kernels_outside_layers"] >= 0
+    assert row["kernels_per_step"] == (row["kernels_per_layer"] * b.spec.num_layers
+                                       + row["kernels_outside_layers"])
+    assert len(row["wide_elementwise_fusions"]) == min(20, row["wide_elementwise_passes"])
+    # The decode kernel streams K/V 16 bytes per thread per load (cp.async or ld.v4).
+    assert all(k["max_global_load_bytes"] == 16 for k in row["kernels"]
+               if k["name"].startswith("paged_decode_"))
     hbm = row["hbm"][0]
     # Every weight is read at least once and the decode kernel reads the 512-token contexts.
     assert hbm["hbm_bytes"] >= hbm["min_hbm_bytes"] > b.param_bytes
@@ -155,8 +205,14 @@ def test_one_step_compiles_for_an_h200():
     # its rule (the partitions holding keys), not by its whole operands.
     assert [k for k in hbm["kernel_hbm_bytes"] if k.startswith("paged_merge_pk")]
     assert not any("no read rule" in n for n in hbm["hbm_notes"])
-    names = {k["name"].split("_ppb")[0].split("_qt")[0].split("_pk")[0] for k in row["kernels"]}
-    assert names == {"kv_write", "paged_decode", "paged_merge"}
+    names = {k["name"].split("_ppb")[0].split("_qt")[0].split("_pk")[0].split("__")[0]
+             for k in row["kernels"]}
+    # The decode matmuls take every projection, and the q/k/v launch writes K/V (no kv_write),
+    # the pool still updated in place; they stream their weights 16 bytes per load.
+    assert names == {"decode_matmul_proj", "decode_matmul_residual", "decode_matmul_gate_up",
+                     "paged_decode", "paged_merge"}, names
+    assert all(k["max_global_load_bytes"] == 16 for k in row["kernels"]
+               if k["name"].startswith("decode_matmul"))
     assert all(k["shared_memory_bytes"] <= 232448 for k in row["kernels"])
 
 
@@ -168,7 +224,10 @@ def test_markdown_tables_of_a_run():
             "compiled": True, "compile_s": 6.0, "temp_bytes": 2**20, "pool_bytes": 2**30,
             "pool_aliased": True, "kernels": [{"name": "kv_write", "registers": 16,
                                                "spill_bytes": 0, "shared_memory_bytes": 0,
-                                               "threads": 32}]}
+                                               "threads": 32, "max_global_load_bytes": 4}],
+            "kernels_per_step": 343, "kernels_per_layer": 9, "kernels_outside_layers": 73,
+            "copies_per_step": 23, "command_buffers": 1, "kernels_outside_command_buffers": 0,
+            "control_flow_outside_command_buffers": 0, "wide_elementwise_passes": 38}
     sizing = {"model": "m", "kv_cache_dtype": "fp8_e4m3", "backend": "pallas",
               "tensor_parallel_size": 1, "param_bytes": 2**30, "activation_bytes_gpu": 2**20,
               "estimate_activation_bytes": 2**21, "kv_budget_bytes": 2**33, "num_blocks": 1000,
@@ -176,7 +235,8 @@ def test_markdown_tables_of_a_run():
     text = render({"jax_version": "0", "target": "t", "mode": "quick", "cases": [case],
                    "sizing": [sizing], "problems": []})
     assert "| m | fp8_e4m3 | pallas | 1 | 1 | 1/1 | 1/1 | 1.00 GiB |" in text
-    assert "| `kv_write` | 16 | 0 | 0 | 32 | 64x64 |" in text
+    assert "| `kv_write` | 16 | 0 | 0 | 32 | 64x64 | 4 |" in text
+    assert "| m | fp8_e4m3 | pallas | 1 | 64 | 64 | 343 | 9 | 73 | 23 | 1 | 0 + 0 | 38 |" in text
     assert "1,000 (990)" in text
 
 
