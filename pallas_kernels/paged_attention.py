@@ -128,7 +128,10 @@ def _merge_kernel(scale_ref, lens_ref, acc_ref, m_ref, l_ref,  # inputs
             jnp.zeros((gp, head_dim), jnp.float32))
     _, den, num = lax.fori_loop(p_lo // chunk, pl.cdiv(p_hi, chunk), body, init)
     out = num * (scale_ref[0] / jnp.where(den > 0, den, 1.0))[:, None]
-    plt.store(o_ref, out.astype(o_ref.dtype), mask=real[:, None])
+    # The G real rows of this (sequence, kv head) in the flat [B * kv_heads * G, D] output:
+    # a window of gp rows from its first, the rows past G masked (never stored).
+    first_row = (pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)) * heads
+    plt.store(o_ref.at[pl.ds(first_row, gp), :], out.astype(o_ref.dtype), mask=real[:, None])
 
 
 def merge_chunk(parts: int, heads: int, head_dim: int, budget: int = 8192) -> int:
@@ -147,10 +150,10 @@ def merge_partials(acc: Float[Array, "B K P R D"], m: Float[Array, "B K P R"],
                    interpret: bool = False) -> Float[Array, "B K G D"]:
     """The decode kernel's partials merged by `_merge_kernel`: [B, K, G, D] in `out_dtype`.
 
-    The kernel stores [B, K, next_pow2(G), D] (a block's rows must be a power of two), so for
-    the usual G (1, 2, 4, 8) the result is its output as it lies, with no copy."""
+    The kernel stores each (sequence, kv head)'s G rows into a flat [B * K * G, D] output
+    (masked windows of next_pow2(G) rows), so the result is its output as it lies for every G:
+    no slice copy of padded rows (SmolLM2's G = 3 had one a layer until 2026-12-05)."""
     b, hkv, parts, rows, d = acc.shape
-    gp = next_pow2(heads)
     kernel = functools.partial(_merge_kernel, part_keys=part_keys,
                                sliding_window=sliding_window, heads=heads,
                                chunk=merge_chunk(parts, heads, d))
@@ -164,12 +167,12 @@ def merge_partials(acc: Float[Array, "B K P R D"], m: Float[Array, "B K P R"],
             pl.BlockSpec((None, None, parts, rows, d), lambda i, h: (i, h, 0, 0, 0)),
             part_spec, part_spec,
         ],
-        out_specs=pl.BlockSpec((None, None, gp, d), lambda i, h: (i, h, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, gp, d), out_dtype),
+        out_specs=pl.BlockSpec((b * hkv * heads, d), lambda i, h: (0, 0)),  # whole, flat
+        out_shape=jax.ShapeDtypeStruct((b * hkv * heads, d), out_dtype),
         interpret=interpret, num_warps=4, num_stages=2,
         name=f"paged_merge_pk{part_keys}{window_suffix(sliding_window)}",
     )(scale_array(v_scale), seq_lens.astype(jnp.int32), acc, m, lsum)
-    return out[:, :, :heads]
+    return out.reshape(b, hkv, heads, d)
 
 
 def step_range(seq_len: jax.Array, start: jax.Array, part_keys: int, step_keys: int,
