@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The one call to make on a lent GPU machine (docs/kernels.md, "Running the device check"):
-# the kernels' check (scripts/gpu_check.py --quick), the decode step rows that `make gpu-aot`
-# predicts and the engine end to end, both on random Llama-3-8B-shaped weights
-# (scripts/gpu_engine_check.py --part decode / --part check; the bf16 rows at batch 1 and 256
-# also traced by jax's profiler, their kernels' time summed by kind into the rows, and timed
-# again drawing at random through every sampling filter; the
-# engine check with the synchronous and the overlapped loop compared),
-# the bf16 decode rows again with XLA's split-K heuristic
-# forced off (docs/benchmarks.md: it trades HBM bytes for parallel GEMM tiles; which is faster
-# needs this GPU), and the host work per request-step of both loops (scripts/bench_host.py,
-# tiny model), merged into one JSON under $OUT, with the whole log.
+# the kernels' check (scripts/gpu_check.py --quick: the attention kernels, and the copy rate
+# with 16-byte accesses, the honest ceiling), the decode matmul kernels alone against XLA and
+# their ideal bytes with a sweep of their tiles (python -m jpaged.bench.matmul_check), the
+# decode step rows that `make gpu-aot` predicts, each of at most 64 sequences timed with the
+# decode matmul kernels and with XLA's GEMMs (ms_kernels, ms_xla), and the engine end to end,
+# all on random Llama-3-8B-shaped weights (scripts/gpu_engine_check.py --part decode / --part
+# check; the bf16 rows at batch 1 and 256 also traced by jax's profiler, their kernels' time
+# summed by kind into the rows, and timed again drawing at random through every sampling
+# filter; the engine check with the synchronous and the overlapped loop compared), and the
+# host work per request-step of both loops (scripts/bench_host.py, tiny model), merged into
+# one JSON under $OUT, with the whole log. The bf16 decode rows again with XLA's split-K
+# heuristic forced off (docs/benchmarks.md) run when named (--stages ...,split_k).
 #
-#   scripts/device_check.sh              # on the GPU machine, stage limits 560 s in all
-#   scripts/device_check.sh --cpu-smoke  # the same steps here, tiny shapes, Pallas interpreter
+#   scripts/device_check.sh                      # on the GPU machine, stage limits 560 s in all
+#   scripts/device_check.sh --stages engine,split_k   # a second call: only those stages
+#   scripts/device_check.sh --cpu-smoke          # every stage here, tiny shapes, interpreter
 #
 # Python packages the GPU machine lacks travel as wheels in .whl/ (the embedded model cannot:
 # it is 93 MB); they are installed into /tmp/site first when .whl/ exists.
@@ -26,26 +29,46 @@ OUT_DIR=${OUT:-out/device_check}
 mkdir -p "$OUT_DIR"
 export PYTHONUNBUFFERED=1
 
+SMOKE=0
+STAGES=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --cpu-smoke) SMOKE=1 ;;
+    --stages) STAGES=$2; shift ;;
+    --stages=*) STAGES=${1#--stages=} ;;
+    *) echo "device_check.sh: unknown argument $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
 # Each stage has its own wall-clock limit (seconds), so one that overruns cannot take the
 # next one's time; every stage prints its figures as it goes, into $OUT_DIR/device_check.log.
-if [ "${1:-}" = "--cpu-smoke" ]; then
+if [ "$SMOKE" = 1 ]; then
+  STAGES=${STAGES:-kernels,matmuls,decode,split_k,engine,host}
   KERNEL_ARGS=(--cpu-smoke)
+  MATMUL_ARGS=(--cpu-smoke)
   ENGINE_ARGS=(--cpu-smoke)
   DECODE_ARGS=(--cpu-smoke --profile-batches 4 --sampled-batches 4)
   HOST_ARGS=(--batches 4 --no-core-process)
   SPLITK_ARGS=(--cpu-smoke --decode-batches 4)
-  LIMITS=(300 300 300 300 300)
+  L_KERNELS=300 L_MATMULS=300 L_DECODE=300 L_SPLITK=300 L_ENGINE=300 L_HOST=300
 else
-  KERNEL_ARGS=(--quick --budget-s 90)
-  DECODE_ARGS=(--decode-budget-s 100 --profile-batches 1 256 --sampled-batches 1 256)
-  ENGINE_ARGS=(--budget-s 100)
+  STAGES=${STAGES:-kernels,matmuls,decode,engine,host}
+  # Estimated on an H200 (docs/kernels.md, "Running the device check"): step programs compile
+  # in 10-30 s, a matmul program in about a second; each budget leaves its stage's limit
+  # room for the job in flight when it runs out.
+  KERNEL_ARGS=(--quick --budget-s 45)
+  MATMUL_ARGS=(--budget-s 75)
+  DECODE_ARGS=(--decode-budget-s 135 --profile-batches 1 256 --sampled-batches 1 256)
+  ENGINE_ARGS=(--budget-s 110)
   HOST_ARGS=(--batches 64 256)
-  SPLITK_ARGS=(--decode-budget-s 40 --decode-batches 64 256)
-  # kernels, decode rows, engine check, host, split-K off rows: 560 s, under the run's 600.
-  LIMITS=(140 150 160 40 70)
+  SPLITK_ARGS=(--decode-budget-s 40 --decode-batches 256 --no-decode-ab)
+  # The default stages: 70 + 95 + 170 + 190 + 35 = 560 s, under the run's 600.
+  L_KERNELS=70 L_MATMULS=95 L_DECODE=170 L_ENGINE=190 L_HOST=35 L_SPLITK=90
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv \
     > "$OUT_DIR/nvidia_smi.csv" 2>&1 || true
 fi
+want() { case ",$STAGES," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -55,49 +78,99 @@ fi
 
 exec > >(tee -a "$OUT_DIR/device_check.log") 2>&1
 t0=$(date +%s)
-echo "== kernels (limit ${LIMITS[0]} s)"
-timeout -k 5 "${LIMITS[0]}" "$PY" scripts/gpu_check.py "${KERNEL_ARGS[@]}" \
-  --out "$OUT_DIR/kernels.json"
-kernels_rc=$?
-# The decode step rows first (the figures `make gpu-aot` predicts), the bf16 ones again with
-# XLA's split-K off, then the engine check.
-echo "== decode step rows (limit ${LIMITS[1]} s)"
-timeout -k 5 "${LIMITS[1]}" "$PY" scripts/gpu_engine_check.py --part decode "${DECODE_ARGS[@]}" \
-  --out "$OUT_DIR/decode.json"
-decode_rc=$?
-echo "== decode step rows, bf16 KV, XLA split-K off (limit ${LIMITS[4]} s)"
-XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_force_split_k=1" timeout -k 5 "${LIMITS[4]}" \
-  "$PY" scripts/gpu_engine_check.py --part decode --decode-kv bfloat16 "${SPLITK_ARGS[@]}" \
-  --out "$OUT_DIR/decode_split_k_off.json"
-splitk_rc=$?
-echo "== engine check (limit ${LIMITS[2]} s)"
-timeout -k 5 "${LIMITS[2]}" "$PY" scripts/gpu_engine_check.py --part check "${ENGINE_ARGS[@]}" \
-  --out "$OUT_DIR/engine.json"
-engine_rc=$?
-echo "== host work per step (limit ${LIMITS[3]} s)"
-# XLA_FLAGS set (empty unless given): bench_host's XLA:CPU thread flags are for this CPU only.
-# Two processes share the GPU with the engine core in its own: neither may take most of it.
-XLA_FLAGS=${XLA_FLAGS:-} XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "${LIMITS[3]}" \
-  "$PY" scripts/bench_host.py --quick --no-embedded --no-plot "${HOST_ARGS[@]}" \
-  --out "$OUT_DIR/host.json"
-host_rc=$?
+ts=$t0
+# Each stage's wall time, in the log: what the next run's limits are set from.
+stage_done() { local now; now=$(date +%s); echo "== stage took $((now - ts)) s"; ts=$now; }
+echo "== stages: $STAGES"
+# A stage not run has rc "null" in the merged JSON.
+kernels_rc=null matmuls_rc=null decode_rc=null splitk_rc=null engine_rc=null host_rc=null
+if want kernels; then
+  echo "== kernels (limit $L_KERNELS s)"
+  timeout -k 5 "$L_KERNELS" "$PY" scripts/gpu_check.py "${KERNEL_ARGS[@]}" \
+    --out "$OUT_DIR/kernels.json"
+  kernels_rc=$?
+  stage_done
+fi
+if want matmuls; then
+  # The decode matmul kernels alone; their % of copy is of the kernels stage's 16-byte copy
+  # (measured here when that stage left none).
+  echo "== decode matmuls (limit $L_MATMULS s)"
+  timeout -k 5 "$L_MATMULS" "$PY" -m jpaged.bench.matmul_check "${MATMUL_ARGS[@]}" \
+    --ceiling-json "$OUT_DIR/kernels.json" --out "$OUT_DIR/matmul.json"
+  matmuls_rc=$?
+  stage_done
+fi
+# The decode step rows (the figures `make gpu-aot` predicts; the decode matmul A/B), then the
+# bf16 ones again with XLA's split-K off when asked, then the engine check.
+if want decode; then
+  echo "== decode step rows (limit $L_DECODE s)"
+  timeout -k 5 "$L_DECODE" "$PY" scripts/gpu_engine_check.py --part decode "${DECODE_ARGS[@]}" \
+    --out "$OUT_DIR/decode.json"
+  decode_rc=$?
+  stage_done
+fi
+if want split_k; then
+  echo "== decode step rows, bf16 KV, XLA split-K off (limit $L_SPLITK s)"
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_force_split_k=1" timeout -k 5 "$L_SPLITK" \
+    "$PY" scripts/gpu_engine_check.py --part decode --decode-kv bfloat16 "${SPLITK_ARGS[@]}" \
+    --out "$OUT_DIR/decode_split_k_off.json"
+  splitk_rc=$?
+  stage_done
+fi
+if want engine; then
+  echo "== engine check (limit $L_ENGINE s)"
+  timeout -k 5 "$L_ENGINE" "$PY" scripts/gpu_engine_check.py --part check "${ENGINE_ARGS[@]}" \
+    --out "$OUT_DIR/engine.json"
+  engine_rc=$?
+  stage_done
+fi
+if want host; then
+  echo "== host work per step (limit $L_HOST s)"
+  # XLA_FLAGS set (empty unless given): bench_host's XLA:CPU thread flags are for this CPU
+  # only. Two processes share the GPU with the engine core in its own: neither may take most.
+  XLA_FLAGS=${XLA_FLAGS:-} XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "$L_HOST" \
+    "$PY" scripts/bench_host.py --quick --no-embedded --no-plot "${HOST_ARGS[@]}" \
+    --out "$OUT_DIR/host.json"
+  host_rc=$?
+  stage_done
+fi
 
-"$PY" - "$OUT_DIR" "$kernels_rc" "$decode_rc" "$engine_rc" "$host_rc" "$splitk_rc" \
-  "$(( $(date +%s) - t0 ))" <<'PYEOF'
+"$PY" - "$OUT_DIR" "$kernels_rc" "$matmuls_rc" "$decode_rc" "$engine_rc" "$host_rc" \
+  "$splitk_rc" "$(( $(date +%s) - t0 ))" "$STAGES" <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-krc, drc, erc, hrc, src, wall = (int(x) for x in sys.argv[2:8])
-doc = {"kernels_rc": krc, "decode_rc": drc, "engine_rc": erc, "host_rc": hrc,
-       "decode_split_k_off_rc": src, "wall_s": wall}
-for name in ("kernels", "decode", "engine", "host", "decode_split_k_off"):
-    f = out / f"{name}.json"
-    doc[name] = json.loads(f.read_text()) if f.exists() else None
+krc, mrc, drc, erc, hrc, src = (json.loads(x) for x in sys.argv[2:8])
+wall, stages = int(sys.argv[8]), sys.argv[9].split(",")
+doc = {"stages": stages, "kernels_rc": krc, "matmuls_rc": mrc, "decode_rc": drc,
+       "engine_rc": erc, "host_rc": hrc, "decode_split_k_off_rc": src, "wall_s": wall}
+for name, f in (("kernels", "kernels"), ("matmuls", "matmul"), ("decode", "decode"),
+                ("engine", "engine"), ("host", "host"),
+                ("decode_split_k_off", "decode_split_k_off")):
+    p = out / f"{f}.json"
+    doc[name] = json.loads(p.read_text()) if p.exists() else None
+# The ceilings at the top level: the kernels stage's, else what the matmul stage measured.
+kern, mm = doc["kernels"] or {}, doc["matmuls"] or {}
+src16 = kern if kern.get("copy_GBps_16byte") else (mm.get("copy_source") or {})
+for k in ("copy_GBps_16byte", "copy_16byte_method", "copy_GBps_jax_bf16"):
+    doc[k] = src16.get(k)
+doc["matmul_best_plans"] = mm.get("matmul_best_plans")
+doc["decode_ab"] = [{k: r.get(k) for k in ("kv_cache_dtype", "batch", "context_len", "ms_xla",
+                                           "ms_kernels", "xla_over_kernels")}
+                    for r in (doc["decode"] or {}).get("decode_rows", []) if "ms_kernels" in r]
 smi = out / "nvidia_smi.csv"
 doc["nvidia_smi"] = smi.read_text() if smi.exists() else None
 (out / "device_check.json").write_text(json.dumps(doc, indent=1))
-print(f"device_check: kernels rc={krc}, decode rc={drc}, engine rc={erc}, host rc={hrc}, "
-      f"split-K off rc={src} (124: stage time limit), {wall} s -> {out}/device_check.json")
+print(f"device_check: kernels rc={krc}, matmuls rc={mrc}, decode rc={drc}, engine rc={erc}, "
+      f"host rc={hrc}, split-K off rc={src} (124: stage time limit; null: not run), "
+      f"copy16 {doc['copy_GBps_16byte']} GB/s ({doc['copy_16byte_method']}), "
+      f"jax bf16 copy {doc['copy_GBps_jax_bf16']} GB/s, {wall} s -> {out}/device_check.json")
+for r in doc["decode_ab"]:
+    print(f"  decode A/B {r['kv_cache_dtype']} B={r['batch']} ctx={r['context_len']}: "
+          f"XLA's GEMMs {r['ms_xla']} ms, kernels {r['ms_kernels']} ms "
+          f"(xla/kernels {r['xla_over_kernels']}x)")
 PYEOF
-[ "$kernels_rc" -eq 0 ] && [ "$decode_rc" -eq 0 ] && [ "$engine_rc" -eq 0 ] && [ "$host_rc" -eq 0 ] \
-  && [ "$splitk_rc" -eq 0 ]
+for rc in "$kernels_rc" "$matmuls_rc" "$decode_rc" "$splitk_rc" "$engine_rc" "$host_rc"; do
+  [ "$rc" = null ] || [ "$rc" -eq 0 ] || exit 1
+done
+exit 0

@@ -11,6 +11,16 @@ time summed by kind of op. A row is greedy (what `hbm_bytes` predicts) unless it
 `hbm_bytes_sampling_candidates` predicts where the draw's candidates settle its rows (its
 top-k of 64 does, unless the logits are flat) and `hbm_bytes_sampling` where the whole row
 must.
+
+The decode matmuls' A/B: with the Pallas backend a step of at most `linears.max_rows` (64)
+tokens runs its projections on the weight-streaming kernels (pallas_kernels/decode_matmul.py).
+Beside the engine's runner a twin (`xla_twin`: the same parameters, buckets and pool, built
+with `decode_matmuls=False`, so XLA's GEMMs) compiles the same step, and the two are timed
+call for call in turn on the one pool: `ms_kernels` (the engine's step, also `step_ms`) and
+`ms_xla`. Above 64 rows both runners compile the same program, so such a row is timed once and
+says so (`decode_matmuls`); its `ms_xla` is its `step_ms`. Only the un-profiled times count:
+XLA turns command buffers (CUDA graphs) off while the profiler runs, so a profiled step
+launches every kernel on its own and runs slower than the timed one.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from flax import nnx
 
 from jpaged.bench.step_profile import summarize, trace_calls
 from jpaged.config import EngineArgs
@@ -112,74 +123,188 @@ def time_decode(runner: ModelRunner, batch: int, context_len: int, iters: int = 
     return {**row, "sampling": "random"} if sampled else row
 
 
+def xla_twin(runner: ModelRunner) -> ModelRunner | None:
+    """The runner's step with XLA's GEMMs for every projection (`decode_matmuls=False`): the
+    same parameter arrays, buckets and (lent per call, see `on_pool`) pool. None when the
+    runner runs no kernels (another backend, shapes the kernels refuse) or is tensor
+    parallel (the decode rows run on one device)."""
+    if runner.linears is None or runner.parallel is not None:
+        return None
+    model = nnx.merge(runner.graphdef, runner.params)  # the same arrays, not a copy
+    twin = ModelRunner(model, runner.kv, runner.plan, runner.block_size, runner.vocab_size,
+                       runner.ops, runner.seed, kv_layout=runner.kv_layout,
+                       num_top_logprobs=runner.num_top_logprobs, decode_matmuls=False)
+    twin.kv = None  # the pool stays the engine runner's; on_pool lends it for each call
+    return twin
+
+
+def on_pool(owner: ModelRunner, borrower: ModelRunner, fn: Callable[[], None]) -> None:
+    """Run `fn` (a call of `borrower`'s step) on `owner`'s pool, then hand the pool back: the
+    step donates the pool and returns it, so exactly one runner holds it at a time."""
+    borrower.kv, owner.kv = owner.kv, None
+    try:
+        fn()
+    finally:
+        owner.kv, borrower.kv = borrower.kv, None
+
+
+def time_decode_ab(runner: ModelRunner, twin: ModelRunner, batch: int, context_len: int,
+                   iters: int = 10) -> dict[str, Any]:
+    """Median ms of the engine's decode step (`ms_kernels`, also `step_ms`) and of its twin's
+    with XLA's GEMMs (`ms_xla`) at (batch, context_len), the two called in turn on the same
+    pool and step, so drift of the clocks falls on both alike; both compiled and warmed
+    first (not timed)."""
+    k_call = _warm_step(runner, batch, context_len)
+    x_step = _warm_step_on(runner, twin, batch, context_len)
+    k_times, x_times = [], []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        k_call()
+        k_times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        on_pool(runner, twin, x_step)
+        x_times.append(time.perf_counter() - t0)
+    ms_k = statistics.median(k_times) * 1e3
+    ms_x = statistics.median(x_times) * 1e3
+    return {"batch": batch, "context_len": context_len, "step_ms": round(ms_k, 3),
+            "output_tokens_per_s": round(batch / ms_k * 1e3, 1), "iters": iters,
+            "ms_kernels": round(ms_k, 3), "ms_xla": round(ms_x, 3),
+            "xla_over_kernels": round(ms_x / ms_k, 3), "decode_matmuls": "kernels"}
+
+
+def _warm_step_on(runner: ModelRunner, twin: ModelRunner, batch: int, context_len: int
+                  ) -> Callable[[], None]:
+    """`_warm_step` of the twin, on the runner's pool (compiled and warm on return)."""
+    packed = decode_step(runner, batch, context_len)
+    flat = flatten_step(packed.batch)
+
+    def call() -> None:
+        twin.launch(flat, packed.flags, False)[0].block_until_ready()
+
+    on_pool(runner, twin, call)
+    return call
+
+
 def profile_decode(runner: ModelRunner, batch: int, context_len: int, trace: Path,
-                   step_ms: float | None = None, calls: int = 3) -> dict[str, Any]:
-    """`calls` runs of the decode step at (batch, context_len) under the profiler: the trace
-    kept at `trace`, its kernels summed by kind (`step_profile.summarize`)."""
-    trace_calls(_warm_step(runner, batch, context_len), calls, trace)
+                   step_ms: float | None = None, calls: int = 3,
+                   twin: ModelRunner | None = None) -> dict[str, Any]:
+    """`calls` runs of the decode step at (batch, context_len) under the profiler (the twin's
+    on the runner's pool, with `twin`): the trace kept at `trace`, its kernels summed by kind
+    (`step_profile.summarize`). XLA runs without command buffers under the profiler, so the
+    kernels' times are the step's work, not its un-profiled wall time (`step_ms` is that)."""
+    if twin is None:
+        fn = _warm_step(runner, batch, context_len)
+    else:
+        step = _warm_step_on(runner, twin, batch, context_len)
+
+        def fn() -> None:
+            on_pool(runner, twin, step)
+    trace_calls(fn, calls, trace)
     return {"trace": trace.name, **summarize(trace, calls, step_ms, module="_step")}
 
 
-def _print_profile(row: dict[str, Any]) -> None:
-    prof = row["profile"]
+def _print_profile(row: dict[str, Any], key: str = "profile") -> None:
+    prof = row[key]
     top = ", ".join(f"{k['kind']} {k['ms_per_step']} ms x{k['launches_per_step']}"
                     for k in prof["kinds"][:8])
-    print(f"  decode profile B={row['batch']} ctx={row['context_len']}: "
+    which = " (XLA's GEMMs)" if key == "profile_xla" else ""
+    print(f"  decode profile{which} B={row['batch']} ctx={row['context_len']}: "
           f"{prof['launches_per_step']} kernels, {prof['kernel_ms_per_step']} ms of a "
           f"{prof['step_ms']} ms step ({prof['events_from']}); {top}", flush=True)
 
 
-def _profile_row(runner: ModelRunner, row: dict[str, Any], profile_dir: Path) -> None:
-    """Profile a timed row's step into `row["profile"]` (or name the failure in
-    `row["profile_error"]`: the row's time stands without it)."""
+def _profile_row(runner: ModelRunner, row: dict[str, Any], profile_dir: Path,
+                 twin: ModelRunner | None = None) -> None:
+    """Profile a timed row's step into `row["profile"]` (with `twin`, its step too, into
+    `row["profile_xla"]`), or name the failure in `row["profile_error"]`: the row's time
+    stands without it. The un-profiled time is the one that counts (command buffers are off
+    under the profiler)."""
     b, ctx = row["batch"], row["context_len"]
-    trace = profile_dir / f"decode_{row['kv_cache_dtype']}_b{b}_c{ctx}.trace.json.gz"
-    try:
-        row["profile"] = profile_decode(runner, b, ctx, trace, row["step_ms"])
-        _print_profile(row)
-    except Exception as e:  # noqa: BLE001 - the row's time stands without it
-        row["profile_error"] = f"{type(e).__name__}: {e}"[:500]
-        print(f"  decode profile B={b}: {row['profile_error']}", flush=True)
+    stem = f"decode_{row['kv_cache_dtype']}_b{b}_c{ctx}"
+    jobs = [("profile", None, row["step_ms"])]
+    if twin is not None and "ms_xla" in row:
+        jobs.append(("profile_xla", twin, row["ms_xla"]))
+    for key, tw, ms in jobs:
+        trace = profile_dir / f"{stem}{'_xla' if tw is not None else ''}.trace.json.gz"
+        try:
+            row[key] = profile_decode(runner, b, ctx, trace, ms, twin=tw)
+            _print_profile(row, key)
+        except Exception as e:  # noqa: BLE001 - the row's time stands without it
+            row[f"{key}_error"] = f"{type(e).__name__}: {e}"[:500]
+            print(f"  decode {key} B={b}: {row[f'{key}_error']}", flush=True)
+
+
+def row_order(batches: tuple[int, ...], contexts: tuple[int, ...], ab_max: int
+              ) -> list[tuple[int, int]]:
+    """(batch, context) in the order the rows run: first the batches an A/B compares
+    (at most `ab_max` rows), every context, context by context, then the larger batches.
+    The contexts of one batch share its compiled steps, so after the first context the
+    others cost only their timing."""
+    small = [b for b in batches if b <= ab_max]
+    large = [b for b in batches if b > ab_max]
+    return ([(b, c) for c in contexts for b in small]
+            + [(b, c) for c in contexts for b in large])
 
 
 def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[int, ...],
                 contexts: tuple[int, ...], engine_args: dict[str, Any],
                 budget_s: float = 1e9, profile_batches: tuple[int, ...] = (),
                 profile_dir: Path | None = None,
-                sampled_batches: tuple[int, ...] = ()) -> list[dict[str, Any]]:
+                sampled_batches: tuple[int, ...] = (), ab: bool = True
+                ) -> list[dict[str, Any]]:
     """Per KV dtype, an engine at the default pool and one row per (batch, context); a row
     that does not fit the pool, or comes after the budget, says so instead of a time.
 
-    The rows of the first KV dtype and first context whose batch is in `profile_batches` are
-    also profiled, each trace written under `profile_dir` (a failed profile is named in
-    the row's `profile_error`; its time stays); those whose batch is in `sampled_batches` are
-    timed again drawing at random (the same compiled step)."""
+    With `ab` (and an engine that runs the decode matmul kernels) a row of at most
+    `linears.max_rows` sequences times the engine's step and its XLA twin's in turn
+    (`time_decode_ab`: `ms_kernels`, `ms_xla`); larger rows are one program either way.
+    Rows run in `row_order`. The rows of the first KV dtype and first context whose batch is
+    in `profile_batches` are also profiled (an A/B row: both steps), each trace written under
+    `profile_dir` (a failed profile is named in the row's `profile_error`; its time stays);
+    those whose batch is in `sampled_batches` are timed again drawing at random (the engine's
+    step, the same compiled program)."""
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for kvd in kv_dtypes:
         engine = LLMEngine(EngineArgs(kv_cache_dtype=kvd, disable_log_stats=True,
                                       max_model_len=max(contexts) + 16,
                                       max_num_seqs=max(batches), **engine_args), loaded=loaded)
-        for b in batches:
-            for ctx in contexts:
-                first = kvd == kv_dtypes[0] and ctx == contexts[0]
-                for sampled in (False, True) if first and b in sampled_batches else (False,):
-                    row: dict[str, Any] = {"kv_cache_dtype": kvd, "batch": b,
-                                           "context_len": ctx,
-                                           **({"sampling": "random"} if sampled else {})}
-                    if time.perf_counter() - t_start > budget_s:
-                        rows.append({**row, "skipped": "time budget"})
-                        continue
-                    try:
-                        rows.append({**row, **time_decode(engine.runner, b, ctx,
-                                                          sampled=sampled)})
-                    except ValueError as e:  # does not fit this pool: named, not timed
-                        rows.append({**row, "skipped": str(e)})
-                    print(f"  decode row {rows[-1]}", flush=True)  # a cut-short run keeps them
-                    if ("step_ms" in rows[-1] and profile_dir is not None and not sampled
-                            and b in profile_batches and first):
-                        _profile_row(engine.runner, rows[-1], profile_dir)
-        engine.runner.kv = None  # free this pool before the next engine allocates its own
-        del engine
+        runner = engine.runner
+        twin = xla_twin(runner) if ab else None
+        lin = runner.linears
+        ab_max = lin.max_rows if lin is not None else 0
+        if lin is None:
+            why = f"off ({runner.ops.name} backend or shapes the kernels refuse): XLA's GEMMs"
+        for b, ctx in row_order(batches, contexts, ab_max):
+            first = kvd == kv_dtypes[0] and ctx == contexts[0]
+            for sampled in (False, True) if first and b in sampled_batches else (False,):
+                row: dict[str, Any] = {"kv_cache_dtype": kvd, "batch": b, "context_len": ctx,
+                                       **({"sampling": "random"} if sampled else {})}
+                if time.perf_counter() - t_start > budget_s:
+                    rows.append({**row, "skipped": "time budget"})
+                    print(f"  decode row {rows[-1]}", flush=True)
+                    continue
+                try:
+                    if twin is not None and b <= ab_max and not sampled:
+                        rows.append({**row, **time_decode_ab(runner, twin, b, ctx)})
+                    else:
+                        timed = {**row, **time_decode(runner, b, ctx, sampled=sampled)}
+                        if lin is None:
+                            timed["decode_matmuls"] = why
+                        elif b > ab_max:
+                            timed.update(ms_xla=timed["step_ms"], decode_matmuls=(
+                                f"one program: over {ab_max} rows both paths run XLA's GEMMs"))
+                        else:  # a sampled row, or the A/B turned off: the engine's step
+                            timed["decode_matmuls"] = "kernels"
+                        rows.append(timed)
+                except ValueError as e:  # does not fit this pool: named, not timed
+                    rows.append({**row, "skipped": str(e)})
+                print(f"  decode row {rows[-1]}", flush=True)  # a cut-short run keeps them
+                if ("step_ms" in rows[-1] and profile_dir is not None and not sampled
+                        and b in profile_batches and first):
+                    _profile_row(runner, rows[-1], profile_dir,
+                                 twin if b <= ab_max else None)
+        runner.kv = None  # free this pool before the next engine allocates its own
+        del engine, runner, twin
         gc.collect()
     return rows

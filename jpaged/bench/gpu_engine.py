@@ -15,6 +15,7 @@ import gc
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,9 +103,11 @@ def _pool(llm: LLM) -> dict[str, Any]:
 
 
 def run_engine_check(cfg: EngineCheckConfig, kv_dtypes: tuple[str, ...], model_dtype: Any,
-                     budget_s: float = 1e9, loaded: LoadedModel | None = None
+                     budget_s: float = 1e9, loaded: LoadedModel | None = None,
+                     progress: Callable[[dict[str, Any]], None] | None = None
                      ) -> dict[str, Any]:
-    """Greedy Pallas-vs-XLA equality, tokens/s and the chosen pool, per KV dtype."""
+    """Greedy Pallas-vs-XLA equality, tokens/s and the chosen pool, per KV dtype; `progress`
+    gets the document so far after each KV dtype (a caller's time limit keeps those)."""
     t_start = time.perf_counter()
     loaded = loaded or random_model(cfg.spec, model_dtype)
     prompts = _prompts(cfg.prompt_lens, cfg.spec.vocab_size, seed=1)
@@ -147,6 +150,10 @@ def run_engine_check(cfg: EngineCheckConfig, kv_dtypes: tuple[str, ...], model_d
         run.update(greedy_equal=all(same), equal_per_prompt=same, first_difference=first_diff,
                    tokens_pallas=tokens["pallas"], tokens_xla=tokens["xla"])
         out["runs"].append(run)
+        print(f"  kv {kvd} pallas==xla greedy: {run['greedy_equal']} (first differences "
+              f"{first_diff}) at {time.perf_counter() - t_start:.0f} s", flush=True)
+        if progress is not None:
+            progress({**out, "wall_s": round(time.perf_counter() - t_start, 1)})
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
     return out
 
@@ -169,7 +176,10 @@ def smoke_config() -> EngineCheckConfig:
         engine_args={"max_model_len": 256, "max_num_seqs": 16, "max_num_batched_tokens": 64,
                      "kv_cache_memory_bytes": 16 * 2**20},
         decode_batches=(1, 4), decode_contexts=(40,),
-        decode_args={"max_num_batched_tokens": 64, "kv_cache_memory_bytes": 16 * 2**20})
+        # The Pallas backend (the interpreter here), as "auto" is on a GPU: the rows then run
+        # the decode matmul kernels and their XLA twin, the A/B the GPU run times.
+        decode_args={"max_num_batched_tokens": 64, "kv_cache_memory_bytes": 16 * 2**20,
+                     "attention_backend": "pallas"})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile-dir", type=Path,
                    help="where the profiled rows' traces go (default: jpaged-profiles in the "
                         "temporary directory; a lent GPU brings back 8 files, no traces)")
+    p.add_argument("--no-decode-ab", action="store_true",
+                   help="time the engine's decode step only, not also its twin with XLA's "
+                        "GEMMs for the projections (ModelRunner decode_matmuls=False)")
     p.add_argument("--part", choices=["all", "check", "decode"], default="all",
                    help="check: the engine check alone; decode: the decode step rows alone "
                         "(so a caller can give each its own time limit)")
@@ -208,7 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     dtype = jnp.float32 if args.cpu_smoke else jnp.bfloat16
     kv_dtypes = ("bfloat16", "fp8_e4m3")
     loaded = random_model(cfg.spec, dtype)
-    res = (run_engine_check(cfg, kv_dtypes, dtype, budget_s=args.budget_s, loaded=loaded)
+
+    def partial(doc: dict[str, Any]) -> None:  # the runs so far, should a time limit cut in
+        if args.out:
+            args.out.write_text(json.dumps({**doc, "mode": "cpu-smoke" if args.cpu_smoke
+                                            else "gpu", "partial": True, "decode_rows": []},
+                                           indent=1))
+
+    res = (run_engine_check(cfg, kv_dtypes, dtype, budget_s=args.budget_s, loaded=loaded,
+                            progress=partial)
            if args.part != "decode" else
            {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
             "model": f"random {cfg.spec.architecture}", "runs": [], "wall_s": 0.0})
@@ -223,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                                       budget_s=args.decode_budget_s,
                                       profile_batches=tuple(args.profile_batches),
                                       profile_dir=profile_dir,
-                                      sampled_batches=tuple(args.sampled_batches)))
+                                      sampled_batches=tuple(args.sampled_batches),
+                                      ab=not args.no_decode_ab))
     res["wall_s"] = round(res["wall_s"] + time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
@@ -243,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
     for row in res["decode_rows"]:
         got = (f"{row['step_ms']} ms/step, {row['output_tokens_per_s']} tok/s"
                if "step_ms" in row else f"skipped: {row['skipped']}")
+        if "ms_kernels" in row:  # the A/B: the same step with XLA's GEMMs for the projections
+            got += (f"; XLA's GEMMs {row['ms_xla']} ms, kernels {row['ms_kernels']} ms "
+                    f"(xla/kernels {row['xla_over_kernels']}x)")
+        elif "decode_matmuls" in row:
+            got += f"; matmuls: {row['decode_matmuls']}"
+        if row.get("sampling"):
+            got += f" [{row['sampling']} sampling]"
         print(f"  decode kv {row['kv_cache_dtype']:9s} B={row['batch']:<4} "
               f"ctx={row['context_len']:<5} {got}")
     print(f"  done in {res['wall_s']} s")

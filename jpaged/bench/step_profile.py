@@ -8,6 +8,10 @@ per kind of op (the instruction's name less its numeric suffix, as
 bytes, and the share of the step's wall time the device spent in kernels says how much went
 to launch gaps instead. On XLA:CPU the events are the runtime's thunks on the host's threads
 (a while loop's thunk encloses its body's, so there the kinds overlap).
+
+XLA:GPU turns its command buffers (CUDA graphs) off while the profiler runs, so a traced step
+launches every kernel on its own: its kernel times say where the work goes, but its wall
+time is not the step's. The un-profiled time (`decode_rows.time_decode`) is the one that counts.
 """
 
 from __future__ import annotations

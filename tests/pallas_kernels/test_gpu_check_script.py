@@ -17,6 +17,9 @@ def test_gpu_check_configures_every_mode():
         assert cfg["interpret"] == smoke
         assert all(p % 1 == 0 for p, *_ in cfg["tune_grid"])
         assert cfg["decode"] and cfg["mixed"]
+        # The 16-byte copy's buffer: whole blocks of every Pallas copy variant.
+        assert cfg["copy16_bytes"] % (16384 * 4) == 0
+        assert cfg["copy16_bytes"] == (2**20 if smoke else 2**30)
 
 
 def test_bench_inputs_rotations_are_disjoint():

@@ -57,3 +57,38 @@ def test_sampled_step_draws_through_every_filter(runner):
     row = time_decode(runner, 4, 20, iters=2, sampled=True)
     assert row["sampling"] == "random" and row["step_ms"] > 0
     assert runner.num_compiled == compiled
+
+
+def test_ab_times_the_kernels_and_their_xla_twin_on_one_pool():
+    """With the Pallas backend (the interpreter here) the engine's step runs the decode
+    matmul kernels; its twin (decode_matmuls=False) compiles the same step with XLA's GEMMs
+    and borrows the one pool per call, so both steps read the same pages."""
+    from jpaged.bench.decode_rows import row_order, time_decode_ab, xla_twin
+
+    engine = LLMEngine(EngineArgs(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                                  block_size=8, num_gpu_blocks_override=24,
+                                  attention_backend="pallas"), loaded=tiny())
+    runner = engine.runner
+    assert runner.linears is not None
+    twin = xla_twin(runner)
+    assert twin is not None and twin.linears is None and twin.kv is None
+    pool = runner.kv
+    row = time_decode_ab(runner, twin, 4, 20, iters=2)
+    assert row["ms_kernels"] == row["step_ms"] > 0 and row["ms_xla"] > 0
+    assert row["xla_over_kernels"] == round(row["ms_xla"] / row["ms_kernels"], 3)
+    assert row["decode_matmuls"] == "kernels"
+    # The pool went back to the engine's runner (a new array: each step donates it).
+    assert twin.kv is None and runner.kv is not None and runner.kv is not pool
+    assert runner.num_compiled >= 1 and twin.num_compiled >= 1
+    # The A/B batches (at most 64 rows) first, context by context, then the larger ones.
+    assert row_order((1, 16, 64, 256), (1024, 4096), 64) == [
+        (1, 1024), (16, 1024), (64, 1024), (1, 4096), (16, 4096), (64, 4096),
+        (256, 1024), (256, 4096)]
+    # The XLA backend runs no kernels: no twin.
+    assert xla_twin(_xla_backend_runner()) is None
+
+
+def _xla_backend_runner():
+    return LLMEngine(EngineArgs(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                                block_size=8, num_gpu_blocks_override=24,
+                                attention_backend="xla"), loaded=tiny()).runner

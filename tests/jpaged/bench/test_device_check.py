@@ -1,6 +1,8 @@
 """scripts/device_check.sh end to end in its CPU smoke mode: the same steps as on a lent GPU
-(kernel checks and timings, the engine on random weights with both loops compared, decode rows
-with XLA's split-K forced off, the host work per request-step, one merged JSON), tiny shapes."""
+(kernel checks and timings with the 16-byte copy ceiling, the decode matmul kernels against
+XLA with their tile sweep, the decode rows' matmul A/B, the engine on random weights with both
+loops compared, decode rows with XLA's split-K forced off, the host work per request-step, one
+merged JSON), tiny shapes."""
 
 from __future__ import annotations
 
@@ -20,15 +22,37 @@ def test_device_check_cpu_smoke(tmp_path):
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "device_check.json").read_text())
-    assert (doc["kernels_rc"], doc["decode_rc"], doc["engine_rc"], doc["host_rc"],
-            doc["decode_split_k_off_rc"]) == (0, 0, 0, 0, 0)
+    assert (doc["kernels_rc"], doc["matmuls_rc"], doc["decode_rc"], doc["engine_rc"],
+            doc["host_rc"], doc["decode_split_k_off_rc"]) == (0, 0, 0, 0, 0, 0)
+    assert doc["stages"] == ["kernels", "matmuls", "decode", "split_k", "engine", "host"]
     log = (tmp_path / "device_check.log").read_text()
-    assert "== decode step rows" in log
+    assert "== decode step rows" in log and log.count("== stage took") == 6
     # The split-K-off rows right after the decode rows they are compared with.
     assert log.index("split-K off (limit") < log.index("== engine check")
     kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]
     assert kernels["mode"] == "cpu-smoke" and kernels["failures"] == []
     assert kernels["copy_GBps"] > 0 and kernels["copy_GBps_f32"] > 0  # bf16 and f32 copies
+    # The honest ceiling: the best 16-byte copy (a Pallas kernel or jax's float32 x + 1),
+    # beside jax's bf16 x + 1; at the merged document's top level too.
+    assert set(kernels["copy_rates"]) == {
+        "jax_bf16", "jax_f32", "pallas_f32_b4096_w4", "pallas_f32_b16384_w8",
+        "pallas_bf16_b8192_w4", "pallas_u32_copy_b4096_w4"}
+    assert kernels["copy_GBps_16byte"] == kernels["copy_rates"][kernels["copy_16byte_method"]]
+    assert kernels["copy_16byte_method"] != "jax_bf16"
+    assert (doc["copy_GBps_16byte"], doc["copy_16byte_method"], doc["copy_GBps_jax_bf16"]) == (
+        kernels["copy_GBps_16byte"], kernels["copy_16byte_method"],
+        kernels["copy_GBps_jax_bf16"])
+    assert all("frac_copy_16byte" in t for t in kernels["timings"])
+    # The decode matmul kernels against XLA's twins, correct, with their tile sweep.
+    mm = doc["matmuls"]
+    assert mm["failures"] == [] and mm["copy_GBps_16byte"] == kernels["copy_GBps_16byte"]
+    main = ("qkv", "gate_up", "o", "down")
+    # The engine's layout at row 1, the [N, K] layout at row 1, then the other rows.
+    assert [(c["kernel"], c["rows"]) for c in mm["matmul_checks"]] == [
+        *((k, 1) for k in main), *((f"{k}_nk", 1) for k in main), *((k, 4) for k in main)]
+    assert all(c["ok"] for c in mm["matmul_checks"])
+    assert len(mm["matmul_timings"]) == 24 and len(mm["matmul_sweep"]) == 8
+    assert set(doc["matmul_best_plans"]) == {"qkv", "gate_up", "o", "down"}
     assert len(kernels["checks"]) >= 8 and all(c["ok"] for c in kernels["checks"])
     assert {t["impl"] for t in kernels["timings"]} >= {"pallas-decode", "pallas-ragged",
                                                        "pallas-kv_write"}
@@ -57,11 +81,22 @@ def test_device_check_cpu_smoke(tmp_path):
                                ("bfloat16", 4, 40, "random"), ("fp8_e4m3", 1, 40, None),
                                ("fp8_e4m3", 4, 40, None)]
     assert all(r["step_ms"] > 0 and r["output_tokens_per_s"] > 0 for r in rows), rows
+    # The decode matmul A/B (the Pallas backend runs the kernels at these batches): the
+    # engine's step and its twin with XLA's GEMMs, on one pool; the random row is the
+    # engine's step alone.
+    ab = [r for r in rows if r.get("sampling") is None]
+    assert all(r["ms_kernels"] == r["step_ms"] and r["ms_xla"] > 0 for r in ab), rows
+    assert rows[2]["decode_matmuls"] == "kernels" and "ms_xla" not in rows[2]
+    assert [(r["kv_cache_dtype"], r["batch"]) for r in doc["decode_ab"]] == [
+        (r["kv_cache_dtype"], r["batch"]) for r in ab]
     # The profiled row (the first KV dtype's greedy batch 4): its kernels by kind.
     assert [r["batch"] for r in rows if "profile" in r] == [4], rows
     prof = rows[1]["profile"]
     assert prof["step_ms"] == rows[1]["step_ms"] and prof["launches_per_step"] > 0
     assert prof["kinds"] and "decode profile B=4 ctx=40" in log
+    # ... and the twin's step (XLA's GEMMs) beside it.
+    assert rows[1]["profile_xla"]["step_ms"] == rows[1]["ms_xla"]
+    assert "decode profile (XLA's GEMMs) B=4 ctx=40" in log
     # The bf16 rows again with XLA's split-K heuristic forced off (the flag reaches XLA).
     off = doc["decode_split_k_off"]
     assert "--xla_gpu_experimental_force_split_k=1" in off["xla_flags"]

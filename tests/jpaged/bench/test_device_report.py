@@ -74,3 +74,83 @@ def test_main_writes_the_merged_document(tmp_path, capsys):
     assert doc["nvidia_smi"].endswith("NVIDIA H200")
     assert doc["aot_source"] == "gpu_aot_decode_jax0.10.2.json (jax 0.10.2)"
     assert "| KV | B | context |" in capsys.readouterr().out
+
+
+def test_new_keys_of_a_run_the_matmul_ab_and_the_copy_ceilings(tmp_path, capsys):
+    """A run with the decode matmul stage: the A/B columns of the decode rows (a JSON row over
+    its log line; split-K-off rows beside, not over, the default ones), the copy ceilings,
+    the matmul table, the sweep and the best plans."""
+    from jpaged.bench.device_report import ceiling_line, matmul_markdown, profile_markdown
+
+    run = tmp_path / "run"
+    run.mkdir()
+    ab = {"kv_cache_dtype": "bfloat16", "batch": 1, "context_len": 1024, "step_ms": 5.0,
+          "output_tokens_per_s": 200.0, "iters": 10, "ms_kernels": 5.0, "ms_xla": 6.2,
+          "xla_over_kernels": 1.24, "decode_matmuls": "kernels"}
+    big = {"kv_cache_dtype": "bfloat16", "batch": 256, "context_len": 1024, "step_ms": 36.0,
+           "output_tokens_per_s": 7111.1, "iters": 10, "ms_xla": 36.0,
+           "decode_matmuls": "one program: over 64 rows both paths run XLA's GEMMs"}
+    off = {**big, "step_ms": 30.0, "ms_xla": 30.0}
+    prof = {"events_from": "device", "calls": 3, "launches_per_step": 600,
+            "kernel_ms_per_step": 4.0, "step_ms": 5.0, "kernel_share_of_step": 0.8,
+            "kinds": [{"kind": "decode_matmul_gate_up", "launches_per_step": 32,
+                       "ms_per_step": 1.9, "share_of_kernel_time": 0.5}]}
+    (run / "device_check.log").write_text(
+        "== decode step rows (limit 170 s)\n"
+        f"  decode row {ab}\n  decode row {big}\n"
+        "== decode step rows, bf16 KV, XLA split-K off (limit 90 s)\n"
+        f"  decode row {off}\n== engine check (limit 190 s)\n")
+    (run / "decode.json").write_text(json.dumps(
+        {"xla_flags": "", "decode_rows": [{**ab, "profile": prof,
+                                           "profile_xla": {**prof, "step_ms": 6.2}}, big]}))
+    (run / "kernels.json").write_text(json.dumps(
+        {"checks": [], "copy_GBps": 2711.0, "copy_GBps_f32": 4000.0,
+         "copy_GBps_16byte": 4300.0, "copy_16byte_method": "pallas_f32_b16384_w8",
+         "copy_GBps_jax_bf16": 2700.0,
+         "copy_rates": {"jax_bf16": 2700.0, "pallas_f32_b16384_w8": 4300.0}}))
+    timing = {"kernel": "qkv", "rows": 1, "us": 13.0, "GBps": 3900.0,
+              "pct_of_copy_16byte": 90.7, "ideal_us_at_copy_16byte": 11.8,
+              "xla_over_pallas": 1.5, "max_abs_err": 0.0078, "ok": True}
+    (run / "matmul.json").write_text(json.dumps({
+        "device": "NVIDIA H200", "shapes": {"hidden": 4096}, "copy_GBps_16byte": 4300.0,
+        "matmul_timings": [{**timing, "impl": "pallas"},
+                           {**timing, "impl": "xla", "us": 19.5, "GBps": 2600.0,
+                            "pct_of_copy_16byte": 60.5}],
+        "matmul_sweep": [{"kernel": "qkv", "rows": 1, "block_n": 32, "block_k": 256,
+                          "num_stages": 3, "num_warps": 4, "default": True, "us": 13.0,
+                          "GBps": 3900.0, "pct_of_copy_16byte": 90.7, "ok": True}],
+        "matmul_best_plans": {"qkv": {"rows": 1, "plan": {
+            "block_m": 16, "block_n": 32, "block_k": 256, "num_warps": 4, "num_stages": 3},
+            "us": 13.0, "GBps": 3900.0, "pct_of_copy_16byte": 90.7, "default_us": 13.0,
+            "default_over_best": 1.0}}}))
+    doc = collect([run])
+    rows = doc["decode_rows"]
+    assert [(r["batch"], r.get("xla_split_k")) for r in rows] == [(1, None), (256, None),
+                                                                    (256, "off")]
+    assert "profile_xla" in rows[0]  # the JSON's row (with its profiles), not the log's
+    assert doc["ceilings"]["copy_GBps_16byte"] == 4300.0
+    assert doc["ceilings"]["copy_16byte_method"] == "pallas_f32_b16384_w8"
+    line = ceiling_line(doc["ceilings"])
+    assert "4,300 GB/s with 16-byte accesses (pallas_f32_b16384_w8)" in line
+    assert "jax's bf16 x + 1 2,700 GB/s" in line
+    table = markdown(compare(rows, {"hbm_bytes_per_s": 4.8e12, "cases": []}, 2711.0))
+    assert "| 6.20 | 5.00 | 1.24x |" in table  # ms with XLA's GEMMs, with the kernels
+    assert "| 36.00 | same program |  |" in table
+    assert "| bfloat16 (split-K off) | 256 | 1024 | 30.00 |" in table
+    mm = matmul_markdown(doc["matmuls"])
+    assert "| qkv | 1 | 13.0 | 19.5 | 1.50x | 3,900 (91%) | 2,600 (60%) | 11.8 | 0.0078 | yes |" \
+        in mm
+    assert "| qkv | 1 | 32 | 256 | 3 | 4 | 13.0 | 3,900 (91%) | default |" in mm
+    assert "| qkv | bn 32, bk 256, 3 stages, 4 warps (1) | 13.0 | 90.7 | 13.0 | 1.0x |" in mm
+    prof_md = profile_markdown(rows)
+    assert "bfloat16, B=1, context 1024, XLA's GEMMs (decode_matmuls=False)" in prof_md
+    assert prof_md.count("| decode_matmul_gate_up | 32 |") == 2
+    # The 16-byte fraction rides beside the old one where a prediction exists.
+    aot = {"hbm_bytes_per_s": 4.8e12, "cases": [
+        {"model": "llama3-8b", "tensor_parallel_size": 1, "kv_cache_dtype": "bfloat16",
+         "seqs": 1, "context_len": 1024, "hbm_bytes": 15e9, "min_hbm_bytes": 16e9}]}
+    r = compare(rows[:1], aot, 2711.0, 4300.0)[0]
+    assert r["achieved_fraction_of_copy_16byte"] == round(15e9 / 5e-3 / 1e9 / 4300.0, 3)
+    assert main([str(run), "--aot", str(AOT)]) == 0
+    out = capsys.readouterr().out
+    assert "Copy ceiling" in out and "Decode matmuls on NVIDIA H200" in out
