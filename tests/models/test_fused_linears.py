@@ -42,8 +42,9 @@ def _random_model(spec, dtype):
     return nnx.merge(graph, jax.tree.unflatten(tree, new))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case,dtype", [(c, jnp.float32) for c in CASES]
+                         + [("llama", jnp.bfloat16), ("gemma3", jnp.bfloat16)],
+                         ids=lambda x: getattr(x, "__name__", x))
 def test_fused_layers_compute_what_the_modules_compute(case, dtype):
     spec = tiny_spec(**SHAPES, **CASES[case])
     model = _random_model(spec, dtype)

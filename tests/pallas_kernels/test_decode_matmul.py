@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels import reference as ref
 
-SETTINGS = settings(max_examples=8, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=6, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
 ROWS = st.one_of(st.integers(1, 20), st.sampled_from([64, 65, 127, 300]))
 SIZES = st.sampled_from([16, 48, 64, 96, 192, 576])
