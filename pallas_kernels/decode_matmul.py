@@ -6,8 +6,9 @@ projection of a decoder layer, each in one launch:
 
 * `projections` — q, k and v (or any list of weights sharing an input): one launch over the
   column blocks of all of them, each program streaming one [K, block_n] slab of one weight
-  (`pl.when` picks which), optionally with the layer's RMSNorm in the prologue and biases
-  (Qwen2) in the epilogue;
+  (`pl.when` picks which), optionally with the layer's RMSNorm in the prologue, biases (Qwen2)
+  and RoPE of q and k in the epilogue, and k and v also stored into the KV pages at their
+  slots (`KVWritePlan`: what `kv_write` would store, in the same launch);
 * `gated_up` — gate and up as one launch: each program streams the same column slab of both
   weights and writes act(gate) * up (SiLU or tanh-GELU), with the RMSNorm prologue;
 * `projection_residual` — o or down: the residual add in the epilogue.
@@ -29,9 +30,12 @@ Layout and invariants:
   x is [rows, K] (kilobytes): it is read twice from L2, never written back normalised.
 * Accumulation is float32; bf16 operands use the tensor cores, float32 operands use IEEE
   float32 products (`Precision.HIGHEST`), as the models' own float32 matmuls do.
+* `transposed=True` takes [N, K] weights instead (K contiguous); the models do not use it, the
+  device check times both layouts.
 
 `unsupported` says why a shape cannot take these kernels (the caller falls back to XLA's GEMMs
-and logs it once); `reference` has the jnp twins the kernels are tested against.
+and logs it once); `pallas_kernels/reference.py` has the jnp twins the kernels are tested
+against.
 """
 
 from __future__ import annotations

@@ -97,16 +97,14 @@ def fused_qkv_write(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array,
                     ) -> tuple[jax.Array, ...]:
     """q, k, v (RoPE in the epilogue) with k and v also written into `pages` at the slot
     mapping's slots plus `slot_region` (the layer's rows of a shared pool): q, k, v, k pages,
-    v pages. A static region is added in the kernel; a traced one (a scan's layer index)
-    here, in the slots (< 0 stays padding)."""
-    if isinstance(slot_region, int):
-        offset, slots = slot_region, slot_mapping
-    else:
-        offset, slots = 0, jnp.where(slot_mapping < 0, -1, slot_mapping + slot_region)
+    v pages. The region is added here, not in the kernel: one kernel serves every layer (a
+    static offset would compile a variant a layer), and XLA computes all layers' slots in one
+    multi-output fusion before the first layer."""
+    slots = jnp.where(slot_mapping < 0, -1, slot_mapping + slot_region)
     q, k, v, kp, vp = dm.projections(
         x, [wq, wk, wv], [bq, bk, bv], norm_weight=norm_weight, norm_eps=norm_eps,
         norm_offset=norm_offset, rope=rope, rope_outputs=2, head_dim=head_dim, kv_pages=pages,
-        kv_slots=slots, kv_scales=scales, kv_slot_offset=offset, interpret=interpret)
+        kv_slots=slots, kv_scales=scales, interpret=interpret)
     return q, k, v, kp, vp
 
 
