@@ -88,6 +88,7 @@ class MatmulConfig:
     target_s: float
     calls: int  # U, at least: calls of the kernel per timed program
     max_sets: int = 8  # R, at most
+    layouts: bool = True  # also time the [N, K] layout (`LAYOUT_KERNELS`)
     copy_bytes: int = 2**30
     priority_rows: tuple[int, ...] = field(default=(1, 16, 64))
 
@@ -105,7 +106,7 @@ def smoke_config() -> MatmulConfig:
                         rows=(1, 4),
                         sweep_rows=1, sweep=((16, 32, 2, 4), (32, 16, 3, 4)), sweep_plans=2,
                         interpret=True, repeats=1, target_s=1e-4, calls=2, max_sets=2,
-                        copy_bytes=2**20, priority_rows=(1,))
+                        copy_bytes=2**20, priority_rows=(1,), layouts=False)
 
 
 @dataclass(frozen=True)
@@ -429,9 +430,10 @@ class MatmulCheck:
         rest = [r for r in cfg.rows if r not in cfg.priority_rows]
         # The engine's kernels at its rows, the [N, K] layout at 1 row, the tile sweep, the
         # layout at its other rows, then the reference rows (256): most telling first.
-        layout_rows = [r for r in LAYOUT_ROWS if r in cfg.rows] or cfg.rows[:1]
+        layout_rows = ([r for r in LAYOUT_ROWS if r in cfg.rows] or cfg.rows[:1]
+                       if cfg.layouts else [])
         jobs = [(name, r) for r in first for name in MAIN_KERNELS]
-        jobs += [(name, layout_rows[0]) for name in LAYOUT_KERNELS]
+        jobs += [(name, r) for r in layout_rows[:1] for name in LAYOUT_KERNELS]
         for name, rows in jobs:
             self._guard(f"matmul {name} rows={rows}", lambda n=name, r=rows: self.ab(n, r))
         for name in MAIN_KERNELS:

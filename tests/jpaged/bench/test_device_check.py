@@ -47,11 +47,12 @@ def test_device_check_cpu_smoke(tmp_path):
     mm = doc["matmuls"]
     assert mm["failures"] == [] and mm["copy_GBps_16byte"] == kernels["copy_GBps_16byte"]
     main = ("qkv", "gate_up", "o", "down")
-    # The engine's layout at row 1, the [N, K] layout at row 1, then the other rows.
+    # The engine's layout at rows 1 and 4 (the [N, K] layout is left to the GPU run and
+    # tests/jpaged/bench/test_matmul_check.py).
     assert [(c["kernel"], c["rows"]) for c in mm["matmul_checks"]] == [
-        *((k, 1) for k in main), *((f"{k}_nk", 1) for k in main), *((k, 4) for k in main)]
+        (k, r) for r in (1, 4) for k in main]
     assert all(c["ok"] for c in mm["matmul_checks"])
-    assert len(mm["matmul_timings"]) == 24 and len(mm["matmul_sweep"]) == 8
+    assert len(mm["matmul_timings"]) == 16 and len(mm["matmul_sweep"]) == 8
     assert set(doc["matmul_best_plans"]) == {"qkv", "gate_up", "o", "down"}
     assert len(kernels["checks"]) >= 8 and all(c["ok"] for c in kernels["checks"])
     assert {t["impl"] for t in kernels["timings"]} >= {"pallas-decode", "pallas-ragged",

@@ -95,7 +95,7 @@ def test_pipelined_timer_counts_per_unit():
 def test_matmul_stage_runs_every_job_and_finds_a_wrong_kernel(tmp_path, monkeypatch):
     # (A swept plan for q/k/v keeps RoPE's half-slabs >= 16 columns: block_n 32 at head_dim 32.)
     cfg = dataclasses.replace(mc.smoke_config(), rows=(3,), priority_rows=(3,), sweep_rows=3,
-                              sweep=((32, 32, 2, 4),), sweep_plans=2)
+                              sweep=((32, 32, 2, 4),), sweep_plans=2, layouts=True)
     doc = mc.MatmulCheck(cfg, copy_gbps=10.0, budget_s=1e9).run()
     assert doc["failures"] == []
     assert [(c["kernel"], c["rows"], c["ok"]) for c in doc["matmul_checks"]] == [
