@@ -59,16 +59,14 @@ def same_array(a: str, b: str) -> bool:
     return len(x) == 1 and x == y
 
 
-def tuple_elements(shape: str) -> list[str]:
-    """The top-level element shapes of a tuple shape's text ([shape] for an array)."""
-    s = _COMMENT.sub("", shape).strip()
-    if not s.startswith("("):
-        return [s]
+def split_top_level(text: str, opens: str = "([{", closes: str = ")]}") -> list[str]:
+    """The comma-separated parts of `text` outside any bracket of `opens`/`closes`, stripped
+    (an empty last part dropped)."""
     out, depth, cur = [], 0, ""
-    for ch in s[1:-1]:
-        if ch in "([{":
+    for ch in text:
+        if ch in opens:
             depth += 1
-        elif ch in ")]}":
+        elif ch in closes:
             depth -= 1
         if ch == "," and depth == 0:
             out.append(cur.strip())
@@ -78,6 +76,14 @@ def tuple_elements(shape: str) -> list[str]:
     if cur.strip():
         out.append(cur.strip())
     return out
+
+
+def tuple_elements(shape: str) -> list[str]:
+    """The top-level element shapes of a tuple shape's text ([shape] for an array)."""
+    s = _COMMENT.sub("", shape).strip()
+    if not s.startswith("("):
+        return [s]
+    return split_top_level(s[1:-1])
 
 
 @dataclass

@@ -21,6 +21,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from jpaged.aot.hlo import split_top_level
+
 _ENTRY = re.compile(r"^[ \t]*(?:\.visible[ \t]+|\.weak[ \t]+)?\.entry[ \t]+([\w$.]+)[ \t]*\(", re.M)
 _FUNC = re.compile(r"^[ \t]*(?:\.visible[ \t]+|\.weak[ \t]+|\.extern[ \t]+)?(?:\.entry|\.func)\b",
                    re.M)
@@ -64,22 +66,8 @@ def _statements(body: str) -> list[str]:
 def _operands(stmt: str) -> list[str]:
     """Top-level comma-separated operands of a statement (after its opcode)."""
     parts = stmt.split(None, 1)
-    if len(parts) < 2:
-        return []
-    out, depth, cur = [], 0, ""
-    for ch in parts[1]:
-        if ch in "[{":
-            depth += 1
-        elif ch in "]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if cur.strip():
-        out.append(cur.strip())
-    return out
+    # Address brackets and vector braces group the operands of a load.
+    return split_top_level(parts[1], "[{", "]}") if len(parts) == 2 else []
 
 
 def load_bytes(stmt: str) -> int | None:
