@@ -107,3 +107,19 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: tuple[int,
             1, len(prompt_ids), dtype=torch.long), max_new_tokens=max_new_tokens,
             do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
     return out[0, len(prompt_ids):].tolist()
+
+
+def lower_for_cuda(fn, *avals) -> str:
+    """StableHLO text of fn lowered for CUDA on this CPU-only machine (no GPU needed)."""
+    import jax
+
+    try:
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
+    except RuntimeError as e:  # jax >= 0.11 wants an abstract GPU to lower for
+        if "abstract GPU device" not in str(e):
+            raise
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
+        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()

@@ -9,26 +9,13 @@ import functools
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import lower_for_cuda
 
 from pallas_kernels.kv_write import write_kv
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention
 
 S = jax.ShapeDtypeStruct
-
-
-def _lower_for_cuda(fn, *avals) -> str:
-    """StableHLO text of fn lowered for CUDA on this CPU-only machine."""
-    try:
-        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
-    except RuntimeError as e:  # jax >= 0.11 wants an abstract GPU to lower for
-        if "abstract GPU device" not in str(e):
-            raise
-    from jax.sharding import AbstractDevice, AbstractMesh
-
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
-        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def _triton_calls(text: str) -> int:
@@ -47,17 +34,17 @@ def test_kernels_lower_to_triton(hq, hkv, d, bs, max_blocks, page_dtype, opts, m
     b, t, blocks = 4, 48, 128
     pages = S((blocks, bs, hkv, d), page_dtype)
     ints = functools.partial(S, dtype=jnp.int32)
-    decode = _lower_for_cuda(functools.partial(paged_decode_attention, **opts),
+    decode = lower_for_cuda(functools.partial(paged_decode_attention, **opts),
                              S((b, hq, d), jnp.bfloat16), pages, pages, ints((b,)),
                              ints((b, max_blocks)))
     assert _triton_calls(decode) == 1 + merge
     assert ("paged_merge_pk" in decode) == bool(merge)
-    ragged = _lower_for_cuda(functools.partial(ragged_paged_attention, **opts),
+    ragged = lower_for_cuda(functools.partial(ragged_paged_attention, **opts),
                              S((t, hq, d), jnp.bfloat16), pages, pages, ints((b + 1,)),
                              ints((b,)), ints((b, max_blocks)))
     assert _triton_calls(ragged) == 2 + merge  # the tiled kernel, the decode fast path
     scales = {k: v for k, v in opts.items() if k.endswith("_scale")}
-    write = _lower_for_cuda(functools.partial(write_kv, **scales), pages, pages,
+    write = lower_for_cuda(functools.partial(write_kv, **scales), pages, pages,
                             S((t, hkv, d), jnp.bfloat16), S((t, hkv, d), jnp.bfloat16),
                             ints((t,)))
     assert _triton_calls(write) == 1
@@ -84,17 +71,17 @@ def test_decode_matmuls_lower_to_one_triton_call_each(rows, hidden, q, kv, inter
     from pallas_kernels import decode_matmul as dm
 
     x, g = S((rows, hidden), dtype), S((hidden,), dtype)
-    qkv = _lower_for_cuda(lambda x, g, a, b, c: dm.projections(x, [a, b, c], norm_weight=g),
+    qkv = lower_for_cuda(lambda x, g, a, b, c: dm.projections(x, [a, b, c], norm_weight=g),
                           x, g, S((hidden, q), dtype), S((hidden, kv), dtype),
                           S((hidden, kv), dtype))
     assert _triton_calls(qkv) == 1 and "decode_matmul_proj" in qkv
-    up = _lower_for_cuda(lambda x, g, a, b: dm.gated_up(x, a, b, norm_weight=g), x, g,
+    up = lower_for_cuda(lambda x, g, a, b: dm.gated_up(x, a, b, norm_weight=g), x, g,
                          S((hidden, inter), dtype), S((hidden, inter), dtype))
     assert _triton_calls(up) == 1 and "decode_matmul_gate_up" in up
-    down = _lower_for_cuda(dm.projection_residual, S((rows, inter), dtype),
+    down = lower_for_cuda(dm.projection_residual, S((rows, inter), dtype),
                            S((inter, hidden), dtype), x)
     assert _triton_calls(down) == 1 and "decode_matmul_residual" in down
     # [N, K] weights (the layout the device check times beside [K, N]).
-    down_t = _lower_for_cuda(functools.partial(dm.projection_residual, transposed=True),
+    down_t = lower_for_cuda(functools.partial(dm.projection_residual, transposed=True),
                              S((rows, inter), dtype), S((hidden, inter), dtype), x)
     assert _triton_calls(down_t) == 1

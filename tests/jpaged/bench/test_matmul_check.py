@@ -12,26 +12,12 @@ import json
 import jax
 import jax.numpy as jnp
 import numpy as np
+from helpers import lower_for_cuda
 
 from jpaged.bench import matmul_check as mc
 from jpaged.bench.copy_ceiling import copy_rates, pallas_copy
 from jpaged.bench.kernel_timing import pipelined, unrolled
 from pallas_kernels import decode_matmul as dm
-
-
-def lower_for_cuda(fn, *avals) -> str:
-    """StableHLO text of fn lowered for CUDA on this CPU-only machine (as
-    tests/pallas_kernels/test_triton_lowering.py does)."""
-    try:
-        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
-    except RuntimeError as e:  # jax >= 0.11 wants an abstract GPU to lower for
-        if "abstract GPU device" not in str(e):
-            raise
-    from jax.sharding import AbstractDevice, AbstractMesh
-
-    h200 = AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="cuda")
-    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=h200)):
-        return jax.jit(fn).trace(*avals).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_ideal_bytes_and_plans_of_the_8b_shapes():
