@@ -81,59 +81,42 @@ t0=$(date +%s)
 ts=$t0
 # Each stage's wall time, in the log: what the next run's limits are set from.
 stage_done() { local now; now=$(date +%s); echo "== stage took $((now - ts)) s"; ts=$now; }
+# run_stage RC_VAR TITLE LIMIT CMD...: the stage under its own time limit, its exit status into
+# RC_VAR (124: the limit), its wall time logged.
+run_stage() {
+  local var=$1 title=$2 limit=$3
+  shift 3
+  echo "== $title (limit $limit s)"
+  timeout -k 5 "$limit" "$@"
+  printf -v "$var" '%s' "$?"
+  stage_done
+}
 echo "== stages: $STAGES"
 # A stage not run has rc "null" in the merged JSON.
 kernels_rc=null matmuls_rc=null decode_rc=null splitk_rc=null engine_rc=null host_rc=null
-if want kernels; then
-  echo "== kernels (limit $L_KERNELS s)"
-  timeout -k 5 "$L_KERNELS" "$PY" scripts/gpu_check.py "${KERNEL_ARGS[@]}" \
-    --out "$OUT_DIR/kernels.json"
-  kernels_rc=$?
-  stage_done
-fi
-if want matmuls; then
-  # The decode matmul kernels alone; their % of copy is of the kernels stage's 16-byte copy
-  # (measured here when that stage left none).
-  echo "== decode matmuls (limit $L_MATMULS s)"
-  timeout -k 5 "$L_MATMULS" "$PY" -m jpaged.bench.matmul_check "${MATMUL_ARGS[@]}" \
-    --ceiling-json "$OUT_DIR/kernels.json" --out "$OUT_DIR/matmul.json"
-  matmuls_rc=$?
-  stage_done
-fi
+want kernels && run_stage kernels_rc "kernels" "$L_KERNELS" \
+  "$PY" scripts/gpu_check.py "${KERNEL_ARGS[@]}" --out "$OUT_DIR/kernels.json"
+# The decode matmul kernels alone; their % of copy is of the kernels stage's 16-byte copy
+# (measured here when that stage left none).
+want matmuls && run_stage matmuls_rc "decode matmuls" "$L_MATMULS" \
+  "$PY" -m jpaged.bench.matmul_check "${MATMUL_ARGS[@]}" \
+  --ceiling-json "$OUT_DIR/kernels.json" --out "$OUT_DIR/matmul.json"
 # The decode step rows (the figures `make gpu-aot` predicts; the decode matmul A/B), then the
 # bf16 ones again with XLA's split-K off when asked, then the engine check.
-if want decode; then
-  echo "== decode step rows (limit $L_DECODE s)"
-  timeout -k 5 "$L_DECODE" "$PY" scripts/gpu_engine_check.py --part decode "${DECODE_ARGS[@]}" \
-    --out "$OUT_DIR/decode.json"
-  decode_rc=$?
-  stage_done
-fi
-if want split_k; then
-  echo "== decode step rows, bf16 KV, XLA split-K off (limit $L_SPLITK s)"
-  XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_force_split_k=1" timeout -k 5 "$L_SPLITK" \
-    "$PY" scripts/gpu_engine_check.py --part decode --decode-kv bfloat16 "${SPLITK_ARGS[@]}" \
-    --out "$OUT_DIR/decode_split_k_off.json"
-  splitk_rc=$?
-  stage_done
-fi
-if want engine; then
-  echo "== engine check (limit $L_ENGINE s)"
-  timeout -k 5 "$L_ENGINE" "$PY" scripts/gpu_engine_check.py --part check "${ENGINE_ARGS[@]}" \
-    --out "$OUT_DIR/engine.json"
-  engine_rc=$?
-  stage_done
-fi
-if want host; then
-  echo "== host work per step (limit $L_HOST s)"
-  # XLA_FLAGS set (empty unless given): bench_host's XLA:CPU thread flags are for this CPU
-  # only. Two processes share the GPU with the engine core in its own: neither may take most.
-  XLA_FLAGS=${XLA_FLAGS:-} XLA_PYTHON_CLIENT_PREALLOCATE=false timeout -k 5 "$L_HOST" \
-    "$PY" scripts/bench_host.py --quick --no-embedded --no-plot "${HOST_ARGS[@]}" \
-    --out "$OUT_DIR/host.json"
-  host_rc=$?
-  stage_done
-fi
+want decode && run_stage decode_rc "decode step rows" "$L_DECODE" \
+  "$PY" scripts/gpu_engine_check.py --part decode "${DECODE_ARGS[@]}" --out "$OUT_DIR/decode.json"
+want split_k && run_stage splitk_rc "decode step rows, bf16 KV, XLA split-K off" "$L_SPLITK" \
+  env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_force_split_k=1" \
+  "$PY" scripts/gpu_engine_check.py --part decode --decode-kv bfloat16 "${SPLITK_ARGS[@]}" \
+  --out "$OUT_DIR/decode_split_k_off.json"
+want engine && run_stage engine_rc "engine check" "$L_ENGINE" \
+  "$PY" scripts/gpu_engine_check.py --part check "${ENGINE_ARGS[@]}" --out "$OUT_DIR/engine.json"
+# XLA_FLAGS set (empty unless given): bench_host's XLA:CPU thread flags are for this CPU only.
+# Two processes share the GPU with the engine core in its own: neither may take most.
+want host && run_stage host_rc "host work per step" "$L_HOST" \
+  env XLA_FLAGS="${XLA_FLAGS:-}" XLA_PYTHON_CLIENT_PREALLOCATE=false \
+  "$PY" scripts/bench_host.py --quick --no-embedded --no-plot "${HOST_ARGS[@]}" \
+  --out "$OUT_DIR/host.json"
 
 "$PY" - "$OUT_DIR" "$kernels_rc" "$matmuls_rc" "$decode_rc" "$engine_rc" "$host_rc" \
   "$splitk_rc" "$(( $(date +%s) - t0 ))" "$STAGES" <<'PYEOF'
