@@ -79,15 +79,13 @@ class StreamPlan:
 class KVWritePlan:
     """Which outputs of a `projections` launch also go into the KV pages, and how (static).
 
-    `segments`: the output indices of K and V (their pages, in that order); `slot_offset`: added
-    to every slot (a layer's slot region in a shared pool); `page_dtype`: the pages' dtype (fp8
-    quantized with the scales, stored as bits like kv_write).
+    `segments`: the output indices of K and V (their pages, in that order); `page_dtype`: the
+    pages' dtype (fp8 quantized with the scales, stored as bits like kv_write).
     """
 
     segments: tuple[int, int]
     head_dim: int
     page_dtype: jnp.dtype
-    slot_offset: int = 0
 
     @property
     def fp8(self) -> bool:
@@ -243,7 +241,7 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
         # (padding) writes nothing.
         slot = plt.load(slot_ref.at[rows_at], mask=live, other=-1)
         ok = live & (slot >= 0)
-        at = jnp.where(ok, slot + kv.slot_offset, 0)
+        at = jnp.where(ok, slot, 0)
         page_rows = pages_out[page].shape[1]
         dst = pages_out[page]
         scale = kvs_ref[page] if kvs_ref is not None else 1.0
@@ -449,16 +447,17 @@ def projections(x: Float[Array, "M K"], weights: Sequence[Float[Array, "K N"]],
                 kv_pages: tuple[jax.Array, jax.Array] | None = None,
                 kv_slots: jax.Array | None = None,
                 kv_scales: tuple[jax.Array | float, jax.Array | float] = (1.0, 1.0),
-                kv_slot_offset: int = 0, interpret: bool = False,
+                interpret: bool = False,
                 plan: StreamPlan | None = None) -> list[jax.Array]:
     """[norm(x) @ w (+ b) for w in weights], one launch (q/k/v): [M, N_w] each, x's dtype.
 
     `rope` (cos, sin), each [M, head_dim / 2]: the first `rope_outputs` outputs (q and k) are
     rotated by RoPE (rotate-half pairs within each head of `head_dim`) in the epilogue.
     `kv_pages` (K and V pages, [blocks, block_size, kv_heads, head_dim]): outputs 1 and 2 (k
-    and v, after RoPE) are also written at `kv_slots` [M] (+ `kv_slot_offset`; < 0 writes
-    nothing) as `kv_write` writes them (fp8 pages quantized by `kv_scales`), in place; the
-    updated pages follow the outputs. `transposed`: the weights are [N, K].
+    and v, after RoPE) are also written at `kv_slots` [M] (< 0 writes nothing; a layer's
+    region of a shared pool is in the slots) as `kv_write` writes them (fp8 pages quantized
+    by `kv_scales`), in place; the updated pages follow the outputs. `transposed`: the
+    weights are [N, K].
     """
     biases = list(biases) if biases is not None else [None] * len(weights)
     segs = [("rope" if n < rope_outputs else "plain", [w], [b])
@@ -467,7 +466,7 @@ def projections(x: Float[Array, "M K"], weights: Sequence[Float[Array, "K N"]],
     if kv_pages is not None:
         if len(weights) < 3 or head_dim is None or kv_slots is None:
             raise ValueError("a KV write takes q, k, v weights, head_dim and the slots")
-        kv = KVWritePlan((1, 2), head_dim, jnp.dtype(kv_pages[0].dtype), kv_slot_offset)
+        kv = KVWritePlan((1, 2), head_dim, jnp.dtype(kv_pages[0].dtype))
     return _launch(x, segs, name="decode_matmul_proj", norm_weight=norm_weight,
                    norm_eps=norm_eps, norm_offset=norm_offset, rope=rope, head_dim=head_dim,
                    transposed=transposed, interpret=interpret, plan=plan, kv=kv,

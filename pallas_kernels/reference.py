@@ -379,14 +379,10 @@ def linear(x: Float[Array, "M K"], w: Float[Array, "K N"], b: Array | None = Non
 
 
 def rope_rows(x: Float[Array, "M N"], cos: Array, sin: Array, head_dim: int) -> Array:
-    """RoPE (rotate-half pairs within each head) of [M, heads * head_dim] rows, in float32."""
-    m = x.shape[0]
-    xf = x.astype(jnp.float32).reshape(m, -1, head_dim)
-    half = head_dim // 2
-    x1, x2 = xf[..., :half], xf[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
-    return out.reshape(x.shape).astype(x.dtype)
+    """The models' RoPE (`models.rope.apply_rope`) of [M, heads * head_dim] rows."""
+    from models.rope import apply_rope
+
+    return apply_rope(x.reshape(x.shape[0], -1, head_dim), cos, sin).reshape(x.shape)
 
 
 def projections(x: Float[Array, "M K"], weights: list[Array], biases: list | None = None, *,

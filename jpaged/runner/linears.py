@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from models.config import ModelSpec
 from models.linear_ops import DecodeLinears
+from models.sharding import plan_layout
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels.reference import rope_rows
 
@@ -33,7 +34,8 @@ def unsupported_reason(spec: ModelSpec, dtype: jnp.dtype, tensor_parallel_size: 
     """Why this model's projections cannot take the kernels (per device), or None."""
     tp = tensor_parallel_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    kv_local = kv // tp if spec.num_kv_heads % tp == 0 else kv
+    # K and V split by columns unless their heads are replicated (models/sharding.py's rule).
+    kv_local = kv // tp if plan_layout(spec, tp).kv_replicas == 1 else kv
     shapes = [(spec.hidden_size, (q // tp, kv_local, spec.intermediate_size // tp)),
               (q // tp, (spec.hidden_size,)), (spec.intermediate_size // tp, (spec.hidden_size,))]
     for k, ns in shapes:

@@ -177,6 +177,7 @@ class ModelRunner:
                  num_top_logprobs: int = NUM_TOP_LOGPROBS,
                  decode_matmuls: bool = True) -> None:
         self.graphdef, self.params = nnx.split(model)
+        platform = platform or jax.default_backend()
         # Candidates a step with logprobs returns per row (sampled and prompt alike): the
         # engine's max_logprobs, at most the vocabulary. Static: part of every compiled step.
         self.num_top_logprobs = max(1, min(num_top_logprobs, vocab_size))
@@ -197,9 +198,9 @@ class ModelRunner:
         # Fused projections for small steps (`decode_matmuls` and the Pallas backend; None: XLA's
         # GEMMs for every step). Off: the XLA path, which the device check times beside it.
         self.linears = None if not decode_matmuls else select_linears(
-            ops.name, platform or jax.default_backend(), model.spec, model.dtype,
+            ops.name, platform, model.spec, model.dtype,
             parallel.size if parallel is not None else 1)
-        self.linears_interpret = not is_gpu_platform(platform or jax.default_backend())
+        self.linears_interpret = not is_gpu_platform(platform)
         # The q/k/v launch also writes K/V when its RoPE runs in the kernel (one launch less a
         # layer); not under tensor parallel, whose pool shards go through the backend's write.
         self.write_kv_in_qkv = (self.linears is not None and parallel is None
@@ -242,8 +243,7 @@ class ModelRunner:
         self.scales_pending = calculate_kv_scales
         self._jit_step = jax.jit(self._step, static_argnames=("flags", "calc_scales", "defer"),
                                  donate_argnames=("kv", "last_tokens"),
-                                 compiler_options=step_compiler_options(
-                                     platform or jax.default_backend()))
+                                 compiler_options=step_compiler_options(platform))
         self._jit_sample = jax.jit(self._sample_step, static_argnames=("flags",),
                                    donate_argnames=("last_tokens",))
         self.num_deferred = 0  # steps sampled after their forward (finish_deferred)

@@ -192,13 +192,12 @@ def test_kv_write_in_the_qkv_launch_matches_kv_write(dtype, page_dtype, rows, he
     kw = {"norm_weight": g, "rope": (jnp.cos(ang), jnp.sin(ang)), "rope_outputs": 2,
           "head_dim": head_dim}
     scales = (0.5, 2.0)
-    q, kk, v, kp, vp = dm.projections(x, [wq, wk, wv], kv_pages=pages, kv_slots=jnp.asarray(slots),
-                                      kv_scales=scales, kv_slot_offset=offset, interpret=True,
-                                      **kw)
+    at = jnp.asarray(np.where(slots < 0, -1, slots + offset))  # the layer's region added
+    q, kk, v, kp, vp = dm.projections(x, [wq, wk, wv], kv_pages=pages, kv_slots=at,
+                                      kv_scales=scales, interpret=True, **kw)
     want = ref.projections(x, [wq, wk, wv], **kw)
     for a, b in zip((q, kk, v), want, strict=True):
         _close(a, b, dtype)
-    at = jnp.asarray(np.where(slots < 0, -1, slots + offset))
     wk_, wv_ = (y.reshape(rows, hkv, head_dim) for y in (kk, v))
     kr, vr = ref.write_kv(*pages, wk_, wv_, at, *scales)
     for a, b in ((kp, kr), (vp, vr)):
