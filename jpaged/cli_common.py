@@ -17,7 +17,8 @@ from jpaged.cli_engine_flags import engine_args
 # their fields (--top-p), so the message can name the flag too.
 _FIELD_RE = re.compile(r"\b(?:SamplingParams|CacheConfig|SchedulerConfig|ModelConfig|"
                        r"ParallelConfig|EngineArgs)\.(\w+)\b"
-                       r"|\b(kv_events_config|kv_transfer_config|structured_outputs_config)\b")
+                       r"|\b(kv_events_config|kv_transfer_config|structured_outputs_config|"
+                       r"speculative_config)\b")
 
 
 def fail(msg: str) -> NoReturn:

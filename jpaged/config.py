@@ -57,6 +57,10 @@ DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0  # a consumer gives up on a producer that d
 # vLLM's default (xgrammar, strict: listed properties only), "guidance" as vLLM's guidance
 # backend (an object schema that does not say additionalProperties allows any other key).
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
+# Speculative decoding (--speculative-config): the methods jpaged runs (vLLM's names) and the
+# most tokens one request may propose per step (each is one more row of the verifying step).
+SPECULATIVE_METHODS = ("ngram", "suffix")
+MAX_SPECULATIVE_TOKENS = 32
 
 
 def _fail(cls: str, name: str, allowed: str, value: object) -> None:
@@ -384,6 +388,82 @@ class StructuredOutputsConfig:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `--speculative-config`: speculative decoding by prompt lookup (`ngram`) or
+    suffix decoding (`suffix`); the target model verifies every proposal in one step.
+
+    ngram: `num_speculative_tokens` required; `prompt_lookup_min`/`prompt_lookup_max` default
+    as vLLM's (both unset: 5; one unset: the other). suffix: `num_speculative_tokens` defaults
+    to `suffix_decoding_max_tree_depth`; the `suffix_decoding_*` fields are Arctic Inference's.
+    A draft model (`model`, method `draft_model`, EAGLE, MTP) is refused by name.
+    """
+
+    method: str | None = None
+    num_speculative_tokens: int | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    model: str | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
+
+    def __post_init__(self) -> None:
+        c = "speculative_config"  # errors name the flag's fields
+        if self.model is not None or self.method in ("draft_model", "eagle", "eagle3", "mtp",
+                                                     "medusa", "mlp_speculator"):
+            raise ValueError(f"{c}: draft-model speculation ({c}.model / method "
+                             f"{self.method!r}) is not supported by jpaged yet; use method "
+                             "'ngram' or 'suffix'")
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"{c}.method must be one of {SPECULATIVE_METHODS}, got "
+                             f"{self.method!r}")
+        k = self.num_speculative_tokens
+        if k is None:
+            if self.method == "ngram":
+                raise ValueError(f"{c}.num_speculative_tokens is required for method 'ngram'")
+            k = self.suffix_decoding_max_tree_depth
+        if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            _fail(c, "num_speculative_tokens", f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]",
+                  k)
+        object.__setattr__(self, "num_speculative_tokens", k)
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo, hi = (hi if lo is None else lo), (lo if hi is None else hi)
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _is_int(v) or v < 1:
+                _fail(c, name, "an integer >= 1", v)
+        if lo > hi:
+            raise ValueError(f"{c}.prompt_lookup_min ({lo}) must be <= prompt_lookup_max "
+                             f"({hi})")
+        object.__setattr__(self, "prompt_lookup_min", lo)
+        object.__setattr__(self, "prompt_lookup_max", hi)
+        if not _is_int(self.suffix_decoding_max_tree_depth) or \
+                self.suffix_decoding_max_tree_depth < 1:
+            _fail(c, "suffix_decoding_max_tree_depth", "an integer >= 1",
+                  self.suffix_decoding_max_tree_depth)
+        if not _is_int(self.suffix_decoding_max_cached_requests) or \
+                self.suffix_decoding_max_cached_requests < 0:
+            _fail(c, "suffix_decoding_max_cached_requests", "an integer >= 0",
+                  self.suffix_decoding_max_cached_requests)
+        if not _is_num(self.suffix_decoding_max_spec_factor) or \
+                self.suffix_decoding_max_spec_factor <= 0:
+            _fail(c, "suffix_decoding_max_spec_factor", "a number > 0",
+                  self.suffix_decoding_max_spec_factor)
+        if not _is_num(self.suffix_decoding_min_token_prob) or \
+                not 0 <= self.suffix_decoding_min_token_prob <= 1:
+            _fail(c, "suffix_decoding_min_token_prob", "a number in [0, 1]",
+                  self.suffix_decoding_min_token_prob)
+
+    @classmethod
+    def parse(cls, value: SpeculativeConfig | Mapping[str, Any] | str | None
+              ) -> SpeculativeConfig | None:
+        """From a SpeculativeConfig, a dict, or its JSON text (the CLI flag); None: off."""
+        return parse_json_config(cls, value, "speculative_config")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
 
@@ -395,6 +475,7 @@ class EngineConfig:
     kv_transfer: KVTransferConfig | None = None  # a KV connector (None: none)
     # Structured outputs' engine-wide defaults (the grammar compiler reads them).
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
+    speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """The same config with the pool size filled in."""
@@ -516,6 +597,12 @@ class EngineArgs:
     StructuredOutputsConfig or a dict): '{"backend": "guidance"}' lets an object schema that
     does not say additionalProperties take other keys (default "auto": only the listed ones);
     "disable_additional_properties" and "disable_any_whitespace" go with "guidance"."""
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    """Speculative decoding, vLLM's, as JSON (from Python also a SpeculativeConfig or a dict):
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}' proposes the
+    tokens that followed an earlier occurrence of the latest n-gram; '{"method": "suffix"}'
+    proposes from suffix trees of the request and of earlier responses. The target verifies
+    every proposal in one step; outputs keep the target's distribution (docs/spec_decode.md)."""
     disable_log_stats: bool = False
     """No periodic stats line in the log."""
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -583,4 +670,5 @@ class EngineArgs:
             kv_events=KVEventsConfig.parse(self.kv_events_config),
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
+            speculative=SpeculativeConfig.parse(self.speculative_config),
         )

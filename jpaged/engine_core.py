@@ -31,6 +31,7 @@ from jpaged.core.kv_connector import KVConnectorScheduler
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.sched_output import SchedulerOutput
 from jpaged.core.scheduler import Scheduler
+from jpaged.core.spec_proposer import Proposer
 from jpaged.core.structured_output import GrammarCompiler, make_grammar_compiler
 from jpaged.core.structured_output_manager import StructuredOutputManager
 from jpaged.core_step import CoreStep
@@ -280,6 +281,13 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(lambda: self.grammar_compiler,
                                                          self.spec.vocab_size)
         self._grammar_compiler: GrammarCompiler | None = None
+        # Speculative decoding (None: off): proposals made before each schedule. Its steps run
+        # synchronously: a proposal follows the request's last token, which must be on the host.
+        self.proposer = (Proposer(self.config.speculative)
+                         if self.config.speculative is not None else None)
+        if self.proposer is not None:
+            logger.info("speculative decoding: %s, up to %d tokens a step (steps synchronous)",
+                        self.proposer.method, self.proposer.num_speculative_tokens)
         # Async scheduling: the dispatched step whose tokens the next step() reads.
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: Dispatched | None = None
@@ -389,8 +397,8 @@ class EngineCore:
         """
         self.runner.last_wait_s = 0.0
         so = self.structured_output
-        if not self.async_scheduling or so.needs_sync(self.scheduler.requests,
-                                                      self.runner.announce is not None):
+        if not self.async_scheduling or self.proposer is not None or so.needs_sync(
+                self.scheduler.requests, self.runner.announce is not None):
             if self._in_flight is not None:
                 # A constrained request's next mask needs the token in flight: apply that step
                 # first and dispatch nothing in this call (one bubble, then synchronous steps).
@@ -449,6 +457,8 @@ class EngineCore:
         """Schedule one step and launch it (advance: as if it had run, for async scheduling)."""
         if self.kv_worker is not None:
             self._kv_connector_before_schedule()
+        if self.proposer is not None:
+            self._propose()
         out = self.scheduler.schedule()
         if self.kv_worker is not None:
             self._kv_connector_meta()
@@ -474,6 +484,18 @@ class EngineCore:
         if advance:
             self.scheduler.update_after_schedule(out)
         return Dispatched(out, pending)
+
+    def _propose(self) -> None:
+        """Proposals for the decoding requests (speculative decoding), cut where a grammar
+        would refuse them; a request whose proposer failed ends with the reason."""
+        sched = self.scheduler
+        failed = self.proposer.propose(sched.running)
+        if failed:
+            ids = [rid for rid, _ in failed]
+            sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+            self.proposer.forget(ids)
+            self.failures.extend(failed)
+        self.structured_output.check_proposals(sched.running)
 
     def _kv_connector_meta(self) -> None:
         """Hand the scheduler side's plan to the worker: after a schedule (pulls to start) and
@@ -520,7 +542,15 @@ class EngineCore:
             lps = result.logprobs.tolist()
         if result is not None and result.prompt_spans:
             self._record_prompt_logprobs(result)
-        updated = self.scheduler.update_from_output(done.out, ids, res.rows, res.finished_at)
+        first_rows = getattr(done.pending, "first_rows", None)
+        updated = self.scheduler.update_from_output(done.out, ids, res.rows, res.finished_at,
+                                                    first_rows)
+        if first_rows is not None:  # verified rows gave back their rejected proposals' blocks
+            kv = self.scheduler.kv_cache_manager
+            for sr in done.out.scheduled:
+                if sr.spec_token_ids:
+                    rid = sr.request.request_id
+                    self.runner.input_batch.truncate(rid, kv.num_positions(rid))
         so = self.structured_output
         if so.matchers and ids:
             for i in so.accept_tokens(updated, res.rows, ids):
@@ -542,6 +572,8 @@ class EngineCore:
         m["kv_pool_bytes_per_device"] = kv_bytes_per_device(self.runner.kv)
         if self.kv_worker is not None:
             m.update(self.kv_worker.stats)
+        if self.proposer is not None:
+            m.update(self.scheduler.spec_decode.as_metrics(self.proposer.num_speculative_tokens))
         return m
 
     def cache_state(self) -> dict[str, Any]:

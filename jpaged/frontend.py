@@ -257,16 +257,32 @@ class RequestFrontend:
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         done: list[Request] = []  # sequences finished by this step
-        multi: dict[str, RequestGroup] = {}  # n > 1: one output once all children are updated
+        # One output per group and step, once all its updates are in (n > 1: every child's;
+        # speculative decoding: a sequence may get several tokens, one update each).
+        pending: dict[str, RequestGroup] = {}
         child_of, tokenizer, stop = self._child_of, self.tokenizer, self._stop_request
         emit = self._emit
         decode = None
+        # Speculative decoding: a sequence updated k times this step got its last k tokens
+        # (in process its request holds them all already): each update covers one more.
+        left: dict[str, int] | None = None
+        if len({r.request_id for r in updated}) != len(updated):
+            left = {}
+            for r in updated:
+                left[r.request_id] = left.get(r.request_id, 0) + 1
         # Only the updated requests got a token: dropped ones get no logprobs either.
         for req, row in zip(updated, rows, strict=True):
             entry = child_of.get(req.request_id)
             if entry is None:
                 continue
             group, child = entry
+            if left is not None:
+                n_left = left[req.request_id] = left[req.request_id] - 1
+                child.seen = len(req.output_token_ids) - n_left
+                if child.finish_reason is not None:
+                    continue  # an earlier token of this step ended it (a stop string)
+            elif child.seen >= 0:
+                child.seen = -1
             if group.first_token_time is None:
                 group.first_token_time = now
             if child.logprobs is None:
@@ -278,11 +294,8 @@ class RequestFrontend:
             finished = update_child(group, child, tokenizer, stop)
             if finished:
                 done.append(req)
-            if group.params.n == 1:
-                emit(group, outputs, child.finish_reason is not None)
-            else:
-                multi[group.request_id] = group
-        for group in multi.values():
+            pending[group.request_id] = group
+        for group in pending.values():
             emit(group, outputs, group.finished)
         self.stat_logger.on_step(updated, now, done)
         return outputs

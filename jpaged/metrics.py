@@ -70,6 +70,12 @@ KNOWN_METRICS: dict[str, tuple[str, str, str]] = {
     "num_blocks_free": ("num_blocks_free", "gauge", "KV blocks free (cached ones included)."),
     "num_kv_cache_groups": ("kv_cache_groups", "gauge",
                             "KV cache groups (more than 1: a hybrid sliding-window model)."),
+    "spec_decode_num_drafts": ("spec_decode_num_drafts", "counter",
+                               "Speculative decoding: requests' proposals verified (per step)."),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "counter",
+                                     "Speculative decoding: tokens proposed."),
+    "spec_decode_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "counter",
+                                        "Speculative decoding: proposed tokens accepted."),
     "num_blocks_freed_out_of_window": (
         "kv_blocks_freed_out_of_window", "counter",
         "Blocks sliding-window groups returned to the pool while their requests ran."),
@@ -82,6 +88,10 @@ TIER_COUNTERS = frozenset({
     "offload_bytes_to_device", "offload_dropped", "num_swapped_out", "num_swapped_in",
     "num_swap_fallbacks", "disk_hits_blocks", "disk_bytes_written", "disk_bytes_read",
     "disk_corrupt_skipped"})
+
+
+# A get_metrics() list exported as one counter with a `position` label.
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 
 
 def _sanitize(name: str) -> str:
@@ -300,13 +310,22 @@ class _EngineCollector:
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         seen: set[str] = set()
-        for key, value in flatten_numeric(self.metrics_fn()):
+        metrics = self.metrics_fn()
+        for key, value in flatten_numeric(metrics):
             name, kind, doc = describe_metric(key)
             if name in seen:
                 continue
             seen.add(name)
             family = CounterMetricFamily if kind == "counter" else GaugeMetricFamily
             yield family(f"{PREFIX}{name}", doc, value=value)
+        per_pos = metrics.get(PER_POSITION)
+        if per_pos:  # vLLM's counter, labelled by the proposal's position
+            family = CounterMetricFamily(f"{PREFIX}{PER_POSITION}",
+                                         "Speculative decoding: accepted tokens by position.",
+                                         labels=["position"])
+            for j, n in enumerate(per_pos):
+                family.add_metric([str(j)], float(n))
+            yield family
         if self.stat_logger is not None:
             for metric in self.stat_logger.prometheus_metrics():
                 yield from metric.collect()

@@ -30,6 +30,11 @@ class ChildState:
     # The text is detok's (`detok.buf`: reads of its newest part cost what they return, not
     # the text's length), cut here by a stop string (-1: not cut; set with finish_reason).
     cut: int = -1
+    # Speculative decoding, in process: a step hands several tokens of one sequence, one update
+    # each, while its request already holds them all. `seen`: output tokens this update covers
+    # (-1: all); `token_cut`: output tokens kept when a stop string ended it (-1: all).
+    seen: int = -1
+    token_cut: int = -1
 
 
 @dataclass(slots=True)
@@ -91,14 +96,15 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     Returns True if its sequence is finished now (a stop string found here included).
     """
     req = child.request
-    finished = req.is_finished()
+    seen = child.seen
+    finished = req.is_finished() and (seen < 0 or seen >= len(req.output_token_ids))
     if finished or group.needs_text:
         detok = child.detok
         if detok is None:
             detok = child.detok = IncrementalDetokenizer(tokenizer,
                                                          group.params.skip_special_tokens)
         if child.finish_reason is None:  # a stop string may have cut the text already
-            ids = req.output_token_ids
+            ids = req.output_token_ids if seen < 0 else req.output_token_ids[:seen]
             # The token that stopped the request (EOS or one of stop_token_ids) is in the
             # token ids but not in the text, unless include_stop_str_in_output (as vLLM).
             if (finished and req.status is RequestStatus.FINISHED_STOPPED and ids
@@ -131,7 +137,8 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
     checked = child.stop_checked_len
     if n == checked:
         return  # no new text (e.g. a character still incomplete)
-    if len(child.request.output_token_ids) <= group.params.min_tokens:
+    seen = len(child.request.output_token_ids) if child.seen < 0 else child.seen
+    if seen <= group.params.min_tokens:
         # No stop string ends a request before min_tokens outputs (as vLLM): this text is
         # passed over, but its last max_stop_len - 1 chars still start a later match.
         child.stop_checked_len = n
@@ -150,6 +157,7 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
         return
     k, s = best
     child.cut = k + (len(s) if p.include_stop_str_in_output else 0)
+    child.token_cut = child.seen
     if stop_request is not None:
         stop_request(child.request.request_id)
     child.finish_reason = "stop"
@@ -193,6 +201,8 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
     outs = []
     for c in group.children:
         out_ids = c.request.output_token_ids
+        if c.token_cut >= 0:  # tokens of the same step after its stop string
+            out_ids = out_ids[:c.token_cut]
         lps = c.logprobs
         detok = c.detok
         sent = c.sent_text_len

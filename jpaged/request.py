@@ -64,7 +64,7 @@ class Request:
     """One sequence being generated: prompt + outputs, computed-token count, status, hashes.
 
     Invariants: all_token_ids == prompt_token_ids + output_token_ids;
-    0 <= num_computed_tokens <= num_tokens_with_placeholders;
+    0 <= num_computed_tokens <= num_tokens_with_placeholders (between steps);
     block_hashes[i] is the chain hash of full block i of
     all_token_ids (len(block_hashes) == num_tokens // block_size once a hasher is set).
     """
@@ -97,6 +97,10 @@ class Request:
         # Tokens sampled by a dispatched step whose ids have not reached the host yet (async
         # scheduling: 0 or 1). They follow all_token_ids; num_computed_tokens may count them.
         self.num_output_placeholders = 0
+        # Speculative decoding: tokens proposed to follow all_token_ids, not yet verified (set
+        # by the engine before a schedule; the scheduler gives them slots). Never in
+        # all_token_ids nor block_hashes: nothing unverified is hashed or cached.
+        self.spec_token_ids: list[int] = []
         self.status = RequestStatus.WAITING
         self.stop_reason: int | str | None = None
         self.num_preemptions = 0
@@ -143,6 +147,11 @@ class Request:
     def num_tokens_with_placeholders(self) -> int:
         """Known tokens plus those sampled on device but not yet on the host."""
         return len(self.all_token_ids) + self.num_output_placeholders
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Tokens a step may compute: the known ones, those on device, and the proposals."""
+        return len(self.all_token_ids) + self.num_output_placeholders + len(self.spec_token_ids)
 
     @property
     def max_tokens(self) -> int | None:

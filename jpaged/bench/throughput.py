@@ -114,8 +114,11 @@ def run_throughput(engine: LLMEngine, num_prompts: int, input_len: int, output_l
         run_batch(engine, random_prompts(vocab, num_prompts, input_len, seed + 1), params,
                    f"bench-warmup-{seed}")
         engine.reset_prefix_cache()  # the timed batch starts from a cold prefix cache
+    before = engine.get_metrics()
     result = run_batch(engine, random_prompts(vocab, num_prompts, input_len, seed), params,
                         f"bench-{seed}")
+    if engine.config.speculative is not None:  # this batch's verified proposals
+        result.update(spec_decode_summary(before, engine.get_metrics()))
     cache = engine.config.cache
     sched = engine.config.scheduler
     result.update(input_len=input_len, output_len=output_len, seed=seed, warmup=warmup,
@@ -127,8 +130,26 @@ def run_throughput(engine: LLMEngine, num_prompts: int, input_len: int, output_l
     return result
 
 
+def spec_decode_summary(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Speculative decoding between two get_metrics() snapshots: drafts, proposed and accepted
+    tokens, the acceptance rate and the mean acceptance length (tokens a verifying step
+    yields per request: accepted proposals plus the target's own)."""
+    d = {k: after[k] - before.get(k, 0) for k in (
+        "spec_decode_num_drafts", "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens")}
+    drafts, proposed, accepted = d.values()
+    d["spec_decode_acceptance_rate"] = accepted / proposed if proposed else 0.0
+    d["spec_decode_mean_acceptance_length"] = 1 + accepted / drafts if drafts else 0.0
+    return d
+
+
 def summary_line(result: dict[str, Any]) -> str:
-    """vLLM's one-line throughput summary."""
-    return (f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+    """vLLM's one-line throughput summary (and the mean acceptance length, as vLLM's spec
+    decode stats line, when proposals were verified)."""
+    line = (f"Throughput: {result['requests_per_second']:.2f} requests/s, "
             f"{result['tokens_per_second']:.2f} total tokens/s, "
             f"{result['output_tokens_per_second']:.2f} output tokens/s")
+    if "spec_decode_mean_acceptance_length" in result:
+        line += (f"; mean acceptance length {result['spec_decode_mean_acceptance_length']:.2f}"
+                 f", acceptance rate {result['spec_decode_acceptance_rate']:.1%}")
+    return line

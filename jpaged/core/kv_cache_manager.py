@@ -164,7 +164,7 @@ class KVCacheManager:
             first_table = tables[0]
             last = len(first_table) - 1
             if last >= 0 and last * bs < total <= (last + 1) * bs \
-                    and total <= len(request.all_token_ids) + request.num_output_placeholders \
+                    and total <= request.num_tokens_with_spec \
                     and total <= self.max_model_len:
                 if self._one_full_group:  # a plain model's table: nothing to free, one block
                     first_table[last].num_tokens = total - last * bs
@@ -189,7 +189,7 @@ class KVCacheManager:
         bs, G = self.block_size, self.num_groups
         computed = request.num_computed_tokens
         total = computed + num_new_tokens
-        if total > self.max_model_len or total > request.num_tokens_with_placeholders:
+        if total > self.max_model_len or total > request.num_tokens_with_spec:
             raise ValueError(f"request {request.request_id!r}: {total} tokens exceed "
                              f"max_model_len ({self.max_model_len}) or the known tokens "
                              f"({request.num_tokens})")
@@ -229,7 +229,7 @@ class KVCacheManager:
             return self._grow(request, req, num_new_tokens, delay_cache_blocks)
         computed = request.num_computed_tokens + num_new_computed_tokens
         total = computed + num_new_tokens
-        if total > self.max_model_len or total > request.num_tokens_with_placeholders:
+        if total > self.max_model_len or total > request.num_tokens_with_spec:
             raise ValueError(f"request {rid!r}: {total} tokens exceed max_model_len "
                              f"({self.max_model_len}) or the known tokens ({request.num_tokens})")
         num_new = max(0, cdiv(total, bs) - num_hit)
@@ -316,6 +316,33 @@ class KVCacheManager:
                 self.block_pool.cache_full_blocks(request.block_hashes, table, start, end,
                                                   request.all_token_ids, group=g)
             req.num_cached = end
+
+    def trim(self, request: Request) -> int:
+        """Speculative decoding, after verification: give back every block past the ones that
+        hold the request's computed tokens (blocks that held only rejected proposals), and
+        set the last kept block's fill. They were never hashed nor cached (commit caches only
+        blocks of known tokens). Returns how many blocks (over all groups) went back."""
+        req = self._req_tables.get(request.request_id)
+        if req is None:
+            return 0
+        bs = self.block_size
+        computed = request.num_computed_tokens
+        keep = cdiv(computed, bs)
+        if req.num_positions <= keep:
+            return 0
+        if keep < req.num_cached or any(f > keep for f in req.freed):
+            raise ValueError(f"request {request.request_id!r}: cannot trim to {computed} "
+                             "tokens below its cached or window-freed blocks")
+        self._clear_in_flight(request.request_id)
+        n = 0
+        for table, ids in zip(req.blocks, req.ids, strict=True):
+            gone = table[keep:]
+            del table[keep:], ids[keep:]
+            self.block_pool.free_blocks(reversed(gone))
+            n += len(gone)
+            if keep:
+                table[keep - 1].num_tokens = computed - (keep - 1) * bs
+        return n
 
     def free(self, request: Request) -> None:
         """Release the request's blocks, tail first (a chain's tail is evicted before its head).
@@ -429,6 +456,11 @@ class KVCacheManager:
         """
         req = self._req_tables.get(request_id)
         return req.ids if req is not None else [[] for _ in self.policies]
+
+    def num_positions(self, request_id: str) -> int:
+        """Length of the request's block tables (0 without any)."""
+        req = self._req_tables.get(request_id)
+        return 0 if req is None else req.num_positions
 
     def num_blocks_held(self, request_id: str) -> int:
         """Real blocks the request holds across all groups."""

@@ -4,9 +4,9 @@ A request whose output copies spans of its prompt or of its earlier output (code
 documents) repeats n-grams. Given its tokens so far, the proposer finds the longest suffix of
 `n` tokens (`prompt_lookup_max` >= n >= `prompt_lookup_min`) that also occurs earlier, and
 proposes the up to `num_speculative_tokens` tokens that followed its most recent earlier
-occurrence. The target model then verifies them in one step (the rejection sampler keeps the
-target's distribution exactly; n-gram proposals are deterministic, so their draft distribution
-is one-hot). vLLM's `ngram` method, the same field names.
+occurrence with that many after it (else its earliest one). The target model then verifies
+them in one step, keeping its own distribution exactly (n-gram proposals are deterministic:
+docs/spec_decode.md). vLLM's `ngram` method, the same field names.
 
 Invariants: a proposal is never longer than `num_speculative_tokens`, nor than the tokens that
 follow the match (the match ends before the last token, so at least one follows), nor than
@@ -42,7 +42,7 @@ class NgramConfig:
 
 def propose_ngram(tokens: Sequence[int] | np.ndarray, config: NgramConfig,
                   max_new: int | None = None) -> list[int]:
-    """The tokens that followed the most recent earlier occurrence of the longest matching
+    """The tokens that followed an earlier occurrence of the longest matching
     suffix n-gram of `tokens` (see the module doc); [] when none matches."""
     k = config.num_speculative_tokens if max_new is None else min(
         config.num_speculative_tokens, max_new)
@@ -57,6 +57,9 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, config: NgramConfig,
         windows = sliding_window_view(t[:n_tokens - 1], n)
         hits = np.flatnonzero((windows == t[n_tokens - n:]).all(axis=1))
         if hits.size:
-            start = int(hits[-1]) + n  # the most recent occurrence's next token
+            # The most recent occurrence followed by k tokens; else the earliest (followed by
+            # the most): in a loop the latest one overlaps the suffix and leaves one token.
+            full = hits[hits + n + k <= n_tokens]
+            start = int(full[-1] if full.size else hits[0]) + n
             return t[start:start + k].tolist()
     return []

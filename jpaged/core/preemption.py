@@ -103,7 +103,9 @@ class PreemptionMixin:
         self.pressure.on_preemption(victim.request_id, "swap" if swapped else "recompute",
                                     self.num_preemptions)
         st.num_running -= 1
+        victim.spec_token_ids = []  # proposals follow tokens it will compute again
         sr = st.scheduled.pop(victim.request_id, None)
-        if sr is not None:  # already scheduled this step: give its tokens back
+        if sr is not None:  # already scheduled this step: give its tokens back (and rows)
             st.budget += sr.num_tokens
+            st.num_running -= len(sr.spec_token_ids)
         st.preempted.append(victim)

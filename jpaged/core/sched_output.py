@@ -28,6 +28,10 @@ class ScheduledRequest:
     # them. Read them (the runner packs them) before then; never mutate them.
     block_ids: list[list[int]]
     sample: bool  # start_pos + num_tokens == request.num_tokens: this step yields a token
+    # Speculative decoding: the proposed tokens this step verifies, the last len() of
+    # token_ids (the request's spec_token_ids as scheduled; [] for any other row). A row
+    # with k of them yields 1 to k + 1 tokens.
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

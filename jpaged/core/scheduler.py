@@ -59,6 +59,7 @@ from jpaged.core.remote_kv import RemoteKVMixin
 from jpaged.core.request_fit import check_request_fits, is_decoding
 from jpaged.core.request_queue import QueueKey, WaitingQueue
 from jpaged.core.sched_output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from jpaged.core.spec_decode_stats import SpecDecodeStats
 from jpaged.core.step_results import StepResultsMixin
 from jpaged.core.token_budget import fit_token_budget
 from jpaged.request import Request, RequestStatus
@@ -122,6 +123,7 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
         self.kv_failures: list[tuple[str, str]] = []  # (id, reason): failed under policy "fail"
         self.num_kv_load_failures = 0
         self.num_kv_loads = 0  # pulls that landed
+        self.spec_decode = SpecDecodeStats()  # speculative decoding's verified proposals
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -245,6 +247,18 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                 num_new = self._cap_prefill(num_new)
             if num_new > st.budget:
                 num_new = st.budget
+            if req.spec_token_ids:
+                # Speculative decoding: a decoding request's proposals ride along, each one more
+                # token of the budget and one more row of the step (rows <= max_num_seqs), and
+                # only where memory is free (nobody is preempted for a proposal).
+                k = min(len(req.spec_token_ids), st.budget - num_new,
+                        self.scheduler_config.max_num_seqs - st.num_running)
+                if k > 0 and kv.allocate_slots(req, num_new + k) is not None:
+                    del req.spec_token_ids[k:]
+                    st.num_running += k
+                    self._add_scheduled(req, num_new + k, st)
+                    continue
+                req.spec_token_ids = []
             # First try without preempting (None changes nothing); then the preempting loop.
             if kv.allocate_slots(req, num_new) is not None or self._allocate(req, num_new, st):
                 self._add_scheduled(req, num_new, st)
@@ -287,6 +301,13 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
         end = start + num_new
         known = req.all_token_ids
         n_known = len(known)
+        spec = req.spec_token_ids
+        if spec:  # a decode with proposals: its input token, then the proposals
+            st.scheduled[req.request_id] = ScheduledRequest(
+                req, start, num_new, [*known[start:], *spec],
+                self.kv_cache_manager.live_block_ids(req.request_id), True, list(spec))
+            st.budget -= num_new
+            return
         if end <= n_known:
             ids = known[start:end]
         elif start >= n_known:  # an async decode: its input token is still on device

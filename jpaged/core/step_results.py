@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from jpaged.core.kv_cache_manager import KVCacheManager
 from jpaged.core.request_queue import WaitingQueue
 from jpaged.core.sched_output import PLACEHOLDER_TOKEN, ScheduledRequest, SchedulerOutput
+from jpaged.core.spec_decode_stats import SpecDecodeStats
 from jpaged.request import Request, RequestStatus
 
 __all__ = ["StepResultsMixin"]
@@ -30,6 +31,7 @@ class StepResultsMixin:
     num_prompt_tokens: int
     num_generation_tokens: int
     _release: Callable[[Request], None]
+    spec_decode: SpecDecodeStats
 
     def update_after_schedule(self, output: SchedulerOutput) -> None:
         """Async scheduling: advance the scheduled requests as if the step had run.
@@ -44,6 +46,9 @@ class StepResultsMixin:
         output.advanced = True
         advance = self._advance
         for sr in output.scheduled:
+            if sr.spec_token_ids:  # the engine runs speculative steps synchronously
+                raise ValueError(f"request {sr.request.request_id!r}: a step verifying "
+                                 "proposals cannot be advanced before its tokens are known")
             advance(sr)
             if sr.sample:
                 sr.request.num_output_placeholders += 1
@@ -66,7 +71,8 @@ class StepResultsMixin:
     def update_from_output(self, output: SchedulerOutput,
                            sampled_token_ids: Mapping[str, int] | Sequence[int],
                            rows: list[int] | None = None,
-                           finished_at: list[int] | None = None) -> list[Request]:
+                           finished_at: list[int] | None = None,
+                           first_rows: Sequence[int] | None = None) -> list[Request]:
         """Commit a computed step: advance, append sampled tokens, stop, cache, free.
 
         `sampled_token_ids`: request id -> token, or the step's tokens by row as Python ints
@@ -77,6 +83,14 @@ class StepResultsMixin:
         requests that got a new token (finished ones included); `rows`, when given, gets the
         row of each of them; `finished_at` the position in the returned list of each one that
         finished.
+
+        Speculative decoding: a row with k proposals (`sr.spec_token_ids`) was sampled at
+        k + 1 rows, from `first_rows[i]` on (None: row i is i, no proposals in the step). Its
+        proposals are accepted while each equals the token sampled before it; the request
+        gains those and the token sampled after the last accepted one (1 .. k + 1 tokens, each
+        listed in the returned list with its row, in order, up to a stop). Its computed count
+        rolls back to the verified tokens and the blocks that held only rejected proposals
+        are freed before anything is cached (KVCacheManager.trim, then commit).
         """
         kv = self.kv_cache_manager
         changed: list[Request] = []
@@ -101,11 +115,20 @@ class StepResultsMixin:
             else:
                 if req.status is not RUNNING or not live:
                     continue  # finished or aborted since schedule()
+                if sr.spec_token_ids:
+                    if by_id or first_rows is None:
+                        raise ValueError(f"request {rid!r} verified proposals: its tokens come "
+                                         "by row, with first_rows")
+                    if self._apply_verified(sr, sampled_token_ids, first_rows[i], changed, rows,
+                                            finished_at):
+                        finished = True
+                    continue
                 self._advance(sr)
                 if not sr.sample:
                     continue
             if not by_id:
-                tok = sampled_token_ids[i]  # a list from tolist(): Python ints already
+                row = i if first_rows is None else first_rows[i]
+                tok = sampled_token_ids[row]  # a list from tolist(): Python ints already
             elif rid in sampled_token_ids:
                 tok = int(sampled_token_ids[rid])
             else:
@@ -113,7 +136,7 @@ class StepResultsMixin:
             req.append_output_token(tok)
             changed.append(req)
             if rows is not None:
-                rows.append(i)
+                rows.append(i if first_rows is None else first_rows[i])
             running = req.status is RUNNING
             n = len(req.all_token_ids)
             if advanced and running and n % bs == 0:
@@ -132,6 +155,42 @@ class StepResultsMixin:
         if finished:
             self.running = [r for r in self.running if r.status is RUNNING]
         return changed
+
+    def _apply_verified(self, sr: ScheduledRequest, sampled: Sequence[int], first: int,
+                        changed: list[Request], rows: list[int] | None,
+                        finished_at: list[int] | None) -> bool:
+        """A verified row (see update_from_output): accept, append, roll back, cache. True if
+        the request finished."""
+        req = sr.request
+        if req.num_computed_tokens != sr.start_pos:
+            raise ValueError(f"request {req.request_id!r}: output applied twice or out of order")
+        drafts = sr.spec_token_ids
+        k = len(drafts)
+        got = sampled[first:first + k + 1]
+        m = 0
+        while m < k and got[m] == drafts[m]:
+            m += 1
+        self.spec_decode.record(k, m)
+        req.spec_token_ids = []
+        # The KV of the input token and the m accepted proposals is what the step computed
+        # right; the positions after them are rejected and computed again later.
+        req.num_computed_tokens = sr.start_pos + 1 + m
+        kv = self.kv_cache_manager
+        kv.trim(req)
+        for j in range(m + 1):
+            tok = got[j]
+            req.append_output_token(tok)
+            changed.append(req)
+            if rows is not None:
+                rows.append(first + j)
+            if (tok in req.stop_token_ids or req.num_tokens >= req.length_limit) \
+                    and self._check_stop(req):
+                if finished_at is not None:
+                    finished_at.append(len(changed) - 1)
+                self._release(req)
+                return True
+        kv.commit(req)  # blocks now full of verified tokens are shareable
+        return False
 
     def _check_stop(self, req: Request) -> bool:
         # The stop rule (a stop token once min_tokens are out, else the length limit of

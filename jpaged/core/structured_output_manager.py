@@ -97,29 +97,59 @@ class StructuredOutputManager:
         return False
 
     def token_masks(self, scheduled: Sequence[ScheduledRequest]) -> np.ndarray | None:
-        """[len(scheduled), W] packed masks when a scheduled sampling row is constrained."""
+        """[rows, W] packed masks when a scheduled sampling row is constrained: one row per
+        scheduled row, and k + 1 for one verifying k proposals (position j's mask follows the
+        first j proposals: its grammar advanced past them, its bad words after them)."""
         if not self.active:
             return None
-        rows = [(m, i) for i, s in enumerate(scheduled)
-                if s.sample and (m := self.matchers.get(s.request.request_id)) is not None]
-        banned = [(i, ban) for i, s in enumerate(scheduled)
-                  if s.sample and (ban := self.banned(s.request))]
+        rows: list[tuple[Any, int]] = []
+        banned: list[tuple[int, list[int]]] = []
+        i = 0
+        for s in scheduled:
+            spec = s.spec_token_ids
+            if s.sample:
+                rid = s.request.request_id
+                m = self.matchers.get(rid)
+                for j in range(len(spec) + 1):
+                    if m is not None:
+                        if j:  # a copy past the first j proposals (check_proposals: allowed)
+                            m = self.matchers[rid].deep_copy()
+                            m.consume_tokens(spec[:j])
+                        rows.append((m, i + j))
+                    ban = self.banned(s.request, spec[:j])
+                    if ban:
+                        banned.append((i + j, ban))
+            i += 1 + len(spec)
         if not rows and not banned:
             return None
-        masks = np.full((len(scheduled), self.mask_words), -1, np.int32)
+        masks = np.full((i, self.mask_words), -1, np.int32)
         if rows:
             self.compiler.fill_masks(rows, masks)
-        for i, ban in banned:
-            forbid(masks[i], ban)
+        for r, ban in banned:
+            forbid(masks[r], ban)
         return masks
 
-    def banned(self, req: Request) -> list[int]:
+    def check_proposals(self, running: Sequence[Request]) -> None:
+        """Cut each constrained request's proposals before the first token its grammar
+        refuses (speculative decoding): the positions after it could not be masked, and the
+        verification rejects a refused proposal anyway (its row's mask forbids it)."""
+        if not self.matchers:
+            return
+        for req in running:
+            spec = req.spec_token_ids
+            if spec and (m := self.matchers.get(req.request_id)) is not None:
+                n = 0 if m.is_stopped() else m.validate_tokens(spec)
+                if n < len(spec):
+                    del spec[n:]
+
+    def banned(self, req: Request, after: Sequence[int] = ()) -> list[int]:
         """Tokens a request's bad_words forbid next (vLLM's rule: a word's last token, where
-        the output ends with the word's other tokens; a one-token word always)."""
+        the output ends with the word's other tokens; a one-token word always); `after`:
+        proposals that follow its output (speculative decoding)."""
         words = self.bad_words.get(req.request_id) if self.bad_words else None
         if not words:
             return []
-        out = req.output_token_ids
+        out = req.output_token_ids if not after else [*req.output_token_ids, *after]
         ban = []
         for w in words:
             k = len(w) - 1

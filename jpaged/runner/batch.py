@@ -67,8 +67,10 @@ class BucketPlan:
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int) -> None:
-        self.seq_buckets = _powers(4, 1, max_num_seqs)
+                 block_size: int, fine_decode: bool = False) -> None:
+        # fine_decode (speculative decoding): decode shapes in powers of two, since a verifying
+        # step's rows (k + 1 a request) land anywhere and padding to a power of 4 costs more.
+        self.seq_buckets = _powers(2 if fine_decode else 4, 1, max_num_seqs)
         self.mixed_seq_buckets = _powers(4, 16, max_num_seqs)
         self.token_buckets = _powers(4, 64, max(max_num_batched_tokens, max_num_seqs))
         self.max_blocks = cdiv(max_model_len, block_size)
@@ -80,7 +82,8 @@ class BucketPlan:
         """The plan of an EngineConfig (its scheduler limits and block size)."""
         s = config.scheduler
         return cls(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
-                   config.cache.block_size)
+                   config.cache.block_size,
+                   fine_decode=getattr(config, "speculative", None) is not None)
 
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """(T, B) for a step with this many tokens and sequences."""
@@ -250,25 +253,70 @@ def constraint_rows(entries: Sequence[tuple[np.ndarray, np.ndarray] | None], b_p
     return ids, vals
 
 
-def penalty_history(scheduled: Sequence[Any], b_pad: int, use_penalties: bool
+def penalty_history(scheduled: Sequence[Any], b_pad: int, use_penalties: bool,
+                    priors: Sequence[Sequence[int]] | None = None
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Penalty history rows (prompt + known outputs, -1 padded) and their is-output flags.
 
     A token still on device is the last of its row: its column (seq_len - 1) is filled in the
     jitted step, its is-output flag here. Without penalties both are [b_pad, 0].
+    `priors[i]`: proposals row i's position follows (speculative decoding, `expand_verified`):
+    outputs too, after the known ones.
     """
     if not use_penalties:
         return np.zeros((b_pad, 0), np.int32), np.zeros((b_pad, 0), bool)
-    h = _next_pow2(max(s.request.num_tokens_with_placeholders for s in scheduled),
-                   MIN_HISTORY_BUCKET)
+    extra = [0] * len(scheduled) if priors is None else [len(p) for p in priors]
+    h = _next_pow2(max(s.request.num_tokens_with_placeholders + e
+                       for s, e in zip(scheduled, extra, strict=True)), MIN_HISTORY_BUCKET)
     history = np.full((b_pad, h), -1, np.int32)
     is_out = np.zeros((b_pad, h), bool)
     for i, s in enumerate(scheduled):
         req = s.request
         toks = req.all_token_ids
         history[i, :len(toks)] = toks
-        is_out[i, req.num_prompt_tokens:req.num_tokens_with_placeholders] = True
+        if extra[i]:
+            history[i, len(toks):len(toks) + extra[i]] = priors[i]
+        is_out[i, req.num_prompt_tokens:req.num_tokens_with_placeholders + extra[i]] = True
     return history, is_out
+
+
+@dataclass(slots=True)
+class VerifyRow:
+    """One position of a row that verifies proposals, as a sequence of one token: it attends
+    to the request's pages up to its own position (the step writes every new token's K/V
+    before any attention reads), so its logits are the target's at that position."""
+
+    request: Any
+    start_pos: int
+    num_tokens: int  # 1
+    token_ids: list[int]
+    block_ids: list[list[int]]  # the whole request's tables (read up to start_pos + 1)
+    sample: bool = True
+    spec_token_ids: list[int] = field(default_factory=list)  # none of its own
+
+
+def expand_verified(scheduled: Sequence[Any]
+                    ) -> tuple[Sequence[Any], list[int] | None, list[list[int]] | None]:
+    """Speculative decoding: each scheduled row with k proposals becomes k + 1 rows of one
+    token (VerifyRow), so one decode-shaped step scores every proposal. Returns (rows, the
+    first row of each scheduled one, each row's proposals before its position) or
+    (scheduled, None, None) when nothing proposes."""
+    if not any(s.spec_token_ids for s in scheduled):
+        return scheduled, None, None
+    rows: list[Any] = []
+    first: list[int] = []
+    priors: list[list[int]] = []
+    for s in scheduled:
+        first.append(len(rows))
+        spec = s.spec_token_ids
+        if not spec:
+            rows.append(s)
+            priors.append([])
+            continue
+        for j in range(len(spec) + 1):
+            rows.append(VerifyRow(s.request, s.start_pos + j, 1, [s.token_ids[j]], s.block_ids))
+            priors.append(spec[:j])
+    return rows, first, priors
 
 
 def mask_rows(masks: np.ndarray | None, b_pad: int) -> np.ndarray | None:
@@ -283,7 +331,8 @@ def mask_rows(masks: np.ndarray | None, b_pad: int) -> np.ndarray | None:
 
 def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab_size: int,
               default_seed: int, prev_rows: Mapping[str, int] | None = None,
-              token_masks: np.ndarray | None = None) -> PackedStep:
+              token_masks: np.ndarray | None = None,
+              priors: Sequence[Sequence[int]] | None = None) -> PackedStep:
     """Pack scheduled requests (duck-typed ScheduledRequest) into numpy arrays of bucket shape.
 
     A PLACEHOLDER_TOKEN (always a sequence's last new token) is read on device from row
@@ -291,6 +340,8 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     token_masks: [n, W] packed allowed-token bits of the scheduled rows (structured outputs).
     Block ids come per KV cache group (`plan.num_groups` of them); a position a window freed
     holds 0 here, where the persistent batch keeps the stale id (nothing reads either).
+    `priors`: each row's proposals before its position (`expand_verified`): they count as
+    outputs for its RNG counter, penalties and min_tokens.
     """
     n = len(scheduled)
     num_tokens = sum(s.num_tokens for s in scheduled)
@@ -343,9 +394,10 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
          pen, top) = sampling_row(p, vocab_size, default_seed)
         use_pen = use_pen or pen
         use_top = use_top or top
-        counters[i] = req.num_output_tokens + req.num_output_placeholders
+        counters[i] = req.num_output_tokens + req.num_output_placeholders + (
+            len(priors[i]) if priors is not None else 0)
     qsl[n + 1:] = cur
-    history, is_out = penalty_history(scheduled, b_pad, use_pen)
+    history, is_out = penalty_history(scheduled, b_pad, use_pen, priors)
     bias_ids, bias_vals = constraint_rows(
         [join_entries(token_constraints(s.request.sampling_params),
                       stop_ban(s.request) if counters[i] < s.request.sampling_params.min_tokens

@@ -125,14 +125,24 @@ class InputBatch:
                 self._banning.discard(row)
                 self._free.append(row)
 
+    def truncate(self, request_id: str, num_blocks: int) -> None:
+        """A request's tables were cut to `num_blocks` (speculative decoding gave back the
+        blocks of rejected proposals): the ids past them are rewritten when they grow again,
+        even where a new block reuses a position."""
+        row = self.row_of.get(request_id)
+        if row is not None and self._nblocks[row] > num_blocks:
+            self._nblocks[row] = num_blocks
+
     @property
     def num_rows(self) -> int:
         """Rows in use."""
         return len(self.row_of)
 
     def pack(self, scheduled: Sequence[Any], prev_rows: Mapping[str, int] | None = None,
-             token_masks: np.ndarray | None = None) -> PackedStep:
-        """The step batch of `scheduled` (duck-typed ScheduledRequest), as pack_step has it."""
+             token_masks: np.ndarray | None = None,
+             priors: Sequence[Sequence[int]] | None = None) -> PackedStep:
+        """The step batch of `scheduled` (duck-typed ScheduledRequest), as pack_step has it
+        (`priors` too: rows of one request share its persistent row)."""
         n = len(scheduled)
         bs = self.block_size
         row_of, nblocks, tables = self.row_of, self._nblocks, self.tables
@@ -140,7 +150,7 @@ class InputBatch:
         rows: list[int] = []
         counters: list[int] = []  # each request's RNG counter: its tokens sampled so far
         last_ids: list[int] = []
-        for s in scheduled:  # the only per-request loop: rows, new blocks, per-step values
+        for i, s in enumerate(scheduled):  # the only per-request loop: rows, new blocks, ...
             req = s.request
             row = row_of.get(req.request_id)
             if row is None:
@@ -156,7 +166,8 @@ class InputBatch:
                     tables[row, g * mb + have:g * mb + n_ids] = gids[have:]
                 nblocks[row] = n_ids
             rows.append(row)
-            counters.append(len(req.output_token_ids) + req.num_output_placeholders)
+            counters.append(len(req.output_token_ids) + req.num_output_placeholders + (
+                len(priors[i]) if priors is not None else 0))
             last_ids.append(s.token_ids[-1])
         starts = list(map(_START_POS, scheduled))
         lens = list(map(_NUM_TOKENS, scheduled))
@@ -226,7 +237,7 @@ class InputBatch:
         ctr[:n] = counters
         use_pen = bool(n) and bool(samp[:, 6].any())
         use_top = bool(n) and bool(samp[:, 7].any())
-        history, is_out = penalty_history(scheduled, b_pad, use_pen)
+        history, is_out = penalty_history(scheduled, b_pad, use_pen, priors)
         bias_ids = bias_vals = None
         if ((self._constrained and not self._constrained.isdisjoint(rows))
                 or (self._banning and not self._banning.isdisjoint(rows))):  # else no row work

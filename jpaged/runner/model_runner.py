@@ -19,6 +19,7 @@ from jpaged.runner.batch import (
     BucketPlan,
     FlatStep,
     empty_step,
+    expand_verified,
     flatten_step,
     mask_rows,
     unflatten_step,
@@ -139,10 +140,13 @@ class PendingStep:
     """A dispatched step whose sampled tokens are still on device; `result()` waits for them."""
 
     def __init__(self, outs: tuple[jax.Array, ...], num_seqs: int, t_dispatch: float,
-                 runner: ModelRunner, prompt_spans: tuple[tuple[str, int, int], ...] = ()
-                 ) -> None:
+                 runner: ModelRunner, prompt_spans: tuple[tuple[str, int, int], ...] = (),
+                 first_rows: list[int] | None = None) -> None:
         self._outs = outs
         self.num_seqs = num_seqs
+        # Speculative decoding: the first result row of each scheduled row (its k + 1
+        # verification rows follow it); None: row i is scheduled row i.
+        self.first_rows = first_rows
         self.prompt_spans = prompt_spans
         self._t_dispatch = t_dispatch
         self._runner = runner
@@ -463,6 +467,8 @@ class ModelRunner:
         grammar's previous token is still in flight); `finish_deferred` samples it. Not for a
         multi-process mesh (the other processes run whole steps)."""
         t0 = time.perf_counter()
+        if any(s.spec_token_ids for s in scheduled):
+            raise ValueError("a step verifying proposals runs whole (dispatch), never deferred")
         placeholder = np.full((len(scheduled), mask_words), -1, np.int32)
         packed = self.input_batch.pack(scheduled, self._prev_rows, placeholder)
         t1 = time.perf_counter()
@@ -501,10 +507,14 @@ class ModelRunner:
         Its sampled tokens land in `last_tokens` too, so the next step may be dispatched before
         this one's result is read (its PLACEHOLDER_TOKEN inputs are read from there). Call
         `remove_requests` first for the requests that left since the previous step.
-        token_masks: [len(scheduled), W] packed allowed-token bits (structured outputs), or None.
+        token_masks: [rows, W] packed allowed-token bits (structured outputs), or None; a row
+        with k proposals has k + 1 of them (one per position it scores).
         """
         t0 = time.perf_counter()
-        packed = self.input_batch.pack(scheduled, self._prev_rows, token_masks)
+        # Rows with proposals: one single-token row per position to score (expand_verified);
+        # token_masks come by those rows (StructuredOutputManager.token_masks).
+        scheduled, first_rows, priors = expand_verified(scheduled)
+        packed = self.input_batch.pack(scheduled, self._prev_rows, token_masks, priors)
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
         flat = flatten_step(packed.batch)
@@ -516,4 +526,4 @@ class ModelRunner:
                         np.asarray(self.kv.k_scale).tolist(), np.asarray(self.kv.v_scale).tolist())
         self._prev_rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.sample}
         self.last_pack_s = t1 - t0  # host seconds packing the batch
-        return PendingStep(outs, packed.num_seqs, t1, self, packed.prompt_spans)
+        return PendingStep(outs, packed.num_seqs, t1, self, packed.prompt_spans, first_rows)

@@ -190,3 +190,17 @@ def test_prompt_logprobs_are_complete_when_the_prefix_is_cached(cases):
 
     assert len(warm.prompt_logprobs) == len(prompt["prompt_token_ids"])
     assert rounded(warm) == rounded(cold)
+
+
+def test_speculative_decoding_keeps_hf_tokens_across_windows(cases):
+    """Proposals verified and rolled back in a hybrid KV cache (a window of one block): the
+    sliding group frees blocks behind its window while rejected tails are trimmed."""
+    kind, loaded, ps, want = cases("gemma3")
+    llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=16,
+                   max_num_batched_tokens=32, num_gpu_blocks_override=POOL,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                       "prompt_lookup_max": 2, "prompt_lookup_min": 1})
+    assert tokens(llm, ps) == want
+    m = llm.llm_engine.get_metrics()
+    assert m["num_kv_cache_groups"] > 1 and m["spec_decode_num_drafts"] > 0
+    llm.llm_engine.core.scheduler.kv_cache_manager.check_invariants()

@@ -58,3 +58,11 @@ def test_matches_a_brute_force_search(toks, k, lo, extra):
             want = toks[s:s + k]
             break
     assert propose_ngram(np.asarray(toks, np.int32), cfg) == want
+
+
+def test_a_loop_proposes_a_full_continuation():
+    # The latest occurrence of [7, 7] overlaps the suffix and leaves one token after it; an
+    # earlier one is followed by the whole proposal.
+    cfg = NgramConfig(num_speculative_tokens=3, prompt_lookup_max=2)
+    assert propose_ngram([1, 7, 7, 7, 7, 7, 7], cfg) == [7, 7, 7]
+    assert propose_ngram([1, 7, 7, 7], cfg) == [7]  # no occurrence with 3 after: the earliest

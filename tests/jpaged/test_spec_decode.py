@@ -1,0 +1,232 @@
+"""Speculative decoding end to end on the tiny random Llama: with `ngram` and `suffix`
+proposals every token, text, logprob and finish equals the engine without them (greedy and
+seeded sampling alike: the verification keeps each position's own draw), through preemption,
+prefix hits, penalties, min_tokens, logit_bias, allowed_token_ids, bad words and stop strings;
+bad configs are refused by name; a proposer error fails only its request."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import make_llm, tiny
+
+from jpaged import SamplingParams
+from jpaged.config import EngineArgs, SpeculativeConfig
+
+# A small pool (preemption) and block 8 (prefix hits on shared prompt heads).
+BASE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, block_size=8,
+            num_gpu_blocks_override=40)
+METHODS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3,
+              "prompt_lookup_min": 1},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 6},
+}
+
+
+@pytest.fixture(scope="module")
+def engines():
+    return {name: make_llm(tiny(), speculative_config=METHODS.get(name), **BASE).llm_engine
+            for name in ("off", "ngram", "suffix")}
+
+
+def _work(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
+    rng = np.random.default_rng(seed)
+    head = rng.integers(3, 200, size=24).tolist()
+    pattern = rng.integers(3, 200, size=6).tolist()
+    work = []
+    for i in range(n):
+        # Repetitive prompts (the proposers find matches), half with a shared head.
+        body = (pattern * int(rng.integers(2, 6)))[: int(rng.integers(8, 40))]
+        prompt = (head + body) if i % 2 else body
+        kind = i % 6
+        sp = dict(max_tokens=int(rng.integers(8, 48)), temperature=0.0)
+        if kind == 1:
+            sp.update(temperature=0.8, seed=100 + i, top_p=0.9)
+        elif kind == 2:
+            sp.update(repetition_penalty=1.3, frequency_penalty=0.2, min_tokens=6,
+                      stop_token_ids=[pattern[0]])
+        elif kind == 3:
+            sp.update(logit_bias={pattern[1]: 5.0}, bad_words=None, logprobs=3)
+        elif kind == 4:
+            sp.update(allowed_token_ids=sorted(set(pattern + head[:8])), temperature=0.7,
+                      seed=7 + i)
+        elif kind == 5:
+            sp.update(stop=[chr(pattern[2] % 94 + 33)], include_stop_str_in_output=True)
+        work.append((prompt, SamplingParams(**sp)))
+    return work
+
+
+def _run(engine, work):
+    for e in (engine,):
+        assert e.reset_prefix_cache()
+    final = {}
+    pending = [(f"r{i}", {"prompt_token_ids": p}, sp) for i, (p, sp) in enumerate(work)]
+    while pending or engine.has_unfinished_requests():
+        for rid, prompt, sp in pending[:3]:
+            engine.add_request(rid, prompt, sp)
+        pending = pending[3:]
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    m = engine.get_metrics()
+    assert m["num_blocks_free"] == m["num_blocks_total"]
+    engine.core.scheduler.kv_cache_manager.check_invariants()
+    # Logprobs apart: a row's floats depend on the step's shape (rounding, ~1e-5).
+    return ({rid: [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in o.outputs]
+             for rid, o in sorted(final.items())},
+            {rid: [[(t, lp.logprob, lp.rank) for t, lp in sorted(d.items())]
+                   for c in o.outputs for d in c.logprobs or ()]
+             for rid, o in sorted(final.items())})
+
+
+def _same_logprobs(a, b):
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert len(a[rid]) == len(b[rid])
+        for x, y in zip(a[rid], b[rid], strict=True):
+            assert [t for t, _, _ in x] == [t for t, _, _ in y]
+            np.testing.assert_allclose([lp for _, lp, _ in x], [lp for _, lp, _ in y],
+                                       atol=1e-3)
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_outputs_identical_to_spec_off(engines, method):
+    work = _work(3, 18)
+    before = engines[method].get_metrics()
+    base, base_lp = _run(engines["off"], work)
+    spec, spec_lp = _run(engines[method], work)
+    assert spec == base
+    _same_logprobs(spec_lp, base_lp)
+    m = engines[method].get_metrics()
+    assert m["spec_decode_num_drafts"] > before.get("spec_decode_num_drafts", 0)
+    assert m["spec_decode_num_accepted_tokens"] > before.get("spec_decode_num_accepted_tokens", 0)
+    assert m["num_preemptions"] > 0  # the small pool preempted some of them
+    assert m["prefix_cache_hits"] > 0
+    per_pos = m["spec_decode_num_accepted_tokens_per_pos"]
+    assert sum(per_pos) == m["spec_decode_num_accepted_tokens"]
+    assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+
+
+def test_swap_preemption_keeps_outputs(engines):
+    swap = make_llm(tiny(), speculative_config=METHODS["suffix"], preemption_mode="swap",
+                    kv_offloading_size=0.01, **BASE).llm_engine
+    work = _work(4, 12)
+    assert _run(swap, work)[0] == _run(engines["off"], work)[0]
+    m = swap.get_metrics()
+    assert m["num_swapped_out"] > 0 and m["spec_decode_num_accepted_tokens"] > 0
+
+
+def test_bench_reports_acceptance(engines):
+    from jpaged.bench.throughput import run_throughput, summary_line
+
+    r = run_throughput(engines["suffix"], num_prompts=2, input_len=16, output_len=8,
+                       warmup=False)
+    assert r["spec_decode_num_drafts"] >= 0 and "spec_decode_acceptance_rate" in r
+    assert "mean acceptance length" in summary_line(r)
+
+
+def test_prometheus_exports_spec_decode_counters(engines):
+    from jpaged.metrics import build_registry, render
+
+    body, _ = render(build_registry(engines["ngram"].get_metrics))
+    text = body.decode()
+    assert "jpaged:spec_decode_num_draft_tokens_total" in text
+    assert 'jpaged:spec_decode_num_accepted_tokens_per_pos_total{position="0"}' in text
+
+
+def test_a_proposer_error_fails_only_its_request(engines, monkeypatch):
+    eng = engines["ngram"]
+    import jpaged.core.spec_proposer as sp_mod
+
+    real = sp_mod.propose_ngram
+
+    def broken(tokens, config, max_new=None):
+        if list(tokens[:3]) == [9, 9, 9]:
+            raise RuntimeError("boom")
+        return real(tokens, config, max_new)
+
+    monkeypatch.setattr(sp_mod, "propose_ngram", broken)
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    eng.add_request("bad", {"prompt_token_ids": [9, 9, 9, 4, 5]}, params)
+    eng.add_request("good", {"prompt_token_ids": [8, 8, 8, 4, 5]}, params)
+    final = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                final[out.request_id] = out
+    bad, good = final["bad"].outputs[0], final["good"].outputs[0]
+    assert bad.finish_reason == "error" and "boom" in str(bad.stop_reason)
+    assert good.finish_reason == "length" and len(good.token_ids) == 12
+
+
+@pytest.mark.parametrize("value, match", [
+    ({"method": "ngram"}, "num_speculative_tokens is required"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "draft-model"),
+    ({"model": "some/draft", "num_speculative_tokens": 2}, "draft-model"),
+    ({"method": "medusa2", "num_speculative_tokens": 2}, "method must be one of"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown field"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
+      "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "min_token_prob"),
+    ('{"method": "ngram", ', "not valid JSON"),
+])
+def test_bad_configs_are_refused_by_name(value, match):
+    with pytest.raises(ValueError, match=match):
+        EngineArgs(speculative_config=value).create_engine_config(1024)
+
+
+def test_config_defaults_follow_vllm():
+    c = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
+                                 "prompt_lookup_max": 2})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
+    assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 24
+
+
+def test_core_process_and_stop_strings_match_spec_off():
+    """A word tokenizer's stop strings, seeded sampling and n = 2 with logprobs: the engine
+    without proposals, with them in process, and with them in a core process agree (tokens
+    after a stop string in the same step are never shown)."""
+    from jpaged.bench.host import host_model
+    from jpaged.core_client import CoreProcessEngine
+    from jpaged.engine import LLMEngine
+    from jpaged.llm import LLM
+
+    args = dict(max_num_seqs=8, max_model_len=128, num_gpu_blocks_override=64, block_size=16,
+                disable_log_stats=True)
+    rng = np.random.default_rng(5)
+    pattern = rng.integers(0, 256, 5).tolist()
+    prompts = [{"prompt_token_ids": (pattern * 6)[: int(k)]} for k in rng.integers(8, 30, 9)]
+    base = LLM.from_engine(LLMEngine(EngineArgs(**args), loaded=host_model()))
+    # Stop strings the greedy outputs reach late: words they first show after six others
+    # (tokens of a step that verified several land on both sides of them).
+    free = base.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24),
+                         use_tqdm=False)
+    texts = [o.outputs[0].text.split() for o in free]
+    late = [w for words in texts for i, w in enumerate(words) if i >= 6 and w not in words[:i]]
+    stops = [" " + w for w in sorted(set(late))][:2]
+    kinds = [SamplingParams(temperature=0.0, max_tokens=24, stop=stops),
+             SamplingParams(temperature=0.9, seed=3, max_tokens=20, stop=stops[:1]),
+             SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=12, logprobs=2)]
+    params = [kinds[i % 3] for i in range(len(prompts))]
+    spec = METHODS["ngram"]
+
+    def outs(llm):
+        return [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
+                  None if c.logprobs is None else [sorted(d) for d in c.logprobs])
+                 for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    ref = outs(base)
+    inproc = LLM.from_engine(LLMEngine(EngineArgs(speculative_config=spec, **args),
+                                       loaded=host_model()))
+    assert outs(inproc) == ref
+    assert inproc.llm_engine.get_metrics()["spec_decode_num_accepted_tokens"] > 0
+    assert any(isinstance(c[3], str) for o in ref for c in o)  # some stop string ended one
+    core = CoreProcessEngine(EngineArgs(speculative_config=spec, **args), loader=host_model)
+    try:
+        assert outs(LLM.from_engine(core)) == ref
+    finally:
+        core.shutdown()
