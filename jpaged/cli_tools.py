@@ -118,6 +118,9 @@ def estimate(
     max_num_batched_tokens: Annotated[int, typer.Option(
         "--max-num-batched-tokens", help="Token budget per step (sizes the activations).")
     ] = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+    draft_model: Annotated[str | None, typer.Option(
+        "--draft-model", help="A speculative draft model (as --model): its weights and its "
+        "KV per block count too (speculative_config's model).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object.")] = False,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
@@ -128,7 +131,7 @@ def estimate(
         est = estimate_capacity(
             model, gpu_memory=gpu_memory, gpu_memory_utilization=gpu_memory_utilization,
             avg_len=avg_len, dtype=dtype, max_num_batched_tokens=max_num_batched_tokens,
-            **(engine_flags or {}))
+            draft_model=draft_model, **(engine_flags or {}))
     except EstimateError as e:
         fail(str(e))
     if as_json:

@@ -59,7 +59,7 @@ DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0  # a consumer gives up on a producer that d
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance")
 # Speculative decoding (--speculative-config): the methods jpaged runs (vLLM's names) and the
 # most tokens one request may propose per step (each is one more row of the verifying step).
-SPECULATIVE_METHODS = ("ngram", "suffix")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 
 
@@ -389,13 +389,15 @@ class StructuredOutputsConfig:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `--speculative-config`: speculative decoding by prompt lookup (`ngram`) or
-    suffix decoding (`suffix`); the target model verifies every proposal in one step.
+    """vLLM's `--speculative-config`: speculative decoding by prompt lookup (`ngram`), suffix
+    decoding (`suffix`) or a smaller model sharing the target's tokenizer (`draft_model`, or
+    just `model`); the target model verifies every proposal in one step.
 
     ngram: `num_speculative_tokens` required; `prompt_lookup_min`/`prompt_lookup_max` default
     as vLLM's (both unset: 5; one unset: the other). suffix: `num_speculative_tokens` defaults
     to `suffix_decoding_max_tree_depth`; the `suffix_decoding_*` fields are Arctic Inference's.
-    A draft model (`model`, method `draft_model`, EAGLE, MTP) is refused by name.
+    draft_model: `model` (anything jpaged loads) and `num_speculative_tokens` required. EAGLE,
+    MTP and the other learned heads are refused by name.
     """
 
     method: str | None = None
@@ -410,18 +412,22 @@ class SpeculativeConfig:
 
     def __post_init__(self) -> None:
         c = "speculative_config"  # errors name the flag's fields
-        if self.model is not None or self.method in ("draft_model", "eagle", "eagle3", "mtp",
-                                                     "medusa", "mlp_speculator"):
-            raise ValueError(f"{c}: draft-model speculation ({c}.model / method "
-                             f"{self.method!r}) is not supported by jpaged yet; use method "
-                             "'ngram' or 'suffix'")
+        if self.method in ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator"):
+            raise ValueError(f"{c}.method {self.method!r} (a learned draft head) is not "
+                             "supported by jpaged yet; use 'ngram', 'suffix' or 'draft_model'")
+        if self.method is None and self.model is not None:
+            object.__setattr__(self, "method", "draft_model")  # vLLM: a model alone is a draft
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"{c}.method must be one of {SPECULATIVE_METHODS}, got "
                              f"{self.method!r}")
+        if (self.method == "draft_model") != (self.model is not None):
+            raise ValueError(f"{c}.model is required for method 'draft_model' and only for it "
+                             f"(method {self.method!r}, model {self.model!r})")
         k = self.num_speculative_tokens
         if k is None:
-            if self.method == "ngram":
-                raise ValueError(f"{c}.num_speculative_tokens is required for method 'ngram'")
+            if self.method != "suffix":
+                raise ValueError(f"{c}.num_speculative_tokens is required for method "
+                                 f"{self.method!r}")
             k = self.suffix_decoding_max_tree_depth
         if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             _fail(c, "num_speculative_tokens", f"an integer in [1, {MAX_SPECULATIVE_TOKENS}]",

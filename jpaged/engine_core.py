@@ -39,7 +39,8 @@ from jpaged.kv_events import KVEventBatch, KVEventHub
 from jpaged.request import Request, RequestStatus
 from jpaged.runner.batch import BucketPlan
 from jpaged.runner.compile_cache import enable_compilation_cache
-from jpaged.runner.kv_cache import allocate_kv_cache, kv_dtype, num_blocks_for
+from jpaged.runner.draft import DraftRunner
+from jpaged.runner.kv_cache import allocate_kv_cache, bytes_per_block, kv_dtype, num_blocks_for
 from jpaged.runner.kv_connector import (
     JaxTransferWorker,
     KVConnectorWorker,
@@ -194,11 +195,21 @@ class EngineCore:
         self.tokenizer = self.loaded.tokenizer
         config = args.create_engine_config(self.spec.max_position_embeddings)
         self.kv_dtype = kv_dtype(config.cache.kv_cache_dtype, self.loaded.model.dtype)
+        # A speculative draft model: loaded and checked against the target before the pool
+        # is sized (its weights and its KV per block count there).
+        self.draft_loaded = (self._load_draft(config, args)
+                             if config.speculative is not None
+                             and config.speculative.method == "draft_model" else None)
         tp = config.parallel.tensor_parallel_size
         # Sizes below are per device: each holds its share of the params and of the KV heads.
         self.parallel = TensorParallel(self.spec, tp) if tp > 1 else None
         params_bytes = (_param_bytes(nnx.state(self.loaded.model)) if self.parallel is None else
                         self.parallel.param_bytes_per_device(nnx.state(self.loaded.model)))
+        draft_block_bytes = 0
+        if self.draft_loaded is not None:
+            params_bytes += _param_bytes(nnx.state(self.draft_loaded.model))
+            draft_block_bytes = bytes_per_block(self.draft_loaded.spec, config.cache.block_size,
+                                                self.kv_dtype)
         plan = BucketPlan.for_config(config)
         # KV cache groups: sliding-window layers keep only their window's blocks (one group
         # over all layers when the model has none or the hybrid manager is disabled).
@@ -223,7 +234,8 @@ class EngineCore:
                                         kv_head_shards=tp, host_devices=tp, kv_layers=kv_layers,
                                         blocks_per_seq=blocks_needed(
                                             s.max_model_len, self.kv_layout,
-                                            config.cache.block_size, s.max_chunk_tokens))
+                                            config.cache.block_size, s.max_chunk_tokens),
+                                        extra_bytes_per_block=draft_block_bytes)
             if self.group is not None:
                 self.group.send_config(num_blocks)
         self.config: EngineConfig = config.with_num_blocks(num_blocks)
@@ -236,7 +248,8 @@ class EngineCore:
                      if xfer is not None else None)
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
                                    self.tiers, token_buckets=plan.token_buckets,
-                                   kv_layout=self.kv_layout, connector=connector)
+                                   kv_layout=self.kv_layout, connector=connector,
+                                   max_rows=plan.max_rows)
         plan.num_groups = self.kv_layout.num_groups  # after the probe, which runs one group
         if self.kv_layout.is_hybrid:
             logger.info("hybrid KV cache: %d groups (%s), %d layers' KV per block",
@@ -268,6 +281,14 @@ class EngineCore:
                                       self.spec.vocab_size))
         if self.group is not None and self.group.is_leader:
             self.runner.announce = self.group.announce_step  # the others launch it too
+        self.draft: DraftRunner | None = None
+        if self.draft_loaded is not None:  # its pages: the pool's blocks, its own shape
+            d = self.draft_loaded
+            self.draft = DraftRunner(ModelRunner(
+                d.model, allocate_kv_cache(d.spec, num_blocks, self.config.cache.block_size,
+                                           self.kv_dtype),
+                BucketPlan.for_config(self.config), self.config.cache.block_size,
+                d.spec.vocab_size, self.ops, self.config.model.seed))
         # The disk tier is keyed by the fp8 scales too: opened once they are final.
         self._disk_pending = (self.tiers is not None and self.config.cache.swap_space > 0
                               and self.config.cache.enable_prefix_caching)
@@ -469,6 +490,9 @@ class EngineCore:
         # Packed from the requests as scheduled; only then advanced past this step.
         self.runner.remove_requests(out.finished_request_ids)
         self.runner.remove_requests(out.preempted)  # re-admitted with a new block table
+        if self.draft is not None:
+            self.draft.remove([*out.finished_request_ids, *out.preempted])
+            self._draft_fill(out)
         pending = None
         if out.scheduled:
             so = self.structured_output
@@ -485,6 +509,52 @@ class EngineCore:
             self.scheduler.update_after_schedule(out)
         return Dispatched(out, pending)
 
+    def _load_draft(self, config: EngineConfig, args: EngineArgs) -> LoadedModel:
+        """The speculative draft model, refused (ValueError naming the field) unless it can
+        share this target's tokens and blocks."""
+        c = "speculative_config.model"
+        if config.parallel.tensor_parallel_size > 1 or self.group is not None:
+            raise ValueError(f"{c}: a draft model runs on one device (tensor_parallel_size 1, "
+                             "one process) in this version")
+        if kv_cache_layout(self.spec.layer_windows,
+                           hybrid=not config.cache.disable_hybrid_kv_cache_manager).is_hybrid:
+            raise ValueError(f"{c}: the target's sliding-window layers free blocks the draft "
+                             "still reads; set disable_hybrid_kv_cache_manager")
+        draft = load_model(config.speculative.model, args.dtype)
+        if scans_layers():
+            draft = dataclasses.replace(draft, model=stack_layers(draft.model))
+        if draft.spec.vocab_size != self.spec.vocab_size:
+            raise ValueError(f"{c}: the draft's vocabulary ({draft.spec.vocab_size} tokens) is "
+                             f"not the target's ({self.spec.vocab_size})")
+        ids = list(range(self.spec.vocab_size))
+        if draft.tokenizer.convert_ids_to_tokens(ids) != self.tokenizer.convert_ids_to_tokens(ids):
+            raise ValueError(f"{c}: the draft model's tokenizer is not the target's (their "
+                             "vocabularies map tokens to different ids)")
+        if draft.spec.max_position_embeddings < config.scheduler.max_model_len:
+            raise ValueError(f"{c}: the draft's context ({draft.spec.max_position_embeddings} "
+                             f"tokens) is shorter than max_model_len "
+                             f"({config.scheduler.max_model_len})")
+        logger.info("speculative draft model %s: %d layers, %d bytes of weights", draft.source,
+                    draft.spec.num_layers, _param_bytes(nnx.state(draft.model)))
+        return draft
+
+    def _draft_fill(self, out: SchedulerOutput) -> None:
+        """The draft model writes the proposal slots the schedule gave, then a grammar cuts
+        them where it refuses (the row shrinks; its spare slots go back after the step)."""
+        self.draft.propose(out.scheduled)
+        so = self.structured_output
+        if not so.matchers:
+            return
+        for sr in out.scheduled:
+            if sr.spec_token_ids:
+                so.check_proposals([sr.request])
+                k = len(sr.request.spec_token_ids)
+                if k < len(sr.spec_token_ids):
+                    cut = len(sr.spec_token_ids) - k
+                    del sr.spec_token_ids[k:], sr.token_ids[len(sr.token_ids) - cut:]
+                    sr.num_tokens -= cut
+                    out.num_scheduled_tokens -= cut
+
     def _propose(self) -> None:
         """Proposals for the decoding requests (speculative decoding), cut where a grammar
         would refuse them; a request whose proposer failed ends with the reason."""
@@ -495,7 +565,8 @@ class EngineCore:
             sched.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
             self.proposer.forget(ids)
             self.failures.extend(failed)
-        self.structured_output.check_proposals(sched.running)
+        if self.draft is None:  # (a draft's slots are checked once filled: _draft_fill)
+            self.structured_output.check_proposals(sched.running)
 
     def _kv_connector_meta(self) -> None:
         """Hand the scheduler side's plan to the worker: after a schedule (pulls to start) and
@@ -551,6 +622,10 @@ class EngineCore:
                 if sr.spec_token_ids:
                     rid = sr.request.request_id
                     self.runner.input_batch.truncate(rid, kv.num_positions(rid))
+                    if self.draft is not None:
+                        self.draft.truncate(rid, kv.num_positions(rid))
+            if self.draft is not None:
+                self.draft.after_verify(done.out.scheduled)
         so = self.structured_output
         if so.matchers and ids:
             for i in so.accept_tokens(updated, res.rows, ids):

@@ -108,6 +108,11 @@ class CapacityEstimate:
     hybrid_bytes_per_seq: int | None = None
     hybrid_max_concurrent_seqs: int | None = None
     hybrid_capacity_ratio: float | None = None  # full / hybrid bytes per sequence
+    # A speculative draft model (--draft-model): its weights, and the KV each block holds for
+    # it too (its pages share the target's block ids); counted in the budget and blocks above.
+    draft_model: str | None = None
+    draft_param_bytes: int = 0
+    draft_bytes_per_block: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as a JSON-ready dict."""
@@ -237,7 +242,7 @@ def estimate_capacity(
     kv_cache_dtype: str = "auto", max_model_len: int | None = None, avg_len: int | None = None,
     tensor_parallel_size: int = 1, dtype: str = "auto",
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS,
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, draft_model: str | None = None,
 ) -> CapacityEstimate:
     """Plan the KV pool; raises EstimateError (a ValueError naming the flag) on bad input."""
     mem = parse_memory(gpu_memory)
@@ -287,8 +292,21 @@ def estimate_capacity(
     act = (max_num_batched_tokens * wbytes
            * (2 * spec.hidden_size + widths + 3 * _split(spec.intermediate_size, tp))
            + max_num_seqs * spec.vocab_size * 4)
-    budget = int(mem * gpu_memory_utilization) - n_params_dev * wbytes - act - RUNTIME_MARGIN_BYTES
-    block_dev = block_size * per_token_dev
+    draft_params = draft_block = 0
+    draft_source = None
+    if draft_model is not None:  # speculative decoding: a draft sharing the blocks
+        if tp > 1:
+            raise EstimateError("--draft-model", "a draft model runs with tensor parallel size "
+                                "1 in this version")
+        dspec, _, draft_source = load_spec(draft_model)
+        if dspec.vocab_size != spec.vocab_size:
+            raise EstimateError("--draft-model", f"its vocabulary ({dspec.vocab_size} tokens) "
+                                f"is not the target's ({spec.vocab_size})")
+        draft_params = param_counts(dspec, 1)[0] * wbytes
+        draft_block = block_size * int(dspec.kv_bytes_per_token(kvbytes))
+    budget = (int(mem * gpu_memory_utilization) - n_params_dev * wbytes - draft_params - act
+              - RUNTIME_MARGIN_BYTES)
+    block_dev = block_size * per_token_dev + draft_block
     blocks_per_seq = cdiv(max_model_len, block_size)
     if budget < 2 * block_dev:
         raise EstimateError("--gpu-memory", f"{mem:,} bytes x {gpu_memory_utilization} minus "
@@ -319,7 +337,8 @@ def estimate_capacity(
         blocks_per_seq=blocks_per_seq, max_concurrent_seqs=usable // blocks_per_seq,
         blocks_per_avg_seq=per_avg,
         max_concurrent_seqs_at_avg_len=None if per_avg is None else usable // per_avg,
-        **hybrid,
+        **hybrid, draft_model=draft_source, draft_param_bytes=draft_params,
+        draft_bytes_per_block=draft_block,
     )
 
 
@@ -369,6 +388,10 @@ def rows(est: CapacityEstimate) -> list[tuple[str, str]]:
             ("KV bytes per block, per device", human_bytes(e.bytes_per_block_per_device)),
             ("parameters, per device", human_bytes(e.param_bytes_per_device)),
         ]
+    if e.draft_model is not None:
+        out += [("draft model (speculative)", e.draft_model),
+                ("draft weights", human_bytes(e.draft_param_bytes)),
+                ("draft KV bytes per block", human_bytes(e.draft_bytes_per_block))]
     dev = " per device" if tp > 1 else ""
     out += [
         (f"gpu memory{dev} x utilization",

@@ -1,6 +1,9 @@
 """Compile every engine step for an H200 on this machine (no GPU): resources, pool aliasing.
 
     JAX_PLATFORMS=cpu .venv-gpu/bin/python scripts/gpu_aot.py --quick --out gpu_aot.json
+    JAX_PLATFORMS=cpu .venv-gpu/bin/python scripts/gpu_aot.py --spec --only 8b/bfloat16/pallas
+
+(--spec: the verifying steps of speculative decoding, jpaged/aot/spec_verify.py.)
 
 Needs a jax with a CUDA plugin (`make gpu-aot` makes one). Logic: jpaged/aot/report.py.
 """

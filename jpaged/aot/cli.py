@@ -30,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, help="write the JSON here")
     p.add_argument("--decode", action="store_true",
                    help="only the decode shapes (batch 1, 16, 64, 256) of every configuration")
+    p.add_argument("--spec", action="store_true",
+                   help="the verifying steps of speculative decoding (batch 1, 16 x k = 1, 2, "
+                        "4, 8 proposals: decode steps of B*(k+1) rows) of every configuration, "
+                        "under 'spec_verify'; with --decode or --quick, those cases too")
     p.add_argument("--only", help="only configurations whose model/kv_dtype/backend contain this")
     p.add_argument("--markdown", type=Path, metavar="JSON",
                    help="print the tables of an earlier run's JSON as markdown, compile nothing")
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     from jpaged.aot.report import run
 
     t0 = time.perf_counter()
-    doc = run(args.quick, only=args.only, decode_only=args.decode, xla_options=options)
+    doc = run(args.quick, only=args.only, decode_only=args.decode, xla_options=options,
+              spec=args.spec)
     doc["wall_s"] = round(time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1))
@@ -69,9 +74,12 @@ def main(argv: list[str] | None = None) -> int:
               f"CPU {s.get('activation_bytes_cpu_probe')} estimate "
               f"{s['estimate_activation_bytes']}; blocks {s['num_blocks']} "
               f"(estimate {s['estimate_num_blocks']})")
-    from jpaged.aot.markdown import hbm_table, programs
+    from jpaged.aot.markdown import hbm_table, programs, spec_table
 
-    print(hbm_table(doc))
+    if doc["cases"]:
+        print(hbm_table(doc))
+    if doc.get("spec_verify"):
+        print(spec_table(doc))
     print(f"gpu_aot: {programs(doc)} programs, {len(doc['problems'])} problems, "
           f"{doc['wall_s']} s (jax {doc['jax_version']})")
     for line in doc["problems"]:

@@ -15,8 +15,9 @@ def _mib(x: int | None) -> str:
 
 
 def programs(doc: dict[str, Any]) -> int:
-    """Programs compiled (a case's extra context rows share their program)."""
-    return sum(not c.get("reuses_compile") for c in doc["cases"])
+    """Programs compiled (a case's extra context rows share their program), the verifying
+    steps' (`spec_verify`) included."""
+    return sum(not c.get("reuses_compile") for c in doc["cases"] + doc.get("spec_verify", []))
 
 
 def _gb(x: int | None) -> str:
@@ -73,6 +74,30 @@ def prediction_table(doc: dict[str, Any], model: str = "llama3-8b",
         lines.append(f"| {c['kv_cache_dtype']} | {c['tensor_parallel_size']} | {b} | "
                      f"{c['context_len']}{fits} | {c['predicted_step_ms']:.2f} / {slow:.2f} | "
                      f"{b / slow * 1e3:,.0f} | {ideal:.2f} | {b / ideal * 1e3:,.0f} | {vllm} |")
+    return "\n".join(lines)
+
+
+def spec_table(doc: dict[str, Any]) -> str:
+    """Per verifying step of speculative decoding (`spec_verify`: B sequences, k proposals
+    each, a decode step of `rows` rows) and context: launches, bytes moved, both minima (each
+    row its own context; each sequence's context once) and their ratios, predicted time."""
+    bw = doc.get("hbm_bytes_per_s")
+    lines = [f"HBM traffic per verifying step (peak {bw / 1e12:.1f} TB/s)" if bw else
+             "HBM traffic per verifying step", "",
+             "| model | KV | path | tp | B | k | B(k+1) | rows | context | launches | graphs | "
+             "HBM GB | min GB (rows) | ratio | min GB (verify) | ratio_verify | ms @ peak |",
+             "|---" * 17 + "|"]
+    for c in doc.get("spec_verify", []):
+        if c.get("hbm_bytes") is None:
+            continue
+        lines.append(
+            f"| {c['model']} | {c['kv_cache_dtype']} | {c['backend']} | "
+            f"{c['tensor_parallel_size']} | {c['batch']} | {c['k']} | "
+            f"{c['tokens_per_step_max']} | {c['rows']} | {c['context_len']} | "
+            f"{_dash(c.get('kernels_per_step'))} | {_dash(c.get('command_buffers'))} | "
+            f"{_gb(c['hbm_bytes'])} | {_gb(c['min_hbm_bytes'])} | {c['traffic_ratio']:.2f} | "
+            f"{_gb(c['min_hbm_bytes_verify'])} | {c['traffic_ratio_verify']:.2f} | "
+            f"{c['predicted_step_ms']:.2f} |")
     return "\n".join(lines)
 
 
@@ -168,5 +193,8 @@ def render(doc: dict[str, Any]) -> str:
     head = (f"jax {doc['jax_version']}, {doc['target']}, mode {doc['mode']}, "
             f"{programs(doc)} programs, {len(doc['problems'])} problems, "
             f"{doc.get('wall_s', '?')} s")
-    return "\n\n".join([head, program_table(doc), kernel_table(doc), launch_table(doc),
-                        sizing_table(doc), hbm_table(doc), prediction_table(doc)])
+    tables = [head, program_table(doc), kernel_table(doc), launch_table(doc),
+              sizing_table(doc), hbm_table(doc), prediction_table(doc)]
+    if doc.get("spec_verify"):
+        tables.append(spec_table(doc))
+    return "\n\n".join(tables)

@@ -10,6 +10,8 @@ dropped). Before the cases of
 one engine configuration, its largest bucket is compiled on a 2-block pool (what the engine's
 start-up probe does) to size the pool the engine would choose on the H200 at
 gpu_memory_utilization=0.9; the cases then run at that pool, so the check sees real pool sizes.
+With `spec`, the verifying steps of speculative decoding too (`run_spec_config`,
+`jpaged.aot.spec_verify`), under the document's "spec_verify".
 """
 
 from __future__ import annotations
@@ -50,6 +52,12 @@ from jpaged.aot.kernels import (
     kernel_resources,
 )
 from jpaged.aot.launches import COMMAND_BUFFER_OPTIONS, LAUNCH_KEYS, StepShape, launch_fields
+from jpaged.aot.spec_verify import (
+    spec_engine_config,
+    verify_hbm,
+    verify_rows_of,
+    verify_shapes,
+)
 from jpaged.aot.target import H200_HBM_BYTES_PER_S, TARGET_NAME, GpuTarget, h200_target
 from jpaged.aot.traffic import DECODE_BATCHES, DECODE_CONTEXTS, HBM_KEYS, hbm_fields
 from jpaged.core.kv_cache_groups import blocks_needed
@@ -206,10 +214,12 @@ def cpu_probe_bytes(cfg: Config) -> int | None:
 
 
 def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
-               ptxas: str | None, transfers: bool, cpu_probe: bool) -> tuple[list[dict],
-                                                                             dict[str, Any]]:
-    """Size the pool, then compile every shape (and the tier transfer programs)."""
-    num_blocks, sizing = size_pool(cfg, target, cpu_probe=cpu_probe)
+               ptxas: str | None, transfers: bool, cpu_probe: bool,
+               sized: tuple[int, dict[str, Any]] | None = None) -> tuple[list[dict],
+                                                                         dict[str, Any]]:
+    """Size the pool (unless `sized` gives it: `size_pool`'s result), then compile every shape
+    (and the tier transfer programs)."""
+    num_blocks, sizing = sized or size_pool(cfg, target, cpu_probe=cpu_probe)
     spec = model_spec(cfg.model)
     builder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
                           target.devices, cfg.tensor_parallel_size)
@@ -259,6 +269,37 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
     return rows, sizing
 
 
+def run_spec_config(cfg: Config, target: GpuTarget, ptxas: str | None, num_blocks: int
+                    ) -> list[dict[str, Any]]:
+    """The verifying steps of speculative decoding (`jpaged.aot.spec_verify`) at the sized
+    pool: one decode program per bucket of rows, one row per (B, k) and decode context."""
+    spec = model_spec(cfg.model)
+    bld = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
+                      target.devices, cfg.tensor_parallel_size,
+                      spec_engine_config(spec, max_model_len=max(DECODE_CONTEXTS)))
+    base = {"model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
+            "tensor_parallel_size": cfg.tensor_parallel_size, "num_blocks": num_blocks,
+            "pool_bytes": bld.pool_bytes}
+    out = []
+    for rows, pairs in verify_shapes(bld.plan).items():
+
+        def analyze(text: str, pairs=pairs) -> list[dict[str, Any]]:
+            return [verify_hbm(text, bld, b, k, c) for b, k in pairs for c in DECODE_CONTEXTS]
+
+        row = {**base, "program": "spec_verify", "tokens": rows, "seqs": rows,
+               "max_model_len": bld.config.scheduler.max_model_len,
+               "top_logprobs": DECODE_FLAGS.top_logprobs}
+        # A verifying step is a pure decode step (T == B): the engine's decode flags.
+        row.update(compile_lowered(
+            lambda rows=rows: bld.lower_step(rows, rows, DECODE_FLAGS), True, ptxas,
+            bld.pool_shape(), target=target, analyze=analyze, options=dict(cfg.xla_options),
+            step=StepShape(rows, spec.hidden_size, spec.num_layers)))
+        for r in verify_rows_of(row, pairs, rows, DECODE_CONTEXTS, HBM_KEYS):
+            out.append(r)
+            _log_row(r)
+    return out
+
+
 def transfer_traffic(text: str) -> list[dict[str, Any]]:
     """A tier transfer program's bytes moved (no weights, no kernels) and predicted time."""
     moved = estimate_traffic(text).hbm_bytes
@@ -303,8 +344,10 @@ def _launch_text(row: dict[str, Any]) -> str:
 def _hbm_text(row: dict[str, Any]) -> str:
     if row.get("hbm_bytes") is None:
         return ""
+    verify = (f" B={row['batch']} k={row['k']} verify x{row['traffic_ratio_verify']}"
+              if row.get("traffic_ratio_verify") is not None else "")
     return (f" ctx={row['context_len']} hbm={row['hbm_bytes'] / 1e9:.2f}GB "
-            f"x{row['traffic_ratio']} {row['predicted_step_ms']:.2f}ms")
+            f"x{row['traffic_ratio']} {row['predicted_step_ms']:.2f}ms{verify}")
 
 
 def check_rows(rows: list[dict[str, Any]]) -> list[str]:
@@ -373,10 +416,12 @@ def shapes_for(builder_plan: Any, which: str) -> list[tuple[int, int]]:
 
 
 def run(quick: bool, only: str | None = None, decode_only: bool = False,
-        xla_options: dict[str, Any] | None = None) -> dict[str, Any]:
+        xla_options: dict[str, Any] | None = None, spec: bool = False) -> dict[str, Any]:
     """Every case of the plan for one abstract H200 (two for TP); the JSON document.
     `xla_options`: XLA compile options for every program, over COMMAND_BUFFER_OPTIONS (all
-    recorded in the document)."""
+    recorded in the document). `spec`: the verifying steps of speculative decoding of every
+    configuration (`run_spec_config`, under "spec_verify"), and the other cases only with
+    `quick` or `decode_only`."""
     xla_options = {**COMMAND_BUFFER_OPTIONS, **(xla_options or {})}
     ptxas = find_ptxas()
     targets = {1: h200_target(1)}
@@ -384,7 +429,8 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False,
         targets[2] = h200_target(2)
     except Exception as e:  # noqa: BLE001 - TP 2 is reported as not available
         logger.warning("no 2-device topology: %s", e)
-    cases, sizing = [], []
+    cases, sizing, verify = [], [], []
+    steps = not spec or quick or decode_only
     for cfg, which in plan_configs(quick):
         cfg = replace(cfg, xla_options=tuple(sorted(xla_options.items())))
         if only and only not in f"{cfg.model}/{cfg.kv_cache_dtype}/{cfg.backend}":
@@ -392,14 +438,24 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False,
         target = targets.get(cfg.tensor_parallel_size)
         if target is None:
             continue
-        plan = BucketPlan.for_config(engine_config(model_spec(cfg.model)))
-        rows, size = run_config(cfg, shapes_for(plan, "decode" if decode_only else which),
-                                target, ptxas, transfers=cfg.backend == "xla" and not decode_only,
-                                cpu_probe=cfg.backend == "xla" and not decode_only)
-        cases += rows
-        sizing.append(size)
-    mode = "decode" if decode_only else "quick" if quick else "full"
-    return {"jax_version": jax.__version__, "target": TARGET_NAME,
-            "hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "ptxas": ptxas, "mode": mode,
-            "xla_options": dict(xla_options),
-            "cases": cases, "sizing": sizing, "problems": check_rows(cases)}
+        probe = cfg.backend == "xla" and not decode_only and steps
+        sized = size_pool(cfg, target, cpu_probe=probe)
+        if steps:
+            plan = BucketPlan.for_config(engine_config(model_spec(cfg.model)))
+            rows, _ = run_config(cfg, shapes_for(plan, "decode" if decode_only else which),
+                                 target, ptxas, transfers=cfg.backend == "xla" and not decode_only,
+                                 cpu_probe=probe, sized=sized)
+            cases += rows
+        if spec:
+            verify += run_spec_config(cfg, target, ptxas, sized[0])
+        sizing.append(sized[1])
+    mode = "decode" if decode_only else "quick" if quick else "full" if steps else ""
+    if spec:
+        mode = f"{mode}+spec" if mode else "spec"
+    doc = {"jax_version": jax.__version__, "target": TARGET_NAME,
+           "hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "ptxas": ptxas, "mode": mode,
+           "xla_options": dict(xla_options),
+           "cases": cases, "sizing": sizing, "problems": check_rows(cases + verify)}
+    if spec:
+        doc["spec_verify"] = verify
+    return doc

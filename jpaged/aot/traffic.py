@@ -174,14 +174,22 @@ class StepTraffic:
             need.append(end - start)
         return sum(cdiv(sum(1 for x in need if x > j), group) for j in range(n_chunks))
 
-    def min_hbm_bytes(self) -> int:
+    def min_hbm_bytes(self, logit_rows: int | None = None) -> int:
         """Weights once, the attended K/V once (a sliding layer's window of it), the new K/V
-        written once, f32 logits once."""
+        written once, f32 logits once (of `logit_rows` rows; None: one per sequence)."""
         windows = self.layer_windows or (None,) * self.num_layers
         attended = sum(self.context_len if w is None else min(w, self.context_len)
                        for w in windows)
         kv = 2 * self.row_bytes * (self.seqs * attended + self.num_layers * self.tokens)
-        return self.param_bytes + kv + self.seqs * self.vocab_size * 4
+        rows = self.seqs if logit_rows is None else logit_rows
+        return self.param_bytes + kv + rows * self.vocab_size * 4
+
+    def min_hbm_bytes_verify(self, sequences: int) -> int:
+        """The least a verifying step moves (speculative decoding) when this decode case's
+        rows (tokens == seqs) are `sequences` sequences' k + 1 rows each: each sequence's
+        context read once (not once per row), every row's K/V written and its f32 logits
+        (one per position scored). Rows are counted at context_len, as the decode case's."""
+        return replace(self, seqs=sequences).min_hbm_bytes(logit_rows=self.tokens)
 
     def fits_pool(self) -> bool:
         """Whether the pool holds every sequence's context at once."""

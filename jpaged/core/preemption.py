@@ -40,6 +40,7 @@ class ScheduleStep:
         self.tails = [-1, -1]
         # Best priority among running requests that could not get memory (None: no stall).
         self.stall_priority: int | None = None
+        self.spare_rows = 0  # rows left for proposals (speculative decoding)
 
 
 class PreemptionMixin:
@@ -107,5 +108,5 @@ class PreemptionMixin:
         sr = st.scheduled.pop(victim.request_id, None)
         if sr is not None:  # already scheduled this step: give its tokens back (and rows)
             st.budget += sr.num_tokens
-            st.num_running -= len(sr.spec_token_ids)
+            st.spare_rows += len(sr.spec_token_ids)
         st.preempted.append(victim)

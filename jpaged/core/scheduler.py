@@ -62,6 +62,7 @@ from jpaged.core.sched_output import PLACEHOLDER_TOKEN, ScheduledRequest, Schedu
 from jpaged.core.spec_decode_stats import SpecDecodeStats
 from jpaged.core.step_results import StepResultsMixin
 from jpaged.core.token_budget import fit_token_budget
+from jpaged.intmath import cdiv
 from jpaged.request import Request, RequestStatus
 
 __all__ = ["Scheduler", "ScheduledRequest", "SchedulerOutput", "is_decoding"]
@@ -78,8 +79,12 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                  num_blocks: int, tiers: KVTiers | None = None,
                  token_buckets: Sequence[int] | None = None,
                  kv_layout: KVCacheLayout | None = None,
-                 connector: KVConnectorScheduler | None = None) -> None:
+                 connector: KVConnectorScheduler | None = None,
+                 max_rows: int | None = None) -> None:
         self.scheduler_config = scheduler_config
+        # Rows of a step: its requests plus their proposals (speculative decoding: each
+        # proposal is scored as a row of its own); the step shapes hold at most this many.
+        self.max_rows = max(max_rows or 0, scheduler_config.max_num_seqs)
         # Step token buckets (BucketPlan): with chunked prefill, each step's budget is fitted
         # to them (token_budget.py); None, or chunked prefill off, keeps the plain
         # max_num_batched_tokens budget (schedule() checks both).
@@ -229,6 +234,8 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
         if self.token_buckets is not None and self.scheduler_config.enable_chunked_prefill:
             budget = self._fitted_budget(budget, len(decodes), prompts)
         st = ScheduleStep(budget, len(self.running))
+        # Proposal rows: whatever max_num_seqs requests leave of the step's rows.
+        st.spare_rows = self.max_rows - self.scheduler_config.max_num_seqs
         st.victims = [prompts, decodes]
         st.tails = [len(prompts) - 1, len(decodes) - 1]
 
@@ -249,13 +256,15 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                 num_new = st.budget
             if req.spec_token_ids:
                 # Speculative decoding: a decoding request's proposals ride along, each one more
-                # token of the budget and one more row of the step (rows <= max_num_seqs), and
-                # only where memory is free (nobody is preempted for a proposal).
-                k = min(len(req.spec_token_ids), st.budget - num_new,
-                        self.scheduler_config.max_num_seqs - st.num_running)
+                # token of the budget and one more row of the step (rows <= max_rows), and only
+                # where memory is free (nobody is preempted for a proposal).
+                k = min(len(req.spec_token_ids), st.budget - num_new, st.spare_rows)
+                if k > 0:
+                    k = self._proposal_room(req, num_new, k, len(self.running) - len(
+                        st.scheduled) - 1)
                 if k > 0 and kv.allocate_slots(req, num_new + k) is not None:
                     del req.spec_token_ids[k:]
-                    st.num_running += k
+                    st.spare_rows -= k
                     self._add_scheduled(req, num_new + k, st)
                     continue
                 req.spec_token_ids = []
@@ -281,6 +290,20 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
         self.pressure.on_step(self.kv_cache_manager.usage, self.kv_cache_manager.num_evictions,
                               len(self.waiting))
         return out
+
+    def _proposal_room(self, req: Request, num_new: int, k: int, others: int) -> int:
+        """The most of `k` proposals whose extra blocks leave one free block (per group) for
+        each of the `others` running requests still to be scheduled: proposals never take
+        the block another request's next token needs."""
+        kv = self.kv_cache_manager
+        bs = self.block_size
+        end = req.num_computed_tokens + num_new
+        held = max(kv.num_positions(req.request_id), cdiv(end, bs))
+        room = kv.num_free_blocks // kv.num_groups - (held - kv.num_positions(
+            req.request_id)) - max(others, 0)
+        while k > 0 and cdiv(end + k, bs) - held > room:
+            k -= 1
+        return k
 
     def _fitted_budget(self, budget: int, num_decodes: int, prompts: Sequence[Request]) -> int:
         """This step's budget cut so the step fills a token bucket (see token_budget.py)."""

@@ -1,6 +1,7 @@
 """Speculative decoding's proposer: the scheduler's collaborator that proposes tokens for the
-decoding requests before each schedule (vLLM's `ngram` and `suffix` methods). Plain host
-logic, no jax.
+decoding requests before each schedule (vLLM's `ngram` and `suffix` methods; for
+`draft_model` it reserves the slots, which the draft model fills after the schedule). Plain
+host logic, no jax.
 
 The engine core calls `propose(running)` before every schedule; each decoding request gets
 `spec_token_ids` (possibly none), the scheduler gives them slots, the runner scores them in the
@@ -20,7 +21,10 @@ from jpaged.core.ngram_proposer import NgramConfig, propose_ngram
 from jpaged.core.suffix_proposer import SuffixConfig, SuffixProposer
 from jpaged.request import Request, RequestStatus
 
-__all__ = ["Proposer"]
+__all__ = ["DRAFT_PLACEHOLDER", "Proposer"]
+
+# A proposal slot a draft model fills after the schedule (never a token the target sees).
+DRAFT_PLACEHOLDER = 0
 
 logger = logging.getLogger("jpaged")
 
@@ -57,6 +61,11 @@ class Proposer:
             room = req.length_limit - n - 1  # a verifying step adds up to k + 1 tokens
             if room <= 0:
                 req.spec_token_ids = []
+                continue
+            if self.method == "draft_model":
+                # Slots only: the draft model writes the tokens once the step is scheduled
+                # (the runner's DraftRunner), into the positions these reserve.
+                req.spec_token_ids = [DRAFT_PLACEHOLDER] * min(self.num_speculative_tokens, room)
                 continue
             try:
                 if self._suffix is not None:
@@ -97,6 +106,12 @@ class Proposer:
             if n > seen:
                 suffix.extend(rid, req.all_token_ids[seen:n])
             self._tracked[rid] = (req, n)
+
+    def reset_cache(self) -> None:
+        """Drop the suffix method's tree of earlier responses (the running requests' own
+        trees stay); nothing for the other methods."""
+        if self._suffix is not None:
+            self._suffix.clear_cache()
 
     def forget(self, request_ids: Sequence[str]) -> None:
         """Drop the state of requests that ended (aborted or failed) without a response."""

@@ -285,6 +285,11 @@ class SuffixProposer:
         while len(self._cached) > limit:
             _remove(self._global, self._cached.popleft(), depth)
 
+    def clear_cache(self) -> None:
+        """Forget every cached response: the global tree is empty again."""
+        self._global = _Node(0)
+        self._cached.clear()
+
     def num_active(self) -> int:
         """Requests started and not stopped."""
         return len(self._requests)

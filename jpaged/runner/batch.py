@@ -67,12 +67,16 @@ class BucketPlan:
     """
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 block_size: int, fine_decode: bool = False) -> None:
-        # fine_decode (speculative decoding): decode shapes in powers of two, since a verifying
-        # step's rows (k + 1 a request) land anywhere and padding to a power of 4 costs more.
-        self.seq_buckets = _powers(2 if fine_decode else 4, 1, max_num_seqs)
-        self.mixed_seq_buckets = _powers(4, 16, max_num_seqs)
-        self.token_buckets = _powers(4, 64, max(max_num_batched_tokens, max_num_seqs))
+                 block_size: int, num_speculative_tokens: int = 0) -> None:
+        # Speculative decoding: a verifying step scores a request's k proposals as k + 1 rows
+        # (expand_verified), so a step holds up to max_rows rows (each a token of the budget),
+        # and decode shapes come in powers of two (k + 1 rows a request land anywhere).
+        k = num_speculative_tokens
+        self.max_rows = max_num_seqs if not k else max(max_num_seqs, min(
+            max_num_seqs * (1 + k), max_num_batched_tokens))
+        self.seq_buckets = _powers(2 if k else 4, 1, self.max_rows)
+        self.mixed_seq_buckets = _powers(4, 16, self.max_rows)
+        self.token_buckets = _powers(4, 64, max(max_num_batched_tokens, self.max_rows))
         self.max_blocks = cdiv(max_model_len, block_size)
         # KV cache groups (kv_cache_groups.py): each has its own block table and slot mapping.
         self.num_groups = 1
@@ -81,9 +85,10 @@ class BucketPlan:
     def for_config(cls, config: Any) -> BucketPlan:
         """The plan of an EngineConfig (its scheduler limits and block size)."""
         s = config.scheduler
+        spec = getattr(config, "speculative", None)
         return cls(s.max_num_seqs, s.max_num_batched_tokens, s.max_model_len,
                    config.cache.block_size,
-                   fine_decode=getattr(config, "speculative", None) is not None)
+                   num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens)
 
     def pick(self, num_tokens: int, num_seqs: int) -> tuple[int, int]:
         """(T, B) for a step with this many tokens and sequences."""

@@ -202,8 +202,8 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
                  max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                  kv_head_shards: int = 1, device_bytes: int | None = None,
                  platform: str | None = None, host_devices: int = 1,
-                 kv_layers: int | None = None, blocks_per_seq: int | None = None
-                 ) -> KVPoolPlan:
+                 kv_layers: int | None = None, blocks_per_seq: int | None = None,
+                 extra_bytes_per_block: int = 0) -> KVPoolPlan:
     """Size the pool: override, else explicit KV bytes, else a fraction of device memory.
 
     budget = device memory x utilization - params - activations - margin. `activation_bytes`
@@ -215,12 +215,14 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
     CPU devices): the RAM and the CPU default KV space are the machine's, split between them,
     so tensor parallelism over N CPU devices takes the same memory as one device, not N times.
     KV cache groups: a block holds `kv_layers` layers' KV and one max_model_len request takes
-    `blocks_per_seq` blocks (all groups).
+    `blocks_per_seq` blocks (all groups). `extra_bytes_per_block`: another model's KV that
+    each block also holds (a speculative draft model's pages, indexed by the same block ids).
     Raises ValueError when one max_model_len request cannot fit, naming the largest that can.
     """
     if not isinstance(host_devices, int) or host_devices < 1:
         raise ValueError(f"host_devices must be an integer >= 1, got {host_devices!r}")
-    per_block = bytes_per_block(spec, cache.block_size, dtype, kv_head_shards, kv_layers)
+    per_block = bytes_per_block(spec, cache.block_size, dtype, kv_head_shards,
+                                kv_layers) + extra_bytes_per_block
     platform = platform or jax.default_backend()
     share = host_devices if platform == "cpu" else 1  # devices splitting this RAM
     util = cache.gpu_memory_utilization
@@ -278,13 +280,15 @@ def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_
                    max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                    kv_head_shards: int = 1, device_bytes: int | None = None,
                    platform: str | None = None, host_devices: int = 1,
-                   kv_layers: int | None = None, blocks_per_seq: int | None = None) -> int:
+                   kv_layers: int | None = None, blocks_per_seq: int | None = None,
+                   extra_bytes_per_block: int = 0) -> int:
     """Blocks per layer for this config (see `plan_kv_pool`, which also logs the breakdown)."""
     return plan_kv_pool(cache, spec, dtype, param_bytes, max_model_len,
                         activation_bytes=activation_bytes, kv_head_shards=kv_head_shards,
                         device_bytes=device_bytes, platform=platform,
                         host_devices=host_devices, kv_layers=kv_layers,
-                        blocks_per_seq=blocks_per_seq).num_blocks
+                        blocks_per_seq=blocks_per_seq,
+                        extra_bytes_per_block=extra_bytes_per_block).num_blocks
 
 
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int,

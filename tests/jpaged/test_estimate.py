@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from jpaged.cli import app
-from jpaged.estimate import EstimateError, estimate_capacity, param_counts, parse_memory
+from jpaged.estimate import EstimateError, estimate_capacity, param_counts, parse_memory, rows
 from models.config import ModelSpec
 
 LLAMA_13B = {  # huggyllama/llama-13b: 40 layers, hidden 5120, 40 heads, no GQA
@@ -213,3 +213,15 @@ def test_hybrid_gemma3_27b_at_128k_against_the_full_layout(tmp_path):
     assert "hybrid layout" in r.output and "52 (window 1,024) / 10" in r.output
     dense = estimate_capacity(str(path.parent), gpu_memory="141GiB", max_model_len=2048)
     assert dense.hybrid_capacity_ratio < est.hybrid_capacity_ratio  # short contexts gain less
+
+
+def test_a_draft_model_counts_its_weights_and_blocks():
+    from models.loader import embedded_gguf_path
+
+    plain = estimate_capacity(None, gpu_memory="4GiB")
+    both = estimate_capacity(None, gpu_memory="4GiB", draft_model=str(embedded_gguf_path()))
+    assert both.draft_bytes_per_block == plain.bytes_per_block_per_device
+    assert both.draft_param_bytes == plain.param_bytes
+    assert both.kv_budget_bytes == plain.kv_budget_bytes - plain.param_bytes
+    assert both.num_blocks == both.kv_budget_bytes // (2 * plain.bytes_per_block_per_device)
+    assert any(name == "draft model (speculative)" for name, _ in rows(both))

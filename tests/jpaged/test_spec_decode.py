@@ -11,6 +11,7 @@ import pytest
 from helpers import make_llm, tiny
 
 from jpaged import SamplingParams
+from jpaged.sampling_params import StructuredOutputsParams
 from jpaged.config import EngineArgs, SpeculativeConfig
 
 # A small pool (preemption) and block 8 (prefix hits on shared prompt heads).
@@ -46,7 +47,8 @@ def _work(seed: int, n: int) -> list[tuple[list[int], SamplingParams]]:
             sp.update(repetition_penalty=1.3, frequency_penalty=0.2, min_tokens=6,
                       stop_token_ids=[pattern[0]])
         elif kind == 3:
-            sp.update(logit_bias={pattern[1]: 5.0}, bad_words=None, logprobs=3)
+            sp.update(logit_bias={pattern[1]: 5.0}, logprobs=3,
+                      bad_words=[chr(pattern[3] % 94 + 33) + chr(pattern[4] % 94 + 33)])
         elif kind == 4:
             sp.update(allowed_token_ids=sorted(set(pattern + head[:8])), temperature=0.7,
                       seed=7 + i)
@@ -163,8 +165,10 @@ def test_a_proposer_error_fails_only_its_request(engines, monkeypatch):
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram", "num_speculative_tokens": 33}, "num_speculative_tokens"),
-    ({"method": "eagle", "num_speculative_tokens": 2}, "draft-model"),
-    ({"model": "some/draft", "num_speculative_tokens": 2}, "draft-model"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "learned draft head"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "model is required"),
+    ({"method": "ngram", "model": "x", "num_speculative_tokens": 2}, "model is required"),
+    ({"model": "some/draft"}, "num_speculative_tokens is required"),
     ({"method": "medusa2", "num_speculative_tokens": 2}, "method must be one of"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown field"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4,
@@ -230,3 +234,96 @@ def test_core_process_and_stop_strings_match_spec_off():
         assert outs(LLM.from_engine(core)) == ref
     finally:
         core.shutdown()
+
+
+def test_structured_outputs_verify_each_position_under_its_grammar():
+    """The embedded model writing JSON for a schema, greedy and seeded: proposals are cut
+    where the grammar refuses them and each position is masked by the grammar advanced past
+    the proposals before it, so the outputs are the engine's without proposals (and valid)."""
+    import json
+
+    import jsonschema
+
+    from jpaged.bench.schemas import SCHEMAS
+
+    args = dict(max_model_len=512, max_num_seqs=8, max_num_batched_tokens=512)
+    names = list(SCHEMAS)[:3]
+    base = make_llm(**args)
+    spec = make_llm(speculative_config={"method": "suffix", "num_speculative_tokens": 6},
+                    **args)
+    tok = base.get_tokenizer()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"A JSON {n}, twice."}],
+                                       add_generation_prompt=True) for n in names] * 2
+    params = [SamplingParams(temperature=0.0 if i < 3 else 0.7, seed=i, max_tokens=120,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMAS[n]))
+              for i, n in enumerate(names * 2)]
+
+    def run(llm):
+        return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    want, got = run(base), run(spec)
+    assert [(c.token_ids, c.finish_reason) for c in got] == \
+        [(c.token_ids, c.finish_reason) for c in want]
+    for c, n in zip(got, names * 2, strict=True):
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMAS[n])
+    m = spec.llm_engine.get_metrics()
+    assert m["spec_decode_num_accepted_tokens"] > 0
+
+
+# -- draft models ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory):
+    """Another tiny Llama with the target's byte tokenizer: one layer, other weights."""
+    from tiny_models import random_weights, tiny_spec, write_hf_dir
+
+    spec = tiny_spec(max_position_embeddings=512, num_layers=1)
+    return str(write_hf_dir(tmp_path_factory.mktemp("draft") / "draft", spec,
+                            random_weights(spec, seed=7)))
+
+
+def test_draft_model_outputs_identical_and_counted_in_the_pool(engines, draft_dir):
+    """A draft with other weights: most proposals are rejected, every output is the engine's
+    without proposals (preemption and prefix hits included), and each block holds the
+    draft's KV too, so the same KV bytes give fewer blocks."""
+    cfg = {"model": draft_dir, "num_speculative_tokens": 3}
+    budget = dict(BASE, num_gpu_blocks_override=None, kv_cache_memory_bytes=2**20)
+    plain = make_llm(tiny(), **budget).llm_engine
+    drafted = make_llm(tiny(), speculative_config=cfg, **budget).llm_engine
+    target_block = 2 * 8 * tiny().spec.num_layers * tiny().spec.num_kv_heads * \
+        tiny().spec.head_dim * 4
+    draft_block = target_block // tiny().spec.num_layers  # the draft has one layer
+    assert drafted.config.cache.num_gpu_blocks == 2**20 // (target_block + draft_block)
+    assert plain.config.cache.num_gpu_blocks == 2**20 // target_block
+    eng = make_llm(tiny(), speculative_config=cfg, **BASE).llm_engine
+    work = _work(3, 18)
+    assert _run(eng, work)[0] == _run(engines["off"], work)[0]
+    m = eng.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0 and m["num_preemptions"] > 0
+    assert eng.core.draft.num_steps > 0
+
+
+def test_a_draft_equal_to_the_target_accepts_every_greedy_proposal():
+    """The embedded model drafting for itself: every greedy proposal is accepted."""
+    from models.loader import embedded_gguf_path
+
+    llm = make_llm(speculative_config={"model": str(embedded_gguf_path()),
+                                       "num_speculative_tokens": 3},
+                   max_num_seqs=16, max_model_len=256)
+    prompts = ["The capital of France is", "List the planets of the solar system:"]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20,
+                                                ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    m = llm.llm_engine.get_metrics()
+    assert m["spec_decode_num_draft_tokens"] > 0
+    assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
+
+
+def test_a_draft_with_another_vocabulary_is_refused(draft_dir):
+    from models.loader import embedded_gguf_path
+
+    with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary"):
+        make_llm(tiny(), speculative_config={"model": str(embedded_gguf_path()),
+                                             "num_speculative_tokens": 2}, **BASE)

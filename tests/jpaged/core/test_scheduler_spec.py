@@ -51,7 +51,7 @@ class SpecDriver:
         out = s.schedule()
         assert out.num_scheduled_tokens <= s.scheduler_config.max_num_batched_tokens
         rows = sum(1 + len(x.spec_token_ids) for x in out.scheduled)
-        assert rows <= s.scheduler_config.max_num_seqs  # every position is a row of the step
+        assert rows <= s.max_rows  # every position is a row of the step
         sampled, first = [], []
         pool = kvm.block_pool
         for x in out.scheduled:
@@ -109,6 +109,7 @@ def test_outputs_equal_reference_through_preemption_and_prefix_hits(seed):
     # A small pool: requests preempt each other; shared prefixes hit the cache.
     sched = make_scheduler(24, block_size=4, max_num_seqs=8, max_num_batched_tokens=32,
                            max_model_len=128)
+    sched.max_rows = 32  # BucketPlan's rows with proposals: room for 3 a request
     shared = rng.integers(0, 998, size=12).tolist()
     reqs = []
     for i in range(10):
@@ -129,6 +130,7 @@ def test_outputs_equal_reference_through_preemption_and_prefix_hits(seed):
 
 def test_rejected_blocks_are_freed_and_never_cached():
     sched = make_scheduler(64, block_size=4, max_model_len=128)
+    sched.max_rows = 64
     req = make_request("a", list(range(1, 8)), max_tokens=30)  # 7 prompt tokens
     sched.add_request(req)
     kvm = sched.kv_cache_manager
@@ -160,6 +162,7 @@ def test_rejected_blocks_are_freed_and_never_cached():
 
 def test_proposals_stop_at_eos_and_max_tokens():
     sched = make_scheduler(64, block_size=4, max_model_len=128)
+    sched.max_rows = 64
     req = make_request("a", [5, 6, 7], max_tokens=4, stop_token_ids=[])
     sched.add_request(req)
     out = sched.schedule()
@@ -178,9 +181,10 @@ def test_proposals_stop_at_eos_and_max_tokens():
     assert kvm.num_free_blocks == kvm.block_pool.num_blocks - 1
 
 
-def test_proposals_never_preempt_and_respect_row_limit():
-    # Two decoding requests, max_num_seqs 3: at most one proposal fits beside them.
+def test_proposal_rows_are_capped_and_leave_admission_alone():
+    # max_num_seqs 3 and 4 rows a step: one proposal row beside the requests' own.
     sched = make_scheduler(64, block_size=4, max_num_seqs=3, max_model_len=128)
+    sched.max_rows = 4
     a, b = make_request("a", [1, 2, 3], max_tokens=20), make_request("b", [4, 5, 6], 20)
     for r in (a, b):
         sched.add_request(r)
@@ -188,6 +192,28 @@ def test_proposals_never_preempt_and_respect_row_limit():
     sched.update_from_output(out, [fake_next(r.all_token_ids) for r in (a, b)],
                              first_rows=[0, 1])
     a.spec_token_ids, b.spec_token_ids = [1, 2, 3], [4, 5]
+    c = make_request("c", [7, 8, 9], 20)
+    sched.add_request(c)
     out = sched.schedule()
     assert sum(len(x.spec_token_ids) for x in out.scheduled) == 1
-    assert sum(1 + len(x.spec_token_ids) for x in out.scheduled) <= 3
+    assert sum(1 + len(x.spec_token_ids) for x in out.scheduled) == 4
+    assert c in [x.request for x in out.scheduled]  # proposals never keep a request out
+
+
+def test_a_proposal_never_preempts():
+    # A pool with room for the input tokens but not for proposals' blocks.
+    sched = make_scheduler(5, block_size=4, max_num_seqs=2, max_model_len=12)
+    sched.max_rows = 16
+    a = make_request("a", [1, 2, 3, 4], max_tokens=6)
+    b = make_request("b", [5, 6, 7, 8], max_tokens=6)
+    for r in (a, b):
+        sched.add_request(r)
+    out = sched.schedule()
+    sched.update_from_output(out, [fake_next(r.all_token_ids) for r in (a, b)],
+                             first_rows=[0, 1])
+    a.spec_token_ids, b.spec_token_ids = [1, 2, 3, 4, 5], [1, 2, 3, 4, 5]
+    # 2 free blocks: each request's next token needs one; its proposals may fill the rest of
+    # that block (3 positions) but take no block the other request needs.
+    out = sched.schedule()
+    assert sched.num_preemptions == 0 and len(out.scheduled) == 2
+    assert [len(x.spec_token_ids) for x in out.scheduled] == [3, 3]

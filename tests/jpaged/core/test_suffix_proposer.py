@@ -289,3 +289,15 @@ def test_random_requests_match_a_brute_force_search():
             assert sp.global_path_counts() == _brute_counts(
                 cached, cfg.suffix_decoding_max_tree_depth)
     assert checked == trials * 4 * 8 and nonempty > checked // 3
+
+
+def test_clear_cache_empties_the_global_tree():
+    sp = SuffixProposer(SuffixConfig(num_speculative_tokens=4))
+    sp.start_request("a", [1, 2])
+    sp.extend("a", [3, 4, 5, 6])
+    sp.stop_request("a")
+    sp.start_request("b", [9, 3, 4])
+    assert sp.propose("b") == [5, 6]
+    sp.clear_cache()
+    assert sp.num_cached_responses() == 0 and sp.global_path_counts() == {}
+    assert sp.propose("b") == []
