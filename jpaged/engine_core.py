@@ -75,6 +75,10 @@ logger = logging.getLogger("jpaged")
 
 __all__ = ["CoreOutput", "Dispatched", "EngineCore"]
 
+# Speculative decoding: the most overlapped steps between two proposing steps while proposals
+# are not accepted (EngineCore._spec_pause).
+SPEC_MAX_PAUSE = 16
+
 
 @dataclass(frozen=True)
 class Dispatched:
@@ -307,8 +311,18 @@ class EngineCore:
         self.proposer = (Proposer(self.config.speculative)
                          if self.config.speculative is not None else None)
         if self.proposer is not None:
-            logger.info("speculative decoding: %s, up to %d tokens a step (steps synchronous)",
+            logger.info("speculative decoding: %s, up to %d tokens a step",
                         self.proposer.method, self.proposer.num_speculative_tokens)
+        # Speculation while it pays (async scheduling only): a step that proposes runs
+        # synchronously (a proposal follows the request's last token, which must be on the
+        # host). After a proposing step in which no proposal was accepted, the next
+        # `_spec_pause` steps run overlapped without proposals; the pause doubles while probes
+        # keep failing (up to SPEC_MAX_PAUSE) and is gone after one that gains a token. Both
+        # loops are exact, so outputs do not depend on it.
+        self._spec_pause = 0
+        self._spec_backoff = 1
+        self._spec_probe: tuple[SchedulerOutput, int] | None = None
+        self.num_spec_overlapped_steps = 0
         # Async scheduling: the dispatched step whose tokens the next step() reads.
         self.async_scheduling = self.config.scheduler.async_scheduling
         self._in_flight: Dispatched | None = None
@@ -393,6 +407,8 @@ class EngineCore:
         if done is not None:
             res.applied = True
             self._apply(done, res)
+            if self._spec_probe is not None and done.out is self._spec_probe[0]:
+                self._judge_probe()
         cur = self._finish_deferred(cur)  # its masks follow the tokens just applied
         self._record(cur)
         if self.failures:
@@ -418,7 +434,9 @@ class EngineCore:
         """
         self.runner.last_wait_s = 0.0
         so = self.structured_output
-        if not self.async_scheduling or self.proposer is not None or so.needs_sync(
+        proposing = self.proposer is not None and (self._spec_pause == 0
+                                                   or not self.async_scheduling)
+        if not self.async_scheduling or proposing or so.needs_sync(
                 self.scheduler.requests, self.runner.announce is not None):
             if self._in_flight is not None:
                 # A constrained request's next mask needs the token in flight: apply that step
@@ -479,8 +497,18 @@ class EngineCore:
         if self.kv_worker is not None:
             self._kv_connector_before_schedule()
         if self.proposer is not None:
-            self._propose()
+            if advance:  # an overlapped step while speculation pauses: nothing proposed
+                self._spec_pause -= 1
+                self.num_spec_overlapped_steps += 1
+                for r in self.scheduler.running:
+                    r.spec_token_ids = []
+            else:
+                self._propose()
         out = self.scheduler.schedule()
+        if self.proposer is not None and not advance and self.async_scheduling and any(
+                sr.spec_token_ids or (sr.sample and sr.num_tokens == 1) for sr in out.scheduled):
+            # A decode was scheduled: a chance to propose, judged once its tokens are back.
+            self._spec_probe = (out, self.scheduler.spec_decode.num_accepted_tokens)
         if self.kv_worker is not None:
             self._kv_connector_meta()
         if out.tier_transfers is not None and not out.tier_transfers.is_empty:
@@ -554,6 +582,16 @@ class EngineCore:
                     del sr.spec_token_ids[k:], sr.token_ids[len(sr.token_ids) - cut:]
                     sr.num_tokens -= cut
                     out.num_scheduled_tokens -= cut
+
+    def _judge_probe(self) -> None:
+        """After a proposing step (async scheduling): pause speculation if it gained nothing."""
+        _, before = self._spec_probe
+        self._spec_probe = None
+        if self.scheduler.spec_decode.num_accepted_tokens > before:
+            self._spec_backoff = 1
+        else:
+            self._spec_pause = self._spec_backoff
+            self._spec_backoff = min(2 * self._spec_backoff, SPEC_MAX_PAUSE)
 
     def _propose(self) -> None:
         """Proposals for the decoding requests (speculative decoding), cut where a grammar
@@ -649,6 +687,7 @@ class EngineCore:
             m.update(self.kv_worker.stats)
         if self.proposer is not None:
             m.update(self.scheduler.spec_decode.as_metrics(self.proposer.num_speculative_tokens))
+            m["spec_decode_overlapped_steps_total"] = self.num_spec_overlapped_steps
         return m
 
     def cache_state(self) -> dict[str, Any]:

@@ -63,7 +63,12 @@ def snapshot(scheduler: Scheduler) -> dict[str, Any]:
             entry.update(num_tokens=req.num_tokens, num_computed_tokens=req.num_computed_tokens,
                          num_prompt_tokens=req.num_prompt_tokens,
                          num_output_tokens=req.num_output_tokens, priority=req.priority,
-                         status=req.status.name)
+                         status=req.status.name,
+                         # Speculative decoding: proposals waiting for slots (a request the
+                         # last schedule stalled). Slots given to proposals never outlive
+                         # their step: verification trims them, so a table holds verified
+                         # tokens only.
+                         spec_token_ids=list(req.spec_token_ids))
         requests[rid] = entry
 
     waiting = [rid for rid in scheduler.requests if rid not in requests]

@@ -11,8 +11,8 @@ import pytest
 from helpers import make_llm, tiny
 
 from jpaged import SamplingParams
-from jpaged.sampling_params import StructuredOutputsParams
 from jpaged.config import EngineArgs, SpeculativeConfig
+from jpaged.sampling_params import StructuredOutputsParams
 
 # A small pool (preemption) and block 8 (prefix hits on shared prompt heads).
 BASE = dict(max_model_len=256, max_num_seqs=16, max_num_batched_tokens=128, block_size=8,
@@ -107,6 +107,21 @@ def test_outputs_identical_to_spec_off(engines, method):
     per_pos = m["spec_decode_num_accepted_tokens_per_pos"]
     assert sum(per_pos) == m["spec_decode_num_accepted_tokens"]
     assert all(a >= b for a, b in zip(per_pos, per_pos[1:], strict=False))
+
+
+def test_speculation_pauses_while_nothing_is_accepted(engines):
+    """Random prompts: n-grams of 5 never recur, so no proposal is made; the engine then runs
+    most steps overlapped (async scheduling), probing now and then, and outputs stay exact."""
+    eng = make_llm(tiny(), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                               "prompt_lookup_min": 5}, **BASE).llm_engine
+    rng = np.random.default_rng(9)
+    work = [(rng.integers(3, 250, size=20).tolist(), SamplingParams(temperature=1.0, seed=i,
+                                                                    max_tokens=40))
+            for i in range(4)]
+    assert _run(eng, work)[0] == _run(engines["off"], work)[0]
+    m = eng.get_metrics()
+    steps = m["num_steps"]
+    assert m["spec_decode_overlapped_steps_total"] > steps // 2
 
 
 def test_swap_preemption_keeps_outputs(engines):
