@@ -306,8 +306,8 @@ class EngineCore:
         self.structured_output = StructuredOutputManager(lambda: self.grammar_compiler,
                                                          self.spec.vocab_size)
         self._grammar_compiler: GrammarCompiler | None = None
-        # Speculative decoding (None: off): proposals made before each schedule. Its steps run
-        # synchronously: a proposal follows the request's last token, which must be on the host.
+        # Speculative decoding (None: off): proposals made before a schedule (see below for
+        # which steps propose).
         self.proposer = (Proposer(self.config.speculative)
                          if self.config.speculative is not None else None)
         if self.proposer is not None:
