@@ -126,8 +126,8 @@ class StepResultsMixin:
                 self._advance(sr)
                 if not sr.sample:
                     continue
+            row = i if first_rows is None else first_rows[i]  # the row sampled for it
             if not by_id:
-                row = i if first_rows is None else first_rows[i]
                 tok = sampled_token_ids[row]  # a list from tolist(): Python ints already
             elif rid in sampled_token_ids:
                 tok = int(sampled_token_ids[rid])
@@ -136,7 +136,7 @@ class StepResultsMixin:
             req.append_output_token(tok)
             changed.append(req)
             if rows is not None:
-                rows.append(i if first_rows is None else first_rows[i])
+                rows.append(row)
             running = req.status is RUNNING
             n = len(req.all_token_ids)
             if advanced and running and n % bs == 0:
