@@ -39,6 +39,7 @@ from jpaged.config import (
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
     PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
     SCHEDULING_POLICIES,
     EngineArgs,
 )
@@ -52,6 +53,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "dtype": MODEL_DTYPES,
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
+    "quantization": QUANTIZATION_METHODS,
     "prefix_caching_hash_algo": HASH_ALGOS,
     "preemption_mode": PREEMPTION_MODES,
     "scheduling_policy": SCHEDULING_POLICIES,

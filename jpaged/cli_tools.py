@@ -99,7 +99,7 @@ def tune(
 # estimate reads the model's config only, and plans for a device it may not run on: its own
 # --model, --dtype and memory options; the pool's shape flags are the engine's.
 @with_engine_flags(only=("block_size", "kv_cache_dtype", "max_model_len", "tensor_parallel_size",
-                         "max_num_seqs"))
+                         "max_num_seqs", "quantization"))
 def estimate(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="HF directory, config.json, .gguf or hub repo id (config only; "
@@ -160,6 +160,10 @@ def convert(
     overwrite: Annotated[bool, typer.Option(
         "--overwrite", help="Replace the checkpoint files of an existing, non-empty OUT.")
     ] = False,
+    quantization: Annotated[str | None, typer.Option(
+        "--quantization", help="Store the weights quantized: gguf (a GGUF at its own "
+        "quantization) or fp8 (decoder linears per channel); OUT loads back quantized.")
+    ] = None,
 ) -> None:
     """Write SRC as an orbax checkpoint that --model OUT loads faster (docs/distributed.md)."""
     import time
@@ -178,7 +182,7 @@ def convert(
     model = None if src in ("embedded", DEFAULT_MODEL) else src
     try:
         t0 = time.perf_counter()
-        loaded = load_model(model, dtype)
+        loaded = load_model(model, dtype, quantization=quantization)
         t1 = time.perf_counter()
         path = save_checkpoint(loaded, out, overwrite=overwrite)
         t2 = time.perf_counter()
@@ -189,7 +193,8 @@ def convert(
     typer.echo(str(path))
     typer.echo(f"source {loaded.source}: {loaded.spec.architecture}, "
                f"{params['num_params'] / 1e6:.1f}M params in {params['num_tensors']} tensors, "
-               f"{dtype}; {params['bytes'] / 2**20:.1f} MiB in memory, "
+               f"{dtype}{'' if quantization is None else ', ' + quantization}; "
+               f"{params['bytes'] / 2**20:.1f} MiB in memory, "
                f"{on_disk / 2**20:.1f} MiB on disk")
     typer.echo(f"loaded in {t1 - t0:.2f} s, written in {t2 - t1:.2f} s; "
                f"use it with --model {path}")

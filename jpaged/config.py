@@ -37,6 +37,13 @@ ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla")
 HASH_ALGOS = ("sha256", "xxhash")
 SCHEDULING_POLICIES = ("priority", "fcfs", "lpm")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --quantization names jpaged has: "fp8" quantizes the decoder linears at load (or
+# names an fp8 checkpoint's own), "gguf" keeps a GGUF at its own quantization; the others name
+# the method of a checkpoint quantized by its producer, which loads as it is without them too
+# (docs/quantization.md).
+QUANTIZATION_METHODS = ("fp8", "gguf", "gptq", "awq", "compressed-tensors")
+# Methods that quantize at load (the rest only confirm a checkpoint's own).
+QUANTIZE_AT_LOAD = ("fp8", "gguf")
 # vLLM's --max-logprobs default: the most logprobs (and prompt_logprobs) a request may ask for.
 DEFAULT_MAX_LOGPROBS = 20
 # vLLM's --logprobs-mode values. jpaged returns logprobs of the raw logits (no temperature or
@@ -232,10 +239,14 @@ class ModelConfig:
     # vocabulary); also how many candidates a step with logprobs computes.
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     logprobs_mode: str = "raw_logprobs"  # vLLM's; only its default is implemented
+    quantization: str | None = None  # a QUANTIZATION_METHODS name, or None
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
             _fail("ModelConfig", "dtype", f"one of {MODEL_DTYPES}", self.dtype)
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            _fail("ModelConfig", "quantization", f"one of {QUANTIZATION_METHODS} (or unset)",
+                  self.quantization)
         if self.attention_backend not in ATTENTION_BACKENDS:
             _fail("ModelConfig", "attention_backend", f"one of {ATTENTION_BACKENDS}",
                   self.attention_backend)
@@ -506,6 +517,11 @@ class EngineArgs:
     seed: int = 0
     """Engine seed: a request without a seed of its own samples with one derived from it and
     the request's arrival order, so the same requests with the same seed sample alike."""
+    quantization: str | None = None
+    """Weights kept quantized on the device: "gguf" runs a GGUF at its own quantization (every
+    quantized tensor stays as stored; unset, a GGUF is dequantized to dtype), "fp8" quantizes
+    the decoder layers' linears per output channel at load (embeddings and head stay in dtype).
+    A checkpoint written quantized (`jpaged convert --quantization`) loads as it was."""
     attention_backend: str = "auto"
     """Attention kernels: pallas (the Pallas kernels; off GPU their slow interpreter), xla
     (jnp attention that skips empty chunks), reference (the plain version the kernels are
@@ -641,7 +657,7 @@ class EngineArgs:
                 DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
         return EngineConfig(
             model=ModelConfig(self.model, self.dtype, self.attention_backend, self.seed,
-                              max_logprobs=self.max_logprobs,
+                              max_logprobs=self.max_logprobs, quantization=self.quantization,
                               logprobs_mode=self.logprobs_mode),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -185,7 +185,8 @@ class EngineCore:
         _check_connector(early, args)
         # With tensor parallelism the weights load straight into their shards.
         rss_before = rss_bytes()
-        self.loaded = loaded or load_model(args.model, args.dtype, args.tensor_parallel_size)
+        self.loaded = loaded or load_model(args.model, args.dtype, args.tensor_parallel_size,
+                                           args.quantization)
         if self.group is not None:  # what loading took from this process (docs/distributed.md)
             mine = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(nnx.state(
                 self.loaded.model)) for s in x.addressable_shards)

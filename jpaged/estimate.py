@@ -44,6 +44,7 @@ from jpaged.config import (
     DEFAULT_MAX_NUM_SEQS,
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
+    QUANTIZATION_METHODS,
 )
 from jpaged.intmath import cdiv
 
@@ -113,6 +114,7 @@ class CapacityEstimate:
     draft_model: str | None = None
     draft_param_bytes: int = 0
     draft_bytes_per_block: int = 0
+    quantization: str | None = None  # how the weights are counted ("fp8", "gguf"), or None
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as a JSON-ready dict."""
@@ -236,6 +238,72 @@ def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
     return totals[0], totals[1]
 
 
+def weight_bytes(spec: Any, wbytes: int, quantization: str | None, source: str,
+                 model: str | None) -> int:
+    """Bytes of the whole model's weights on the device: `wbytes` a parameter, or with
+    "fp8" the decoder linears at one byte plus a float32 scale per output channel, or with
+    "gguf" each tensor of the GGUF as it runs quantized (models/gguf_quant.py)."""
+    n_params = param_counts(spec, 1)[0]
+    qc = _hf_quantization_config(model)
+    if quantization is None and qc is not None:  # a checkpoint quantized by its producer
+        quantization = str(qc.get("quant_method", "")).lower()
+    if quantization is None:
+        return n_params * wbytes
+    d, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
+    q_kv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
+    linear = d * q_kv + spec.num_heads * hd * d + 3 * d * inter  # elements a layer
+    rest = (n_params - spec.num_layers * linear) * wbytes
+    if quantization in ("fp8", "compressed-tensors"):
+        scales = q_kv + d + 2 * inter + d  # one float32 per output channel
+        return rest + spec.num_layers * (linear + 4 * scales)
+    if quantization in ("gptq", "awq"):  # int4/int8 groups, a float16 scale and min each
+        bits = int((qc or {}).get("bits", 4))
+        group = int((qc or {}).get("group_size", 128))
+        groups = linear // group if group > 0 else q_kv + d + 2 * inter + d
+        return rest + spec.num_layers * (linear * bits // 8 + 4 * groups)
+    path = _gguf_path(model)
+    if path is None:
+        raise EstimateError("--quantization", f"'gguf' runs a GGUF at its own quantization; "
+                            f"{source} is not a .gguf file")
+    import gguf
+
+    from models.gguf_loader import gguf_to_hf_name
+    from models.gguf_meta import read_gguf
+    from models.gguf_quant import device_bytes
+
+    meta, tensors = read_gguf(path, full=False)
+    arch = meta.get("general.architecture", "llama")
+    return sum(device_bytes(gguf.GGMLQuantizationType(t.ggml_type), t.shape, wbytes)
+               for t in tensors.values() if gguf_to_hf_name(t.name, arch) is not None)
+
+
+def _hf_quantization_config(model: str | None) -> dict[str, Any] | None:
+    """The `quantization_config` of an HF model's config.json (None: none, or not HF)."""
+    if model is None or model.lower().endswith(".gguf"):
+        return None
+    path = Path(model).expanduser()
+    if path.is_dir():
+        path = path / "config.json"
+    elif not path.exists():
+        return None  # a hub id or a packaged name: config-only estimates count it unquantized
+    try:
+        qc = json.loads(path.read_text(encoding="utf-8")).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return qc if isinstance(qc, dict) else None
+
+
+def _gguf_path(model: str | None) -> Path | None:
+    """The GGUF file `model` names (the embedded default, a packaged name, a path), or None."""
+    from models.loader import DEFAULT_MODEL, NAMED_GGUF_MODELS, embedded_gguf_path
+
+    if model is None or model == DEFAULT_MODEL:
+        return embedded_gguf_path()
+    if model in NAMED_GGUF_MODELS:
+        return NAMED_GGUF_MODELS[model]()
+    return Path(model).expanduser() if model.lower().endswith(".gguf") else None
+
+
 def estimate_capacity(
     model: str | None = None, *, gpu_memory: int | str = "80GiB",
     gpu_memory_utilization: float = 0.9, block_size: int = DEFAULT_BLOCK_SIZE,
@@ -243,6 +311,7 @@ def estimate_capacity(
     tensor_parallel_size: int = 1, dtype: str = "auto",
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, draft_model: str | None = None,
+    quantization: str | None = None,
 ) -> CapacityEstimate:
     """Plan the KV pool; raises EstimateError (a ValueError naming the flag) on bad input."""
     mem = parse_memory(gpu_memory)
@@ -262,6 +331,9 @@ def estimate_capacity(
                         ("--max-num-seqs", max_num_seqs)):
         if value < 1:
             raise EstimateError(flag, f"must be >= 1, got {value}")
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise EstimateError("--quantization", f"must be one of "
+                            f"{', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
     spec, torch_dtype, source = load_spec(model)
 
     if dtype == "auto":  # the checkpoint's dtype; GGUF weights are dequantized to bf16 on GPUs
@@ -288,6 +360,8 @@ def estimate_capacity(
     per_token = int(spec.kv_bytes_per_token(kvbytes))
     per_token_dev = 2 * spec.num_layers * kv_per_dev * spec.head_dim * kvbytes
     n_params, n_params_dev = param_counts(spec, tp)
+    weights = weight_bytes(spec, wbytes, quantization, source, model)
+    weights_dev = round(weights * n_params_dev / n_params)  # quantized bytes split as params
     widths = (2 * (spec.num_heads // tp) + 2 * kv_per_dev) * spec.head_dim
     act = (max_num_batched_tokens * wbytes
            * (2 * spec.hidden_size + widths + 3 * _split(spec.intermediate_size, tp))
@@ -304,13 +378,13 @@ def estimate_capacity(
                                 f"is not the target's ({spec.vocab_size})")
         draft_params = param_counts(dspec, 1)[0] * wbytes
         draft_block = block_size * int(dspec.kv_bytes_per_token(kvbytes))
-    budget = (int(mem * gpu_memory_utilization) - n_params_dev * wbytes - draft_params - act
+    budget = (int(mem * gpu_memory_utilization) - weights_dev - draft_params - act
               - RUNTIME_MARGIN_BYTES)
     block_dev = block_size * per_token_dev + draft_block
     blocks_per_seq = cdiv(max_model_len, block_size)
     if budget < 2 * block_dev:
         raise EstimateError("--gpu-memory", f"{mem:,} bytes x {gpu_memory_utilization} minus "
-                            f"{n_params_dev * wbytes:,} bytes of weights, {act:,} of activations "
+                            f"{weights_dev:,} bytes of weights, {act:,} of activations "
                             f"and a {RUNTIME_MARGIN_BYTES:,} margin leaves {budget:,} bytes for "
                             f"the KV cache: not two blocks of {block_dev:,} bytes (the null block "
                             "and one more)")
@@ -330,9 +404,9 @@ def estimate_capacity(
         tensor_parallel_size=tp, gpu_memory_bytes=mem,
         gpu_memory_utilization=gpu_memory_utilization, bytes_per_token=per_token,
         bytes_per_block=block_size * per_token, param_count=n_params,
-        param_bytes=n_params * wbytes, kv_heads_per_device=kv_per_dev,
+        param_bytes=weights, kv_heads_per_device=kv_per_dev,
         bytes_per_token_per_device=per_token_dev, bytes_per_block_per_device=block_dev,
-        param_bytes_per_device=n_params_dev * wbytes, activation_bytes=act,
+        param_bytes_per_device=weights_dev, activation_bytes=act, quantization=quantization,
         margin_bytes=RUNTIME_MARGIN_BYTES, kv_budget_bytes=budget, num_blocks=num_blocks,
         blocks_per_seq=blocks_per_seq, max_concurrent_seqs=usable // blocks_per_seq,
         blocks_per_avg_seq=per_avg,
@@ -379,7 +453,8 @@ def rows(est: CapacityEstimate) -> list[tuple[str, str]]:
         ("KV bytes per token", f"{e.bytes_per_token:,} B"),
         (f"KV bytes per block ({e.block_size} tokens)",
          f"{e.bytes_per_block:,} B = {human_bytes(e.bytes_per_block)}"),
-        ("parameters", f"{e.param_count / 1e9:.2f} billion = {human_bytes(e.param_bytes)}"),
+        ("parameters", f"{e.param_count / 1e9:.2f} billion = {human_bytes(e.param_bytes)}"
+         + ("" if e.quantization is None else f" ({e.quantization})")),
     ]
     if tp > 1:
         out += [

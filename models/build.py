@@ -32,6 +32,7 @@ class LoadedModel:
     model: nnx.Module
     tokenizer: Tokenizer
     source: str  # local path of the .gguf file or HF directory that was loaded
+    quantization: str | None = None  # how its weights are quantized ("gguf", "fp8"), or None
 
 
 def resolve_dtype(dtype: str) -> Any:

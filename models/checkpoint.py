@@ -35,6 +35,14 @@ from flax import nnx
 
 from .build import LoadedModel, abstract_model, resolve_dtype
 from .config import ModelSpec
+from .quant_layers import (
+    QuantLayout,
+    apply_plan,
+    check_quant_splits,
+    plan_from_json,
+    plan_of,
+    plan_to_json,
+)
 from .sharding import make_mesh, param_shardings, plan_layout, vocab_splits
 from .tokenizer import Tokenizer
 
@@ -198,6 +206,8 @@ def save_checkpoint(loaded: LoadedModel, out: str | Path, *, overwrite: bool = F
         "dtype": dtype,
         "spec": spec_to_json(loaded.spec),
         "source": loaded.source,
+        "quantization": None if not (plan := plan_of(loaded.model)) else {
+            "method": loaded.quantization, "plan": plan_to_json(plan)},
         "params": {
             "num_tensors": len(tensors),
             "num_params": sum(x.size for x in jax.tree.leaves(params)),
@@ -240,7 +250,8 @@ def read_manifest(path: str | Path) -> dict[str, Any]:
 
 
 def load_checkpoint(path: str | Path, dtype: Any = "auto",
-                    tensor_parallel_size: int = 1) -> LoadedModel:
+                    tensor_parallel_size: int = 1, quantization: str | None = None
+                    ) -> LoadedModel:
     """A LoadedModel from a jpaged checkpoint, params restored straight into their shardings.
 
     `dtype` is a name ('auto' | 'float32' | 'bfloat16' | 'float16') or a jnp dtype; arrays
@@ -256,7 +267,13 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
     except (TypeError, ValueError) as e:
         raise ValueError(f"corrupt checkpoint manifest {path / MARKER}: spec: {e}") from e
     jdtype = resolve_dtype(dtype) if isinstance(dtype, str) else dtype
-    graphdef, state = nnx.split(abstract_model(spec, jdtype))
+    method, plan = _stored_quantization(path, manifest, quantization)
+    abstract = abstract_model(spec, jdtype)
+    if plan:
+        apply_plan(abstract, plan)
+        if tensor_parallel_size > 1:
+            check_quant_splits(abstract, tensor_parallel_size)
+    graphdef, state = nnx.split(abstract)
     if tensor_parallel_size > 1:
         layout = plan_layout(spec, tensor_parallel_size)  # validates the size, then the devices
         shardings = param_shardings(state, make_mesh(tensor_parallel_size), layout,
@@ -293,7 +310,29 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
     nnx.replace_by_pure_dict(state, restored)
     model = nnx.merge(graphdef, state)
     tokenizer = Tokenizer.from_hf_dir(path)
-    return LoadedModel(spec, model, tokenizer, str(path))
+    return LoadedModel(spec, model, tokenizer, str(path), method)
+
+
+def _stored_quantization(path: Path, manifest: dict[str, Any], wanted: str | None
+                         ) -> tuple[str | None, dict[str, QuantLayout]]:
+    """(method, plan) a checkpoint was written with; ValueError when `wanted` names another
+    method (a stored quantization is never redone) or the manifest's entry is damaged."""
+    entry = manifest.get("quantization")
+    if entry is None:
+        if wanted is not None:
+            raise ValueError(f"checkpoint {path} holds unquantized weights; quantization="
+                             f"{wanted!r} applies when converting: jpaged convert SOURCE {path} "
+                             f"--quantization {wanted} --overwrite")
+        return None, {}
+    try:
+        method, plan = entry["method"], plan_from_json(entry["plan"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"corrupt checkpoint manifest {path / MARKER}: quantization: "
+                         f"{e}") from e
+    if wanted is not None and wanted != method:
+        raise ValueError(f"checkpoint {path} is quantized with {method!r}; quantization="
+                         f"{wanted!r} names another method (leave it out to load it as stored)")
+    return method, plan
 
 
 def _orbax_reason(e: Exception) -> str:

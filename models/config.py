@@ -182,9 +182,8 @@ class ModelSpec:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
         """Parse and validate an HF transformers config.json dict."""
         arch = _architecture(cfg)
-        if cfg.get("quantization_config"):
-            method = cfg["quantization_config"].get("quant_method", "?")
-            raise ValueError(f"quantized HF checkpoints ({method}) are not supported; use GGUF")
+        # A quantization_config says how the weights are stored, not the architecture: the
+        # loader reads it (models/hf_quant.py).
         gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
         act = cfg.get("hidden_activation") or cfg.get("hidden_act") or (
             "gelu_pytorch_tanh" if gemma else "silu")

@@ -26,6 +26,9 @@ import numpy as np
 
 from .config import ModelSpec, periodic_layer_types
 from .gguf_meta import TensorInfo, read_gguf
+from .gguf_quant import FLOAT_TYPES, LAYOUTS, Decoded, decode, supported_types, to_weight
+from .quant import QuantWeight
+from .quant_layers import QuantLayout
 from .tensors import LazyTensors, TensorDict
 
 # general.architecture -> HF architecture name. Mistral GGUFs say "llama".
@@ -352,6 +355,79 @@ def _tensor_makers(path: Path, meta: dict[str, Any], tensors: dict[str, TensorIn
             if (hf := gguf_to_hf_name(name, arch)) is not None}
 
 
+def _quantized_makers(path: Path, meta: dict[str, Any], tensors: dict[str, TensorInfo]
+                      ) -> tuple[dict[str, Callable[[], np.ndarray]], dict[str, QuantLayout]]:
+    """As `_tensor_makers`, but a tensor of a quantized type stays quantized: its module gets
+    `<module>.qweight`, `.scales` (and `.mins`) in the device layout (models/quant.py), and the
+    plan says which modules those are. Float tensors (norms, F16 weights) are as before."""
+    floats = _tensor_makers(path, meta, tensors)
+    arch = meta["general.architecture"]
+    heads: dict[str, int] = {}
+    if arch in _PERMUTED_ARCHS:
+        n_head = _count(meta, f"{arch}.attention.head_count")
+        heads = {".attn_q.": n_head,
+                 ".attn_k.": _count(meta, f"{arch}.attention.head_count_kv", n_head)}
+    makers: dict[str, Callable[[], np.ndarray]] = {}
+    plan: dict[str, QuantLayout] = {}
+    last: dict[str, QuantWeight] = {}  # the tensor read last: its arrays are read together
+
+    def read(t: TensorInfo, n_head: int | None, k_axis: int) -> QuantWeight:
+        if t.name not in last:
+            last.clear()
+            last[t.name] = _quantized_tensor(path, t, n_head, k_axis)
+        return last[t.name]
+
+    for name, t in tensors.items():
+        hf = gguf_to_hf_name(name, arch)
+        if hf is None:
+            continue
+        qtype = gguf.GGMLQuantizationType(t.ggml_type)
+        if qtype in FLOAT_TYPES:
+            makers[hf] = floats[hf]
+            continue
+        if qtype not in LAYOUTS:
+            raise ValueError(
+                f"GGUF file {path}: tensor {name!r} is {qtype.name}, which cannot run quantized "
+                f"(supported: {', '.join(supported_types())}); load it without "
+                "quantization='gguf' to dequantize it")
+        if not hf.endswith(".weight") or len(t.shape) != 2:
+            raise ValueError(f"GGUF file {path}: tensor {name!r} ({qtype.name}, shape "
+                             f"{t.shape}) is not a matrix; only matrices run quantized")
+        module = hf[: -len(".weight")]
+        k_axis = 1 if module.endswith("embed_tokens") else 0
+        plan[module] = LAYOUTS[qtype]
+        n_head = next((n for part, n in heads.items() if part in name), None)
+        weight = functools.partial(read, t, n_head, k_axis)
+        makers[f"{module}.qweight"] = lambda w=weight: w().q
+        makers[f"{module}.scales"] = lambda w=weight: w().scales
+        if LAYOUTS[qtype].has_min:
+            makers[f"{module}.mins"] = lambda w=weight: w().mins
+    return makers, plan
+
+
+def _quantized_tensor(path: Path, t: TensorInfo, n_head: int | None, k_axis: int
+                      ) -> QuantWeight:
+    """One quantized GGUF tensor in the device form (q/k rows un-permuted when n_head)."""
+    qtype = gguf.GGMLQuantizationType(t.ggml_type)
+    try:
+        raw = np.fromfile(path, dtype=np.uint8, count=t.nbytes, offset=t.offset)
+        if raw.size != t.nbytes:
+            raise ValueError(f"{t.nbytes} bytes expected at offset {t.offset}, {raw.size} read")
+        block, _ = gguf.GGML_QUANT_SIZES[qtype]
+        if t.dims[0] % block:
+            raise ValueError(f"row length {t.dims[0]} is not a multiple of {qtype.name}'s "
+                             f"block of {block}")
+        dec = decode(raw.reshape(t.shape[0], -1), qtype)
+        if n_head is not None:
+            dec = Decoded(dec.kind, *(None if a is None else unpermute_qk(a, n_head)
+                                      for a in dec[1:]))
+        weight = to_weight(dec, LAYOUTS[qtype], k_axis)
+        weight.check(t.name)
+        return weight
+    except Exception as e:
+        raise ValueError(f"cannot read tensor {t.name!r} from GGUF file {path}: {e}") from e
+
+
 def _read_tensor(path: Path, t: TensorInfo) -> np.ndarray:
     try:
         return _dequantize(path, t)
@@ -384,6 +460,20 @@ def read_gguf_tensors(path: str | Path, lazy: bool = False
     (so for any general.architecture whose names are known); conventions as `load_gguf`."""
     path, meta, tensors = _open(path)
     return meta, _collect(path, _tensor_makers(path, meta, tensors), lazy)
+
+
+def load_gguf_quantized(path: str | Path
+                        ) -> tuple[ModelSpec, LazyTensors, dict[str, QuantLayout], dict[str, Any]]:
+    """(spec, tensors, plan, metadata) of a GGUF kept at its own quantization: every tensor of
+    a quantized type stays quantized (`<module>.qweight`, `.scales`, `.mins`, made when read),
+    and `plan` names those modules and their layouts (models/quant_layers.py)."""
+    path, meta, tensors = _open(path)
+    factors = None
+    if "rope_freqs.weight" in tensors:
+        factors = tuple(float(x) for x in _read_tensor(path, tensors["rope_freqs.weight"]).ravel())
+    spec = spec_from_gguf(meta, set(tensors), path, factors)
+    makers, plan = _quantized_makers(path, meta, tensors)
+    return spec, LazyTensors(str(path), makers), plan, meta
 
 
 def load_gguf(path: str | Path, lazy: bool = False

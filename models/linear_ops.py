@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
 
 # qkv(x, wq, wk, wv, bq, bk, bv, norm_weight, norm_eps, norm_offset, rope, head_dim)
 #   -> (q, k, v), each [T, N_w]: norm(x) @ w (+ b); norm is the layer's RMSNorm (offset 1:
@@ -51,3 +53,20 @@ class DecodeLinears:
 def activation_name(hidden_act: str) -> str:
     """The kernels' name of a model's gate activation: silu, or gelu_tanh (Gemma's gelu)."""
     return "silu" if hidden_act == "silu" else "gelu_tanh"
+
+
+def one_row_as_two(fn: Callable[[jax.Array], jax.Array], x: Float[Array, "T n"]) -> jax.Array:
+    """fn(x), with a one-row x run on GPUs as two rows (the second zeros) and sliced back.
+
+    XLA:GPU rewrites a [1, K] x [K, N] dot with a small N into a multiply and a reduce, and
+    materializes the product: a temporary the size of the weight, written and read again on
+    every decode step of batch 1 (0.5 GB per step for Llama-3-8B's k/v projections). Two rows
+    keep it a GEMM that reads the weight once; the extra row costs no weight traffic. XLA:CPU's
+    GEMM packs its operands (a copy of the weight at two rows) while its matrix-vector product
+    does not, so one row stays one there. Chosen by the lowering platform: a deviceless H200
+    compile on a CPU host gets the two rows.
+    """
+    if x.shape[0] != 1:
+        return fn(x)
+    return jax.lax.platform_dependent(
+        x, cpu=fn, default=lambda x: fn(jnp.concatenate([x, jnp.zeros_like(x)]))[:1])

@@ -24,7 +24,9 @@ from jaxtyping import Array, Float, Int
 
 from .attention import AttnFn
 from .config import ModelSpec
-from .linear_ops import DecodeLinears, activation_name
+from .linear_ops import DecodeLinears, activation_name, one_row_as_two
+from .quant import QuantWeight, quant_matmul
+from .quant_layers import QuantEmbed, QuantLinear
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
 
 
@@ -40,23 +42,6 @@ def _linear(
         n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
         precision=_precision(dtype), rngs=rngs,
     )
-
-
-def _one_row_as_two(fn: Callable[[jax.Array], jax.Array], x: Float[Array, "T n"]) -> jax.Array:
-    """fn(x), with a one-row x run on GPUs as two rows (the second zeros) and sliced back.
-
-    XLA:GPU rewrites a [1, K] x [K, N] dot with a small N into a multiply and a reduce, and
-    materializes the product: a temporary the size of the weight, written and read again on
-    every decode step of batch 1 (0.5 GB per step for Llama-3-8B's k/v projections). Two rows
-    keep it a GEMM that reads the weight once; the extra row costs no weight traffic. XLA:CPU's
-    GEMM packs its operands (a copy of the weight at two rows) while its matrix-vector product
-    does not, so one row stays one there. Chosen by the lowering platform: a deviceless H200
-    compile on a CPU host gets the two rows.
-    """
-    if x.shape[0] != 1:
-        return fn(x)
-    return jax.lax.platform_dependent(
-        x, cpu=fn, default=lambda x: fn(jnp.concatenate([x, jnp.zeros_like(x)]))[:1])
 
 
 def residual_sum(x: Float[Array, "T hidden"], y: Float[Array, "T hidden"]) -> jax.Array:
@@ -87,8 +72,10 @@ class RMSNorm(nnx.Module):
         return self.weight[...] * normed.astype(x.dtype)
 
 
-def _weight(linear: nnx.Linear) -> jax.Array:
-    """A linear's [in, out] kernel as it lies."""
+def _weight(linear: nnx.Module) -> jax.Array | QuantWeight:
+    """A linear's [in, out] kernel as it lies (a QuantWeight when quantized)."""
+    if isinstance(linear, QuantLinear):
+        return linear.weight()
     return linear.kernel[...]
 
 
@@ -119,8 +106,8 @@ class MLP(nnx.Module):
         self.act = spec.hidden_act
 
     def __call__(self, x: Float[Array, "T hidden"]) -> Float[Array, "T hidden"]:
-        gate = _activation(self.act)(_one_row_as_two(self.gate_proj, x))
-        return _one_row_as_two(self.down_proj, gate * _one_row_as_two(self.up_proj, x))
+        gate = _activation(self.act)(one_row_as_two(self.gate_proj, x))
+        return one_row_as_two(self.down_proj, gate * one_row_as_two(self.up_proj, x))
 
     def fused(self, x: jax.Array, norm: nnx.Module, linears: DecodeLinears,
               residual: jax.Array | None) -> jax.Array:
@@ -159,9 +146,9 @@ class Attention(nnx.Module):
         attn_state: Any,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """Attention output projected back to hidden size, and the backend's updated state."""
-        q, k, v = (_one_row_as_two(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (one_row_as_two(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
         out, attn_state = self.attend(q, k, v, cos, sin, layer_idx, attn_fn, attn_state)
-        return _one_row_as_two(self.o_proj, out), attn_state
+        return one_row_as_two(self.o_proj, out), attn_state
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array,
                sin: jax.Array, layer_idx: int, attn_fn: AttnFn, attn_state: Any,
@@ -288,8 +275,8 @@ class LlamaModel(nnx.Module):
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """(final-norm hidden states, attn_state after the last layer)."""
         tables = self.rope_tables(positions)
-        if embed_fn is None:
-            x = self.embed_tokens(input_ids)
+        if embed_fn is None or isinstance(self.embed_tokens, QuantEmbed):
+            x = self.embed_tokens(input_ids)  # a quantized table is whole on every device
         else:
             x = embed_fn(self.embed_tokens.embedding[...], input_ids)
         x = self.scale_embeddings(x)
@@ -357,6 +344,11 @@ def stack_layers(model: LlamaForCausalLM) -> LlamaForCausalLM:
     if isinstance(layers, ScannedLayers) or not model.spec.uniform_layers:
         return model  # stacked already, or layers that attend differently (one scan body each)
     layer_def = nnx.graphdef(layers[0])
+    first = jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(layers[0]))
+    for layer in layers[1:]:  # a GGUF may quantize one projection differently per layer
+        if (nnx.graphdef(layer) != layer_def
+                or jax.tree.map(lambda x: (x.shape, x.dtype), nnx.state(layer)) != first):
+            return model
     stacked = jax.tree.map(_stack, *[nnx.state(layer) for layer in layers])
     twin = nnx.clone(model)
     twin.model.layers = ScannedLayers(nnx.merge(layer_def, stacked), len(layers))
@@ -397,6 +389,20 @@ class LlamaForCausalLM(nnx.Module):
 
     def compute_logits(self, hidden: Float[Array, "N hidden"]) -> Float[Array, "N vocab"]:
         """float32 logits; accumulation in float32 whatever the parameter dtype."""
+        embed = self.model.embed_tokens
+        if self.lm_head is None and isinstance(embed, QuantEmbed):
+            out = one_row_as_two(embed.attend, hidden)
+        elif isinstance(self.lm_head, QuantLinear):
+            w = self.lm_head.weight()
+            out = one_row_as_two(lambda h: quant_matmul(
+                h, w.q, w.scales, w.mins, w.kind, self.dtype, _precision(self.dtype)), hidden)
+        else:
+            out = self._float_logits(hidden)
+        cap = self.spec.final_logit_softcapping
+        return out if cap is None else cap * jnp.tanh(out / cap)  # Gemma 2
+
+    def _float_logits(self, hidden: jax.Array) -> jax.Array:
+        """Logits of an unquantized head: the tied embedding or lm_head."""
         if self.lm_head is None:
             weight = self.model.embed_tokens.embedding[...]  # [vocab, hidden]
             spec = "nh,vh->nv"
@@ -409,9 +415,7 @@ class LlamaForCausalLM(nnx.Module):
                               preferred_element_type=jnp.float32,
                               precision=_precision(self.dtype))
 
-        out = _one_row_as_two(logits, hidden)  # no weight-sized temporary at batch 1
-        cap = self.spec.final_logit_softcapping
-        return out if cap is None else cap * jnp.tanh(out / cap)  # Gemma 2
+        return one_row_as_two(logits, hidden)  # no weight-sized temporary at batch 1
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -16,10 +16,15 @@ import jax
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from jpaged.config import QUANTIZATION_METHODS, QUANTIZE_AT_LOAD
+
 from .build import LoadedModel, abstract_model, resolve_dtype
 from .checkpoint import MARKER as CHECKPOINT_MARKER
 from .checkpoint import load_checkpoint, read_manifest
 from .config import ModelSpec
+from .gguf_loader import load_gguf_quantized
+from .hf_quant import check_requested, hf_quantized, quant_method
+from .quant_layers import Fp8Tensors, QuantLayout, apply_plan, check_quant_splits, fp8_plan
 from .sharding import make_mesh, param_spec, plan_layout, vocab_splits
 from .tokenizer import Tokenizer
 from .weights import assign_weights, load_gguf, load_hf_dir_weights, place_weights
@@ -158,13 +163,20 @@ NAMED_GGUF_MODELS: dict[str, Callable[..., Path]] = {GEMMA3_MODEL: gemma3_gguf_p
 
 
 def build_model(spec: ModelSpec, weights: Mapping[str, Any], dtype: Any,
-                tensor_parallel_size: int = 1) -> nnx.Module:
+                tensor_parallel_size: int = 1,
+                quant_plan: dict[str, QuantLayout] | None = None) -> nnx.Module:
     """Instantiate the spec's architecture without random init and fill in `weights`.
 
     tensor_parallel_size > 1: every Param is made directly in its tensor-parallel sharding,
     each device receiving only its slices (no whole copy on the default device).
+    quant_plan: modules built quantized (models/quant_layers.py), whose `qweight`, `scales`
+    and `mins` the weights hold in the device layout.
     """
     model = abstract_model(spec, dtype)
+    if quant_plan:
+        apply_plan(model, quant_plan)
+        if tensor_parallel_size > 1:
+            check_quant_splits(model, tensor_parallel_size)
     if tensor_parallel_size == 1:
         assign_weights(model, weights, spec)
     else:
@@ -172,8 +184,8 @@ def build_model(spec: ModelSpec, weights: Mapping[str, Any], dtype: Any,
         layout = plan_layout(spec, tensor_parallel_size)  # validates the size, then the devices
         mesh = make_mesh(tensor_parallel_size)
         split_vocab = vocab_splits(spec, tensor_parallel_size)
-        place_weights(model, weights, spec, lambda path, ndim: NamedSharding(
-            mesh, param_spec(path, ndim, layout, split_vocab)))
+        place_weights(model, weights, spec, lambda path, ndim, shape: NamedSharding(
+            mesh, param_spec(path, ndim, layout, split_vocab, shape)))
     for path, node in nnx.iter_graph(model):  # invariant: nothing abstract is left
         if isinstance(node, nnx.Variable) and isinstance(node.get_value(), jax.ShapeDtypeStruct):
             raise RuntimeError(f"model variable {'.'.join(map(str, path))} was not loaded")
@@ -205,45 +217,71 @@ def check_model_source(model: str | None) -> None:
         raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or HF repo id)")
 
 
+def check_quantization(quantization: str | None) -> None:
+    """Raise ValueError unless `quantization` is None or a method jpaged has."""
+    if quantization is not None and quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {quantization!r} is not a method jpaged has; "
+                         f"choose one of {', '.join(QUANTIZATION_METHODS)} (or none)")
+
+
 def load_model(model: str | None = None, dtype: str = "auto",
-               tensor_parallel_size: int = 1) -> LoadedModel:
+               tensor_parallel_size: int = 1, quantization: str | None = None) -> LoadedModel:
     """Load the embedded default (None), a named packaged GGUF ("gemma3-270m"), a jpaged
     checkpoint, a .gguf, an HF dir or repo id.
 
     tensor_parallel_size > 1 places the parameters straight into their sharded layout (a
     jpaged checkpoint (`jpaged convert`) through orbax's sharded restore).
+    quantization: None (a GGUF dequantized, other checkpoints as stored), "gguf" (a GGUF at
+    its own quantization), "fp8" (decoder linears quantized per channel at load).
     """
+    check_quantization(quantization)
     jdtype = resolve_dtype(dtype)
-    tp = tensor_parallel_size
+    tp, quant = tensor_parallel_size, quantization
     if model is None or model == DEFAULT_MODEL:
-        return _load_gguf_model(embedded_gguf_path(), jdtype, tp)
+        return _load_gguf_model(embedded_gguf_path(), jdtype, tp, quant)
     if model in NAMED_GGUF_MODELS:
-        return _load_gguf_model(NAMED_GGUF_MODELS[model](), jdtype, tp)
+        return _load_gguf_model(NAMED_GGUF_MODELS[model](), jdtype, tp, quant)
     path = Path(model).expanduser()
     if (path / CHECKPOINT_MARKER).is_file():  # checked first: a checkpoint has a config.json too
-        return load_checkpoint(path, jdtype, tensor_parallel_size)
+        return load_checkpoint(path, jdtype, tensor_parallel_size, quant)
     if model.lower().endswith(".gguf"):
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
-        return _load_gguf_model(path, jdtype, tp)
+        return _load_gguf_model(path, jdtype, tp, quant)
+    if quant == "gguf":
+        raise ValueError(f"quantization='gguf' runs a GGUF file at its own quantization; "
+                         f"{model!r} is not a .gguf file")
     if path.is_dir():
-        return _load_hf_dir(path, jdtype, tp)
+        return _load_hf_dir(path, jdtype, tp, quant)
     if path.exists():
         raise ValueError(f"model {model!r} is neither a .gguf file nor a model directory")
     if _REPO_ID.match(model):
-        return _load_hf_dir(_download(model), jdtype, tp)
+        return _load_hf_dir(_download(model), jdtype, tp, quant)
     raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or HF repo id)")
 
 
-def _load_gguf_model(path: Path, dtype: Any, tp: int) -> LoadedModel:
-    # Lazy: each tensor is dequantized when placed, so one whole f32 tensor is held at a time.
-    spec, weights, metadata = load_gguf(path, lazy=True)
+def _load_gguf_model(path: Path, dtype: Any, tp: int, quantization: str | None
+                     ) -> LoadedModel:
+    if quantization not in (None, *QUANTIZE_AT_LOAD):
+        raise ValueError(f"quantization={quantization!r} names a checkpoint's own method; "
+                         f"GGUF file {path} runs dequantized (none), at its own quantization "
+                         "('gguf') or in fp8 ('fp8')")
+    plan: dict[str, QuantLayout] | None = None
+    if quantization == "gguf":
+        spec, weights, plan, metadata = load_gguf_quantized(path)
+    else:  # dequantized ("fp8" then quantizes the dequantized linears: see fp8_plan)
+        # Lazy: each tensor is dequantized when placed, so one whole f32 tensor at a time.
+        spec, weights, metadata = load_gguf(path, lazy=True)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     del metadata  # the vocabulary's strings: not held while the weights are read
-    return LoadedModel(spec, build_model(spec, weights, dtype, tp), tokenizer, str(path))
+    if quantization == "fp8":
+        plan = fp8_plan(abstract_model(spec, dtype))
+        weights = Fp8Tensors(weights, plan)
+    return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan), tokenizer, str(path),
+                       quantization)
 
 
-def _load_hf_dir(path: Path, dtype: Any, tp: int) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> LoadedModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"config.json not found: {cfg_file}")
@@ -253,6 +291,9 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int) -> LoadedModel:
         raise ValueError(f"invalid JSON in {cfg_file}: {e}") from e
     if not isinstance(cfg, dict):
         raise ValueError(f"{cfg_file} must hold a JSON object, got {type(cfg).__name__}")
+    # A checkpoint quantized by its producer (models/hf_quant.py) says so in its config.
+    method = quant_method(cfg, str(cfg_file))
+    check_requested(method, quantization, str(path))
     try:
         spec = ModelSpec.from_hf_config(cfg)
     except ValueError as e:  # name the file: the message alone names only the field
@@ -260,7 +301,18 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int) -> LoadedModel:
     spec = spec.replace(eos_token_ids=_merge_generation_eos(path, spec.eos_token_ids))
     tokenizer = Tokenizer.from_hf_dir(path)
     weights = load_hf_dir_weights(path, spec)
-    return LoadedModel(spec, build_model(spec, weights, dtype, tp), tokenizer, str(path))
+    plan = None
+    if method is not None:
+        plan, weights = hf_quantized(cfg, weights, abstract_model(spec, dtype), str(cfg_file))
+        quantization = method
+    elif quantization == "fp8":
+        plan = fp8_plan(abstract_model(spec, dtype))
+        weights = Fp8Tensors(weights, plan)
+    elif quantization is not None:
+        raise ValueError(f"quantization={quantization!r} names a checkpoint's own method, but "
+                         f"{cfg_file} has no quantization_config")
+    return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan), tokenizer, str(path),
+                       quantization)
 
 
 def _merge_generation_eos(path: Path, eos: tuple[int, ...]) -> tuple[int, ...]:

@@ -31,7 +31,7 @@ AXIS = "tp"
 # Decoder Params split Megatron style; everything else replicated.
 _COLUMN_SPLIT = ("q_proj", "gate_proj", "up_proj")  # kernel [L, in, out], bias [L, out]
 _KV_PROJ = ("k_proj", "v_proj")  # column split only when the KV heads themselves split
-_ROW_SPLIT = ("o_proj", "down_proj")  # kernel [L, in, out] split on `in`; bias replicated
+ROW_SPLIT = ("o_proj", "down_proj")  # kernel [L, in, out] split on `in`; bias replicated
 
 
 def check_device_count(tensor_parallel_size: int) -> None:
@@ -119,15 +119,20 @@ def _names(path: tuple[Any, ...]) -> list[str]:
     return [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
 
 
-def param_spec(path: tuple[Any, ...], ndim: int, layout: TPLayout, split_vocab: bool) -> P:
-    """PartitionSpec of one parameter leaf, from its module path and rank."""
+def param_spec(path: tuple[Any, ...], ndim: int, layout: TPLayout, split_vocab: bool,
+               shape: Sequence[int] | None = None) -> P:
+    """PartitionSpec of one parameter leaf, from its module path and rank (and its shape,
+    which tells a quantized weight's one per-channel scale row, replicated, from groups)."""
     names = [n for n in _names(path) if n != "value"]
     module = next((n for n in reversed(names) if n.endswith("_proj")), None)
     is_bias = "bias" in names
+    if module in ROW_SPLIT and names[-1] in ("scales", "mins") and shape is not None \
+            and shape[-2] == 1:  # one group spans every input row (fp8 per channel)
+        return P()
     column = module in _COLUMN_SPLIT or (module in _KV_PROJ and layout.kv_replicas == 1)
     if column:  # kernel [L, in, out] / bias [L, out]: split `out`
         return P(*([None] * (ndim - 1)), AXIS)
-    if module in _ROW_SPLIT and not is_bias:  # kernel [L, in, out]: split `in`
+    if module in ROW_SPLIT and not is_bias:  # kernel [L, in, out]: split `in`
         return P(*([None] * (ndim - 2)), AXIS, None)
     if split_vocab and names[-2:] == ["lm_head", "kernel"]:  # [hidden, vocab]
         return P(None, AXIS)
@@ -139,5 +144,6 @@ def param_spec(path: tuple[Any, ...], ndim: int, layout: TPLayout, split_vocab: 
 def param_shardings(params: Any, mesh: Mesh, layout: TPLayout, split_vocab: bool) -> Any:
     """A NamedSharding over `mesh` for every leaf of an nnx parameter State."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: NamedSharding(mesh, param_spec(path, x.ndim, layout, split_vocab)),
+        lambda path, x: NamedSharding(mesh, param_spec(path, x.ndim, layout, split_vocab,
+                                                        x.shape)),
         params)

@@ -32,6 +32,9 @@ class LazyTensors(Mapping[str, np.ndarray]):
     def __getitem__(self, name: str) -> np.ndarray:
         return self._makers[name]()
 
+    def __contains__(self, name: object) -> bool:  # without making the tensor
+        return name in self._makers
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._makers)
 

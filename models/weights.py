@@ -175,11 +175,12 @@ def assign_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: M
 
 
 def place_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: ModelSpec,
-                  sharding_of: Callable[[tuple[str, ...], int], jax.sharding.Sharding]) -> None:
+                  sharding_of: Callable[[tuple[str, ...], int, tuple[int, ...]],
+                                        jax.sharding.Sharding]) -> None:
     """Fill every Param of an abstract `model` straight into its sharding: each addressable
     device receives only its slice of each tensor.
 
-    `sharding_of(param path, ndim)` gives a Param's sharding. Tensors are read one at a time
+    `sharding_of(param path, ndim, shape)` gives a Param's sharding. Tensors are read one at a time
     (lazy sources such as GGUF make one whole tensor at a time; safetensors memory maps read
     only the sliced bytes). Host memory at any moment: one tensor plus its distinct local
     slices.
@@ -191,7 +192,7 @@ def place_weights(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: Mo
         param = entry.param
         aval = param.get_value()
         shape, dtype = tuple(aval.shape), np.dtype(aval.dtype)
-        sharding = sharding_of(paths[id(param)], len(shape))
+        sharding = sharding_of(paths[id(param)], len(shape), shape)
         index_of = sharding.addressable_devices_indices_map(shape)
         arr = checked(name, entry)
         # Devices holding the same slice (replicated axes) share one host buffer.

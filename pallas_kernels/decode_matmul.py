@@ -33,6 +33,21 @@ Layout and invariants:
 * `transposed=True` takes [N, K] weights instead (K contiguous); the models do not use it, the
   device check times both layouts.
 
+Quantized weights (weight-only: activations stay in the model's dtype; docs/kernels.md,
+"Quantized weights"). Any weight may be a `models.quant.QuantWeight` (int4, int8, fp8; the
+layout of models/quant.py) instead of a float array. A program then streams the weight's values
+(`q`, a [K or K / 2, block_n] slab: block_n bytes a row, 16-byte loads) and the scales and mins
+of its columns: each K step loads one tile of values and its groups' scales and mins, expands
+those to the rows in registers and dequantizes as `models.quant.dequantize` does (`q * scale +
+min` in float32, rounded to the model dtype) before the product; fp8 (a scale per output
+channel) multiplies the float32 sum instead, as `quant_matmul` does. A K tile holds whole
+groups or lies within one. An int4 tile of block_k rows is block_k / 2 packed rows: their low
+nibbles are each group's first half, their high nibbles its second half (the group-local
+pairing), two products with the matching x columns. A quantized output is the float32 sum, the
+bias added in float32, rounded once: QuantLinear's order. `plan_stream` picks the K tile for
+quantized weights (`_quant_block_k`); `unsupported` names the formats it cannot take
+(`quant_unsupported`), and a launch given one raises ValueError.
+
 `unsupported` says why a shape cannot take these kernels (the caller falls back to XLA's GEMMs
 and logs it once); `pallas_kernels/reference.py` has the jnp twins the kernels are tested
 against.
@@ -43,6 +58,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +68,7 @@ from jax.experimental.pallas import triton as plt
 from jaxtyping import Array, Float
 
 from jpaged.intmath import cdiv
+from models.quant import QuantWeight
 from pallas_kernels._compat import next_pow2, pallas_call
 from pallas_kernels.kv_write import quantize
 from pallas_kernels.reference import from_bits, is_fp8, to_bits
@@ -62,6 +79,21 @@ _MIN_PROGRAMS = 264
 _TILE_BYTES = 16 * 1024
 _MAX_BLOCK_M = 64
 ACTIVATIONS = ("silu", "gelu_tanh")
+# Quantized weights: bytes of values one K step of a program loads (all its weights), which
+# bounds the float32 tiles the dequantization holds in registers (4 KiB: a 32-column slab of
+# int4 takes 256 rows, of int8 / fp8 128; a 16-column RoPE half-slab then loads 2 KiB, 16
+# bytes for each of a program's 128 threads); elements of twice the x tile (block_m x block_k)
+# at most; pipeline stages (the tiles are smaller than a float weight's).
+_QUANT_TILE_BYTES = 4096
+_QUANT_X_ELEMENTS = 8192
+# ... and a program's float32 accumulators (block_m x block_n a weight) at most this many
+# elements (64 registers a thread): gate/up at 64-row blocks takes 64 columns, not 128.
+_QUANT_ACC_ELEMENTS = 8192
+_QUANT_STAGES = 4
+QUANT_KINDS = ("int4", "int8", "fp8")
+
+# A weight operand: the model's float [K, N] kernel, or a quantized one laid out like it.
+Weight = jax.Array | QuantWeight
 
 
 @dataclass(frozen=True)
@@ -101,11 +133,85 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return d
 
 
-def unsupported(rows: int, k: int, ns: Sequence[int], dtype: jnp.dtype) -> str | None:
-    """Why these shapes cannot take the streaming kernels, or None if they can."""
+@dataclass(frozen=True)
+class QuantFormat:
+    """What the kernels need to know of a quantized weight (static): its kind, its group size
+    (consecutive input rows sharing a scale; K for a scale per output channel) and whether it
+    carries mins."""
+
+    kind: str
+    group_size: int
+    has_mins: bool
+
+    @classmethod
+    def of(cls, w: QuantWeight) -> QuantFormat:
+        """The format of a [K, N] QuantWeight."""
+        return cls(w.kind, w.group_size, w.mins is not None)
+
+
+def weight_format(w: Weight) -> QuantFormat | None:
+    """A weight's QuantFormat, or None for a float array."""
+    return QuantFormat.of(w) if isinstance(w, QuantWeight) else None
+
+
+def weight_shape(w: Weight) -> tuple[int, int]:
+    """The [K, N] a weight stands for (a quantized one unpacked)."""
+    if isinstance(w, QuantWeight):
+        return w.k, int(w.q.shape[1])
+    return tuple(w.shape)  # type: ignore[return-value]
+
+
+def _fits(f: QuantFormat | None, bk: int) -> bool:
+    """Whether a K tile of `bk` rows (a power of two) can stream this weight: it holds whole
+    groups or lies within one, and each product has >= 16 rows (int4: its two halves)."""
+    if f is None or f.kind == "fp8":
+        return bk >= 16
+    gs = f.group_size
+    if bk % gs and gs % bk:
+        return False
+    return bk >= (32 if f.kind == "int4" else 16)
+
+
+def quant_unsupported(f: QuantFormat, k: int) -> str | None:
+    """Why the kernels cannot stream a quantized weight of this format with `k` input rows,
+    or None if they can."""
+    gs = f.group_size
+    if f.kind not in QUANT_KINDS:
+        return f"quantized kind {f.kind!r} (the kernels read {', '.join(QUANT_KINDS)})"
+    if gs < 1 or k % gs:
+        return f"{f.kind} group size {gs} does not divide the input size {k}"
+    if f.kind == "fp8" and (gs != k or f.has_mins):
+        return "fp8 weights with group scales or mins (the kernels take one scale per output " \
+               "channel)"
+    if f.kind == "int4" and (gs % 2 or not f.has_mins):
+        return f"int4 group size {gs} is odd or the weight has no mins"
+    if not any(_fits(f, bk) for bk in _pow2_divisors(k)):
+        need = 32 if f.kind == "int4" else 16
+        return (f"{f.kind} group size {gs}: no power-of-two K tile >= {need} dividing {k} "
+                "holds whole groups or lies within one")
+    return None
+
+
+def _pow2_divisors(k: int, cap: int = 256) -> list[int]:
+    """Powers of two in [16, cap] dividing k, largest first."""
+    out, d = [], _pow2_divisor(k, cap)
+    while d >= 16:
+        out.append(d)
+        d //= 2
+    return out
+
+
+def unsupported(rows: int, k: int, ns: Sequence[int], dtype: jnp.dtype,
+                formats: Sequence[QuantFormat | None] = ()) -> str | None:
+    """Why these shapes cannot take the streaming kernels, or None if they can.
+
+    `dtype`: the weights' dtype, or with quantized weights the activations' (the model's);
+    `formats`: one per weight of the launch (None: a float weight), when any is quantized.
+    """
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
                                 jnp.dtype(jnp.float32)):
-        return f"weight dtype {jnp.dtype(dtype).name} (bf16, f16 or f32 only)"
+        what = "activation" if any(f is not None for f in formats) else "weight"
+        return f"{what} dtype {jnp.dtype(dtype).name} (bf16, f16 or f32 only)"
     if _pow2_divisor(k, 256) < 16:
         return f"input size {k} has no power-of-two tile >= 16 dividing it"
     for n in ns:
@@ -113,6 +219,14 @@ def unsupported(rows: int, k: int, ns: Sequence[int], dtype: jnp.dtype) -> str |
             return f"output size {n} has no power-of-two tile >= 16 dividing it"
     if rows < 1:
         return "no rows"
+    for f in formats:
+        why = None if f is None else quant_unsupported(f, k)
+        if why is not None:
+            return why
+    if any(f is not None for f in formats) and not any(
+            all(_fits(f, bk) for f in formats) for bk in _pow2_divisors(k)):
+        kinds = ", ".join(sorted({f"{f.kind}/{f.group_size}" for f in formats if f}))
+        return f"no K tile dividing {k} suits every weight of the launch together ({kinds})"
     return None
 
 
@@ -125,7 +239,8 @@ def rope_fits(head_dim: int, ns: Sequence[int]) -> bool:
 
 def plan_stream(rows: int, k: int, ns: Sequence[int], itemsize: int,
                 block_n: int | None = None, block_k: int | None = None,
-                weights_per_program: int = 1, head_dim: int | None = None) -> StreamPlan:
+                weights_per_program: int = 1, head_dim: int | None = None,
+                formats: Sequence[QuantFormat | None] = ()) -> StreamPlan:
     """Tiles for `rows` rows against weights [k, n] for n in `ns` (see `unsupported` first).
 
     block_n: the widest power of two <= 128 dividing every n, halved (down to 32) while the
@@ -133,21 +248,62 @@ def plan_stream(rows: int, k: int, ns: Sequence[int], itemsize: int,
     weight tiles of one pipeline stage (`weights_per_program` of them: 2 for gate and up)
     within `_TILE_BYTES`, dividing k. `head_dim` (RoPE in the epilogue): block_n at most
     twice the widest power of two dividing head_dim / 2, so a block's two half-slabs pair up.
+    `formats` (one per weight, None for a float one): with any quantized weight block_n is
+    also halved (down to 32) while the accumulators exceed `_QUANT_ACC_ELEMENTS`, block_k
+    comes from `_quant_block_k` and the plan pipelines `_QUANT_STAGES` stages.
     """
     bm = max(16, min(_MAX_BLOCK_M, next_pow2(rows)))
     row_blocks = cdiv(rows, bm)
+    block_n_given = block_n
     if block_n is None:
         block_n = min(_pow2_divisor(n, 128) for n in ns)
         if head_dim is not None:
             block_n = min(block_n, 2 * _pow2_divisor(head_dim // 2, 64))
         while block_n > 32 and row_blocks * sum(n // block_n for n in ns) < _MIN_PROGRAMS:
             block_n //= 2
+    quant = any(f is not None for f in formats)
+    if quant and block_n_given is None:  # float32 accumulators: block_m x block_n per weight
+        while block_n > 32 and bm * block_n * weights_per_program > _QUANT_ACC_ELEMENTS:
+            block_n //= 2
     if block_k is None:
-        block_k = _pow2_divisor(
-            k, max(16, _TILE_BYTES // (block_n * itemsize * weights_per_program)))
+        if quant:
+            block_k = _quant_block_k(k, block_n, weights_per_program, formats, itemsize, bm)
+            if block_k is None:
+                raise ValueError(f"no K tile dividing k={k} suits these quantized weights "
+                                 f"({unsupported(rows, k, ns, jnp.float32, formats)})")
+        else:
+            block_k = _pow2_divisor(
+                k, max(16, _TILE_BYTES // (block_n * itemsize * weights_per_program)))
     if any(n % block_n for n in ns) or k % block_k:
         raise ValueError(f"tiles ({block_k}, {block_n}) do not divide k={k}, n={list(ns)}")
+    if quant:
+        return StreamPlan(bm, block_n, block_k, num_stages=_QUANT_STAGES)
     return StreamPlan(bm, block_n, block_k)
+
+
+def _quant_block_k(k: int, block_n: int, weights_per_program: int,
+                   formats: Sequence[QuantFormat | None], itemsize: int, block_m: int = 16
+                   ) -> int | None:
+    """The K tile of a launch with quantized weights: the largest power of two dividing k that
+    every weight fits (`_fits`) and that keeps a step's bytes of values (block_k x block_n x
+    weights a program, half a byte an int4 element) within _QUANT_TILE_BYTES and twice its x
+    tile (block_m x block_k: an int4 step holds both halves beside their dequantized tiles)
+    within _QUANT_X_ELEMENTS, or block_k at most 128 / weights a program (a float weight of
+    the launch: its bytes within _TILE_BYTES too); None when none fits. (The caps keep every
+    launch of the 8B within the registers, without spills, in a deviceless H200 compile.)"""
+    per_element = 0.5 if all(f is not None and f.kind == "int4" for f in formats) else 1.0
+    cap = max(16, min(int(_QUANT_TILE_BYTES / (block_n * weights_per_program * per_element)),
+                      max(128 // weights_per_program, _QUANT_X_ELEMENTS // (2 * block_m))))
+    if any(f is None for f in formats):
+        cap = min(cap, max(16, _TILE_BYTES // (block_n * itemsize * weights_per_program)))
+    for bk in _pow2_divisors(k, cap):
+        if all(_fits(f, bk) for f in formats):
+            return bk
+    # Nothing at or under the cap: the smallest tile above it that fits (int4 needs 32 rows).
+    for bk in reversed(_pow2_divisors(k)):
+        if bk > cap and all(_fits(f, bk) for f in formats):
+            return bk
+    return None
 
 
 def _dot(a: jax.Array, b: jax.Array, trans_b: bool = False) -> jax.Array:
@@ -177,14 +333,16 @@ SLABS = {"plain": 1, "gated": 2, "rope": 2}
 def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple[int, ...],
                    kinds: tuple[str, ...], rope_pairs: int, has_bias: bool, has_norm: bool,
                    norm_offset: float, eps: float, act: str | None, has_residual: bool,
-                   has_rope: bool, transposed: bool, kv: KVWritePlan | None) -> None:
+                   has_rope: bool, transposed: bool, kv: KVWritePlan | None,
+                   formats: tuple[tuple[QuantFormat | None, ...], ...] = ()) -> None:
     """One (row block, column block): stream the slab(s) of the segment the column block falls
     in (`kinds`) and write its [block_m, block_n] output tile (and, for the K and V segments
     of `kv`, the same values into the pages at the rows' slots).
 
     refs: x, [norm weight], [residual], [cos, sin], [slots, [fp8 scales]], per segment its
-    slabs then [their biases], [K and V pages in]; then one output per segment, [K and V pages
-    out (aliases of the pages in)]."""
+    slabs (a float slab: one ref; a quantized one, `formats`: values, scales, [mins]) then
+    [their biases], [K and V pages in]; then one output per segment, [K and V pages out
+    (aliases of the pages in)]."""
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     it = iter(refs)
     x_ref = next(it)
@@ -193,9 +351,11 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
     cos_ref, sin_ref = (next(it), next(it)) if has_rope else (None, None)
     slot_ref = next(it) if kv is not None else None
     kvs_ref = next(it) if kv is not None and kv.fp8 else None
+    formats = formats or tuple((None,) * SLABS[kind] for kind in kinds)
     segs = []
-    for kind in kinds:
-        ws = [next(it) for _ in range(SLABS[kind])]
+    for fmts in formats:
+        ws = [next(it) if f is None else tuple(next(it) for _ in range(2 + f.has_mins))
+              for f in fmts]
         bs = [next(it) for _ in ws] if has_bias else [None] * len(ws)
         segs.append((ws, bs))
     outs = list(it)
@@ -231,6 +391,105 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
             return (normed * (norm_offset + gt.astype(jnp.float32))[None, :]).astype(dtype)
         return normed.astype(dtype) * gt[None, :].astype(dtype)  # Llama: w * round(x * r)
 
+    def operand_at(start: jax.Array, size: int) -> jax.Array:
+        """`operand` of input columns [start, start + size) (a quantized weight's unit)."""
+        xt = plt.load(x_ref.at[rows_at, pl.ds(start, size)], mask=live[:, None], other=0)
+        if not has_norm:
+            return xt
+        gt = g_ref[pl.ds(start, size)]
+        normed = xt.astype(jnp.float32) * inv[:, None]
+        if norm_offset:
+            return (normed * (norm_offset + gt.astype(jnp.float32))[None, :]).astype(dtype)
+        return normed.astype(dtype) * gt[None, :].astype(dtype)
+
+    def x_gather(cols: jax.Array) -> jax.Array:
+        """`operand` of the input columns `cols` [n] (any order: an int4 tile's halves)."""
+        n = cols.shape[0]
+        r = jnp.minimum(i * bm + lax.broadcasted_iota(jnp.int32, (bm, n), 0), rows - 1)
+        c = jnp.broadcast_to(cols[None, :], (bm, n))
+        xt = plt.load(x_ref.at[r, c], mask=jnp.broadcast_to(live[:, None], (bm, n)), other=0)
+        if not has_norm:
+            return xt
+        gt = g_ref[cols]
+        normed = xt.astype(jnp.float32) * inv[:, None]
+        if norm_offset:
+            return (normed * (norm_offset + gt.astype(jnp.float32))[None, :]).astype(dtype)
+        return normed.astype(dtype) * gt[None, :].astype(dtype)
+
+    def groups_of(f: QuantFormat) -> int:
+        """Groups an integer slab's K step spans: bk / gs whole ones, or 1 (gs >= bk)."""
+        return bk // f.group_size if bk % f.group_size == 0 else 1
+
+    def first_group(kk: jax.Array, f: QuantFormat) -> tuple[int, jax.Array]:
+        """(groups, first group) of the integer slab rows step `kk` reads."""
+        gs = f.group_size
+        if bk % gs == 0:  # whole groups, consecutive
+            return bk // gs, kk * (bk // gs)
+        return 1, lax.div(kk, gs // bk)  # the tile lies in one group (gs a multiple of bk)
+
+    def ahead(w: Any, f: QuantFormat | None) -> bool:
+        """Whether an integer slab's scales and mins are loaded a step early: a tile of them
+        under 4 bytes a thread cannot join the pipeline's copies (Triton then loads it where
+        it is used, stalling the step), so the step before issues it into registers. (Only
+        one step: carrying loads further makes Triton's pipeliner give up on the loop.)"""
+        if f is None or f.kind == "fp8":
+            return False
+        return groups_of(f) * w[1].shape[1] * w[1].dtype.itemsize < 4 * 32 * plan.num_warps
+
+    def group_params(kk: jax.Array, w: tuple, f: QuantFormat | None) -> tuple:
+        """The scales (and mins) [groups, width] of step `kk`'s rows of an integer slab, as
+        stored; () for a float or fp8 slab."""
+        if f is None or f.kind == "fp8":
+            return ()
+        groups, g0 = first_group(kk, f)
+        return tuple(ref[pl.ds(g0, groups), :] for ref in w[1:])
+
+    def quant_step(kk: jax.Array, w: tuple, f: QuantFormat, x_at, params: tuple  # noqa: ANN001
+                   ) -> jax.Array:
+        """x tile(s) @ the dequantized [block_k, width] tile of a quantized slab, float32: one
+        load of its values (block_k rows, int4 block_k / 2), its groups' scales and mins
+        (`params`) expanded to the rows in registers."""
+        q_ref = w[0]
+        if f.kind == "fp8":  # the per-channel scale multiplies the sum (the epilogue)
+            xt = x_at(("x",), kk * bk, bk)
+            return _dot(xt, q_ref[pl.ds(kk * bk, bk), :].astype(dtype))
+        gs = f.group_size
+        nq = bk // 2 if f.kind == "int4" else bk  # rows of values a step loads
+        groups, g0 = first_group(kk, f)
+        width = q_ref.shape[1]
+
+        def rows_of(v: jax.Array) -> jax.Array:  # [groups, width] -> [nq or 1, width]
+            v = v.astype(jnp.float32)
+            if groups == 1:
+                return v
+            per = nq // groups
+            return jnp.broadcast_to(v[:, None, :], (groups, per, width)).reshape(nq, width)
+
+        scale = rows_of(params[0])
+        low = rows_of(params[1]) if f.has_mins else None
+
+        def deq(v: jax.Array) -> jax.Array:
+            wt = v.astype(jnp.float32) * scale
+            return (wt if low is None else wt + low).astype(dtype)
+
+        if f.kind == "int8":
+            xt = x_at(("x",), kk * bk, bk)
+            return _dot(xt, deq(q_ref[pl.ds(kk * bk, bk), :]))
+        # int4: packed row r of a group holds its elements r (low nibble) and r + gs / 2.
+        packed = q_ref[pl.ds(kk * nq, nq), :]
+        half = gs // 2
+        if groups > 1 or gs == bk:  # whole groups: each half-group's columns, gathered
+            r = lax.broadcasted_iota(jnp.int32, (nq,), 0)
+            cols = kk * bk + lax.div(r, half) * gs + lax.rem(r, half)
+            x_lo = x_at(("lo", gs), cols, None)
+            x_hi = x_at(("hi", gs), cols + half, None)
+        else:  # a run of nq packed rows within one group: two contiguous column runs
+            lo = g0 * gs + lax.rem(kk, gs // bk) * nq
+            x_lo = x_at(("lo", gs), lo, nq)
+            x_hi = x_at(("hi", gs), lo + half, nq)
+        return (_dot(x_lo, deq(packed & 15))
+                + _dot(x_hi, deq(lax.shift_right_logical(packed, jnp.uint8(4)))))
+
     def store(out_ref, col0: jax.Array, width: int, y: jax.Array, page: int | None) -> None:
         plt.store(out_ref.at[rows_at, pl.ds(col0, width)], y.astype(out_ref.dtype),
                   mask=live[:, None])
@@ -265,7 +524,8 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
         page = None if kv is None or n not in kv.segments else kv.segments.index(n)
 
         @pl.when((j >= lo) & (j < start))
-        def _segment(ws=ws, bs=bs, kind=kind, out_ref=out_ref, lo=lo, page=page) -> None:
+        def _segment(ws=ws, bs=bs, kind=kind, out_ref=out_ref, lo=lo, page=page,
+                     fmts=formats[n]) -> None:
             jj = j - lo  # the column block within the segment; weights come as its slabs
             width = bn // len(ws) if kind == "rope" else bn
 
@@ -276,11 +536,44 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
                                   else _dot(xt, w[ks, :]))
                              for a, w in zip(accs, ws, strict=True))
 
+            early = [ahead(w, f) for w, f in zip(ws, fmts, strict=True)]
+
+            def params_at(kk):  # the early slabs' scales and mins of step kk (clamped)
+                kk = jnp.minimum(kk, steps - 1)
+                return tuple(group_params(kk, w, f) if e else ()
+                             for w, f, e in zip(ws, fmts, early, strict=True))
+
+            def quant_body(kk, carry):
+                accs, params = carry  # params: the early slabs' scales of step kk
+                nxt = params_at(kk + 1)
+                params = tuple(p if e else group_params(kk, w, f)
+                               for p, w, f, e in zip(params, ws, fmts, early, strict=True))
+                tiles: dict[tuple, jax.Array] = {}  # x tiles of this step, by the columns
+
+                def x_at(key: tuple, at: jax.Array, size: int | None) -> jax.Array:
+                    if key not in tiles:  # size None: `at` holds the columns
+                        tiles[key] = x_gather(at) if size is None else operand_at(at, size)
+                    return tiles[key]
+
+                accs = tuple(
+                    a + (_dot(x_at(("x",), kk * bk, bk), w[pl.ds(kk * bk, bk), :])
+                         if f is None else quant_step(kk, w, f, x_at, p))
+                    for a, w, f, p in zip(accs, ws, fmts, params, strict=True))
+                return accs, nxt
+
             zero = jnp.zeros((bm, width), jnp.float32)
-            accs = lax.fori_loop(0, steps, body, (zero,) * len(ws))
-            # Rounded to the model dtype, then the bias added in it: the XLA path's order.
-            vals = [a.astype(dtype) if b is None else a.astype(dtype) + b[...][None, :]
-                    for a, b in zip(accs, bs, strict=True)]
+            quantized = any(f is not None for f in fmts)
+            if quantized:
+                accs, _ = lax.fori_loop(0, steps, quant_body,
+                                        ((zero,) * len(ws), params_at(jnp.int32(0))))
+            else:
+                accs = lax.fori_loop(0, steps, body, (zero,) * len(ws))
+            if quantized:  # float32 sum (x fp8's channel scale) + bias, rounded once
+                vals = [_finish_quant(a, w, b, f, dtype)
+                        for a, w, b, f in zip(accs, ws, bs, fmts, strict=True)]
+            else:  # Rounded to the model dtype, then the bias added in it: the XLA path's order.
+                vals = [a.astype(dtype) if b is None else a.astype(dtype) + b[...][None, :]
+                        for a, b in zip(accs, bs, strict=True)]
             if kind == "rope":  # XLA's apply_rope: float32 rotation of the rounded halves
                 half_col, lo_col = _rope_columns(jj, rope_pairs, width)
                 ang = (rows_at, pl.ds(half_col, width))
@@ -302,6 +595,20 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
             store(out_ref, jj * bn, bn, y.astype(dtype), page)
 
 
+def _finish_quant(acc: jax.Array, w: Any, b: Any, f: QuantFormat | None,
+                  dtype: jnp.dtype) -> jax.Array:
+    """A quantized segment's output tile from its float32 sum, in QuantLinear's order: fp8's
+    channel scale, the bias in float32, one rounding (a float slab of the segment: as `body`'s
+    epilogue rounds it)."""
+    if f is None:
+        return acc.astype(dtype) if b is None else acc.astype(dtype) + b[...][None, :]
+    if f.kind == "fp8":
+        acc = acc * w[1][...].astype(jnp.float32)
+    if b is not None:
+        acc = acc + b[...][None, :].astype(jnp.float32)
+    return acc.astype(dtype)
+
+
 def _rope_columns(jj: jax.Array, pairs: int, width: int) -> tuple[jax.Array, jax.Array]:
     """For column block `jj` of a RoPE segment (each head: `pairs` blocks of `width` pairs):
     its first column within the half head (the angle tables' column) and the output column of
@@ -310,7 +617,7 @@ def _rope_columns(jj: jax.Array, pairs: int, width: int) -> tuple[jax.Array, jax
     return c * width, head * (2 * pairs * width) + c * width
 
 
-Segment = tuple[str, Sequence[jax.Array], Sequence[jax.Array | None]]  # kind, weights, biases
+Segment = tuple[str, Sequence[Weight], Sequence[jax.Array | None]]  # kind, weights, biases
 
 
 def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
@@ -325,18 +632,39 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
             ) -> list[jax.Array]:
     """One streaming launch over `segments`; one [M, N] output per segment (see `SLABS`),
     then, with `kv`, the K and V pages with those outputs written at `kv_slots` (in place).
-    `transposed`: every weight is [N, K] (K contiguous) instead of [K, N]."""
+    `transposed`: every weight is [N, K] (K contiguous) instead of [K, N] (float weights only).
+    A weight may be a QuantWeight: ValueError when its format cannot be streamed
+    (`unsupported`), never a wrong answer."""
     rows, k = x.shape
     kdim = 1 if transposed else 0
-    ns = [ws[0].shape[1 - kdim] for _, ws, _ in segments]
+    ns = [weight_shape(ws[0])[1] if isinstance(ws[0], QuantWeight) or not transposed
+          else ws[0].shape[0] for _, ws, _ in segments]
     for _, ws, _ in segments:
         for w in ws:
-            if w.ndim != 2 or w.shape[kdim] != k:
+            if isinstance(w, QuantWeight):
+                if transposed or w.k_axis != 0 or w.k != k:
+                    raise ValueError(f"quantized weight of {w.k} inputs (k_axis {w.k_axis}) "
+                                     f"does not take inputs of size {k} as [K, N]"
+                                     f"{' (transposed=True: float weights only)' * transposed}")
+            elif w.ndim != 2 or w.shape[kdim] != k:
                 raise ValueError(f"weight {w.shape} does not take inputs of size {k}")
     kinds = tuple(kind for kind, _, _ in segments)
+    # One format per slab the kernel streams (a RoPE segment's weight twice: its two halves).
+    formats = tuple(tuple(weight_format(w) for w in (ws * 2 if kind == "rope" else ws))
+                    for kind, ws, _ in segments)
+    flat = [f for fs in formats for f in fs]
+    quantized = any(f is not None for f in flat)
+    if quantized:
+        why = unsupported(rows, k, ns, x.dtype, flat)
+        if why is not None:
+            raise ValueError(f"these quantized weights cannot take the streaming kernels: {why}")
     plan = plan or plan_stream(rows, k, ns, x.dtype.itemsize,
                                weights_per_program=2 if "gated" in kinds else 1,
-                               head_dim=head_dim if "rope" in kinds or kv else None)
+                               head_dim=head_dim if "rope" in kinds or kv else None,
+                               formats=flat)
+    if quantized and not all(_fits(f, plan.block_k) for f in flat):
+        raise ValueError(f"block_k {plan.block_k} does not suit these quantized weights "
+                         f"({', '.join(sorted({f'{f.kind}/{f.group_size}' for f in flat if f}))})")
     bn = plan.block_n
     rope_pairs = 0
     if "rope" in kinds:
@@ -378,6 +706,12 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
             width = bn
             slab_cols = [functools.partial(_slab_column, lo, nblk)] * len(ws)
         for w, col in zip(ws, slab_cols, strict=True):
+            if isinstance(w, QuantWeight):  # its values, scales and mins: the same columns
+                for a in (w.q, w.scales) + (() if w.mins is None else (w.mins,)):
+                    args.append(a)
+                    specs.append(pl.BlockSpec((a.shape[0], width),
+                                              lambda i, j, col=col: (0, col(j))))
+                continue
             args.append(w)
             if transposed:
                 specs.append(pl.BlockSpec((width, k), lambda i, j, col=col: (col(j), 0)))
@@ -385,14 +719,16 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
                 specs.append(pl.BlockSpec((k, width), lambda i, j, col=col: (0, col(j))))
         if has_bias:
             for w, b, col in zip(ws, bs, slab_cols, strict=True):
-                args.append(jnp.zeros((w.shape[1 - kdim],), x.dtype) if b is None else b)
+                n_out = weight_shape(w)[1] if isinstance(w, QuantWeight) else w.shape[1 - kdim]
+                args.append(jnp.zeros((n_out,), x.dtype) if b is None else b)
                 specs.append(pl.BlockSpec((width,), lambda i, j, col=col: (col(j),)))
         lo += nblk
     kernel = functools.partial(
         _stream_kernel, plan=plan, rows=rows, k=k, seg_blocks=seg_blocks, kinds=kinds,
         rope_pairs=rope_pairs, has_bias=has_bias, has_norm=norm_weight is not None,
         norm_offset=norm_offset, eps=norm_eps, act=act, has_residual=residual is not None,
-        has_rope="rope" in kinds, transposed=transposed, kv=kv)
+        has_rope="rope" in kinds, transposed=transposed, kv=kv,
+        formats=formats if quantized else ())
     out_specs = [pl.BlockSpec((rows, n), functools.partial(_origin, 2)) for n in ns]
     out_shape = [jax.ShapeDtypeStruct((rows, n), x.dtype) for n in ns]
     aliases = {}
@@ -439,7 +775,7 @@ def _slab_column(lo: int, nblk: int, j: jax.Array) -> jax.Array:
     return jnp.clip(j - lo, 0, nblk - 1)
 
 
-def projections(x: Float[Array, "M K"], weights: Sequence[Float[Array, "K N"]],
+def projections(x: Float[Array, "M K"], weights: Sequence[Weight],
                 biases: Sequence[jax.Array | None] | None = None, *,
                 norm_weight: jax.Array | None = None, norm_eps: float = 1e-6,
                 norm_offset: float = 0.0, rope: tuple[jax.Array, jax.Array] | None = None,
@@ -457,7 +793,7 @@ def projections(x: Float[Array, "M K"], weights: Sequence[Float[Array, "K N"]],
     and v, after RoPE) are also written at `kv_slots` [M] (< 0 writes nothing; a layer's
     region of a shared pool is in the slots) as `kv_write` writes them (fp8 pages quantized
     by `kv_scales`), in place; the updated pages follow the outputs. `transposed`: the
-    weights are [N, K].
+    weights are [N, K]. A weight may be a QuantWeight ([K, N], models/quant.py).
     """
     biases = list(biases) if biases is not None else [None] * len(weights)
     segs = [("rope" if n < rope_outputs else "plain", [w], [b])
@@ -473,7 +809,7 @@ def projections(x: Float[Array, "M K"], weights: Sequence[Float[Array, "K N"]],
                    kv_pages=kv_pages, kv_slots=kv_slots, kv_scales=kv_scales)
 
 
-def gated_up(x: Float[Array, "M K"], w_gate: Float[Array, "K N"], w_up: Float[Array, "K N"],
+def gated_up(x: Float[Array, "M K"], w_gate: Weight, w_up: Weight,
              b_gate: jax.Array | None = None, b_up: jax.Array | None = None, *,
              act: str = "silu", norm_weight: jax.Array | None = None, norm_eps: float = 1e-6,
              norm_offset: float = 0.0, transposed: bool = False, interpret: bool = False,
@@ -481,20 +817,21 @@ def gated_up(x: Float[Array, "M K"], w_gate: Float[Array, "K N"], w_up: Float[Ar
     """act(norm(x) @ w_gate (+ b)) * (norm(x) @ w_up (+ b)) in one launch."""
     if act not in ACTIVATIONS:
         raise ValueError(f"activation {act!r} is not one of {ACTIVATIONS}")
-    if w_gate.shape != w_up.shape:
-        raise ValueError(f"gate {w_gate.shape} and up {w_up.shape} weights differ in shape")
+    if weight_shape(w_gate) != weight_shape(w_up):
+        raise ValueError(f"gate {weight_shape(w_gate)} and up {weight_shape(w_up)} weights "
+                         "differ in shape")
     (out,) = _launch(x, [("gated", [w_gate, w_up], [b_gate, b_up])], name="decode_matmul_gate_up",
                      norm_weight=norm_weight, norm_eps=norm_eps, norm_offset=norm_offset,
                      act=act, transposed=transposed, interpret=interpret, plan=plan)
     return out
 
 
-def projection_residual(x: Float[Array, "M K"], w: Float[Array, "K N"],
+def projection_residual(x: Float[Array, "M K"], w: Weight,
                         residual: Float[Array, "M N"], b: jax.Array | None = None, *,
                         transposed: bool = False, interpret: bool = False,
                         plan: StreamPlan | None = None) -> Float[Array, "M N"]:
     """residual + (x @ w (+ b)) in one launch (o and down projections)."""
-    n = w.shape[0 if transposed else 1]
+    n = w.shape[0] if transposed else weight_shape(w)[1]
     if residual.shape != (x.shape[0], n):
         raise ValueError(f"residual {residual.shape} is not [{x.shape[0]}, {n}]")
     (out,) = _launch(x, [("plain", [w], [b])], name="decode_matmul_residual",

@@ -4,7 +4,9 @@
 # with 16-byte accesses, the honest ceiling), the decode matmul kernels alone against XLA and
 # their ideal bytes with a sweep of their tiles (python -m jpaged.bench.matmul_check), the
 # decode step rows that `make gpu-aot` predicts, each of at most 64 sequences timed with the
-# decode matmul kernels and with XLA's GEMMs (ms_kernels, ms_xla), and the engine end to end,
+# decode matmul kernels and with XLA's GEMMs (ms_kernels, ms_xla), the quantized weights (fp8,
+# int4: the decode matmul kernels alone and the 8B decode step beside their bf16 twins, python
+# -m jpaged.bench.quant_check), and the engine end to end,
 # all on random Llama-3-8B-shaped weights (scripts/gpu_engine_check.py --part decode / --part
 # check; the bf16 rows at batch 1 and 256 also traced by jax's profiler, their kernels' time
 # summed by kind into the rows, and timed again drawing at random through every sampling
@@ -15,6 +17,7 @@
 #
 #   scripts/device_check.sh                      # on the GPU machine, stage limits 560 s in all
 #   scripts/device_check.sh --stages engine,split_k   # a second call: only those stages
+#   scripts/device_check.sh --stages quant       # the quantized weights alone
 #   scripts/device_check.sh --cpu-smoke          # every stage here, tiny shapes, interpreter
 #
 # Python packages the GPU machine lacks travel as wheels in .whl/ (the embedded model cannot:
@@ -44,27 +47,29 @@ done
 # Each stage has its own wall-clock limit (seconds), so one that overruns cannot take the
 # next one's time; every stage prints its figures as it goes, into $OUT_DIR/device_check.log.
 if [ "$SMOKE" = 1 ]; then
-  STAGES=${STAGES:-kernels,matmuls,decode,split_k,engine,host}
+  STAGES=${STAGES:-kernels,matmuls,decode,split_k,quant,engine,host}
   KERNEL_ARGS=(--cpu-smoke)
   MATMUL_ARGS=(--cpu-smoke)
+  QUANT_ARGS=(--cpu-smoke)
   ENGINE_ARGS=(--cpu-smoke)
   DECODE_ARGS=(--cpu-smoke --profile-batches 4 --sampled-batches 4)
   HOST_ARGS=(--batches 4 --no-core-process)
   SPLITK_ARGS=(--cpu-smoke --decode-batches 4)
-  L_KERNELS=300 L_MATMULS=300 L_DECODE=300 L_SPLITK=300 L_ENGINE=300 L_HOST=300
+  L_KERNELS=300 L_MATMULS=300 L_DECODE=300 L_SPLITK=300 L_QUANT=300 L_ENGINE=300 L_HOST=300
 else
-  STAGES=${STAGES:-kernels,matmuls,decode,engine,host}
+  STAGES=${STAGES:-kernels,matmuls,decode,quant,engine,host}
   # Estimated on an H200 (docs/kernels.md, "Running the device check"): step programs compile
   # in 10-30 s, a matmul program in about a second; each budget leaves its stage's limit
   # room for the job in flight when it runs out.
   KERNEL_ARGS=(--quick --budget-s 45)
-  MATMUL_ARGS=(--budget-s 75)
-  DECODE_ARGS=(--decode-budget-s 135 --profile-batches 1 256 --sampled-batches 1 256)
-  ENGINE_ARGS=(--budget-s 110)
+  MATMUL_ARGS=(--budget-s 65)
+  DECODE_ARGS=(--decode-budget-s 100 --profile-batches 1 256 --sampled-batches 1 256)
+  QUANT_ARGS=(--budget-s 75)
+  ENGINE_ARGS=(--budget-s 75)
   HOST_ARGS=(--batches 64 256)
   SPLITK_ARGS=(--decode-budget-s 40 --decode-batches 256 --no-decode-ab)
-  # The default stages: 70 + 95 + 170 + 190 + 35 = 560 s, under the run's 600.
-  L_KERNELS=70 L_MATMULS=95 L_DECODE=170 L_ENGINE=190 L_HOST=35 L_SPLITK=90
+  # The default stages: 70 + 85 + 130 + 100 + 140 + 35 = 560 s, under the run's 600.
+  L_KERNELS=70 L_MATMULS=85 L_DECODE=130 L_QUANT=100 L_ENGINE=140 L_HOST=35 L_SPLITK=90
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv \
     > "$OUT_DIR/nvidia_smi.csv" 2>&1 || true
 fi
@@ -93,7 +98,8 @@ run_stage() {
 }
 echo "== stages: $STAGES"
 # A stage not run has rc "null" in the merged JSON.
-kernels_rc=null matmuls_rc=null decode_rc=null splitk_rc=null engine_rc=null host_rc=null
+kernels_rc=null matmuls_rc=null decode_rc=null splitk_rc=null quant_rc=null engine_rc=null
+host_rc=null
 want kernels && run_stage kernels_rc "kernels" "$L_KERNELS" \
   "$PY" scripts/gpu_check.py "${KERNEL_ARGS[@]}" --out "$OUT_DIR/kernels.json"
 # The decode matmul kernels alone; their % of copy is of the kernels stage's 16-byte copy
@@ -109,6 +115,12 @@ want split_k && run_stage splitk_rc "decode step rows, bf16 KV, XLA split-K off"
   env XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_experimental_force_split_k=1" \
   "$PY" scripts/gpu_engine_check.py --part decode --decode-kv bfloat16 "${SPLITK_ARGS[@]}" \
   --out "$OUT_DIR/decode_split_k_off.json"
+# The quantized weights (fp8, int4): the kernels alone and the 8B decode step, each beside its
+# bf16 twin (the matmul and decode stages' rows when they have them, else timed here).
+want quant && run_stage quant_rc "quantized weights" "$L_QUANT" \
+  "$PY" -m jpaged.bench.quant_check "${QUANT_ARGS[@]}" --ceiling-json "$OUT_DIR/kernels.json" \
+  --matmul-json "$OUT_DIR/matmul.json" --decode-json "$OUT_DIR/decode.json" \
+  --out "$OUT_DIR/quant.json"
 want engine && run_stage engine_rc "engine check" "$L_ENGINE" \
   "$PY" scripts/gpu_engine_check.py --part check "${ENGINE_ARGS[@]}" --out "$OUT_DIR/engine.json"
 # XLA_FLAGS set (empty unless given): bench_host's XLA:CPU thread flags are for this CPU only.
@@ -119,17 +131,18 @@ want host && run_stage host_rc "host work per step" "$L_HOST" \
   --out "$OUT_DIR/host.json"
 
 "$PY" - "$OUT_DIR" "$kernels_rc" "$matmuls_rc" "$decode_rc" "$engine_rc" "$host_rc" \
-  "$splitk_rc" "$(( $(date +%s) - t0 ))" "$STAGES" <<'PYEOF'
+  "$splitk_rc" "$quant_rc" "$(( $(date +%s) - t0 ))" "$STAGES" <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-krc, mrc, drc, erc, hrc, src = (json.loads(x) for x in sys.argv[2:8])
-wall, stages = int(sys.argv[8]), sys.argv[9].split(",")
+krc, mrc, drc, erc, hrc, src, qrc = (json.loads(x) for x in sys.argv[2:9])
+wall, stages = int(sys.argv[9]), sys.argv[10].split(",")
 doc = {"stages": stages, "kernels_rc": krc, "matmuls_rc": mrc, "decode_rc": drc,
-       "engine_rc": erc, "host_rc": hrc, "decode_split_k_off_rc": src, "wall_s": wall}
+       "engine_rc": erc, "host_rc": hrc, "decode_split_k_off_rc": src, "quant_rc": qrc,
+       "wall_s": wall}
 for name, f in (("kernels", "kernels"), ("matmuls", "matmul"), ("decode", "decode"),
                 ("engine", "engine"), ("host", "host"),
-                ("decode_split_k_off", "decode_split_k_off")):
+                ("decode_split_k_off", "decode_split_k_off"), ("quant", "quant")):
     p = out / f"{f}.json"
     doc[name] = json.loads(p.read_text()) if p.exists() else None
 # The ceilings at the top level: the kernels stage's, else what the matmul stage measured.
@@ -141,19 +154,33 @@ doc["matmul_best_plans"] = mm.get("matmul_best_plans")
 doc["decode_ab"] = [{k: r.get(k) for k in ("kv_cache_dtype", "batch", "context_len", "ms_xla",
                                            "ms_kernels", "xla_over_kernels")}
                     for r in (doc["decode"] or {}).get("decode_rows", []) if "ms_kernels" in r]
+# The quantized weights beside their bf16 twins: each kernel alone, and the decode step.
+quant = doc["quant"] or {}
+doc["quant_ab"] = [{k: r.get(k) for k in ("weights", "kernel", "rows", "us", "bf16_us",
+                                          "bf16_over_quant", "pct_of_copy_16byte", "ok")}
+                   for r in quant.get("quant_matmul_timings", [])]
+doc["quant_decode"] = [{k: r.get(k) for k in ("weights", "batch", "context_len", "step_ms",
+                                              "bf16_step_ms", "bf16_over_quant",
+                                              "decode_matmuls", "weight_bytes")}
+                       for r in quant.get("quant_decode_rows", [])]
 smi = out / "nvidia_smi.csv"
 doc["nvidia_smi"] = smi.read_text() if smi.exists() else None
 (out / "device_check.json").write_text(json.dumps(doc, indent=1))
 print(f"device_check: kernels rc={krc}, matmuls rc={mrc}, decode rc={drc}, engine rc={erc}, "
-      f"host rc={hrc}, split-K off rc={src} (124: stage time limit; null: not run), "
+      f"host rc={hrc}, split-K off rc={src}, quant rc={qrc} (124: stage time limit; null: "
+      f"not run), "
       f"copy16 {doc['copy_GBps_16byte']} GB/s ({doc['copy_16byte_method']}), "
       f"jax bf16 copy {doc['copy_GBps_jax_bf16']} GB/s, {wall} s -> {out}/device_check.json")
 for r in doc["decode_ab"]:
     print(f"  decode A/B {r['kv_cache_dtype']} B={r['batch']} ctx={r['context_len']}: "
           f"XLA's GEMMs {r['ms_xla']} ms, kernels {r['ms_kernels']} ms "
           f"(xla/kernels {r['xla_over_kernels']}x)")
+for r in doc["quant_decode"]:
+    print(f"  decode {r['weights']} B={r['batch']}: {r['step_ms']} ms, bf16 "
+          f"{r['bf16_step_ms']} ms (bf16/quant {r['bf16_over_quant']}x; {r['decode_matmuls']})")
 PYEOF
-for rc in "$kernels_rc" "$matmuls_rc" "$decode_rc" "$splitk_rc" "$engine_rc" "$host_rc"; do
+for rc in "$kernels_rc" "$matmuls_rc" "$decode_rc" "$splitk_rc" "$quant_rc" "$engine_rc" \
+    "$host_rc"; do
   [ "$rc" = null ] || [ "$rc" -eq 0 ] || exit 1
 done
 exit 0

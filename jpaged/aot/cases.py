@@ -34,6 +34,7 @@ from jpaged.runner.sampler import SamplingFlags
 from jpaged.runner.tier_transfer import _gather_impl, _scatter_impl
 from models.config import ModelSpec
 from models.loader import abstract_model
+from models.quant_layers import QuantLayout, apply_plan, fp8_plan
 from pallas_kernels.backend import select_backend
 
 # The step with top candidates on (what a request with logprobs runs): the default step is the
@@ -64,6 +65,11 @@ GEMMA3_270M_CONFIG: dict[str, Any] = {
     "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "bfloat16",
 }
 MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m")
+# Weights kept quantized on the device (models/quant.py), besides the model dtype's: "fp8" per
+# output channel (`--quantization fp8`), "int4" in groups of 32 with float16 scales and mins
+# (GGUF's Q4_1 / Q4_K, GPTQ's layout): every decoder linear, the embeddings and head unchanged.
+WEIGHTS = ("fp8", "int4")
+INT4_GROUP = 32
 _CONFIGS = {"llama3-8b": LLAMA3_8B_CONFIG, "gemma3-270m": GEMMA3_270M_CONFIG}
 
 # XLA's short names of the pool storage dtypes.
@@ -71,16 +77,38 @@ _XLA_DTYPE = {"uint8": "u8", "uint16": "u16", "bfloat16": "bf16", "float16": "f1
               "float32": "f32"}
 
 
-def model_source(name: str) -> str | None:
-    """What `jpaged estimate --model` takes for a model name (None = the embedded default)."""
+def model_source(name: str, weights: str | None = None) -> str | None:
+    """What `jpaged estimate --model` takes for a model name (None = the embedded default);
+    `weights` "int4": a config whose quantization_config says 4-bit groups of INT4_GROUP
+    (estimate counts a float16 scale and min a group, as the device holds them)."""
     if name == "smollm2-135m":
         return None
     if name in _CONFIGS:
-        path = Path(tempfile.gettempdir()) / f"jpaged-aot-{name}" / "config.json"
+        config = dict(_CONFIGS[name])
+        if weights == "int4":
+            config["quantization_config"] = {"quant_method": "gptq", "bits": 4,
+                                             "group_size": INT4_GROUP}
+        tag = f"-{weights}" if weights == "int4" else ""
+        path = Path(tempfile.gettempdir()) / f"jpaged-aot-{name}{tag}" / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(_CONFIGS[name]))
+        path.write_text(json.dumps(config))
         return str(path)
     raise ValueError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
+
+
+def int4_plan(model: nnx.Module, group: int = INT4_GROUP) -> dict[str, QuantLayout]:
+    """Every decoder layer's linear as int4 in groups of `group`, float16 scales and mins."""
+    return {path: QuantLayout("int4", group, True, "float16") for path in fp8_plan(model)}
+
+
+def quantize_abstract(model: nnx.Module, weights: str | None) -> nnx.Module:
+    """`model` (abstract) with its decoder linears quantized as `weights` says (in place)."""
+    if weights is None:
+        return model
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (or None); got {weights!r}")
+    apply_plan(model, fp8_plan(model) if weights == "fp8" else int4_plan(model))
+    return model
 
 
 def model_spec(name: str) -> ModelSpec:
@@ -112,6 +140,7 @@ class StepBuilder:
     """One engine configuration (model, dtypes, backend, devices, pool) whose steps are lowered.
 
     `devices`: abstract GPU devices (a deviceless compile) or None for the local default backend.
+    `weights`: decoder linears kept quantized ("fp8", "int4": `quantize_abstract`), or None.
     """
 
     spec: ModelSpec
@@ -122,6 +151,7 @@ class StepBuilder:
     devices: Sequence[Any] | None = None
     tensor_parallel_size: int = 1
     config: EngineConfig | None = None
+    weights: str | None = None
 
     def __post_init__(self) -> None:
         self.config = self.config or engine_config(self.spec)
@@ -170,8 +200,9 @@ class StepBuilder:
 
     @cached_property
     def abstract_model(self) -> nnx.Module:
-        """The model with ShapeDtypeStruct weights (nothing allocated, nothing initialized)."""
-        return abstract_model(self.spec, self.model_dtype)
+        """The model with ShapeDtypeStruct weights (nothing allocated, nothing initialized),
+        its decoder linears quantized as `weights` says."""
+        return quantize_abstract(abstract_model(self.spec, self.model_dtype), self.weights)
 
     @cached_property
     def runner(self) -> ModelRunner:

@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the verifying steps of speculative decoding (batch 1, 16 x k = 1, 2, "
                         "4, 8 proposals: decode steps of B*(k+1) rows) of every configuration, "
                         "under 'spec_verify'; with --decode or --quick, those cases too")
-    p.add_argument("--only", help="only configurations whose model/kv_dtype/backend contain this")
+    p.add_argument("--only", help="only configurations whose model[-weights]/kv_dtype/backend/"
+                                  "tp<N> contains this (or one of these, comma-separated), "
+                                  "e.g. llama3-8b/bfloat16/pallas/tp1,llama3-8b-int4")
     p.add_argument("--markdown", type=Path, metavar="JSON",
                    help="print the tables of an earlier run's JSON as markdown, compile nothing")
     p.add_argument("--xla-option", action="append", default=[], metavar="NAME=VALUE",

@@ -14,6 +14,11 @@ def _mib(x: int | None) -> str:
     return "-" if x is None else f"{x / 2**20:.0f} MiB"
 
 
+def _model(c: dict[str, Any]) -> str:
+    """A case's model, with its quantized weights' kind when it has them (llama3-8b-int4)."""
+    return f"{c['model']}-{c['weights']}" if c.get("weights") else c["model"]
+
+
 def programs(doc: dict[str, Any]) -> int:
     """Programs compiled (a case's extra context rows share their program), the verifying
     steps' (`spec_verify`) included."""
@@ -36,7 +41,7 @@ def hbm_table(doc: dict[str, Any]) -> str:
         if c["program"] != "step" or c["tokens"] != c["seqs"] or c.get("hbm_bytes") is None:
             continue
         lines.append(
-            f"| {c['model']} | {c['kv_cache_dtype']} | {c['backend']} | "
+            f"| {_model(c)} | {c['kv_cache_dtype']} | {c['backend']} | "
             f"{c['tensor_parallel_size']} | {c['seqs']} | {c['context_len']} | "
             f"{_gb(c['hbm_bytes'])} | {_gb(c['min_hbm_bytes'])} | {c['traffic_ratio']:.2f}"
             f"{'*' if _loop_once(c) else ''} | "
@@ -63,7 +68,7 @@ def prediction_table(doc: dict[str, Any], model: str = "llama3-8b",
             "ideal ms | ideal tok/s | vLLM point |")
     lines = [head, "|---" * 9 + "|"]
     for c in doc["cases"]:
-        if (c["program"] != "step" or c["tokens"] != c["seqs"] or c["model"] != model
+        if (c["program"] != "step" or c["tokens"] != c["seqs"] or _model(c) != model
                 or c["backend"] != backend or c.get("hbm_bytes") is None):
             continue
         b, slow = c["seqs"], c["predicted_step_ms_at_80pct"]
@@ -91,7 +96,7 @@ def spec_table(doc: dict[str, Any]) -> str:
         if c.get("hbm_bytes") is None:
             continue
         lines.append(
-            f"| {c['model']} | {c['kv_cache_dtype']} | {c['backend']} | "
+            f"| {_model(c)} | {c['kv_cache_dtype']} | {c['backend']} | "
             f"{c['tensor_parallel_size']} | {c['batch']} | {c['k']} | "
             f"{c['tokens_per_step_max']} | {c['rows']} | {c['context_len']} | "
             f"{_dash(c.get('kernels_per_step'))} | {_dash(c.get('command_buffers'))} | "
@@ -112,7 +117,7 @@ def kernel_table(doc: dict[str, Any]) -> str:
         if c.get("reuses_compile"):
             continue
         for k in c.get("kernels", []):
-            key = (c["model"], c["kv_cache_dtype"], c["tensor_parallel_size"], k["name"])
+            key = (_model(c), c["kv_cache_dtype"], c["tensor_parallel_size"], k["name"])
             if key not in seen:
                 seen[key] = {**k, "shapes": []}
             seen[key]["shapes"].append(f"{c['tokens']}x{c['seqs']}")
@@ -141,7 +146,7 @@ def launch_table(doc: dict[str, Any]) -> str:
         if c["program"] != "step" or c.get("reuses_compile") or c.get("kernels_per_step") is None:
             continue
         lines.append(
-            f"| {c['model']} | {c['kv_cache_dtype']} | {c['backend']} | "
+            f"| {_model(c)} | {c['kv_cache_dtype']} | {c['backend']} | "
             f"{c['tensor_parallel_size']} | {c['tokens']} | {c['seqs']} | "
             f"{c['kernels_per_step']} | {_dash(c['kernels_per_layer'])} | "
             f"{_dash(c['kernels_outside_layers'])} | {c['copies_per_step']} | "
@@ -154,7 +159,7 @@ def program_table(doc: dict[str, Any]) -> str:
     """One row per configuration: programs compiled, in place, compile seconds, temp range."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for c in doc["cases"]:
-        key = (c["model"], c["kv_cache_dtype"], c["backend"], c["tensor_parallel_size"])
+        key = (_model(c), c["kv_cache_dtype"], c["backend"], c["tensor_parallel_size"])
         if not c.get("reuses_compile"):
             groups.setdefault(key, []).append(c)
     lines = ["| model | KV | path | tp | programs | compiled | pool in place | pool per device | "
@@ -179,7 +184,7 @@ def sizing_table(doc: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for s in doc["sizing"]:
         lines.append(
-            f"| {s['model']} | {s['kv_cache_dtype']} | {s['backend']} | "
+            f"| {_model(s)} | {s['kv_cache_dtype']} | {s['backend']} | "
             f"{s['tensor_parallel_size']} | {_gib(s['param_bytes'])} | "
             f"{_mib(s['activation_bytes_gpu'])} / {_mib(s.get('activation_bytes_cpu_probe'))} / "
             f"{_mib(s['estimate_activation_bytes'])} | {_gib(s['kv_budget_bytes'])} | "

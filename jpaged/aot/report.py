@@ -11,7 +11,9 @@ one engine configuration, its largest bucket is compiled on a 2-block pool (what
 start-up probe does) to size the pool the engine would choose on the H200 at
 gpu_memory_utilization=0.9; the cases then run at that pool, so the check sees real pool sizes.
 With `spec`, the verifying steps of speculative decoding too (`run_spec_config`,
-`jpaged.aot.spec_verify`), under the document's "spec_verify".
+`jpaged.aot.spec_verify`), under the document's "spec_verify". A configuration may keep its
+decoder linears quantized (`Config.weights`: "fp8", "int4"; its rows say so under "weights"),
+the decode matmul kernels then reading the quantized bytes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from jpaged.aot.buffers import (
 from jpaged.aot.cases import (
     DECODE_FLAGS,
     TOP_FLAGS,
+    WEIGHTS,
     StepBuilder,
     engine_config,
     model_source,
@@ -84,6 +87,14 @@ class Config:
     tensor_parallel_size: int = 1
     # Extra XLA compile options for every program of it, as (name, value) pairs.
     xla_options: tuple[tuple[str, Any], ...] = ()
+    # Decoder linears kept quantized (cases.WEIGHTS), or None: the model dtype's.
+    weights: str | None = None
+
+    @property
+    def key(self) -> str:
+        """What --only matches: model[-weights]/kv_cache_dtype/backend/tp<N>."""
+        model = f"{self.model}-{self.weights}" if self.weights else self.model
+        return f"{model}/{self.kv_cache_dtype}/{self.backend}/tp{self.tensor_parallel_size}"
 
 
 def compile_lowered(lower: Any, gpu: bool, ptxas: str | None, pool_shape: str,
@@ -163,7 +174,7 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
 
     spec = model_spec(cfg.model)
     probe = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, PROBE_BLOCKS,
-                        target.devices, cfg.tensor_parallel_size)
+                        target.devices, cfg.tensor_parallel_size, weights=cfg.weights)
     t, b = largest_shape(probe.plan)
     row = compile_lowered(lambda: probe.lower_step(t, b), True, None, probe.pool_shape(),
                           target=target, options=dict(cfg.xla_options))
@@ -178,12 +189,14 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
                         blocks_per_seq=blocks_needed(s.max_model_len, probe.kv_layout,
                                                      config.cache.block_size,
                                                      s.max_chunk_tokens))
-    est = estimate_capacity(model_source(cfg.model), gpu_memory=device_bytes,
+    est = estimate_capacity(model_source(cfg.model, cfg.weights), gpu_memory=device_bytes,
                             gpu_memory_utilization=DEFAULT_UTILIZATION, dtype="bfloat16",
                             kv_cache_dtype=cfg.kv_cache_dtype,
-                            tensor_parallel_size=cfg.tensor_parallel_size)
+                            tensor_parallel_size=cfg.tensor_parallel_size,
+                            quantization="fp8" if cfg.weights == "fp8" else None)
     sizing = {
-        "model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
+        "model": cfg.model, **_weights_field(cfg),
+        "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "device_memory_bytes": target.device_memory_bytes, "mem_fraction": _mem_fraction(),
         "device_bytes": device_bytes, "gpu_memory_utilization": DEFAULT_UTILIZATION,
@@ -222,13 +235,15 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
     num_blocks, sizing = sized or size_pool(cfg, target, cpu_probe=cpu_probe)
     spec = model_spec(cfg.model)
     builder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
-                          target.devices, cfg.tensor_parallel_size)
+                          target.devices, cfg.tensor_parallel_size, weights=cfg.weights)
     # Decode shapes (tokens == seqs) compile with block tables wide enough for the longest
     # context reported; that program serves every context, so it compiles once.
     decoder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
                           target.devices, cfg.tensor_parallel_size,
-                          engine_config(spec, max_model_len=max(DECODE_CONTEXTS)))
-    base = {"model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
+                          engine_config(spec, max_model_len=max(DECODE_CONTEXTS)),
+                          weights=cfg.weights)
+    base = {"model": cfg.model, **_weights_field(cfg), "kv_cache_dtype": cfg.kv_cache_dtype,
+            "backend": cfg.backend,
             "tensor_parallel_size": cfg.tensor_parallel_size, "num_blocks": num_blocks,
             "pool_bytes": builder.pool_bytes}
     rows = []
@@ -276,8 +291,10 @@ def run_spec_config(cfg: Config, target: GpuTarget, ptxas: str | None, num_block
     spec = model_spec(cfg.model)
     bld = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
                       target.devices, cfg.tensor_parallel_size,
-                      spec_engine_config(spec, max_model_len=max(DECODE_CONTEXTS)))
-    base = {"model": cfg.model, "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
+                      spec_engine_config(spec, max_model_len=max(DECODE_CONTEXTS)),
+                      weights=cfg.weights)
+    base = {"model": cfg.model, **_weights_field(cfg), "kv_cache_dtype": cfg.kv_cache_dtype,
+            "backend": cfg.backend,
             "tensor_parallel_size": cfg.tensor_parallel_size, "num_blocks": num_blocks,
             "pool_bytes": bld.pool_bytes}
     out = []
@@ -298,6 +315,12 @@ def run_spec_config(cfg: Config, target: GpuTarget, ptxas: str | None, num_block
             out.append(r)
             _log_row(r)
     return out
+
+
+def _weights_field(cfg: Config) -> dict[str, str]:
+    """{"weights": kind} for a configuration whose linears are quantized, else nothing (the
+    rows of the model dtype's weights keep their fields)."""
+    return {"weights": cfg.weights} if cfg.weights else {}
 
 
 def transfer_traffic(text: str) -> list[dict[str, Any]]:
@@ -325,7 +348,8 @@ def _log_row(row: dict[str, Any]) -> None:
     ks = ", ".join(f"{k['name']} r{k['registers']} s{k['spill_bytes']} "
                    f"smem{k['shared_memory_bytes']} ld{k.get('max_global_load_bytes')}"
                    for k in row.get("kernels", []))
-    print(f"  {row['model']:13s} {row['kv_cache_dtype']:9s} {row['backend']:6s} "
+    model = f"{row['model']}-{row['weights']}" if row.get("weights") else row["model"]
+    print(f"  {model:13s} {row['kv_cache_dtype']:9s} {row['backend']:6s} "
           f"tp{row['tensor_parallel_size']} {row['program']:8s} T={row['tokens']:<5d} "
           f"B={row['seqs']:<4d} {row.get('compile_s', 0):6.1f}s "
           f"aliased={row.get('pool_aliased')} {status} {ks}{_launch_text(row)}"
@@ -357,7 +381,8 @@ def check_rows(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         if r.get("reuses_compile"):
             continue
-        tag = (f"{r['model']}/{r['kv_cache_dtype']}/{r['backend']}/tp{r['tensor_parallel_size']}"
+        model = f"{r['model']}-{r['weights']}" if r.get("weights") else r["model"]
+        tag = (f"{model}/{r['kv_cache_dtype']}/{r['backend']}/tp{r['tensor_parallel_size']}"
                f"/{r['program']} T={r['tokens']} B={r['seqs']}")
         if not r.get("compiled"):
             bad.append(f"{tag}: did not compile: {r.get('error', '')[:300]}")
@@ -390,7 +415,8 @@ def check_rows(rows: list[dict[str, Any]]) -> list[str]:
 
 def plan_configs(quick: bool) -> list[tuple[Config, str]]:
     """(configuration, shape set) pairs: SmolLM2 and the 8B x bf16/fp8 x pallas/xla; TP 2 on
-    the 8B; Gemma 3 270M (sliding windows) on the Pallas path."""
+    the 8B; Gemma 3 270M (sliding windows) on the Pallas path; the 8B's decode steps with
+    fp8 and int4 weights on the Pallas path (the quantized decode matmul kernels)."""
     out = []
     for model in ("smollm2-135m", "llama3-8b"):
         for kvd in ("bfloat16", "fp8_e4m3"):
@@ -400,6 +426,8 @@ def plan_configs(quick: bool) -> list[tuple[Config, str]]:
         out.append((Config("llama3-8b", "bfloat16", be, 2), "decode" if quick else "all"))
     # Sliding windows, Gemma's blocks and head_dim 256 in the kernels.
     out.append((Config("gemma3-270m", "bfloat16", "pallas"), "decode" if quick else "all"))
+    for weights in WEIGHTS:
+        out.append((Config("llama3-8b", "bfloat16", "pallas", weights=weights), "decode"))
     return out
 
 
@@ -433,7 +461,7 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False,
     steps = not spec or quick or decode_only
     for cfg, which in plan_configs(quick):
         cfg = replace(cfg, xla_options=tuple(sorted(xla_options.items())))
-        if only and only not in f"{cfg.model}/{cfg.kv_cache_dtype}/{cfg.backend}":
+        if only and not any(part in cfg.key for part in only.split(",")):
             continue
         target = targets.get(cfg.tensor_parallel_size)
         if target is None:

@@ -4,19 +4,24 @@ With the Pallas backend, steps of at most `DECODE_MATMUL_MAX_ROWS` tokens run ev
 layer's projections on the weight-streaming kernels of `pallas_kernels/decode_matmul.py`
 (Pallas interpreter off GPU); larger steps keep XLA's GEMMs, which reuse each weight tile
 across many rows. A model whose shapes the kernels cannot take keeps XLA's GEMMs, and says
-why once in the log.
+why once in the log. Quantized projections (models/quant_layers.py) run on the same kernels,
+which read their bytes as they lie (docs/kernels.md, "Quantized weights"), when every layer's
+formats suit them (`unsupported_reason` with the model's quantization plan).
 """
 
 from __future__ import annotations
 
 import logging
+import re
+from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
 
 from models.config import ModelSpec
 from models.linear_ops import DecodeLinears
-from models.sharding import plan_layout
+from models.quant_layers import QuantLayout
+from models.sharding import ROW_SPLIT, plan_layout
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels.reference import rope_rows
 
@@ -27,11 +32,42 @@ logger = logging.getLogger("jpaged.runner")
 # again (from L2 when the blocks run together). The device check times both paths at batch
 # 1/16/64/256 (`ms_xla`, `ms_kernels`): the crossover is where they meet.
 DECODE_MATMUL_MAX_ROWS = 64
+# With integer-quantized projections (int4, int8) the kernels take steps of up to 256 tokens
+# (the largest decode bucket): XLA's path dequantizes each such weight into a bf16 copy and
+# multiplies that (models/quant.py's quant_matmul; a deviceless H200 compile of the 8B int4
+# step at batch 256 writes 14 GB of weight copies), which costs more than the kernels' re-reads
+# of each weight slab by their 4 row blocks. fp8 weights keep 64: XLA's GEMM reads the fp8
+# bytes itself.
+QUANT_DECODE_MATMUL_MAX_ROWS = 256
 
 
-def unsupported_reason(spec: ModelSpec, dtype: jnp.dtype, tensor_parallel_size: int = 1
-                       ) -> str | None:
-    """Why this model's projections cannot take the kernels (per device), or None."""
+# A decoder layer's projection in a quantization plan: (the layer's path, the module's name).
+_LAYER_PROJ = re.compile(r"^(.*\.layers\.[^.]+)\.(?:self_attn|mlp)\.(\w+_proj)$")
+# The four launches of a layer: their weights in launch order.
+_LAUNCHES = (("qkv", ("q_proj", "k_proj", "v_proj")), ("gate_up", ("gate_proj", "up_proj")),
+             ("o", ("o_proj",)), ("down", ("down_proj",)))
+
+
+def _layer_formats(quant_plan: Mapping[str, QuantLayout]
+                   ) -> dict[str, dict[str, dm.QuantFormat]]:
+    """Per decoder layer (its path), the format of each quantized projection of it."""
+    out: dict[str, dict[str, dm.QuantFormat]] = {}
+    for path, layout in quant_plan.items():
+        m = _LAYER_PROJ.match(path)
+        if m:
+            out.setdefault(m.group(1), {})[m.group(2)] = dm.QuantFormat(
+                layout.kind, layout.group_size, layout.has_min)
+    return out
+
+
+def unsupported_reason(spec: ModelSpec, dtype: jnp.dtype, tensor_parallel_size: int = 1,
+                       quant_plan: Mapping[str, QuantLayout] | None = None) -> str | None:
+    """Why this model's projections cannot take the kernels (per device), or None.
+
+    `quant_plan` (`plan_of(model)`): the quantized linears; every layer's launches
+    are checked with their weights' formats (a row-split projection's groups as each device
+    holds them).
+    """
     tp = tensor_parallel_size
     q, kv = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
     # K and V split by columns unless their heads are replicated (models/sharding.py's rule).
@@ -42,7 +78,31 @@ def unsupported_reason(spec: ModelSpec, dtype: jnp.dtype, tensor_parallel_size: 
         why = dm.unsupported(1, k, ns, dtype)
         if why is not None:
             return why
+    launches = {"qkv": (spec.hidden_size, (q // tp, kv_local, kv_local)),
+                "gate_up": (spec.hidden_size, (spec.intermediate_size // tp,)),
+                "o": (q // tp, (spec.hidden_size,)),
+                "down": (spec.intermediate_size // tp, (spec.hidden_size,))}
+    checked: dict[tuple, str | None] = {}
+    for layer, fmts in sorted(_layer_formats(quant_plan or {}).items()):
+        for launch, modules in _LAUNCHES:
+            k, ns = launches[launch]
+            formats = tuple(_local_format(fmts.get(m), m, k, tp) for m in modules)
+            key = (launch, formats)
+            if key not in checked:
+                checked[key] = dm.unsupported(1, k, ns, dtype, formats)
+            if checked[key] is not None:
+                return f"{layer}.{launch}: {checked[key]}"
     return None
+
+
+def _local_format(f: dm.QuantFormat | None, module: str, k_local: int, tp: int
+                  ) -> dm.QuantFormat | None:
+    """A projection's format as one device holds it: a row-split one's rows are cut in `tp`
+    (its groups kept whole, models/quant_layers.check_quant_splits; a per-channel scale is
+    then per channel of each device's rows)."""
+    if f is None or tp == 1 or module not in ROW_SPLIT or f.group_size <= k_local:
+        return f
+    return dm.QuantFormat(f.kind, k_local, f.has_mins)
 
 
 def kernel_linears(interpret: bool, max_rows: int = DECODE_MATMUL_MAX_ROWS) -> DecodeLinears:
@@ -54,7 +114,8 @@ def kernel_linears(interpret: bool, max_rows: int = DECODE_MATMUL_MAX_ROWS) -> D
             rope: tuple[jax.Array, jax.Array] | None = None, head_dim: int | None = None
             ) -> tuple[jax.Array, jax.Array, jax.Array]:
         # RoPE in the kernel's epilogue where its tiles allow (head_dim / 2 >= 16), else after.
-        fused = rope is not None and dm.rope_fits(head_dim, [w.shape[1] for w in (wq, wk, wv)])
+        fused = rope is not None and dm.rope_fits(
+            head_dim, [dm.weight_shape(w)[1] for w in (wq, wk, wv)])
         q, k, v = dm.projections(x, [wq, wk, wv], [bq, bk, bv], norm_weight=norm_weight,
                                  norm_eps=norm_eps, norm_offset=norm_offset,
                                  rope=rope if fused else None, rope_outputs=2 if fused else 0,
@@ -111,12 +172,20 @@ def fused_qkv_write(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array,
 
 
 def select_linears(backend: str, platform: str, spec: ModelSpec, dtype: jnp.dtype,
-                   tensor_parallel_size: int = 1) -> DecodeLinears | None:
-    """The kernels when the attention backend is Pallas and the model's shapes fit, else None."""
+                   tensor_parallel_size: int = 1,
+                   quant_plan: Mapping[str, QuantLayout] | None = None
+                   ) -> DecodeLinears | None:
+    """The kernels when the attention backend is Pallas and the model's shapes (and its
+    quantized weights' formats, `plan_of(model)`) fit, else None. Integer-quantized
+    projections keep the kernels up to QUANT_DECODE_MATMUL_MAX_ROWS tokens a step."""
     if not backend.startswith("pallas"):
         return None
-    why = unsupported_reason(spec, dtype, tensor_parallel_size)
+    why = unsupported_reason(spec, dtype, tensor_parallel_size, quant_plan)
     if why is not None:
         logger.warning("decode projections stay on XLA's GEMMs: %s", why)
         return None
-    return kernel_linears(interpret=not is_gpu_platform(platform))
+    integer = any(f.kind in ("int4", "int8") for fmts in _layer_formats(quant_plan or {}).values()
+                  for f in fmts.values())
+    return kernel_linears(interpret=not is_gpu_platform(platform),
+                          max_rows=QUANT_DECODE_MATMUL_MAX_ROWS if integer
+                          else DECODE_MATMUL_MAX_ROWS)

@@ -33,6 +33,7 @@ from jpaged.runner.linears import (
     select_linears,
 )
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample, searches_wide
+from models.quant_layers import plan_of
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
 
@@ -203,7 +204,7 @@ class ModelRunner:
         # GEMMs for every step). Off: the XLA path, which the device check times beside it.
         self.linears = None if not decode_matmuls else select_linears(
             ops.name, platform, model.spec, model.dtype,
-            parallel.size if parallel is not None else 1)
+            parallel.size if parallel is not None else 1, plan_of(model))
         self.linears_interpret = not is_gpu_platform(platform)
         # The q/k/v launch also writes K/V when its RoPE runs in the kernel (one launch less a
         # layer); not under tensor parallel, whose pool shards go through the backend's write.

@@ -36,6 +36,7 @@ from jpaged.runner.kv_cache import KVCache, storage_dtype
 from jpaged.runner.sampler import best_runs, row_candidates
 from models.config import ModelSpec
 from models.linear_ops import DecodeLinears
+from models.quant import QuantWeight
 from models.sharding import AXIS, make_mesh, param_shardings, param_spec, plan_layout, vocab_splits
 from pallas_kernels.backend import AttentionOps
 
@@ -72,9 +73,10 @@ class TensorParallel:
         return self.layout.size
 
     # ------------------------------------------------------------------ parameters
-    def param_spec(self, path: tuple[Any, ...], ndim: int) -> P:
-        """PartitionSpec of one parameter leaf, from its module path and rank."""
-        return param_spec(path, ndim, self.layout, self.split_vocab)
+    def param_spec(self, path: tuple[Any, ...], ndim: int,
+                   shape: tuple[int, ...] | None = None) -> P:
+        """PartitionSpec of one parameter leaf, from its module path and rank (and shape)."""
+        return param_spec(path, ndim, self.layout, self.split_vocab, shape)
 
     def param_shardings(self, params: Any) -> Any:
         """A NamedSharding for every leaf of an nnx parameter State."""
@@ -88,7 +90,7 @@ class TensorParallel:
         """Bytes of parameters each device holds once sharded."""
         total = 0
         for path, x in jax.tree_util.tree_leaves_with_path(params):
-            spec = self.param_spec(path, x.ndim)
+            spec = self.param_spec(path, x.ndim, x.shape)
             ways = self.size if AXIS in tuple(spec) else 1
             total += math.ceil(x.size / ways) * x.dtype.itemsize
         return total
@@ -255,11 +257,22 @@ class TensorParallel:
         replicated), so each device runs the kernel on its slabs with the whole (replicated)
         input; o and down are split by input rows: each device's partial product is summed
         across devices, then the bias and the residual are added (by XLA: the kernel's residual
-        epilogue would add it once per device)."""
+        epilogue would add it once per device). A quantized weight (QuantWeight) splits as
+        its float kernel would, leaf by leaf (models/sharding.py's rule): values, scales and
+        mins by columns alike; by rows the values and the scales and mins of its groups, a
+        single scale row (one group per channel) replicated."""
         mesh = self.mesh
         col, rep = P(None, AXIS), P()
         kv = col if self.layout.kv_replicas == 1 else rep
         kvb = P(AXIS) if self.layout.kv_replicas == 1 else P()
+
+        def by_rows(w: Any) -> Any:
+            """in_specs of a row-split weight (o, down): float or quantized."""
+            if not isinstance(w, QuantWeight):
+                return P(AXIS, None)
+            groups = P() if w.scales.shape[0] == 1 else P(AXIS, None)
+            return QuantWeight(w.kind, P(AXIS, None), groups,
+                               None if w.mins is None else groups, w.k_axis)
 
         def qkv(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array,
                 bq: jax.Array | None, bk: jax.Array | None, bv: jax.Array | None,
@@ -295,7 +308,7 @@ class TensorParallel:
             def local(x, w):  # noqa: ANN001, ANN202
                 return jax.lax.psum(lin.out(x, w, None, None), AXIS)
 
-            f = jax.shard_map(local, mesh=mesh, in_specs=(col, P(AXIS, None)), out_specs=rep,
+            f = jax.shard_map(local, mesh=mesh, in_specs=(col, by_rows(w)), out_specs=rep,
                               check_vma=False)
             y = f(x, w)
             if b is not None:

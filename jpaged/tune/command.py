@@ -162,7 +162,7 @@ def tune(base: EngineArgs, *, workload: Path | None = None, synthetic_spec: str 
 
     if not max_minutes > 0:
         raise ValueError(f"--max-minutes must be > 0, got {max_minutes}")
-    loaded = loaded or load_model(base.model, base.dtype)
+    loaded = loaded or load_model(base.model, base.dtype, quantization=base.quantization)
     spec = loaded.spec
     sched = base.create_engine_config(spec.max_position_embeddings).scheduler
     max_len = sched.max_model_len

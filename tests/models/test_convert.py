@@ -171,6 +171,22 @@ def test_cli_convert_bad_inputs(tmp_path):
     r = _jpaged("convert", str(tmp_path / "missing.gguf"), str(tmp_path / "y"))
     assert r.returncode == 2 and "GGUF file not found" in r.stderr
     assert not (tmp_path / "y").exists()
+    r = _jpaged("convert", str(tiny_model_dir()), str(tmp_path / "z"), "--quantization", "gguf")
+    assert r.returncode == 2 and "quantization='gguf' runs a GGUF file" in r.stderr
+
+
+def test_cli_convert_quantized_gguf_loads_back_quantized(tmp_path, embedded_path):
+    out = tmp_path / "q"
+    r = _jpaged("convert", "embedded", str(out), "--quantization", "gguf")
+    assert r.returncode == 0, r.stderr
+    assert ", gguf;" in r.stdout
+    manifest = json.loads((out / MARKER).read_text())
+    assert manifest["quantization"]["method"] == "gguf"
+    assert manifest["quantization"]["plan"]["model.layers.0.mlp.up_proj"] == [
+        "int4", 32, True, "float16"]  # Q4_1
+    back = load_model(str(out))
+    assert back.quantization == "gguf"
+    assert _params(back).keys() == _params(load_model(None, quantization="gguf")).keys()
 
 
 # ------------------------------------------------------------------ bad checkpoints

@@ -234,10 +234,12 @@ def gguf_name(hf_name: str) -> str:
     return f"{_TO_GGUF[base]}.{suffix}"
 
 
-def write_gguf(path: Path, spec, weights: dict[str, np.ndarray], quantize: tuple[str, ...] = ()):
+def write_gguf(path: Path, spec, weights: dict[str, np.ndarray],
+               quantize: tuple[str, ...] | dict[str, str] = ()):
     """A llama-arch GGUF as llama.cpp's converter writes it (q/k rows permuted).
 
-    Tensors whose HF name contains any string in `quantize` are stored as Q8_0.
+    Tensors whose HF name contains a string in `quantize` are stored as Q8_0, or (a dict:
+    substring -> GGML type name, first match wins) as that type.
     """
     import gguf
 
@@ -271,8 +273,10 @@ def write_gguf(path: Path, spec, weights: dict[str, np.ndarray], quantize: tuple
             arr = permute_qk(arr, spec.num_heads)
         elif name.endswith("k_proj.weight"):
             arr = permute_qk(arr, spec.num_kv_heads)
-        if any(q in name for q in quantize):
-            qtype = gguf.GGMLQuantizationType.Q8_0
+        types = quantize if isinstance(quantize, dict) else dict.fromkeys(quantize, "Q8_0")
+        kind = next((t for part, t in types.items() if part in name), None)
+        if kind is not None:
+            qtype = gguf.GGMLQuantizationType[kind]
             w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(gguf_name(name), np.ascontiguousarray(arr, dtype=np.float32))

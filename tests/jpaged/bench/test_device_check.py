@@ -1,8 +1,8 @@
 """scripts/device_check.sh end to end in its CPU smoke mode: the same steps as on a lent GPU
 (kernel checks and timings with the 16-byte copy ceiling, the decode matmul kernels against
-XLA with their tile sweep, the decode rows' matmul A/B, the engine on random weights with both
-loops compared, decode rows with XLA's split-K forced off, the host work per request-step, one
-merged JSON), tiny shapes."""
+XLA with their tile sweep, the decode rows' matmul A/B, decode rows with XLA's split-K forced
+off, the quantized weights (fp8, int4) beside their bf16 twins, the engine on random weights
+with both loops compared, the host work per request-step, one merged JSON), tiny shapes."""
 
 from __future__ import annotations
 
@@ -23,10 +23,11 @@ def test_device_check_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "device_check.json").read_text())
     assert (doc["kernels_rc"], doc["matmuls_rc"], doc["decode_rc"], doc["engine_rc"],
-            doc["host_rc"], doc["decode_split_k_off_rc"]) == (0, 0, 0, 0, 0, 0)
-    assert doc["stages"] == ["kernels", "matmuls", "decode", "split_k", "engine", "host"]
+            doc["host_rc"], doc["decode_split_k_off_rc"], doc["quant_rc"]) == (0,) * 7
+    assert doc["stages"] == ["kernels", "matmuls", "decode", "split_k", "quant", "engine",
+                             "host"]
     log = (tmp_path / "device_check.log").read_text()
-    assert "== decode step rows" in log and log.count("== stage took") == 6
+    assert "== decode step rows" in log and log.count("== stage took") == 7
     # The split-K-off rows right after the decode rows they are compared with.
     assert log.index("split-K off (limit") < log.index("== engine check")
     kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]
@@ -104,6 +105,19 @@ def test_device_check_cpu_smoke(tmp_path):
     assert "--xla_gpu_experimental_force_split_k" not in doc["decode"]["xla_flags"]
     assert [(r["kv_cache_dtype"], r["batch"]) for r in off["decode_rows"]] == [("bfloat16", 4)]
     assert all(r["step_ms"] > 0 for r in off["decode_rows"]), off
+    # The quantized weights: every kernel alone with fp8 and int4 weights, correct, beside the
+    # matmul stage's bf16 time; the decode step with each beside the decode stage's bf16 step.
+    quant = doc["quant"]
+    assert quant["failures"] == [] and log.index("== quantized weights") < log.index(
+        "== engine check")
+    assert sorted((r["kernel"], r["weights"]) for r in doc["quant_ab"]) == sorted(
+        (k, w) for k in main for w in ("fp8", "int4"))
+    assert all(r["ok"] and r["bf16_us"] and r["bf16_over_quant"] > 0 for r in doc["quant_ab"])
+    assert [(r["weights"], r["batch"], r["decode_matmuls"]) for r in doc["quant_decode"]] == [
+        ("fp8", 1, "kernels"), ("int4", 1, "kernels")]
+    bf16_b1 = next(r["step_ms"] for r in rows if r["batch"] == 1
+                   and r["kv_cache_dtype"] == "bfloat16")
+    assert all(r["bf16_step_ms"] == bf16_b1 and r["step_ms"] > 0 for r in doc["quant_decode"])
     # Host work per request-step of both loops (the tiny model; no embedded model there).
     assert [(r["mode"], r["batch"]) for r in host["rows"]] == [("sync", 4), ("async", 4)]
     assert all(r["host_us_per_request_step"] > 0 for r in host["rows"])

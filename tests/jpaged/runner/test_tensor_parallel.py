@@ -105,6 +105,17 @@ def test_fused_decode_projections_under_tp_give_the_xla_tokens(facts):
         assert case[f"tp{tp}"] == case["xla"], tp
 
 
+def test_quantized_weights_split_like_float_kernels(facts):
+    case = facts["quantized"]
+    assert case["tp2"] == case["tp1"] and any(len(t) == 8 for t in case["tp1"])
+    assert case["fp8_tp2"] == case["fp8_tp1"] and any(len(t) == 8 for t in case["fp8_tp1"])
+    # Scanned layers [L, K/2, N]: q_proj splits its columns, down_proj its packed rows.
+    assert case["q_proj_tp2"] == [[2, 32, 64], [[2, 32, 32]] * 2]
+    assert case["down_proj_tp2"] == [[2, 64, 64], [[2, 32, 64]] * 2]
+    assert "down_proj: tensor_parallel_size=2 splits its 96 input rows into 48, which cuts " \
+           "its groups of 32" in case["cut_error"]
+
+
 def test_candidates_from_vocab_split_logits_draw_the_whole_rows_tokens(facts):
     """Each device's best runs, the best of them overall: at tp 2 and 4 the candidate path
     draws the tokens the whole-row path and one device draw, row by row and seed by seed."""

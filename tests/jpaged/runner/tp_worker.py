@@ -146,6 +146,48 @@ def fused_linear_cases(out: dict) -> None:
     out["fused_linears"] = case
 
 
+def quantized_cases(out: dict) -> None:
+    """A GGUF at its own quantization (Q4_1 / Q8_0 linears, a Q8_0 embedding and head) at tp
+    1 and 2: the quantized arrays split as the float kernels do (columns; o/down by rows, at
+    group boundaries), the same greedy tokens; a split that would cut a group is refused."""
+    import tempfile
+
+    from tiny_models import random_weights, tiny_spec, write_gguf
+
+    from models.loader import load_model
+
+    types = {"q_proj": "Q4_1", "k_proj": "Q8_0", "v_proj": "Q4_1", "o_proj": "Q4_1",
+             "gate_proj": "Q4_1", "up_proj": "Q8_0", "down_proj": "Q4_1",
+             "embed_tokens": "Q8_0", "lm_head": "Q8_0"}
+    tmp = Path(tempfile.mkdtemp(prefix="jpaged-qtp-"))
+    spec = tiny_spec(intermediate_size=128)
+    path = write_gguf(tmp / "q.gguf", spec, random_weights(spec, seed=5), quantize=types)
+    case: dict = {}
+    for tp in (1, 2):
+        loaded = load_model(str(path), "float32", tensor_parallel_size=tp, quantization="gguf")
+        llm = make_llm(loaded, tensor_parallel_size=tp, **TINY_ARGS)
+        case[f"tp{tp}"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)]
+        layer = llm.llm_engine.loaded.model.model.layers
+        state = nnx.state(layer)
+        for name in ("q_proj", "down_proj"):
+            leaf = next(x for p, x in jax.tree_util.tree_leaves_with_path(state)
+                        if name in jax.tree_util.keystr(p) and "qweight" in jax.tree_util.keystr(p))
+            case[f"{name}_tp{tp}"] = [list(leaf.shape),
+                                      [list(s.data.shape) for s in leaf.addressable_shards]]
+    for tp in (1, 2):  # fp8 per channel: o/down split by rows, their one scale row replicated
+        loaded = load_model(str(path), "float32", tensor_parallel_size=tp, quantization="fp8")
+        llm = make_llm(loaded, tensor_parallel_size=tp, **TINY_ARGS)
+        case[f"fp8_tp{tp}"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, GREEDY)]
+    odd = tiny_spec()  # intermediate 96: down_proj's 96 rows split 2 ways cut groups of 32
+    bad = write_gguf(tmp / "odd.gguf", odd, random_weights(odd), quantize={"down_proj": "Q4_1"})
+    try:
+        load_model(str(bad), "float32", tensor_parallel_size=2, quantization="gguf")
+        case["cut_error"] = None
+    except ValueError as e:
+        case["cut_error"] = str(e)
+    out["quantized"] = case
+
+
 def candidate_cases(out: dict) -> None:
     """The sampler's candidate path on vocab-split logits (`TensorParallel.candidates`, runs
     of 8, 4 kept): the tokens each row draws at tp 1, 2 and 4, and with the whole-row path,
@@ -292,6 +334,7 @@ def main() -> None:
         sharded_load_cases(out)
         tiny_cases(out)
         fused_linear_cases(out)
+        quantized_cases(out)
         candidate_cases(out)
         embedded_cases(out)
         default_pool_cases(out)

@@ -1,0 +1,256 @@
+"""The quantized linear and embedding modules, and turning a built model's layers into them.
+
+A model is built as usual (nnx.Linear, nnx.Embed); a quantization plan then swaps the modules
+it names for `QuantLinear` / `QuantEmbed` of the same shapes, whose Params hold the quantized
+arrays (models/quant.py). HF names follow the module paths, so a quantized checkpoint maps as
+any other: `<module>.qweight`, `.scales`, `.mins`, `.bias`, laid out as the device holds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from .linear_ops import one_row_as_two
+from .quant import QuantWeight, quant_logits, quant_matmul, quant_rows, quantize_fp8
+
+_VALUE_DTYPES = {"int4": np.uint8, "int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """How one module's weight is stored: kind, group size (along K), whether it has mins,
+    and the dtype of its scales and mins."""
+
+    kind: str
+    group_size: int
+    has_min: bool
+    scale_dtype: str
+
+    @classmethod
+    def of(cls, w: QuantWeight) -> QuantLayout:
+        """The layout of a host weight."""
+        return cls(w.kind, w.group_size, w.mins is not None, np.dtype(w.scales.dtype).name)
+
+
+def _precision(dtype: Any) -> jax.lax.Precision | None:
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def _zeros(shape: tuple[int, ...], dtype: Any) -> nnx.Param:
+    return nnx.Param(jnp.zeros(shape, dtype))
+
+
+class QuantLinear(nnx.Module):
+    """x @ W (+ bias) with W [in, out] quantized; output in the model's dtype."""
+
+    def __init__(self, n_in: int, n_out: int, layout: QuantLayout, bias: bool, dtype: Any):
+        if n_in % layout.group_size:
+            raise ValueError(f"group size {layout.group_size} does not divide the input size "
+                             f"{n_in}")
+        self.kind, self.in_features, self.out_features = layout.kind, n_in, n_out
+        self.dtype = jnp.dtype(dtype)
+        rows = n_in // 2 if layout.kind == "int4" else n_in
+        groups = n_in // layout.group_size
+        self.qweight = _zeros((rows, n_out), _VALUE_DTYPES[layout.kind])
+        self.scales = _zeros((groups, n_out), layout.scale_dtype)
+        self.mins = _zeros((groups, n_out), layout.scale_dtype) if layout.has_min else None
+        self.bias = _zeros((n_out,), dtype) if bias else None
+
+    def weight(self) -> QuantWeight:
+        """The weight's arrays as they lie."""
+        mins = None if self.mins is None else self.mins[...]
+        return QuantWeight(self.kind, self.qweight[...], self.scales[...], mins)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight()
+
+        def mm(x: jax.Array) -> jax.Array:
+            return quant_matmul(x, w.q, w.scales, w.mins, self.kind, self.dtype,
+                                _precision(self.dtype))
+
+        y = one_row_as_two(mm, x)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+class QuantEmbed(nnx.Module):
+    """A [vocab, hidden] table quantized along hidden: a lookup dequantizes only the rows it
+    gathers; `attend` is the tied output head (logits against every row)."""
+
+    def __init__(self, vocab: int, hidden: int, layout: QuantLayout, dtype: Any):
+        if hidden % layout.group_size:
+            raise ValueError(f"group size {layout.group_size} does not divide the hidden size "
+                             f"{hidden}")
+        self.kind, self.num_embeddings, self.features = layout.kind, vocab, hidden
+        self.dtype = jnp.dtype(dtype)
+        cols = hidden // 2 if layout.kind == "int4" else hidden
+        groups = hidden // layout.group_size
+        self.qweight = _zeros((vocab, cols), _VALUE_DTYPES[layout.kind])
+        self.scales = _zeros((vocab, groups), layout.scale_dtype)
+        self.mins = _zeros((vocab, groups), layout.scale_dtype) if layout.has_min else None
+
+    def _mins(self) -> jax.Array | None:
+        return None if self.mins is None else self.mins[...]
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return quant_rows(self.qweight[...], self.scales[...], self._mins(), self.kind, ids,
+                          self.dtype)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """float32 logits [T, vocab] of hidden states [T, hidden]."""
+        return quant_logits(h, self.qweight[...], self.scales[...], self._mins(), self.kind,
+                            self.dtype, _precision(self.dtype))
+
+
+def _resolve(root: nnx.Module, path: str) -> tuple[Any, str]:
+    """(parent, attribute or index) of the module at a dotted HF path."""
+    *parents, leaf = path.split(".")
+    obj: Any = root
+    for part in parents:
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj, leaf
+
+
+def _twin(old: nnx.Module, layout: QuantLayout, path: str) -> nnx.Module:
+    """An abstract quantized module of `old`'s shapes."""
+    if isinstance(old, nnx.Linear):
+        bias = getattr(old, "bias", None) is not None
+        return nnx.eval_shape(lambda: QuantLinear(old.in_features, old.out_features, layout,
+                                                  bias, old.param_dtype))
+    if isinstance(old, nnx.Embed):
+        return nnx.eval_shape(lambda: QuantEmbed(old.num_embeddings, old.features, layout,
+                                                 old.param_dtype))
+    raise ValueError(f"{path!r} is a {type(old).__name__}; only linear layers and embeddings "
+                     "can be quantized")
+
+
+def apply_plan(model: nnx.Module, plan: dict[str, QuantLayout]) -> None:
+    """Swap each module the plan names (HF path, e.g. `model.layers.0.mlp.up_proj`, or
+    `model.embed_tokens`) for its quantized twin, abstract (nothing allocated), in place."""
+    for path, layout in plan.items():
+        try:
+            parent, leaf = _resolve(model, path)
+            old = getattr(parent, leaf)
+        except (AttributeError, IndexError, TypeError, ValueError) as e:
+            raise ValueError(f"quantized tensor {path!r} names no module of the model") from e
+        try:
+            setattr(parent, leaf, _twin(old, layout, path))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+
+def is_quantized(model: nnx.Module) -> bool:
+    """Whether any module of `model` holds quantized weights."""
+    return any(isinstance(node, QuantLinear | QuantEmbed) for _, node in nnx.iter_graph(model))
+
+
+def fp8_plan(model: nnx.Module) -> dict[str, QuantLayout]:
+    """`--quantization fp8` on an unquantized model: every decoder layer's linear, per output
+    channel; the embeddings and lm_head stay in the model's dtype (vLLM's rule)."""
+    plan = {}
+    for path, node in nnx.iter_graph(model):
+        names = [str(p) for p in path]
+        if isinstance(node, nnx.Linear) and names[:2] == ["model", "layers"]:
+            plan[".".join(names)] = QuantLayout("fp8", node.in_features, False, "float32")
+    return plan
+
+
+class Fp8Tensors(Mapping[str, np.ndarray]):
+    """A checkpoint's tensors with each planned module's float `weight` ([out, in], HF) also
+    offered as fp8 `qweight` [in, out] and per-channel `scales` [1, out], made when read
+    (the module read last is kept, for its second array)."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], plan: dict[str, QuantLayout]):
+        self.weights, self.plan = weights, plan
+        self.origin = getattr(weights, "origin", "<weights dict>")
+        self._last: dict[str, QuantWeight] = {}
+        self._derived = {f"{m}.{leaf}": m for m in plan for leaf in ("qweight", "scales")}
+
+    def source_of(self, name: str) -> str:
+        """Where the tensor (or the weight it is made from) came from."""
+        where = getattr(self.weights, "source_of", lambda _: self.origin)
+        return where(f"{self._derived[name]}.weight" if name in self._derived else name)
+
+    def _quantized(self, module: str) -> QuantWeight:
+        if module not in self._last:
+            self._last.clear()
+            self._last[module] = quantize_fp8(np.asarray(self.weights[f"{module}.weight"]).T)
+        return self._last[module]
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name in self._derived:
+            w = self._quantized(self._derived[name])
+            return w.q if name.endswith(".qweight") else w.scales
+        return self.weights[name]
+
+    def __contains__(self, name: object) -> bool:
+        if name in self._derived:
+            return f"{self._derived[name]}.weight" in self.weights
+        return name in self.weights
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self.weights
+        yield from self._derived
+
+    def __len__(self) -> int:
+        return len(self.weights) + len(self._derived)
+
+
+def check_quant_splits(model: nnx.Module, tensor_parallel_size: int) -> None:
+    """Raise ValueError naming the module when tensor parallel would cut one of its groups
+    (a row-split projection's input rows must split at group boundaries)."""
+    from .sharding import ROW_SPLIT
+
+    for path, node in nnx.iter_graph(model):
+        names = [str(p) for p in path]
+        if isinstance(node, QuantLinear) and names[-1] in ROW_SPLIT:
+            k = node.in_features
+            group = k // node.scales.get_value().shape[0]
+            if group < k and (k // tensor_parallel_size) % group:  # (one group: replicated)
+                raise ValueError(
+                    f"{'.'.join(names)}: tensor_parallel_size={tensor_parallel_size} splits its "
+                    f"{k} input rows into {k // tensor_parallel_size}, which cuts its groups of "
+                    f"{group}")
+
+
+def plan_of(model: nnx.Module) -> dict[str, QuantLayout]:
+    """The quantization plan a model was built with (empty: none), e.g. for a checkpoint;
+    layers stacked for a scan (models.llama.stack_layers) count their groups per layer."""
+    plan = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, QuantLinear | QuantEmbed):
+            scales = node.scales.get_value()  # [(layers,) groups, N] or [V, groups]
+            linear = isinstance(node, QuantLinear)
+            k = node.in_features if linear else node.features
+            plan[".".join(map(str, path))] = QuantLayout(
+                node.kind, k // scales.shape[-2 if linear else -1], node.mins is not None,
+                jnp.dtype(scales.dtype).name)
+    return plan
+
+
+def plan_to_json(plan: dict[str, QuantLayout]) -> dict[str, list[Any]]:
+    """A plan as JSON-ready lists: module -> [kind, group_size, has_min, scale_dtype]."""
+    return {m: [p.kind, p.group_size, p.has_min, p.scale_dtype] for m, p in plan.items()}
+
+
+def plan_from_json(data: Any) -> dict[str, QuantLayout]:
+    """Inverse of `plan_to_json` (ValueError on anything else)."""
+    if not isinstance(data, dict):
+        raise ValueError(f"a quantization plan is an object, got {type(data).__name__}")
+    plan = {}
+    for module, fields in data.items():
+        if (not isinstance(fields, list) or len(fields) != 4 or fields[0] not in _VALUE_DTYPES
+                or not isinstance(fields[1], int) or fields[1] < 1
+                or fields[3] not in ("float16", "float32")):
+            raise ValueError(f"quantization plan entry {module!r}: bad layout {fields!r}")
+        plan[module] = QuantLayout(fields[0], fields[1], bool(fields[2]), fields[3])
+    return plan
