@@ -67,15 +67,16 @@ def test_greedy_equals_hf_generate(prompts, hf_outputs):
 
 
 def test_tiny_pool_preempts_and_still_matches(hf_model):
-    """Six ~40-110 token prompts, 24 new tokens each, in a pool of 23 usable blocks: requests
-    are admitted while blocks last, then decode growth forces recompute preemptions."""
+    """Four ~30-55 token prompts, 12 new tokens each, in a pool of 9 usable blocks (a sequence
+    needs up to 5): requests are admitted while blocks last, then decode growth forces
+    recompute preemptions. (64-token chunks and 4 rows: few step shapes to compile.)"""
     tok = embedded().tokenizer
-    prompts = [tok.encode(f"Story {i}: " + PARAGRAPH[: 120 + 90 * i]) for i in range(6)]
+    prompts = [tok.encode(f"Story {i}: " + PARAGRAPH[: 120 + 90 * i]) for i in range(4)]
     eos = embedded().spec.eos_token_ids
-    want = [hf_greedy(hf_model, p, 24, eos) for p in prompts]
-    llm = make_llm(max_model_len=512, max_num_seqs=8, num_gpu_blocks_override=24,
-                   enable_prefix_caching=False)
-    assert _run(llm, prompts, max_tokens=24) == want
+    want = [hf_greedy(hf_model, p, 12, eos) for p in prompts]
+    llm = make_llm(max_model_len=512, max_num_seqs=4, max_num_batched_tokens=64,
+                   num_gpu_blocks_override=10, enable_prefix_caching=False)
+    assert _run(llm, prompts, max_tokens=12) == want
     m = llm.get_metrics()
     assert m["num_preemptions"] > 0
     assert m["kv_cache_usage"] == 0.0 and m["num_blocks_free"] == m["num_blocks_total"]
@@ -112,17 +113,21 @@ def test_chat_answers_paris():
     assert cont[0].prompt.endswith("The capital of France is")
 
 
-def test_gpu_sampling_path_draws_the_cpu_paths_tokens(prompts):
+def test_gpu_sampling_path_draws_the_cpu_paths_tokens():
     """The sampler a GPU compiles (16-way searches, filtering rows drawn from their
     candidates), run here on the real model through the runner, draws the very tokens of
-    XLA:CPU's whole-row bisection for seeded requests with top-k, top-p and min-p."""
+    XLA:CPU's whole-row bisection for seeded requests with top-k, top-p and min-p. (Short
+    prompts: the sampler sees the real model's logits whatever the prompt's length.)"""
+    tok = embedded().tokenizer
+    prompts = [tok.encode(t) for t in ("Hello, my name is", "The capital of France is",
+                                       "Once upon a time,", "A paged KV cache")]
     params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1, max_tokens=12),
               SamplingParams(temperature=1.0, top_p=0.5, seed=2, max_tokens=12),
               SamplingParams(temperature=0.7, min_p=0.1, seed=3, max_tokens=12),
               SamplingParams(temperature=1.2, top_k=5, seed=4, max_tokens=12)]
     runs = []
     for gpu_path in (False, True):
-        llm = make_llm(max_model_len=1024, max_num_seqs=4)
+        llm = make_llm(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64)
         llm.llm_engine.runner.wide_search = gpu_path  # read when the step is traced
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
         runs.append([o.outputs[0].token_ids for o in outs])
