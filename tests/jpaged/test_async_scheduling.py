@@ -229,10 +229,12 @@ def test_warmup_while_a_step_is_in_flight(engines):
     _assert_idle(e)
 
 
-def test_one_engine_switches_loops_when_idle():
+def test_one_engine_switches_loops_when_idle(engines):
     # The A/B the host benchmark and the device check run: both loops on one engine, outputs
     # identical, no recompilation, and the switch refused while a request is unfinished.
-    e = _engines()["async"]
+    # (The module's async engine: the test leaves it idle and overlapped again.)
+    e = engines["async"]
+    _assert_idle(e)
     sp = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
     prompts = _prompts(8, 4)
     a, _ = _run(e, [(p, sp) for p in prompts])

@@ -41,7 +41,8 @@ KINDS = ["gemma3", "gemma2", "mistral_sliding", "qwen2_sliding_upper_layers"]
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
-    """kind -> (kind, loaded model, prompts, HF's greedy tokens), built once per kind."""
+    """kind -> (kind, loaded model, prompts, HF's greedy tokens), built once per kind.
+    get.hf[kind] is HF's model, for references on other prompts."""
     built: dict[str, tuple] = {}
 
     def get(kind: str) -> tuple:
@@ -49,11 +50,13 @@ def cases(tmp_path_factory):
             path = tmp_path_factory.mktemp(kind)
             hf = make_hf_checkpoint(kind, path)
             hf.generation_config.eos_token_id = None
+            get.hf[kind] = hf
             ps = prompts(5)
             built[kind] = (kind, load_model(str(path), dtype="float32"), ps,
                            [hf_greedy(hf, p) for p in ps])
         return built[kind]
 
+    get.hf = {}
     return get
 
 
@@ -103,9 +106,8 @@ def test_greedy_tokens_equal_hf_under_preemption_and_prefix_hits(cases, kind, hy
         assert metrics["num_swapped_out"] > 0 and metrics["num_swapped_in"] > 0, metrics
     kv.check_invariants()
     shared = [ps[0] + p for p in ps[1:3]]  # a shared 4+-block prefix, then a different tail
-    assert tokens(llm, shared) == tokens(make_llm(loaded, block_size=BLOCK, max_model_len=96,
-                                                  max_num_seqs=4, num_gpu_blocks_override=POOL),
-                                         shared)
+    # The reference is HF's greedy run of the same prompts (no second engine to compile).
+    assert tokens(llm, shared) == [hf_greedy(cases.hf[kind], p) for p in shared]
     assert llm.llm_engine.get_metrics()["prefix_cache_hits"] > 0
 
 
