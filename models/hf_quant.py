@@ -22,8 +22,7 @@ before the model is built; its device arrays are made when the loader reads them
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ml_dtypes
@@ -31,7 +30,7 @@ import numpy as np
 from flax import nnx
 
 from .quant import QuantWeight, narrow_scales, pack_int4
-from .quant_layers import QuantLayout
+from .quant_layers import QuantLayout, QuantSource, QuantTensors
 
 METHODS = ("awq", "compressed-tensors", "fp8", "gptq")
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -69,67 +68,8 @@ def check_requested(method: str | None, wanted: str | None, where: str) -> None:
                          "load the checkpoint's own)")
 
 
-@dataclass(frozen=True)
-class _Module:
-    """One quantized linear: its device layout, how to make its arrays, and its main tensor."""
-
-    layout: QuantLayout
-    make: Callable[[], QuantWeight]
-    source: str
-
-
-class HfQuantTensors(Mapping[str, np.ndarray]):
-    """A checkpoint's tensors, with each quantized module's `qweight`, `scales` (and `mins`)
-    offered in the device layout, made when read (the module read last is kept, for its other
-    arrays); every other tensor as it is."""
-
-    def __init__(self, weights: Mapping[str, np.ndarray], modules: dict[str, _Module]):
-        self.weights = weights
-        self.origin = getattr(weights, "origin", "<weights dict>")
-        self._modules = modules
-        self._derived = {f"{m}.{leaf}": m for m, mod in modules.items()
-                         for leaf in ("qweight", "scales", "mins")
-                         if leaf != "mins" or mod.layout.has_min}
-        self._last: dict[str, QuantWeight] = {}
-
-    def source_of(self, name: str) -> str:
-        """The file a tensor (or the tensor it is made from) came from."""
-        where = getattr(self.weights, "source_of", lambda _: self.origin)
-        return where(self._modules[self._derived[name]].source if name in self._derived
-                     else name)
-
-    def _weight(self, module: str) -> QuantWeight:
-        if module not in self._last:
-            self._last.clear()
-            try:
-                w = self._modules[module].make()
-            except ValueError as e:
-                raise ValueError(f"cannot read quantized module {module!r} from "
-                                 f"{self.origin}: {e}") from e
-            w.check(module)
-            self._last[module] = w
-        return self._last[module]
-
-    def __getitem__(self, name: str) -> np.ndarray:
-        if name in self._derived:
-            w = self._weight(self._derived[name])
-            leaf = name.rsplit(".", 1)[1]
-            return {"qweight": w.q, "scales": w.scales, "mins": w.mins}[leaf]
-        return self.weights[name]
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._derived or name in self.weights
-
-    def __iter__(self) -> Iterator[str]:
-        yield from self._derived
-        yield from (n for n in self.weights if n not in self._derived)
-
-    def __len__(self) -> int:
-        return len(self._derived) + sum(1 for n in self.weights if n not in self._derived)
-
-
 def hf_quantized(cfg: Mapping[str, Any], weights: Mapping[str, np.ndarray], model: nnx.Module,
-                 where: str) -> tuple[dict[str, QuantLayout], HfQuantTensors]:
+                 where: str) -> tuple[dict[str, QuantLayout], QuantTensors]:
     """(plan, tensors) of a quantized HF checkpoint for `build_model(..., quant_plan=plan)`:
     `model` (abstract) gives the linears' shapes, `where` (config.json) names the config in
     errors. ValueError naming the field or tensor when the checkpoint is not loadable."""
@@ -145,7 +85,7 @@ def hf_quantized(cfg: Mapping[str, Any], weights: Mapping[str, np.ndarray], mode
         modules = _awq(qc, linears, reader)
     else:
         modules = _fp8(method, qc, linears, reader)
-    return {m: mod.layout for m, mod in modules.items()}, HfQuantTensors(weights, modules)
+    return {m: mod.layout for m, mod in modules.items()}, QuantTensors(weights, modules)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,7 +222,7 @@ def _int_weight(values: np.ndarray, zeros: np.ndarray, scales: np.ndarray, bits:
 
 
 def _gptq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: _Reader
-          ) -> dict[str, _Module]:
+          ) -> dict[str, QuantSource]:
     where = reader.where
     bits = _field(qc, "bits", where, (4, 8))
     gs = _group_size(qc, where, ("group_size",))
@@ -293,7 +233,7 @@ def _gptq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader:
     desc_act = bool(qc.get("desc_act", False))
     offset = 1 if fmt == "gptq" else 0  # v1 stores each zero point less one
     per = 32 // bits
-    modules: dict[str, _Module] = {}
+    modules: dict[str, QuantSource] = {}
     owners = _packed_owner(reader.weights, ("qweight", "qzeros", "scales", "g_idx"), linears,
                            reader)
     groups = {m: _groups(gs, linears[m][0], m, where, bits) for m in owners}  # config first
@@ -328,12 +268,12 @@ def _gptq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader:
             return _int_weight(values, zeros, scales, bits, group, dtype)
 
         kind = "int4" if bits == 4 else "int8"
-        modules[m] = _Module(QuantLayout(kind, group, True, dtype), make, f"{m}.qweight")
+        modules[m] = QuantSource(QuantLayout(kind, group, True, dtype), make, f"{m}.qweight")
     return modules
 
 
 def _awq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: _Reader
-         ) -> dict[str, _Module]:
+         ) -> dict[str, QuantSource]:
     where = reader.where
     _field(qc, "version", where, ("gemm", "GEMM"), "gemm")
     bits = qc.get("bits", qc.get("w_bit"))
@@ -341,7 +281,7 @@ def _awq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: 
         raise ValueError(f"{where}: {_QC}.bits = {bits!r} is not supported (AWQ GEMM is 4-bit)")
     _field(qc, "zero_point", where, (True,), True)
     gs = _group_size(qc, where, ("group_size", "q_group_size"))
-    modules: dict[str, _Module] = {}
+    modules: dict[str, QuantSource] = {}
     owners = _packed_owner(reader.weights, ("qweight", "qzeros", "scales"), linears, reader)
     groups = {m: _groups(gs, linears[m][0], m, where) for m in owners}  # the config first
     for m, group in groups.items():
@@ -367,7 +307,7 @@ def _awq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: 
             values = _unpack(reader.get(f"{m}.qweight"), 4, 1, AWQ_ORDER)
             return _int_weight(values, zeros, scales, 4, group, dtype)
 
-        modules[m] = _Module(QuantLayout("int4", group, True, dtype), make, f"{m}.qweight")
+        modules[m] = QuantSource(QuantLayout("int4", group, True, dtype), make, f"{m}.qweight")
     return modules
 
 
@@ -419,7 +359,7 @@ def _ct_targets(qc: Mapping[str, Any], where: str) -> list[Any]:
 
 
 def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]],
-         reader: _Reader) -> dict[str, _Module]:
+         reader: _Reader) -> dict[str, QuantSource]:
     where = reader.where
     if method == "compressed-tensors":
         targets = _ct_targets(qc, where)
@@ -434,7 +374,7 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
                              "keeps one scale per output channel")
         expected = None
         scale_leaves = ("weight_scale", "weight_scale_inv")
-    modules: dict[str, _Module] = {}
+    modules: dict[str, QuantSource] = {}
     for m, (k, n) in linears.items():
         name = f"{m}.weight"
         is_fp8 = reader.has(name) and np.dtype(reader.weights[name].dtype) == FP8
@@ -470,7 +410,7 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
             q = np.ascontiguousarray(np.asarray(reader.get(name)).T)
             return QuantWeight("fp8", q, scales_of().astype(dtype), None, 0)
 
-        modules[m] = _Module(QuantLayout("fp8", k, False, dtype), make, name)
+        modules[m] = QuantSource(QuantLayout("fp8", k, False, dtype), make, name)
     if not modules:
         raise ValueError(f"{where}: {_QC} says {method} fp8, but no linear weight of "
                          f"{reader.origin} is F8_E4M3")

@@ -24,7 +24,7 @@ from .checkpoint import load_checkpoint, read_manifest
 from .config import ModelSpec
 from .gguf_loader import load_gguf_quantized
 from .hf_quant import check_requested, hf_quantized, quant_method
-from .quant_layers import Fp8Tensors, QuantLayout, apply_plan, check_quant_splits, fp8_plan
+from .quant_layers import QuantLayout, apply_plan, check_quant_splits, fp8_plan, fp8_tensors
 from .sharding import make_mesh, param_spec, plan_layout, vocab_splits
 from .tokenizer import Tokenizer
 from .weights import assign_weights, load_gguf, load_hf_dir_weights, place_weights
@@ -276,7 +276,7 @@ def _load_gguf_model(path: Path, dtype: Any, tp: int, quantization: str | None
     del metadata  # the vocabulary's strings: not held while the weights are read
     if quantization == "fp8":
         plan = fp8_plan(abstract_model(spec, dtype))
-        weights = Fp8Tensors(weights, plan)
+        weights = fp8_tensors(weights, plan)
     return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan), tokenizer, str(path),
                        quantization)
 
@@ -307,7 +307,7 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
         quantization = method
     elif quantization == "fp8":
         plan = fp8_plan(abstract_model(spec, dtype))
-        weights = Fp8Tensors(weights, plan)
+        weights = fp8_tensors(weights, plan)
     elif quantization is not None:
         raise ValueError(f"quantization={quantization!r} names a checkpoint's own method, but "
                          f"{cfg_file} has no quantization_config")

@@ -8,7 +8,7 @@ any other: `<module>.qweight`, `.scales`, `.mins`, `.bias`, laid out as the devi
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,45 +164,76 @@ def fp8_plan(model: nnx.Module) -> dict[str, QuantLayout]:
     return plan
 
 
-class Fp8Tensors(Mapping[str, np.ndarray]):
-    """A checkpoint's tensors with each planned module's float `weight` ([out, in], HF) also
-    offered as fp8 `qweight` [in, out] and per-channel `scales` [1, out], made when read
-    (the module read last is kept, for its second array)."""
+@dataclass(frozen=True)
+class QuantSource:
+    """One module quantized from a checkpoint: its device layout, how to make its arrays, and
+    the checkpoint tensor they come from (for error messages)."""
 
-    def __init__(self, weights: Mapping[str, np.ndarray], plan: dict[str, QuantLayout]):
-        self.weights, self.plan = weights, plan
+    layout: QuantLayout
+    make: Callable[[], QuantWeight]
+    source: str
+
+
+class QuantTensors(Mapping[str, np.ndarray]):
+    """A checkpoint's tensors, with each quantized module's `qweight`, `scales` (and `mins`)
+    offered in the device layout, made when read (the module read last is kept, for its other
+    arrays: one module's arrays on the host at a time); every other tensor as it is."""
+
+    def __init__(self, weights: Mapping[str, np.ndarray], modules: dict[str, QuantSource]):
+        self.weights = weights
         self.origin = getattr(weights, "origin", "<weights dict>")
+        self._modules = modules
+        self._derived = {f"{m}.{leaf}": m for m, mod in modules.items()
+                         for leaf in ("qweight", "scales", "mins")
+                         if leaf != "mins" or mod.layout.has_min}
         self._last: dict[str, QuantWeight] = {}
-        self._derived = {f"{m}.{leaf}": m for m in plan for leaf in ("qweight", "scales")}
 
     def source_of(self, name: str) -> str:
-        """Where the tensor (or the weight it is made from) came from."""
+        """The file a tensor (or the tensor it is made from) came from."""
         where = getattr(self.weights, "source_of", lambda _: self.origin)
-        return where(f"{self._derived[name]}.weight" if name in self._derived else name)
+        return where(self._modules[self._derived[name]].source if name in self._derived
+                     else name)
 
-    def _quantized(self, module: str) -> QuantWeight:
+    def _weight(self, module: str) -> QuantWeight:
         if module not in self._last:
             self._last.clear()
-            self._last[module] = quantize_fp8(np.asarray(self.weights[f"{module}.weight"]).T)
+            try:
+                w = self._modules[module].make()
+            except ValueError as e:
+                raise ValueError(f"cannot read quantized module {module!r} from "
+                                 f"{self.origin}: {e}") from e
+            w.check(module)
+            self._last[module] = w
         return self._last[module]
 
     def __getitem__(self, name: str) -> np.ndarray:
         if name in self._derived:
-            w = self._quantized(self._derived[name])
-            return w.q if name.endswith(".qweight") else w.scales
+            w = self._weight(self._derived[name])
+            leaf = name.rsplit(".", 1)[1]
+            return {"qweight": w.q, "scales": w.scales, "mins": w.mins}[leaf]
         return self.weights[name]
 
     def __contains__(self, name: object) -> bool:
-        if name in self._derived:
-            return f"{self._derived[name]}.weight" in self.weights
-        return name in self.weights
+        return name in self._derived or name in self.weights
 
     def __iter__(self) -> Iterator[str]:
-        yield from self.weights
         yield from self._derived
+        yield from (n for n in self.weights if n not in self._derived)
 
     def __len__(self) -> int:
-        return len(self.weights) + len(self._derived)
+        return len(self._derived) + sum(1 for n in self.weights if n not in self._derived)
+
+
+def fp8_tensors(weights: Mapping[str, np.ndarray], plan: dict[str, QuantLayout]
+                ) -> QuantTensors:
+    """`weights` with each planned module's float `weight` ([out, in], HF) also offered as
+    fp8 `qweight` [in, out] and per-channel `scales` [1, out] (`quantize_fp8`)."""
+    def make(module: str) -> Callable[[], QuantWeight]:
+        return lambda: quantize_fp8(np.asarray(weights[f"{module}.weight"]).T)
+
+    # (a module whose weight is missing offers nothing: the loader names the tensor it lacks)
+    return QuantTensors(weights, {m: QuantSource(layout, make(m), f"{m}.weight")
+                                  for m, layout in plan.items() if f"{m}.weight" in weights})
 
 
 def check_quant_splits(model: nnx.Module, tensor_parallel_size: int) -> None:
