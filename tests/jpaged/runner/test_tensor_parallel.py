@@ -61,10 +61,15 @@ def test_megatron_param_specs():
 # ------------------------------------------------------------------ 4 forced CPU devices
 @pytest.fixture(scope="module")
 def facts() -> dict:
+    return worker_facts("engine")
+
+
+def worker_facts(group: str) -> dict:
+    """The facts tp_worker.py's `group` of cases prints, run on 4 forced CPU devices."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, str(WORKER)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(WORKER), group], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -93,27 +98,6 @@ def test_tiny_greedy_equal_across_tp(facts):
             assert [[k for k, _ in pos] for pos in g] == [[k for k, _ in pos] for pos in w], tp
             np.testing.assert_allclose([lp for pos in g for _, lp in pos],
                                        [lp for pos in w for _, lp in pos], atol=1e-5)
-
-
-def test_fused_decode_projections_under_tp_give_the_xla_tokens(facts):
-    """q/k/v (RoPE in the epilogue, biases), gate/up and o/down on the streaming kernels, per
-    device under shard_map: the same greedy tokens as XLA's GEMMs at tp 1, at tp 2 and 4."""
-    case = facts["fused_linears"]
-    assert any(len(t) == 8 for t in case["xla"])  # (a prompt may draw EOS early)
-    for tp in (2, 4):
-        assert case[f"linears_tp{tp}"] == f"pallas+tp{tp}"
-        assert case[f"tp{tp}"] == case["xla"], tp
-
-
-def test_quantized_weights_split_like_float_kernels(facts):
-    case = facts["quantized"]
-    assert case["tp2"] == case["tp1"] and any(len(t) == 8 for t in case["tp1"])
-    assert case["fp8_tp2"] == case["fp8_tp1"] and any(len(t) == 8 for t in case["fp8_tp1"])
-    # Scanned layers [L, K/2, N]: q_proj splits its columns, down_proj its packed rows.
-    assert case["q_proj_tp2"] == [[2, 32, 64], [[2, 32, 32]] * 2]
-    assert case["down_proj_tp2"] == [[2, 64, 64], [[2, 32, 64]] * 2]
-    assert "down_proj: tensor_parallel_size=2 splits its 96 input rows into 48, which cuts " \
-           "its groups of 32" in case["cut_error"]
 
 
 def test_candidates_from_vocab_split_logits_draw_the_whole_rows_tokens(facts):

@@ -326,18 +326,23 @@ def sharded_load_cases(out: dict) -> None:
     }
 
 
+# The cases of each test file's subprocess (argv[1]): two files, so pytest's two workers run
+# them side by side.
+GROUPS = {
+    "engine": (sharded_load_cases, tiny_cases, candidate_cases, embedded_cases,
+               default_pool_cases),
+    "kernels": (fused_linear_cases, quantized_cases),
+}
+
+
 def main() -> None:
-    """Run every case and print the facts as JSON."""
+    """Run one group's cases (argv[1], default "engine") and print the facts as JSON."""
+    group = sys.argv[1] if len(sys.argv) > 1 else "engine"
     out: dict = {"num_devices": jax.device_count()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        sharded_load_cases(out)
-        tiny_cases(out)
-        fused_linear_cases(out)
-        quantized_cases(out)
-        candidate_cases(out)
-        embedded_cases(out)
-        default_pool_cases(out)
+        for case in GROUPS[group]:
+            case(out)
     out["warnings"] = [str(w.message)[:200] for w in caught]
     print(json.dumps(out))
 

@@ -1,0 +1,35 @@
+"""Tensor parallelism on the kernels' side, in a subprocess of its own (tp_worker.py's
+"kernels" group, beside test_tensor_parallel.py's "engine" group, so the two test workers run
+them at once): the fused decode projections per device, and quantized weights split as the
+float kernels are."""
+
+from __future__ import annotations
+
+import pytest
+from test_tensor_parallel import worker_facts
+
+
+@pytest.fixture(scope="module")
+def facts() -> dict:
+    return worker_facts("kernels")
+
+
+def test_fused_decode_projections_under_tp_give_the_xla_tokens(facts):
+    """q/k/v (RoPE in the epilogue, biases), gate/up and o/down on the streaming kernels, per
+    device under shard_map: the same greedy tokens as XLA's GEMMs at tp 1, at tp 2 and 4."""
+    case = facts["fused_linears"]
+    assert any(len(t) == 8 for t in case["xla"])  # (a prompt may draw EOS early)
+    for tp in (2, 4):
+        assert case[f"linears_tp{tp}"] == f"pallas+tp{tp}"
+        assert case[f"tp{tp}"] == case["xla"], tp
+
+
+def test_quantized_weights_split_like_float_kernels(facts):
+    case = facts["quantized"]
+    assert case["tp2"] == case["tp1"] and any(len(t) == 8 for t in case["tp1"])
+    assert case["fp8_tp2"] == case["fp8_tp1"] and any(len(t) == 8 for t in case["fp8_tp1"])
+    # Scanned layers [L, K/2, N]: q_proj splits its columns, down_proj its packed rows.
+    assert case["q_proj_tp2"] == [[2, 32, 64], [[2, 32, 32]] * 2]
+    assert case["down_proj_tp2"] == [[2, 64, 64], [[2, 32, 64]] * 2]
+    assert "down_proj: tensor_parallel_size=2 splits its 96 input rows into 48, which cuts " \
+           "its groups of 32" in case["cut_error"]
