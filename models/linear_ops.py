@@ -70,3 +70,8 @@ def one_row_as_two(fn: Callable[[jax.Array], jax.Array], x: Float[Array, "T n"])
         return fn(x)
     return jax.lax.platform_dependent(
         x, cpu=fn, default=lambda x: fn(jnp.concatenate([x, jnp.zeros_like(x)]))[:1])
+
+
+def matmul_precision(dtype: Any) -> jax.lax.Precision | None:
+    """Full-precision matmuls for float32 models (GPUs would otherwise use TF32)."""
+    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None

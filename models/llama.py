@@ -24,15 +24,10 @@ from jaxtyping import Array, Float, Int
 
 from .attention import AttnFn
 from .config import ModelSpec
-from .linear_ops import DecodeLinears, activation_name, one_row_as_two
-from .quant import QuantWeight, quant_matmul
+from .linear_ops import DecodeLinears, activation_name, matmul_precision, one_row_as_two
+from .quant import QuantWeight
 from .quant_layers import QuantEmbed, QuantLinear
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
-
-
-def _precision(dtype: Any) -> jax.lax.Precision | None:
-    """Full-precision matmuls for float32 models (GPUs would otherwise use TF32)."""
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
 
 
 def _linear(
@@ -40,7 +35,7 @@ def _linear(
 ) -> nnx.Linear:
     return nnx.Linear(
         n_in, n_out, use_bias=bias, dtype=dtype, param_dtype=dtype,
-        precision=_precision(dtype), rngs=rngs,
+        precision=matmul_precision(dtype), rngs=rngs,
     )
 
 
@@ -393,9 +388,7 @@ class LlamaForCausalLM(nnx.Module):
         if self.lm_head is None and isinstance(embed, QuantEmbed):
             out = one_row_as_two(embed.attend, hidden)
         elif isinstance(self.lm_head, QuantLinear):
-            w = self.lm_head.weight()
-            out = one_row_as_two(lambda h: quant_matmul(
-                h, w.q, w.scales, w.mins, w.kind, self.dtype, _precision(self.dtype)), hidden)
+            out = self.lm_head.product(hidden)  # float32, as the float head's
         else:
             out = self._float_logits(hidden)
         cap = self.spec.final_logit_softcapping
@@ -413,7 +406,7 @@ class LlamaForCausalLM(nnx.Module):
         def logits(h: jax.Array) -> jax.Array:
             return jnp.einsum(spec, h.astype(weight.dtype), weight,
                               preferred_element_type=jnp.float32,
-                              precision=_precision(self.dtype))
+                              precision=matmul_precision(self.dtype))
 
         return one_row_as_two(logits, hidden)  # no weight-sized temporary at batch 1
 

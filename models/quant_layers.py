@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from .linear_ops import one_row_as_two
+from .linear_ops import matmul_precision, one_row_as_two
 from .quant import QuantWeight, quant_logits, quant_matmul, quant_rows, quantize_fp8
 
 _VALUE_DTYPES = {"int4": np.uint8, "int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
@@ -40,28 +40,35 @@ class QuantLayout:
         return cls(w.kind, w.group_size, w.mins is not None, np.dtype(w.scales.dtype).name)
 
 
-def _precision(dtype: Any) -> jax.lax.Precision | None:
-    return jax.lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
-
-
 def _zeros(shape: tuple[int, ...], dtype: Any) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
+
+
+def _quantized_params(k: int, n: int, layout: QuantLayout, k_axis: int, what: str
+                      ) -> tuple[nnx.Param, nnx.Param, nnx.Param | None]:
+    """(qweight, scales, mins or None) Params of a [K, N] (k_axis 0) or [N, K] (k_axis 1)
+    matrix quantized along K; ValueError when the group size does not divide K (`what`)."""
+    if k % layout.group_size:
+        raise ValueError(f"group size {layout.group_size} does not divide the {what} {k}")
+    values = k // 2 if layout.kind == "int4" else k
+    groups = k // layout.group_size
+
+    def shape(along_k: int) -> tuple[int, int]:
+        return (along_k, n) if k_axis == 0 else (n, along_k)
+
+    mins = _zeros(shape(groups), layout.scale_dtype) if layout.has_min else None
+    return (_zeros(shape(values), _VALUE_DTYPES[layout.kind]),
+            _zeros(shape(groups), layout.scale_dtype), mins)
 
 
 class QuantLinear(nnx.Module):
     """x @ W (+ bias) with W [in, out] quantized; output in the model's dtype."""
 
     def __init__(self, n_in: int, n_out: int, layout: QuantLayout, bias: bool, dtype: Any):
-        if n_in % layout.group_size:
-            raise ValueError(f"group size {layout.group_size} does not divide the input size "
-                             f"{n_in}")
+        self.qweight, self.scales, self.mins = _quantized_params(n_in, n_out, layout, 0,
+                                                                 "input size")
         self.kind, self.in_features, self.out_features = layout.kind, n_in, n_out
         self.dtype = jnp.dtype(dtype)
-        rows = n_in // 2 if layout.kind == "int4" else n_in
-        groups = n_in // layout.group_size
-        self.qweight = _zeros((rows, n_out), _VALUE_DTYPES[layout.kind])
-        self.scales = _zeros((groups, n_out), layout.scale_dtype)
-        self.mins = _zeros((groups, n_out), layout.scale_dtype) if layout.has_min else None
         self.bias = _zeros((n_out,), dtype) if bias else None
 
     def weight(self) -> QuantWeight:
@@ -69,14 +76,18 @@ class QuantLinear(nnx.Module):
         mins = None if self.mins is None else self.mins[...]
         return QuantWeight(self.kind, self.qweight[...], self.scales[...], mins)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def product(self, x: jax.Array) -> jax.Array:
+        """x @ W in float32, without the bias (the output head's logits)."""
         w = self.weight()
 
         def mm(x: jax.Array) -> jax.Array:
             return quant_matmul(x, w.q, w.scales, w.mins, self.kind, self.dtype,
-                                _precision(self.dtype))
+                                matmul_precision(self.dtype))
 
-        y = one_row_as_two(mm, x)
+        return one_row_as_two(mm, x)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = self.product(x)
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(self.dtype)
@@ -87,16 +98,10 @@ class QuantEmbed(nnx.Module):
     gathers; `attend` is the tied output head (logits against every row)."""
 
     def __init__(self, vocab: int, hidden: int, layout: QuantLayout, dtype: Any):
-        if hidden % layout.group_size:
-            raise ValueError(f"group size {layout.group_size} does not divide the hidden size "
-                             f"{hidden}")
+        self.qweight, self.scales, self.mins = _quantized_params(hidden, vocab, layout, 1,
+                                                                 "hidden size")
         self.kind, self.num_embeddings, self.features = layout.kind, vocab, hidden
         self.dtype = jnp.dtype(dtype)
-        cols = hidden // 2 if layout.kind == "int4" else hidden
-        groups = hidden // layout.group_size
-        self.qweight = _zeros((vocab, cols), _VALUE_DTYPES[layout.kind])
-        self.scales = _zeros((vocab, groups), layout.scale_dtype)
-        self.mins = _zeros((vocab, groups), layout.scale_dtype) if layout.has_min else None
 
     def _mins(self) -> jax.Array | None:
         return None if self.mins is None else self.mins[...]
@@ -108,7 +113,7 @@ class QuantEmbed(nnx.Module):
     def attend(self, h: jax.Array) -> jax.Array:
         """float32 logits [T, vocab] of hidden states [T, hidden]."""
         return quant_logits(h, self.qweight[...], self.scales[...], self._mins(), self.kind,
-                            self.dtype, _precision(self.dtype))
+                            self.dtype, matmul_precision(self.dtype))
 
 
 def _resolve(root: nnx.Module, path: str) -> tuple[Any, str]:

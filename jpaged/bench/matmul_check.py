@@ -276,6 +276,26 @@ def sweep_plans(kernel: Kernel, cfg: MatmulConfig) -> list[dm.StreamPlan]:
     return plans[:cfg.sweep_plans]
 
 
+def run_case(doc: dict[str, Any], name: str, fn: Callable[[], None], over_budget: bool,
+             budget_s: float, progress: Callable[[dict[str, Any]], None] | None) -> None:
+    """One case of a device-check stage, isolated: skipped once the stage's budget is spent,
+    an exception recorded in doc["failures"] (the stage goes on), the partial document handed
+    to `progress` after it."""
+    if over_budget:
+        print(f"  skipped {name}: time budget {budget_s:.0f} s spent", flush=True)
+        doc["failures"].append({"case": name, "error": "skipped: time budget"})
+        return
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - every case is isolated
+        msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
+        print(f"  FAILED {name}: {msg}", flush=True)
+        traceback.print_exc(limit=3)
+        doc["failures"].append({"case": name, "error": msg})
+    if progress is not None:
+        progress({**doc, "partial": True})
+
+
 class MatmulCheck:
     """Runs the jobs, keeping every result in `self.doc` as it lands."""
 
@@ -303,19 +323,7 @@ class MatmulCheck:
         return time.perf_counter() - self.t0 > self.budget_s
 
     def _guard(self, name: str, fn: Callable[[], None]) -> None:
-        if self._over_budget():
-            print(f"  skipped {name}: time budget {self.budget_s:.0f} s spent", flush=True)
-            self.doc["failures"].append({"case": name, "error": "skipped: time budget"})
-            return
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - every case is isolated
-            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
-            print(f"  FAILED {name}: {msg}", flush=True)
-            traceback.print_exc(limit=3)
-            self.doc["failures"].append({"case": name, "error": msg})
-        if self.progress is not None:
-            self.progress({**self.doc, "partial": True})
+        run_case(self.doc, name, fn, self._over_budget(), self.budget_s, self.progress)
 
     def inputs(self, name: str, rows: int) -> Inputs:
         key = (name, rows)

@@ -35,7 +35,6 @@ import json
 import math
 import sys
 import time
-import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +57,7 @@ from jpaged.bench.matmul_check import (
     kernels_of,
     make_inputs,
     rope_tables,
+    run_case,
 )
 from jpaged.bench.matmul_check import smoke_config as matmul_smoke_config
 from models.build import LoadedModel, abstract_model
@@ -295,19 +295,7 @@ class QuantCheck:
         return time.perf_counter() - self.t0 < self.budget_s
 
     def _guard(self, name: str, fn: Callable[[], None]) -> None:
-        if not self._left():
-            print(f"  skipped {name}: time budget {self.budget_s:.0f} s spent", flush=True)
-            self.doc["failures"].append({"case": name, "error": "skipped: time budget"})
-            return
-        try:
-            fn()
-        except Exception as e:  # noqa: BLE001 - every case is isolated
-            msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:500]
-            print(f"  FAILED {name}: {msg}", flush=True)
-            traceback.print_exc(limit=3)
-            self.doc["failures"].append({"case": name, "error": msg})
-        if self.progress is not None:
-            self.progress({**self.doc, "partial": True})
+        run_case(self.doc, name, fn, not self._left(), self.budget_s, self.progress)
 
     def _time(self, fn: Callable[..., Any], flat: list[Any], n_args: int, calls: int
               ) -> tuple[Any, float]:
