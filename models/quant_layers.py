@@ -34,11 +34,6 @@ class QuantLayout:
     has_min: bool
     scale_dtype: str
 
-    @classmethod
-    def of(cls, w: QuantWeight) -> QuantLayout:
-        """The layout of a host weight."""
-        return cls(w.kind, w.group_size, w.mins is not None, np.dtype(w.scales.dtype).name)
-
 
 def _zeros(shape: tuple[int, ...], dtype: Any) -> nnx.Param:
     return nnx.Param(jnp.zeros(shape, dtype))
@@ -151,11 +146,6 @@ def apply_plan(model: nnx.Module, plan: dict[str, QuantLayout]) -> None:
             setattr(parent, leaf, _twin(old, layout, path))
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
-
-
-def is_quantized(model: nnx.Module) -> bool:
-    """Whether any module of `model` holds quantized weights."""
-    return any(isinstance(node, QuantLinear | QuantEmbed) for _, node in nnx.iter_graph(model))
 
 
 def fp8_plan(model: nnx.Module) -> dict[str, QuantLayout]:

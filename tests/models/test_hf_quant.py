@@ -27,7 +27,7 @@ from tiny_models import (
 
 from models import load_model
 from models.quant import dequantize
-from models.quant_layers import QuantLinear, is_quantized
+from models.quant_layers import QuantLinear, plan_of
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -205,7 +205,7 @@ def test_quantized_checkpoint_loads_exactly(tmp_path, case):
     path, _, floats = make_case(tmp_path / "q", case)
     got = load_model(str(path), "float32")
     method = CASES[case][0]["quant_method"]
-    assert got.quantization == method and is_quantized(got.model)
+    assert got.quantization == method and plan_of(got.model)
     ref = load_model(str(write_hf_dir(tmp_path / "f", tiny_spec(), floats)), "float32")
     q_bytes = f_bytes = 0
     for layer in range(2):
@@ -255,7 +255,7 @@ def test_unquantized_dir_with_fp8_still_quantizes_at_load(tmp_path):
     spec = tiny_spec()
     path = write_hf_dir(tmp_path / "hf", spec, random_weights(spec))
     got = load_model(str(path), "float32", quantization="fp8")
-    assert got.quantization == "fp8" and is_quantized(got.model)
+    assert got.quantization == "fp8" and plan_of(got.model)
     assert load_model(str(path), "float32").quantization is None
 
 

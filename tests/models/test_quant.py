@@ -26,7 +26,7 @@ from models.quant import (
     quantize_fp8,
     unpack_int4_np,
 )
-from models.quant_layers import QuantEmbed, QuantLinear, is_quantized, plan_of
+from models.quant_layers import QuantEmbed, QuantLinear, plan_of
 
 Q = gguf.GGMLQuantizationType
 # Byte offsets of each block type's float16 fields (d, and m / dmin where it has one).
@@ -152,8 +152,8 @@ def tiny_gguf(tmp_path_factory):
 def test_gguf_runs_at_its_own_quantization(tiny_gguf):
     ref = load_model(str(tiny_gguf), "float32")
     got = load_model(str(tiny_gguf), "float32", quantization="gguf")
-    assert got.quantization == "gguf" and is_quantized(got.model)
-    assert not is_quantized(ref.model)
+    assert got.quantization == "gguf" and plan_of(got.model)
+    assert not plan_of(ref.model)
     plan = plan_of(got.model)
     assert plan["model.layers.0.self_attn.q_proj"].kind == "int4"
     assert plan["model.layers.1.self_attn.v_proj"].kind == "int8"
