@@ -181,26 +181,41 @@ def _chunked_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Arr
                     kind: str, dtype: jnp.dtype, precision: jax.lax.Precision | None
                     ) -> jax.Array:
     """x @ W for a [K, N] weight, dequantizing it a slab of K rows at a time (accumulated in
-    float32): the temporaries stay a slab, whatever the weight's size."""
-    groups, n = scales.shape
-    slabs = _slabs(groups, groups * n * (q.shape[0] * (2 if kind == "int4" else 1) // groups))
+    float32): the temporaries stay a slab, whatever the weight's size. Integer slabs hold whole
+    groups; fp8's one scale row multiplies the sum."""
+    fp8, fp8_dtype = kind == "fp8", q.dtype
+    rows, n = q.shape
+    k = rows * (2 if kind == "int4" else 1)
+    # Slab boundaries: any K row for fp8 (its scale is per column), else whole groups.
+    units = k if fp8 else scales.shape[0]
+    slabs = _slabs(units, k * n)
+
+    def part(xi: jax.Array, qi: jax.Array, si: jax.Array, mi: jax.Array | None) -> jax.Array:
+        if fp8:
+            w = jax.lax.bitcast_convert_type(qi, fp8_dtype).astype(dtype)
+        else:
+            w = dequantize(qi, si, mi, kind, dtype)
+        return jnp.dot(xi, w, precision=precision, preferred_element_type=jnp.float32)
+
+    x = x.astype(dtype)
+    if fp8:
+        # Sliced as bytes: XLA:CPU widens a whole fp8 array to float16 before slicing it. It
+        # still copies the bytes once for the loop (the fp8 weight's own size, a quarter of the
+        # float32 copy that converting it whole would make).
+        q = jax.lax.bitcast_convert_type(q, jnp.uint8)
     if slabs == 1:
-        w = dequantize(q, scales, mins, kind, dtype)
-        return jnp.dot(x.astype(dtype), w, precision=precision,
-                       preferred_element_type=jnp.float32)
-    xs = x.astype(dtype).reshape(x.shape[0], slabs, -1).swapaxes(0, 1)
-    qs = q.reshape(slabs, -1, n)
-    ss = scales.reshape(slabs, -1, n)
-    ms = None if mins is None else mins.reshape(slabs, -1, n)
+        acc = part(x, q, scales, mins)
+    else:
+        xs = x.reshape(x.shape[0], slabs, -1).swapaxes(0, 1)
+        qs = q.reshape(slabs, -1, n)
+        ss = None if fp8 else scales.reshape(slabs, -1, n)
+        ms = None if mins is None else mins.reshape(slabs, -1, n)
 
-    def body(acc: jax.Array, part: tuple) -> tuple[jax.Array, None]:
-        xi, qi, si, mi = part
-        w = dequantize(qi, si, mi, kind, dtype)
-        return acc + jnp.dot(xi, w, precision=precision, preferred_element_type=jnp.float32), None
+        def body(acc: jax.Array, p: tuple) -> tuple[jax.Array, None]:
+            return acc + part(*p), None
 
-    acc = jnp.zeros((x.shape[0], n), jnp.float32)
-    acc, _ = jax.lax.scan(body, acc, (xs, qs, ss, ms))
-    return acc
+        acc, _ = jax.lax.scan(body, jnp.zeros((x.shape[0], n), jnp.float32), (xs, qs, ss, ms))
+    return acc * scales.astype(jnp.float32)[0] if fp8 else acc
 
 
 def quant_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None,
@@ -208,17 +223,17 @@ def quant_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array 
                  ) -> jax.Array:
     """x [T, K] @ W [K, N] of a quantized weight, float32 out.
 
-    fp8's per-channel scale multiplies the product (x @ q, then * scale: the GEMM reads the
-    fp8 bytes, and XLA:GPU fuses the convert into it). Integer groups dequantize: on XLA:CPU a
-    slab at a time, elsewhere whole for XLA to fuse into its GEMM (the decode kernels read the
-    packed bytes themselves: pallas_kernels/decode_matmul.py).
+    On XLA:CPU every kind is dequantized a slab at a time (`_chunked_matmul`). Elsewhere fp8's
+    per-channel scale multiplies the product (x @ q, then * scale: the GEMM reads the fp8
+    bytes, and XLA:GPU fuses the convert into it), and integer groups dequantize whole for XLA
+    to fuse into its GEMM (the decode kernels read the packed bytes themselves:
+    pallas_kernels/decode_matmul.py).
     """
-    if kind == "fp8":
-        y = jnp.dot(x.astype(dtype), q.astype(dtype), precision=precision,
-                    preferred_element_type=jnp.float32)
-        return y * scales.astype(jnp.float32)[0]
-
     def plain(x: jax.Array) -> jax.Array:
+        if kind == "fp8":
+            y = jnp.dot(x.astype(dtype), q.astype(dtype), precision=precision,
+                        preferred_element_type=jnp.float32)
+            return y * scales.astype(jnp.float32)[0]
         w = dequantize(q, scales, mins, kind, dtype)
         return jnp.dot(x.astype(dtype), w, precision=precision,
                        preferred_element_type=jnp.float32)

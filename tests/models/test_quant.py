@@ -80,6 +80,8 @@ def _random_weight(kind: str, k: int, n: int, group: int, mins: bool, seed: int 
     rng = np.random.default_rng(seed)
     scales = rng.uniform(0.01, 0.1, (k // group, n)).astype(np.float32)
     m = rng.uniform(-0.5, 0.5, scales.shape).astype(np.float32) if mins else None
+    if kind == "fp8":
+        return quantize_fp8(rng.standard_normal((k, n)).astype(np.float32))
     if kind == "int4":
         q = pack_int4(rng.integers(0, 16, (k, n), dtype=np.uint8), group)
     else:
@@ -87,7 +89,8 @@ def _random_weight(kind: str, k: int, n: int, group: int, mins: bool, seed: int 
     return QuantWeight(kind, q, scales, m)
 
 
-@pytest.mark.parametrize("kind,mins", [("int4", True), ("int8", False), ("int8", True)])
+@pytest.mark.parametrize("kind,mins", [("int4", True), ("int8", False), ("int8", True),
+                                       ("fp8", False)])
 def test_slabbed_matmul_equals_whole(monkeypatch, kind, mins):
     """On XLA:CPU a large weight is dequantized a slab at a time: same product."""
     w = _random_weight(kind, 256, 48, 32, mins)
@@ -95,10 +98,29 @@ def test_slabbed_matmul_equals_whole(monkeypatch, kind, mins):
     ref = x @ dequantize_np(w)
     monkeypatch.setattr(quant, "CPU_SLAB_ELEMENTS", 64 * 48)  # four slabs of two groups
     assert quant._slabs(8, 256 * 48) == 4
+    assert quant._slabs(256, 256 * 48) == 4  # fp8: slabs of K rows
     got = quant_matmul(jnp.asarray(x), jnp.asarray(w.q), jnp.asarray(w.scales),
                        None if w.mins is None else jnp.asarray(w.mins), kind, jnp.float32,
                        jax.lax.Precision.HIGHEST)
     np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "int4"])
+def test_cpu_matmul_temporaries_stay_a_slab(kind):
+    """A Llama-3-8B-sized down projection [14336, 4096] on XLA:CPU: no float copy of the
+    weight (235 MB in float32); compiled only, from abstract arrays. fp8 keeps one copy of its
+    bytes (XLA:CPU cannot slice fp8 in place: models/quant.py)."""
+    k, n = 14336, 4096
+    q = jax.ShapeDtypeStruct((k // 2, n) if kind == "int4" else (k, n),
+                             jnp.uint8 if kind == "int4" else jnp.float8_e4m3fn)
+    groups = 1 if kind == "fp8" else k // 32
+    scales = jax.ShapeDtypeStruct((groups, n), jnp.float16)
+    mins = None if kind == "fp8" else scales
+    x = jax.ShapeDtypeStruct((4, k), jnp.float32)
+    fn = jax.jit(lambda x, q, s, m: quant_matmul(x, q, s, m, kind, jnp.float32))
+    temp = fn.lower(x, q, scales, mins).compile().memory_analysis().temp_size_in_bytes
+    stored = k * n if kind == "fp8" else 0
+    assert temp <= stored + 3 * 4 * quant.CPU_SLAB_ELEMENTS, temp  # a float32 slab, its source
 
 
 def test_tied_head_logits_in_slabs(monkeypatch):
