@@ -4,7 +4,8 @@
 # with 16-byte accesses, the honest ceiling), the decode matmul kernels alone against XLA and
 # their ideal bytes with a sweep of their tiles (python -m jpaged.bench.matmul_check), the
 # decode step rows that `make gpu-aot` predicts, each of at most 64 sequences timed with the
-# decode matmul kernels and with XLA's GEMMs (ms_kernels, ms_xla), the quantized weights (fp8,
+# decode matmul kernels and with XLA's GEMMs (ms_kernels, ms_xla), speculative decoding's
+# verifying steps beside plain decode (verify_rows), the quantized weights (fp8,
 # int4: the decode matmul kernels alone and the 8B decode step beside their bf16 twins, python
 # -m jpaged.bench.quant_check), and the engine end to end,
 # all on random Llama-3-8B-shaped weights (scripts/gpu_engine_check.py --part decode / --part
@@ -52,7 +53,7 @@ if [ "$SMOKE" = 1 ]; then
   MATMUL_ARGS=(--cpu-smoke)
   QUANT_ARGS=(--cpu-smoke)
   ENGINE_ARGS=(--cpu-smoke)
-  DECODE_ARGS=(--cpu-smoke --profile-batches 4 --sampled-batches 4)
+  DECODE_ARGS=(--cpu-smoke --profile-batches 4 --sampled-batches 4 --verify-rows 1x3)
   HOST_ARGS=(--batches 4 --no-core-process)
   SPLITK_ARGS=(--cpu-smoke --decode-batches 4)
   L_KERNELS=300 L_MATMULS=300 L_DECODE=300 L_SPLITK=300 L_QUANT=300 L_ENGINE=300 L_HOST=300
@@ -63,7 +64,11 @@ else
   # room for the job in flight when it runs out.
   KERNEL_ARGS=(--quick --budget-s 45)
   MATMUL_ARGS=(--budget-s 65)
-  DECODE_ARGS=(--decode-budget-s 100 --profile-batches 1 256 --sampled-batches 1 256)
+  # The verifying steps (speculative decoding) on buckets the decode rows compile: 1x7 is 8
+  # rows in the bucket of 16, 16x3 the 64 rows of 64. 1x1 and 1x3 (bucket 4) would cost a
+  # compile the stage's budget lacks: VERIFY_ROWS=1x1,1x3,1x7,16x3 in a call of their own.
+  DECODE_ARGS=(--decode-budget-s 100 --profile-batches 1 256 --sampled-batches 1 256
+    --verify-rows "${VERIFY_ROWS:-1x7,16x3}")
   QUANT_ARGS=(--budget-s 75)
   ENGINE_ARGS=(--budget-s 75)
   HOST_ARGS=(--batches 64 256)
@@ -154,6 +159,11 @@ doc["matmul_best_plans"] = mm.get("matmul_best_plans")
 doc["decode_ab"] = [{k: r.get(k) for k in ("kv_cache_dtype", "batch", "context_len", "ms_xla",
                                            "ms_kernels", "xla_over_kernels")}
                     for r in (doc["decode"] or {}).get("decode_rows", []) if "ms_kernels" in r]
+# Speculative decoding's verifying steps beside the plain decode step of their batch.
+doc["verify_rows"] = [{k: r.get(k) for k in ("kv_cache_dtype", "batch", "k", "rows", "bucket",
+                                             "context_len", "verify_ms", "decode_ms", "ratio",
+                                             "break_even_accepted")}
+                      for r in (doc["decode"] or {}).get("verify_rows", []) if "verify_ms" in r]
 # The quantized weights beside their bf16 twins: each kernel alone, and the decode step.
 quant = doc["quant"] or {}
 doc["quant_ab"] = [{k: r.get(k) for k in ("weights", "kernel", "rows", "us", "bf16_us",
@@ -175,6 +185,10 @@ for r in doc["decode_ab"]:
     print(f"  decode A/B {r['kv_cache_dtype']} B={r['batch']} ctx={r['context_len']}: "
           f"XLA's GEMMs {r['ms_xla']} ms, kernels {r['ms_kernels']} ms "
           f"(xla/kernels {r['xla_over_kernels']}x)")
+for r in doc["verify_rows"]:
+    print(f"  verify {r['kv_cache_dtype']} B={r['batch']} k={r['k']} ({r['rows']} rows, bucket "
+          f"{r['bucket']}) ctx={r['context_len']}: {r['verify_ms']} ms, decode "
+          f"{r['decode_ms']} ms (break-even {r['break_even_accepted']} tokens/step)")
 for r in doc["quant_decode"]:
     print(f"  decode {r['weights']} B={r['batch']}: {r['step_ms']} ms, bf16 "
           f"{r['bf16_step_ms']} ms (bf16/quant {r['bf16_over_quant']}x; {r['decode_matmuls']})")

@@ -37,6 +37,7 @@ import numpy as np
 from flax import nnx
 
 from jpaged.bench.step_profile import summarize, trace_calls
+from jpaged.bench.verify_rows import verify_rows
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 from jpaged.intmath import cdiv
@@ -251,7 +252,9 @@ def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[
                 contexts: tuple[int, ...], engine_args: dict[str, Any],
                 budget_s: float = 1e9, profile_batches: tuple[int, ...] = (),
                 profile_dir: Path | None = None,
-                sampled_batches: tuple[int, ...] = (), ab: bool = True
+                sampled_batches: tuple[int, ...] = (), ab: bool = True,
+                verify: tuple[tuple[int, int], ...] = (),
+                verify_out: list[dict[str, Any]] | None = None
                 ) -> list[dict[str, Any]]:
     """Per KV dtype, an engine at the default pool and one row per (batch, context); a row
     that does not fit the pool, or comes after the budget, says so instead of a time.
@@ -263,7 +266,12 @@ def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[
     in `profile_batches` are also profiled (an A/B row: both steps), each trace written under
     `profile_dir` (a failed profile is named in the row's `profile_error`; its time stays);
     those whose batch is in `sampled_batches` are timed again drawing at random (the engine's
-    step, the same compiled program)."""
+    step, the same compiled program).
+
+    `verify`: (batch, k) cases of speculative decoding's verifying step
+    (jpaged/bench/verify_rows.py), timed beside the plain decode step of their batch on the
+    first KV dtype's engine at the first context, right after that context's rows (whose
+    buckets they reuse); their rows go to `verify_out`, under the same budget."""
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
     for kvd in kv_dtypes:
@@ -276,7 +284,17 @@ def decode_rows(loaded: LoadedModel, kv_dtypes: tuple[str, ...], batches: tuple[
         ab_max = lin.max_rows if lin is not None else 0
         if lin is None:
             why = f"off ({runner.ops.name} backend or shapes the kernels refuse): XLA's GEMMs"
-        for b, ctx in row_order(batches, contexts, ab_max):
+        order: list[tuple[int, int] | None] = list(row_order(batches, contexts, ab_max))
+        if verify and kvd == kv_dtypes[0]:  # None: the verifying steps' turn
+            at = next((i for i, (_, c) in enumerate(order) if c != contexts[0]), len(order))
+            order.insert(at, None)
+        for job in order:
+            if job is None:
+                got = verify_rows(runner, verify, contexts[0], kvd, t_start + budget_s)
+                if verify_out is not None:
+                    verify_out.extend(got)
+                continue
+            b, ctx = job
             first = kvd == kv_dtypes[0] and ctx == contexts[0]
             for sampled in (False, True) if first and b in sampled_batches else (False,):
                 row: dict[str, Any] = {"kv_cache_dtype": kvd, "batch": b, "context_len": ctx,

@@ -12,8 +12,10 @@ of it), the bandwidth the step achieved (predicted bytes / measured time), and t
 matmuls' A/B (`ms_xla`: the step with XLA's GEMMs, `ms_kernels`: with the weight-streaming
 kernels, the engine's step at up to 64 rows); then the copy ceilings (`copy_GBps_16byte`, the
 best copy with 16-byte accesses, and jax's bf16 `x + 1`), the decode matmul kernels against
-XLA and their ideal bytes (`matmul_markdown`), the best tile plan per kernel, and each profiled
-row's kernels by kind.
+XLA and their ideal bytes (`matmul_markdown`), the best tile plan per kernel, the quantized
+weights beside their bf16 twins (`quant_markdown`: `quant_ab`, `quant_decode`), speculative
+decoding's verifying steps beside plain decode (`verify_markdown`: `verify_rows`), and each
+profiled row's kernels by kind.
 """
 
 from __future__ import annotations
@@ -51,6 +53,42 @@ def _rows_from(obj: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def _verify_from(obj: Any) -> list[dict[str, Any]]:
+    """Verifying-step rows in a JSON document: a decode stage's `verify_rows`, or
+    device_check.json's (its decode stage's, and the merged ones at the top level)."""
+    if not isinstance(obj, dict):
+        return []
+    rows = list(obj.get("verify_rows") or [])
+    if isinstance(obj.get("decode"), dict):
+        rows += obj["decode"].get("verify_rows") or []
+    return [r for r in rows if isinstance(r, dict) and "k" in r and "context_len" in r]
+
+
+def _quant_from(obj: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | None:
+    """(kernel rows, decode rows) of the quantized weights in a JSON document: the stage's
+    own (quant.json, or device_check.json's `quant`), else device_check.json's `quant_ab` and
+    `quant_decode`; None when it has none."""
+    if not isinstance(obj, dict):
+        return None
+    for stage in (obj, obj.get("quant")):
+        if isinstance(stage, dict) and "quant_matmul_timings" in stage:
+            return stage["quant_matmul_timings"], stage.get("quant_decode_rows") or []
+    if obj.get("quant_ab") or obj.get("quant_decode"):
+        return obj.get("quant_ab") or [], obj.get("quant_decode") or []
+    return None
+
+
+def _verify_key(row: dict[str, Any]) -> tuple[str, int, int, int]:
+    return (str(row.get("kv_cache_dtype")), int(row["batch"]), int(row["k"]),
+            int(row["context_len"]))
+
+
+def _log_verify_rows(text: str) -> list[dict[str, Any]]:
+    """The "verify row {...}" lines of a log."""
+    return [ast.literal_eval(line.split("verify row ", 1)[1]) for line in text.splitlines()
+            if line.strip().startswith("verify row {")]
+
+
 def _log_rows(text: str) -> list[dict[str, Any]]:
     """The "decode row {...}" lines of a log (those of the split-K-off stage tagged)."""
     rows, off = [], False
@@ -66,16 +104,22 @@ def _log_rows(text: str) -> list[dict[str, Any]]:
 def collect(folders: list[Path]) -> dict[str, Any]:
     """One document from every folder's files; later folders add to earlier ones."""
     doc: dict[str, Any] = {"decode_rows": {}, "engine_runs": [], "sources": []}
+    verify: dict[tuple[Any, ...], dict[str, Any]] = {}
     for folder in folders:
         # A folder's JSON rows (with their profiles) over its log's (the printed rows, kept
         # for stages their limit cut short); a later folder's over an earlier one's.
         from_log: dict[tuple[Any, ...], dict[str, Any]] = {}
         from_json: dict[tuple[Any, ...], dict[str, Any]] = {}
+        v_log: dict[tuple[Any, ...], dict[str, Any]] = {}
+        v_json: dict[tuple[Any, ...], dict[str, Any]] = {}
         for f in sorted(folder.iterdir()):
             doc["sources"].append(f"{folder.name}/{f.name}")
             if f.name.endswith(".log"):
-                for row in _log_rows(f.read_text()):
+                text = f.read_text()
+                for row in _log_rows(text):
                     from_log[_key(row)] = row
+                for row in _log_verify_rows(text):
+                    v_log[_verify_key(row)] = row
                 continue
             if f.name == "nvidia_smi.csv":
                 doc["nvidia_smi"] = f.read_text().strip()
@@ -85,7 +129,13 @@ def collect(folders: list[Path]) -> dict[str, Any]:
             obj = json.loads(f.read_text())
             for row in _rows_from(obj):
                 from_json[_key(row)] = row
+            for row in _verify_from(obj):
+                v_json[_verify_key(row)] = row
+            quant = _quant_from(obj)
+            if quant is not None:
+                doc["quant_ab"], doc["quant_decode"] = quant
             if isinstance(obj, dict):
+                _note_device(doc, obj)
                 if f.name == "matmul.json" or "matmul_timings" in obj:
                     doc["matmuls"] = obj
                 elif f.name == "kernels.json" or "checks" in obj:
@@ -102,9 +152,38 @@ def collect(folders: list[Path]) -> dict[str, Any]:
                     if obj.get("engine") and obj["engine"].get("runs"):
                         doc["engine_runs"] += obj["engine"]["runs"]
         doc["decode_rows"].update({**from_log, **from_json})
+        verify.update({**v_log, **v_json})
     doc["decode_rows"] = sorted(doc["decode_rows"].values(), key=lambda r: _key(r))
+    doc["verify_rows"] = sorted(verify.values(), key=_verify_key)
+    doc.setdefault("quant_ab", [])
+    doc.setdefault("quant_decode", [])
     doc["ceilings"] = ceilings(doc)
     return doc
+
+
+def _note_device(doc: dict[str, Any], obj: dict[str, Any]) -> None:
+    """Keep the first card name (a stage's `device`) and copy rate with 16-byte accesses a
+    document names (for the quant table where no kernels or matmul stage left one), and
+    device_check.json's nvidia-smi text."""
+    for stage in (obj, *(obj.get(k) for k in ("kernels", "matmuls", "decode", "quant",
+                                              "engine"))):
+        if not isinstance(stage, dict):
+            continue
+        if isinstance(stage.get("device"), str):
+            doc.setdefault("device", stage["device"])
+        if stage.get("copy_GBps_16byte"):
+            doc.setdefault("copy_16byte_seen", {k: stage.get(k) for k in (
+                "copy_GBps_16byte", "copy_16byte_method", "copy_GBps_jax_bf16")})
+    if isinstance(obj.get("nvidia_smi"), str):
+        doc.setdefault("nvidia_smi", obj["nvidia_smi"].strip())
+
+
+def card(doc: dict[str, Any]) -> str:
+    """The card a run measured: nvidia-smi's name, else a stage's device kind."""
+    lines = (doc.get("nvidia_smi") or "").splitlines()
+    if len(lines) > 1 and lines[0].startswith("name") and lines[1].strip():
+        return lines[1].split(",")[0].strip()
+    return doc.get("device") or "the device"
 
 
 def ceilings(doc: dict[str, Any]) -> dict[str, Any]:
@@ -114,7 +193,8 @@ def ceilings(doc: dict[str, Any]) -> dict[str, Any]:
     denominator) and every method's rate; the kernels stage's, else the matmul stage's own."""
     kern = doc.get("kernels") or {}
     mm = doc.get("matmuls") or {}
-    src = kern if kern.get("copy_GBps_16byte") else (mm.get("copy_source") or {})
+    src = kern if kern.get("copy_GBps_16byte") else (mm.get("copy_source")
+                                                     or doc.get("copy_16byte_seen") or {})
     out = {k: src.get(k) for k in ("copy_GBps_16byte", "copy_16byte_method",
                                    "copy_GBps_jax_bf16")}
     out["copy_GBps"] = kern.get("copy_GBps")
@@ -269,6 +349,75 @@ def matmul_markdown(mm: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
+def _cell(x: Any, fmt: str = "") -> str:
+    """A table cell: the value formatted, "-" when absent."""
+    if x is None:
+        return "-"
+    return format(x, fmt) if fmt and isinstance(x, (int, float)) else str(x)
+
+
+def _times(x: Any) -> str:
+    """A ratio cell: "1.62x", "-" when absent."""
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def quant_markdown(ab: list[dict[str, Any]], decode: list[dict[str, Any]],
+                   device: str | None = None, copy16_gbps: float | None = None) -> str:
+    """The quantized weights beside their bf16 twins: each decode matmul kernel alone
+    (`quant_ab`: us, the bf16 kernel's us, bf16 / quant, % of the 16-byte copy, correct), then
+    the 8B decode step (`quant_decode`: ms, the bf16 step's, bf16 / quant, weight bytes)."""
+    if not ab and not decode:
+        return ""
+    parts = [f"Quantized weights on {device or 'the device'}: the decode matmul kernels alone "
+             f"and the decode step beside their bf16 twins (bf16 / quant > 1: the quantized "
+             f"one is faster); % of the 16-byte copy ({_num(copy16_gbps)} GB/s)"]
+    if ab:
+        parts += ["", "| weights | kernel | rows | us | bf16 us | bf16 / quant | % of copy16 "
+                  "| ok |", "|---|---|---|---|---|---|---|---|"]
+        for r in ab:
+            ok = {True: "yes", False: "NO"}.get(r.get("ok"), "-")
+            parts.append(f"| {r.get('weights')} | {r.get('kernel')} | {r.get('rows')} | "
+                         f"{_cell(r.get('us'), '.1f')} | {_cell(r.get('bf16_us'), '.1f')} | "
+                         f"{_times(r.get('bf16_over_quant'))} | "
+                         f"{_cell(r.get('pct_of_copy_16byte'), '.1f')} | {ok} |")
+    if decode:
+        parts += ["", "| weights | B | context | ms / step | bf16 ms / step | bf16 / quant | "
+                  "weights GB | matmuls |", "|---|---|---|---|---|---|---|---|"]
+        for r in decode:
+            gb = r.get("weight_bytes")
+            parts.append(f"| {r.get('weights')} | {r.get('batch')} | "
+                         f"{_cell(r.get('context_len'))} | {_cell(r.get('step_ms'), '.2f')} | "
+                         f"{_cell(r.get('bf16_step_ms'), '.2f')} | "
+                         f"{_times(r.get('bf16_over_quant'))} | "
+                         f"{_cell(gb / 1e9 if gb else None, '.2f')} | "
+                         f"{_cell(r.get('decode_matmuls'))} |")
+    return "\n".join(parts)
+
+
+def verify_markdown(rows: list[dict[str, Any]], device: str | None = None) -> str:
+    """Speculative decoding's verifying steps (`verify_rows`): B sequences with k proposals
+    each as B * (k + 1) decode rows (padded to the bucket), beside the plain decode step of
+    the B sequences on the same runner and pool; break-even = verify / decode, the mean
+    tokens a verifying step must yield a sequence (accepted + bonus) to pay for itself."""
+    if not rows:
+        return ""
+    lines = [f"Verifying steps on {device or 'the device'} (speculative decoding: B sequences "
+             f"with k proposals each, beside the plain decode step of the B sequences; "
+             f"speculation pays where the mean acceptance length exceeds the break-even)", "",
+             "| KV | B | k | rows (bucket) | context | verify ms | decode ms | verify / decode "
+             "| break-even tokens / step |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        head = (f"| {r.get('kv_cache_dtype')} | {r['batch']} | {r['k']} | "
+                f"{_cell(r.get('rows'))} ({_cell(r.get('bucket'))}) | {r['context_len']} |")
+        if r.get("verify_ms") is None:
+            lines.append(f"{head} not run: {r.get('skipped')} | | | |")
+            continue
+        lines.append(f"{head} {r['verify_ms']:.2f} | {_cell(r.get('decode_ms'), '.2f')} | "
+                     f"{_times(r.get('ratio'))} | "
+                     f"{_cell(r.get('break_even_accepted'), '.2f')} |")
+    return "\n".join(lines)
+
+
 def _predicted_bytes_by_kind(case: dict[str, Any] | None) -> dict[str, int]:
     """The case's largest kinds of op by predicted bytes ("kind: shape = N B" entries)."""
     out: dict[str, int] = {}
@@ -330,7 +479,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     print(markdown(doc["decode_rows"]))
-    for part in (ceiling_line(doc["ceilings"]), matmul_markdown(doc.get("matmuls"))):
+    name = card(doc)
+    copy16 = doc["ceilings"].get("copy_GBps_16byte")
+    for part in (ceiling_line(doc["ceilings"]), matmul_markdown(doc.get("matmuls")),
+                 quant_markdown(doc["quant_ab"], doc["quant_decode"], name, copy16),
+                 verify_markdown(doc["verify_rows"], name)):
         if part:
             print("\n" + part)
     prof = profile_markdown(doc["decode_rows"], aot)

@@ -24,6 +24,7 @@ import numpy as np
 
 from jpaged.bench.decode_rows import decode_rows
 from jpaged.bench.fixtures import TINY_CONFIG, random_model
+from jpaged.bench.verify_rows import parse_cases, verify_table
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
@@ -211,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-decode-ab", action="store_true",
                    help="time the engine's decode step only, not also its twin with XLA's "
                         "GEMMs for the projections (ModelRunner decode_matmuls=False)")
+    p.add_argument("--verify-rows", type=parse_cases, default=(), metavar="BxK,...",
+                   help="time speculative decoding's verifying step of B sequences with K "
+                        "proposals each beside the plain decode step of B (first KV dtype "
+                        "and context; jpaged/bench/verify_rows.py), e.g. 1x7,16x3")
     p.add_argument("--part", choices=["all", "check", "decode"], default="all",
                    help="check: the engine check alone; decode: the decode step rows alone "
                         "(so a caller can give each its own time limit)")
@@ -237,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     res["xla_flags"] = os.environ.get("XLA_FLAGS", "")
     profile_dir = args.profile_dir or Path(tempfile.gettempdir()) / "jpaged-profiles"
     t0 = time.perf_counter()
+    res["verify_rows"] = []
     res["decode_rows"] = ([] if args.part == "check" else
                           decode_rows(loaded, tuple(args.decode_kv or kv_dtypes),
                                       tuple(args.decode_batches or cfg.decode_batches),
@@ -245,7 +251,9 @@ def main(argv: list[str] | None = None) -> int:
                                       profile_batches=tuple(args.profile_batches),
                                       profile_dir=profile_dir,
                                       sampled_batches=tuple(args.sampled_batches),
-                                      ab=not args.no_decode_ab))
+                                      ab=not args.no_decode_ab,
+                                      verify=args.verify_rows,
+                                      verify_out=res["verify_rows"]))
     res["wall_s"] = round(res["wall_s"] + time.perf_counter() - t0, 1)
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
@@ -274,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
             got += f" [{row['sampling']} sampling]"
         print(f"  decode kv {row['kv_cache_dtype']:9s} B={row['batch']:<4} "
               f"ctx={row['context_len']:<5} {got}")
+    if res["verify_rows"]:  # speculative decoding's verifying steps beside plain decode
+        print("\n".join(verify_table(res["verify_rows"])))
     print(f"  done in {res['wall_s']} s")
     ok = all(r["greedy_equal"] and r.get("overlap", {}).get("outputs_identical", True)
              for r in res["runs"])

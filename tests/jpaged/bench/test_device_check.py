@@ -1,8 +1,9 @@
 """scripts/device_check.sh end to end in its CPU smoke mode: the same steps as on a lent GPU
 (kernel checks and timings with the 16-byte copy ceiling, the decode matmul kernels against
-XLA with their tile sweep, the decode rows' matmul A/B, decode rows with XLA's split-K forced
-off, the quantized weights (fp8, int4) beside their bf16 twins, the engine on random weights
-with both loops compared, the host work per request-step, one merged JSON), tiny shapes."""
+XLA with their tile sweep, the decode rows' matmul A/B, speculative decoding's verifying step
+beside plain decode, decode rows with XLA's split-K forced off, the quantized weights (fp8,
+int4) beside their bf16 twins, the engine on random weights with both loops compared, the host
+work per request-step, one merged JSON), tiny shapes."""
 
 from __future__ import annotations
 
@@ -99,6 +100,19 @@ def test_device_check_cpu_smoke(tmp_path):
     # ... and the twin's step (XLA's GEMMs) beside it.
     assert rows[1]["profile_xla"]["step_ms"] == rows[1]["ms_xla"]
     assert "decode profile (XLA's GEMMs) B=4 ctx=40" in log
+    # Speculative decoding's verifying step (B=1, k=3: 4 rows, the bucket the batch-4 rows
+    # compiled, so no new program) beside the plain decode step of its batch, same pool.
+    verify = doc["decode"]["verify_rows"]
+    assert [(r["kv_cache_dtype"], r["batch"], r["k"], r["rows"], r["bucket"], r["context_len"])
+            for r in verify] == [("bfloat16", 1, 3, 4, 4, 40)], verify
+    v = verify[0]
+    assert v["verify_ms"] > 0 and v["decode_ms"] > 0 and v["new_programs"] == 0
+    assert v["break_even_accepted"] == v["ratio"] == round(v["verify_ms"] / v["decode_ms"], 3)
+    assert doc["verify_rows"] == [{k: v[k] for k in (
+        "kv_cache_dtype", "batch", "k", "rows", "bucket", "context_len", "verify_ms",
+        "decode_ms", "ratio", "break_even_accepted")}]
+    assert "verify row {" in log and "break-even tokens/step" in log
+    assert "verify bfloat16 B=1 k=3 (4 rows, bucket 4) ctx=40" in log
     # The bf16 rows again with XLA's split-K heuristic forced off (the flag reaches XLA).
     off = doc["decode_split_k_off"]
     assert "--xla_gpu_experimental_force_split_k=1" in off["xla_flags"]

@@ -154,3 +154,58 @@ def test_new_keys_of_a_run_the_matmul_ab_and_the_copy_ceilings(tmp_path, capsys)
     assert main([str(run), "--aot", str(AOT)]) == 0
     out = capsys.readouterr().out
     assert "Copy ceiling" in out and "Decode matmuls on NVIDIA H200" in out
+
+
+def test_quant_and_verify_tables_from_a_device_check_json(tmp_path, capsys):
+    """device_check.json's quantized-weights rows (`quant_ab`, `quant_decode`) and verifying
+    steps (`verify_rows`, the decode stage's over the merged ones; a log's line where no JSON
+    has the row), with the card's name and the 16-byte copy rate."""
+    from jpaged.bench.device_report import card, quant_markdown, verify_markdown
+
+    run = tmp_path / "run"
+    run.mkdir()
+    verify = {"kv_cache_dtype": "bfloat16", "batch": 1, "k": 7, "rows": 8, "bucket": 16,
+              "context_len": 1024, "verify_ms": 9.3, "decode_ms": 6.2, "ratio": 1.5,
+              "break_even_accepted": 1.5}
+    skipped = {"kv_cache_dtype": "bfloat16", "batch": 16, "k": 3, "context_len": 1024,
+               "skipped": "time budget"}
+    (run / "device_check.json").write_text(json.dumps({
+        "stages": ["decode", "quant"], "decode_rc": 0, "quant_rc": 0,
+        "copy_GBps_16byte": 4300.0, "copy_16byte_method": "jax_f32",
+        "nvidia_smi": "name, memory.total [MiB]\nNVIDIA H200, 143771 MiB\n",
+        "decode": {"device": "NVIDIA H200", "decode_rows": [],
+                   "verify_rows": [{**verify, "iters": 10, "new_programs": 0}, skipped]},
+        "verify_rows": [{**verify, "verify_ms": 1.0}],  # the stage's own row wins
+        "quant_ab": [{"weights": "fp8", "kernel": "qkv", "rows": 1, "us": 8.0,
+                      "bf16_us": 13.0, "bf16_over_quant": 1.625, "pct_of_copy_16byte": 71.4,
+                      "ok": True},
+                     {"weights": "int4", "kernel": "down", "rows": 64, "us": 30.0,
+                      "bf16_us": None, "bf16_over_quant": None, "pct_of_copy_16byte": None,
+                      "ok": False}],
+        "quant_decode": [{"weights": "int4", "batch": 1, "context_len": 1024, "step_ms": 3.1,
+                          "bf16_step_ms": 6.2, "bf16_over_quant": 2.0,
+                          "decode_matmuls": "kernels", "weight_bytes": 4_900_000_000}]}))
+    (run / "device_check.log").write_text(
+        "== decode step rows (limit 130 s)\n  verify row " + repr(
+            {**verify, "batch": 16, "k": 1, "rows": 32, "bucket": 64}) + "\n")
+    doc = collect([run])
+    assert card(doc) == "NVIDIA H200" and doc["ceilings"]["copy_GBps_16byte"] == 4300.0
+    assert [(r["batch"], r["k"]) for r in doc["verify_rows"]] == [(1, 7), (16, 1), (16, 3)]
+    assert doc["verify_rows"][0]["verify_ms"] == 9.3
+    md = verify_markdown(doc["verify_rows"], card(doc))
+    assert md.startswith("Verifying steps on NVIDIA H200")
+    assert "| bfloat16 | 1 | 7 | 8 (16) | 1024 | 9.30 | 6.20 | 1.50x | 1.50 |" in md
+    assert "| bfloat16 | 16 | 1 | 32 (64) | 1024 |" in md  # from the log
+    assert "| bfloat16 | 16 | 3 | - (-) | 1024 | not run: time budget | | | |" in md
+    q = quant_markdown(doc["quant_ab"], doc["quant_decode"], card(doc), 4300.0)
+    assert q.startswith("Quantized weights on NVIDIA H200") and "(4,300 GB/s)" in q
+    assert "| fp8 | qkv | 1 | 8.0 | 13.0 | 1.62x | 71.4 | yes |" in q
+    assert "| int4 | down | 64 | 30.0 | - | - | - | NO |" in q
+    assert "| int4 | 1 | 1024 | 3.10 | 6.20 | 2.00x | 4.90 | kernels |" in q
+    assert quant_markdown([], []) == "" and verify_markdown([]) == ""
+    out = tmp_path / "merged.json"
+    assert main([str(run), "--aot", str(AOT), "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "Quantized weights on NVIDIA H200" in printed and "Verifying steps on" in printed
+    merged = json.loads(out.read_text())
+    assert len(merged["quant_ab"]) == 2 and len(merged["verify_rows"]) == 3
