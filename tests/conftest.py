@@ -14,6 +14,13 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 # torch's OpenMP threads spin-wait when they share a core with XLA's, which made an HF
 # generate up to ten times slower than on one thread. Read when torch is first imported.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# XLA:CPU builds the suite's ~1,500 step programs at LLVM -O0 without its expensive passes:
+# they are programs of tiny models, compiled once and run for a few steps, so compiling is most
+# of their time (a tenth or more of the suite's wall time saved; what they compute is the
+# same). Set before jax starts its backend; processes the tests start inherit it
+# (helpers.xla_flags adds their own flags to it).
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 # Shared helpers (tests/helpers.py) are importable from every test package.
 import sys  # noqa: E402

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 from jpaged.llm import LLM
 from models.loader import LoadedModel, load_model
+
+
+def xla_flags(*extra: str) -> str:
+    """XLA_FLAGS for a process a test starts: the suite's (tests/conftest.py) plus `extra`."""
+    return " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
 
 
 def free_port(span: int = 1) -> int:

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import embedded, make_llm, tiny, tiny_model_dir
+from helpers import embedded, make_llm, tiny, tiny_model_dir, xla_flags
 
 from jpaged import LLM, SamplingParams
 from models.checkpoint import MARKER, PARAMS_DIR, save_checkpoint
@@ -127,7 +127,7 @@ def test_embedded_tensor_parallel_3_from_the_checkpoint(embedded_ckpt, tmp_path)
     stacked = tmp_path / "stacked"
     shutil.copytree(embedded_ckpt, stacked)
     _write_stacked_v1(stacked)
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(WORKER), str(embedded_ckpt), str(stacked)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import xla_flags
 
 from models.quant import QuantWeight, dequantize, pack_int4, quant_matmul, quantize_fp8
 from models.quant_layers import QuantLayout
@@ -335,7 +336,7 @@ def test_quantized_projections_under_tensor_parallel():
     """TensorParallel.wrap_linears over two CPU devices (a subprocess) gives the one-device
     kernels' outputs: q/gate/up by columns, o/down by rows with their groups (int4 groups of
     32, an fp8 per-channel scale replicated)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
                JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=280)
@@ -345,7 +346,7 @@ def test_quantized_projections_under_tensor_parallel():
 
 _TP_SCRIPT = """
 import sys
-sys.path[:0] = ["tests/pallas_kernels", "tests/models", "."]
+sys.path[:0] = ["tests/pallas_kernels", "tests/models", "tests", "."]
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding
 from tiny_models import tiny_spec

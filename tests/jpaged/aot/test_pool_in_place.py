@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jax.numpy as jnp
 import pytest
+from helpers import xla_flags
 from tiny_models import tiny_spec
 
 from jpaged.aot.cases import StepBuilder, engine_config
@@ -84,7 +85,7 @@ def test_tier_transfers_touch_only_their_blocks(kv_dtype):
 def test_tensor_parallel_step_updates_each_shard_in_place():
     """tensor_parallel_size=3 over 3 forced CPU devices: each device's pool shard in place (the
     write under shard_map once copied it: 8 tokens took 44.6 s at 256 MiB per device)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=3"),
            "JAX_PLATFORMS": "cpu"}
     pairs = ["float32:xla", "fp8_e4m3:xla", "bfloat16:reference", "fp8_e4m3:pallas"]
     proc = subprocess.run([sys.executable, str(WORKER), "3", *pairs], capture_output=True,

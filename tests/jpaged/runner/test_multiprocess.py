@@ -17,7 +17,7 @@ import jax
 import openai
 import pytest
 from flax import nnx
-from helpers import embedded, free_port, make_llm, tiny_model_dir
+from helpers import embedded, free_port, make_llm, tiny_model_dir, xla_flags
 
 from jpaged import SamplingParams
 
@@ -34,7 +34,8 @@ class Procs:
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs = tmp, []
         tmp.mkdir(parents=True, exist_ok=True)
-        self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS="")
+        self.env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
+                        XLA_FLAGS=xla_flags())
 
     def start(self, name: str, *args: str) -> subprocess.Popen:
         out = open(self.tmp / f"{name}.out", "w")  # noqa: SIM115 (closed with the process)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import xla_flags
 from tiny_models import tiny_spec
 
 from jpaged.runner.kv_cache import CPU_DEFAULT_KV_BYTES
@@ -66,7 +67,7 @@ def facts() -> dict:
 
 def worker_facts(group: str) -> dict:
     """The facts tp_worker.py's `group` of cases prints, run on 4 forced CPU devices."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
+    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=4"),
                JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     proc = subprocess.run([sys.executable, str(WORKER), group], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
