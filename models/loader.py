@@ -164,15 +164,17 @@ NAMED_GGUF_MODELS: dict[str, Callable[..., Path]] = {GEMMA3_MODEL: gemma3_gguf_p
 
 def build_model(spec: ModelSpec, weights: Mapping[str, Any], dtype: Any,
                 tensor_parallel_size: int = 1,
-                quant_plan: dict[str, QuantLayout] | None = None) -> nnx.Module:
+                quant_plan: dict[str, QuantLayout] | None = None,
+                abstract: nnx.Module | None = None) -> nnx.Module:
     """Instantiate the spec's architecture without random init and fill in `weights`.
 
     tensor_parallel_size > 1: every Param is made directly in its tensor-parallel sharding,
     each device receiving only its slices (no whole copy on the default device).
     quant_plan: modules built quantized (models/quant_layers.py), whose `qweight`, `scales`
     and `mins` the weights hold in the device layout.
+    abstract: `abstract_model(spec, dtype)` when the caller built it already (filled in place).
     """
-    model = abstract_model(spec, dtype)
+    model = abstract_model(spec, dtype) if abstract is None else abstract
     if quant_plan:
         apply_plan(model, quant_plan)
         if tensor_parallel_size > 1:
@@ -274,11 +276,12 @@ def _load_gguf_model(path: Path, dtype: Any, tp: int, quantization: str | None
         spec, weights, metadata = load_gguf(path, lazy=True)
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     del metadata  # the vocabulary's strings: not held while the weights are read
+    model = abstract_model(spec, dtype)
     if quantization == "fp8":
-        plan = fp8_plan(abstract_model(spec, dtype))
+        plan = fp8_plan(model)
         weights = fp8_tensors(weights, plan)
-    return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan), tokenizer, str(path),
-                       quantization)
+    return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan, model), tokenizer,
+                       str(path), quantization)
 
 
 def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> LoadedModel:
@@ -302,17 +305,18 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
     tokenizer = Tokenizer.from_hf_dir(path)
     weights = load_hf_dir_weights(path, spec)
     plan = None
+    model = abstract_model(spec, dtype)
     if method is not None:
-        plan, weights = hf_quantized(cfg, weights, abstract_model(spec, dtype), str(cfg_file))
+        plan, weights = hf_quantized(cfg, weights, model, str(cfg_file))
         quantization = method
     elif quantization == "fp8":
-        plan = fp8_plan(abstract_model(spec, dtype))
+        plan = fp8_plan(model)
         weights = fp8_tensors(weights, plan)
     elif quantization is not None:
         raise ValueError(f"quantization={quantization!r} names a checkpoint's own method, but "
                          f"{cfg_file} has no quantization_config")
-    return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan), tokenizer, str(path),
-                       quantization)
+    return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan, model), tokenizer,
+                       str(path), quantization)
 
 
 def _merge_generation_eos(path: Path, eos: tuple[int, ...]) -> tuple[int, ...]:
