@@ -31,6 +31,10 @@ QkvWriteFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array, Any]]
 GateUpFn = Callable[..., jax.Array]
 # out(x, w, b, residual) -> residual + x @ w (+ b), or x @ w (+ b) with residual None
 OutFn = Callable[..., jax.Array]
+# logits(h, w, transposed) -> [T, V] float32, unrounded: h @ w for lm_head's [hidden, vocab]
+#   kernel, or h @ w.T for a tied [vocab, hidden] embedding table (transposed=True); w float or
+#   a QuantWeight (k_axis 0 / 1 alike).
+LogitsFn = Callable[..., jax.Array]
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,10 @@ class DecodeLinears:
     `qkv_write`, when the runner offers it for this step, takes the place of `qkv` for layers
     whose RoPE runs in the kernel (no q/k norm between): the layer then calls its AttnFn with
     `kv_written=True`, so the backend attends without writing K/V again.
+
+    `logits`, when the model's output head suits it, computes the head (`compute_logits` given
+    these linears calls it instead of XLA's GEMM); the runner hands the linears to
+    `compute_logits` only for at most `logits_max_rows` rows (and steps of <= `max_rows`).
     """
 
     name: str
@@ -48,6 +56,8 @@ class DecodeLinears:
     gate_up: GateUpFn
     out: OutFn
     qkv_write: QkvWriteFn | None = None
+    logits: LogitsFn | None = None
+    logits_max_rows: int = 0
 
 
 def activation_name(hidden_act: str) -> str:

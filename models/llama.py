@@ -382,10 +382,27 @@ class LlamaForCausalLM(nnx.Module):
         return self.model(input_ids, positions, attn_fn, attn_state, embed_fn=embed_fn,
                           linears=linears)
 
-    def compute_logits(self, hidden: Float[Array, "N hidden"]) -> Float[Array, "N vocab"]:
-        """float32 logits; accumulation in float32 whatever the parameter dtype."""
+    def head_weight(self) -> tuple[jax.Array | QuantWeight, bool]:
+        """The output head's weight as it lies, and whether it is transposed: lm_head's
+        [hidden, vocab] kernel (False), or the tied embedding's [vocab, hidden] table (True);
+        a QuantWeight when quantized."""
+        if self.lm_head is not None:
+            return _weight(self.lm_head), False
         embed = self.model.embed_tokens
-        if self.lm_head is None and isinstance(embed, QuantEmbed):
+        if isinstance(embed, QuantEmbed):
+            return embed.weight(), True
+        return embed.embedding[...], True
+
+    def compute_logits(self, hidden: Float[Array, "N hidden"],
+                       linears: DecodeLinears | None = None) -> Float[Array, "N vocab"]:
+        """float32 logits; accumulation in float32 whatever the parameter dtype. `linears`
+        with a `logits` kernel (the runner's, for small steps): the head runs on it, else on
+        XLA's GEMM; a final soft-cap (Gemma 2) applies after either."""
+        embed = self.model.embed_tokens
+        if linears is not None and linears.logits is not None:
+            weight, transposed = self.head_weight()
+            out = linears.logits(hidden, weight, transposed=transposed)
+        elif self.lm_head is None and isinstance(embed, QuantEmbed):
             out = one_row_as_two(embed.attend, hidden)
         elif isinstance(self.lm_head, QuantLinear):
             out = self.lm_head.product(hidden)  # float32, as the float head's

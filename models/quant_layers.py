@@ -101,6 +101,10 @@ class QuantEmbed(nnx.Module):
     def _mins(self) -> jax.Array | None:
         return None if self.mins is None else self.mins[...]
 
+    def weight(self) -> QuantWeight:
+        """The table's arrays as they lie: a [vocab, hidden] QuantWeight (k_axis 1)."""
+        return QuantWeight(self.kind, self.qweight[...], self.scales[...], self._mins(), 1)
+
     def __call__(self, ids: jax.Array) -> jax.Array:
         return quant_rows(self.qweight[...], self.scales[...], self._mins(), self.kind, ids,
                           self.dtype)

@@ -11,7 +11,9 @@ projection of a decoder layer, each in one launch:
   slots (`KVWritePlan`: what `kv_write` would store, in the same launch);
 * `gated_up` — gate and up as one launch: each program streams the same column slab of both
   weights and writes act(gate) * up (SiLU or tanh-GELU), with the RMSNorm prologue;
-* `projection_residual` — o or down: the residual add in the epilogue.
+* `projection_residual` — o or down: the residual add in the epilogue;
+* `logits` — the output head: float32 logits of lm_head's [K, V] kernel or a tied [V, K]
+  embedding table, any vocabulary size (the last column block masked).
 
 Layout and invariants:
 
@@ -30,8 +32,9 @@ Layout and invariants:
   x is [rows, K] (kilobytes): it is read twice from L2, never written back normalised.
 * Accumulation is float32; bf16 operands use the tensor cores, float32 operands use IEEE
   float32 products (`Precision.HIGHEST`), as the models' own float32 matmuls do.
-* `transposed=True` takes [N, K] weights instead (K contiguous); the models do not use it, the
-  device check times both layouts.
+* `transposed=True` takes [N, K] weights instead (K contiguous): a tied output head's
+  embedding table (float, or int4 / int8 quantized along K); the device check times both
+  layouts for the projections.
 
 Quantized weights (weight-only: activations stay in the model's dtype; docs/kernels.md,
 "Quantized weights"). Any weight may be a `models.quant.QuantWeight` (int4, int8, fp8; the
@@ -145,7 +148,7 @@ class QuantFormat:
 
     @classmethod
     def of(cls, w: QuantWeight) -> QuantFormat:
-        """The format of a [K, N] QuantWeight."""
+        """The format of a [K, N] (or, k_axis 1, [N, K]) QuantWeight."""
         return cls(w.kind, w.group_size, w.mins is not None)
 
 
@@ -155,9 +158,10 @@ def weight_format(w: Weight) -> QuantFormat | None:
 
 
 def weight_shape(w: Weight) -> tuple[int, int]:
-    """The [K, N] a weight stands for (a quantized one unpacked)."""
+    """The [K, N] a weight stands for (a quantized one unpacked, in either layout); a float
+    array as it lies ([N, K] for `transposed` launches)."""
     if isinstance(w, QuantWeight):
-        return w.k, int(w.q.shape[1])
+        return w.k, int(w.q.shape[1 - w.k_axis])
     return tuple(w.shape)  # type: ignore[return-value]
 
 
@@ -240,7 +244,8 @@ def rope_fits(head_dim: int, ns: Sequence[int]) -> bool:
 def plan_stream(rows: int, k: int, ns: Sequence[int], itemsize: int,
                 block_n: int | None = None, block_k: int | None = None,
                 weights_per_program: int = 1, head_dim: int | None = None,
-                formats: Sequence[QuantFormat | None] = ()) -> StreamPlan:
+                formats: Sequence[QuantFormat | None] = (), ragged: bool = False
+                ) -> StreamPlan:
     """Tiles for `rows` rows against weights [k, n] for n in `ns` (see `unsupported` first).
 
     block_n: the widest power of two <= 128 dividing every n, halved (down to 32) while the
@@ -251,15 +256,19 @@ def plan_stream(rows: int, k: int, ns: Sequence[int], itemsize: int,
     `formats` (one per weight, None for a float one): with any quantized weight block_n is
     also halved (down to 32) while the accumulators exceed `_QUANT_ACC_ELEMENTS`, block_k
     comes from `_quant_block_k` and the plan pipelines `_QUANT_STAGES` stages.
+    `ragged` (the output head's one weight, `logits`): block_n need not divide n; it starts at
+    128 where no power of two >= 32 divides n, and the last column block is masked.
     """
     bm = max(16, min(_MAX_BLOCK_M, next_pow2(rows)))
     row_blocks = cdiv(rows, bm)
     block_n_given = block_n
     if block_n is None:
         block_n = min(_pow2_divisor(n, 128) for n in ns)
+        if ragged and block_n < 32:
+            block_n = 128
         if head_dim is not None:
             block_n = min(block_n, 2 * _pow2_divisor(head_dim // 2, 64))
-        while block_n > 32 and row_blocks * sum(n // block_n for n in ns) < _MIN_PROGRAMS:
+        while block_n > 32 and row_blocks * sum(cdiv(n, block_n) for n in ns) < _MIN_PROGRAMS:
             block_n //= 2
     quant = any(f is not None for f in formats)
     if quant and block_n_given is None:  # float32 accumulators: block_m x block_n per weight
@@ -274,7 +283,7 @@ def plan_stream(rows: int, k: int, ns: Sequence[int], itemsize: int,
         else:
             block_k = _pow2_divisor(
                 k, max(16, _TILE_BYTES // (block_n * itemsize * weights_per_program)))
-    if any(n % block_n for n in ns) or k % block_k:
+    if (not ragged and any(n % block_n for n in ns)) or k % block_k:
         raise ValueError(f"tiles ({block_k}, {block_n}) do not divide k={k}, n={list(ns)}")
     if quant:
         return StreamPlan(bm, block_n, block_k, num_stages=_QUANT_STAGES)
@@ -334,7 +343,8 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
                    kinds: tuple[str, ...], rope_pairs: int, has_bias: bool, has_norm: bool,
                    norm_offset: float, eps: float, act: str | None, has_residual: bool,
                    has_rope: bool, transposed: bool, kv: KVWritePlan | None,
-                   formats: tuple[tuple[QuantFormat | None, ...], ...] = ()) -> None:
+                   formats: tuple[tuple[QuantFormat | None, ...], ...] = (),
+                   n_valid: tuple[int | None, ...] = (), f32_out: bool = False) -> None:
     """One (row block, column block): stream the slab(s) of the segment the column block falls
     in (`kinds`) and write its [block_m, block_n] output tile (and, for the K and V segments
     of `kv`, the same values into the pages at the rows' slots).
@@ -342,7 +352,13 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
     refs: x, [norm weight], [residual], [cos, sin], [slots, [fp8 scales]], per segment its
     slabs (a float slab: one ref; a quantized one, `formats`: values, scales, [mins]) then
     [their biases], [K and V pages in]; then one output per segment, [K and V pages out
-    (aliases of the pages in)]."""
+    (aliases of the pages in)]. With `transposed` every slab is [block_n, K] (a quantized one:
+    values [block_n, K or K / 2], scales and mins [block_n, groups]).
+
+    `n_valid` (per segment, a ragged one's N, else None): that segment's last column block
+    overhangs its weight; its loads of weight columns >= N are masked off (never read) and so
+    are its stores. `f32_out`: the float32 sums are stored as they are (the output head's
+    logits), not rounded to the model dtype."""
     bm, bn, bk = plan.block_m, plan.block_n, plan.block_k
     it = iter(refs)
     x_ref = next(it)
@@ -368,6 +384,16 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
     live = r < rows  # rows past the batch: loaded as 0, never stored
     rows_at = pl.ds(i * bm, bm)
     steps = k // bk
+
+    def tile(ref: Any, at: Any, ok: jax.Array | None) -> jax.Array:
+        """A slab's rows `at` along K (values, or scales / mins along their groups): ref[at, :],
+        or ref[:, at] for a transposed slab; with `ok` (a ragged block's live columns) the
+        columns past N are masked off, not read. A masked lane holds anything: it feeds only
+        its own output column, which is never stored."""
+        idx = (slice(None), at) if transposed else (at, slice(None))
+        if ok is None:
+            return ref[idx]
+        return plt.load(ref.at[idx], mask=ok[:, None] if transposed else ok[None, :])
 
     def x_tile(kk: jax.Array) -> jax.Array:
         return plt.load(x_ref.at[rows_at, pl.ds(kk * bk, bk)], mask=live[:, None], other=0)
@@ -434,35 +460,41 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
         one step: carrying loads further makes Triton's pipeliner give up on the loop.)"""
         if f is None or f.kind == "fp8":
             return False
-        return groups_of(f) * w[1].shape[1] * w[1].dtype.itemsize < 4 * 32 * plan.num_warps
+        width = w[1].shape[0 if transposed else 1]
+        return groups_of(f) * width * w[1].dtype.itemsize < 4 * 32 * plan.num_warps
 
-    def group_params(kk: jax.Array, w: tuple, f: QuantFormat | None) -> tuple:
-        """The scales (and mins) [groups, width] of step `kk`'s rows of an integer slab, as
-        stored; () for a float or fp8 slab."""
+    def group_params(kk: jax.Array, w: tuple, f: QuantFormat | None,
+                     ok: jax.Array | None = None) -> tuple:
+        """The scales (and mins) [groups, width] ([width, groups] transposed) of step `kk`'s
+        rows of an integer slab, as stored; () for a float or fp8 slab."""
         if f is None or f.kind == "fp8":
             return ()
         groups, g0 = first_group(kk, f)
-        return tuple(ref[pl.ds(g0, groups), :] for ref in w[1:])
+        return tuple(tile(ref, pl.ds(g0, groups), ok) for ref in w[1:])
 
-    def quant_step(kk: jax.Array, w: tuple, f: QuantFormat, x_at, params: tuple  # noqa: ANN001
-                   ) -> jax.Array:
+    def quant_step(kk: jax.Array, w: tuple, f: QuantFormat, x_at, params: tuple,  # noqa: ANN001
+                   ok: jax.Array | None = None) -> jax.Array:
         """x tile(s) @ the dequantized [block_k, width] tile of a quantized slab, float32: one
         load of its values (block_k rows, int4 block_k / 2), its groups' scales and mins
-        (`params`) expanded to the rows in registers."""
+        (`params`) expanded to the rows in registers. A transposed slab's tile is [width,
+        block_k], dequantized alike and multiplied as its transpose."""
         q_ref = w[0]
         if f.kind == "fp8":  # the per-channel scale multiplies the sum (the epilogue)
             xt = x_at(("x",), kk * bk, bk)
-            return _dot(xt, q_ref[pl.ds(kk * bk, bk), :].astype(dtype))
+            return _dot(xt, tile(q_ref, pl.ds(kk * bk, bk), ok).astype(dtype),
+                        trans_b=transposed)
         gs = f.group_size
         nq = bk // 2 if f.kind == "int4" else bk  # rows of values a step loads
         groups, g0 = first_group(kk, f)
-        width = q_ref.shape[1]
+        width = q_ref.shape[0 if transposed else 1]
 
         def rows_of(v: jax.Array) -> jax.Array:  # [groups, width] -> [nq or 1, width]
             v = v.astype(jnp.float32)
             if groups == 1:
                 return v
             per = nq // groups
+            if transposed:  # [width, groups] -> [width, nq]
+                return jnp.broadcast_to(v[:, :, None], (width, groups, per)).reshape(width, nq)
             return jnp.broadcast_to(v[:, None, :], (groups, per, width)).reshape(nq, width)
 
         scale = rows_of(params[0])
@@ -474,9 +506,9 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
 
         if f.kind == "int8":
             xt = x_at(("x",), kk * bk, bk)
-            return _dot(xt, deq(q_ref[pl.ds(kk * bk, bk), :]))
+            return _dot(xt, deq(tile(q_ref, pl.ds(kk * bk, bk), ok)), trans_b=transposed)
         # int4: packed row r of a group holds its elements r (low nibble) and r + gs / 2.
-        packed = q_ref[pl.ds(kk * nq, nq), :]
+        packed = tile(q_ref, pl.ds(kk * nq, nq), ok)
         half = gs // 2
         if groups > 1 or gs == bk:  # whole groups: each half-group's columns, gathered
             r = lax.broadcasted_iota(jnp.int32, (nq,), 0)
@@ -487,12 +519,14 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
             lo = g0 * gs + lax.rem(kk, gs // bk) * nq
             x_lo = x_at(("lo", gs), lo, nq)
             x_hi = x_at(("hi", gs), lo + half, nq)
-        return (_dot(x_lo, deq(packed & 15))
-                + _dot(x_hi, deq(lax.shift_right_logical(packed, jnp.uint8(4)))))
+        return (_dot(x_lo, deq(packed & 15), trans_b=transposed)
+                + _dot(x_hi, deq(lax.shift_right_logical(packed, jnp.uint8(4))),
+                       trans_b=transposed))
 
-    def store(out_ref, col0: jax.Array, width: int, y: jax.Array, page: int | None) -> None:
+    def store(out_ref, col0: jax.Array, width: int, y: jax.Array, page: int | None,  # noqa: ANN001
+              ok: jax.Array | None = None) -> None:
         plt.store(out_ref.at[rows_at, pl.ds(col0, width)], y.astype(out_ref.dtype),
-                  mask=live[:, None])
+                  mask=live[:, None] if ok is None else live[:, None] & ok[None, :])
         if page is None:
             return
         # Rows with a slot also go to the pages: block slot // block_size, offset slot %
@@ -525,28 +559,31 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
 
         @pl.when((j >= lo) & (j < start))
         def _segment(ws=ws, bs=bs, kind=kind, out_ref=out_ref, lo=lo, page=page,
-                     fmts=formats[n]) -> None:
+                     fmts=formats[n], nv=n_valid[n] if n_valid else None) -> None:
             jj = j - lo  # the column block within the segment; weights come as its slabs
             width = bn // len(ws) if kind == "rope" else bn
+            # A ragged segment's columns below its N (all but the last block's tail: a plain
+            # segment, whose block is `bn` columns); None: every column is live.
+            ok = None if nv is None else (
+                jj * bn + lax.broadcasted_iota(jnp.int32, (bn,), 0) < nv)
 
             def body(kk, accs):
                 xt = operand(kk)
                 ks = pl.ds(kk * bk, bk)
-                return tuple(a + (_dot(xt, w[:, ks], trans_b=True) if transposed
-                                  else _dot(xt, w[ks, :]))
+                return tuple(a + _dot(xt, tile(w, ks, ok), trans_b=transposed)
                              for a, w in zip(accs, ws, strict=True))
 
             early = [ahead(w, f) for w, f in zip(ws, fmts, strict=True)]
 
             def params_at(kk):  # the early slabs' scales and mins of step kk (clamped)
                 kk = jnp.minimum(kk, steps - 1)
-                return tuple(group_params(kk, w, f) if e else ()
+                return tuple(group_params(kk, w, f, ok) if e else ()
                              for w, f, e in zip(ws, fmts, early, strict=True))
 
             def quant_body(kk, carry):
                 accs, params = carry  # params: the early slabs' scales of step kk
                 nxt = params_at(kk + 1)
-                params = tuple(p if e else group_params(kk, w, f)
+                params = tuple(p if e else group_params(kk, w, f, ok)
                                for p, w, f, e in zip(params, ws, fmts, early, strict=True))
                 tiles: dict[tuple, jax.Array] = {}  # x tiles of this step, by the columns
 
@@ -556,8 +593,9 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
                     return tiles[key]
 
                 accs = tuple(
-                    a + (_dot(x_at(("x",), kk * bk, bk), w[pl.ds(kk * bk, bk), :])
-                         if f is None else quant_step(kk, w, f, x_at, p))
+                    a + (_dot(x_at(("x",), kk * bk, bk), tile(w, pl.ds(kk * bk, bk), ok),
+                              trans_b=transposed)
+                         if f is None else quant_step(kk, w, f, x_at, p, ok))
                     for a, w, f, p in zip(accs, ws, fmts, params, strict=True))
                 return accs, nxt
 
@@ -569,8 +607,10 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
             else:
                 accs = lax.fori_loop(0, steps, body, (zero,) * len(ws))
             if quantized:  # float32 sum (x fp8's channel scale) + bias, rounded once
-                vals = [_finish_quant(a, w, b, f, dtype)
+                vals = [_finish_quant(a, w, b, f, jnp.float32 if f32_out else dtype, ok)
                         for a, w, b, f in zip(accs, ws, bs, fmts, strict=True)]
+            elif f32_out:  # the head's logits: the float32 sums themselves (no bias)
+                vals = list(accs)
             else:  # Rounded to the model dtype, then the bias added in it: the XLA path's order.
                 vals = [a.astype(dtype) if b is None else a.astype(dtype) + b[...][None, :]
                         for a, b in zip(accs, bs, strict=True)]
@@ -592,18 +632,20 @@ def _stream_kernel(*refs, plan: StreamPlan, rows: int, k: int, seg_blocks: tuple
                 res = plt.load(res_ref.at[rows_at, pl.ds(jj * bn, bn)], mask=live[:, None],
                                other=0)
                 y = y + res
-            store(out_ref, jj * bn, bn, y.astype(dtype), page)
+            store(out_ref, jj * bn, bn, y if f32_out else y.astype(dtype), page, ok)
 
 
 def _finish_quant(acc: jax.Array, w: Any, b: Any, f: QuantFormat | None,
-                  dtype: jnp.dtype) -> jax.Array:
+                  dtype: jnp.dtype, ok: jax.Array | None = None) -> jax.Array:
     """A quantized segment's output tile from its float32 sum, in QuantLinear's order: fp8's
     channel scale, the bias in float32, one rounding (a float slab of the segment: as `body`'s
-    epilogue rounds it)."""
+    epilogue rounds it). `ok`: a ragged block's live columns (the scales past N not read)."""
     if f is None:
         return acc.astype(dtype) if b is None else acc.astype(dtype) + b[...][None, :]
-    if f.kind == "fp8":
-        acc = acc * w[1][...].astype(jnp.float32)
+    if f.kind == "fp8":  # scales [1, width] (fp8 takes no transposed slab)
+        scale = w[1][...] if ok is None else plt.load(w[1].at[pl.ds(0, 1), :],
+                                                     mask=ok[None, :])
+        acc = acc * scale.astype(jnp.float32)
     if b is not None:
         acc = acc + b[...][None, :].astype(jnp.float32)
     return acc.astype(dtype)
@@ -628,26 +670,40 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
             plan: StreamPlan | None = None, kv: KVWritePlan | None = None,
             kv_pages: tuple[jax.Array, jax.Array] | None = None,
             kv_slots: jax.Array | None = None,
-            kv_scales: tuple[jax.Array | float, jax.Array | float] = (1.0, 1.0)
+            kv_scales: tuple[jax.Array | float, jax.Array | float] = (1.0, 1.0),
+            out_dtype: jnp.dtype | None = None, ragged: bool = False
             ) -> list[jax.Array]:
     """One streaming launch over `segments`; one [M, N] output per segment (see `SLABS`),
     then, with `kv`, the K and V pages with those outputs written at `kv_slots` (in place).
-    `transposed`: every weight is [N, K] (K contiguous) instead of [K, N] (float weights only).
-    A weight may be a QuantWeight: ValueError when its format cannot be streamed
-    (`unsupported`), never a wrong answer."""
+    `transposed`: every weight is [N, K] (K contiguous) instead of [K, N]; a quantized one is
+    then a table quantized along K (k_axis 1: int4 or int8). A weight may be a QuantWeight:
+    ValueError when its format cannot be streamed (`unsupported`), never a wrong answer.
+    `out_dtype` float32: the sums unrounded (no bias). `ragged`: one plain segment whose N
+    need not be a multiple of block_n (its last column block masked)."""
     rows, k = x.shape
     kdim = 1 if transposed else 0
+    k_axis = 1 if transposed else 0
     ns = [weight_shape(ws[0])[1] if isinstance(ws[0], QuantWeight) or not transposed
           else ws[0].shape[0] for _, ws, _ in segments]
     for _, ws, _ in segments:
         for w in ws:
             if isinstance(w, QuantWeight):
-                if transposed or w.k_axis != 0 or w.k != k:
-                    raise ValueError(f"quantized weight of {w.k} inputs (k_axis {w.k_axis}) "
-                                     f"does not take inputs of size {k} as [K, N]"
-                                     f"{' (transposed=True: float weights only)' * transposed}")
+                if w.k_axis != k_axis or w.k != k or (transposed and w.kind == "fp8"):
+                    raise ValueError(
+                        f"quantized weight of {w.k} inputs (k_axis {w.k_axis}) does not take "
+                        f"inputs of size {k} as "
+                        + ("[N, K] (transposed=True takes float weights only, or int4 / int8 "
+                           "tables quantized along K: k_axis 1)" if transposed else "[K, N]"))
             elif w.ndim != 2 or w.shape[kdim] != k:
                 raise ValueError(f"weight {w.shape} does not take inputs of size {k}")
+    f32_out = out_dtype is not None and jnp.dtype(out_dtype) == jnp.float32
+    if out_dtype is not None and jnp.dtype(out_dtype) not in (jnp.dtype(x.dtype),
+                                                              jnp.dtype(jnp.float32)):
+        raise ValueError(f"out_dtype {jnp.dtype(out_dtype)}: {x.dtype} or float32 only")
+    if (ragged or f32_out) and (len(segments) != 1 or segments[0][0] != "plain" or kv
+                                or residual is not None or segments[0][2][0] is not None):
+        raise ValueError("float32 or ragged outputs take one plain segment without a bias, "
+                         "residual or KV write (the output head)")
     kinds = tuple(kind for kind, _, _ in segments)
     # One format per slab the kernel streams (a RoPE segment's weight twice: its two halves).
     formats = tuple(tuple(weight_format(w) for w in (ws * 2 if kind == "rope" else ws))
@@ -655,13 +711,15 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
     flat = [f for fs in formats for f in fs]
     quantized = any(f is not None for f in flat)
     if quantized:
-        why = unsupported(rows, k, ns, x.dtype, flat)
+        why = unsupported(rows, k, () if ragged else ns, x.dtype, flat)
         if why is not None:
             raise ValueError(f"these quantized weights cannot take the streaming kernels: {why}")
     plan = plan or plan_stream(rows, k, ns, x.dtype.itemsize,
                                weights_per_program=2 if "gated" in kinds else 1,
                                head_dim=head_dim if "rope" in kinds or kv else None,
-                               formats=flat)
+                               formats=flat, ragged=ragged)
+    if not ragged and any(n % plan.block_n for n in ns):
+        raise ValueError(f"block_n {plan.block_n} does not divide the outputs {ns}")
     if quantized and not all(_fits(f, plan.block_k) for f in flat):
         raise ValueError(f"block_k {plan.block_k} does not suit these quantized weights "
                          f"({', '.join(sorted({f'{f.kind}/{f.group_size}' for f in flat if f}))})")
@@ -693,7 +751,7 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
     # segment: a program of another segment never reads it).
     specs = [pl.BlockSpec(a.shape, functools.partial(_origin, a.ndim)) for a in front]
     args = list(front)
-    seg_blocks = tuple(n // bn for n in ns)
+    seg_blocks = tuple(cdiv(n, bn) for n in ns)  # (a ragged segment: its last block partial)
     lo = 0
     for nblk, (kind, ws, bs) in zip(seg_blocks, segments, strict=True):
         if kind == "rope":  # the weight twice: its first-half and second-half slabs
@@ -709,8 +767,12 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
             if isinstance(w, QuantWeight):  # its values, scales and mins: the same columns
                 for a in (w.q, w.scales) + (() if w.mins is None else (w.mins,)):
                     args.append(a)
-                    specs.append(pl.BlockSpec((a.shape[0], width),
-                                              lambda i, j, col=col: (0, col(j))))
+                    if transposed:  # [N, K along its packed values or its groups]
+                        specs.append(pl.BlockSpec((width, a.shape[1]),
+                                                  lambda i, j, col=col: (col(j), 0)))
+                    else:
+                        specs.append(pl.BlockSpec((a.shape[0], width),
+                                                  lambda i, j, col=col: (0, col(j))))
                 continue
             args.append(w)
             if transposed:
@@ -728,9 +790,11 @@ def _launch(x: jax.Array, segments: Sequence[Segment], *, name: str,
         rope_pairs=rope_pairs, has_bias=has_bias, has_norm=norm_weight is not None,
         norm_offset=norm_offset, eps=norm_eps, act=act, has_residual=residual is not None,
         has_rope="rope" in kinds, transposed=transposed, kv=kv,
-        formats=formats if quantized else ())
+        formats=formats if quantized else (),
+        n_valid=tuple(n if n % bn else None for n in ns) if ragged else (), f32_out=f32_out)
     out_specs = [pl.BlockSpec((rows, n), functools.partial(_origin, 2)) for n in ns]
-    out_shape = [jax.ShapeDtypeStruct((rows, n), x.dtype) for n in ns]
+    out_shape = [jax.ShapeDtypeStruct((rows, n), jnp.float32 if f32_out else x.dtype)
+                 for n in ns]
     aliases = {}
     if kv is not None:
         # The pages as bits for bf16 / fp8 (as kv_write), whole, aliased in -> out: the launch
@@ -831,10 +895,40 @@ def projection_residual(x: Float[Array, "M K"], w: Weight,
                         transposed: bool = False, interpret: bool = False,
                         plan: StreamPlan | None = None) -> Float[Array, "M N"]:
     """residual + (x @ w (+ b)) in one launch (o and down projections)."""
-    n = w.shape[0] if transposed else weight_shape(w)[1]
+    n = weight_shape(w)[1] if isinstance(w, QuantWeight) or not transposed else w.shape[0]
     if residual.shape != (x.shape[0], n):
         raise ValueError(f"residual {residual.shape} is not [{x.shape[0]}, {n}]")
     (out,) = _launch(x, [("plain", [w], [b])], name="decode_matmul_residual",
                      residual=residual.astype(x.dtype), transposed=transposed,
                      interpret=interpret, plan=plan)
+    return out
+
+
+def logits_unsupported(k: int, n: int, dtype: jnp.dtype, fmt: QuantFormat | None = None,
+                       transposed: bool = False) -> str | None:
+    """Why an output head of `k` inputs and `n` outputs (any n: a ragged last block is masked)
+    cannot take `logits`, or None if it can. `dtype`: the head's (float) or, quantized
+    (`fmt`), the model's; `transposed`: a tied [n, k] table (quantized: int4 or int8)."""
+    if n < 1:
+        return "no outputs"
+    if fmt is not None and transposed and fmt.kind not in ("int4", "int8"):
+        return f"a {fmt.kind} embedding table (the kernels read int4 or int8 tables)"
+    return unsupported(1, k, (), dtype, () if fmt is None else (fmt,))
+
+
+def logits(x: Float[Array, "M K"], w: Weight, *, transposed: bool = False,
+           interpret: bool = False, plan: StreamPlan | None = None) -> Float[Array, "M N"]:
+    """x @ w as float32 logits [M, N] in one launch (the output head), unrounded.
+
+    `w`: lm_head's [K, N] kernel (float or a [K, N] QuantWeight), or with `transposed` a tied
+    embedding table [N, K] (float, or a QuantEmbed's int4 / int8 [N, K] QuantWeight). N may be
+    any size: the plan's block_n need not divide it, and the last column block's loads and
+    stores past N are masked (the weight is neither padded nor copied). A float weight's
+    product takes x in the weight's dtype, as the XLA head does; a quantized one's x in the
+    model's dtype (the dtype it dequantizes to)."""
+    if not isinstance(w, QuantWeight):
+        x = x.astype(w.dtype)
+    (out,) = _launch(x, [("plain", [w], [None])], name="decode_matmul_logits",
+                     transposed=transposed, interpret=interpret, plan=plan,
+                     out_dtype=jnp.float32, ragged=True)
     return out

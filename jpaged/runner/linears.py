@@ -6,7 +6,9 @@ layer's projections on the weight-streaming kernels of `pallas_kernels/decode_ma
 across many rows. A model whose shapes the kernels cannot take keeps XLA's GEMMs, and says
 why once in the log. Quantized projections (models/quant_layers.py) run on the same kernels,
 which read their bytes as they lie (docs/kernels.md, "Quantized weights"), when every layer's
-formats suit them (`unsupported_reason` with the model's quantization plan).
+formats suit them (`unsupported_reason` with the model's quantization plan). The output head
+(logits) rides the same linears (`DecodeLinears.logits`) when it suits the kernel too
+(`head_unsupported`); else it stays on XLA's GEMM, said once in the log.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ import jax.numpy as jnp
 
 from models.config import ModelSpec
 from models.linear_ops import DecodeLinears
+from models.quant import QuantWeight
 from models.quant_layers import QuantLayout
-from models.sharding import ROW_SPLIT, plan_layout
+from models.sharding import ROW_SPLIT, plan_layout, vocab_splits
 from pallas_kernels import decode_matmul as dm
 from pallas_kernels.reference import rope_rows
 
@@ -105,8 +108,37 @@ def _local_format(f: dm.QuantFormat | None, module: str, k_local: int, tp: int
     return dm.QuantFormat(f.kind, k_local, f.has_mins)
 
 
-def kernel_linears(interpret: bool, max_rows: int = DECODE_MATMUL_MAX_ROWS) -> DecodeLinears:
-    """The weight-streaming kernels behind the `DecodeLinears` seam."""
+def head_format(spec: ModelSpec, quant_plan: Mapping[str, QuantLayout] | None = None
+                ) -> dm.QuantFormat | None:
+    """The output head's format in a quantization plan (None: a float head): lm_head's, or a
+    tied model's embedding table's."""
+    layout = (quant_plan or {}).get("model.embed_tokens" if spec.tie_word_embeddings
+                                    else "lm_head")
+    return None if layout is None else dm.QuantFormat(layout.kind, layout.group_size,
+                                                      layout.has_min)
+
+
+def head_unsupported(spec: ModelSpec, dtype: jnp.dtype, tensor_parallel_size: int = 1,
+                     quant_plan: Mapping[str, QuantLayout] | None = None) -> str | None:
+    """Why the model's output head cannot take the logits kernel (per device), or None.
+
+    Tensor parallel runs it per device on the vocab-split head; a head the loaders replicate
+    (quantized, or a vocabulary the mesh does not divide) keeps XLA's path there.
+    """
+    fmt = head_format(spec, quant_plan)
+    tp = tensor_parallel_size
+    if tp > 1 and (fmt is not None or not vocab_splits(spec, tp)):
+        what = "a quantized head" if fmt is not None else f"vocabulary {spec.vocab_size}"
+        return (f"{what} is replicated under tensor_parallel_size={tp} (the kernel runs a "
+                "vocab-split float head per device)")
+    return dm.logits_unsupported(spec.hidden_size, spec.vocab_size // tp, dtype, fmt,
+                                 transposed=spec.tie_word_embeddings)
+
+
+def kernel_linears(interpret: bool, max_rows: int = DECODE_MATMUL_MAX_ROWS,
+                   logits_max_rows: int | None = DECODE_MATMUL_MAX_ROWS) -> DecodeLinears:
+    """The weight-streaming kernels behind the `DecodeLinears` seam; the output head's kernel
+    for up to `logits_max_rows` rows (None: the head keeps XLA's GEMM)."""
 
     def qkv(x: jax.Array, wq: jax.Array, wk: jax.Array, wv: jax.Array, bq: jax.Array | None,
             bk: jax.Array | None, bv: jax.Array | None, *, norm_weight: jax.Array,
@@ -136,7 +168,13 @@ def kernel_linears(interpret: bool, max_rows: int = DECODE_MATMUL_MAX_ROWS) -> D
             return dm.projections(x, [w], [b], interpret=interpret)[0]
         return dm.projection_residual(x, w, residual, b, interpret=interpret)
 
-    return DecodeLinears("pallas", max_rows, qkv, gate_up, out)
+    def logits(h: jax.Array, w: jax.Array | QuantWeight, *, transposed: bool) -> jax.Array:
+        return dm.logits(h, w, transposed=transposed, interpret=interpret)
+
+    if logits_max_rows is None:
+        return DecodeLinears("pallas", max_rows, qkv, gate_up, out)
+    return DecodeLinears("pallas", max_rows, qkv, gate_up, out, logits=logits,
+                         logits_max_rows=logits_max_rows)
 
 
 def is_gpu_platform(platform: str) -> bool:
@@ -177,7 +215,10 @@ def select_linears(backend: str, platform: str, spec: ModelSpec, dtype: jnp.dtyp
                    ) -> DecodeLinears | None:
     """The kernels when the attention backend is Pallas and the model's shapes (and its
     quantized weights' formats, `plan_of(model)`) fit, else None. Integer-quantized
-    projections keep the kernels up to QUANT_DECODE_MATMUL_MAX_ROWS tokens a step."""
+    projections keep the kernels up to QUANT_DECODE_MATMUL_MAX_ROWS tokens a step, and an
+    integer-quantized head up to as many rows (a float or fp8 head: DECODE_MATMUL_MAX_ROWS,
+    where XLA's GEMM reads the head's own bytes); a head the kernel cannot take keeps XLA's
+    GEMM (`head_unsupported`, logged)."""
     if not backend.startswith("pallas"):
         return None
     why = unsupported_reason(spec, dtype, tensor_parallel_size, quant_plan)
@@ -186,6 +227,14 @@ def select_linears(backend: str, platform: str, spec: ModelSpec, dtype: jnp.dtyp
         return None
     integer = any(f.kind in ("int4", "int8") for fmts in _layer_formats(quant_plan or {}).values()
                   for f in fmts.values())
+    head_rows = None
+    why = head_unsupported(spec, dtype, tensor_parallel_size, quant_plan)
+    if why is not None:
+        logger.warning("the output head stays on XLA's GEMM: %s", why)
+    else:
+        fmt = head_format(spec, quant_plan)
+        head_rows = (QUANT_DECODE_MATMUL_MAX_ROWS if fmt is not None and fmt.kind != "fp8"
+                     else DECODE_MATMUL_MAX_ROWS)
     return kernel_linears(interpret=not is_gpu_platform(platform),
                           max_rows=QUANT_DECODE_MATMUL_MAX_ROWS if integer
-                          else DECODE_MATMUL_MAX_ROWS)
+                          else DECODE_MATMUL_MAX_ROWS, logits_max_rows=head_rows)

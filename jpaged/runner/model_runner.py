@@ -33,6 +33,7 @@ from jpaged.runner.linears import (
     select_linears,
 )
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample, searches_wide
+from models.linear_ops import DecodeLinears
 from models.quant_layers import plan_of
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
@@ -96,6 +97,14 @@ def scans_layers(platform: str | None = None) -> bool:
     (~5x faster warm-up for the embedded model) and runs it as fast. Elsewhere each layer
     keeps its own arrays: XLA:GPU would copy a layer's weights out of a stack every step."""
     return (platform or jax.default_backend()) == "cpu"
+
+
+def _head(linears: DecodeLinears | None, rows: int) -> DecodeLinears | None:
+    """The step's linears for an output head of `rows` rows (static) when their head kernel
+    takes them (`DecodeLinears.logits`, at most `logits_max_rows` rows), else None: XLA's."""
+    if linears is None or linears.logits is None or rows > linears.logits_max_rows:
+        return None
+    return linears
 
 
 def _fed_history(batch: Any, fed_ids: jax.Array, flags: SamplingFlags) -> Any:
@@ -343,13 +352,15 @@ class ModelRunner:
         hidden, (k_pages, v_pages, k_scale, v_scale) = model(
             input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
             embed_fn=embed_fn, linears=linears)
-        logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0))
+        logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0),
+                                      linears=_head(linears, batch.logits_indices.shape[0]))
         if self.parallel is not None:  # vocab-split lm_head: the sampler works on the split
             logits = self.parallel.split_logits(logits)
         new_kv = KVCache(k_pages, v_pages, k_scale, v_scale, kv.num_blocks, kv.dtype)
         plp = ()
         if batch.plp_idx is not None:  # prompt logprobs: only the rows that score a prompt token
-            plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target),)
+            plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target,
+                                         linears),)
         if defer:  # sampled later by _sample_step, once the host has the token masks
             return (logits, *plp), new_kv, last_tokens
         outs = sample(logits, sampling, flags, num_top=self.num_top_logprobs, **self._vocab_ops)
@@ -371,9 +382,12 @@ class ModelRunner:
         return outs, jax.lax.dynamic_update_slice(last_tokens, outs[0], (0,))
 
     def _prompt_logprobs(self, model: Any, hidden: jax.Array, idx: jax.Array,
-                         target: jax.Array) -> tuple[jax.Array, ...]:
-        """Logprob and rank of each target token at its row's logits, and the top candidates."""
-        logits = model.compute_logits(jnp.take(hidden, idx, axis=0))
+                         target: jax.Array, linears: DecodeLinears | None = None
+                         ) -> tuple[jax.Array, ...]:
+        """Logprob and rank of each target token at its row's logits, and the top candidates
+        (`linears`: the step's, whose head kernel takes these rows if it can)."""
+        logits = model.compute_logits(jnp.take(hidden, idx, axis=0),
+                                      linears=_head(linears, idx.shape[0]))
         if self.parallel is not None:  # vocab-split, as the sampler's: [P]-sized combines
             logits = self.parallel.split_logits(logits)
         logits = logits.astype(jnp.float32)

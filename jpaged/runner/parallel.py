@@ -260,7 +260,11 @@ class TensorParallel:
         epilogue would add it once per device). A quantized weight (QuantWeight) splits as
         its float kernel would, leaf by leaf (models/sharding.py's rule): values, scales and
         mins by columns alike; by rows the values and the scales and mins of its groups, a
-        single scale row (one group per channel) replicated."""
+        single scale row (one group per channel) replicated. The output head (`logits`, a
+        float head split by vocabulary: lm_head's columns or the tied table's rows) runs per
+        device on its own vocabulary and gives the logits vocab-split, as `split_logits` lays
+        them out; the runner offers no head kernel for a head the loaders replicate
+        (linears.head_unsupported)."""
         mesh = self.mesh
         col, rep = P(None, AXIS), P()
         kv = col if self.layout.kv_replicas == 1 else rep
@@ -315,7 +319,22 @@ class TensorParallel:
                 y = y + b.astype(y.dtype)
             return y if residual is None else residual + y
 
-        return DecodeLinears(f"{lin.name}+tp{self.size}", lin.max_rows, qkv, gate_up, out)
+        def logits(h: jax.Array, w: jax.Array, *, transposed: bool) -> jax.Array:
+            if isinstance(w, QuantWeight) or not self.split_vocab:
+                raise ValueError("the head kernel runs a vocab-split float head under tensor "
+                                 "parallel")
+
+            def local(h, w):  # noqa: ANN001, ANN202
+                return lin.logits(h, w, transposed=transposed)
+
+            f = jax.shard_map(local, mesh=mesh,
+                              in_specs=(rep, P(AXIS, None) if transposed else col),
+                              out_specs=col, check_vma=False)
+            return f(h, w)
+
+        return DecodeLinears(f"{lin.name}+tp{self.size}", lin.max_rows, qkv, gate_up, out,
+                             logits=None if lin.logits is None else logits,
+                             logits_max_rows=lin.logits_max_rows)
 
 
 def kv_bytes_per_device(kv: KVCache) -> int:
