@@ -240,14 +240,22 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
         st.tails = [len(prompts) - 1, len(decodes) - 1]
 
         kv = self.kv_cache_manager
-        for req in chain(decodes, prompts):
+        order = chain(decodes, prompts)
+        for req in order:
             if st.budget <= 0:
+                # The requests left out of this step verify nothing in it: their proposals
+                # go (a proposal lives for the schedule it was made for).
+                for r in chain((req,), order):
+                    if r.spec_token_ids:
+                        r.spec_token_ids = []
                 break
             if req.status is not RUNNING:
                 continue  # preempted earlier in this step
             n = len(req.all_token_ids) + req.num_output_placeholders
             if req.num_output_placeholders and n >= req.length_limit:
                 # async: its last token (on device) ends it by length; computing more is waste
+                if req.spec_token_ids:
+                    req.spec_token_ids = []
                 continue
             num_new = n - req.num_computed_tokens
             if num_new > 1:
@@ -257,8 +265,15 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
             if req.spec_token_ids:
                 # Speculative decoding: a decoding request's proposals ride along, each one more
                 # token of the budget and one more row of the step (rows <= max_rows), and only
-                # where memory is free (nobody is preempted for a proposal).
-                k = min(len(req.spec_token_ids), st.budget - num_new, st.spare_rows)
+                # where memory is free (nobody is preempted for a proposal). Only a decode
+                # whose input token is on the host verifies (never a prompt chunk, never an
+                # async decode fed on device), and at most the proposals whose verification
+                # the request can still use: k + 1 tokens within its length limit
+                # (max_tokens, max_model_len), so no slot lies past max_model_len.
+                k = min(len(req.spec_token_ids), st.budget - num_new, st.spare_rows,
+                        req.length_limit - n - 1) if (
+                    num_new == 1 and not req.num_output_placeholders
+                    and n > req.num_prompt_tokens) else 0
                 if k > 0:
                     k = self._proposal_room(req, num_new, k, len(self.running) - len(
                         st.scheduled) - 1)

@@ -76,7 +76,8 @@ class StepResultsMixin:
         """Commit a computed step: advance, append sampled tokens, stop, cache, free.
 
         `sampled_token_ids`: request id -> token, or the step's tokens by row as Python ints
-        (row i is `output.scheduled[i]`; `tolist()` of the sampled array). After
+        (row i is `output.scheduled[i]`; `tolist()` of the sampled array; fewer than the
+        step's rows is refused, ValueError, before any request changes). After
         `update_after_schedule` (async) only the tokens are applied: a request finished or
         aborted meanwhile drops its token; one preempted meanwhile keeps it (its KV was
         computed before the preemption, as the synchronous loop would have it). Returns the
@@ -97,9 +98,15 @@ class StepResultsMixin:
         finished = False
         advanced = output.advanced
         by_id = isinstance(sampled_token_ids, Mapping)
-        if not by_id and len(sampled_token_ids) < len(output.scheduled):
-            raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a step of "
-                             f"{len(output.scheduled)} rows")
+        if not by_id:
+            # Every row the step sampled, before any request changes: the last scheduled
+            # request's rows end the step (first_rows ascend, as expand_verified makes them).
+            num_rows = len(output.scheduled)
+            if first_rows is not None and num_rows:
+                num_rows = first_rows[-1] + 1 + len(output.scheduled[-1].spec_token_ids)
+            if len(sampled_token_ids) < num_rows:
+                raise ValueError(f"{len(sampled_token_ids)} sampled tokens for a step of "
+                                 f"{num_rows} rows")
         requests, bs = self.requests, self.block_size
         for i, sr in enumerate(output.scheduled):
             req = sr.request
