@@ -260,7 +260,12 @@ def weight_bytes(spec: Any, wbytes: int, quantization: str | None, source: str,
         bits = int((qc or {}).get("bits", 4))
         group = int((qc or {}).get("group_size", 128))
         groups = linear // group if group > 0 else q_kv + d + 2 * inter + d
-        return rest + spec.num_layers * (linear * bits // 8 + 4 * groups)
+        total = rest + spec.num_layers * (linear * bits // 8 + 4 * groups)
+        if (qc or {}).get("lm_head") and not spec.tie_word_embeddings:  # GPTQ's quantized head
+            head = d * spec.vocab_size
+            head_groups = head // group if group > 0 else spec.vocab_size
+            total += head * bits // 8 + 4 * head_groups - head * wbytes
+        return total
     path = _gguf_path(model)
     if path is None:
         raise EstimateError("--quantization", f"'gguf' runs a GGUF at its own quantization; "

@@ -277,6 +277,15 @@ def plan_stream(rows: int, k: int, ns: Sequence[int], itemsize: int,
     if block_k is None:
         if quant:
             block_k = _quant_block_k(k, block_n, weights_per_program, formats, itemsize, bm)
+            # An int4 tile inside one group reads its two half-runs of packed rows 8 bytes a
+            # thread at most (PTX of the 8B's int4 head, groups of 128, 64-row tiles): narrower
+            # columns buy a tile of whole groups, read 16 bytes a thread.
+            while (block_k is not None and block_n > 32 and block_n_given is None
+                   and any(f is not None and f.kind == "int4" and f.group_size > block_k
+                           and k % f.group_size == 0 for f in formats)):
+                block_n //= 2
+                block_k = _quant_block_k(k, block_n, weights_per_program, formats, itemsize,
+                                         bm)
             if block_k is None:
                 raise ValueError(f"no K tile dividing k={k} suits these quantized weights "
                                  f"({unsupported(rows, k, ns, jnp.float32, formats)})")

@@ -66,10 +66,12 @@ GEMMA3_270M_CONFIG: dict[str, Any] = {
 }
 MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m")
 # Weights kept quantized on the device (models/quant.py), besides the model dtype's: "fp8" per
-# output channel (`--quantization fp8`), "int4" in groups of 32 with float16 scales and mins
-# (GGUF's Q4_1 / Q4_K, GPTQ's layout): every decoder linear, the embeddings and head unchanged.
+# output channel (`--quantization fp8`: every decoder linear, embeddings and head unchanged),
+# "int4" in groups of 128 with float16 scales and mins (the layout of the GPTQ and AWQ 4-bit
+# checkpoints of Llama-3-8B most users serve), every decoder linear and the output head (GPTQ's
+# `lm_head`, as a GGUF's head is quantized too; the head runs on the decode kernels).
 WEIGHTS = ("fp8", "int4")
-INT4_GROUP = 32
+INT4_GROUP = 128
 _CONFIGS = {"llama3-8b": LLAMA3_8B_CONFIG, "gemma3-270m": GEMMA3_270M_CONFIG}
 
 # XLA's short names of the pool storage dtypes.
@@ -87,7 +89,7 @@ def model_source(name: str, weights: str | None = None) -> str | None:
         config = dict(_CONFIGS[name])
         if weights == "int4":
             config["quantization_config"] = {"quant_method": "gptq", "bits": 4,
-                                             "group_size": INT4_GROUP}
+                                             "group_size": INT4_GROUP, "lm_head": True}
         tag = f"-{weights}" if weights == "int4" else ""
         path = Path(tempfile.gettempdir()) / f"jpaged-aot-{name}{tag}" / "config.json"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -97,17 +99,21 @@ def model_source(name: str, weights: str | None = None) -> str | None:
 
 
 def int4_plan(model: nnx.Module, group: int = INT4_GROUP) -> dict[str, QuantLayout]:
-    """Every decoder layer's linear as int4 in groups of `group`, float16 scales and mins."""
-    return {path: QuantLayout("int4", group, True, "float16") for path in fp8_plan(model)}
+    """Every decoder layer's linear and an untied output head as int4 in groups of `group`,
+    float16 scales and mins."""
+    head = ["lm_head"] if getattr(model, "lm_head", None) is not None else []
+    return {path: QuantLayout("int4", group, True, "float16")
+            for path in [*fp8_plan(model), *head]}
 
 
-def quantize_abstract(model: nnx.Module, weights: str | None) -> nnx.Module:
+def quantize_abstract(model: nnx.Module, weights: str | None, int4_group: int = INT4_GROUP
+                      ) -> nnx.Module:
     """`model` (abstract) with its decoder linears quantized as `weights` says (in place)."""
     if weights is None:
         return model
     if weights not in WEIGHTS:
         raise ValueError(f"weights must be one of {', '.join(WEIGHTS)} (or None); got {weights!r}")
-    apply_plan(model, fp8_plan(model) if weights == "fp8" else int4_plan(model))
+    apply_plan(model, fp8_plan(model) if weights == "fp8" else int4_plan(model, int4_group))
     return model
 
 

@@ -7,7 +7,8 @@ beside its bf16 twin (the device check's `quant` stage).
 
 Kernels alone (`quant_matmul_timings`): each kernel of `pallas_kernels/decode_matmul.py` on
 Llama-3-8B's shapes (`matmul_check`'s `qkv`, `gate_up`, `o`, `down`) with fp8 weights (a scale
-per output channel) and int4 weights (groups of 32, float16 scales and mins), at 1 row first,
+per output channel) and int4 weights (groups of 128 as GPTQ/AWQ checkpoints store them, 32 in
+the smoke run; float16 scales and mins), at 1 row first,
 then (after the decode steps) 64, 16 and 256, timed as `matmul_check` times the bf16 kernels
 (U calls a program on R weight sets filling 4x the L2, queued back to back), their output
 checked against XLA's twin
@@ -68,7 +69,6 @@ from pallas_kernels import reference
 from pallas_kernels.bench_inputs import rotations_for
 
 KINDS = ("fp8", "int4")
-INT4_GROUP = 32
 MAIN_KERNELS = ("qkv", "gate_up", "o", "down")
 
 
@@ -83,15 +83,16 @@ class QuantCheckConfig:
     context_len: int
     engine_args: dict[str, Any]
     model_dtype: Any
+    int4_group: int  # int4 weights' group size (the kernels alone and the decode model)
 
 
 def gpu_config_quant() -> QuantCheckConfig:
     """Llama-3-8B in bf16: kernels at 1, 64, 16, 256 rows; decode steps at batch 1 and 64."""
-    from jpaged.aot.cases import LLAMA3_8B_CONFIG
+    from jpaged.aot.cases import INT4_GROUP, LLAMA3_8B_CONFIG
 
     return QuantCheckConfig(gpu_config(), (1, 64, 16, 256),
                             ModelSpec.from_hf_config(LLAMA3_8B_CONFIG), (1, 64), 1024, {},
-                            jnp.bfloat16)
+                            jnp.bfloat16, INT4_GROUP)
 
 
 def smoke_config_quant() -> QuantCheckConfig:
@@ -99,14 +100,13 @@ def smoke_config_quant() -> QuantCheckConfig:
     return QuantCheckConfig(
         matmul_smoke_config(), (1,), ModelSpec.from_hf_config(TINY_CONFIG), (1,), 40,
         {"max_num_batched_tokens": 64, "kv_cache_memory_bytes": 16 * 2**20,
-         "attention_backend": "pallas"}, jnp.float32)
+         "attention_backend": "pallas"}, jnp.float32, 32)
 
 
 # ------------------------------------------------------------------------------ weights
 
 
-def random_quant(key: jax.Array, kind: str, k: int, n: int, group: int = INT4_GROUP
-                 ) -> QuantWeight:
+def random_quant(key: jax.Array, kind: str, k: int, n: int, group: int) -> QuantWeight:
     """A random [k, n] weight of `kind` on the device (models/quant.py's layout), outputs O(1)
     for O(1) inputs: fp8 a float32 scale a channel; int4 groups of `group`, float16 scales and
     mins centring the values."""
@@ -157,14 +157,14 @@ def _make(role: str, shape: tuple[int, ...], dtype: Any, key: jax.Array) -> jax.
     return (jax.random.normal(key, shape, jnp.float32) * 0.02).astype(dtype)
 
 
-def random_quantized_model(spec: ModelSpec, dtype: Any, weights: str, seed: int = 0
-                           ) -> LoadedModel:
+def random_quantized_model(spec: ModelSpec, dtype: Any, weights: str, int4_group: int,
+                           seed: int = 0) -> LoadedModel:
     """The architecture of `spec` with its decoder linears quantized as `weights` says
-    ("fp8" per channel, "int4" in groups of 32: jpaged.aot.cases.quantize_abstract), random
-    values made on the default device, one array at a time."""
+    ("fp8" per channel, "int4" in groups of `int4_group`: jpaged.aot.cases.quantize_abstract),
+    random values made on the default device, one array at a time."""
     from jpaged.aot.cases import quantize_abstract
 
-    model = quantize_abstract(abstract_model(spec, dtype), weights)
+    model = quantize_abstract(abstract_model(spec, dtype), weights, int4_group)
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
@@ -231,8 +231,8 @@ class QuantInputs:
     weight_bytes: int
 
 
-def quant_inputs(kernel: Kernel, rows: int, cfg: MatmulConfig, kind: str, seed: int
-                 ) -> QuantInputs:
+def quant_inputs(kernel: Kernel, rows: int, cfg: MatmulConfig, kind: str, int4_group: int,
+                 seed: int) -> QuantInputs:
     """Random inputs on the device: R sets of quantized weights (R filling 4x the L2 on a
     GPU), the norm weight, and each call's own x (and residual)."""
     dt = jnp.dtype(cfg.dtype)
@@ -243,7 +243,7 @@ def quant_inputs(kernel: Kernel, rows: int, cfg: MatmulConfig, kind: str, seed: 
     sets = 2 if cfg.interpret else min(cfg.max_sets, rotations_for(set_bytes, cap=cfg.max_sets))
     calls = sets * math.ceil(cfg.calls / sets)
     keys = iter(jax.random.split(key, 2 + sets * len(shapes) + 2 * calls))
-    weight_sets = [[random_quant(next(keys), kind, k, n) for k, n in shapes]
+    weight_sets = [[random_quant(next(keys), kind, k, n, int4_group) for k, n in shapes]
                    for _ in range(sets)]
     g = (1 + 0.1 * jax.random.normal(next(keys), (kernel.k,), jnp.float32)).astype(dt)
     flat: list[Any] = []
@@ -287,7 +287,7 @@ class QuantCheck:
             "device": str(getattr(dev, "device_kind", dev.platform)), "jax": jax.__version__,
             "mode": "cpu-smoke" if m.interpret else "gpu",
             "shapes": {"hidden": m.hidden, "q": m.q, "kv": m.kv, "inter": m.inter,
-                       "dtype": m.dtype, "int4_group": INT4_GROUP},
+                       "dtype": m.dtype, "int4_group": cfg.int4_group},
             "copy_GBps_16byte": copy_gbps, "quant_matmul_timings": [],
             "quant_decode_rows": [], "failures": []}
 
@@ -309,7 +309,8 @@ class QuantCheck:
     def kernel_row(self, name: str, rows: int, kind: str) -> None:
         """One quantized kernel at `rows`: its time, rate, correctness, the bf16 kernel's."""
         m, kernel = self.cfg.matmul, self.kernels[name]
-        inp = quant_inputs(kernel, rows, m, kind, seed=rows * 31 + MAIN_KERNELS.index(name))
+        inp = quant_inputs(kernel, rows, m, kind, self.cfg.int4_group,
+                           seed=rows * 31 + MAIN_KERNELS.index(name))
         pallas, xla = quant_call_fns(kernel, m.interpret, m.head_dim)
         want = jax.jit(xla)(*inp.flat[:inp.n_args])
         got, us = self._time(pallas, inp.flat, inp.n_args, inp.calls)
@@ -359,7 +360,8 @@ class QuantCheck:
 
         cfg = self.cfg
         loaded = (random_model(cfg.spec, cfg.model_dtype) if weights == "bfloat16" else
-                  random_quantized_model(cfg.spec, cfg.model_dtype, weights))
+                  random_quantized_model(cfg.spec, cfg.model_dtype, weights,
+                                                         cfg.int4_group))
         nbytes = sum(x.nbytes for x in jax.tree_util.tree_leaves(nnx.state(loaded.model)))
         engine = LLMEngine(EngineArgs(kv_cache_dtype="bfloat16", disable_log_stats=True,
                                       max_model_len=cfg.context_len + 16,

@@ -225,3 +225,21 @@ def test_a_draft_model_counts_its_weights_and_blocks():
     assert both.kv_budget_bytes == plain.kv_budget_bytes - plain.param_bytes
     assert both.num_blocks == both.kv_budget_bytes // (2 * plain.bytes_per_block_per_device)
     assert any(name == "draft model (speculative)" for name, _ in rows(both))
+
+
+def test_gptq_int4_counts_its_groups_and_a_quantized_head(cfg8):
+    """Llama-3-8B as a GPTQ 4-bit checkpoint in groups of 128: half a byte a weight and a
+    float16 scale and min a group; GPTQ's `lm_head` flag quantizes the head the same way."""
+    cfg = json.loads(cfg8.read_text())
+    bf16 = estimate_capacity(str(cfg8)).param_bytes
+    head = 4096 * 128_256  # the untied head's elements
+
+    def gptq(**extra) -> int:
+        qc = {"quant_method": "gptq", "bits": 4, "group_size": 128, **extra}
+        cfg8.write_text(json.dumps({**cfg, "quantization_config": qc}))
+        return estimate_capacity(str(cfg8)).param_bytes
+
+    linears = 32 * (4096 * 6144 + 4096 * 4096 + 3 * 4096 * 14336)
+    plain = gptq()
+    assert bf16 - plain == linears * 2 - (linears // 2 + linears // 128 * 4)
+    assert plain - gptq(lm_head=True) == head * 2 - (head // 2 + head // 128 * 4)

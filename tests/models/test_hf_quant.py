@@ -142,6 +142,9 @@ CASES = {
                        "sym": False}, "gptq"),
     "gptq4_v2_channel": ({"quant_method": "gptq", "bits": 4, "group_size": -1, "desc_act": False,
                           "sym": False, "checkpoint_format": "gptq_v2"}, "gptq"),
+    # GPTQ with the output head quantized too (vLLM's `lm_head` flag; vocab a multiple of 8)
+    "gptq4_lm_head": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                       "sym": False, "lm_head": True}, "gptq"),
     "gptq8_v1": ({"quant_method": "gptq", "bits": 8, "group_size": 32, "desc_act": False,
                   "sym": False, "checkpoint_format": "gptq"}, "gptq"),
     "awq": ({"quant_method": "awq", "version": "gemm", "bits": 4, "group_size": 32,
@@ -156,25 +159,35 @@ CASES = {
 }
 
 
+def case_spec(name: str):
+    """The tiny model of CASES[name] (a vocabulary GPTQ can pack when its head is quantized)."""
+    return tiny_spec(vocab_size=304) if CASES[name][0].get("lm_head") else tiny_spec()
+
+
+def quantized_modules(name: str) -> list[str]:
+    """The modules CASES[name] quantizes: every decoder projection, and the head with `lm_head`."""
+    spec = case_spec(name)
+    return ([f"model.layers.{layer}.{p}" for layer in range(spec.num_layers) for p in PROJ]
+            + (["lm_head"] if CASES[name][0].get("lm_head") else []))
+
+
 def make_case(path: Path, name: str, seed: int = 0) -> tuple[Path, dict, dict[str, np.ndarray]]:
     """A quantized HF dir for CASES[name]: (dir, its checkpoint tensors, the float weights
     every tensor stands for)."""
     qc, how = CASES[name]
-    spec = tiny_spec()
+    spec = case_spec(name)
     floats = random_weights(spec, seed)
     rng = np.random.default_rng(seed + 1)
-    tensors = {n: v for n, v in floats.items()
-               if not any(f".{p}.weight" in n for p in PROJ)}
-    for layer in range(spec.num_layers):
-        for p in PROJ:
-            m = f"model.layers.{layer}.{p}"
-            n, k = floats[f"{m}.weight"].shape
-            if isinstance(how, str):
-                t, w = int_case(how, m, k, n, rng, qc)
-            else:
-                t, w = fp8_case(*how, m, k, n, rng)
-            tensors.update(t)
-            floats[f"{m}.weight"] = w
+    modules = quantized_modules(name)
+    tensors = {n: v for n, v in floats.items() if n.removesuffix(".weight") not in modules}
+    for m in modules:
+        n, k = floats[f"{m}.weight"].shape
+        if isinstance(how, str):
+            t, w = int_case(how, m, k, n, rng, qc)
+        else:
+            t, w = fp8_case(*how, m, k, n, rng)
+        tensors.update(t)
+        floats[f"{m}.weight"] = w
     return write_quantized(path, spec, tensors, qc), tensors, floats
 
 
@@ -206,20 +219,20 @@ def test_quantized_checkpoint_loads_exactly(tmp_path, case):
     got = load_model(str(path), "float32")
     method = CASES[case][0]["quant_method"]
     assert got.quantization == method and plan_of(got.model)
-    ref = load_model(str(write_hf_dir(tmp_path / "f", tiny_spec(), floats)), "float32")
+    ref = load_model(str(write_hf_dir(tmp_path / "f", case_spec(case), floats)), "float32")
     q_bytes = f_bytes = 0
-    for layer in range(2):
-        for p in PROJ:
-            m = f"model.layers.{layer}.{p}"
-            mod = _module(got.model, m)
-            assert isinstance(mod, QuantLinear), m
-            w = mod.weight()
-            # (a) the device's arrays dequantize to the format's floats, bit for bit
-            deq = np.asarray(dequantize(w.q, w.scales, w.mins, w.kind, jnp.float32))
-            assert np.array_equal(deq, floats[f"{m}.weight"].T), m
-            q_bytes += _nbytes(mod)
-            f_bytes += _nbytes(_module(ref.model, m))
-    assert not isinstance(_module(got.model, "lm_head"), QuantLinear)  # the head stays float
+    for m in quantized_modules(case):
+        mod = _module(got.model, m)
+        assert isinstance(mod, QuantLinear), m
+        w = mod.weight()
+        # (a) the device's arrays dequantize to the format's floats, bit for bit
+        deq = np.asarray(dequantize(w.q, w.scales, w.mins, w.kind, jnp.float32))
+        assert np.array_equal(deq, floats[f"{m}.weight"].T), m
+        q_bytes += _nbytes(mod)
+        f_bytes += _nbytes(_module(ref.model, m))
+    # The head stays float unless the checkpoint quantized it (GPTQ's `lm_head`).
+    assert isinstance(_module(got.model, "lm_head"), QuantLinear) == bool(
+        CASES[case][0].get("lm_head"))
     # (c) the device holds the quantized bytes (int8 with float32 scales and mins: 0.31x)
     assert q_bytes < 0.33 * f_bytes, (q_bytes, f_bytes)
     assert _nbytes(got.model) < _nbytes(ref.model) - 0.6 * f_bytes

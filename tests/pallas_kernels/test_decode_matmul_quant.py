@@ -309,8 +309,10 @@ def test_the_runner_runs_quantized_models_on_the_kernels_it_can(caplog):
 
 
 def test_gpu_aot_quantized_cases_are_abstract_and_selectable():
-    """`make gpu-aot`'s llama3-8b-fp8 / -int4 configurations: every decoder linear quantized
-    on an abstract model (nothing allocated), the runner's plan of it, and --only's key."""
+    """`make gpu-aot`'s llama3-8b-fp8 / -int4 configurations: every decoder linear (and for
+    int4 the untied head) quantized on an abstract model (nothing allocated), the runner's
+    plan of it, and --only's key. (The tiny model's 64 inputs take groups of 32, not the 8B's
+    128.)"""
     from tiny_models import tiny_spec
 
     from jpaged.aot.cases import quantize_abstract
@@ -321,9 +323,10 @@ def test_gpu_aot_quantized_cases_are_abstract_and_selectable():
 
     spec = tiny_spec(head_dim=32, intermediate_size=128)
     for weights, kind, group in (("int4", "int4", 32), ("fp8", "fp8", None)):
-        model = quantize_abstract(abstract_model(spec, jnp.bfloat16), weights)
+        model = quantize_abstract(abstract_model(spec, jnp.bfloat16), weights, int4_group=32)
         plan = plan_of(model)
-        assert len(plan) == 7 * spec.num_layers
+        assert len(plan) == 7 * spec.num_layers + (weights == "int4")
+        assert ("lm_head" in plan) == (weights == "int4")
         assert {(lay.kind, lay.group_size if group else None) for lay in plan.values()} == {
             (kind, group)}
         assert select_linears("pallas", "cuda", spec, jnp.bfloat16, 1, plan) is not None
