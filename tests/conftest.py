@@ -19,7 +19,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # of their time (a tenth or more of the suite's wall time saved; what they compute is the
 # same). Set before jax starts its backend; processes the tests start inherit it
 # (helpers.xla_flags adds their own flags to it).
-TEST_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+TEST_XLA_FLAGS = os.environ.get(
+    "JPAGED_TEST_XLA_FLAGS",
+    "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true")
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
 
 # Shared helpers (tests/helpers.py) are importable from every test package.

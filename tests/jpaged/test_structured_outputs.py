@@ -38,21 +38,21 @@ def _schema_prompt(tok, name: str) -> str:
     return _chat(tok, f"Write a JSON object for a {name}. Schema: {json.dumps(SCHEMAS[name])}")
 
 
-def test_twenty_schemas_three_samples_all_valid_beside_an_untouched_greedy_row(llm):
-    """Three samples of each schema at temperature 0.7 (n=3), with a greedy unconstrained row
+def test_twenty_schemas_two_samples_all_valid_beside_an_untouched_greedy_row(llm):
+    """Two samples of each schema at temperature 0.7 (n=2), with a greedy unconstrained row
     in the same batches. (scripts/bench_structured.py validates 96 more per run.)"""
     tok = llm.get_tokenizer()
     free = _chat(tok, "Name three colors.")
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
     alone = llm.generate([free], greedy, use_tqdm=False)[0].outputs[0].token_ids
     prompts = [_schema_prompt(tok, n) for n in SCHEMAS] + [free]
-    params = [SamplingParams(n=3, temperature=0.7, seed=i, max_tokens=200,
+    params = [SamplingParams(n=2, temperature=0.7, seed=i, max_tokens=200,
                              structured_outputs=StructuredOutputsParams(json=SCHEMAS[n]))
               for i, n in enumerate(SCHEMAS)] + [greedy]
     outs = llm.generate(prompts, params, use_tqdm=False)
     bad = []
     for name, out in zip(SCHEMAS, outs, strict=False):
-        assert len(out.outputs) == 3
+        assert len(out.outputs) == 2
         for c in out.outputs:
             try:
                 jsonschema.validate(json.loads(c.text), SCHEMAS[name])
@@ -151,8 +151,11 @@ def test_openai_client_response_format_and_tool_call(llm):
                     "name": name, "schema": SCHEMAS[name], "strict": True}})
             return name, r.choices[0].message.content
 
-        with ThreadPoolExecutor(20) as pool:  # concurrent: they share the engine's batches
-            for name, text in pool.map(one, SCHEMAS):
+        # Six at once through the server (they share the engine's batches); every schema is
+        # validated offline above.
+        names = list(SCHEMAS)[::3][:6]
+        with ThreadPoolExecutor(len(names)) as pool:
+            for name, text in pool.map(one, names):
                 jsonschema.validate(json.loads(text), SCHEMAS[name])
         weather = {"type": "object", "properties": {
             "city": {"type": "string", "maxLength": 20},

@@ -326,21 +326,3 @@ def test_greedy_tokens_with_the_head_on_the_kernel_equal_xla_tiny(which):
     got, traced = _greedy_with_head_count(llm, prompts, 5)
     assert traced >= 2  # a prefill and a decode program, each with the head kernel
     assert got == _xla_greedy(loaded, prompts, 5, **args)
-
-
-def test_greedy_tokens_with_a_q8_0_tied_head_on_the_kernel_equal_xla_gguf():
-    """The embedded SmolLM2 at its own quantization: its tied head is a Q8_0 table (int8,
-    groups of 32, [49152, 576]), streamed by the kernel as it lies; greedy tokens equal the
-    XLA backend's (which multiplies the table a slab at a time)."""
-    loaded = load_model(None, quantization="gguf")
-    assert loaded.model.spec.tie_word_embeddings
-    prompts = ["The capital of France is"]
-    args = dict(num_gpu_blocks_override=8, max_num_seqs=1, max_model_len=32,
-                max_num_batched_tokens=16)
-    llm = make_llm(loaded, attention_backend="pallas", **args)
-    assert llm.llm_engine.runner.linears.logits_max_rows == 256  # an integer head
-    got, traced = _greedy_with_head_count(llm, prompts, 3)
-    del llm
-    assert traced >= 2
-    assert got == _xla_greedy(loaded, prompts, 3, **args)
-    assert len(got[0]) == 3

@@ -402,7 +402,9 @@ print("tp ok")
 
 def test_embedded_gguf_at_its_own_quantization_pallas_equals_xla():
     """SmolLM2 (Q4_1 layers: int4, groups of 32 with mins) kept quantized: the Pallas path,
-    whose decode steps run the quantized kernels (interpreted here), gives XLA's greedy tokens."""
+    whose decode steps run the quantized kernels (interpreted here), its tied Q8_0 head (int8
+    [49152, 576]) on the head kernel as it lies, gives XLA's greedy tokens (whose head
+    multiplies the table a slab at a time)."""
     from jpaged import LLM
     from jpaged.sampling_params import SamplingParams
 
@@ -413,7 +415,9 @@ def test_embedded_gguf_at_its_own_quantization_pallas_equals_xla():
         llm = LLM(quantization="gguf", attention_backend=backend, num_gpu_blocks_override=16,
                   max_num_seqs=2, max_model_len=128, max_num_batched_tokens=64)
         if backend == "pallas":
-            assert llm.llm_engine.runner.linears is not None  # the kernels took the model
+            lin = llm.llm_engine.runner.linears
+            assert lin is not None  # the kernels took the model, and the integer head
+            assert lin.logits is not None and lin.logits_max_rows == 256
         tokens[backend] = [o.outputs[0].token_ids for o in llm.generate(prompts, sp,
                                                                         use_tqdm=False)]
         del llm
