@@ -165,14 +165,14 @@ def test_openai_client_response_format_and_tool_call(llm):
             "name": "get_weather", "description": "Current weather of a city",
             "parameters": weather}}]
         r = client.chat.completions.create(
-            model="smollm2", temperature=0.7, max_tokens=100, tools=tools,
+            model="smollm2", temperature=0.7, seed=11, max_tokens=100, tools=tools,
             messages=[{"role": "user", "content": "What is the weather in Paris?"}],
             tool_choice={"type": "function", "function": {"name": "get_weather"}})
         call = r.choices[0].message.tool_calls[0]
         assert call.function.name == "get_weather" and call.type == "function"
         jsonschema.validate(json.loads(call.function.arguments), weather)
         r = client.chat.completions.create(
-            model="smollm2", temperature=0.7, max_tokens=150, tools=tools,
+            model="smollm2", temperature=0.7, seed=11, max_tokens=150, tools=tools,
             tool_choice="required", messages=[{"role": "user", "content": "Weather in Rome?"}])
         assert r.choices[0].finish_reason == "tool_calls"
         for call in r.choices[0].message.tool_calls:
