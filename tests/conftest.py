@@ -16,8 +16,9 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # XLA:CPU builds the suite's ~1,500 step programs at LLVM -O0 without its expensive passes:
 # they are programs of tiny models, compiled once and run for a few steps, so compiling is most
-# of their time (a tenth or more of the suite's wall time saved; what they compute is the
-# same). Set before jax starts its backend; processes the tests start inherit it
+# of their time (a compile-heavy file's compiles a third shorter; what they compute is the
+# same). The embedded model's steps run about twice as long at -O0, so tests keep its long
+# generations few. Set before jax starts its backend; processes the tests start inherit it
 # (helpers.xla_flags adds their own flags to it).
 TEST_XLA_FLAGS = os.environ.get(
     "JPAGED_TEST_XLA_FLAGS",

@@ -108,7 +108,8 @@ def int4_plan(model: nnx.Module, group: int = INT4_GROUP) -> dict[str, QuantLayo
 
 def quantize_abstract(model: nnx.Module, weights: str | None, int4_group: int = INT4_GROUP
                       ) -> nnx.Module:
-    """`model` (abstract) with its decoder linears quantized as `weights` says (in place)."""
+    """`model` (abstract) with its decoder linears (int4: and its untied head, groups of
+    `int4_group`) quantized as `weights` says (in place)."""
     if weights is None:
         return model
     if weights not in WEIGHTS:
