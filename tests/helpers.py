@@ -17,6 +17,22 @@ def xla_flags(*extra: str) -> str:
     return " ".join([os.environ.get("XLA_FLAGS", ""), *extra]).strip()
 
 
+def run_on_cpu_devices(script: str, num_devices: int, cwd: Path) -> str:
+    """Run a `python -c` script on `num_devices` forced CPU devices (a fresh process: the
+    count is fixed when jax starts) and return its stdout; fails the test, with the output's
+    tail, if it exits non-zero or does not end with "tp ok"."""
+    import subprocess
+    import sys
+
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=xla_flags(f"--xla_force_host_platform_device_count={num_devices}"))
+    proc = subprocess.run([sys.executable, "-c", script], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.strip().endswith("tp ok"), proc.stdout[-2000:]
+    return proc.stdout
+
+
 def free_port(span: int = 1) -> int:
     """A port P of 127.0.0.1 with P .. P+span-1 free now (a multi-process run uses P and P+1)."""
     import socket

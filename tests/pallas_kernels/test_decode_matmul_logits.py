@@ -11,10 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -22,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from helpers import lower_for_cuda, make_llm, tiny, xla_flags
+from helpers import lower_for_cuda, make_llm, run_on_cpu_devices, tiny
 from test_decode_matmul_quant import qweight
 from tiny_models import random_weights, tiny_spec, write_hf_dir
 
@@ -243,12 +240,7 @@ def test_the_head_under_tensor_parallel():
     """TensorParallel.wrap_linears over two CPU devices (a subprocess): each device runs the
     kernel on its vocabulary shard (lm_head's columns, the tied table's rows; 150 columns a
     device: a ragged block) and the vocab-split logits equal the one-device kernel's."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("tp ok"), proc.stdout[-2000:]
+    run_on_cpu_devices(_TP_SCRIPT, 2, ROOT)
 
 
 _TP_SCRIPT = """

@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import xla_flags
+from helpers import run_on_cpu_devices
 
 from models.quant import QuantWeight, dequantize, pack_int4, quant_matmul, quantize_fp8
 from models.quant_layers import QuantLayout
@@ -339,12 +336,7 @@ def test_quantized_projections_under_tensor_parallel():
     """TensorParallel.wrap_linears over two CPU devices (a subprocess) gives the one-device
     kernels' outputs: q/gate/up by columns, o/down by rows with their groups (int4 groups of
     32, an fp8 per-channel scale replicated)."""
-    env = dict(os.environ, XLA_FLAGS=xla_flags("--xla_force_host_platform_device_count=2"),
-               JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-c", _TP_SCRIPT], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=280)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.strip().endswith("tp ok"), proc.stdout[-2000:]
+    run_on_cpu_devices(_TP_SCRIPT, 2, ROOT)
 
 
 _TP_SCRIPT = """

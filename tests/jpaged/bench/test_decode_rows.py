@@ -11,13 +11,6 @@ from jpaged.config import EngineArgs
 from jpaged.engine import LLMEngine
 
 
-@pytest.fixture(scope="module")
-def runner():
-    engine = LLMEngine(EngineArgs(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-                                  block_size=8, num_gpu_blocks_override=24), loaded=tiny())
-    return engine.runner
-
-
 def test_each_sequence_names_its_own_blocks_up_to_the_context(runner):
     packed = decode_step(runner, 4, 20)
     b = packed.batch

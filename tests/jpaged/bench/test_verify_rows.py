@@ -10,7 +10,6 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from helpers import tiny
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "core"))
 from core_sim import make_scheduler  # noqa: E402
@@ -24,8 +23,6 @@ from jpaged.bench.verify_rows import (  # noqa: E402
     verify_scheduled,
     verify_table,
 )
-from jpaged.config import EngineArgs  # noqa: E402
-from jpaged.engine import LLMEngine  # noqa: E402
 from jpaged.request import Request  # noqa: E402
 from jpaged.runner.batch import BucketPlan, expand_verified  # noqa: E402
 from jpaged.runner.input_batch import InputBatch  # noqa: E402
@@ -88,13 +85,6 @@ def test_layout_is_the_engines_own_verification(batch, k):
     _layout(got, ctx, batch, k, bs)
     # The RNG counters count the proposals before each row (after the one output token).
     assert got.batch.sampling.counters[:batch * (k + 1)].tolist() == list(range(1, k + 2)) * batch
-
-
-@pytest.fixture(scope="module")
-def runner():
-    engine = LLMEngine(EngineArgs(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
-                                  block_size=8, num_gpu_blocks_override=24), loaded=tiny())
-    return engine.runner
 
 
 def test_pair_on_a_runner_and_its_refusals(runner):
