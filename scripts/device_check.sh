@@ -64,9 +64,10 @@ else
   # room for the job in flight when it runs out.
   KERNEL_ARGS=(--quick --budget-s 45)
   MATMUL_ARGS=(--budget-s 65)
-  # The verifying steps (speculative decoding) on buckets the decode rows compile: 1x7 is 8
-  # rows in the bucket of 16, 16x3 the 64 rows of 64. 1x1 and 1x3 (bucket 4) would cost a
-  # compile the stage's budget lacks: VERIFY_ROWS=1x1,1x3,1x7,16x3 in a call of their own.
+  # The verifying steps (speculative decoding), each a program of its own (a ragged step of
+  # B sequences, T = R rows): 1x7 is 8 rows of one sequence in the bucket of 16, 16x3 64 rows
+  # of 16 sequences. Each costs a compile; rows past the stage's budget are skipped, named.
+  # VERIFY_ROWS=1x1,1x3,1x7,16x3 in a call of their own runs more.
   DECODE_ARGS=(--decode-budget-s 100 --profile-batches 1 256 --sampled-batches 1 256
     --verify-rows "${VERIFY_ROWS:-1x7,16x3}")
   QUANT_ARGS=(--budget-s 75)

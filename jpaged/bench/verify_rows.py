@@ -1,18 +1,20 @@
 """The verifying step of speculative decoding beside plain decode, timed on the device.
 
-A step verifying B sequences' k proposals each is a decode-shaped step of B * (k + 1)
-single-token rows (`runner/batch.py`, `expand_verified`): row j of a sequence at position
-context_len - 1 + j (its input token, then its proposals), seq_len position + 1, every row of a
-sequence on the sequence's block table, a KV slot for every row. Padded to the runner's decode
-bucket it is the program a plain decode step of that many rows runs, so a bucket the decode
-rows already compiled costs no new compile (`new_programs` in the row says whether one was).
+A step verifying B sequences' k proposals each is a ragged step of B sequences of k + 1 new
+tokens (`runner/batch.py`, `step_rows`): sequence i's tokens at positions context_len - 1 ..
+context_len - 1 + k (its input token, then its proposals), all on its block table, a KV slot
+for every token, and a sampled row at each token (B * (k + 1) rows). Its shape is the plan's
+verifying bucket (T = R = the decode bucket of its rows, B sequences in powers of 4): the
+attention reads each context once per query tile, where B * (k + 1) decode rows would read it
+k + 1 times. It is a program of its own (`new_programs` in the row says whether one was
+compiled for it).
 
 The step is built as the engine builds it: requests as they stand after their prefill and first
-token, scheduled as `Scheduler._add_scheduled` schedules a decode with proposals, expanded by
-`expand_verified` and packed by `pack_step` (the runner's persistent `InputBatch` packs the same
-arrays, tests/jpaged/runner/test_input_batch.py; it is not used here because it holds the rows
-of the engine's live requests). The plain decode step it is set beside is the same requests
-without proposals, through the same code: the same blocks, contexts and sampling (greedy).
+token, scheduled as `Scheduler._add_scheduled` schedules a decode with proposals, packed by
+`pack_step` (the runner's persistent `InputBatch` packs the same arrays,
+tests/jpaged/runner/test_input_batch.py; it is not used here because it holds the rows of the
+engine's live requests). The plain decode step it is set beside is the same requests without
+proposals, through the same code: the same blocks, contexts and sampling (greedy).
 
 `break_even_accepted` = verify_ms / decode_ms: a verifying step that yields L tokens a sequence
 on average (the accepted proposals plus the bonus token, i.e. the bench's mean acceptance
@@ -35,7 +37,6 @@ from jpaged.request import Request
 from jpaged.runner.batch import (
     BucketPlan,
     PackedStep,
-    expand_verified,
     flatten_step,
     pack_step,
 )
@@ -85,10 +86,9 @@ def verify_scheduled(requests: list[Request], block_ids: np.ndarray) -> list[Sch
 
 def pack_verify(scheduled: list[ScheduledRequest], plan: BucketPlan, block_size: int,
                 vocab_size: int, default_seed: int) -> PackedStep:
-    """The step batch of scheduled rows as the runner's dispatch packs them: the rows with
-    proposals expanded into one row a position (`expand_verified`), then packed."""
-    rows, _, priors = expand_verified(scheduled)
-    return pack_step(rows, plan, block_size, vocab_size, default_seed, priors=priors)
+    """The step batch of scheduled requests as the runner's dispatch packs them (a request
+    with proposals: one sequence sampled at each of its new tokens)."""
+    return pack_step(scheduled, plan, block_size, vocab_size, default_seed)
 
 
 def verify_pair(runner: ModelRunner, batch: int, k: int, context_len: int, seed: int = 0
@@ -104,6 +104,9 @@ def verify_pair(runner: ModelRunner, batch: int, k: int, context_len: int, seed:
     if rows > plan.seq_buckets[-1]:
         raise ValueError(f"{batch} x (k + 1 = {k + 1}) = {rows} rows; the largest decode "
                          f"bucket is {plan.seq_buckets[-1]} (raise max_num_seqs)")
+    if batch > plan.verify_seq_buckets[-1]:
+        raise ValueError(f"{batch} sequences; the runner's steps hold "
+                         f"{plan.verify_seq_buckets[-1]} (raise max_num_seqs)")
     if plan.num_groups != 1:
         raise ValueError(f"{plan.num_groups} KV cache groups: the verify rows use one")
     per_seq = cdiv(context_len + k, bs)  # the proposals' slots too
@@ -156,7 +159,7 @@ def time_verify(runner: ModelRunner, batch: int, k: int, context_len: int, iters
     v_ms = round(statistics.median(v_times) * 1e3, 3)
     d_ms = round(statistics.median(d_times) * 1e3, 3)
     ratio = round(v_ms / d_ms, 3)
-    return {"batch": batch, "k": k, "rows": verify.num_tokens,
+    return {"batch": batch, "k": k, "rows": verify.num_rows,
             "bucket": int(verify.batch.input_ids.shape[0]), "context_len": context_len,
             "verify_ms": v_ms, "decode_ms": d_ms, "ratio": ratio,
             "break_even_accepted": ratio, "iters": iters,

@@ -100,7 +100,7 @@ class StepResultsMixin:
         by_id = isinstance(sampled_token_ids, Mapping)
         if not by_id:
             # Every row the step sampled, before any request changes: the last scheduled
-            # request's rows end the step (first_rows ascend, as expand_verified makes them).
+            # request's rows end the step (first_rows ascend, as step_rows makes them).
             num_rows = len(output.scheduled)
             if first_rows is not None and num_rows:
                 num_rows = first_rows[-1] + 1 + len(output.scheduled[-1].spec_token_ids)

@@ -22,7 +22,9 @@ MIN_HISTORY_BUCKET = 64
 @jax.tree_util.register_dataclass
 @dataclass
 class StepBatch:
-    """A flattened ragged token batch, padded to a bucket shape (T tokens, B sequences)."""
+    """A flattened ragged token batch, padded to a bucket shape (T tokens, B sequences, R
+    sampled rows; R == B but in a step verifying proposals, where a sequence samples a row at
+    each of its new tokens: `step_rows`)."""
 
     input_ids: Int[Array, " T"]
     positions: Int[Array, " T"]
@@ -34,11 +36,12 @@ class StepBatch:
     # 0 (the null block) past a sequence's blocks; with G groups [B, G*max_blocks], group g's
     # table in columns [g*max_blocks, (g+1)*max_blocks).
     block_tables: Int[Array, "B GM"]
-    logits_indices: Int[Array, " B"]  # the last new token of each sequence
-    # Async scheduling: row of the device's last-token buffer holding this sequence's last new
-    # token (sampled by the step still in flight), or -1 when input_ids has it.
-    feed_rows: Int[Array, " B"]
-    sampling: SamplingBatch
+    logits_indices: Int[Array, " R"]  # each row's token (a sequence's last new one, or each
+    # of a verifying sequence's)
+    # Async scheduling: row of the device's last-token buffer holding this row's token
+    # (sampled by the step still in flight), or -1 when input_ids has it.
+    feed_rows: Int[Array, " R"]
+    sampling: SamplingBatch  # [R] rows
     # prompt_logprobs: flat token indices whose logits score the next prompt token, and those
     # tokens ([P] each, P a power of two; padding scores index 0 against token 0, unread).
     # None when no scheduled request asked for prompt logprobs.
@@ -68,14 +71,18 @@ class BucketPlan:
 
     def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  block_size: int, num_speculative_tokens: int = 0) -> None:
-        # Speculative decoding: a verifying step scores a request's k proposals as k + 1 rows
-        # (expand_verified), so a step holds up to max_rows rows (each a token of the budget),
-        # and decode shapes come in powers of two (k + 1 rows a request land anywhere).
+        # Speculative decoding: a verifying step samples a row at each of a request's k + 1
+        # new tokens (`step_rows`), so a step holds up to max_rows rows (each a token of the
+        # budget), and decode shapes come in powers of two (k + 1 rows a request land
+        # anywhere). A step of decodes alone, some verifying, is T = R rows (a decode bucket)
+        # of B sequences (powers of 4): its attention reads each context once per query tile.
         k = num_speculative_tokens
+        self.num_speculative_tokens = k
         self.max_rows = max_num_seqs if not k else max(max_num_seqs, min(
             max_num_seqs * (1 + k), max_num_batched_tokens))
         self.seq_buckets = _powers(2 if k else 4, 1, self.max_rows)
         self.mixed_seq_buckets = _powers(4, 16, self.max_rows)
+        self.verify_seq_buckets = _powers(4, 1, max_num_seqs)
         self.token_buckets = _powers(4, 64, max(max_num_batched_tokens, self.max_rows))
         self.max_blocks = cdiv(max_model_len, block_size)
         # KV cache groups (kv_cache_groups.py): each has its own block table and slot mapping.
@@ -99,6 +106,24 @@ class BucketPlan:
         t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
         return t, b
 
+    def pick_step(self, num_tokens: int, num_seqs: int, num_rows: int) -> tuple[int, int, int]:
+        """(T, B, R) for a step with this many tokens, sequences and sampled rows.
+
+        Without verification (R == sequences) as `pick`, R = B. A step of decodes only, some
+        verifying proposals (every token a row): T = R = the decode bucket of its rows, B = the
+        `verify_seq_buckets` bucket of its sequences. Verifying beside a prompt chunk: a mixed
+        shape whose B holds the rows (R = B; sequences fill the first of them)."""
+        if num_rows == num_seqs:
+            t, b = self.pick(num_tokens, num_seqs)
+            return t, b, b
+        if num_tokens == num_rows:
+            r = self.seq_buckets[bisect.bisect_left(self.seq_buckets, num_rows)]
+            b = self.verify_seq_buckets[bisect.bisect_left(self.verify_seq_buckets, num_seqs)]
+            return r, b, r
+        b = self.mixed_seq_buckets[bisect.bisect_left(self.mixed_seq_buckets, num_rows)]
+        t = self.token_buckets[bisect.bisect_left(self.token_buckets, num_tokens)]
+        return t, b, b
+
     def all_shapes(self) -> list[tuple[int, int]]:
         """Every (T, B) pair a step can use."""
         return sorted(set(self.decode_shapes()) | set(self.mixed_shapes()))
@@ -113,6 +138,14 @@ class BucketPlan:
         return sorted((t, b) for t in self.token_buckets for b in self.mixed_seq_buckets
                       if b <= t)
 
+    def verify_shapes(self) -> list[tuple[int, int, int]]:
+        """The (T, B, R) shapes of steps of decodes some of which verify proposals (none
+        without speculation): T = R rows, B <= R sequences."""
+        if not self.num_speculative_tokens:
+            return []
+        return [(r, b, r) for r in self.seq_buckets for b in self.verify_seq_buckets
+                if b <= r and r > 1]
+
 
 @dataclass
 class PackedStep:
@@ -124,6 +157,13 @@ class PackedStep:
     num_tokens: int
     # (request id, first prompt position, count) of each run of plp rows, in row order.
     prompt_spans: tuple[tuple[str, int, int], ...] = ()
+    num_rows: int = -1  # sampled rows (-1: one a sequence)
+    # Speculative decoding: the first row of each scheduled request (`StepRows.first`).
+    first_rows: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 0:
+            self.num_rows = self.num_seqs
 
 
 def is_decode_step(num_seqs: int, num_tokens: int) -> bool:
@@ -133,21 +173,23 @@ def is_decode_step(num_seqs: int, num_tokens: int) -> bool:
 
 
 def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int,
-               decode_only: bool = False) -> PackedStep:
+               decode_only: bool = False, num_rows: int | None = None) -> PackedStep:
     """An all-padding step of one bucket shape: writes nothing, attends to nothing (warm-up).
-    `decode_only`: the flags of a pure decode step of that shape (T == B only)."""
+    `decode_only`: the flags of a pure decode step of that shape (T == B only); `num_rows`:
+    its sampled rows (default B; a verifying step's shape has R = T)."""
     t, b = num_tokens, num_seqs
-    z = np.zeros(b, np.float32)
-    sampling = SamplingBatch(z, np.full(b, vocab_size, np.int32), np.ones(b, np.float32), z,
-                             np.zeros(b, np.uint32), np.zeros(b, np.int32),
-                             np.ones(b, np.float32), z, z, np.zeros((b, 0), np.int32),
-                             np.zeros((b, 0), bool))
+    r = b if num_rows is None else num_rows
+    z = np.zeros(r, np.float32)
+    sampling = SamplingBatch(z, np.full(r, vocab_size, np.int32), np.ones(r, np.float32), z,
+                             np.zeros(r, np.uint32), np.zeros(r, np.int32),
+                             np.ones(r, np.float32), z, z, np.zeros((r, 0), np.int32),
+                             np.zeros((r, 0), bool))
     g = plan.num_groups
     batch = StepBatch(np.zeros(t, np.int32), np.zeros(t, np.int32),
                       np.full(g * t, -1, np.int32), np.zeros(b + 1, np.int32),
                       np.zeros(b, np.int32), np.zeros((b, g * plan.max_blocks), np.int32),
-                      np.zeros(b, np.int32),
-                      np.full(b, -1, np.int32), sampling)
+                      np.zeros(r, np.int32),
+                      np.full(r, -1, np.int32), sampling)
     return PackedStep(batch, SamplingFlags(decode_only=decode_only), 0, 0)
 
 
@@ -263,9 +305,9 @@ def penalty_history(scheduled: Sequence[Any], b_pad: int, use_penalties: bool,
                     ) -> tuple[np.ndarray, np.ndarray]:
     """Penalty history rows (prompt + known outputs, -1 padded) and their is-output flags.
 
-    A token still on device is the last of its row: its column (seq_len - 1) is filled in the
-    jitted step, its is-output flag here. Without penalties both are [b_pad, 0].
-    `priors[i]`: proposals row i's position follows (speculative decoding, `expand_verified`):
+    A token still on device is the last of its row: its column (its position) is filled in
+    the jitted step, its is-output flag here. Without penalties both are [b_pad, 0].
+    `priors[i]`: proposals row i's token follows (speculative decoding, `StepRows.priors`):
     outputs too, after the known ones.
     """
     if not use_penalties:
@@ -285,43 +327,46 @@ def penalty_history(scheduled: Sequence[Any], b_pad: int, use_penalties: bool,
     return history, is_out
 
 
-@dataclass(slots=True)
-class VerifyRow:
-    """One position of a row that verifies proposals, as a sequence of one token: it attends
-    to the request's pages up to its own position (the step writes every new token's K/V
-    before any attention reads), so its logits are the target's at that position."""
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """A step's sampled rows: one per scheduled request (at its last new token), or, for a
+    request verifying k proposals, k + 1 (one at each new token: row j holds the target's
+    logits after position start + j; the step writes every new token's K/V before any
+    attention reads, and causal attention keeps each row to its own prefix)."""
 
-    request: Any
-    start_pos: int
-    num_tokens: int  # 1
-    token_ids: list[int]
-    block_ids: list[list[int]]  # the whole request's tables (read up to start_pos + 1)
-    sample: bool = True
-    spec_token_ids: list[int] = field(default_factory=list)  # none of its own
+    seq: list[int]  # each row's scheduled request
+    offset: list[int]  # its token among that request's new ones
+    first: list[int] | None  # each request's first row (None: row i is request i)
+
+    def priors(self, scheduled: Sequence[Any]) -> list[list[int]] | None:
+        """Each row's proposals before its token (outputs for its RNG counter, penalties and
+        min_tokens), or None when no row verifies."""
+        if self.first is None:
+            return None
+        return [scheduled[i].spec_token_ids[:j] for i, j in zip(self.seq, self.offset,
+                                                                strict=True)]
 
 
-def expand_verified(scheduled: Sequence[Any]
-                    ) -> tuple[Sequence[Any], list[int] | None, list[list[int]] | None]:
-    """Speculative decoding: each scheduled row with k proposals becomes k + 1 rows of one
-    token (VerifyRow), so one decode-shaped step scores every proposal. Returns (rows, the
-    first row of each scheduled one, each row's proposals before its position) or
-    (scheduled, None, None) when nothing proposes."""
+def step_rows(scheduled: Sequence[Any]) -> StepRows:
+    """The sampled rows of a step (speculative decoding: k + 1 for a request verifying k
+    proposals, in request order; `first` ascends)."""
+    n = len(scheduled)
     if not any(s.spec_token_ids for s in scheduled):
-        return scheduled, None, None
-    rows: list[Any] = []
+        return StepRows(list(range(n)), [s.num_tokens - 1 for s in scheduled], None)
+    seq: list[int] = []
+    offset: list[int] = []
     first: list[int] = []
-    priors: list[list[int]] = []
-    for s in scheduled:
-        first.append(len(rows))
-        spec = s.spec_token_ids
-        if not spec:
-            rows.append(s)
-            priors.append([])
-            continue
-        for j in range(len(spec) + 1):
-            rows.append(VerifyRow(s.request, s.start_pos + j, 1, [s.token_ids[j]], s.block_ids))
-            priors.append(spec[:j])
-    return rows, first, priors
+    for i, s in enumerate(scheduled):
+        first.append(len(seq))
+        k = len(s.spec_token_ids)
+        if k and s.num_tokens != k + 1:
+            raise ValueError(f"request {s.request.request_id!r}: {k} proposals verified in a "
+                             f"share of {s.num_tokens} tokens (a decode verifies its input "
+                             "token and its proposals only)")
+        offs = range(k + 1) if k else (s.num_tokens - 1,)
+        seq.extend([i] * len(offs))
+        offset.extend(offs)
+    return StepRows(seq, offset, first)
 
 
 def mask_rows(masks: np.ndarray | None, b_pad: int) -> np.ndarray | None:
@@ -336,21 +381,23 @@ def mask_rows(masks: np.ndarray | None, b_pad: int) -> np.ndarray | None:
 
 def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab_size: int,
               default_seed: int, prev_rows: Mapping[str, int] | None = None,
-              token_masks: np.ndarray | None = None,
-              priors: Sequence[Sequence[int]] | None = None) -> PackedStep:
+              token_masks: np.ndarray | None = None) -> PackedStep:
     """Pack scheduled requests (duck-typed ScheduledRequest) into numpy arrays of bucket shape.
 
     A PLACEHOLDER_TOKEN (always a sequence's last new token) is read on device from row
     `prev_rows[request_id]` of the last-token buffer: the row it had in the previous step.
-    token_masks: [n, W] packed allowed-token bits of the scheduled rows (structured outputs).
-    Block ids come per KV cache group (`plan.num_groups` of them); a position a window freed
-    holds 0 here, where the persistent batch keeps the stale id (nothing reads either).
-    `priors`: each row's proposals before its position (`expand_verified`): they count as
-    outputs for its RNG counter, penalties and min_tokens.
+    token_masks: [rows, W] packed allowed-token bits of the step's rows (`step_rows`;
+    structured outputs). Block ids come per KV cache group (`plan.num_groups` of them); a
+    position a window freed holds 0 here, where the persistent batch keeps the stale id
+    (nothing reads either). A request verifying k proposals is one sequence of k + 1 new
+    tokens and k + 1 rows; a row's proposals before its token count as outputs for its RNG
+    counter, penalties and min_tokens.
     """
     n = len(scheduled)
+    srows = step_rows(scheduled)
+    nr = len(srows.seq)
     num_tokens = sum(s.num_tokens for s in scheduled)
-    t_pad, b_pad = plan.pick(num_tokens, n)
+    t_pad, b_pad, r_pad = plan.pick_step(num_tokens, n, nr)
     mb, groups = plan.max_blocks, plan.num_groups
     input_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -358,31 +405,18 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
     qsl = np.zeros(b_pad + 1, np.int32)
     seq_lens = np.zeros(b_pad, np.int32)
     tables = np.zeros((b_pad, groups * mb), np.int32)
-    logits_idx = np.zeros(b_pad, np.int32)
-    feed_rows = np.full(b_pad, -1, np.int32)
-
-    temperature = np.zeros(b_pad, np.float32)
-    top_k = np.full(b_pad, vocab_size, np.int32)
-    top_p = np.ones(b_pad, np.float32)
-    min_p = np.zeros(b_pad, np.float32)
-    seeds = np.zeros(b_pad, np.uint32)
-    counters = np.zeros(b_pad, np.int32)
-    rep = np.ones(b_pad, np.float32)
-    pres = np.zeros(b_pad, np.float32)
-    freq = np.zeros(b_pad, np.float32)
-    use_pen = use_top = False
+    fed_from: dict[int, int] = {}  # sequence -> previous step's row holding its last token
 
     cur = 0
     for i, s in enumerate(scheduled):
         req = s.request
-        p = req.sampling_params
         start, k = s.start_pos, s.num_tokens
         input_ids[cur:cur + k] = s.token_ids
         if s.token_ids[-1] == PLACEHOLDER_TOKEN:
             if prev_rows is None or req.request_id not in prev_rows:
                 raise ValueError(f"request {req.request_id!r}: a token on device but no row "
                                  "of the previous step holds it")
-            feed_rows[i] = prev_rows[req.request_id]
+            fed_from[i] = prev_rows[req.request_id]
             input_ids[cur + k - 1] = 0
         pos = np.arange(start, start + k, dtype=np.int32)
         positions[cur:cur + k] = pos
@@ -394,28 +428,48 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         cur += k
         qsl[i + 1] = cur
         seq_lens[i] = start + k
-        logits_idx[i] = cur - 1
-        (temperature[i], top_k[i], top_p[i], min_p[i], seeds[i], rep[i], pres[i], freq[i],
-         pen, top) = sampling_row(p, vocab_size, default_seed)
+    qsl[n + 1:] = cur
+
+    logits_idx = np.zeros(r_pad, np.int32)
+    feed_rows = np.full(r_pad, -1, np.int32)
+    temperature = np.zeros(r_pad, np.float32)
+    top_k = np.full(r_pad, vocab_size, np.int32)
+    top_p = np.ones(r_pad, np.float32)
+    min_p = np.zeros(r_pad, np.float32)
+    seeds = np.zeros(r_pad, np.uint32)
+    counters = np.zeros(r_pad, np.int32)
+    rep = np.ones(r_pad, np.float32)
+    pres = np.zeros(r_pad, np.float32)
+    freq = np.zeros(r_pad, np.float32)
+    use_pen = use_top = False
+    priors = srows.priors(scheduled)
+    rows = [scheduled[i] for i in srows.seq]  # each row's request share
+    for r, (i, j) in enumerate(zip(srows.seq, srows.offset, strict=True)):
+        s = rows[r]
+        req = s.request
+        logits_idx[r] = qsl[i] + j
+        if i in fed_from and j == s.num_tokens - 1:
+            feed_rows[r] = fed_from[i]
+        (temperature[r], top_k[r], top_p[r], min_p[r], seeds[r], rep[r], pres[r], freq[r],
+         pen, top) = sampling_row(req.sampling_params, vocab_size, default_seed)
         use_pen = use_pen or pen
         use_top = use_top or top
-        counters[i] = req.num_output_tokens + req.num_output_placeholders + (
-            len(priors[i]) if priors is not None else 0)
-    qsl[n + 1:] = cur
-    history, is_out = penalty_history(scheduled, b_pad, use_pen, priors)
+        counters[r] = req.num_output_tokens + req.num_output_placeholders + (
+            len(priors[r]) if priors is not None else 0)
+    history, is_out = penalty_history(rows, r_pad, use_pen, priors)
     bias_ids, bias_vals = constraint_rows(
         [join_entries(token_constraints(s.request.sampling_params),
-                      stop_ban(s.request) if counters[i] < s.request.sampling_params.min_tokens
-                      else None) for i, s in enumerate(scheduled)], b_pad)
+                      stop_ban(s.request) if counters[r] < s.request.sampling_params.min_tokens
+                      else None) for r, s in enumerate(rows)], r_pad)
 
     sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
-                             history, is_out, bias_ids, bias_vals, mask_rows(token_masks, b_pad))
+                             history, is_out, bias_ids, bias_vals, mask_rows(token_masks, r_pad))
     plp_idx, plp_tgt, spans = prompt_logprob_rows(scheduled, qsl)
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
                       feed_rows, sampling, plp_idx, plp_tgt)
     flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top,
                           decode_only=is_decode_step(n, num_tokens))
-    return PackedStep(batch, flags, n, num_tokens, spans)
+    return PackedStep(batch, flags, n, num_tokens, spans, nr, srows.first)
 
 
 @jax.tree_util.register_dataclass
@@ -426,10 +480,10 @@ class FlatStep:
     The jitted step takes this and slices the fields back out on device: two host-to-device
     copies per step instead of one per field (twenty), which is what a step's dispatch costs
     on a GPU. Layout (row-major, in this order): ints = input_ids[T], positions[T],
-    slot_mapping[G*T], query_start_loc[B+1], seq_lens[B], logits_indices[B], feed_rows[B],
-    top_k[B], seeds[B] (uint32 bits), counters[B], block_tables[B*G*M], history[B*H],
-    history_is_output[B*H] (0/1), bias_ids[B*K], token_mask[B*W]; floats = temperature,
-    top_p, min_p, repetition, presence, frequency penalties, [B] each, then bias_vals[B*K]
+    slot_mapping[G*T], query_start_loc[B+1], seq_lens[B], logits_indices[R], feed_rows[R],
+    top_k[R], seeds[R] (uint32 bits), counters[R], block_tables[B*G*M], history[R*H],
+    history_is_output[R*H] (0/1), bias_ids[R*K], token_mask[R*W]; floats = temperature,
+    top_p, min_p, repetition, presence, frequency penalties, [R] each, then bias_vals[R*K]
     (K = bias_len, 0 when no row has token constraints; W = mask_words, 0 when no row has a
     grammar), then plp_idx[P], plp_target[P] (P = plp_len, 0 without prompt logprobs).
     """
@@ -444,12 +498,18 @@ class FlatStep:
     bias_len: int = field(default=0, metadata={"static": True})
     mask_words: int = field(default=0, metadata={"static": True})
     plp_len: int = field(default=0, metadata={"static": True})
+    num_rows: int = field(default=-1, metadata={"static": True})  # R (-1: B)
+
+    def __post_init__(self) -> None:
+        if self.num_rows < 0:
+            self.num_rows = self.num_seqs
 
 
 def flatten_step(batch: StepBatch) -> FlatStep:
     """The two host buffers of a (numpy) StepBatch."""
     s = batch.sampling
     t, (b, gm), h = batch.input_ids.shape[0], batch.block_tables.shape, s.history.shape[1]
+    r = batch.logits_indices.shape[0]
     g = batch.slot_mapping.shape[0] // t
     k = 0 if s.bias_ids is None else s.bias_ids.shape[1]
     bias = [] if s.bias_ids is None else [s.bias_ids.reshape(-1)]
@@ -467,7 +527,7 @@ def flatten_step(batch: StepBatch) -> FlatStep:
                              s.presence_penalty, s.frequency_penalty,
                              *([] if s.bias_vals is None else [s.bias_vals.reshape(-1)])],
                             dtype=np.float32)
-    return FlatStep(ints, floats, t, b, gm // g, h, g, k, w, p)
+    return FlatStep(ints, floats, t, b, gm // g, h, g, k, w, p, r)
 
 
 def unflatten_step(flat: FlatStep) -> StepBatch:
@@ -476,20 +536,20 @@ def unflatten_step(flat: FlatStep) -> StepBatch:
 
     t, b, h, g, k, w, p = (flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups,
                            flat.bias_len, flat.mask_words, flat.plp_len)
-    m = g * flat.max_blocks
-    sizes = [t, t, g * t, b + 1, b, b, b, b, b, b, b * m, b * h, b * h, b * k, b * w, p, p]
+    r, m = flat.num_rows, g * flat.max_blocks
+    sizes = [t, t, g * t, b + 1, b, r, r, r, r, r, b * m, r * h, r * h, r * k, r * w, p, p]
     parts, off = [], 0
     for n in sizes:
         parts.append(flat.ints[off:off + n])
         off += n
     (ids, pos, slots, qsl, lens, logits_idx, feed, top_k, seeds, counters, tables, hist,
      is_out, bias_ids, mask, plp_idx, plp_tgt) = parts
-    f = flat.floats[:6 * b].reshape(6, b)
-    bias = (None, None) if k == 0 else (bias_ids.reshape(b, k),
-                                        flat.floats[6 * b:].reshape(b, k))
+    f = flat.floats[:6 * r].reshape(6, r)
+    bias = (None, None) if k == 0 else (bias_ids.reshape(r, k),
+                                        flat.floats[6 * r:].reshape(r, k))
     sampling = SamplingBatch(f[0], top_k, f[1], f[2],
                              jax.lax.bitcast_convert_type(seeds, jnp.uint32), counters,
-                             f[3], f[4], f[5], hist.reshape(b, h), is_out.reshape(b, h) != 0,
-                             *bias, None if w == 0 else mask.reshape(b, w))
+                             f[3], f[4], f[5], hist.reshape(r, h), is_out.reshape(r, h) != 0,
+                             *bias, None if w == 0 else mask.reshape(r, w))
     return StepBatch(ids, pos, slots, qsl, lens, tables.reshape(b, m), logits_idx, feed,
                      sampling, *((plp_idx, plp_tgt) if p else (None, None)))

@@ -32,6 +32,7 @@ from jpaged.runner.batch import (
     penalty_history,
     prompt_logprob_rows,
     sampling_row,
+    step_rows,
     stop_ban,
     token_constraints,
 )
@@ -139,18 +140,18 @@ class InputBatch:
         return len(self.row_of)
 
     def pack(self, scheduled: Sequence[Any], prev_rows: Mapping[str, int] | None = None,
-             token_masks: np.ndarray | None = None,
-             priors: Sequence[Sequence[int]] | None = None) -> PackedStep:
+             token_masks: np.ndarray | None = None) -> PackedStep:
         """The step batch of `scheduled` (duck-typed ScheduledRequest), as pack_step has it
-        (`priors` too: rows of one request share its persistent row)."""
+        (a request verifying proposals: its k + 1 rows share its persistent row)."""
         n = len(scheduled)
         bs = self.block_size
         row_of, nblocks, tables = self.row_of, self._nblocks, self.tables
         groups, mb = self.num_groups, self.plan.max_blocks
+        srows = step_rows(scheduled)
         rows: list[int] = []
-        counters: list[int] = []  # each request's RNG counter: its tokens sampled so far
+        base: list[int] = []  # each request's RNG counter: its tokens sampled so far
         last_ids: list[int] = []
-        for i, s in enumerate(scheduled):  # the only per-request loop: rows, new blocks, ...
+        for s in scheduled:  # the only per-request loop: rows, new blocks, ...
             req = s.request
             row = row_of.get(req.request_id)
             if row is None:
@@ -166,8 +167,7 @@ class InputBatch:
                     tables[row, g * mb + have:g * mb + n_ids] = gids[have:]
                 nblocks[row] = n_ids
             rows.append(row)
-            counters.append(len(req.output_token_ids) + req.num_output_placeholders + (
-                len(priors[i]) if priors is not None else 0))
+            base.append(len(req.output_token_ids) + req.num_output_placeholders)
             last_ids.append(s.token_ids[-1])
         starts = list(map(_START_POS, scheduled))
         lens = list(map(_NUM_TOKENS, scheduled))
@@ -180,7 +180,8 @@ class InputBatch:
             raise ValueError(f"request {bad!r}: a token on device but no row of the "
                              "previous step holds it")
         num_tokens = sum(lens)
-        t_pad, b_pad = self.plan.pick(num_tokens, n)
+        nr = len(srows.seq)
+        t_pad, b_pad, r_pad = self.plan.pick_step(num_tokens, n, nr)
         r = np.asarray(rows, np.intp)
         start = np.asarray(starts, np.int32)
         k = np.asarray(lens, np.int32)
@@ -191,8 +192,6 @@ class InputBatch:
         qsl[n + 1:] = num_tokens
         seq_lens = np.zeros(b_pad, np.int32)
         seq_lens[:n] = start + k
-        logits_idx = np.zeros(b_pad, np.int32)
-        logits_idx[:n] = qsl[1:n + 1] - 1
         input_ids = np.zeros(t_pad, np.int32)
         positions = np.zeros(t_pad, np.int32)
         slot_mapping = np.full(groups * t_pad, -1, np.int32)
@@ -215,44 +214,55 @@ class InputBatch:
         for g in range(groups):
             slot_mapping[g * t_pad:g * t_pad + num_tokens] = (
                 step_tables[seq_rows, g * mb + col] * bs + off)
-        feed_rows = np.full(b_pad, -1, np.int32)
-        if len(fed):
-            feed_rows[fed] = fed_from
-            input_ids[logits_idx[fed]] = 0
 
-        samp = self._sampling[r]  # [n, 8]
-        temperature = np.zeros(b_pad, np.float32)
-        top_p = np.ones(b_pad, np.float32)
-        min_p = np.zeros(b_pad, np.float32)
-        rep = np.ones(b_pad, np.float32)
-        pres = np.zeros(b_pad, np.float32)
-        freq = np.zeros(b_pad, np.float32)
-        for col, arr in enumerate((temperature, top_p, min_p, rep, pres, freq)):
-            arr[:n] = samp[:, col]
-        top_k = np.full(b_pad, self.vocab_size, np.int32)
-        top_k[:n] = self._top_k[r]
-        seeds = np.zeros(b_pad, np.uint32)
-        seeds[:n] = self._seeds[r]
-        ctr = np.zeros(b_pad, np.int32)
-        ctr[:n] = counters
+        # Sampled rows: one a sequence at its last token, or one a token of a verifying one.
+        seq_of = np.asarray(srows.seq, np.intp)
+        offset = np.asarray(srows.offset, np.int32)
+        logits_idx = np.zeros(r_pad, np.int32)
+        logits_idx[:nr] = qsl[seq_of] + offset
+        feed_rows = np.full(r_pad, -1, np.int32)
+        if len(fed):
+            last_row = (np.arange(1, n + 1) if srows.first is None
+                        else np.append(srows.first[1:], nr)) - 1  # each sequence's last row
+            feed_rows[last_row[fed]] = fed_from
+            input_ids[qsl[fed + 1] - 1] = 0
+        priors = srows.priors(scheduled)
+        counters = (base if priors is None else
+                    [base[i] + len(p) for i, p in zip(srows.seq, priors, strict=True)])
+        prow = r[seq_of]  # each sampled row's persistent row
+        samp = self._sampling[prow]  # [nr, 8]
+        temperature = np.zeros(r_pad, np.float32)
+        top_p = np.ones(r_pad, np.float32)
+        min_p = np.zeros(r_pad, np.float32)
+        rep = np.ones(r_pad, np.float32)
+        pres = np.zeros(r_pad, np.float32)
+        freq = np.zeros(r_pad, np.float32)
+        for c, arr in enumerate((temperature, top_p, min_p, rep, pres, freq)):
+            arr[:nr] = samp[:, c]
+        top_k = np.full(r_pad, self.vocab_size, np.int32)
+        top_k[:nr] = self._top_k[prow]
+        seeds = np.zeros(r_pad, np.uint32)
+        seeds[:nr] = self._seeds[prow]
+        ctr = np.zeros(r_pad, np.int32)
+        ctr[:nr] = counters
         use_pen = bool(n) and bool(samp[:, 6].any())
         use_top = bool(n) and bool(samp[:, 7].any())
-        history, is_out = penalty_history(scheduled, b_pad, use_pen, priors)
+        row_shares = scheduled if srows.first is None else [scheduled[i] for i in srows.seq]
+        history, is_out = penalty_history(row_shares, r_pad, use_pen, priors)
         bias_ids = bias_vals = None
         if ((self._constrained and not self._constrained.isdisjoint(rows))
                 or (self._banning and not self._banning.isdisjoint(rows))):  # else no row work
             bias, ban, min_tokens = self._bias, self._ban, self._min_tokens
             bias_ids, bias_vals = constraint_rows(
                 [join_entries(bias[i], ban[i] if c < min_tokens[i] else None)
-                 for i, c in zip(rows, counters, strict=True)], b_pad)
+                 for i, c in zip(prow.tolist(), counters, strict=True)], r_pad)
         sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
                                  history, is_out, bias_ids, bias_vals,
-                                 mask_rows(token_masks, b_pad))
+                                 mask_rows(token_masks, r_pad))
         plp_idx, plp_tgt, spans = (prompt_logprob_rows(scheduled, qsl) if self._plp
                                    and not self._plp.isdisjoint(rows) else (None, None, ()))
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
                           logits_idx, feed_rows, sampling, plp_idx, plp_tgt)
         flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top,
                               decode_only=is_decode_step(n, num_tokens))
-        return PackedStep(batch, flags, n, num_tokens, spans)
-
+        return PackedStep(batch, flags, n, num_tokens, spans, nr, srows.first)

@@ -19,7 +19,6 @@ from jpaged.runner.batch import (
     BucketPlan,
     FlatStep,
     empty_step,
-    expand_verified,
     flatten_step,
     mask_rows,
     unflatten_step,
@@ -107,16 +106,25 @@ def _head(linears: DecodeLinears | None, rows: int) -> DecodeLinears | None:
     return linears
 
 
+def _last_rows(scheduled: Sequence[Any], first_rows: list[int] | None) -> dict[str, int]:
+    """Request id -> the step's row sampled at its last new token, for each request the step
+    samples (the next step feeds a token still on device from there)."""
+    if first_rows is None:
+        return {s.request.request_id: i for i, s in enumerate(scheduled) if s.sample}
+    return {s.request.request_id: first_rows[i] + len(s.spec_token_ids)
+            for i, s in enumerate(scheduled) if s.sample}
+
+
 def _fed_history(batch: Any, fed_ids: jax.Array, flags: SamplingFlags) -> Any:
     """The step's sampling batch, with each fed token (sampled by the previous step, never seen
     by the host) as the last of its row's penalty history."""
     sampling = batch.sampling
     if flags.use_penalties:
         fed = batch.feed_rows >= 0
-        b, h = sampling.history.shape
-        col = jnp.where(fed, batch.seq_lens - 1, h)
+        r, h = sampling.history.shape
+        col = jnp.where(fed, jnp.take(batch.positions, batch.logits_indices), h)  # its position
         sampling = dataclasses.replace(sampling, history=sampling.history.at[
-            jnp.arange(b), col].set(fed_ids, mode="drop"))
+            jnp.arange(r), col].set(fed_ids, mode="drop"))
     return sampling
 
 
@@ -149,11 +157,11 @@ class StepResult:
 class PendingStep:
     """A dispatched step whose sampled tokens are still on device; `result()` waits for them."""
 
-    def __init__(self, outs: tuple[jax.Array, ...], num_seqs: int, t_dispatch: float,
+    def __init__(self, outs: tuple[jax.Array, ...], num_rows: int, t_dispatch: float,
                  runner: ModelRunner, prompt_spans: tuple[tuple[str, int, int], ...] = (),
                  first_rows: list[int] | None = None) -> None:
         self._outs = outs
-        self.num_seqs = num_seqs
+        self.num_rows = num_rows
         # Speculative decoding: the first result row of each scheduled row (its k + 1
         # verification rows follow it); None: row i is scheduled row i.
         self.first_rows = first_rows
@@ -173,7 +181,7 @@ class PendingStep:
             self._runner.last_wait_s += t1 - t0
             # Device seconds: dispatch until the results are on the host.
             self._runner.last_device_s = t1 - self._t_dispatch
-            n = self.num_seqs
+            n = self.num_rows
             self._result = StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n], ranks[:n],
                                       self.prompt_spans, *plp)
             self._outs = ()
@@ -419,19 +427,23 @@ class ModelRunner:
         the sampling halves of deferred steps."""
         return self._jit_step._cache_size() + self._jit_sample._cache_size()
 
-    def warmup(self, shapes: Sequence[tuple[int, int]] | None = None) -> int:
+    def warmup(self, shapes: Sequence[tuple[int, ...]] | None = None) -> int:
         """Compile the step for every bucket shape (or the given ones); returns the count.
 
         T == B shapes compile as pure decode steps, and those the plan also gives mixed steps
         compile a second time as such (on the Pallas backend; elsewhere both are one program).
+        With speculation the plan's verifying shapes (T, B, R) compile too; a given shape of
+        three is one of them.
         """
         if shapes is None:
-            kinds = [(s, True) for s in self.plan.decode_shapes()]
-            kinds += [(s, False) for s in self.plan.mixed_shapes()]
+            kinds = [((*s, s[1]), True) for s in self.plan.decode_shapes()]
+            kinds += [((*s, s[1]), False) for s in self.plan.mixed_shapes()]
+            kinds += [(s, False) for s in self.plan.verify_shapes()]
         else:
-            kinds = [((t, b), t == b) for t, b in shapes]
-        for (t, b), decode_only in kinds:
-            packed = empty_step(self.plan, t, b, self.vocab_size, decode_only)
+            kinds = [((s[0], s[1], s[1]), s[0] == s[1]) if len(s) == 2 else (tuple(s), False)
+                     for s in shapes]
+        for (t, b, r), decode_only in kinds:
+            packed = empty_step(self.plan, t, b, self.vocab_size, decode_only, num_rows=r)
             flat = flatten_step(packed.batch)
             if self.announce is not None:
                 self.announce(flat, packed.flags, False, True)
@@ -489,7 +501,7 @@ class ModelRunner:
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
         outs = self.launch(flatten_step(packed.batch), packed.flags, calc, defer=True)
-        self._prev_rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.sample}
+        self._prev_rows = _last_rows(scheduled, None)
         self.last_pack_s = t1 - t0
         return DeferredStep(packed, outs, t1)
 
@@ -512,7 +524,7 @@ class ModelRunner:
         outs, self.last_tokens = self._jit_sample(step.outs[0], flat, self._buffer(),
                                                   flags=flags)
         self.num_deferred += 1
-        return PendingStep((*outs, *step.outs[1:]), packed.num_seqs, step.t_dispatch, self,
+        return PendingStep((*outs, *step.outs[1:]), packed.num_rows, step.t_dispatch, self,
                            packed.prompt_spans)
 
     def dispatch(self, scheduled: Sequence[Any], token_masks: np.ndarray | None = None
@@ -526,10 +538,10 @@ class ModelRunner:
         with k proposals has k + 1 of them (one per position it scores).
         """
         t0 = time.perf_counter()
-        # Rows with proposals: one single-token row per position to score (expand_verified);
-        # token_masks come by those rows (StructuredOutputManager.token_masks).
-        scheduled, first_rows, priors = expand_verified(scheduled)
-        packed = self.input_batch.pack(scheduled, self._prev_rows, token_masks, priors)
+        # A request verifying k proposals is one sequence of k + 1 tokens sampled at each of
+        # them (k + 1 rows, `step_rows`); token_masks come by those rows
+        # (StructuredOutputManager.token_masks).
+        packed = self.input_batch.pack(scheduled, self._prev_rows, token_masks)
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
         flat = flatten_step(packed.batch)
@@ -539,6 +551,7 @@ class ModelRunner:
         if calc:
             logger.info("fp8 KV scales from the first batch: k=%s v=%s",
                         np.asarray(self.kv.k_scale).tolist(), np.asarray(self.kv.v_scale).tolist())
-        self._prev_rows = {s.request.request_id: i for i, s in enumerate(scheduled) if s.sample}
+        self._prev_rows = _last_rows(scheduled, packed.first_rows)
         self.last_pack_s = t1 - t0  # host seconds packing the batch
-        return PendingStep(outs, packed.num_seqs, t1, self, packed.prompt_spans, first_rows)
+        return PendingStep(outs, packed.num_rows, t1, self, packed.prompt_spans,
+                           packed.first_rows)

@@ -368,7 +368,7 @@ class ProcessGroup:
         self.channel.send({"op": "step", "shape": [flat.num_tokens, flat.num_seqs,
                                                    flat.max_blocks, flat.history_len,
                                                    flat.bias_len, flat.mask_words,
-                                                   flat.plp_len],
+                                                   flat.plp_len, flat.num_rows],
                            "flags": dataclasses.asdict(flags), "calc": calc_scales,
                            "scratch": scratch}, flat.ints, flat.floats)
 
@@ -432,8 +432,9 @@ def decode_step(header: dict[str, Any], buffers: list[bytes]) -> tuple[FlatStep,
     from jpaged.runner.batch import FlatStep
     from jpaged.runner.sampler import SamplingFlags
 
-    t, b, m, h, k, w, p = header["shape"]
+    t, b, m, h, k, w, p, r = header["shape"]
     ints = np.frombuffer(buffers[0], np.int32)
     floats = np.frombuffer(buffers[1], np.float32)
-    return (FlatStep(ints, floats, t, b, m, h, bias_len=k, mask_words=w, plp_len=p),
+    return (FlatStep(ints, floats, t, b, m, h, bias_len=k, mask_words=w, plp_len=p,
+                     num_rows=r),
             SamplingFlags(**header["flags"]))

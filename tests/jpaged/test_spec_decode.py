@@ -177,6 +177,45 @@ def test_a_proposer_error_fails_only_its_request(engines, monkeypatch):
     assert good.finish_reason == "length" and len(good.token_ids) == 40
 
 
+def test_warm_verifying_shapes_compile_nothing_more():
+    """warmup() compiles the plan's verifying shapes (T = R rows of B sequences) beside the
+    decode and mixed ones; speculating afterwards compiles no step program, and each
+    verifying step packs one sequence of k + 1 tokens a request."""
+    llm = make_llm(tiny(), max_model_len=96, max_num_seqs=2, max_num_batched_tokens=64,
+                   block_size=8, num_gpu_blocks_override=30, async_scheduling=False,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 1,
+                                       "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    runner = llm.llm_engine.runner
+    plan = runner.plan
+    assert plan.verify_shapes() == [(2, 1, 2), (2, 2, 2), (4, 1, 4), (4, 2, 4)]
+    # On XLA a decode and a mixed step of one shape are one program; so is (2, 2, 2).
+    keys = ({(t, b, b) for t, b in plan.decode_shapes()}
+            | {(t, b, b) for t, b in plan.mixed_shapes()} | set(plan.verify_shapes()))
+    assert runner.warmup() == len(keys) == 7
+    packed = []
+    pack = runner.input_batch.pack
+
+    def spy(scheduled, *args, **kw):
+        out = pack(scheduled, *args, **kw)
+        packed.append(out)
+        return out
+
+    runner.input_batch.pack = spy
+    rng = np.random.default_rng(2)
+    pattern = rng.integers(3, 200, 5).tolist()
+    prompts = [{"prompt_token_ids": (pattern * 6)[:n]} for n in (12, 23)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                 use_tqdm=False)
+    assert runner.num_compiled == 7
+    verifying = [p for p in packed if p.first_rows is not None]
+    assert verifying and llm.llm_engine.get_metrics()["spec_decode_num_drafts"] > 0
+    for p in verifying:
+        q = p.batch.query_start_loc
+        assert p.num_rows == p.num_tokens > p.num_seqs
+        q_lens = set((q[1:p.num_seqs + 1] - q[:p.num_seqs]).tolist())
+        assert 2 in q_lens and q_lens <= {1, 2}  # k + 1 = 2 for a verifying request
+
+
 @pytest.mark.parametrize("value, match", [
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),

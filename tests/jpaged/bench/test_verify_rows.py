@@ -1,5 +1,5 @@
 """The verifying step of jpaged/bench/verify_rows.py: laid out as the engine's own verification
-lays out the same requests (scheduler, expand_verified, the runner's persistent batch), beside
+lays out the same requests (scheduler, the runner's persistent batch), beside
 the plain decode step of the same sequences; its refusals and its timed row's fields."""
 
 from __future__ import annotations
@@ -24,36 +24,37 @@ from jpaged.bench.verify_rows import (  # noqa: E402
     verify_table,
 )
 from jpaged.request import Request  # noqa: E402
-from jpaged.runner.batch import BucketPlan, expand_verified  # noqa: E402
+from jpaged.runner.batch import BucketPlan  # noqa: E402
 from jpaged.runner.input_batch import InputBatch  # noqa: E402
 
 VOCAB = 1000
 
 
 def _layout(packed, context_len: int, batch: int, k: int, bs: int) -> None:
-    """Row j of sequence i at position context_len - 1 + j, seq_len position + 1, on the
-    sequence's block table, its K/V slot in that table, its own logits row."""
+    """Sequence i: k + 1 new tokens at positions context_len - 1 .. context_len - 1 + k on its
+    own block table, seq_len context_len + k, a K/V slot for every token; a sampled row at
+    every token (k = 0: the plain decode step, one token and row a sequence)."""
     b, rows = packed.batch, batch * (k + 1)
-    assert packed.num_seqs == packed.num_tokens == rows and packed.flags.decode_only
+    assert packed.num_seqs == batch and packed.num_tokens == packed.num_rows == rows
+    assert packed.flags.decode_only == (k == 0)
     pos = np.tile(np.arange(context_len - 1, context_len + k), batch)
-    assert (b.positions[:rows] == pos).all() and (b.seq_lens[:rows] == pos + 1).all()
-    assert (b.seq_lens[rows:] == 0).all() and (b.slot_mapping[rows:] == -1).all()
-    tables = b.block_tables[:rows]
-    for i in range(batch):  # every row of a sequence on its table, tables distinct
-        seq = tables[i * (k + 1):(i + 1) * (k + 1)]
-        assert (seq == seq[0]).all()
-    first = tables[::k + 1]
-    assert len({tuple(t) for t in first}) == batch
-    assert (b.slot_mapping[:rows] == tables[np.arange(rows), pos // bs] * bs + pos % bs).all()
-    assert len(set(b.slot_mapping[:rows].tolist())) == rows  # a slot for every row
-    assert (b.query_start_loc[:rows + 1] == np.arange(rows + 1)).all()
+    assert (b.positions[:rows] == pos).all()
+    assert (b.seq_lens[:batch] == context_len + k).all() and (b.seq_lens[batch:] == 0).all()
+    assert (b.slot_mapping[rows:] == -1).all()
+    assert (b.query_start_loc[:batch + 1] == np.arange(batch + 1) * (k + 1)).all()
+    assert (b.query_start_loc[batch:] == rows).all()
+    tables = b.block_tables[:batch]
+    assert len({tuple(t) for t in tables}) == batch  # tables distinct
+    seq = np.repeat(np.arange(batch), k + 1)
+    assert (b.slot_mapping[:rows] == tables[seq, pos // bs] * bs + pos % bs).all()
+    assert len(set(b.slot_mapping[:rows].tolist())) == rows  # a slot for every token
     assert (b.logits_indices[:rows] == np.arange(rows)).all()
 
 
 @pytest.mark.parametrize(("batch", "k"), [(1, 3), (2, 2)])
 def test_layout_is_the_engines_own_verification(batch, k):
     """The same requests through the scheduler (prefill, one token, then k proposals each)
-    and the runner's path (expand_verified, the persistent InputBatch) pack the same arrays,
+    and the runner's path (the persistent InputBatch) pack the same arrays,
     field for field, as the bench's requests on the blocks the scheduler chose."""
     ctx, bs = 10, 4
     ours = verify_requests(batch, k, ctx, VOCAB, seed=3)
@@ -72,12 +73,12 @@ def test_layout_is_the_engines_own_verification(batch, k):
     out = sched.schedule()
     assert [len(s.spec_token_ids) for s in out.scheduled] == [k] * batch
     plan = BucketPlan(batch, 64, 64, bs, num_speculative_tokens=k)
-    rows, _, priors = expand_verified(out.scheduled)
-    want = InputBatch(plan, bs, VOCAB, default_seed=5).pack(rows, None, None, priors)
+    want = InputBatch(plan, bs, VOCAB, default_seed=5).pack(out.scheduled)
     ids = np.asarray([s.block_ids[0] for s in out.scheduled])
     got = pack_verify(verify_scheduled(ours, ids), plan, bs, VOCAB, 5)
-    assert (got.num_seqs, got.num_tokens, got.flags) == (want.num_seqs, want.num_tokens,
-                                                         want.flags)
+    assert (got.num_seqs, got.num_tokens, got.num_rows, got.flags, got.first_rows) == (
+        want.num_seqs, want.num_tokens, want.num_rows, want.flags, want.first_rows)
+    assert got.first_rows == list(range(0, batch * (k + 1), k + 1))
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
                             jax.tree_util.tree_leaves(want.batch), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape, path
@@ -91,7 +92,9 @@ def test_pair_on_a_runner_and_its_refusals(runner):
     verify, decode = verify_pair(runner, 1, 3, 20)
     _layout(verify, 20, 1, 3, 8)
     _layout(decode, 20, 1, 0, 8)
-    assert verify.batch.input_ids.shape[0] == 4  # the runner's decode bucket of 4 rows
+    # The runner's decode bucket of 4 rows, one sequence; the decode step one row.
+    assert verify.batch.input_ids.shape[0] == verify.batch.logits_indices.shape[0] == 4
+    assert verify.batch.seq_lens.shape[0] == 1
     assert decode.batch.input_ids.shape[0] == 1
     # The same sequence on the same blocks; the decode step's table lacks no block it reads.
     assert (decode.batch.block_tables[0, :3] == verify.batch.block_tables[0, :3]).all()

@@ -149,3 +149,89 @@ def test_a_fed_token_without_a_previous_row_is_refused():
     while s.has_unfinished_requests():
         sim.step()
     assert sim.checked > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_verifying_steps_pack_like_pack_step(seed):
+    """Steps that verify proposals (beside prompt chunks and plain decodes, with penalties,
+    seeds, min_tokens and logit_bias) pack the same both ways: one sequence of k + 1 tokens a
+    verifying request, a sampled row at each token, its rows' counters and penalty history
+    counting the proposals before them; the step's shape is the plan's."""
+    from test_scheduler_spec import SpecDriver
+
+    rng = np.random.default_rng(seed)
+    sched = make_scheduler(40, block_size=4, max_num_seqs=4, max_num_batched_tokens=32,
+                           max_model_len=96)
+    sched.max_rows = 16
+    plan = BucketPlan(4, 32, 96, 4, num_speculative_tokens=3)
+    assert plan.max_rows == 16
+    batch = InputBatch(plan, 4, VOCAB, default_seed=5)
+    seen = {"verify": 0, "verify_mixed": 0}
+    schedule = sched.schedule
+
+    def packing_schedule():
+        out = schedule()
+        batch.remove(out.finished_request_ids)
+        batch.remove(out.preempted)
+        if not out.scheduled:
+            return out
+        got = batch.pack(out.scheduled)
+        want = pack_step(out.scheduled, plan, 4, VOCAB, 5)
+        assert (got.num_seqs, got.num_tokens, got.num_rows, got.flags, got.first_rows) == (
+            want.num_seqs, want.num_tokens, want.num_rows, want.flags, want.first_rows)
+        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
+                                jax.tree_util.tree_leaves(want.batch), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, path
+            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+        back = unflatten_step(flatten_step(got.batch))
+        for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(got.batch),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+        spec = [len(s.spec_token_ids) for s in out.scheduled]
+        if not any(spec):
+            assert got.first_rows is None and got.num_rows == got.num_seqs
+            return out
+        b = got.batch
+        t, bb, r = (b.input_ids.shape[0], b.seq_lens.shape[0], b.logits_indices.shape[0])
+        assert (t, bb, r) == plan.pick_step(got.num_tokens, got.num_seqs, got.num_rows)
+        assert not got.flags.decode_only
+        mixed = got.num_tokens != got.num_rows
+        seen["verify_mixed" if mixed else "verify"] += 1
+        if not mixed:
+            assert (t, bb, r) in plan.verify_shapes()
+        assert got.num_rows == sum(k + 1 if k else 1 for k in spec)
+        qsl = b.query_start_loc
+        for i, (s, k) in enumerate(zip(out.scheduled, spec, strict=True)):
+            first = got.first_rows[i]
+            assert qsl[i + 1] - qsl[i] == s.num_tokens
+            rows = range(first, first + (k + 1 if k else 1))
+            want_idx = (range(qsl[i], qsl[i + 1]) if k else [qsl[i + 1] - 1])
+            assert b.logits_indices[list(rows)].tolist() == list(want_idx)
+            base = s.request.num_output_tokens + s.request.num_output_placeholders
+            assert b.sampling.counters[list(rows)].tolist() == [base + j for j in
+                                                               range(len(rows))]
+        return out
+
+    sched.schedule = packing_schedule
+    update = sched.update_from_output
+
+    def truncating_update(out, *args, **kw):  # as the engine: tables lose rejected blocks
+        res = update(out, *args, **kw)
+        for s in out.scheduled:
+            if s.spec_token_ids:
+                rid = s.request.request_id
+                batch.truncate(rid, sched.kv_cache_manager.num_positions(rid))
+        return res
+
+    sched.update_from_output = truncating_update
+    for i in range(8):
+        prompt = rng.integers(0, 900, size=int(rng.integers(3, 40))).tolist()
+        sp = {}
+        if i % 3 == 1:
+            sp = dict(temperature=0.7, seed=i, repetition_penalty=1.2, min_tokens=3,
+                      stop_token_ids=[11])
+        elif i % 3 == 2:
+            sp = dict(logit_bias={3: 2.0}, logprobs=1)
+        sched.add_request(make_request(f"v{i}", prompt, int(rng.integers(6, 30)), **sp))
+    SpecDriver(sched, seed, max_k=3).run()
+    assert seen["verify"] > 0 and seen["verify_mixed"] > 0, seen
