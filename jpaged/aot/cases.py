@@ -45,6 +45,9 @@ from pallas_kernels.backend import select_backend
 # (256, 256), are compiled as decode steps only.
 TOP_FLAGS = SamplingFlags(top_logprobs=True)
 DECODE_FLAGS = SamplingFlags(decode_only=True)
+# A verifying step (speculative decoding) as a batch without logprobs runs it: the default
+# step, its attention the tiled ragged kernel (several new tokens a sequence).
+VERIFY_FLAGS = SamplingFlags()
 
 # Meta-Llama-3-8B's config.json fields that shape the model (no weights are needed).
 LLAMA3_8B_CONFIG: dict[str, Any] = {
@@ -64,7 +67,18 @@ GEMMA3_270M_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 32768, "hidden_activation": "gelu_pytorch_tanh",
     "bos_token_id": 2, "eos_token_id": 1, "torch_dtype": "bfloat16",
 }
-MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m")
+# meta-llama/Llama-3.2-1B's config.json shapes: Llama 3's tokenizer and vocabulary, so it
+# drafts for Llama-3-8B (speculative decoding's `draft_model`; `make gpu-aot --spec`).
+LLAMA32_1B_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 2048,
+    "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+    "rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    "max_position_embeddings": 131072, "tie_word_embeddings": True, "bos_token_id": 128000,
+    "eos_token_id": 128001, "torch_dtype": "bfloat16",
+}
+MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m", "llama3.2-1b")
 # Weights kept quantized on the device (models/quant.py), besides the model dtype's: "fp8" per
 # output channel (`--quantization fp8`: every decoder linear, embeddings and head unchanged),
 # "int4" in groups of 128 with float16 scales and mins (the layout of the GPTQ and AWQ 4-bit
@@ -72,7 +86,8 @@ MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m")
 # `lm_head`, as a GGUF's head is quantized too; the head runs on the decode kernels).
 WEIGHTS = ("fp8", "int4")
 INT4_GROUP = 128
-_CONFIGS = {"llama3-8b": LLAMA3_8B_CONFIG, "gemma3-270m": GEMMA3_270M_CONFIG}
+_CONFIGS = {"llama3-8b": LLAMA3_8B_CONFIG, "gemma3-270m": GEMMA3_270M_CONFIG,
+            "llama3.2-1b": LLAMA32_1B_CONFIG}
 
 # XLA's short names of the pool storage dtypes.
 _XLA_DTYPE = {"uint8": "u8", "uint16": "u16", "bfloat16": "bf16", "float16": "f16",
@@ -273,13 +288,16 @@ class StepBuilder:
         return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
                                     sharding=NamedSharding(self.parallel.mesh, P()))
 
-    def lower_step(self, tokens: int, seqs: int, flags: SamplingFlags = TOP_FLAGS) -> Any:
-        """The engine step of bucket shape (tokens, seqs), lowered (call inside the target's
-        lowering context for abstract GPUs); by default the variant with top candidates."""
+    def lower_step(self, tokens: int, seqs: int, flags: SamplingFlags = TOP_FLAGS,
+                   num_rows: int | None = None) -> Any:
+        """The engine step of bucket shape (tokens, seqs[, sampled rows: default seqs]),
+        lowered (call inside the target's lowering context for abstract GPUs); by default the
+        variant with top candidates."""
         r = self.runner
         batch = jax.tree.map(self._step_input,
                              flatten_step(empty_step(self.plan, tokens, seqs,
-                                                     self.spec.vocab_size).batch))
+                                                     self.spec.vocab_size,
+                                                     num_rows=num_rows).batch))
         return r._jit_step.trace(r.params, r.kv, batch, self._step_input(r.last_tokens_spec()),
                                  flags=flags, calc_scales=False).lower(
             lowering_platforms=(self.platform,))

@@ -32,8 +32,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="only the decode shapes (batch 1, 16, 64, 256) of every configuration")
     p.add_argument("--spec", action="store_true",
                    help="the verifying steps of speculative decoding (batch 1, 16 x k = 1, 2, "
-                        "4, 8 proposals: decode steps of B*(k+1) rows) of every configuration, "
-                        "under 'spec_verify'; with --decode or --quick, those cases too")
+                        "4, 8 proposals: ragged steps of B sequences of k + 1 tokens), the "
+                        "plain decode step of each batch and a draft model's proposal steps "
+                        "(Llama-3.2-1B for Llama-3-8B) of every configuration, under "
+                        "'spec_verify' and 'spec_cycles'; with --decode or --quick, those "
+                        "cases too")
     p.add_argument("--only", help="only configurations whose model[-weights]/kv_dtype/backend/"
                                   "tp<N> contains this (or one of these, comma-separated), "
                                   "e.g. llama3-8b/bfloat16/pallas/tp1,llama3-8b-int4")
@@ -76,12 +79,14 @@ def main(argv: list[str] | None = None) -> int:
               f"CPU {s.get('activation_bytes_cpu_probe')} estimate "
               f"{s['estimate_activation_bytes']}; blocks {s['num_blocks']} "
               f"(estimate {s['estimate_num_blocks']})")
-    from jpaged.aot.markdown import hbm_table, programs, spec_table
+    from jpaged.aot.markdown import cycle_table, hbm_table, programs, spec_table
 
     if doc["cases"]:
         print(hbm_table(doc))
     if doc.get("spec_verify"):
         print(spec_table(doc))
+    if doc.get("spec_cycles"):
+        print(cycle_table(doc))
     print(f"gpu_aot: {programs(doc)} programs, {len(doc['problems'])} problems, "
           f"{doc['wall_s']} s (jax {doc['jax_version']})")
     for line in doc["problems"]:

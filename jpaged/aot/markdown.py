@@ -83,26 +83,48 @@ def prediction_table(doc: dict[str, Any], model: str = "llama3-8b",
 
 
 def spec_table(doc: dict[str, Any]) -> str:
-    """Per verifying step of speculative decoding (`spec_verify`: B sequences, k proposals
-    each, a decode step of `rows` rows) and context: launches, bytes moved, both minima (each
-    row its own context; each sequence's context once) and their ratios, predicted time."""
+    """Per verifying step of speculative decoding (`spec_verify`: B sequences of k + 1 new
+    tokens, `rows` sampled rows, its sequences padded to `seqs_bucket`) and context: launches,
+    bytes moved, the least it could move and their ratio, the least the same step would move
+    as single-token rows (each its own context read) against what it moves, predicted time."""
     bw = doc.get("hbm_bytes_per_s")
     lines = [f"HBM traffic per verifying step (peak {bw / 1e12:.1f} TB/s)" if bw else
              "HBM traffic per verifying step", "",
-             "| model | KV | path | tp | B | k | B(k+1) | rows | context | launches | graphs | "
-             "HBM GB | min GB (rows) | ratio | min GB (verify) | ratio_verify | ms @ peak |",
-             "|---" * 17 + "|"]
+             "| model | KV | path | tp | B | k | B(k+1) | rows | seqs | context | launches | "
+             "graphs | HBM GB | min GB | ratio | min GB as rows | as rows / HBM | ms @ peak |",
+             "|---" * 18 + "|"]
     for c in doc.get("spec_verify", []):
-        if c.get("hbm_bytes") is None:
+        if c.get("hbm_bytes") is None or c.get("program", "spec_verify") != "spec_verify":
             continue
         lines.append(
             f"| {_model(c)} | {c['kv_cache_dtype']} | {c['backend']} | "
             f"{c['tensor_parallel_size']} | {c['batch']} | {c['k']} | "
-            f"{c['tokens_per_step_max']} | {c['rows']} | {c['context_len']} | "
+            f"{c['tokens_per_step_max']} | {c['rows']} | {_dash(c.get('seqs_bucket'))} | "
+            f"{c['context_len']} | "
             f"{_dash(c.get('kernels_per_step'))} | {_dash(c.get('command_buffers'))} | "
             f"{_gb(c['hbm_bytes'])} | {_gb(c['min_hbm_bytes'])} | {c['traffic_ratio']:.2f} | "
-            f"{_gb(c['min_hbm_bytes_verify'])} | {c['traffic_ratio_verify']:.2f} | "
+            f"{_gb(c['min_hbm_bytes_rows'])} | {c['rows_ratio']:.2f} | "
             f"{c['predicted_step_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def cycle_table(doc: dict[str, Any]) -> str:
+    """Per speculation cycle (`spec_cycles`: B sequences, k proposals, a context): the plain
+    decode step's bytes, the verifying step's, and the tokens a cycle must yield a sequence to
+    move no more than the decode steps it replaces, without a draft and with the draft's
+    catch-up and k - 1 single-token steps."""
+    lines = ["Bytes of a speculation cycle against plain decode", "",
+             "| model | KV | tp | B | k | context | decode GB | verify GB | break-even tokens | "
+             "draft | draft cycle GB | break-even tokens (draft) |",
+             "|---" * 12 + "|"]
+    for c in doc.get("spec_cycles", []):
+        draft = c.get("draft_cycle_hbm_bytes")
+        lines.append(
+            f"| {_model(c)} | {c['kv_cache_dtype']} | {c['tensor_parallel_size']} | "
+            f"{c['batch']} | {c['k']} | {c['context_len']} | {_gb(c['decode_hbm_bytes'])} | "
+            f"{_gb(c['verify_hbm_bytes'])} | {c['break_even_tokens']:.2f} | "
+            f"{c.get('draft_model') or '-'} | {'-' if draft is None else _gb(draft)} | "
+            f"{_dash(c.get('break_even_tokens_draft'))} |")
     return "\n".join(lines)
 
 
@@ -202,4 +224,6 @@ def render(doc: dict[str, Any]) -> str:
               sizing_table(doc), hbm_table(doc), prediction_table(doc)]
     if doc.get("spec_verify"):
         tables.append(spec_table(doc))
+    if doc.get("spec_cycles"):
+        tables.append(cycle_table(doc))
     return "\n\n".join(tables)

@@ -40,6 +40,7 @@ from jpaged.aot.buffers import (
 from jpaged.aot.cases import (
     DECODE_FLAGS,
     TOP_FLAGS,
+    VERIFY_FLAGS,
     WEIGHTS,
     StepBuilder,
     engine_config,
@@ -56,7 +57,14 @@ from jpaged.aot.kernels import (
 )
 from jpaged.aot.launches import COMMAND_BUFFER_OPTIONS, LAUNCH_KEYS, StepShape, launch_fields
 from jpaged.aot.spec_verify import (
+    DRAFT_CATCH_UP_TOKENS,
+    DRAFT_MODELS,
+    SPEC_BATCHES,
+    base_shapes,
+    batch_rows_of,
+    cycle_rows,
     spec_engine_config,
+    step_hbm,
     verify_hbm,
     verify_rows_of,
     verify_shapes,
@@ -284,10 +292,13 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
     return rows, sizing
 
 
-def run_spec_config(cfg: Config, target: GpuTarget, ptxas: str | None, num_blocks: int
-                    ) -> list[dict[str, Any]]:
+def run_spec_config(cfg: Config, target: GpuTarget, ptxas: str | None, num_blocks: int,
+                    sizing: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The verifying steps of speculative decoding (`jpaged.aot.spec_verify`) at the sized
-    pool: one decode program per bucket of rows, one row per (B, k) and decode context."""
+    pool: one program per verifying bucket, one row per (B, k) and decode context; the plain
+    decode step of each B beside them; and the draft's proposal steps where the target has
+    one (`DRAFT_MODELS`, tensor parallel 1, unquantized), its pages in the pool's blocks
+    (`sizing`: the target's, whose KV budget the draft's pages share)."""
     spec = model_spec(cfg.model)
     bld = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
                       target.devices, cfg.tensor_parallel_size,
@@ -298,22 +309,58 @@ def run_spec_config(cfg: Config, target: GpuTarget, ptxas: str | None, num_block
             "tensor_parallel_size": cfg.tensor_parallel_size, "num_blocks": num_blocks,
             "pool_bytes": bld.pool_bytes}
     out = []
-    for rows, pairs in verify_shapes(bld.plan).items():
 
-        def analyze(text: str, pairs=pairs) -> list[dict[str, Any]]:
-            return [verify_hbm(text, bld, b, k, c) for b, k in pairs for c in DECODE_CONTEXTS]
-
-        row = {**base, "program": "spec_verify", "tokens": rows, "seqs": rows,
-               "max_model_len": bld.config.scheduler.max_model_len,
-               "top_logprobs": DECODE_FLAGS.top_logprobs}
-        # A verifying step is a pure decode step (T == B): the engine's decode flags.
+    def program(b: StepBuilder, head: dict[str, Any], name: str, tokens: int, seqs: int,
+                flags: Any, analyze: Callable[[str], list[dict[str, Any]]],
+                num_rows: int | None = None) -> dict[str, Any]:
+        row = {**head, "program": name, "tokens": tokens, "seqs": seqs,
+               "max_model_len": b.config.scheduler.max_model_len,
+               "top_logprobs": flags.top_logprobs}
         row.update(compile_lowered(
-            lambda rows=rows: bld.lower_step(rows, rows, DECODE_FLAGS), True, ptxas,
-            bld.pool_shape(), target=target, analyze=analyze, options=dict(cfg.xla_options),
-            step=StepShape(rows, spec.hidden_size, spec.num_layers)))
-        for r in verify_rows_of(row, pairs, rows, DECODE_CONTEXTS, HBM_KEYS):
+            lambda: b.lower_step(tokens, seqs, flags, num_rows=num_rows), True, ptxas,
+            b.pool_shape(), target=target, analyze=analyze, options=dict(cfg.xla_options),
+            step=StepShape(tokens, b.spec.hidden_size, b.spec.num_layers)))
+        return row
+
+    def emit(rows: list[dict[str, Any]]) -> None:
+        for r in rows:
             out.append(r)
             _log_row(r)
+
+    for (rows, seqs), pairs in verify_shapes(bld.plan).items():
+        # A verifying step: T = R rows of `seqs` sequences, the tiled ragged attention.
+        row = program(bld, base, "spec_verify", rows, seqs, VERIFY_FLAGS,
+                      lambda text, pairs=pairs: [verify_hbm(text, bld, b, k, c)
+                                                 for b, k in pairs for c in DECODE_CONTEXTS],
+                      num_rows=rows)
+        emit(verify_rows_of(row, pairs, rows, DECODE_CONTEXTS, HBM_KEYS, seqs))
+    plain = [(bld, base, "spec_decode_base", 1)]
+    draft = DRAFT_MODELS.get(cfg.model)
+    if draft is not None and cfg.tensor_parallel_size == 1 and cfg.weights is None:
+        dspec = model_spec(draft)
+        dblocks = num_blocks
+        if sizing is not None:  # the pool's blocks hold both models' pages
+            probe = StepBuilder(dspec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, 1)
+            per_block = probe.pool_bytes
+            dblocks = sizing["kv_budget_bytes"] // (sizing["bytes_per_block"] + per_block)
+        dbld = StepBuilder(dspec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, dblocks,
+                           target.devices, 1,
+                           spec_engine_config(dspec, max_model_len=max(DECODE_CONTEXTS)))
+        dbase = {**base, "model": draft, "draft_for": cfg.model, "num_blocks": dblocks,
+                 "pool_bytes": dbld.pool_bytes}
+        plain += [(dbld, dbase, "draft_decode", 1),
+                  (dbld, dbase, "draft_catch_up", DRAFT_CATCH_UP_TOKENS)]
+    for b, head, name, per_seq in plain:
+        for (t, seqs), batches in base_shapes(b.plan, SPEC_BATCHES, per_seq).items():
+            flags = DECODE_FLAGS if t == seqs else VERIFY_FLAGS
+
+            def analyze(text: str, b=b, batches=batches, per_seq=per_seq
+                        ) -> list[dict[str, Any]]:
+                return [step_hbm(text, b, n, per_seq, c) for n in batches
+                        for c in DECODE_CONTEXTS]
+
+            row = program(b, head, name, t, seqs, flags, analyze)
+            emit(batch_rows_of(row, batches, DECODE_CONTEXTS, HBM_KEYS))
     return out
 
 
@@ -475,7 +522,7 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False,
                                  cpu_probe=probe, sized=sized)
             cases += rows
         if spec:
-            verify += run_spec_config(cfg, target, ptxas, sized[0])
+            verify += run_spec_config(cfg, target, ptxas, sized[0], sized[1])
         sizing.append(sized[1])
     mode = "decode" if decode_only else "quick" if quick else "full" if steps else ""
     if spec:
@@ -486,4 +533,5 @@ def run(quick: bool, only: str | None = None, decode_only: bool = False,
            "cases": cases, "sizing": sizing, "problems": check_rows(cases + verify)}
     if spec:
         doc["spec_verify"] = verify
+        doc["spec_cycles"] = cycle_rows(verify)
     return doc

@@ -11,7 +11,8 @@ decode kernel `paged_decode_ppb{P}_ppp{Q}` reads, per
 sequence, its context rounded up to its P-page steps, and stores the f32 partials (acc, m, l)
 of the Q-page partitions holding a visible key, real query rows only; the tiled kernel
 `ragged_paged_qt{T}_ppb{P}` reads, per query tile of T tokens, the keys up to the tile's last
-position rounded up to P pages (each sequence prefilling tokens / seqs tokens from position 0).
+position rounded up to P pages (each sequence prefilling tokens / seqs tokens from position 0,
+or, in a verifying step, scoring them as the last of its context).
 The engine's steps launch one of the two (a decode step the split-K kernel); a kernel launched
 inactive anyway (the kernels' `decode_only=None` dispatch) reads no page, and the tiled one
 stores nothing then. Both attention kernels read K and V of their own kv heads only. The XLA
@@ -90,6 +91,9 @@ class StepTraffic:
     layer_windows: tuple[int | None, ...] = ()  # per layer (None: full); () = all full
     q_per_kv: int = 1  # query heads per KV head on this device
     model_bytes: int = 2  # bytes of one activation element (the model's dtype)
+    # A verifying step (speculative decoding): each sequence's tokens // seqs new tokens are
+    # the last of its context_len (its input token and proposals), each one a logits row.
+    verifying: bool = False
 
     @property
     def decode(self) -> bool:
@@ -132,10 +136,11 @@ class StepTraffic:
             if self.decode:  # launched inactive: no tile has a valid row
                 return KernelRule(0, 0, idle=True)
             qt, step = _param(name, "qt"), _param(name, "ppb") * self.block_size
-            n, w = max(1, self.tokens // self.seqs), _window(name)
-            # Tile j holds rows j*qt .. min((j+1)*qt, n)-1; its first row sees w keys back.
-            keys = sum(_reach(0 if w is None else j * qt - w + 1, min((j + 1) * qt, n), step)
-                       for j in range(cdiv(n, qt)))
+            n, w, at = max(1, self.tokens // self.seqs), _window(name), self.first_new
+            # Tile j holds rows j*qt .. min((j+1)*qt, n)-1 (positions from `at` on); its first
+            # row sees w keys back.
+            keys = sum(_reach(0 if w is None else at + j * qt - w + 1,
+                              at + min((j + 1) * qt, n), step) for j in range(cdiv(n, qt)))
             # It stores the real rows of its output tiles: every token's query heads, in the
             # model's dtype (f32 for fp8 pages, whose v_scale is applied after).
             out = 4 if self.page_bytes == 1 else self.model_bytes
@@ -163,9 +168,10 @@ class StepTraffic:
         w = None if m.group(5) is None else int(m.group(5))
         if self.decode:  # one token per sequence, at position context_len - 1
             spans = [(self.context_len - 1, self.context_len - 1)] * self.seqs
-        else:  # each sequence prefills tokens // seqs tokens from position 0
-            n = max(1, self.tokens // self.seqs)
-            spans = [(k * tile, min((k + 1) * tile, n) - 1) for k in range(cdiv(n, tile))]
+        else:  # each sequence's tokens // seqs new tokens, from position `first_new` on
+            n, at = max(1, self.tokens // self.seqs), self.first_new
+            spans = [(at + k * tile, at + min((k + 1) * tile, n) - 1)
+                     for k in range(cdiv(n, tile))]
             spans *= self.seqs
         need = []
         for first, last in spans:
@@ -174,22 +180,26 @@ class StepTraffic:
             need.append(end - start)
         return sum(cdiv(sum(1 for x in need if x > j), group) for j in range(n_chunks))
 
-    def min_hbm_bytes(self, logit_rows: int | None = None) -> int:
+    @property
+    def first_new(self) -> int:
+        """Position of each sequence's first new token: 0 (a prefill), or in a verifying
+        step context_len - tokens // seqs."""
+        return self.context_len - self.tokens // self.seqs if self.verifying else 0
+
+    def min_hbm_bytes(self) -> int:
         """Weights once, the attended K/V once (a sliding layer's window of it), the new K/V
-        written once, f32 logits once (of `logit_rows` rows; None: one per sequence)."""
+        written once, f32 logits once (a row per sequence; in a verifying step per token)."""
         windows = self.layer_windows or (None,) * self.num_layers
         attended = sum(self.context_len if w is None else min(w, self.context_len)
                        for w in windows)
         kv = 2 * self.row_bytes * (self.seqs * attended + self.num_layers * self.tokens)
-        rows = self.seqs if logit_rows is None else logit_rows
+        rows = self.tokens if self.verifying else self.seqs
         return self.param_bytes + kv + rows * self.vocab_size * 4
 
-    def min_hbm_bytes_verify(self, sequences: int) -> int:
-        """The least a verifying step moves (speculative decoding) when this decode case's
-        rows (tokens == seqs) are `sequences` sequences' k + 1 rows each: each sequence's
-        context read once (not once per row), every row's K/V written and its f32 logits
-        (one per position scored). Rows are counted at context_len, as the decode case's."""
-        return replace(self, seqs=sequences).min_hbm_bytes(logit_rows=self.tokens)
+    def min_hbm_bytes_rows(self) -> int:
+        """The least this verifying step would move laid out as one single-token sequence a
+        row (a decode step of its tokens): each row reads its sequence's context again."""
+        return replace(self, seqs=self.tokens, verifying=True).min_hbm_bytes()
 
     def fits_pool(self) -> bool:
         """Whether the pool holds every sequence's context at once."""
