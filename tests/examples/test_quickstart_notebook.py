@@ -21,7 +21,10 @@ def _kernelspec(root: Path, jax_cache: str) -> Path:
         "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "jpaged tests", "language": "python",
         "env": {"JAX_COMPILATION_CACHE_DIR": jax_cache,
-                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}}))
+                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+                # XLA's own optimization level, not the suite's -O0 (tests/conftest.py): the
+                # notebook's time is the embedded model's steps running, not compiling.
+                "JAX_DISABLE_MOST_OPTIMIZATIONS": "0"}}))
     return root
 
 

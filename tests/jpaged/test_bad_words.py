@@ -9,10 +9,14 @@ from helpers import make_llm
 
 from jpaged.sampling_params import SamplingParams
 
+# The embedded model's steps running are this module's time, not its compiles.
+pytestmark = pytest.mark.usefixtures("optimized_compiles")
+
 
 @pytest.fixture(scope="module")
 def llm():
-    # The structured-output tests' engine arguments: their compiled steps are reused.
+    # The structured-output tests' engine arguments and optimization level: their compiled
+    # steps are reused.
     return make_llm(max_model_len=512, max_num_seqs=64, max_num_batched_tokens=512)
 
 

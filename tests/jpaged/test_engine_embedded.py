@@ -11,7 +11,8 @@ from jpaged import SamplingParams
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.slow
+# The embedded model's steps running are this module's time, not its compiles.
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("optimized_compiles")]
 MAX_TOKENS = 10
 PARAGRAPH = ("The paged KV cache splits the keys and values of every sequence into fixed-size "
              "blocks. A block table maps each logical block to a physical block in a pool, so "

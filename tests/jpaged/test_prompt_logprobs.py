@@ -12,6 +12,9 @@ from helpers import embedded, hf_llama_twin, make_llm
 
 from jpaged.sampling_params import SamplingParams
 
+# The embedded model's steps running are this module's time, not its compiles.
+pytestmark = pytest.mark.usefixtures("optimized_compiles")
+
 
 @pytest.fixture(scope="module")
 def llm():

@@ -375,9 +375,14 @@ def test_a_draft_equal_to_the_target_accepts_every_greedy_proposal():
     assert m["spec_decode_num_accepted_tokens"] == m["spec_decode_num_draft_tokens"]
 
 
-def test_a_draft_with_another_vocabulary_is_refused(draft_dir):
-    from models.loader import embedded_gguf_path
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path):
+    """A tiny draft whose vocabulary is 20 tokens larger than the target's (a draft of
+    another model family differs the same way; a tiny one loads in a moment)."""
+    from tiny_models import random_weights, tiny_spec, write_hf_dir
 
+    spec = tiny_spec(max_position_embeddings=512, num_layers=1,
+                     vocab_size=tiny().spec.vocab_size + 20)
+    other = write_hf_dir(tmp_path / "other", spec, random_weights(spec, seed=7))
     with pytest.raises(ValueError, match="speculative_config.model: the draft's vocabulary"):
-        make_llm(tiny(), speculative_config={"model": str(embedded_gguf_path()),
-                                             "num_speculative_tokens": 2}, **BASE)
+        make_llm(tiny(), speculative_config={"model": str(other), "num_speculative_tokens": 2},
+                 **BASE)

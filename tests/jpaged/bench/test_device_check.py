@@ -100,13 +100,13 @@ def test_device_check_cpu_smoke(tmp_path):
     # ... and the twin's step (XLA's GEMMs) beside it.
     assert rows[1]["profile_xla"]["step_ms"] == rows[1]["ms_xla"]
     assert "decode profile (XLA's GEMMs) B=4 ctx=40" in log
-    # Speculative decoding's verifying step (B=1, k=3: 4 rows, the bucket the batch-4 rows
-    # compiled, so no new program) beside the plain decode step of its batch, same pool.
+    # Speculative decoding's verifying step (B=1, k=3: one sequence of 4 tokens and rows, a
+    # verifying program of its own) beside the plain decode step of its batch, same pool.
     verify = doc["decode"]["verify_rows"]
     assert [(r["kv_cache_dtype"], r["batch"], r["k"], r["rows"], r["bucket"], r["context_len"])
             for r in verify] == [("bfloat16", 1, 3, 4, 4, 40)], verify
     v = verify[0]
-    assert v["verify_ms"] > 0 and v["decode_ms"] > 0 and v["new_programs"] == 0
+    assert v["verify_ms"] > 0 and v["decode_ms"] > 0 and v["new_programs"] == 1
     assert v["break_even_accepted"] == v["ratio"] == round(v["verify_ms"] / v["decode_ms"], 3)
     assert doc["verify_rows"] == [{k: v[k] for k in (
         "kv_cache_dtype", "batch", "k", "rows", "bucket", "context_len", "verify_ms",

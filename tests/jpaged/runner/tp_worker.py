@@ -37,14 +37,14 @@ from jpaged.runner.batch import empty_step, flatten_step  # noqa: E402
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 SAMPLED = SamplingParams(temperature=0.9, top_p=0.8, top_k=50, seed=7, max_tokens=8)
-# The top-5 candidates' logprobs: a top-k over the (vocab-split) logits.
-TOP5 = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5)
+# The top-5 candidates' logprobs (a top-k over the (vocab-split) logits) of each new token,
+# and every prompt token's logprob and its 5 best candidates (an extra program of the step):
+# one request asks for both, so one program variant per step shape serves the two.
+TOP5 = SamplingParams(temperature=0.0, max_tokens=4, logprobs=5, prompt_logprobs=5)
 # Penalties, a logit bias and an allowed set: scatters into the (vocab-split) logits.
 SHAPED = SamplingParams(temperature=0.0, max_tokens=8, repetition_penalty=1.5,
                         frequency_penalty=0.5, logit_bias={7: 5.0, 299: 3.0, 150: -100.0},
                         allowed_token_ids=list(range(0, 300, 3)) + [7, 299])
-# Every prompt token's logprob and its 5 best candidates (an extra program of the step).
-PROMPT5 = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=5)
 TINY_PROMPTS = ["Hello there", "abc", "The quick brown fox jumps"]  # 11, 3, 25 byte tokens
 TINY_ARGS = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, block_size=8,
                  num_gpu_blocks_override=24)
@@ -105,12 +105,11 @@ def tiny_cases(out: dict) -> None:
         # the count above: penalties and biases are new programs).
         case["sampled"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, SAMPLED)]
         case["shaped"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS, SHAPED)]
+        top5 = llm.generate(TINY_PROMPTS, TOP5)
         case["top5"] = [[sorted((k, v.logprob) for k, v in step.items())
-                         for step in o.outputs[0].logprobs]
-                        for o in llm.generate(TINY_PROMPTS, TOP5)]
+                         for step in o.outputs[0].logprobs] for o in top5]
         case["prompt5"] = [[sorted((k, v.logprob) for k, v in pos.items())
-                            for pos in o.prompt_logprobs[1:]]
-                           for o in llm.generate(TINY_PROMPTS, PROMPT5)]
+                            for pos in o.prompt_logprobs[1:]] for o in top5]
         case["kv"] = kv_facts(llm)
         if tp > 1:
             case["collectives"] = collectives(llm, 16, 4)
