@@ -26,6 +26,20 @@ from jpaged.runner.input_batch import InputBatch  # noqa: E402
 VOCAB = 1000
 
 
+def _assert_same_batch(got, want) -> None:
+    """Every field of the two packed steps equal in dtype, shape and value, and what the
+    jitted step receives (two buffers) gives the same fields back."""
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
+                            jax.tree_util.tree_leaves(want.batch), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape, path
+        np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
+    back = unflatten_step(flatten_step(got.batch))
+    for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(got.batch),
+                    strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), b)
+
+
 class PackingSim(Sim):
     """Sim that packs every scheduled step both ways and compares the arrays."""
 
@@ -56,16 +70,7 @@ class PackingSim(Sim):
         self.bans += vals is not None and bool(np.isneginf(vals).any())
         # A pure decode step (one token per sequence) and only it says so.
         assert got.flags.decode_only == (got.num_tokens == got.num_seqs > 0)
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
-                                jax.tree_util.tree_leaves(want.batch), strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape, path
-            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
-        # What the jitted step receives: two buffers that give the same fields back.
-        back = unflatten_step(flatten_step(got.batch))
-        for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(got.batch),
-                        strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape
-            np.testing.assert_array_equal(np.asarray(a), b)
+        _assert_same_batch(got, want)
         assert self.batch.num_rows <= len(self.sched.requests)
         self.prev_rows = {s.request.request_id: i for i, s in enumerate(out.scheduled)
                           if s.sample}
@@ -179,14 +184,7 @@ def test_verifying_steps_pack_like_pack_step(seed):
         want = pack_step(out.scheduled, plan, 4, VOCAB, 5)
         assert (got.num_seqs, got.num_tokens, got.num_rows, got.flags, got.first_rows) == (
             want.num_seqs, want.num_tokens, want.num_rows, want.flags, want.first_rows)
-        for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got.batch),
-                                jax.tree_util.tree_leaves(want.batch), strict=True):
-            assert a.dtype == b.dtype and a.shape == b.shape, path
-            np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
-        back = unflatten_step(flatten_step(got.batch))
-        for a, b in zip(jax.tree_util.tree_leaves(back), jax.tree_util.tree_leaves(got.batch),
-                        strict=True):
-            np.testing.assert_array_equal(np.asarray(a), b)
+        _assert_same_batch(got, want)
         spec = [len(s.spec_token_ids) for s in out.scheduled]
         if not any(spec):
             assert got.first_rows is None and got.num_rows == got.num_seqs
