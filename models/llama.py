@@ -284,6 +284,10 @@ class LlamaModel(nnx.Module):
         return self.norm(x), attn_state
 
 
+def _is_fp8(dtype: Any) -> bool:
+    return jnp.dtype(dtype).itemsize == 1 and jnp.issubdtype(dtype, jnp.floating)
+
+
 class ScannedLayers(nnx.Module):
     """Every decoder layer as one DecoderLayer whose Params carry a leading layer axis, run by
     `lax.scan` with a traced layer index: the layout for XLA:CPU (see `stack_layers`)."""
@@ -303,9 +307,19 @@ class ScannedLayers(nnx.Module):
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """All layers in order; returns (x, attn_state after the last layer)."""
         layer_def, stacked = nnx.split(self.layer)
+        # XLA:CPU widens a whole fp8 array to float16 before it slices one layer out (all the
+        # layers' weights converted in every iteration: 5x the step of 30 fp8 layers). The scan
+        # slices them as bytes (a bitcast) and each layer reads its slice back as fp8.
+        dtypes = jax.tree.map(lambda a: a.dtype, stacked)
+        stacked = jax.tree.map(
+            lambda a: jax.lax.bitcast_convert_type(a, jnp.uint8) if _is_fp8(a.dtype) else a,
+            stacked)
 
         def body(carry: tuple[Any, Any, jax.Array], layer_state: Any) -> tuple[Any, None]:
             h, state, i = carry
+            layer_state = jax.tree.map(
+                lambda a, d: jax.lax.bitcast_convert_type(a, d) if _is_fp8(d) else a,
+                layer_state, dtypes)
             h, state = nnx.merge(layer_def, layer_state)(h, cos, sin, i, attn_fn, state,
                                                          linears)
             return (h, state, i + 1), None

@@ -3,6 +3,8 @@ models that equal their dequantized twins, fp8 at load, checkpoints, planning, b
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import jax
 import jax.numpy as jnp
@@ -13,6 +15,7 @@ from flax import nnx
 from tiny_models import jpaged_logits, random_weights, relative_error, tiny_spec, write_gguf
 
 from models import quant
+from models.attention import dense_causal_attention
 from models.gguf_quant import DECODERS, LAYOUTS, decode, device_bytes, to_weight
 from models.llama import stack_layers
 from models.loader import load_model
@@ -145,6 +148,37 @@ def test_fp8_per_channel_error_is_bounded():
     assert np.all(back[:, 7] == 0)
 
 
+def test_fp8_scale_search_beats_absmax_channel_by_channel(monkeypatch):
+    rng = np.random.default_rng(4)
+    # heavy-tailed channels of different magnitudes, as trained weights are
+    w = (rng.standard_t(4, (96, 33)) * rng.uniform(0.01, 5, 33)).astype(np.float32)
+    w[:, 5] = 0.0
+    plain, searched = quantize_fp8(w, candidates=1), quantize_fp8(w)
+    amax = np.abs(w).max(0, keepdims=True)
+    # one candidate is absmax scaling: the largest value of each channel lands on 448
+    want = (w / np.where(amax > 0, amax / 448, 1)).astype(ml_dtypes.float8_e4m3fn)
+    np.testing.assert_array_equal(plain.q.view(np.uint8), want.view(np.uint8))
+    np.testing.assert_allclose(plain.scales, np.where(amax > 0, amax / 448, 1), rtol=3e-7)
+    # every searched scale lies in the octave above absmax's; no channel's error grows
+    live = amax > 0
+    assert np.all(searched.scales[live] >= plain.scales[live])
+    assert np.all(searched.scales[live] < 2 * plain.scales[live])
+    err = [((dequantize_np(x) - w) ** 2).sum(0) for x in (plain, searched)]
+    assert np.all(err[1] <= err[0]) and err[1].sum() < 0.95 * err[0].sum()
+    assert searched.scales[0, 5] == 1 and np.all(dequantize_np(searched)[:, 5] == 0)
+    assert np.isfinite(searched.q.astype(np.float32)).all()
+    # an embedding's [V, K] table (k_axis 1) and a search in blocks of channels give the same
+    table = quantize_fp8(w.T.copy(), k_axis=1)
+    assert table.scales.shape == (33, 1)
+    np.testing.assert_array_equal(table.q.T.view(np.uint8), searched.q.view(np.uint8))
+    monkeypatch.setattr(quant, "FP8_SEARCH_ELEMENTS", 96 * 4)  # 4 channels a block, 1 padded
+    blocked = quantize_fp8(w)
+    np.testing.assert_array_equal(blocked.q.view(np.uint8), searched.q.view(np.uint8))
+    np.testing.assert_array_equal(blocked.scales, searched.scales)
+    with pytest.raises(ValueError, match="candidates must be >= 1"):
+        quantize_fp8(w, candidates=0)
+
+
 def test_bad_weights_are_named():
     w = _random_weight("int4", 64, 8, 32, True)
     with pytest.raises(ValueError, match="layer.x: int4 values must be uint8"):
@@ -214,6 +248,32 @@ def test_fp8_at_load_keeps_head_and_embedding(tiny_gguf):
         parent.kernel.set_value(jnp.asarray(dequantize_np(quantize_fp8(kernel))))
     for a, b in zip(jpaged_logits(got.model, SEQS), jpaged_logits(ref.model, SEQS), strict=True):
         assert relative_error(a, b) < 1e-5
+
+
+def test_fp8_layers_stacked_for_a_scan_are_sliced_as_bytes(tiny_gguf):
+    """XLA:CPU widens a whole stacked fp8 array to float16 before slicing a layer out of it
+    (every layer's weights converted in each iteration); the scan slices bytes instead, and
+    the stacked model gives the per-layer model's logits."""
+    got = load_model(str(tiny_gguf), "float32", quantization="fp8")
+    stacked = stack_layers(got.model)
+    graphdef, state = nnx.split(stacked)
+
+    def logits(state, ids, pos, seg):
+        m = nnx.merge(graphdef, state)
+        hidden, _ = m(ids, pos, dense_causal_attention(seg, pos, m.spec))
+        return m.compute_logits(hidden)
+
+    n = len(SEQS[0])
+    args = (jnp.asarray(SEQS[0], jnp.int32), jnp.arange(n, dtype=jnp.int32),
+            jnp.zeros(n, jnp.int32))
+    hlo = jax.jit(logits).lower(state, *args).compile().as_text()
+    layers = got.model.spec.num_layers
+    assert re.search(rf"u8\[{layers},\d+,\d+\]", hlo)  # the stacked fp8 kernels, as bytes
+    # (never widened whole: no float array of [layers, K, N]; the scales are [layers, 1, N])
+    assert not re.search(rf"f(16|32)\[{layers},\d{{2,}},\d+\]", hlo)
+    a = jpaged_logits(stacked, [SEQS[0]])[0]
+    b = jpaged_logits(got.model, [SEQS[0]])[0]
+    assert relative_error(a, b) < 1e-6
 
 
 def test_embedded_model_keeps_its_quantized_bytes(embedded):
