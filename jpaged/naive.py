@@ -18,6 +18,7 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from jpaged.runner.batch import default_sampling
 from jpaged.runner.kv_cache import kv_dtype
 from jpaged.runner.sampler import SamplingBatch, SamplingFlags, sample
 from jpaged.sampling_params import SamplingParams
@@ -150,16 +151,13 @@ class NaiveEngine:
         return bool(self.waiting) or any(r is not None for r in self.slots)
 
     def _sampling(self, rows: list[_Row | None]) -> tuple[SamplingBatch, SamplingFlags]:
-        n = len(rows)
-        temp = np.array([0.0 if r is None or r.params.greedy else r.params.temperature
-                         for r in rows], np.float32)
+        sb = default_sampling(len(rows), self.spec.vocab_size)
+        for i, r in enumerate(rows):
+            if r is not None:
+                sb.temperature[i] = 0.0 if r.params.greedy else r.params.temperature
+                sb.seeds[i] = r.params.seed or 0
+                sb.counters[i] = len(r.output)
         flags = SamplingFlags()
-        z = np.zeros(n, np.float32)
-        sb = SamplingBatch(temp, np.full(n, self.spec.vocab_size, np.int32), np.ones(n, np.float32),
-                           z, np.array([(r.params.seed or 0) if r else 0 for r in rows], np.uint32),
-                           np.array([len(r.output) if r else 0 for r in rows], np.int32),
-                           np.ones(n, np.float32), z, z, np.zeros((n, 0), np.int32),
-                           np.zeros((n, 0), bool))
         return sb, flags
 
     def _run(self, ids: np.ndarray, rows: np.ndarray, start: np.ndarray, q_len: np.ndarray,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -172,6 +172,18 @@ def is_decode_step(num_seqs: int, num_tokens: int) -> bool:
     return num_seqs > 0 and num_tokens == num_seqs
 
 
+def default_sampling(rows: int, vocab_size: int) -> SamplingBatch:
+    """Sampling arrays of `rows` padding rows, each a value that changes nothing (greedy,
+    top_k = vocab, top_p 1, no penalties, no history, no constraints); a step fills its real
+    rows in place. Every array is its own (writing one row changes no other field)."""
+    return SamplingBatch(np.zeros(rows, np.float32), np.full(rows, vocab_size, np.int32),
+                         np.ones(rows, np.float32), np.zeros(rows, np.float32),
+                         np.zeros(rows, np.uint32), np.zeros(rows, np.int32),
+                         np.ones(rows, np.float32), np.zeros(rows, np.float32),
+                         np.zeros(rows, np.float32), np.zeros((rows, 0), np.int32),
+                         np.zeros((rows, 0), bool))
+
+
 def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int,
                decode_only: bool = False, num_rows: int | None = None) -> PackedStep:
     """An all-padding step of one bucket shape: writes nothing, attends to nothing (warm-up).
@@ -179,11 +191,7 @@ def empty_step(plan: BucketPlan, num_tokens: int, num_seqs: int, vocab_size: int
     its sampled rows (default B; a verifying step's shape has R = T)."""
     t, b = num_tokens, num_seqs
     r = b if num_rows is None else num_rows
-    z = np.zeros(r, np.float32)
-    sampling = SamplingBatch(z, np.full(r, vocab_size, np.int32), np.ones(r, np.float32), z,
-                             np.zeros(r, np.uint32), np.zeros(r, np.int32),
-                             np.ones(r, np.float32), z, z, np.zeros((r, 0), np.int32),
-                             np.zeros((r, 0), bool))
+    sampling = default_sampling(r, vocab_size)
     g = plan.num_groups
     batch = StepBatch(np.zeros(t, np.int32), np.zeros(t, np.int32),
                       np.full(g * t, -1, np.int32), np.zeros(b + 1, np.int32),
@@ -432,15 +440,8 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
 
     logits_idx = np.zeros(r_pad, np.int32)
     feed_rows = np.full(r_pad, -1, np.int32)
-    temperature = np.zeros(r_pad, np.float32)
-    top_k = np.full(r_pad, vocab_size, np.int32)
-    top_p = np.ones(r_pad, np.float32)
-    min_p = np.zeros(r_pad, np.float32)
-    seeds = np.zeros(r_pad, np.uint32)
-    counters = np.zeros(r_pad, np.int32)
-    rep = np.ones(r_pad, np.float32)
-    pres = np.zeros(r_pad, np.float32)
-    freq = np.zeros(r_pad, np.float32)
+    sp = default_sampling(r_pad, vocab_size)
+    counters = sp.counters
     use_pen = use_top = False
     priors = srows.priors(scheduled)
     rows = [scheduled[i] for i in srows.seq]  # each row's request share
@@ -450,7 +451,8 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
         logits_idx[r] = qsl[i] + j
         if i in fed_from and j == s.num_tokens - 1:
             feed_rows[r] = fed_from[i]
-        (temperature[r], top_k[r], top_p[r], min_p[r], seeds[r], rep[r], pres[r], freq[r],
+        (sp.temperature[r], sp.top_k[r], sp.top_p[r], sp.min_p[r], sp.seeds[r],
+         sp.repetition_penalty[r], sp.presence_penalty[r], sp.frequency_penalty[r],
          pen, top) = sampling_row(req.sampling_params, vocab_size, default_seed)
         use_pen = use_pen or pen
         use_top = use_top or top
@@ -462,8 +464,8 @@ def pack_step(scheduled: Sequence[Any], plan: BucketPlan, block_size: int, vocab
                       stop_ban(s.request) if counters[r] < s.request.sampling_params.min_tokens
                       else None) for r, s in enumerate(rows)], r_pad)
 
-    sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, counters, rep, pres, freq,
-                             history, is_out, bias_ids, bias_vals, mask_rows(token_masks, r_pad))
+    sampling = replace(sp, history=history, history_is_output=is_out, bias_ids=bias_ids,
+                       bias_vals=bias_vals, token_mask=mask_rows(token_masks, r_pad))
     plp_idx, plp_tgt, spans = prompt_logprob_rows(scheduled, qsl)
     batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, tables, logits_idx,
                       feed_rows, sampling, plp_idx, plp_tgt)

@@ -15,6 +15,7 @@ compare this against.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from operator import attrgetter
 from typing import Any
 
@@ -26,6 +27,7 @@ from jpaged.runner.batch import (
     PackedStep,
     StepBatch,
     constraint_rows,
+    default_sampling,
     is_decode_step,
     join_entries,
     mask_rows,
@@ -36,7 +38,7 @@ from jpaged.runner.batch import (
     stop_ban,
     token_constraints,
 )
-from jpaged.runner.sampler import SamplingBatch, SamplingFlags
+from jpaged.runner.sampler import SamplingFlags
 
 _START_POS, _NUM_TOKENS = attrgetter("start_pos"), attrgetter("num_tokens")
 
@@ -231,20 +233,13 @@ class InputBatch:
                     [base[i] + len(p) for i, p in zip(srows.seq, priors, strict=True)])
         prow = r[seq_of]  # each sampled row's persistent row
         samp = self._sampling[prow]  # [nr, 8]
-        temperature = np.zeros(r_pad, np.float32)
-        top_p = np.ones(r_pad, np.float32)
-        min_p = np.zeros(r_pad, np.float32)
-        rep = np.ones(r_pad, np.float32)
-        pres = np.zeros(r_pad, np.float32)
-        freq = np.zeros(r_pad, np.float32)
-        for c, arr in enumerate((temperature, top_p, min_p, rep, pres, freq)):
-            arr[:nr] = samp[:, c]
-        top_k = np.full(r_pad, self.vocab_size, np.int32)
-        top_k[:nr] = self._top_k[prow]
-        seeds = np.zeros(r_pad, np.uint32)
-        seeds[:nr] = self._seeds[prow]
-        ctr = np.zeros(r_pad, np.int32)
-        ctr[:nr] = counters
+        sp = default_sampling(r_pad, self.vocab_size)
+        for c, arr in enumerate((sp.temperature, sp.top_p, sp.min_p, sp.repetition_penalty,
+                                 sp.presence_penalty, sp.frequency_penalty)):
+            arr[:nr] = samp[:, c]  # (the column order of self._sampling)
+        sp.top_k[:nr] = self._top_k[prow]
+        sp.seeds[:nr] = self._seeds[prow]
+        sp.counters[:nr] = counters
         use_pen = bool(n) and bool(samp[:, 6].any())
         use_top = bool(n) and bool(samp[:, 7].any())
         row_shares = scheduled if srows.first is None else [scheduled[i] for i in srows.seq]
@@ -256,9 +251,8 @@ class InputBatch:
             bias_ids, bias_vals = constraint_rows(
                 [join_entries(bias[i], ban[i] if c < min_tokens[i] else None)
                  for i, c in zip(prow.tolist(), counters, strict=True)], r_pad)
-        sampling = SamplingBatch(temperature, top_k, top_p, min_p, seeds, ctr, rep, pres, freq,
-                                 history, is_out, bias_ids, bias_vals,
-                                 mask_rows(token_masks, r_pad))
+        sampling = replace(sp, history=history, history_is_output=is_out, bias_ids=bias_ids,
+                           bias_vals=bias_vals, token_mask=mask_rows(token_masks, r_pad))
         plp_idx, plp_tgt, spans = (prompt_logprob_rows(scheduled, qsl) if self._plp
                                    and not self._plp.isdisjoint(rows) else (None, None, ()))
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
