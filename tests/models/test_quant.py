@@ -148,6 +148,16 @@ def test_fp8_per_channel_error_is_bounded():
     assert np.all(back[:, 7] == 0)
 
 
+def test_e4m3_bytes_read_through_float16_exactly():
+    """The CPU matmul's e4m3 -> float16 bit move: every finite byte value, exactly (x 256)."""
+    b = np.arange(256, dtype=np.uint8)
+    want = b.view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    got = np.asarray(quant._e4m3_over_256(jnp.asarray(b))).astype(np.float32) * 256
+    finite = np.isfinite(want)
+    assert finite.sum() == 254
+    np.testing.assert_array_equal(got[finite], want[finite])
+
+
 def test_fp8_scale_search_beats_absmax_channel_by_channel(monkeypatch):
     rng = np.random.default_rng(4)
     # heavy-tailed channels of different magnitudes, as trained weights are
