@@ -260,11 +260,14 @@ def test_fp8_at_load_keeps_head_and_embedding(tiny_gguf):
         assert relative_error(a, b) < 1e-5
 
 
-def test_fp8_layers_stacked_for_a_scan_are_sliced_as_bytes(tiny_gguf):
-    """XLA:CPU widens a whole stacked fp8 array to float16 before slicing a layer out of it
-    (every layer's weights converted in each iteration); the scan slices bytes instead, and
-    the stacked model gives the per-layer model's logits."""
-    got = load_model(str(tiny_gguf), "float32", quantization="fp8")
+@pytest.mark.parametrize("dtype,quantization,bits", [("float32", "fp8", "u8"),
+                                                     ("bfloat16", None, "u16")])
+def test_narrow_layers_stacked_for_a_scan_are_sliced_as_bits(tiny_gguf, dtype, quantization,
+                                                             bits):
+    """XLA:CPU widens a whole stacked fp8 / bfloat16 array before slicing a layer out of it
+    (every layer's weights converted in each iteration); the scan slices unsigned integers of
+    their width instead, and the stacked model gives the per-layer model's logits."""
+    got = load_model(str(tiny_gguf), dtype, quantization=quantization)
     stacked = stack_layers(got.model)
     graphdef, state = nnx.split(stacked)
 
@@ -278,9 +281,9 @@ def test_fp8_layers_stacked_for_a_scan_are_sliced_as_bytes(tiny_gguf):
             jnp.zeros(n, jnp.int32))
     hlo = jax.jit(logits).lower(state, *args).compile().as_text()
     layers = got.model.spec.num_layers
-    assert re.search(rf"u8\[{layers},\d+,\d+\]", hlo)  # the stacked fp8 kernels, as bytes
-    # (never widened whole: no float array of [layers, K, N]; the scales are [layers, 1, N])
-    assert not re.search(rf"f(16|32)\[{layers},\d{{2,}},\d+\]", hlo)
+    assert re.search(rf"{bits}\[{layers},\d+,\d+\]", hlo)  # the stacked kernels, as bits
+    # (never widened whole: no float array of [layers, K, N]; fp8's scales are [layers, 1, N])
+    assert not re.search(rf"(?<!b)f(16|32)\[{layers},\d{{2,}},\d+\]", hlo)
     a = jpaged_logits(stacked, [SEQS[0]])[0]
     b = jpaged_logits(got.model, [SEQS[0]])[0]
     assert relative_error(a, b) < 1e-6
