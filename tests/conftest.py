@@ -1,7 +1,9 @@
 """Suite-wide settings: a persistent XLA compilation cache shared by every engine in the run,
 XLA:CPU's -O0 for most compiles, and the fixture that lets a module compile at XLA's level."""
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -39,15 +41,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent / "models"))  # tiny_models
 
 
-@pytest.fixture(scope="module")
-def optimized_compiles():
-    """This module's compiles at XLA's own optimization level (the -O0 above left off): for
-    modules whose time is the embedded model's steps running, not compiling. A program's values
-    agree with -O0's to float rounding; a module compares programs compiled at its one level.
-    A module opts in with `pytestmark = pytest.mark.usefixtures("optimized_compiles")`."""
+@contextlib.contextmanager
+def _compiles_at_xla_level() -> Iterator[None]:
     before = jax.config.read("jax_disable_most_optimizations")
     jax.config.update("jax_disable_most_optimizations", False)
     try:
         yield
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.fixture(scope="module")
+def optimized_compiles():
+    """This module's compiles at XLA's own optimization level (the -O0 above left off): for
+    modules whose time is the embedded model's steps running, not compiling. A program's values
+    agree with -O0's to float rounding; a module compares programs compiled at its one level.
+    A module opts in with `pytestmark = pytest.mark.usefixtures("optimized_compiles")`."""
+    with _compiles_at_xla_level():
+        yield
+
+
+@pytest.fixture
+def optimized_compiles_in_test():
+    """`optimized_compiles` for one test of a module whose other tests compile more than they
+    run (`@pytest.mark.usefixtures("optimized_compiles_in_test")`)."""
+    with _compiles_at_xla_level():
+        yield

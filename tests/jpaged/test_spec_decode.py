@@ -291,6 +291,7 @@ def test_core_process_and_stop_strings_match_spec_off():
         core.shutdown()
 
 
+@pytest.mark.usefixtures("optimized_compiles_in_test")
 def test_structured_outputs_verify_each_position_under_its_grammar():
     """The embedded model writing JSON for a schema, greedy and seeded: proposals are cut
     where the grammar refuses them and each position is masked by the grammar advanced past
