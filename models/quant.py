@@ -139,8 +139,9 @@ FP8_SEARCH_ELEMENTS = 1 << 22
 
 
 @functools.partial(jax.jit, static_argnums=1)
-def _fp8_search(w: jax.Array, candidates: int) -> tuple[jax.Array, jax.Array]:
-    """w [K, C] float32 -> (q [K, C] e4m3, scales [1, C]), each column's scale searched."""
+def _fp8_search(w: jax.Array, candidates: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """w [K, C] float32 -> (q [K, C] e4m3, scales [1, C], finite [C]: the column holds no NaN
+    or inf), each column's scale searched."""
     amax = jnp.max(jnp.abs(w), axis=0, keepdims=True)
     base = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
 
@@ -155,7 +156,7 @@ def _fp8_search(w: jax.Array, candidates: int) -> tuple[jax.Array, jax.Array]:
         return jnp.where(e < err, e, err), jnp.where(e < err, s, scale)
 
     _, scales = jax.lax.fori_loop(0, candidates, body, (jnp.full_like(base, jnp.inf), base))
-    return values(scales), scales
+    return values(scales), scales, jnp.all(jnp.isfinite(w), axis=0)
 
 
 def quantize_fp8(w: np.ndarray, k_axis: int = 0, candidates: int = FP8_SCALE_CANDIDATES
@@ -170,14 +171,21 @@ def quantize_fp8(w: np.ndarray, k_axis: int = 0, candidates: int = FP8_SCALE_CAN
     width = max(1, min(n, FP8_SEARCH_ELEMENTS // max(k, 1)))
     q = np.empty(w.shape, ml_dtypes.float8_e4m3fn)
     scales = np.empty((1, n), np.float32)
+    finite = np.empty(n, bool)
     for c0 in range(0, n, width):
         block = w[:, c0:c0 + width]
         cols = block.shape[1]
         if cols < width:  # one program for every block: pad with zero channels (scale 1)
             block = np.pad(block, ((0, 0), (0, width - cols)))
-        bq, bs = _fp8_search(jnp.asarray(block), candidates)
+        bq, bs, ok = _fp8_search(jnp.asarray(block), candidates)
         q[:, c0:c0 + cols] = np.asarray(bq)[:, :cols]
         scales[:, c0:c0 + cols] = np.asarray(bs)[:, :cols]
+        finite[c0:c0 + cols] = np.asarray(ok)[:cols]
+    bad = ~finite
+    if bad.any():
+        raise ValueError(f"weight holds NaN or inf values in {int(bad.sum())} of its {n} output "
+                         f"channels (first: channel {int(np.argmax(bad))}); fp8 cannot scale "
+                         f"them")
     return QuantWeight("fp8", np.moveaxis(q, 0, k_axis), np.moveaxis(scales, 0, k_axis),
                        None, k_axis)
 

@@ -272,6 +272,16 @@ def test_unquantized_dir_with_fp8_still_quantizes_at_load(tmp_path):
     assert load_model(str(path), "float32").quantization is None
 
 
+def test_fp8_at_load_names_the_module_with_a_nan_weight(tmp_path):
+    spec = tiny_spec()
+    weights = random_weights(spec)
+    weights["model.layers.1.mlp.up_proj.weight"][5, 3] = np.nan  # [out, in]: channel 5
+    path = write_hf_dir(tmp_path / "hf", spec, weights)
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.mlp\.up_proj.*NaN or inf values "
+                                         r"in 1 of its 96 output channels \(first: channel 5\)"):
+        load_model(str(path), "float32", quantization="fp8")
+
+
 def test_fp8_checkpoint_with_quantization_fp8_loads_its_own(tmp_path):
     path, _, _ = make_case(tmp_path / "q", "vllm_fp8")
     got = load_model(str(path), "float32", quantization="fp8")

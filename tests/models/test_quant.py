@@ -187,6 +187,11 @@ def test_fp8_scale_search_beats_absmax_channel_by_channel(monkeypatch):
     np.testing.assert_array_equal(blocked.scales, searched.scales)
     with pytest.raises(ValueError, match="candidates must be >= 1"):
         quantize_fp8(w, candidates=0)
+    w[3, 9] = np.nan
+    w[0, 30] = -np.inf
+    with pytest.raises(ValueError, match="NaN or inf values in 2 of its 33 output channels "
+                                         r"\(first: channel 9\)"):
+        quantize_fp8(w)
 
 
 def test_bad_weights_are_named():
