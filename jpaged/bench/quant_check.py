@@ -398,6 +398,26 @@ class QuantCheck:
             del engine, runner, loaded
             gc.collect()
 
+    def fp8_quantize(self) -> None:
+        """`quantization="fp8"`'s load-time cost on this device: the widest projection
+        ([hidden, inter]) from host float32, as a loader hands it, with the scale search and
+        with plain absmax (one candidate); seconds of the second call (the first compiles)."""
+        import numpy as np
+
+        from models.quant import FP8_SCALE_CANDIDATES, quantize_fp8
+
+        m = self.cfg.matmul
+        w = np.random.default_rng(0).standard_normal((m.hidden, m.inter), dtype=np.float32)
+        row: dict[str, Any] = {"shape": [m.hidden, m.inter], "candidates": FP8_SCALE_CANDIDATES}
+        for key, candidates in (("absmax_s", 1), ("search_s", FP8_SCALE_CANDIDATES)):
+            quantize_fp8(w, candidates=candidates)
+            t = time.perf_counter()
+            quantize_fp8(w, candidates=candidates)
+            row[key] = round(time.perf_counter() - t, 4)
+        self.doc["fp8_quantize"] = row
+        print(f"  fp8 at load [{m.hidden}, {m.inter}]: scale search ({FP8_SCALE_CANDIDATES}) "
+              f"{row['search_s']:.3f} s, absmax {row['absmax_s']:.3f} s", flush=True)
+
     def run(self, decode: bool = True) -> dict[str, Any]:
         """Kernels at the first rows (1), the decode steps, the kernels at the other rows,
         then any bf16 twin the earlier stages did not time."""
@@ -422,6 +442,7 @@ class QuantCheck:
             self._guard(f"bf16 {name} rows={r}", lambda n=name, r=r: self.bf16_kernel(n, r))
         if decode and any("bf16_step_ms" not in r for r in self.doc["quant_decode_rows"]):
             self._guard("decode bfloat16", lambda: self.decode_rows("bfloat16"))
+        self._guard("fp8 quantize", self.fp8_quantize)
         self.doc["wall_s"] = round(time.perf_counter() - self.t0, 1)
         return self.doc
 

@@ -132,6 +132,10 @@ def test_device_check_cpu_smoke(tmp_path):
     bf16_b1 = next(r["step_ms"] for r in rows if r["batch"] == 1
                    and r["kv_cache_dtype"] == "bfloat16")
     assert all(r["bf16_step_ms"] == bf16_b1 and r["step_ms"] > 0 for r in doc["quant_decode"])
+    # fp8's load-time quantization of the widest projection: the scale search beside absmax.
+    fq = quant["fp8_quantize"]
+    assert fq["shape"] == [64, 128] and fq["candidates"] == 16, fq
+    assert fq["search_s"] > 0 and fq["absmax_s"] > 0 and "fp8 at load [64, 128]" in log
     # Host work per request-step of both loops (the tiny model; no embedded model there).
     assert [(r["mode"], r["batch"]) for r in host["rows"]] == [("sync", 4), ("async", 4)]
     assert all(r["host_us_per_request_step"] > 0 for r in host["rows"])
