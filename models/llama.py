@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.reference import from_bits, to_bits
+
 from .attention import AttnFn
 from .config import ModelSpec
 from .linear_ops import DecodeLinears, activation_name, matmul_precision, one_row_as_two
@@ -284,15 +286,6 @@ class LlamaModel(nnx.Module):
         return self.norm(x), attn_state
 
 
-# The unsigned integer of each narrow float's width: the dtype a scan slices it as.
-_BITS = {1: jnp.uint8, 2: jnp.uint16}
-
-
-def _narrow_float(dtype: Any) -> bool:
-    """fp8, bfloat16 or float16: a float XLA:CPU widens whole before slicing it."""
-    return jnp.issubdtype(dtype, jnp.floating) and jnp.dtype(dtype).itemsize in _BITS
-
-
 class ScannedLayers(nnx.Module):
     """Every decoder layer as one DecoderLayer whose Params carry a leading layer axis, run by
     `lax.scan` with a traced layer index: the layout for XLA:CPU (see `stack_layers`)."""
@@ -312,21 +305,17 @@ class ScannedLayers(nnx.Module):
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """All layers in order; returns (x, attn_state after the last layer)."""
         layer_def, stacked = nnx.split(self.layer)
-        # XLA:CPU widens a whole stacked fp8 / bfloat16 / float16 array (fp8 to float16, the
-        # 16-bit floats to float32) before it slices one layer out: every layer's weights
-        # converted in every iteration (a 30-layer scan of 576 x 1536 projections: fp8 5x,
-        # bfloat16 2.5x the time). The scan slices them as unsigned integers of their width
-        # (a bitcast) and each layer reads its slice back in its own dtype.
+        # XLA:CPU widens a whole stacked fp8 / bfloat16 array (to float16 / float32) before it
+        # slices one layer out: every layer's weights converted in every iteration (a 30-layer
+        # scan of 576 x 1536 projections: fp8 5x, bfloat16 2.5x the time). The scan slices
+        # their bits (`to_bits`, as the KV pages move) and each layer reads its slice back in
+        # its own dtype. float16 is sliced as it is (as uint16 the same scan took 2.7x longer).
         dtypes = jax.tree.map(lambda a: a.dtype, stacked)
-        stacked = jax.tree.map(
-            lambda a: (jax.lax.bitcast_convert_type(a, _BITS[a.dtype.itemsize])
-                       if _narrow_float(a.dtype) else a), stacked)
+        stacked = jax.tree.map(to_bits, stacked)
 
         def body(carry: tuple[Any, Any, jax.Array], layer_state: Any) -> tuple[Any, None]:
             h, state, i = carry
-            layer_state = jax.tree.map(
-                lambda a, d: jax.lax.bitcast_convert_type(a, d) if _narrow_float(d) else a,
-                layer_state, dtypes)
+            layer_state = jax.tree.map(from_bits, layer_state, dtypes)
             h, state = nnx.merge(layer_def, layer_state)(h, cos, sin, i, attn_fn, state,
                                                          linears)
             return (h, state, i + 1), None

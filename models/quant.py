@@ -248,6 +248,7 @@ def _chunked_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Arr
     float32): the temporaries stay a slab, whatever the weight's size. Integer slabs hold whole
     groups; fp8's one scale row multiplies the sum."""
     fp8, fp8_dtype = kind == "fp8", q.dtype
+    e4m3 = fp8 and fp8_dtype == jnp.float8_e4m3fn  # read through float16, 2^-8 times its values
     rows, n = q.shape
     k = rows * (2 if kind == "int4" else 1)
     # Slab boundaries: any K row for fp8 (its scale is per column), else whole groups.
@@ -255,9 +256,10 @@ def _chunked_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Arr
     slabs = _slabs(units, k * n)
 
     def part(xi: jax.Array, qi: jax.Array, si: jax.Array, mi: jax.Array | None) -> jax.Array:
-        if fp8:
-            w = (_e4m3_over_256(qi) if fp8_dtype == jnp.float8_e4m3fn
-                 else jax.lax.bitcast_convert_type(qi, fp8_dtype)).astype(dtype)
+        if e4m3:
+            w = _e4m3_over_256(qi).astype(dtype)
+        elif fp8:
+            w = jax.lax.bitcast_convert_type(qi, fp8_dtype).astype(dtype)
         else:
             w = dequantize(qi, si, mi, kind, dtype)
         return jnp.dot(xi, w, precision=precision, preferred_element_type=jnp.float32)
@@ -280,9 +282,9 @@ def _chunked_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Arr
             return acc + part(*p), None
 
         acc, _ = jax.lax.scan(body, jnp.zeros((x.shape[0], n), jnp.float32), (xs, qs, ss, ms))
-    if fp8 and fp8_dtype == jnp.float8_e4m3fn:
-        return acc * (scales.astype(jnp.float32)[0] * 256.0)  # (_e4m3_over_256's factor)
-    return acc * scales.astype(jnp.float32)[0] if fp8 else acc
+    if not fp8:
+        return acc
+    return acc * (scales.astype(jnp.float32)[0] * (256.0 if e4m3 else 1.0))
 
 
 def quant_matmul(x: jax.Array, q: jax.Array, scales: jax.Array, mins: jax.Array | None,
