@@ -18,6 +18,9 @@ _EXPORTS = {
     "RequestOutputKind": "jpaged.sampling_params",
     "StructuredOutputsParams": "jpaged.sampling_params",
     "GuidedDecodingParams": "jpaged.sampling_params",
+    "BeamSearchParams": "jpaged.sampling_params",
+    "BeamSearchOutput": "jpaged.beam_search",
+    "BeamSearchSequence": "jpaged.beam_search",
     "RequestOutput": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
 }

@@ -117,6 +117,14 @@ class RequestFrontend:
         return tuple(out)
 
     @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end a request (unless ignore_eos): the model's, and the tokenizer's."""
+        eos = tuple(self.spec.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
+            eos = eos + (self.tokenizer.eos_token_id,)
+        return eos
+
+    @property
     def grammar_compiler(self) -> GrammarCompiler:
         """Structured outputs' grammars for this model's tokenizer (made on first use)."""
         gc = getattr(self, "_grammar_compiler", None)
@@ -203,9 +211,7 @@ class RequestFrontend:
                                      f"the vocabulary [0, {vocab})")
         text, ids, salt = self._tokenize(prompt, params.truncate_prompt_tokens,
                                          params.truncation_side)
-        eos = tuple(self.spec.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
-            eos = eos + (self.tokenizer.eos_token_id,)
+        eos = self.eos_token_ids
         max_len = self.config.scheduler.max_model_len
         max_tokens = params.max_tokens if params.max_tokens is not None else max_len - len(ids)
         base = params.clone(eos_token_ids=eos, max_tokens=max_tokens,

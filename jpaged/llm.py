@@ -6,11 +6,12 @@ import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from jpaged.beam_search import BeamSearch, BeamSearchOutput
 from jpaged.config import EngineArgs
 from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import RequestOutputKind, SamplingParams
+from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from models.tokenizer import message_text
 
 Messages = list[Mapping[str, Any]]
@@ -107,6 +108,43 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [r for r in results if r is not None]
+
+    def beam_search(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        params: BeamSearchParams,
+        *,
+        use_tqdm: bool | Callable[..., Any] = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search: each prompt's `params.beam_width` best sequences (prompt and
+        output tokens, their text, cumulative logprob), best first. Each step runs every live
+        beam as a one-token request; the prefix cache keeps what the beams share."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        if not isinstance(prompts, Iterable):
+            raise ValueError("prompts must be a str, a prompt dict or a list of them, got "
+                             f"{type(prompts).__name__}")
+        prompts = list(prompts)
+        engine = self.llm_engine
+        search = BeamSearch(len(prompts), params, engine.eos_token_ids,
+                            engine.config.scheduler.max_model_len,
+                            engine.config.model.logprobs_limit(engine.spec.vocab_size))
+        bar = _progress(params.max_tokens, use_tqdm)
+        try:
+            while not search.done:
+                batch = search.requests() or prompts
+                search.advance(self._run(batch, [search.step_params] * len(batch), None, False))
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        results = search.results()
+        tokenizer = self.get_tokenizer()
+        for out in results:
+            for seq in out.sequences:  # the whole sequence, special tokens kept (vLLM's text)
+                seq.text = tokenizer.decode(seq.tokens, skip_special_tokens=False)
+        return results
 
     def chat(
         self,

@@ -267,3 +267,37 @@ class SamplingParams:
         import dataclasses
 
         return dataclasses.replace(self, **changes)
+
+
+@dataclass
+class BeamSearchParams:
+    """vLLM's beam search parameters (`LLM.beam_search`; the server's `use_beam_search`):
+    `beam_width` beams, `max_tokens` steps; `temperature` only draws each step's sampled token
+    (the beams follow the raw logprobs, as in vLLM); `length_penalty` the score's exponent."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        def need(cond: bool, name: str, allowed: str) -> None:
+            if not cond:
+                raise ValueError(f"BeamSearchParams.{name} must be {allowed}, got "
+                                 f"{getattr(self, name)!r}")
+
+        for name in ("beam_width", "max_tokens"):
+            v = getattr(self, name)
+            need(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 1, name,
+                 "an integer >= 1")
+            setattr(self, name, int(v))
+        for name in ("temperature", "length_penalty"):
+            v = getattr(self, name)
+            need(isinstance(v, numbers.Real) and not isinstance(v, bool)
+                 and math.isfinite(float(v)), name, "a finite number")
+            setattr(self, name, float(v))
+        need(self.temperature >= 0, "temperature", ">= 0")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            need(isinstance(getattr(self, name), bool), name, "True or False")

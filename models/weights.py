@@ -215,10 +215,19 @@ def _index_key(index: tuple[slice, ...], shape: tuple[int, ...]) -> tuple[tuple[
     return tuple(s.indices(n)[:2] for s, n in zip(index, shape, strict=True))
 
 
+# The path of a ScannedLayers' Params: its one DecoderLayer, each Param [num_layers, ...].
+_STACKED = ".layers.layer."
+
+
 def export_weights(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's parameters as host numpy arrays in HF naming and layout (inverse of assign)."""
     out: dict[str, np.ndarray] = {}
     for name, entry in hf_param_table(model).items():
         host = np.asarray(entry.param[...])
+        if _STACKED in name:  # layers stacked for a scan (models.llama.stack_layers): one each
+            for i, one in enumerate(host):
+                out[name.replace(_STACKED, f".layers.{i}.")] = np.ascontiguousarray(
+                    one.T if entry.transpose else one)
+            continue
         out[name] = np.ascontiguousarray(host.T if entry.transpose else host)
     return out

@@ -268,3 +268,17 @@ def test_abstract_model_has_a_random_inits_structure_shapes_and_dtypes(changes):
     pairs = jax.tree.leaves(jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype),
                                          s1, s2))
     assert pairs and all(pairs)
+
+
+def test_layers_stacked_for_the_cpu_scan_export_as_the_model_was_loaded(spec, weights):
+    """The engine's CPU twin (models.llama.stack_layers) holds each Param once, [layers, ...]:
+    exporting it gives every layer's HF tensors, as the per-layer model does (it used to write
+    the stacked arrays under one name, and HF filled the layers it missed with random values)."""
+    from models.llama import ScannedLayers, stack_layers
+
+    model = build_model(spec, weights, np.float32)
+    stacked = stack_layers(model)
+    assert isinstance(stacked.model.layers, ScannedLayers)
+    got = export_weights(stacked)
+    assert set(got) == set(weights)
+    assert all(np.array_equal(got[n], weights[n]) for n in weights)
