@@ -103,6 +103,16 @@ class AsyncLLMEngine:
         """The engine's context limit."""
         return self.engine.config.scheduler.max_model_len
 
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end a request (unless ignore_eos)."""
+        return self.engine.eos_token_ids
+
+    @property
+    def logprobs_limit(self) -> int:
+        """The most logprobs a request may ask for (max_logprobs; -1: the vocabulary)."""
+        return self.engine.config.model.logprobs_limit(self.engine.spec.vocab_size)
+
     def health(self) -> tuple[bool, dict[str, Any] | None]:
         """(healthy, details) for /health: the loop runs; no details for one engine."""
         return self.is_running, None

@@ -156,6 +156,8 @@ class DPEngineClient:
         first = infos[0]
         self.model_source: str = first["source"]
         self.max_model_len: int = first["max_model_len"]
+        self.eos_token_ids: tuple[int, ...] = tuple(first["eos_token_ids"])
+        self.logprobs_limit: int = first["logprobs_limit"]
         self.router = Router(data_parallel_size, routing_policy, first["block_size"],
                              first["hash_algo"], load_weight=load_weight, hash_seed=seed)
         self._lock = threading.Lock()  # guards the router

@@ -10,6 +10,7 @@ from typing import Any
 import jinja2
 from starlette.requests import Request as HTTPRequest
 
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.logprobs import chat_logprobs, prompt_logprobs_json
 from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
@@ -63,6 +64,9 @@ class ChatServing(Serving):
         prompt = (await self._tokenized(
             [self._chat_prompt(req)], params, "messages", add_special_tokens=False,
             max_tokens_param=req.field_names().get("max_tokens", "max_tokens")))[0]
+        beam = req.beam_search_params(params)
+        if beam is not None:
+            return await self._beam_chat(req, prompt, params, beam)
         batch = RequestBatch(self.engine, req.request_id or f"chatcmpl-{uuid.uuid4().hex}",
                              params, req.priority)
         batch.configure(req)
@@ -73,6 +77,29 @@ class ChatServing(Serving):
             return EventStream(self._stream_chat(batch, head, req.include_usage, tools, echo),
                                batch.close)
         return await self._full_chat(batch, head, tools, echo)
+
+    async def _beam_chat(self, req: ChatCompletionRequest, prompt: Any, params: SamplingParams,
+                         beam: BeamSearchParams) -> dict[str, Any]:
+        """use_beam_search: the n best beams as the n choices, best first."""
+        base = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        (result,), usage = await self._beam_search([prompt], beam, base, req.priority,
+                                                   "messages", req.salted)
+        echo = req.echoed()
+        choices = []
+        for j, seq in enumerate(result.sequences):
+            choices.append({"index": j, "message": {
+                "role": "assistant", "content": echo + self.beam_text(
+                    seq, params.skip_special_tokens)},
+                "logprobs": None, "finish_reason": seq.finish_reason,
+                "stop_reason": seq.stop_reason})
+            if req.return_token_ids:
+                choices[-1]["token_ids"] = seq.output_token_ids
+        body = {"id": base, "created": int(time.time()), "model": self.model_name,
+                "object": "chat.completion", "choices": choices, "usage": usage}
+        if req.return_token_ids:
+            body["prompt_token_ids"] = result.sequences[0].tokens[
+                :result.sequences[0].num_prompt_tokens]
+        return body
 
     async def _full_chat(self, batch: RequestBatch, head: dict[str, Any], tools: str = "none",
                          echo: str = "") -> dict[str, Any]:

@@ -11,6 +11,7 @@ from typing import Any
 from starlette.requests import Request as HTTPRequest
 
 from jpaged.outputs import RequestOutput
+from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.logprobs import completion_logprobs, legacy_logprobs, prompt_logprobs_json
 from jpaged.server.protocol import CompletionRequest, OpenAIError
@@ -61,6 +62,12 @@ class CompletionServing(Serving):
         self.check_model(req.model)
         params = req.to_sampling_params()
         prompts = await self._tokenized(req.prompts(), params, "prompt")
+        beam = req.beam_search_params(params)
+        if beam is not None:
+            if req.echo:
+                raise OpenAIError(400, "echo is not applied by beam search: leave it out with "
+                                  "use_beam_search", param="echo")
+            return await self._beam_completion(req, prompts, params, beam)
         if req.kv_transfer_params is not None and len(prompts) > 1:
             raise OpenAIError(400, "kv_transfer_params needs a single prompt (one request's KV "
                               "moves)", param="kv_transfer_params")
@@ -81,6 +88,26 @@ class CompletionServing(Serving):
             return EventStream(self._stream_completion(batch, head, echo, req.include_usage),
                                batch.close)
         return await self._full_completion(batch, head, echo)
+
+    async def _beam_completion(self, req: CompletionRequest, prompts: list[Any],
+                               params: SamplingParams, beam: BeamSearchParams
+                               ) -> dict[str, Any]:
+        """use_beam_search: each prompt's n best beams as its n choices, best first."""
+        base = req.request_id or f"cmpl-{uuid.uuid4().hex}"
+        results, usage = await self._beam_search(prompts, beam, base, req.priority, "prompt",
+                                                 req.salted)
+        choices = []
+        for i, result in enumerate(results):
+            for j, seq in enumerate(result.sequences):
+                choices.append({"index": i * beam.beam_width + j,
+                                "text": self.beam_text(seq, params.skip_special_tokens),
+                                "logprobs": None, "finish_reason": seq.finish_reason,
+                                "stop_reason": seq.stop_reason})
+                if req.return_token_ids:
+                    choices[-1].update(prompt_token_ids=seq.tokens[:seq.num_prompt_tokens],
+                                       token_ids=seq.output_token_ids)
+        return {"id": base, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": usage}
 
     async def _full_completion(self, batch: RequestBatch, head: dict[str, Any],
                                echo: _Echo | None) -> dict[str, Any]:

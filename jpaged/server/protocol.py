@@ -8,7 +8,12 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jpaged.core.structured_output import relocated
-from jpaged.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jpaged.sampling_params import (
+    BeamSearchParams,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 from models.tokenizer import message_text
 
 
@@ -59,8 +64,7 @@ class StreamOptions(BaseModel):
 # Fields vLLM's server accepts that this one does not implement yet, with the value meaning
 # "not used": any other value is refused with a 400 naming the field, never ignored.
 _NOT_YET: dict[str, Any] = {
-    "logits_processors": None, "use_beam_search": False,
-    "length_penalty": 1.0,
+    "logits_processors": None,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
     "documents": None, "mm_processor_kwargs": None, "reasoning_effort": None,
     # OpenAI's deprecated function calling (`tools` and `tool_choice` replace them).
@@ -124,6 +128,43 @@ class _SamplingRequest(BaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    # vLLM's beam search: n beams, ranked by cumulative logprob / length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
+
+    def beam_search_params(self, params: SamplingParams) -> BeamSearchParams | None:
+        """BeamSearchParams of a `use_beam_search` request (its n beams, max_tokens,
+        ignore_eos, temperature), else None. What beam search would not apply (a stream,
+        logprobs, stop conditions, token constraints, an output constraint) is a 400 naming
+        the field, never ignored."""
+        if not self.use_beam_search:
+            if self.length_penalty != 1.0:
+                raise OpenAIError(400, "length_penalty needs use_beam_search",
+                                  param="length_penalty")
+            return None
+        names = self.field_names()
+        unapplied = (("stream", self.stream), ("logprobs", params.logprobs is not None),
+                     ("prompt_logprobs", params.prompt_logprobs is not None),
+                     ("stop", bool(params.stop)), ("stop_token_ids", bool(params.stop_token_ids)),
+                     ("min_tokens", params.min_tokens > 0), ("bad_words", bool(params.bad_words)),
+                     ("logit_bias", bool(params.logit_bias)),
+                     ("allowed_token_ids", params.allowed_token_ids is not None),
+                     (self.structured_param() or "structured_outputs",
+                      params.structured_outputs is not None),
+                     ("kv_transfer_params", self.kv_transfer_params is not None))
+        for name, used in unapplied:
+            if used:
+                name = names.get(name, name)
+                raise OpenAIError(400, f"{name} is not applied by beam search: leave it out "
+                                  "with use_beam_search", param=name)
+        try:
+            return BeamSearchParams(
+                beam_width=params.n, max_tokens=params.max_tokens or 2**31 - 1,
+                ignore_eos=params.ignore_eos, temperature=params.temperature,
+                length_penalty=self.length_penalty)
+        except ValueError as e:
+            field = str(e).split(" ")[0].removeprefix("BeamSearchParams.")
+            raise OpenAIError(400, str(e), param={"beam_width": "n"}.get(field, field)) from None
 
     def _constraints(self) -> list[tuple[str, dict[str, Any]]]:
         """(field, StructuredOutputsParams arguments) of each output constraint the request

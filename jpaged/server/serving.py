@@ -12,8 +12,9 @@ from typing import Any, TypeVar
 from starlette.requests import Request as HTTPRequest
 
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
+from jpaged.beam_search import BeamSearch, BeamSearchOutput, BeamSearchSequence
 from jpaged.frontend import truncation_keep
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.protocol import OpenAIError, error_body
 
@@ -118,6 +119,43 @@ class Serving:
                     f"maximum context length is {limit} tokens and your request has {n} input "
                     f"tokens ({params.max_tokens} > {limit} - {n})", param=max_tokens_param)
         return out
+
+    async def _beam_search(self, prompts: list[Any], params: BeamSearchParams, base_id: str,
+                           priority: int, param: str, salted: Callable[[Any], Any]
+                           ) -> tuple[list[BeamSearchOutput], dict[str, Any]]:
+        """Each prompt's best beams (jpaged/beam_search.py), every step's live beams run as
+        one-token requests (`salted`: a beam's prompt with the request's cache_salt); and the
+        usage: prompts once, completion tokens of the beams returned."""
+        try:
+            search = BeamSearch(len(prompts), params, self.engine.eos_token_ids,
+                                self.engine.max_model_len, self.engine.logprobs_limit)
+        except ValueError as e:  # more beams than max_logprobs / 2
+            raise OpenAIError(400, f"n: {e}", param="n") from None
+        step = search.step_params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+        prompt_tokens = cached = 0
+        while not search.done:
+            beams = search.requests()
+            batch = RequestBatch(self.engine, f"{base_id}-beam{search.steps}", step, priority)
+            await batch.start(prompts if beams is None else [salted(b) for b in beams], param)
+            outs: list[Any] = [None] * len(batch.index)
+            try:
+                async for i, out in batch.outputs():
+                    outs[i] = out
+            finally:
+                batch.close()
+            if beams is None:
+                prompt_tokens, cached = sum(batch.prompt_tokens.values()), batch.cached_tokens
+            search.advance(outs)
+        results = search.results()
+        done = sum(len(s.output_token_ids) for r in results for s in r.sequences)
+        return results, {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                         "total_tokens": prompt_tokens + done,
+                         "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def beam_text(self, seq: BeamSearchSequence, skip_special_tokens: bool) -> str:
+        """A beam's generated text, its final EOS left out (vLLM's server text)."""
+        ids = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids
+        return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is absent, empty (vLLM: the default model) or the served name."""

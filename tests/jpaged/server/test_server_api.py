@@ -298,7 +298,7 @@ def test_cache_salt_isolates_tenants(served):
 
 
 @pytest.mark.parametrize("field,value", [
-    ("use_beam_search", True), ("logits_processors", ["x"]), ("reasoning_effort", "low"),
+    ("logits_processors", ["x"]), ("reasoning_effort", "low"),
     ("spaces_between_special_tokens", False), ("documents", [{"text": "x"}]),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto")])
 def test_vllm_fields_not_implemented_are_refused_by_name(served, field, value):
