@@ -102,6 +102,16 @@ def test_dp2_answers_equal_one_engines(rr):
     want_chat = llm.chat([{"role": "user", "content": "hello there"}],
                          SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert chat.choices[0].message.content == want_chat[0].outputs[0].text
+    # Beam search through the router: each step's beams may land on either replica.
+    from jpaged import BeamSearchParams
+
+    beams = oai.completions.create(model=MODEL, prompt=PROMPTS[0], n=2, max_tokens=4,
+                                   extra_body={"use_beam_search": True, "ignore_eos": True,
+                                               "return_token_ids": True})
+    want_beams = llm.beam_search(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=4,
+                                                              ignore_eos=True))
+    assert [c.model_extra["token_ids"] for c in beams.choices] == [
+        s.output_token_ids for s in want_beams[0].sequences]
     # Both replicas served (round robin), and /health lists them.
     health = httpx.get(f"{server.url}/health", timeout=30).json()["replicas"]
     assert [h["healthy"] for h in health] == [True, True]
