@@ -273,7 +273,9 @@ class SamplingParams:
 class BeamSearchParams:
     """vLLM's beam search parameters (`LLM.beam_search`; the server's `use_beam_search`):
     `beam_width` beams, `max_tokens` steps; `temperature` only draws each step's sampled token
-    (the beams follow the raw logprobs, as in vLLM); `length_penalty` the score's exponent."""
+    (the beams follow the raw logprobs, as in vLLM); `length_penalty` the score's exponent.
+    `include_stop_str_in_output` is vLLM's field, kept for its signature: beams end only at EOS
+    or length, never at a stop string."""
 
     beam_width: int
     max_tokens: int
