@@ -50,12 +50,7 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order."""
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
-        if not isinstance(prompts, Iterable):
-            raise ValueError("prompts must be a str, a prompt dict or a list of them, got "
-                             f"{type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
@@ -119,12 +114,7 @@ class LLM:
         """vLLM's beam search: each prompt's `params.beam_width` best sequences (prompt and
         output tokens, their text, cumulative logprob), best first. Each step runs every live
         beam as a one-token request; the prefix cache keeps what the beams share."""
-        if isinstance(prompts, (str, Mapping)):
-            prompts = [prompts]
-        if not isinstance(prompts, Iterable):
-            raise ValueError("prompts must be a str, a prompt dict or a list of them, got "
-                             f"{type(prompts).__name__}")
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         engine = self.llm_engine
         search = BeamSearch(len(prompts), params, engine.eos_token_ids,
                             engine.config.scheduler.max_model_len,
@@ -225,6 +215,16 @@ class LLM:
         the weights, dtype, block size and scales, which changed weights already change;
         delete its folder under kv_cache_dir to empty it."""
         return self.llm_engine.reset_prefix_cache()
+
+
+def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    """One prompt (a str or a prompt dict) or an iterable of them, as a list."""
+    if isinstance(prompts, (str, Mapping)):
+        return [prompts]
+    if not isinstance(prompts, Iterable):
+        raise ValueError("prompts must be a str, a prompt dict or a list of them, got "
+                         f"{type(prompts).__name__}")
+    return list(prompts)
 
 
 def _progress(total: int, use_tqdm: bool | Callable[..., Any]) -> Any:
