@@ -151,3 +151,28 @@ def test_an_eos_ends_the_best_beam_and_the_prefix_cache_serves_the_beams(embedde
     assert len({tuple(s.tokens) for s in out.sequences}) == 3
     # 7 steps after the first, each beam's 16 cached tokens.
     assert embedded_llm.get_metrics()["prefix_cache_hits"] - before >= 7 * 16
+
+
+def test_bench_script_reports_beam_search_beside_greedy(tmp_path, monkeypatch):
+    """scripts/bench_beam_search.py on the tiny model: every field, from real runs."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    from helpers import tiny_model_dir
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_beam_search.py"
+    spec = importlib.util.spec_from_file_location("bench_beam_search_script", script)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "beam.json"
+    monkeypatch.setattr(sys, "argv", [
+        "bench_beam_search.py", "--model", str(tiny_model_dir()), "--width", "2", "--prompts",
+        "2", "--tokens", "3", "--repeats", "2", "--out", str(out)])
+    mod.main()
+    doc = json.loads(out.read_text())
+    assert (doc["width"], doc["prompts"], doc["tokens"], len(doc["runs"])) == (2, 2, 3, 2)
+    assert all(r["greedy_s"] > 0 and r["beam_s"] > 0 and 0 < r["prefix_hit_rate"] <= 1
+               for r in doc["runs"])
+    assert doc["median"]["ratio"] > 0 and "machine" in doc
