@@ -39,7 +39,7 @@ LEGACY_EMITTERS = "--xla_cpu_use_fusion_emitters=false"
 
 def _legacy_emitters() -> str:
     """LEGACY_EMITTERS if this jaxlib's XLA knows the flag, else "" (an unknown flag in
-    XLA_FLAGS aborts the process; a jaxlib without the old emitters compiles with its own).
+    XLA_FLAGS aborts the process; jaxlib 0.10 has the old emitters, 0.11 no longer does).
     Asked once a run: the answer reaches the test processes (xdist workers) in the environment."""
     key = "JPAGED_TEST_LEGACY_EMITTERS"
     if key not in os.environ:
