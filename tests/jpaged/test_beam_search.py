@@ -90,6 +90,23 @@ def test_width_one_is_greedy_decoding(tiny_llm):
     assert m["num_blocks_free"] == m["num_blocks_total"]  # every step's requests freed
 
 
+def test_a_pool_too_small_for_every_beam_gives_the_same_beams(tiny_llm):
+    """16 beams of up to ~40 tokens in 13 usable blocks of 8: the beams' requests wait their
+    turn and the cached blocks they share are evicted and recomputed; the beams are those of
+    the roomier pool."""
+    prompts = ["Hello there, how are you doing today my friend", "abc",
+               "The quick brown fox jumps over", "zzz top"]
+    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
+    small = make_llm(tiny(), max_model_len=64, max_num_seqs=8, max_num_batched_tokens=64,
+                     block_size=8, num_gpu_blocks_override=14)
+    got = small.beam_search(prompts, params)
+    want = tiny_llm.beam_search(prompts, params)
+    assert [[s.tokens for s in o.sequences] for o in got] == [
+        [s.tokens for s in o.sequences] for o in want]
+    m = small.get_metrics()
+    assert m["num_evictions"] > 0 and m["num_blocks_free"] == m["num_blocks_total"]
+
+
 def test_a_width_beyond_max_logprobs_is_refused_and_the_engine_goes_on(tiny_llm):
     with pytest.raises(ValueError, match=r"beam_width 11 asks for 22 candidates .* "
                                          r"max_logprobs \(20\)"):
