@@ -111,7 +111,7 @@ class AsyncLLMEngine:
     @property
     def logprobs_limit(self) -> int:
         """The most logprobs a request may ask for (max_logprobs; -1: the vocabulary)."""
-        return self.engine.config.model.logprobs_limit(self.engine.spec.vocab_size)
+        return self.engine.logprobs_limit
 
     def health(self) -> tuple[bool, dict[str, Any] | None]:
         """(healthy, details) for /health: the loop runs; no details for one engine."""

@@ -100,18 +100,21 @@ class BeamSearch:
 
     def advance(self, outputs: Sequence[RequestOutput]) -> None:
         """Extend the beams by the step's outputs (one per request, in `requests` order)."""
-        live = ([BeamSearchSequence(tokens=list(o.prompt_token_ids),
-                                    num_prompt_tokens=len(o.prompt_token_ids)) for o in outputs]
-                if self.steps == 0 else [b for i in self.instances for b in i.beams])
-        if len(outputs) != len(live):
+        # Step 0 runs each prompt once; later steps each live beam.
+        expected = (len(self.instances) if self.steps == 0
+                    else sum(len(i.beams) for i in self.instances))
+        if len(outputs) != expected:
             raise ValueError(f"beam search step {self.steps}: {len(outputs)} outputs for "
-                             f"{len(live)} beams")
-        per = [1] * len(self.instances) if self.steps == 0 else [len(i.beams)
-                                                                 for i in self.instances]
+                             f"{expected} beams")
+        if self.steps == 0:  # each prompt's one beam: its tokens as the engine read them
+            for inst, o in zip(self.instances, outputs, strict=True):
+                inst.beams = [BeamSearchSequence(tokens=list(o.prompt_token_ids),
+                                                 num_prompt_tokens=len(o.prompt_token_ids))]
         start = 0
-        for inst, n in zip(self.instances, per, strict=True):
+        for inst in self.instances:
             grown: list[BeamSearchSequence] = []
-            for beam, out in zip(live[start:start + n], outputs[start:start + n], strict=True):
+            n = len(inst.beams)
+            for beam, out in zip(inst.beams, outputs[start:start + n], strict=True):
                 cands = out.outputs[0].logprobs[0] if out.outputs[0].logprobs else {}
                 for token, lp in cands.items():
                     new = BeamSearchSequence(

@@ -125,6 +125,11 @@ class RequestFrontend:
         return eos
 
     @property
+    def logprobs_limit(self) -> int:
+        """The most logprobs a request may ask for: max_logprobs, or with -1 the vocabulary."""
+        return self.config.model.logprobs_limit(self.spec.vocab_size)
+
+    @property
     def grammar_compiler(self) -> GrammarCompiler:
         """Structured outputs' grammars for this model's tokenizer (made on first use)."""
         gc = getattr(self, "_grammar_compiler", None)
@@ -188,7 +193,7 @@ class RequestFrontend:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         vocab = self.spec.vocab_size
-        limit = self.config.model.logprobs_limit(vocab)  # max_logprobs (-1: the vocabulary)
+        limit = self.logprobs_limit
         whole: dict[str, int] = {}  # -1 (the whole vocabulary, vLLM's) as that many tokens
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)

@@ -118,7 +118,7 @@ class LLM:
         engine = self.llm_engine
         search = BeamSearch(len(prompts), params, engine.eos_token_ids,
                             engine.config.scheduler.max_model_len,
-                            engine.config.model.logprobs_limit(engine.spec.vocab_size))
+                            engine.logprobs_limit)
         bar = _progress(params.max_tokens, use_tqdm)
         try:
             while not search.done:
