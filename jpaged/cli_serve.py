@@ -46,9 +46,13 @@ def serve(
         "--replica-dead-timeout-s",
         help="Data parallel: exit non-zero once no replica has been healthy this long (Ray "
         "lost their node), so a supervisor restarts the server.")] = 60.0,
+    enable_tokenizer_info_endpoint: Annotated[bool, typer.Option(
+        "--enable-tokenizer-info-endpoint",
+        help="Serve /tokenizer_info (the chat template, special and added tokens).")] = False,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
-    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /metrics)."""
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /tokenize,
+    /detokenize, /metrics)."""
     flags = engine_flags or {}
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -84,7 +88,8 @@ def serve(
         fail(str(e))
     try:
         run_server(engine, host=host, port=port, api_key=api_key,
-                   served_model_name=served_model_name or flags.get("model"))
+                   served_model_name=served_model_name or flags.get("model"),
+                   enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 

@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from jpaged import __version__
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
 from jpaged.engine import LLMEngine
@@ -30,10 +31,13 @@ from jpaged.server.completions import CompletionServing
 from jpaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     OpenAIError,
+    TokenizeRequest,
     error_body,
 )
 from jpaged.server.serving import EventStream
+from jpaged.server.tokenization import TokenizationServing
 
 if TYPE_CHECKING:
     from jpaged.dp.client import DPEngineClient
@@ -41,8 +45,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("jpaged.server")
 
 
-class _Serving(CompletionServing, ChatServing):
-    """Both generation endpoints over one engine (its tokenizer measured once)."""
+class _Serving(CompletionServing, ChatServing, TokenizationServing):
+    """The generation and tokenizer endpoints over one engine (its tokenizer measured once)."""
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -103,11 +107,14 @@ def default_model_name(engine: LLMEngine | str) -> str:
 
 def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               served_model_name: str | None = None, api_key: str | None = None,
-              owned: bool | None = None) -> FastAPI:
+              owned: bool | None = None, enable_tokenizer_info_endpoint: bool = False
+              ) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
     `owned`: shut the engine down with the app (default: only an LLMEngine it wraps itself).
+    `enable_tokenizer_info_endpoint`: serve /tokenizer_info (vLLM's flag; it shows the chat
+    template and special tokens, so it is off unless asked for).
     """
     wrapped = isinstance(engine, RequestFrontend)  # an LLMEngine or a CoreProcessEngine
     owned = wrapped if owned is None else owned
@@ -193,6 +200,27 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 
     app.include_router(v1)
 
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        """vLLM's /tokenize: a prompt's (or chat messages') token ids, count, max_model_len."""
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's /detokenize: token ids back to text."""
+        return await serving.detokenize(body)
+
+    if enable_tokenizer_info_endpoint:
+        @app.get("/tokenizer_info")
+        async def tokenizer_info() -> dict[str, Any]:
+            """vLLM's /tokenizer_info: special tokens, added tokens, chat template."""
+            return serving.tokenizer_info()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        """The jpaged version serving."""
+        return {"version": __version__}
+
     @app.get("/health")
     async def health() -> Response:
         """200 while the engine loop runs (data parallel: any replica; JSON per replica)."""
@@ -203,6 +231,9 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         if details is not None:
             body.update(details)
         return JSONResponse(body, status_code=503)
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"],
+                      summary="vLLM's /ping (SageMaker's health check): /health's answer")
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -215,10 +246,12 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 
 def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = DEFAULT_HOST,
                port: int = DEFAULT_PORT, api_key: str | None = None,
-               served_model_name: str | None = None, log_level: str = "info") -> None:
+               served_model_name: str | None = None, log_level: str = "info",
+               enable_tokenizer_info_endpoint: bool = False) -> None:
     """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
     is shut down when the server stops."""
-    app = build_app(engine, served_model_name, api_key, owned=True)
+    app = build_app(engine, served_model_name, api_key, owned=True,
+                    enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
     freeze_gc_heap()  # this process is the server's: start-up objects stay to the end
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -7,13 +7,12 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import jinja2
 from starlette.requests import Request as HTTPRequest
 
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.logprobs import chat_logprobs, prompt_logprobs_json
-from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
+from jpaged.server.protocol import ChatCompletionRequest
 from jpaged.server.serving import EventStream, Serving, sse, until_disconnected
 from jpaged.server.tool_calls import ToolCallStream, tool_call_message
 
@@ -22,34 +21,7 @@ class ChatServing(Serving):
     """The handler of /v1/chat/completions."""
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
-        tok = self.engine.tokenizer
-        if not tok.has_chat_template and req.chat_template is None:
-            raise OpenAIError(400, "this model has no chat template; use /v1/completions or "
-                              "pass chat_template", param="messages")
-        kwargs = req.chat_template_kwargs or {}
-        if not isinstance(kwargs, dict):
-            raise OpenAIError(400, "chat_template_kwargs must be an object",
-                              param="chat_template_kwargs")
-        extra = {**kwargs, **({"tools": req.tools} if req.tools else {})}
-        add_prompt = req.add_generation_prompt and not req.continue_final_message
-        if req.continue_final_message and "add_generation_prompt" in req.model_fields_set \
-                and req.add_generation_prompt:
-            raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot "
-                              "both be true", param="continue_final_message")
-        try:
-            text = tok.apply_chat_template(req.conversation(), add_generation_prompt=add_prompt,
-                                           chat_template=req.chat_template,
-                                           continue_final_message=req.continue_final_message,
-                                           **extra)
-        except jinja2.TemplateSyntaxError as e:
-            raise OpenAIError(400, f"chat_template does not compile: {e}",
-                              param="chat_template") from None
-        except jinja2.TemplateError as e:
-            raise OpenAIError(400, f"the chat template rejected the messages: {e}",
-                              param="messages") from None
-        except ValueError as e:
-            raise OpenAIError(400, str(e), param="continue_final_message") from None
-        return req.salted({"prompt": text})
+        return req.salted({"prompt": self.chat_text(req)})
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest
                    ) -> dict[str, Any] | EventStream | None:

@@ -495,3 +495,60 @@ class ChatCompletionRequest(_SamplingRequest):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
 
+
+
+# TokenizeRequest fields that only a chat (messages) request uses.
+_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template",
+              "chat_template_kwargs", "tools")
+
+
+class TokenizeRequest(BaseModel):
+    """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the chat
+    template as /v1/chat/completions renders them. Unknown fields are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # None: vLLM's defaults, True for a prompt, False for messages (the template has them).
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+    # Chat only, as /v1/chat/completions takes them.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+
+    def check(self) -> None:
+        """400 unless exactly one of prompt / messages is given, with only its own fields."""
+        if (self.prompt is None) == (self.messages is None):
+            raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
+        if self.messages is not None and not self.messages:
+            raise OpenAIError(400, "messages is empty", param="messages")
+        if self.prompt is not None:
+            for name in _CHAT_ONLY:
+                if name in self.model_fields_set:
+                    raise OpenAIError(400, f"{name} applies only to messages, not to a prompt",
+                                      param=name)
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS) around the text."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+    def conversation(self) -> list[dict[str, str]]:
+        """Messages as {"role", "content"} dicts for the chat template."""
+        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+
+
+class DetokenizeRequest(BaseModel):
+    """Body of POST /detokenize (vLLM's): token ids back to text, special tokens kept."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str | None = None
+    tokens: list[int]

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import jinja2
 from starlette.requests import Request as HTTPRequest
 
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
@@ -156,6 +157,37 @@ class Serving:
         """A beam's generated text, its final EOS left out (vLLM's server text)."""
         ids = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids
         return self.engine.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def chat_text(self, req: Any) -> str:
+        """The prompt text of a chat request (a ChatCompletionRequest or a TokenizeRequest with
+        messages) rendered by its chat template or the model's; 400s name the field."""
+        tok = self.engine.tokenizer
+        if not tok.has_chat_template and req.chat_template is None:
+            raise OpenAIError(400, "this model has no chat template; use /v1/completions or "
+                              "pass chat_template", param="messages")
+        kwargs = req.chat_template_kwargs or {}
+        if not isinstance(kwargs, dict):
+            raise OpenAIError(400, "chat_template_kwargs must be an object",
+                              param="chat_template_kwargs")
+        extra = {**kwargs, **({"tools": req.tools} if req.tools else {})}
+        add_prompt = req.add_generation_prompt and not req.continue_final_message
+        if req.continue_final_message and "add_generation_prompt" in req.model_fields_set \
+                and req.add_generation_prompt:
+            raise OpenAIError(400, "continue_final_message and add_generation_prompt cannot "
+                              "both be true", param="continue_final_message")
+        try:
+            return tok.apply_chat_template(req.conversation(), add_generation_prompt=add_prompt,
+                                           chat_template=req.chat_template,
+                                           continue_final_message=req.continue_final_message,
+                                           **extra)
+        except jinja2.TemplateSyntaxError as e:
+            raise OpenAIError(400, f"chat_template does not compile: {e}",
+                              param="chat_template") from None
+        except jinja2.TemplateError as e:
+            raise OpenAIError(400, f"the chat template rejected the messages: {e}",
+                              param="messages") from None
+        except ValueError as e:
+            raise OpenAIError(400, str(e), param="continue_final_message") from None
 
     def check_model(self, model: str | None) -> None:
         """404 unless `model` is absent, empty (vLLM: the default model) or the served name."""
