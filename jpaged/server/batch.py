@@ -39,8 +39,7 @@ class RequestBatch:
     def configure(self, req: Any) -> None:
         """Read the response options of the HTTP request `req`."""
         self.return_token_ids = req.return_token_ids
-        self.continuous_usage = bool(req.stream_options and req.stream_options.include_usage
-                                     and req.stream_options.continuous_usage_stats)
+        self.continuous_usage = req.continuous_usage
         self.so_param = req.structured_param()
         self.tokens_as_ids = req.return_tokens_as_token_ids
         self.field_names = req.field_names()

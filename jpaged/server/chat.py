@@ -51,26 +51,39 @@ class ChatServing(Serving):
         return await self._full_chat(batch, head, tools, echo)
 
     async def _beam_chat(self, req: ChatCompletionRequest, prompt: Any, params: SamplingParams,
-                         beam: BeamSearchParams) -> dict[str, Any]:
-        """use_beam_search: the n best beams as the n choices, best first."""
+                         beam: BeamSearchParams) -> dict[str, Any] | EventStream:
+        """use_beam_search: the n best beams as the n choices, best first (a stream sends each
+        choice's role, then its whole message, once the search ends)."""
         base = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         (result,), usage = await self._beam_search([prompt], beam, base, req.priority,
                                                    "messages", req.salted)
         echo = req.echoed()
+        head = {"id": base, "created": int(time.time()), "model": self.model_name}
         choices = []
         for j, seq in enumerate(result.sequences):
-            choices.append({"index": j, "message": {
-                "role": "assistant", "content": echo + self.beam_text(
-                    seq, params.skip_special_tokens)},
-                "logprobs": None, "finish_reason": seq.finish_reason,
-                "stop_reason": seq.stop_reason})
+            text = echo + self.beam_text(seq, params.skip_special_tokens)
+            choices.append({"index": j, "message": {"role": "assistant", "content": text},
+                            "logprobs": None, "finish_reason": seq.finish_reason,
+                            "stop_reason": seq.stop_reason})
             if req.return_token_ids:
                 choices[-1]["token_ids"] = seq.output_token_ids
-        body = {"id": base, "created": int(time.time()), "model": self.model_name,
-                "object": "chat.completion", "choices": choices, "usage": usage}
+        prompt_ids = result.sequences[0].tokens[:result.sequences[0].num_prompt_tokens]
+        if req.stream:
+            chunks = []
+            for c, seq in zip(choices, result.sequences, strict=True):
+                role = {"index": c["index"], "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None, "finish_reason": None}
+                text = c.pop("message")["content"]
+                last: dict[str, Any] = {"choices": [{**c, "delta": {"content": text}}]}
+                if req.return_token_ids:  # as a normal stream: with each choice's first chunk
+                    last["prompt_token_ids"] = prompt_ids
+                chunks += [({"choices": [role]}, seq.num_prompt_tokens, 0),
+                           (last, seq.num_prompt_tokens, len(seq.output_token_ids))]
+            return self.beam_stream({**head, "object": "chat.completion.chunk"}, chunks, usage,
+                                    req.include_usage, req.continuous_usage)
+        body = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
         if req.return_token_ids:
-            body["prompt_token_ids"] = result.sequences[0].tokens[
-                :result.sequences[0].num_prompt_tokens]
+            body["prompt_token_ids"] = prompt_ids
         return body
 
     async def _full_chat(self, batch: RequestBatch, head: dict[str, Any], tools: str = "none",

@@ -91,23 +91,30 @@ class CompletionServing(Serving):
 
     async def _beam_completion(self, req: CompletionRequest, prompts: list[Any],
                                params: SamplingParams, beam: BeamSearchParams
-                               ) -> dict[str, Any]:
-        """use_beam_search: each prompt's n best beams as its n choices, best first."""
+                               ) -> dict[str, Any] | EventStream:
+        """use_beam_search: each prompt's n best beams as its n choices, best first (a stream
+        sends each choice whole once the search ends)."""
         base = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         results, usage = await self._beam_search(prompts, beam, base, req.priority, "prompt",
                                                  req.salted)
-        choices = []
+        chunks = []
         for i, result in enumerate(results):
             for j, seq in enumerate(result.sequences):
-                choices.append({"index": i * beam.beam_width + j,
-                                "text": self.beam_text(seq, params.skip_special_tokens),
-                                "logprobs": None, "finish_reason": seq.finish_reason,
-                                "stop_reason": seq.stop_reason})
+                choice = {"index": i * beam.beam_width + j,
+                          "text": self.beam_text(seq, params.skip_special_tokens),
+                          "logprobs": None, "finish_reason": seq.finish_reason,
+                          "stop_reason": seq.stop_reason}
                 if req.return_token_ids:
-                    choices[-1].update(prompt_token_ids=seq.tokens[:seq.num_prompt_tokens],
-                                       token_ids=seq.output_token_ids)
-        return {"id": base, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": usage}
+                    choice.update(prompt_token_ids=seq.tokens[:seq.num_prompt_tokens],
+                                  token_ids=seq.output_token_ids)
+                chunks.append(({"choices": [choice]}, seq.num_prompt_tokens,
+                               len(seq.output_token_ids)))
+        head = {"id": base, "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name}
+        if req.stream:
+            return self.beam_stream(head, chunks, usage, req.include_usage,
+                                    req.continuous_usage)
+        return {**head, "choices": [c["choices"][0] for c, _, _ in chunks], "usage": usage}
 
     async def _full_completion(self, batch: RequestBatch, head: dict[str, Any],
                                echo: _Echo | None) -> dict[str, Any]:

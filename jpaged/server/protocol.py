@@ -134,16 +134,16 @@ class _SamplingRequest(BaseModel):
 
     def beam_search_params(self, params: SamplingParams) -> BeamSearchParams | None:
         """BeamSearchParams of a `use_beam_search` request (its n beams, max_tokens,
-        ignore_eos, temperature), else None. What beam search would not apply (a stream,
-        logprobs, stop conditions, token constraints, an output constraint) is a 400 naming
-        the field, never ignored."""
+        ignore_eos, temperature), else None. What beam search would not apply (logprobs, stop
+        conditions, token constraints, an output constraint) is a 400 naming the field, never
+        ignored. A stream gets the beams when the search ends, as vLLM streams them."""
         if not self.use_beam_search:
             if self.length_penalty != 1.0:
                 raise OpenAIError(400, "length_penalty needs use_beam_search",
                                   param="length_penalty")
             return None
         names = self.field_names()
-        unapplied = (("stream", self.stream), ("logprobs", params.logprobs is not None),
+        unapplied = (("logprobs", params.logprobs is not None),
                      ("prompt_logprobs", params.prompt_logprobs is not None),
                      ("stop", bool(params.stop)), ("stop_token_ids", bool(params.stop_token_ids)),
                      ("min_tokens", params.min_tokens > 0), ("bad_words", bool(params.bad_words)),
@@ -301,6 +301,12 @@ class _SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         """Whether a streamed response ends with a usage chunk."""
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries usage (vLLM's continuous_usage_stats)."""
+        return self.include_usage and bool(self.stream_options
+                                           and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingRequest):

@@ -153,6 +153,25 @@ class Serving:
                          "total_tokens": prompt_tokens + done,
                          "prompt_tokens_details": {"cached_tokens": cached}}
 
+    @staticmethod
+    def beam_stream(head: dict[str, Any], chunks: list[tuple[dict[str, Any], int, int]],
+                    usage: dict[str, Any], include_usage: bool, continuous_usage: bool,
+                    ) -> EventStream:
+        """A finished beam search as an SSE stream (vLLM streams beams once the search ends):
+        one chunk per (its fields with "choices", its choice's prompt tokens, that choice's
+        tokens so far), the usage chunk when asked, then [DONE]. Nothing runs while it
+        streams, so there is nothing to abort."""
+        async def events() -> AsyncIterator[str]:
+            for fields, prompt, done in chunks:
+                extra = ({"usage": {"prompt_tokens": prompt, "completion_tokens": done,
+                                    "total_tokens": prompt + done}} if continuous_usage else {})
+                yield sse({**head, **fields, **extra})
+            if include_usage:
+                yield sse({**head, "choices": [], "usage": usage})
+            yield DONE
+
+        return EventStream(events(), lambda: None)
+
     def beam_text(self, seq: BeamSearchSequence, skip_special_tokens: bool) -> str:
         """A beam's generated text, its final EOS left out (vLLM's server text)."""
         ids = seq.output_token_ids[:-1] if seq.finish_reason == "stop" else seq.output_token_ids

@@ -51,8 +51,40 @@ def test_chat_beams_and_length_penalty(served, offline):
     assert out.usage.completion_tokens == 8
 
 
+def test_streamed_beams_are_the_beams(served):
+    """As vLLM, a streamed beam search sends each beam whole once the search ends: the same
+    choices as the unstreamed answer, then the usage chunk."""
+    client = served.client()
+    kw = dict(model=MODEL, max_tokens=4, n=2,
+              extra_body={"use_beam_search": True, "ignore_eos": True})
+    whole = client.completions.create(prompt=["abc", "The paged"], **kw)
+    chunks = list(client.completions.create(
+        prompt=["abc", "The paged"], stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, **kw))
+    assert [(c.index, c.text, c.finish_reason) for ch in chunks[:-1] for c in ch.choices] == [
+        (c.index, c.text, c.finish_reason) for c in whole.choices]
+    assert all(ch.usage.completion_tokens == 4 for ch in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+    msgs = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(messages=msgs, **kw)
+    text: dict[int, str] = {}
+    finish: dict[int, str] = {}
+    stream = client.chat.completions.create(messages=msgs, stream=True, **kw)
+    for ch in stream:
+        assert ch.object == "chat.completion.chunk" and ch.usage is None
+        for c in ch.choices:
+            if c.delta.role is not None:
+                assert c.index not in text and c.delta.role == "assistant"
+            text[c.index] = text.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason is not None:
+                finish[c.index] = c.finish_reason
+    assert text == {c.index: c.message.content for c in whole.choices}
+    assert finish == {0: "length", 1: "length"}
+
+
 @pytest.mark.parametrize("path,extra,param", [
-    ("/v1/completions", {"stream": True}, "stream"),
     ("/v1/completions", {"logprobs": 2}, "logprobs"),
     ("/v1/completions", {"stop": ["x"]}, "stop"),
     ("/v1/completions", {"echo": True}, "echo"),
