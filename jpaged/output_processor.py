@@ -62,7 +62,8 @@ class RequestGroup:
 
     def __post_init__(self) -> None:
         p = self.params
-        self.needs_text = bool(p.stop) or p.output_kind != RequestOutputKind.FINAL_ONLY
+        self.needs_text = p.detokenize and (bool(p.stop)
+                                            or p.output_kind != RequestOutputKind.FINAL_ONLY)
         self.max_stop_len = max(map(len, p.stop)) if p.stop else 0
         self.stop_hold = 0 if p.include_stop_str_in_output else max(0, self.max_stop_len - 1)
 
@@ -75,12 +76,19 @@ class RequestGroup:
         return True
 
 
+def _no_text(ids: list[int]) -> None:
+    """The decoded_token of a logprob entry when the request asked for no text."""
+    return None
+
+
 def record_logprobs(group: RequestGroup, child: ChildState, token: int, logprob: float,
-                    row: int, result: Any, decode: Callable[[list[int]], str]) -> None:
+                    row: int, result: Any, decode: Callable[[list[int]], str | None]) -> None:
     """Add a sampled token (row `row` of a StepResult) to the child's logprobs."""
     child.cumulative_logprob += logprob
     if child.logprobs is None:
         return
+    if not group.params.detokenize:
+        decode = _no_text
     entry = {token: Logprob(logprob, int(result.ranks[row]), decode([token]))}
     for j in range(group.params.logprobs or 0):
         cand = int(result.top_ids[row, j])
@@ -98,7 +106,7 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     req = child.request
     seen = child.seen
     finished = req.is_finished() and (seen < 0 or seen >= len(req.output_token_ids))
-    if finished or group.needs_text:
+    if group.needs_text or (finished and group.params.detokenize):
         detok = child.detok
         if detok is None:
             detok = child.detok = IncrementalDetokenizer(tokenizer,
@@ -167,7 +175,7 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
 _DELTA, _FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
 
 
-def prompt_logprobs_of(group: RequestGroup, decode: Callable[[list[int]], str]
+def prompt_logprobs_of(group: RequestGroup, decode: Callable[[list[int]], str | None]
                        ) -> list[dict[int, Logprob] | None] | None:
     """vLLM's prompt_logprobs of a group whose prompt has run (None until it has): None for
     the first token, then each prompt token's logprob and rank plus the top-k candidates."""
@@ -176,6 +184,8 @@ def prompt_logprobs_of(group: RequestGroup, decode: Callable[[list[int]], str]
     if len(rows) < len(ids) - 1:
         return None
     k = group.params.prompt_logprobs or 0
+    if not group.params.detokenize:
+        decode = _no_text
     out: list[dict[int, Logprob] | None] = [None]
     for p in range(len(ids) - 1):
         lp, rank, top_ids, top_lps = rows[p]

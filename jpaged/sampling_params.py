@@ -146,6 +146,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's detokenize: False gives token ids only (text "", logprob entries without
+    # decoded_token) and saves the host's detokenization; stop strings then cannot be used.
+    detokenize: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Token constraints (vLLM's names): add logit_bias[id] to that token's logit (OpenAI's
     # [-100, 100]); sample only among allowed_token_ids.
@@ -163,6 +166,10 @@ class SamplingParams:
     # vLLM's extra_args: arguments for extensions; "kv_transfer_params" is read by the KV
     # connector (disaggregated prefill/decode; the OpenAI API's kv_transfer_params field).
     extra_args: dict[str, Any] | None = None
+    # vLLM's names for what jpaged refuses, as vLLM V1 does: best_of other than n, and
+    # per-request logits processors (Python per token, outside the jitted step).
+    best_of: int | None = None
+    logits_processors: list[Any] | None = None
     # Filled by the engine: the tokenizer's EOS ids (stop unless ignore_eos), and bad_words as
     # token sequences.
     eos_token_ids: tuple[int, ...] = field(default=(), repr=False)
@@ -239,6 +246,16 @@ class SamplingParams:
                 isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
                 "a list of non-empty strings", self.bad_words)
             self.bad_words = list(self.bad_words)
+        _check(isinstance(self.detokenize, bool), "detokenize", "True or False", self.detokenize)
+        _check(self.detokenize or not self.stop, "stop",
+               "empty when detokenize is False (stop strings are found in the text)", self.stop)
+        _check(self.best_of is None or self.best_of == self.n, "best_of",
+               f"None or n ({self.n}): returning the n best of more samples is not supported "
+               "(as in vLLM V1)", self.best_of)
+        _check(not self.logits_processors, "logits_processors",
+               "empty: per-request logits processors are not supported (as in vLLM V1); "
+               "logit_bias, allowed_token_ids, bad_words and structured_outputs run in the "
+               "jitted sampler", self.logits_processors)
         _check(self.structured_outputs is None
                or isinstance(self.structured_outputs, StructuredOutputsParams),
                "structured_outputs", "a StructuredOutputsParams or None", self.structured_outputs)

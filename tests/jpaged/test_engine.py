@@ -280,6 +280,38 @@ def test_naive_baseline_matches_paged(llm):
     assert one_row.rows == 1 and one_row.generate(prompts[:2], p) == paged[:2]
 
 
+def test_detokenize_false_gives_the_same_tokens_and_no_text(llm):
+    """vLLM's detokenize=False: token ids only; text stays empty and logprob entries (sampled
+    and prompt) have no decoded_token, streamed or not; n > 1 and seeds as with text."""
+    kw = dict(temperature=0.8, seed=7, max_tokens=12, ignore_eos=True, n=2, logprobs=2,
+              prompt_logprobs=2)
+    prompts = ["The paged KV cache", "abc"]
+    with_text = llm.generate(prompts, SamplingParams(**kw))
+    bare = llm.generate(prompts, SamplingParams(detokenize=False, **kw))
+    for a, b in zip(with_text, bare, strict=True):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert all(c.text for c in a.outputs) and all(c.text == "" for c in b.outputs)
+        for ca, cb in zip(a.outputs, b.outputs, strict=True):
+            assert [{t: lp.logprob for t, lp in e.items()} for e in ca.logprobs] == [
+                {t: lp.logprob for t, lp in e.items()} for e in cb.logprobs]
+            assert all(lp.decoded_token is None for e in cb.logprobs for lp in e.values())
+            assert all(lp.decoded_token is not None for e in ca.logprobs for lp in e.values())
+        assert len(b.prompt_logprobs) == len(a.prompt_logprobs) > 1
+        assert all(lp.decoded_token is None for e in b.prompt_logprobs[1:] for lp in e.values())
+    engine = llm.llm_engine
+    engine.add_request("bare-stream", prompts[0], SamplingParams(
+        detokenize=False, max_tokens=6, ignore_eos=True, temperature=0,
+        output_kind=RequestOutputKind.DELTA))
+    ids: list[int] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.outputs[0].text == ""
+            ids += out.outputs[0].token_ids
+    greedy = llm.generate(prompts[0], SamplingParams(max_tokens=6, ignore_eos=True,
+                                                     temperature=0))[0].outputs[0]
+    assert ids == greedy.token_ids and greedy.text
+
+
 @pytest.mark.parametrize("prompt,msg", [
     ("", "empty"),
     ({"prompt_token_ids": []}, "empty"),
@@ -304,6 +336,10 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, msg):
                                                     "truncation_side"),
     (dict(temperature=float("inf")), "temperature"), (dict(stop_token_ids=[True]),
                                                        "stop_token_ids"),
+    # vLLM V1 refuses these two too (ValueError, not a TypeError for an unknown keyword).
+    (dict(n=2, best_of=3), "best_of"), (dict(logits_processors=[lambda ids, x: x]),
+                                        "logits_processors"),
+    (dict(detokenize=False, stop=["x"]), "stop"), (dict(detokenize=1), "detokenize"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
