@@ -46,10 +46,11 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
-        priority: Sequence[int] | None = None,
+        priority: int | Sequence[int] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
     ) -> list[RequestOutput]:
-        """Run prompts to completion; outputs come back in input order."""
+        """Run prompts to completion; outputs come back in input order. `priority`: one per
+        prompt, or one value for all (lower runs first, as vLLM's priority scheduling)."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -66,8 +67,11 @@ class LLM:
             if len(params_list) != len(prompts):
                 raise ValueError(f"got {len(params_list)} sampling_params for {len(prompts)} "
                                  "prompts; pass one or one per prompt")
-        if priority is not None and len(priority) != len(prompts):
-            raise ValueError("priority must have one entry per prompt")
+        if isinstance(priority, int) and not isinstance(priority, bool):
+            priority = [priority] * len(prompts)  # one value for every prompt, as vLLM
+        elif priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority must have one entry per prompt (or be one integer), "
+                             f"got {len(priority)} for {len(prompts)} prompts")
         return self._run(prompts, params_list, priority, use_tqdm)
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],

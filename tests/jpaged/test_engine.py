@@ -242,6 +242,17 @@ def test_priorities_accepted_and_all_finish(llm):
                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
                         priority=[3, 0, 2, 1])
     assert all(o.finished for o in outs) and _free(llm)
+    # As vLLM's LLM.generate: one integer for every prompt, and a single prompt's list.
+    prompts = ["abc", "de"]
+    p = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert len(llm.generate(prompts, p, priority=1)) == 2
+    assert len(llm.generate(prompts[0], p, priority=[0])) == 1
+    for bad in ([0], [], [0, 1, 2]):
+        with pytest.raises(ValueError, match="priority must have one entry per prompt"):
+            llm.generate(prompts, p, priority=bad)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.generate(prompts, p, priority=["high", "low"])
+    assert _free(llm)
 
 
 def test_no_compilation_after_warmup():
