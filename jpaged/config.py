@@ -240,8 +240,11 @@ class ModelConfig:
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
     logprobs_mode: str = "raw_logprobs"  # vLLM's; only its default is implemented
     quantization: str | None = None  # a QUANTIZATION_METHODS name, or None
+    enforce_eager: bool = False  # vLLM's: on a GPU, steps outside CUDA graphs
 
     def __post_init__(self) -> None:
+        if not isinstance(self.enforce_eager, bool):
+            _fail("ModelConfig", "enforce_eager", "True or False", self.enforce_eager)
         if self.dtype not in MODEL_DTYPES:
             _fail("ModelConfig", "dtype", f"one of {MODEL_DTYPES}", self.dtype)
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -526,6 +529,14 @@ class EngineArgs:
     """Attention kernels: pallas (the Pallas kernels; off GPU their slow interpreter), xla
     (jnp attention that skips empty chunks), reference (the plain version the kernels are
     tested against), or auto (pallas on GPU, xla elsewhere)."""
+    enforce_eager: bool = False
+    """vLLM's: no CUDA graphs. On a GPU every kernel of a step is launched on its own instead
+    of in XLA command buffers (CUDA graphs): for profiling and debugging, slower at small
+    batches. The steps are still compiled (XLA has no eager mode). No effect on a CPU."""
+    trust_remote_code: bool = False
+    """Accepted for vLLM's scripts: jpaged runs only its own model implementations, never
+    Python code shipped with a checkpoint, so True and False load a model the same way (an
+    architecture jpaged lacks is refused either way, naming it)."""
     block_size: int = DEFAULT_BLOCK_SIZE
     """Tokens per KV cache block: a power of two, at most 1024."""
     gpu_memory_utilization: float | None = None
@@ -658,7 +669,8 @@ class EngineArgs:
         return EngineConfig(
             model=ModelConfig(self.model, self.dtype, self.attention_backend, self.seed,
                               max_logprobs=self.max_logprobs, quantization=self.quantization,
-                              logprobs_mode=self.logprobs_mode),
+                              logprobs_mode=self.logprobs_mode,
+                              enforce_eager=self.enforce_eager),
             cache=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,

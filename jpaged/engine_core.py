@@ -283,7 +283,8 @@ class EngineCore:
                                   parallel=self.parallel, calculate_kv_scales=calc_scales,
                                   kv_layout=self.kv_layout,
                                   num_top_logprobs=config.model.logprobs_limit(
-                                      self.spec.vocab_size))
+                                      self.spec.vocab_size),
+                                  eager=config.model.enforce_eager)
         if self.group is not None and self.group.is_leader:
             self.runner.announce = self.group.announce_step  # the others launch it too
         self.draft: DraftRunner | None = None
@@ -293,7 +294,8 @@ class EngineCore:
                 d.model, allocate_kv_cache(d.spec, num_blocks, self.config.cache.block_size,
                                            self.kv_dtype),
                 BucketPlan.for_config(self.config), self.config.cache.block_size,
-                d.spec.vocab_size, self.ops, self.config.model.seed))
+                d.spec.vocab_size, self.ops, self.config.model.seed,
+                eager=self.config.model.enforce_eager))
         # The disk tier is keyed by the fp8 scales too: opened once they are final.
         self._disk_pending = (self.tiers is not None and self.config.cache.swap_space > 0
                               and self.config.cache.enable_prefix_caching)

@@ -76,11 +76,18 @@ def _accepts(options: tuple[tuple[str, Any], ...]) -> str | None:
     return None
 
 
-def step_compiler_options(platform: str) -> dict[str, Any]:
+# vLLM's enforce_eager: no command buffers at all (XLA's default types included).
+EAGER_OPTIONS: dict[str, Any] = {"xla_gpu_enable_command_buffer": ""}
+
+
+def step_compiler_options(platform: str, eager: bool = False) -> dict[str, Any]:
     """The step program's XLA options on `platform`: STEP_COMPILER_OPTIONS, and on a GPU the
-    command-buffer options unless this XLA refuses them (then one log line says why)."""
+    command-buffer options unless this XLA refuses them (then one log line says why), or with
+    `eager` (vLLM's enforce_eager) none: every kernel launched on its own."""
     out = dict(STEP_COMPILER_OPTIONS)
-    if is_gpu_platform(platform):
+    if is_gpu_platform(platform) and eager:
+        out.update(EAGER_OPTIONS)
+    elif is_gpu_platform(platform):
         why = _accepts(tuple(sorted(COMMAND_BUFFER_OPTIONS.items())))
         if why is None:
             out.update(COMMAND_BUFFER_OPTIONS)
@@ -197,7 +204,7 @@ class ModelRunner:
                  calculate_kv_scales: bool = False,
                  kv_layout: KVCacheLayout | None = None, platform: str | None = None,
                  num_top_logprobs: int = NUM_TOP_LOGPROBS,
-                 decode_matmuls: bool = True) -> None:
+                 decode_matmuls: bool = True, eager: bool = False) -> None:
         self.graphdef, self.params = nnx.split(model)
         platform = platform or jax.default_backend()
         # Candidates a step with logprobs returns per row (sampled and prompt alike): the
@@ -265,9 +272,11 @@ class ModelRunner:
         self.scales_pending = calculate_kv_scales
         self._jit_step = jax.jit(self._step, static_argnames=("flags", "calc_scales", "defer"),
                                  donate_argnames=("kv", "last_tokens"),
-                                 compiler_options=step_compiler_options(platform))
+                                 compiler_options=step_compiler_options(platform, eager))
         self._jit_sample = jax.jit(self._sample_step, static_argnames=("flags",),
-                                   donate_argnames=("last_tokens",))
+                                   donate_argnames=("last_tokens",),
+                                   compiler_options=(dict(EAGER_OPTIONS) if eager and
+                                                     is_gpu_platform(platform) else None))
         self.num_deferred = 0  # steps sampled after their forward (finish_deferred)
 
     @property

@@ -374,6 +374,20 @@ def test_bad_engine_args(kwargs, field):
         LLMEngine(EngineArgs(**kwargs), loaded=tiny())
 
 
+def test_vllm_enforce_eager_and_trust_remote_code_are_taken():
+    """vLLM scripts pass these: enforce_eager (no CUDA graphs; on a CPU nothing changes) and
+    trust_remote_code (jpaged runs no checkpoint code): the same tokens."""
+    kw = dict(max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+              num_gpu_blocks_override=16, block_size=8)
+    p = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    base = make_llm(tiny(), **kw).generate("abc", p)[0].outputs[0].token_ids
+    eager = make_llm(tiny(), enforce_eager=True, trust_remote_code=True, **kw)
+    assert eager.llm_engine.config.model.enforce_eager
+    assert eager.generate("abc", p)[0].outputs[0].token_ids == base
+    with pytest.raises(ValueError, match="enforce_eager"):
+        make_llm(tiny(), enforce_eager="yes", **kw)
+
+
 def test_unknown_engine_argument_is_named():
     with pytest.raises(TypeError, match="enable_prefix_cachin"):
         LLM(model="unused", enable_prefix_cachin=True)

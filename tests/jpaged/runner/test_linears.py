@@ -8,7 +8,12 @@ import jax.numpy as jnp
 from tiny_models import tiny_spec
 
 from jpaged.runner.linears import rope_in_kernel, select_linears
-from jpaged.runner.model_runner import COMMAND_BUFFER_OPTIONS, step_compiler_options
+from jpaged.runner.model_runner import (
+    COMMAND_BUFFER_OPTIONS,
+    EAGER_OPTIONS,
+    _accepts,
+    step_compiler_options,
+)
 
 
 def test_a_model_the_kernels_cannot_take_keeps_xla_and_says_why(caplog):
@@ -39,3 +44,9 @@ def test_gpu_steps_compile_into_command_buffers():
     gpu = step_compiler_options("cuda")
     assert gpu == {**cpu, **COMMAND_BUFFER_OPTIONS}
     assert "WHILE" in gpu["xla_gpu_enable_command_buffer"].split(",")
+    # vLLM's enforce_eager: no command buffers on a GPU (XLA's default types included); this
+    # XLA takes the option; nothing changes on a CPU.
+    eager = step_compiler_options("cuda", eager=True)
+    assert eager == {**cpu, **EAGER_OPTIONS} and eager["xla_gpu_enable_command_buffer"] == ""
+    assert step_compiler_options("cpu", eager=True) == cpu
+    assert _accepts(tuple(sorted(EAGER_OPTIONS.items()))) is None
