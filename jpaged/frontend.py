@@ -168,8 +168,8 @@ class RequestFrontend:
         vocab = self.spec.vocab_size
         for i, t in enumerate(ids):
             if not isinstance(t, numbers.Integral) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise ValueError(f"prompt_token_ids[{i}] is {t!r}: token ids must be integers "
-                                 f"in the vocabulary [0, {vocab})")
+                raise ValueError(f"prompt_token_ids[{i}] is {t!r}, out of vocabulary: token "
+                                 f"ids must be integers in [0, {vocab})")
         ids = [int(t) for t in ids]  # numpy integers become Python ints
         max_len = self.config.scheduler.max_model_len
         if truncate is not None:  # vLLM: k tokens (-1: all that leave room), from its side

@@ -34,6 +34,10 @@ __all__ = ["KVConnectorMetadata", "KVConnectorOutput", "KVConnectorScheduler", "
 
 _REMOTE_KEYS = {"remote_engine_id": str, "remote_host": str, "remote_port": int,
                 "remote_request_id": str, "remote_block_ids": list}
+# Every key a request's kv_transfer_params may hold: the two roles, and what a producer's
+# response hands its consumer.
+_KNOWN_KEYS = frozenset({"do_remote_decode", "do_remote_prefill", "remote_num_tokens",
+                         *_REMOTE_KEYS})
 
 
 @dataclass
@@ -98,6 +102,10 @@ def check_kv_transfer_params(params: Any, config: KVTransferConfig | None, n: in
         return
     if not isinstance(params, dict):
         raise ValueError(f"kv_transfer_params must be an object, got {params!r}")
+    unknown = sorted(set(params) - _KNOWN_KEYS)
+    if unknown:  # e.g. vLLM's return_last_hidden_state: refused, never dropped
+        raise ValueError(f"kv_transfer_params.{unknown[0]} is not supported (known keys: "
+                         f"{sorted(_KNOWN_KEYS)})")
     remote_decode = params.get("do_remote_decode", False)
     remote_prefill = params.get("do_remote_prefill", False)
     for name, v in (("do_remote_decode", remote_decode), ("do_remote_prefill", remote_prefill)):

@@ -21,6 +21,8 @@ class ChatServing(Serving):
     """The handler of /v1/chat/completions."""
 
     def _chat_prompt(self, req: ChatCompletionRequest) -> dict[str, Any]:
+        if req.prompt_token_ids is not None:  # token-in: the ids as given, no template
+            return req.salted({"prompt_token_ids": list(req.prompt_token_ids)})
         return req.salted({"prompt": self.chat_text(req)})
 
     async def chat(self, req: ChatCompletionRequest, http: HTTPRequest
@@ -30,11 +32,14 @@ class ChatServing(Serving):
 
     async def _chat(self, req: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         self.check_model(req.model)
+        req.check_prompt()
         params = req.to_sampling_params()
         tools = req.tool_mode()[0]  # 'none', 'required' or the forced function's name
-        # The template holds the special tokens already: no second BOS.
+        # The template holds the special tokens already: no second BOS unless asked.
+        param = "messages" if req.prompt_token_ids is None else "prompt_token_ids"
         prompt = (await self._tokenized(
-            [self._chat_prompt(req)], params, "messages", add_special_tokens=False,
+            [self._chat_prompt(req)], params, param,
+            add_special_tokens=req.add_special_tokens,
             max_tokens_param=req.field_names().get("max_tokens", "max_tokens")))[0]
         beam = req.beam_search_params(params)
         if beam is not None:
@@ -42,7 +47,7 @@ class ChatServing(Serving):
         batch = RequestBatch(self.engine, req.request_id or f"chatcmpl-{uuid.uuid4().hex}",
                              params, req.priority)
         batch.configure(req)
-        await batch.start([prompt], "messages")
+        await batch.start([prompt], param)
         head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
         echo = req.echoed() if tools == "none" else ""
         if req.stream:
@@ -55,8 +60,9 @@ class ChatServing(Serving):
         """use_beam_search: the n best beams as the n choices, best first (a stream sends each
         choice's role, then its whole message, once the search ends)."""
         base = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
+        param = "messages" if req.prompt_token_ids is None else "prompt_token_ids"
         (result,), usage = await self._beam_search([prompt], beam, base, req.priority,
-                                                   "messages", req.salted)
+                                                   param, req.salted)
         echo = req.echoed()
         head = {"id": base, "created": int(time.time()), "model": self.model_name}
         choices = []
@@ -74,11 +80,12 @@ class ChatServing(Serving):
                 role = {"index": c["index"], "delta": {"role": "assistant", "content": ""},
                         "logprobs": None, "finish_reason": None}
                 text = c.pop("message")["content"]
-                last: dict[str, Any] = {"choices": [{**c, "delta": {"content": text}}]}
-                if req.return_token_ids:  # as a normal stream: with each choice's first chunk
-                    last["prompt_token_ids"] = prompt_ids
-                chunks += [({"choices": [role]}, seq.num_prompt_tokens, 0),
-                           (last, seq.num_prompt_tokens, len(seq.output_token_ids))]
+                first: dict[str, Any] = {"choices": [role]}
+                if req.return_token_ids and not chunks:  # as vLLM: on the first chunk only
+                    first["prompt_token_ids"] = prompt_ids
+                chunks += [(first, seq.num_prompt_tokens, 0),
+                           ({"choices": [{**c, "delta": {"content": text}}]},
+                            seq.num_prompt_tokens, len(seq.output_token_ids))]
             return self.beam_stream({**head, "object": "chat.completion.chunk"}, chunks, usage,
                                     req.include_usage, req.continuous_usage)
         body = {**head, "object": "chat.completion", "choices": choices, "usage": usage}
@@ -124,22 +131,38 @@ class ChatServing(Serving):
 
     async def _chat_chunks(self, batch: RequestBatch, head: dict[str, Any], include_usage: bool,
                            tools: str = "none", echo: str = "") -> AsyncIterator[str]:
-        for i in range(batch.params.n):  # the role comes first, before any token
-            # Every chunk carries usage when asked (vLLM's continuous_usage_stats: the prompt
-            # and this choice's tokens so far, here none; else null until the final chunk).
-            extra = {"usage": batch.chunk_usage(i)} if include_usage else {}
-            yield sse({**head, "choices": [{"index": i, "delta": {"role": "assistant",
-                                                                  "content": ""},
-                                            "logprobs": None, "finish_reason": None}],
-                       **extra})
-            if echo:  # vLLM's echo: the continued message's text, before the new tokens
-                yield sse({**head, "choices": [{"index": i, "delta": {"content": echo},
-                                                "logprobs": None, "finish_reason": None}],
-                           **extra})
+        def roles(prompt_ids: list[int] | None) -> list[str]:
+            """Each choice's role chunk (and echo): the first carries the prompt's ids when
+            return_token_ids asks (vLLM's place for them)."""
+            chunks = []
+            for i in range(batch.params.n):
+                # Every chunk carries usage when asked (vLLM's continuous_usage_stats: the
+                # prompt and this choice's tokens so far, here none; else null until the end).
+                extra = {"usage": batch.chunk_usage(i)} if include_usage else {}
+                first = {"prompt_token_ids": prompt_ids} if prompt_ids is not None and i == 0 \
+                    else {}
+                chunks.append(sse({**head, "choices": [{
+                    "index": i, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None}], **first, **extra}))
+                if echo:  # vLLM's echo: the continued message's text, before the new tokens
+                    chunks.append(sse({**head, "choices": [{
+                        "index": i, "delta": {"content": echo}, "logprobs": None,
+                        "finish_reason": None}], **extra}))
+            return chunks
+
+        # The roles come first, before any token; with return_token_ids once the engine has
+        # the prompt's ids (its first output), which the first role chunk carries.
+        pending_roles = batch.return_token_ids
+        if not pending_roles:
+            for chunk in roles(None):
+                yield chunk
         done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
-        sent_prompt: set[int] = set()  # choices whose prompt_token_ids went out
         calls = ToolCallStream(tools)
         async for _, out in batch.outputs():
+            if pending_roles:
+                pending_roles = False
+                for chunk in roles(list(out.prompt_token_ids)):
+                    yield chunk
             for c in out.outputs:
                 if c.index in done:
                     continue
@@ -158,9 +181,6 @@ class ChatServing(Serving):
                 if batch.return_token_ids:
                     choice["token_ids"] = list(c.token_ids)
                 chunk = {**head, "choices": [choice]}
-                if batch.return_token_ids and c.index not in sent_prompt:
-                    sent_prompt.add(c.index)
-                    chunk["prompt_token_ids"] = out.prompt_token_ids
                 if include_usage:
                     chunk["usage"] = batch.chunk_usage(c.index)
                 yield sse(chunk)

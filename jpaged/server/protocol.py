@@ -45,13 +45,14 @@ def bad_value(e: ValueError, default_param: str | None = None,
     """A 400 for a ValueError from SamplingParams or the engine; `param` names the field, as
     the request spells it (`names`: SamplingParams field -> request field, where they differ)."""
     msg = str(e)
+    if msg.startswith("kv_transfer_params"):  # the KV connector's checks name the field
+        return OpenAIError(400, msg, param="kv_transfer_params")
     m = _FIELD_RE.search(msg)
     if m is None:
         return OpenAIError(400, msg, param=default_param)
     field = (names or {}).get(m.group(1), m.group(1))
-    if field != m.group(1):
-        msg = msg.replace(m.group(0), field)
-    return OpenAIError(400, msg, param=field)
+    # The request's spelling, without the Python class name.
+    return OpenAIError(400, msg.replace(m.group(0), field), param=field)
 
 
 class StreamOptions(BaseModel):
@@ -67,9 +68,20 @@ _NOT_YET: dict[str, Any] = {
     "logits_processors": None,
     "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
     "documents": None, "mm_processor_kwargs": None, "reasoning_effort": None,
+    "logprob_token_ids": None, "packed_top_logprobs": False, "repetition_detection": None,
+    "thinking_token_budget": None, "watermarking": None, "ec_transfer_params": None,
+    "media_io_kwargs": None, "return_prompt_text": False, "stream_interval": 1,
     # OpenAI's deprecated function calling (`tools` and `tool_choice` replace them).
     "functions": None, "function_call": None,
+    # OpenAI fields that change the answer in ways this server cannot give.
+    "prediction": None, "modalities": None, "audio": None, "web_search_options": None,
+    "verbosity": None,
 }
+# OpenAI fields that do not change what is generated (storage, billing tier, abuse and cache
+# routing hints): accepted and not used. Any other field a request's model does not declare
+# is a 400 naming it, never dropped.
+_NO_EFFECT = frozenset({"metadata", "store", "service_tier", "safety_identifier",
+                        "prompt_cache_key"})
 # vLLM's structured-output backends this server can honour (llguidance is the one it has).
 _BACKENDS = (None, "auto", "guidance", "llguidance")
 _SO_FIELDS = set(StructuredOutputsParams.__dataclass_fields__)
@@ -232,12 +244,17 @@ class _SamplingRequest(BaseModel):
                               f"{sorted(self.logit_bias)[:5]}", param="logit_bias") from None
 
     def refuse_unimplemented(self) -> None:
-        """400 naming the first vLLM field set that this server does not implement yet."""
+        """400 naming the first vLLM field set that this server does not implement yet, or the
+        first field it does not know at all."""
         extra = self.model_extra or {}
         for name, unused in _NOT_YET.items():
             if name in extra and extra[name] != unused:
                 raise OpenAIError(400, f"{name} is not supported by this server yet",
                                   param=name)
+        for name in extra:
+            if name not in _NOT_YET and name not in _NO_EFFECT:
+                raise OpenAIError(400, f"unknown field {name!r}: this server does not "
+                                  f"implement it", param=name)
 
     def salted(self, prompt: Any) -> Any:
         """The engine prompt with this request's cache_salt (a dict prompt when salted)."""
@@ -318,6 +335,7 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around text
 
     def prompts(self) -> list[str | dict[str, Any]]:
         """The engine prompts: one per string or token-id list."""
@@ -382,7 +400,12 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingRequest):
     """Body of POST /v1/chat/completions."""
 
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(default_factory=list)
+    # vLLM's token-in chat: the prompt's ids as /tokenize gave them, no template rendered
+    # (then messages is empty and no template option is given).
+    prompt_token_ids: list[int] | None = None
+    # vLLM: the tokenizer's special tokens around the rendered text (the template has its own).
+    add_special_tokens: bool = False
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -402,11 +425,32 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as {"role", "content"} dicts for the chat template."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    def check_prompt(self) -> None:
+        """400 unless the request has messages, or (token-in) prompt_token_ids alone with no
+        chat-template option."""
+        if self.prompt_token_ids is None:
+            if not self.messages:
+                raise OpenAIError(400, "messages must hold at least one message (or pass "
+                                  "prompt_token_ids instead)", param="messages")
+            return
+        if self.messages:
+            raise OpenAIError(400, "prompt_token_ids replaces messages: send messages: [] "
+                              "with it", param="prompt_token_ids")
+        if not self.prompt_token_ids:
+            raise OpenAIError(400, "prompt_token_ids is empty", param="prompt_token_ids")
+        for name in ("add_generation_prompt", "continue_final_message", "chat_template",
+                     "chat_template_kwargs", "add_special_tokens", "echo"):
+            if name in self.model_fields_set:
+                raise OpenAIError(400, f"{name} applies to rendered messages, not to "
+                                  "prompt_token_ids (already tokenized)", param=name)
+
     def echoed(self) -> str:
         """vLLM's chat echo: the last message's text when it is the assistant's (the role the
         answer has), else nothing."""
+        if not self.echo or not self.messages:
+            return ""
         last = self.messages[-1]
-        return last.text() if self.echo and last.role == "assistant" else ""
+        return last.text() if last.role == "assistant" else ""
 
     def tool_mode(self) -> tuple[str, dict[str, dict[str, Any]]]:
         """('none' | 'required' | a function's name, the tools' functions by name); 400s name
@@ -500,7 +544,6 @@ class ChatCompletionRequest(_SamplingRequest):
                       else self.max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, logprobs)
-
 
 
 # TokenizeRequest fields that only a chat (messages) request uses.

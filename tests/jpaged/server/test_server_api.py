@@ -7,7 +7,8 @@ import json
 import httpx
 import openai
 import pytest
-from serverkit import MODEL
+from helpers import tiny
+from serverkit import ENGINE_ARGS, MODEL
 
 from jpaged.server import BackgroundServer, build_app
 
@@ -300,14 +301,112 @@ def test_cache_salt_isolates_tenants(served):
 @pytest.mark.parametrize("field,value", [
     ("logits_processors", ["x"]), ("reasoning_effort", "low"),
     ("spaces_between_special_tokens", False), ("documents", [{"text": "x"}]),
-    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto")])
+    ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
+    # Found porting vLLM's server tests: these were accepted and dropped.
+    ("logprob_token_ids", [100]), ("packed_top_logprobs", True), ("watermarking", {}),
+    ("thinking_token_budget", 8), ("stream_interval", 4), ("prediction", {"type": "content"}),
+    # A field nobody defines: named too, never dropped.
+    ("top_n_tokens", 3), ("kv_transfer_params", {"return_last_hidden_state": True})])
 def test_vllm_fields_not_implemented_are_refused_by_name(served, field, value):
-    chat = field in ("documents", "functions", "function_call")
+    chat = field in ("documents", "functions", "function_call", "logprob_token_ids",
+                     "prediction")
     path = "/v1/chat/completions" if chat else "/v1/completions"
     body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "x"}
     r = _post(served.url, path, json={"model": MODEL, "max_tokens": 1, **body, field: value})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field and field in r.json()["error"]["message"]
+    if field == "kv_transfer_params":
+        assert "return_last_hidden_state" in r.json()["error"]["message"]
+
+
+def test_openai_fields_without_effect_are_accepted(served):
+    """OpenAI's storage / billing / routing hints change nothing generated: accepted."""
+    r = _post(served.url, "/v1/chat/completions", json={
+        "model": MODEL, "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}],
+        "metadata": {"k": "v"}, "store": False, "service_tier": "auto",
+        "safety_identifier": "u1", "prompt_cache_key": "k"})
+    assert r.status_code == 200, r.text
+
+
+def test_chat_token_in_and_add_special_tokens(served):
+    """vLLM's token-in chat: prompt_token_ids (as /tokenize renders the messages) with
+    messages [] gives the templated request's answer; template options beside it, or ids
+    beside messages, are 400s naming them. add_special_tokens reaches the tokenizer."""
+    msgs = [{"role": "user", "content": "Hello, how are you today?"}]
+    ids = _post(served.url, "/tokenize", json={"messages": msgs}).json()["tokens"]
+    kw = {"model": MODEL, "max_completion_tokens": 6, "temperature": 0, "ignore_eos": True}
+    base = _post(served.url, "/v1/chat/completions", json={**kw, "messages": msgs}).json()
+    token_in = _post(served.url, "/v1/chat/completions", json={
+        **kw, "messages": [], "prompt_token_ids": ids, "return_token_ids": True}).json()
+    assert token_in["prompt_token_ids"] == ids
+    assert token_in["choices"][0]["message"]["content"] == base["choices"][0]["message"][
+        "content"]
+    for extra, param in (({"add_generation_prompt": True}, "add_generation_prompt"),
+                         ({"chat_template": "{{ x }}"}, "chat_template"),
+                         ({"messages": msgs}, "prompt_token_ids"),
+                         ({"prompt_token_ids": []}, "prompt_token_ids"),
+                         ({"prompt_token_ids": [1, 10**6]}, "prompt_token_ids")):
+        r = _post(served.url, "/v1/chat/completions", json={
+            **kw, "messages": [], "prompt_token_ids": ids, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (extra, r.text)
+    r = _post(served.url, "/v1/chat/completions", json={**kw, "messages": []})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_add_special_tokens_reaches_the_tokenizer():
+    """vLLM's add_special_tokens: a completion's prompt gets the tokenizer's BOS unless it
+    says false; a chat's rendered messages get it only when it says true."""
+    import dataclasses
+
+    from tokenizers import Tokenizer as Backend
+
+    from jpaged.async_engine import AsyncLLMEngine
+    from jpaged.config import EngineArgs
+    from jpaged.engine import LLMEngine
+    from models.tokenizer import Tokenizer, _set_bos_eos_processor
+
+    loaded = tiny()
+    tok = loaded.tokenizer
+    backend = Backend.from_str(tok.backend.to_str())
+    _set_bos_eos_processor(backend, tok.bos_token, None)  # this copy adds <s> in front
+    with_bos = Tokenizer(backend, bos_token=tok.bos_token, eos_token=tok.eos_token,
+                         chat_template=tok.chat_template)
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE_ARGS),
+                                      loaded=dataclasses.replace(loaded, tokenizer=with_bos)))
+    server = BackgroundServer(build_app(engine, MODEL))
+    bos = with_bos.bos_token_id
+    kw = {"model": MODEL, "max_tokens": 1, "return_token_ids": True}
+    try:
+        for path, body, default in (
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                 False),
+                ("/v1/completions", {"prompt": "abc"}, True)):
+            for add in (None, True, False):
+                extra = {} if add is None else {"add_special_tokens": add}
+                got = _post(server.url, path, json={**kw, **body, **extra}).json()
+                pids = got.get("prompt_token_ids") or got["choices"][0]["prompt_token_ids"]
+                assert (pids[0] == bos) == (default if add is None else add), (path, add)
+                assert pids.count(bos) == (pids[0] == bos)
+    finally:
+        server.stop()
+        engine.shutdown()
+
+
+def test_chat_stream_prompt_token_ids_on_the_first_chunk(served):
+    """As vLLM: a streamed chat with return_token_ids carries the prompt's ids on its first
+    chunk (the role), and on no other."""
+    msgs = [{"role": "user", "content": "Repeat after me"}]
+    want = _post(served.url, "/tokenize", json={"messages": msgs}).json()["tokens"]
+    for n in (1, 2):
+        chunks = list(served.client().chat.completions.create(
+            model=MODEL, messages=msgs, max_tokens=4, n=n, stream=True,
+            extra_body={"return_token_ids": True, "ignore_eos": True}))
+        extras = [c.model_extra or {} for c in chunks]
+        assert chunks[0].choices[0].delta.role == "assistant"
+        assert extras[0].get("prompt_token_ids") == want
+        assert all("prompt_token_ids" not in e for e in extras[1:])
+        assert sum(len(c.choices[0].model_extra.get("token_ids") or [])
+                   for c in chunks if c.choices) == 4 * n
 
 
 def test_truncate_prompt_tokens_token_ids_usage_and_request_id(served):
