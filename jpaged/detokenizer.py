@@ -24,8 +24,15 @@ The text itself lives in a `TextBuffer`: appending a token's piece and reading t
 characters (a DELTA output, a stop-string search) cost O(piece) however long the text is; only
 reading the whole text costs O(len).
 
-Invariant: `text` == tokenizer.decode(ids[:read_offset]) for the ids seen so far, and `text`
-never ends in a half-made character unless the update was final.
+A request's output continues its prompt, and some decoders change the start of a decode
+(Llama 2 / Mistral's SentencePiece decoders strip the first token's leading space): the
+"stream" and "window" methods are primed with the prompt's last tokens (`prompt_context`, as
+vLLM primes its decoder), so "▁is" after a prompt reads " is", as the prompt plus the output
+reads. Byte-level decoders change nothing at a decode's start and take no context.
+
+Invariant: `text` == decode(context + ids[:read_offset]) less decode(context) for the ids seen
+so far (the plain decode of ids[:read_offset] without a context), and `text` never ends in a
+half-made character unless the update was final.
 """
 
 from __future__ import annotations
@@ -122,15 +129,32 @@ def byte_level_pieces(tokenizer: Any, skip_special_tokens: bool) -> dict[int, st
     return tables.setdefault(bool(skip_special_tokens), {})
 
 
+def prompt_context(tokenizer: Any, prompt_ids: Sequence[int], skip_special_tokens: bool
+                   ) -> list[int]:
+    """The prompt's last tokens that an output's decode continues (vLLM's choice): the whole
+    prompt up to 4 tokens, else the shortest suffix of 4 to 23 tokens that decodes without a
+    half-made character (else the last 4)."""
+    ids = list(prompt_ids)
+    if len(ids) <= 4:
+        return ids
+    for k in range(4, min(len(ids), 23) + 1):
+        tail = ids[-k:]
+        if REPLACEMENT_CHAR not in tokenizer.decode(tail, skip_special_tokens=skip_special_tokens):
+            return tail
+    return ids[-4:]
+
+
 class IncrementalDetokenizer:
     """Text of one growing token list; `update` returns the newly completed text.
 
     `method`: "pieces" (byte-level tokenizers), "stream" (`DecodeStream`) or "window" (two
     decodes per update); None picks the first the tokenizer allows, in that order.
+    `prompt_ids`: the prompt the output continues (its last tokens prime the stream and window
+    methods, so a decoder that strips a decode's leading space keeps the output's).
     """
 
     def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
-                 method: str | None = None) -> None:
+                 method: str | None = None, prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.prefix_offset = 0  # first token of the decode window (context)
@@ -149,9 +173,25 @@ class IncrementalDetokenizer:
         self._pieces = pieces if method == "pieces" else None
         self._pending: list[int] = []  # pieces: tokens of a character not yet complete
         self._backend = backend if method == "stream" else None
-        self._stream = (_DecodeStream(skip_special_tokens=skip_special_tokens)
-                        if method == "stream" else None)
+        # The prompt tokens the output's decode continues (none for byte-level pieces).
+        self._context = ([] if method == "pieces" or not prompt_ids else
+                         prompt_context(tokenizer, prompt_ids, skip_special_tokens))
+        self._stream = self._new_stream() if method == "stream" else None
         self._fed = 0  # tokens given to the stream / the piece table
+
+    def _new_stream(self) -> Any:
+        """A DecodeStream that has stepped through the context (its text dropped)."""
+        stream = _DecodeStream(skip_special_tokens=self.skip_special_tokens)
+        for t in self._context:
+            stream.step(self._backend, t)
+        return stream
+
+    def _decode_from(self, ids: Sequence[int], start: int) -> str:
+        """decode(ids[start:]), after the context when the window starts at the output's
+        first token (two such decodes share their start, so their difference is exact)."""
+        if start or not self._context:
+            return self._decode(ids[start:])
+        return self._decode([*self._context, *ids])
 
     @property
     def text(self) -> str:
@@ -219,8 +259,8 @@ class IncrementalDetokenizer:
             self.buf = TextBuffer()
         if len(ids) == self.read_offset and not final:
             return ""
-        prefix_text = self._decode(ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(ids[self.prefix_offset:])
+        prefix_text = self._decode_from(ids[:self.read_offset], self.prefix_offset)
+        new_text = self._decode_from(ids, self.prefix_offset)
         if len(new_text) <= len(prefix_text) and not final:
             return ""  # e.g. special tokens skipped: nothing to show yet
         if new_text.endswith(REPLACEMENT_CHAR) and not final and (
@@ -240,7 +280,7 @@ class IncrementalDetokenizer:
 
     def _update_stream(self, ids: Sequence[int], final: bool) -> str:
         if len(ids) < self._fed:  # the list was replaced: start over
-            self._stream = _DecodeStream(skip_special_tokens=self.skip_special_tokens)
+            self._stream = self._new_stream()
             self._fed = self.read_offset = 0
             self.buf = TextBuffer()
         buf = self.buf
@@ -253,7 +293,8 @@ class IncrementalDetokenizer:
                 self.read_offset = i + 1
         self._fed = len(ids)
         if final and self.read_offset < len(ids):  # an incomplete character: as a full decode
-            self.buf = TextBuffer(self._decode(ids))
+            ctx = self._decode_from([], 0)
+            self.buf = TextBuffer(self._decode_from(ids, 0)[len(ctx):])
             self.read_offset = len(ids)
             return self.buf.slice(old)
         if len(ids) - self.read_offset > MAX_PENDING_TOKENS:
@@ -268,8 +309,8 @@ class IncrementalDetokenizer:
         pending run is bounded the same way.)
         """
         ctx = max(0, self.read_offset - 4)  # context, as the window algorithm decodes
-        before = self._decode(ids[ctx:self.read_offset])
-        after = self._decode(ids[ctx:])
+        before = self._decode_from(ids[:self.read_offset], ctx)
+        after = self._decode_from(ids, ctx)
         self.buf.append(after[len(before):])
         self._stream = None
         self.prefix_offset, self.read_offset = self.read_offset, len(ids)

@@ -118,11 +118,12 @@ class RequestFrontend:
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        """The tokens that end a request (unless ignore_eos): the model's, and the tokenizer's."""
-        eos = tuple(self.spec.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos:
-            eos = eos + (self.tokenizer.eos_token_id,)
-        return eos
+        """The tokens that end a request (unless ignore_eos): the tokenizer's EOS first (the
+        primary one, as vLLM's), then the model's others (config and generation_config)."""
+        first = self.tokenizer.eos_token_id
+        if first is None:
+            return tuple(self.spec.eos_token_ids)
+        return (first, *(t for t in self.spec.eos_token_ids if t != first))
 
     @property
     def logprobs_limit(self) -> int:

@@ -109,8 +109,9 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     if group.needs_text or (finished and group.params.detokenize):
         detok = child.detok
         if detok is None:
-            detok = child.detok = IncrementalDetokenizer(tokenizer,
-                                                         group.params.skip_special_tokens)
+            detok = child.detok = IncrementalDetokenizer(
+                tokenizer, group.params.skip_special_tokens,
+                prompt_ids=group.prompt_token_ids)
         if child.finish_reason is None:  # a stop string may have cut the text already
             ids = req.output_token_ids if seen < 0 else req.output_token_ids[:seen]
             # The token that stopped the request (EOS or one of stop_token_ids) is in the
@@ -129,15 +130,15 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     if child.finish_reason is None:
         child.finish_reason = req.finish_reason
         child.stop_reason = req.stop_reason
-        if group.params.stop and child.stop_reason is None:
-            _check_stop_strings(child, group, None)
+        if group.params.stop:  # a stop string the last text completes wins (vLLM's rule),
+            _check_stop_strings(child, group, None)  # even over a stop token's own text
     return True
 
 
 def _check_stop_strings(child: ChildState, group: RequestGroup,
                         stop_request: Callable[[str], None] | None) -> None:
     # Only text added since the last search can complete a stop string: search from the last
-    # searched length, backed up by the longest stop string less one char (a match that
+    # searched length, backed up by each stop string's length less one char (a match that
     # straddles the boundary). The final search (stop_request None) uses the same tail.
     # Called only before a stop string cut the text (child.cut < 0): its length is detok's.
     buf = child.detok.buf
@@ -148,18 +149,20 @@ def _check_stop_strings(child: ChildState, group: RequestGroup,
     seen = len(child.request.output_token_ids) if child.seen < 0 else child.seen
     if seen <= group.params.min_tokens:
         # No stop string ends a request before min_tokens outputs (as vLLM): this text is
-        # passed over, but its last max_stop_len - 1 chars still start a later match.
+        # passed over, but its last len(s) - 1 chars still start a later match of s.
         child.stop_checked_len = n
         return
-    start = checked - group.max_stop_len + 1
-    if start < 0:
-        start = 0
     child.stop_checked_len = n
+    # A match of s that ends in the new text starts at most len(s) - 1 chars before it (a
+    # shorter window for a shorter string: text passed over under min_tokens stays passed).
+    # The stop string that completes first wins, ties in list order (vLLM's rule): with
+    # text tokens as characters it is the one that would have stopped generation.
     best = None
     p = group.params
     for s in p.stop:
-        k = buf.find(s, start)
-        if k >= 0 and (best is None or k < best[0]):
+        start = checked - len(s) + 1
+        k = buf.find(s, start if start > 0 else 0)
+        if k >= 0 and (best is None or k + len(s) < best[0] + len(best[1])):
             best = (k, s)
     if best is None:
         return

@@ -146,6 +146,9 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
+    # vLLM's; as with vLLM's fast (Rust) tokenizers, which are the only kind jpaged loads, it
+    # changes nothing: special tokens are joined as the tokenizer's decoder joins them.
+    spaces_between_special_tokens: bool = True
     # vLLM's detokenize: False gives token ids only (text "", logprob entries without
     # decoded_token) and saves the host's detokenization; stop strings then cannot be used.
     detokenize: bool = True
@@ -247,6 +250,9 @@ class SamplingParams:
                 "a list of non-empty strings", self.bad_words)
             self.bad_words = list(self.bad_words)
         _check(isinstance(self.detokenize, bool), "detokenize", "True or False", self.detokenize)
+        _check(isinstance(self.spaces_between_special_tokens, bool),
+               "spaces_between_special_tokens", "True or False",
+               self.spaces_between_special_tokens)
         _check(self.detokenize or not self.stop, "stop",
                "empty when detokenize is False (stop strings are found in the text)", self.stop)
         _check(self.best_of is None or self.best_of == self.n, "best_of",

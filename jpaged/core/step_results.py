@@ -208,7 +208,10 @@ class StepResultsMixin:
         sp = req.sampling_params
         if tok in req.stop_token_ids and len(out) >= sp.min_tokens:
             req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = tok if tok in (sp.stop_token_ids or ()) else None
+            # As vLLM: the primary EOS (the tokenizer's) stops with no stop_reason; any other
+            # stop token, a generation_config EOS included, is the reason.
+            eos = sp.eos_token_ids
+            req.stop_reason = None if eos and tok == eos[0] and not sp.ignore_eos else tok
             return True
         if req.num_tokens >= req.length_limit:
             req.status = RequestStatus.FINISHED_LENGTH

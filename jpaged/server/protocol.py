@@ -66,7 +66,7 @@ class StreamOptions(BaseModel):
 # "not used": any other value is refused with a 400 naming the field, never ignored.
 _NOT_YET: dict[str, Any] = {
     "logits_processors": None,
-    "spaces_between_special_tokens": True, "prompt_embeds": None, "vllm_xargs": None,
+    "prompt_embeds": None, "vllm_xargs": None,
     "documents": None, "mm_processor_kwargs": None, "reasoning_effort": None,
     "logprob_token_ids": None, "packed_top_logprobs": False, "repetition_detection": None,
     "thinking_token_budget": None, "watermarking": None, "ec_transfer_params": None,
@@ -112,6 +112,7 @@ class _SamplingRequest(BaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # vLLM's; no effect with fast tokenizers
     include_stop_str_in_output: bool = False
     priority: int = 0
     # vLLM's disaggregated prefill/decode: {"do_remote_decode": true} on a producer; the
@@ -287,6 +288,7 @@ class _SamplingRequest(BaseModel):
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             skip_special_tokens=self.skip_special_tokens, logprobs=logprobs,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             truncation_side=self.truncation_side or "left",

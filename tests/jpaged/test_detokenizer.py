@@ -196,3 +196,48 @@ def test_text_buffer_reads_what_a_str_would(small, monkeypatch):
             assert buf.value() == ref
     assert (buf._io is not None) == (len(ref) > small)
     assert TextBuffer(ref).value() == ref
+
+
+@pytest.mark.parametrize("method", ["stream", "window"])
+def test_output_continues_the_prompt_with_a_space_stripping_decoder(method):
+    """A Llama-2-style decoder strips the leading space of a decode: primed with the prompt's
+    last tokens (as vLLM primes its decoder), an output's text is what the prompt plus output
+    decode to past the prompt's text, so "▁and" after a prompt reads " and"."""
+    tok = byte_fallback_tokenizer()
+    tid = tok.backend.token_to_id
+    prompt = [tid("▁Z"), tid("ü"), tid("r"), tid("i"), tid("c"), tid("h")]
+    out = [tid("▁and"), tid("▁São"), *tok.encode(" 🙂", add_special_tokens=False),
+           tid("▁and")]
+    assert tok.decode(out[:1]) == "and"  # the plain decode strips the token's space
+    want = tok.decode(prompt + out)[len(tok.decode(prompt)):]
+    assert want == " and São 🙂 and"
+    wrapped = CountingTokenizer(tok) if method == "window" else tok
+    detok = IncrementalDetokenizer(wrapped, prompt_ids=prompt,
+                                   method=None if method == "window" else method)
+    assert detok.method == method
+    for n in range(1, len(out) + 1):
+        detok.update(out[:n])
+        assert want.startswith(detok.text), n
+    detok.update(out, final=True)
+    assert detok.text == want
+    # Without the prompt, the plain decode of the output's ids.
+    bare = IncrementalDetokenizer(tok, method="stream")
+    bare.update(out, final=True)
+    assert bare.text == tok.decode(out) == want[1:]
+
+
+def test_the_engine_primes_the_detokenizer_with_the_prompt():
+    import dataclasses
+
+    from helpers import make_llm, tiny
+
+    from jpaged import SamplingParams
+
+    tok = byte_fallback_tokenizer()
+    t = tok.backend.token_to_id("▁and")
+    llm = make_llm(dataclasses.replace(tiny(), tokenizer=tok), max_model_len=64,
+                   max_num_seqs=2, max_num_batched_tokens=32, num_gpu_blocks_override=16,
+                   block_size=8)
+    p = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, allowed_token_ids=[t])
+    c = llm.generate("São", p)[0].outputs[0]
+    assert c.token_ids == [t] * 3 and c.text == " and and and"

@@ -423,3 +423,67 @@ def test_cpu_engine_scans_stacked_layers_and_leaves_a_callers_model_whole():
         [{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)]
     naive = NaiveEngine(loaded, max_model_len=64, kv_cache_memory_bytes=10**6, max_rows=2)
     assert naive.generate(prompts, sp) == got
+
+
+@pytest.fixture(scope="module")
+def merged(tmp_path_factory):
+    """A tiny GGUF model whose tokenizer has one two-character token (" t", "Ġt"), so one
+    step can add text that completes several stop strings, and its id."""
+    from tiny_models import random_weights, tiny_spec, write_gguf
+
+    spec = tiny_spec()
+    path = write_gguf(tmp_path_factory.mktemp("merged") / "tiny.gguf", spec,
+                      random_weights(spec, seed=0))
+    llm = LLM(model=str(path), max_model_len=64, max_num_seqs=2, max_num_batched_tokens=32,
+              num_gpu_blocks_override=16, block_size=8)
+    tok = llm.get_tokenizer()
+    (t,) = tok.encode(" t", add_special_tokens=False)
+    assert tok.decode([t]) == " t"
+    return llm, t
+
+
+def test_stop_string_rules_follow_vllm(merged):
+    """vLLM's stop rules where one step's text completes several stop strings: the one that
+    completes first wins, ties in list order; after min_tokens each stop string is searched
+    only where it can end in new text (an "t" passed over before stays passed); a stop string
+    that a stop token's own text completes is the stop reason."""
+    llm, t = merged
+    forced = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True,
+                            allowed_token_ids=[t])  # every token is " t"
+
+    def run(**kw):
+        c = llm.generate("abc", forced.clone(**kw))[0].outputs[0]
+        return c.text, c.stop_reason, c.finish_reason
+
+    # " t": "t" and " t" both end at 2 (ties go in list order); "t" ends before " t t".
+    assert run(stop=["t", " t"]) == (" ", "t", "stop")
+    assert run(stop=[" t", "t"]) == ("", " t", "stop")
+    assert run(stop=[" t t", "t"]) == (" ", "t", "stop")
+    # min_tokens=2 passes over " t t"; the 3rd token's "t" ends it there, not the 1st "t".
+    assert run(stop=["t", "xyzw"], min_tokens=2) == (" t t ", "t", "stop")
+    # The stop token " t" completes the stop string "t" in the text it adds.
+    assert run(stop_token_ids=[t], include_stop_str_in_output=True, stop=["t"]) == (
+        " t", "t", "stop")
+    assert run(stop_token_ids=[t], include_stop_str_in_output=True)[1:] == (t, "stop")
+    assert run(stop_token_ids=[t]) == ("", t, "stop")
+    assert _free(llm)
+
+
+def test_stop_reason_of_eos_tokens(tmp_path):
+    """As vLLM: the tokenizer's EOS stops with no stop_reason, even when stop_token_ids lists
+    it; another EOS of the model (generation_config's) is the stop_reason."""
+    import dataclasses
+
+    loaded = tiny()
+    eos = loaded.tokenizer.eos_token_id
+    extra = VOCAB - 1  # an unused id, made a second EOS of the model
+    spec = dataclasses.replace(loaded.spec, eos_token_ids=(*loaded.spec.eos_token_ids, extra))
+    llm = make_llm(dataclasses.replace(loaded, spec=spec), max_model_len=64, max_num_seqs=2,
+                   max_num_batched_tokens=32, num_gpu_blocks_override=16, block_size=8)
+    p = SamplingParams(temperature=0, max_tokens=4)
+    for token, params, want in ((eos, {}, None), (eos, {"stop_token_ids": [eos]}, None),
+                                (extra, {}, extra),
+                                (eos, {"ignore_eos": True, "stop_token_ids": [eos]}, eos)):
+        c = llm.generate("abc", p.clone(allowed_token_ids=[token], **params))[0].outputs[0]
+        assert (c.token_ids, c.finish_reason, c.stop_reason) == ([token], "stop", want), (
+            token, params)

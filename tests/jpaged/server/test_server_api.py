@@ -300,7 +300,7 @@ def test_cache_salt_isolates_tenants(served):
 
 @pytest.mark.parametrize("field,value", [
     ("logits_processors", ["x"]), ("reasoning_effort", "low"),
-    ("spaces_between_special_tokens", False), ("documents", [{"text": "x"}]),
+    ("documents", [{"text": "x"}]),
     ("functions", [{"name": "f", "parameters": {}}]), ("function_call", "auto"),
     # Found porting vLLM's server tests: these were accepted and dropped.
     ("logprob_token_ids", [100]), ("packed_top_logprobs", True), ("watermarking", {}),
