@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from jpaged.detokenizer import IncrementalDetokenizer
+from jpaged.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from jpaged.outputs import CompletionOutput, Logprob, RequestOutput
 from jpaged.request import Request, RequestStatus
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
@@ -76,9 +76,39 @@ class RequestGroup:
         return True
 
 
+# A UTF-8 character is at most 4 bytes: at most 4 tokens (byte fallback) make one.
+MAX_CHAR_TOKENS = 4
+
+
 def _no_text(ids: list[int]) -> None:
     """The decoded_token of a logprob entry when the request asked for no text."""
     return None
+
+
+def token_text(decode: Callable[[list[int]], str | None], token: int,
+               context_of: Callable[[], list[int]]) -> str | None:
+    """A logprob entry's decoded_token: the token's text, or where its bytes end inside a
+    character, what it completes after `context_of()` (the tokens before it, oldest first,
+    read only then), as vLLM's logprobs give it: the whole character at the token that
+    completes it (with the text of the partial tokens before it), "" while incomplete."""
+    text = decode([token])
+    if not text or not text.endswith(REPLACEMENT_CHAR):
+        return text
+    context = context_of()
+    for k in range(1, min(len(context), MAX_CHAR_TOKENS) + 1):
+        ctx = context[-k:]
+        full = decode([*ctx, token])
+        if full.endswith(REPLACEMENT_CHAR):
+            continue
+        clean = k  # the context tokens before the partial ones the character spans
+        while clean and decode([ctx[clean - 1]]).endswith(REPLACEMENT_CHAR):
+            clean -= 1
+        prefix = decode(ctx[:clean]) if clean else ""
+        common = 0
+        while common < min(len(prefix), len(full)) and prefix[common] == full[common]:
+            common += 1
+        return full[common:]
+    return ""
 
 
 def record_logprobs(group: RequestGroup, child: ChildState, token: int, logprob: float,
@@ -89,11 +119,16 @@ def record_logprobs(group: RequestGroup, child: ChildState, token: int, logprob:
         return
     if not group.params.detokenize:
         decode = _no_text
-    entry = {token: Logprob(logprob, int(result.ranks[row]), decode([token]))}
+    logprobs = child.logprobs
+
+    def context() -> list[int]:  # the sequence's tokens before this one (first keys)
+        return [next(iter(e)) for e in logprobs[-MAX_CHAR_TOKENS:]]
+
+    entry = {token: Logprob(logprob, int(result.ranks[row]), token_text(decode, token, context))}
     for j in range(group.params.logprobs or 0):
         cand = int(result.top_ids[row, j])
         entry.setdefault(cand, Logprob(float(result.top_logprobs[row, j]), j + 1,
-                                       decode([cand])))
+                                       token_text(decode, cand, context)))
     child.logprobs.append(entry)
 
 
@@ -193,10 +228,14 @@ def prompt_logprobs_of(group: RequestGroup, decode: Callable[[list[int]], str | 
     for p in range(len(ids) - 1):
         lp, rank, top_ids, top_lps = rows[p]
         tok = ids[p + 1]
-        entry = {tok: Logprob(float(lp), int(rank), decode([tok]))}
+        def context(p: int = p) -> list[int]:  # the prompt's tokens before this one
+            return ids[max(0, p + 1 - MAX_CHAR_TOKENS):p + 1]
+
+        entry = {tok: Logprob(float(lp), int(rank), token_text(decode, tok, context))}
         for j in range(k):
             cand = int(top_ids[j])
-            entry.setdefault(cand, Logprob(float(top_lps[j]), j + 1, decode([cand])))
+            entry.setdefault(cand, Logprob(float(top_lps[j]), j + 1,
+                                           token_text(decode, cand, context)))
         out.append(entry)
     return out
 

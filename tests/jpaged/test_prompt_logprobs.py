@@ -85,3 +85,30 @@ def test_no_prefix_cache_hit_for_prompt_logprobs_requests(llm):
 def test_too_many_prompt_logprobs_is_refused_by_name(llm):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         llm.generate(["x"], SamplingParams(prompt_logprobs=21), use_tqdm=False)
+
+
+def test_decoded_tokens_of_split_characters(llm):
+    """As vLLM's logprobs: a token whose bytes end inside a character has decoded_token ""
+    and the token that completes the character has all of it, so the decoded tokens join to
+    the text (prompt and sampled alike), never a U+FFFD."""
+    from jpaged.output_processor import REPLACEMENT_CHAR
+
+    prompt = "我很欣赏你的作品。请继续写一首关于大海的诗"
+    tok = llm.get_tokenizer()
+    ids = tok.encode(prompt)
+    assert sum(tok.decode([t]).endswith(REPLACEMENT_CHAR) for t in ids) >= 4
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, logprobs=2,
+                                                prompt_logprobs=2, ignore_eos=True))[0]
+    plp = out.prompt_logprobs
+    got = [plp[i][t].decoded_token for i, t in enumerate(ids) if i > 0]
+    # Entries start at the second token; one that completes a character the first token
+    # began carries that character whole.
+    first = tok.decode(ids[:1])
+    want = prompt if first.endswith(REPLACEMENT_CHAR) else prompt[len(first):]
+    assert "".join(got) == want and "" in got
+    assert not any(d.endswith(REPLACEMENT_CHAR) for d in got)
+    c = out.outputs[0]
+    sampled = [e[t].decoded_token for t, e in zip(c.token_ids, c.logprobs, strict=True)]
+    if REPLACEMENT_CHAR not in c.text:  # the output's characters all complete
+        assert "".join(sampled) == c.text
+    assert not any(d.endswith(REPLACEMENT_CHAR) for d in sampled)
