@@ -36,7 +36,7 @@ class ChatServing(Serving):
         params = req.to_sampling_params()
         tools = req.tool_mode()[0]  # 'none', 'required' or the forced function's name
         # The template holds the special tokens already: no second BOS unless asked.
-        param = "messages" if req.prompt_token_ids is None else "prompt_token_ids"
+        param = req.prompt_param
         prompt = (await self._tokenized(
             [self._chat_prompt(req)], params, param,
             add_special_tokens=req.add_special_tokens,
@@ -60,9 +60,8 @@ class ChatServing(Serving):
         """use_beam_search: the n best beams as the n choices, best first (a stream sends each
         choice's role, then its whole message, once the search ends)."""
         base = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
-        param = "messages" if req.prompt_token_ids is None else "prompt_token_ids"
         (result,), usage = await self._beam_search([prompt], beam, base, req.priority,
-                                                   param, req.salted)
+                                                   req.prompt_param, req.salted)
         echo = req.echoed()
         head = {"id": base, "created": int(time.time()), "model": self.model_name}
         choices = []

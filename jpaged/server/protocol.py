@@ -427,6 +427,11 @@ class ChatCompletionRequest(_SamplingRequest):
         """Messages as {"role", "content"} dicts for the chat template."""
         return [{"role": m.role, "content": m.text()} for m in self.messages]
 
+    @property
+    def prompt_param(self) -> str:
+        """The field a prompt error names: messages, or prompt_token_ids (token-in)."""
+        return "messages" if self.prompt_token_ids is None else "prompt_token_ids"
+
     def check_prompt(self) -> None:
         """400 unless the request has messages, or (token-in) prompt_token_ids alone with no
         chat-template option."""
