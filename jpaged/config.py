@@ -261,7 +261,8 @@ class ModelConfig:
         if self.logprobs_mode not in SUPPORTED_LOGPROBS_MODES:
             raise ValueError(f"ModelConfig.logprobs_mode {self.logprobs_mode!r} is not supported "
                              "by jpaged, whose logprobs are vLLM's default 'raw_logprobs' ("
-                             "taken before temperature and top-k/top-p/min-p)")
+                             "taken before logit_bias, penalties, temperature and "
+                             "top-k/top-p/min-p)")
 
     def logprobs_limit(self, vocab_size: int) -> int:
         """The most logprobs a request may ask for: max_logprobs, or with -1 the vocabulary."""

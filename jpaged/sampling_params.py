@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -31,6 +32,11 @@ _OPTIONAL_INT_FIELDS = ("seed", "max_tokens", "logprobs", "prompt_logprobs")
 # truncate_prompt_tokens keeps the prompt's last tokens ("left": its start is cut, vLLM's
 # default) or its first ones ("right").
 TRUNCATION_SIDES = ("left", "right")
+# vLLM's least temperature above 0 (a lower one is raised to it: dividing logits by less
+# overflows float32 and gives inf / nan probabilities).
+MIN_TEMPERATURE = 0.01
+
+logger = logging.getLogger("jpaged")
 
 
 def _coerce_types(sp: SamplingParams) -> None:
@@ -191,6 +197,10 @@ class SamplingParams:
         _check(isinstance(self.n, int) and self.n >= 1, "n", "an integer >= 1", self.n)
         _check(0.0 <= self.temperature < math.inf, "temperature", ">= 0 and finite",
                self.temperature)
+        if 0.0 < self.temperature < MIN_TEMPERATURE:  # vLLM's floor (below it: inf/nan)
+            logger.warning("SamplingParams.temperature %g is below %g: %g is used (0 is "
+                           "greedy)", self.temperature, MIN_TEMPERATURE, MIN_TEMPERATURE)
+            self.temperature = MIN_TEMPERATURE
         _check(0.0 < self.top_p <= 1.0, "top_p", "in (0, 1]", self.top_p)
         _check(isinstance(self.top_k, int) and (self.top_k in (-1, 0) or self.top_k >= 1),
                "top_k", "-1 (disabled) or >= 1", self.top_k)
@@ -201,7 +211,8 @@ class SamplingParams:
                self.presence_penalty)
         _check(-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "in [-2, 2]",
                self.frequency_penalty)
-        _check(self.repetition_penalty > 0.0, "repetition_penalty", "> 0", self.repetition_penalty)
+        _check(0.0 < self.repetition_penalty < math.inf, "repetition_penalty", "> 0 and finite",
+               self.repetition_penalty)
         _check(self.max_tokens is None
                or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
                "max_tokens", "an integer >= 1 or None", self.max_tokens)
@@ -220,6 +231,8 @@ class SamplingParams:
         _check(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
                    for t in self.stop_token_ids), "stop_token_ids", "non-negative integers",
                self.stop_token_ids)
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         if self.seed is not None:
             _check(isinstance(self.seed, int) and -2**63 <= self.seed < 2**63, "seed",
                    "a 64-bit signed integer or None (vLLM's range)", self.seed)

@@ -175,9 +175,9 @@ def _threshold_by_count(x: Float[Array, "B V"], k: Int[Array, " B"], wide: bool 
 def _threshold_by_mass(x: Float[Array, "B V"], floor: Float[Array, " B"],
                        top_p: Float[Array, " B"], shards: int = 1, wide: bool = True
                        ) -> Float[Array, " B"]:
-    """Largest t such that the tokens with x >= t (and x >= floor, the top-k's) hold top_p of
-    the probability of those with x >= floor: the nucleus's least logit, found on the logits
-    (softmax is monotonic).
+    """Largest t such that the tokens with x >= t (and x >= floor: what top-k and min-p keep)
+    hold top_p of the probability of those with x >= floor: the nucleus's least logit, found
+    on the logits (softmax is monotonic).
 
     The search starts 128 below the row's max (and not below `floor`, so every threshold tried
     leaves the top-k's losers out): a token further down has a probability under e^-128 of the
@@ -209,8 +209,8 @@ def _threshold_by_mass(x: Float[Array, "B V"], floor: Float[Array, " B"],
 def _filter_floor(x: Float[Array, "B V"], s: SamplingBatch, shards: int = 1,
                   wide: bool = True) -> Float[Array, " B"]:
     """[B]: the least (temperature-scaled) logit each row keeps under its top-k, top-p and
-    min-p; -inf keeps every token. Order as vLLM: top-k, then top-p on the renormalised
-    survivors, then min-p (relative to the most probable token).
+    min-p; -inf keeps every token. Order as vLLM: min-p (relative to the most probable token)
+    and top-k, then top-p on the renormalised survivors of both.
 
     Thresholds come from a search (16-way where `wide`, else a bisection) rather than a full
     sort of the vocabulary, which costs ~100x more on CPU; each search (about 10 reads of the
@@ -224,15 +224,16 @@ def _filter_floor(x: Float[Array, "B V"], s: SamplingBatch, shards: int = 1,
     kth = jax.lax.cond(jnp.any(k < v),
                        lambda x: jnp.where(k >= v, -jnp.inf, _threshold_by_count(x, k, wide)),
                        lambda x: minus_inf, x)
-    top = jax.lax.cond(
-        jnp.any(s.top_p < 1.0),
-        lambda x: jnp.where(s.top_p >= 1.0, -jnp.inf, _threshold_by_mass(x, kth, s.top_p,
-                                                                         shards, wide)),
-        lambda x: minus_inf, x)
     # p >= min_p * p_max  <=>  x >= max + log(min_p) (-inf where min_p = 0)
     least = jax.lax.cond(jnp.any(s.min_p > 0.0),
                          lambda x: x.max(axis=-1) + jnp.log(s.min_p), lambda x: minus_inf, x)
-    return jnp.maximum(jnp.maximum(kth, top), least)
+    base = jnp.maximum(kth, least)  # what top-k and min-p keep: the nucleus renormalises it
+    top = jax.lax.cond(
+        jnp.any(s.top_p < 1.0),
+        lambda x: jnp.where(s.top_p >= 1.0, -jnp.inf, _threshold_by_mass(x, base, s.top_p,
+                                                                         shards, wide)),
+        lambda x: minus_inf, x)
+    return jnp.maximum(base, top)
 
 
 # The draw's candidates on a GPU: (tokens a run, runs kept), 4,096 candidates a row. A top-k
@@ -317,26 +318,31 @@ def _candidate_draw(logits: Float[Array, "B V"], temp: Float[Array, " B"], s: Sa
     # As _threshold_by_count: the smallest finite value where fewer than k are finite.
     kth = jnp.where(k_on, jnp.where(at_k > -jnp.inf, at_k, _finite_min(desc)), -jnp.inf)
     top_m = desc[:, 0]  # the row's max: the best run is a candidate
-    # The nucleus's normaliser: of the top-k's survivors (all candidates where kth is exact),
-    # else of the whole row, read once only when some row has top-p without top-k.
-    kept_k = desc >= kth[:, None]
+    least = jnp.where(m_on, top_m + jnp.log(s.min_p), -jnp.inf)
+    # What top-k and min-p keep (vLLM applies both before the nucleus): all candidates where
+    # either threshold is above the best run left out.
+    base = jnp.maximum(kth, least)
+    kept_k = desc >= base[:, None]
+    held = (k_on | m_on) & (base > bound)
+    # The nucleus's normaliser: of those survivors (candidates all), else of the whole row,
+    # read once only when some row has top-p with neither filter.
     z_k = jnp.log(jnp.sum(jnp.where(kept_k, jnp.exp(desc - top_m[:, None]), 0.0), axis=-1))
-    z_w = jax.lax.cond(jnp.any(p_on & ~k_on),
+    z_w = jax.lax.cond(jnp.any(p_on & ~k_on & ~m_on),
                        lambda x: row_stats(keep_split(x / temp[:, None]), shards)[1][:, 0],
                        lambda x: z_k, logits)
-    log_z = jnp.where(k_on, z_k, z_w)
+    log_z = jnp.where(k_on | m_on, z_k, z_w)
     cum = jnp.cumsum(jnp.where(kept_k, jnp.exp(desc - top_m[:, None] - log_z[:, None]), 0.0),
                      axis=-1)
     reach = cum >= s.top_p[:, None]
     at_p = jnp.take_along_axis(desc, jnp.argmax(reach, axis=-1)[:, None], axis=1)[:, 0]
-    # As _threshold_by_mass's search, never below 128 under the max or below the top-k's.
-    lo = jnp.maximum(top_m - 128.0, kth)
+    # As _threshold_by_mass's search, never below 128 under the max or below the survivors'.
+    lo = jnp.maximum(top_m - 128.0, base)
     top = jnp.where(p_on, jnp.where(jnp.any(reach, axis=-1), jnp.maximum(at_p, lo), lo),
                     -jnp.inf)
-    least = jnp.where(m_on, top_m + jnp.log(s.min_p), -jnp.inf)
-    floor = jnp.maximum(jnp.maximum(kth, top), least)
+    floor = jnp.maximum(base, top)
+    # A nucleus over survivors some of which are not candidates cannot be summed here.
     exact = ((~k_on | ((s.top_k <= n) & (kth > bound))) & (~p_on | (top > bound))
-             & (floor > bound))
+             & (~p_on | ~(k_on | m_on) | held) & (floor > bound))
     noise = jax.vmap(lambda key, ids: jnp.take(jax.random.gumbel(key, (v,)), ids,
                                                mode="clip"))(keys, cid)
     z = jnp.where(cv >= floor[:, None], cv, -jnp.inf) + noise
@@ -414,7 +420,8 @@ def sample(
     num_top: int = NUM_TOP_LOGPROBS,
 ) -> tuple[Int[Array, " B"], Float[Array, " B"], Int[Array, "B N"], Float[Array, "B N"],
            Int[Array, " B"]]:
-    """Sampled ids, their logprobs (of the penalised distribution), the top-N candidates
+    """Sampled ids, their logprobs (vLLM's raw_logprobs: of the model's logits under the token
+    mask, before token constraints, penalties and temperature), the top-N candidates
     (N = min(num_top, V); 0 unless flags.top_logprobs), found by `top_k` (lax.top_k's
     contract), and each sampled id's rank in its row (1 = the most likely; 0 unless
     flags.top_logprobs). Tensor
@@ -431,15 +438,23 @@ def sample(
     needs them (lax.cond), so one compiled step serves every mix of parameters.
     """
     logits = logits.astype(jnp.float32)
+    if s.token_mask is not None:  # structure, so part of the compile key: absent unless a
+        logits = apply_token_mask(logits, s.token_mask)  # row has a grammar or bad words
+    # vLLM's raw_logprobs: of the model's logits under the output's token mask (vLLM masks a
+    # grammar before its sampler), before logit_bias, allowed ids, min_tokens and penalties.
+    raw = logits
+    # Then vLLM's order: the token constraints (its logits processors), then the penalties.
+    if s.bias_ids is not None:  # likewise: no cost without it
+        logits = apply_token_bias(logits, s.bias_ids, s.bias_vals)
     if flags.use_penalties:
         logits = apply_penalties(logits, s)
-    if s.bias_ids is not None:  # structure, so part of the compile key: no cost without it
-        logits = apply_token_bias(logits, s.bias_ids, s.bias_vals)
-    if s.token_mask is not None:  # likewise: absent unless a row has a grammar
-        logits = apply_token_mask(logits, s.token_mask)
     # log_softmax's own terms per row, [B, 1] each; no [B, V] log-probability array is kept:
     # a logprob is (logit - row max) - log(sum(exp(logits - row max))), as log_softmax computes.
     row_max, log_norm, greedy_ids = row_stats(logits, vocab_shards)
+    if raw is not logits:  # a second read of the row, only where constraints or penalties ran
+        raw_max, raw_norm, _ = row_stats(raw, vocab_shards)
+    else:
+        raw_max, raw_norm = row_max, log_norm
     wide = searches_wide() if wide_search is None else wide_search
     v = logits.shape[-1]
 
@@ -492,15 +507,15 @@ def sample(
         return jnp.where(active, sampled, greedy_ids)
 
     ids = jax.lax.cond(jnp.all(s.temperature <= 0), lambda _: greedy_ids, draw, None)
-    chosen = jnp.take_along_axis(logits, ids[:, None], axis=-1)
-    chosen_lp = ((chosen - row_max) - log_norm)[:, 0]
+    chosen = jnp.take_along_axis(raw, ids[:, None], axis=-1)
+    chosen_lp = ((chosen - raw_max) - raw_norm)[:, 0]
     b = logits.shape[0]
     if not flags.top_logprobs:  # nobody reads candidates: no top-k over the vocabulary
         return (ids, chosen_lp, jnp.zeros((b, 0), jnp.int32), jnp.zeros((b, 0), jnp.float32),
                 jnp.zeros(b, jnp.int32))
     # The logprob is monotonic in the logit: the top logits are the top logprobs, and a
     # token's rank is one more than the logits above its own (ties share the better rank).
-    top_logits, top_ids = top_k(logits, min(num_top, v))
-    ranks = 1 + jnp.sum(keep_split(logits) > chosen, axis=-1).astype(jnp.int32)
-    return (ids, chosen_lp, top_ids.astype(jnp.int32), (top_logits - row_max) - log_norm,
+    top_logits, top_ids = top_k(raw, min(num_top, v))
+    ranks = 1 + jnp.sum(keep_split(raw) > chosen, axis=-1).astype(jnp.int32)
+    return (ids, chosen_lp, top_ids.astype(jnp.int32), (top_logits - raw_max) - raw_norm,
             ranks)

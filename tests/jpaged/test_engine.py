@@ -351,10 +351,22 @@ def test_bad_prompts_raise_and_engine_keeps_serving(llm, prompt, msg):
     (dict(n=2, best_of=3), "best_of"), (dict(logits_processors=[lambda ids, x: x]),
                                         "logits_processors"),
     (dict(detokenize=False, stop=["x"]), "stop"), (dict(detokenize=1), "detokenize"),
+    # An infinite penalty made a seen token with logit 0 a nan (0 * inf).
+    (dict(repetition_penalty=float("inf")), "repetition_penalty"),
 ])
 def test_bad_sampling_params(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_vllm_temperature_floor_and_seed_minus_one(llm):
+    """As vLLM's SamplingParams: a temperature in (0, 0.01) is raised to 0.01 (0 stays
+    greedy), and seed=-1 means no seed (two runs draw differently)."""
+    assert SamplingParams(temperature=0.005).temperature == 0.01
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(seed=-1).seed is None
+    p = SamplingParams(temperature=1.5, seed=-1, max_tokens=12, ignore_eos=True)
+    runs = {tuple(llm.generate("abc", p)[0].outputs[0].token_ids) for _ in range(3)}
+    assert len(runs) > 1
 
 
 @pytest.mark.parametrize("kwargs,field", [

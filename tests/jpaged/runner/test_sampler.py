@@ -193,6 +193,37 @@ def test_penalties_match_vllm_formulas():
     assert np.isclose(out[3], 3.0)  # untouched
 
 
+def test_logit_bias_before_penalties_and_raw_logprobs():
+    """vLLM's order: the token constraints (logit_bias) act before the penalties; the logprobs
+    are raw (of the model's logits). Token 0, seen in the prompt, logit 2 and bias -1 under a
+    repetition penalty of 2: (2 - 1) / 2 = 0.5 beats token 1's 0.25 (bias after the penalty
+    would give 2 / 2 - 1 = 0 and pick token 1)."""
+    from jpaged.runner.batch import constraint_rows
+
+    logits = np.array([[2.0, 0.25] + [-5.0] * (V - 2)], np.float32)
+    ids, vals = constraint_rows([(np.array([0], np.int32), np.array([-1.0], np.float32))], 1)
+    sb = _batch(1, temperature=np.zeros(1, np.float32),
+                repetition_penalty=np.array([2.0], np.float32),
+                history=np.array([[0]], np.int32), history_is_output=np.array([[False]]),
+                bias_ids=ids, bias_vals=vals)
+    got, lp, top_ids, top_lp, rank = sample(
+        logits, sb, SamplingFlags(use_penalties=True, top_logprobs=True))
+    assert int(got[0]) == 0
+    raw = logits[0] - np.log(np.exp(logits[0]).sum())
+    assert np.isclose(float(lp[0]), raw[0], rtol=1e-5) and int(rank[0]) == 1
+    np.testing.assert_allclose(np.asarray(top_lp)[0, :2], raw[:2], rtol=1e-5)
+
+
+@pytest.mark.parametrize("wide", [False, True], ids=["bisection", "wide"])
+def test_min_p_comes_before_the_nucleus(wide):
+    """vLLM's order: min-p masks first, top-p then sums the renormalised survivors. With
+    probabilities .5 .3 .1 .1, min_p 0.3 keeps 0 and 1 (renormalised .625 and .375) and top_p
+    0.6 then keeps token 0 alone (a nucleus over the whole row would keep 0 and 1)."""
+    logits = np.log(np.array([[0.5, 0.3, 0.1, 0.1] + [1e-12] * (V - 4)], np.float32))
+    sb = _batch(1, top_p=np.array([0.6], np.float32), min_p=np.array([0.3], np.float32))
+    assert _draws(logits, sb, SamplingFlags(), n=150, wide=wide)[0] == {0}
+
+
 def test_mixed_greedy_and_sampled_rows():
     logits = np.log(np.array([[0.5, 0.3, 0.2] + [1e-9] * (V - 3)] * 2, np.float32))
     sb = _batch(2, temperature=np.array([0.0, 1.0], np.float32))
@@ -254,7 +285,9 @@ def test_banned_tokens_never_drawn_and_a_ban_beats_an_allow():
     row0[best[0]] = -np.inf
     row0[boosted] += 0.5
     assert int(got[0]) == int(row0.argmax()) and int(got[1]) == 2 and int(got[2]) == best[2]
-    assert float(lps[1]) == 0.0  # the one token left holds all the mass
+    # vLLM's raw_logprobs: of the model's logits, before the bias, allowed ids and bans.
+    raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+    np.testing.assert_allclose(np.asarray(lps), raw[np.arange(b), np.asarray(got)], rtol=1e-5)
     hot = _batch(b, temperature=np.full(b, 2.0, np.float32), bias_ids=ids, bias_vals=vals)
     seen = _draws(logits, hot, flags, n=100)
     assert best[0] not in seen[0] and len(seen[0]) > 2 and seen[1] == {2}
