@@ -5,7 +5,7 @@ Invariants:
   through a command list guarded by a Condition, so any thread or event loop may submit or abort.
 - Outputs reach a caller's asyncio.Queue through `loop.call_soon_threadsafe`; a queue item is a
   RequestOutput or an exception (the request failed). A request's last item is either a
-  finished RequestOutput or an exception; after an abort nothing more is promised.
+  finished RequestOutput (finish_reason "abort" after an abort) or an exception.
 - An exception from `LLMEngine.step` fails the requests in flight and the loop goes on.
 """
 
@@ -189,12 +189,13 @@ class AsyncLLMEngine:
             raise
         return queue
 
-    async def generate(self, prompt: PromptType, params: SamplingParams,
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str | None = None, priority: int = 0
                        ) -> AsyncIterator[RequestOutput]:
-        """Stream one request's outputs; leaving the loop early aborts the request."""
+        """Stream one request's outputs (vLLM's AsyncLLM.generate); leaving the loop early
+        aborts the request."""
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        queue = await self.add_request(rid, prompt, params, priority)
+        queue = await self.add_request(rid, prompt, sampling_params, priority)
         finished = False
         try:
             while True:
@@ -268,7 +269,13 @@ class AsyncLLMEngine:
 
     def _apply(self, cmd: _Add | _Abort) -> None:
         if isinstance(cmd, _Abort):
-            self.engine.abort_request(cmd.request_ids)
+            # Each aborted request's stream ends with its last output (finish_reason
+            # "abort", the tokens it had), as vLLM's: a reader in another task is not left
+            # waiting.
+            for out in self.engine.abort_request(cmd.request_ids) or ():
+                sink = self._sinks.get(out.request_id)
+                if sink is not None:
+                    sink.put(out)
             for rid in cmd.request_ids:
                 self._sinks.pop(rid, None)
             return

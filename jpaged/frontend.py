@@ -21,6 +21,7 @@ from jpaged.metrics import StatLogger
 from jpaged.output_processor import (
     ChildState,
     RequestGroup,
+    finish_text,
     make_output,
     prompt_logprobs_of,
     record_logprobs,
@@ -86,7 +87,8 @@ class RequestFrontend:
         self._child_of: dict[str, tuple[RequestGroup, ChildState]] = {}
         self._counter = 0
         # Token and step counters live in the scheduler; these count user-level requests.
-        self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0}
+        self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0,
+                      "request_prompt_tokens_total": 0}
 
     def _submit(self, requests: list[Request]) -> None:
         raise NotImplementedError
@@ -186,6 +188,8 @@ class RequestFrontend:
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> None:
         """Validate, tokenize and queue a request; n > 1 fans out into n sequences."""
+        if not isinstance(request_id, str):  # as vLLM: abort and outputs key on the string
+            raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         params = params or SamplingParams()
@@ -241,18 +245,29 @@ class RequestFrontend:
         for c in group.children:
             self._child_of[c.request.request_id] = (group, c)
 
-    def abort_request(self, request_id: str | Sequence[str]) -> None:
-        """Abort requests (by their user id); their blocks are freed at once."""
+    def abort_request(self, request_id: str | Sequence[str]) -> list[RequestOutput]:
+        """Abort requests (by their user id); their blocks are freed at once. Returns each
+        aborted request's last output, as vLLM's: finished, its unfinished sequences'
+        finish_reason "abort", with the tokens (and text) they had (a stream's last delta)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        outputs: list[RequestOutput] = []
         for rid in ids:
             group = self._groups.pop(rid, None)
             if group is None:
                 continue
-            live = [c.request.request_id for c in group.children if c.finish_reason is None]
-            self._finish(live, RequestStatus.FINISHED_ABORTED)
+            live = [c for c in group.children if c.finish_reason is None]
+            self._finish([c.request.request_id for c in live], RequestStatus.FINISHED_ABORTED)
+            for c in live:
+                c.finish_reason, c.stop_reason = "abort", None
+                finish_text(group, c, self.tokenizer)
+            self.stat_logger.on_aborted(len(live))
             for c in group.children:
                 self._child_of.pop(c.request.request_id, None)
             self.stats["num_requests_aborted"] += 1
+            out = make_output(group, True)
+            if out is not None:
+                outputs.append(out)
+        return outputs
 
     def get_num_unfinished_requests(self) -> int:
         """Requests (user-level) not yet finished."""
@@ -310,6 +325,7 @@ class RequestFrontend:
         for group in pending.values():
             emit(group, outputs, group.finished)
         self.stat_logger.on_step(updated, now, done)
+        self.stats["request_prompt_tokens_total"] = self.stat_logger.prompt_tokens
         return outputs
 
     def _emit(self, group: RequestGroup, outputs: list[RequestOutput], finished: bool) -> None:

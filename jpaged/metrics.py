@@ -47,6 +47,9 @@ def buckets_1_2_5(limit: int) -> tuple[float, ...]:
             out.append(float(m * mag))
         mag *= 10
 
+# A finished sequence's finish_reason values (request_success's label values).
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
 # get_metrics() key -> (exported name without prefix, "counter" | "gauge", help).
 # Counters are exposed with a `_total` suffix (prometheus_client adds it).
 KNOWN_METRICS: dict[str, tuple[str, str, str]] = {
@@ -59,7 +62,12 @@ KNOWN_METRICS: dict[str, tuple[str, str, str]] = {
                           "Prompt tokens found in the prefix cache."),
     "num_requests_running": ("num_requests_running", "gauge", "Requests in the running batch."),
     "num_requests_waiting": ("num_requests_waiting", "gauge", "Requests waiting to be scheduled."),
-    "prompt_tokens_total": ("prompt_tokens", "counter", "Prefill tokens processed."),
+    "request_prompt_tokens_total": ("prompt_tokens", "counter",
+                                    "Prompt tokens of sequences that got a first token, "
+                                    "prefix-cache hits included (vLLM's prompt_tokens)."),
+    "prompt_tokens_total": ("prompt_tokens_computed", "counter",
+                            "Prompt tokens computed (prefill work: prefix-cache hits and "
+                            "loaded KV excluded)."),
     "generation_tokens_total": ("generation_tokens", "counter", "Generation tokens produced."),
     "num_evictions": ("num_evictions", "counter", "Cached blocks evicted for reuse."),
     "num_steps": ("num_steps", "counter", "Engine steps run."),
@@ -177,6 +185,8 @@ class StatLogger:
         self.request_success = Counter(
             f"{PREFIX}request_success", "Finished sequences by finish reason.",
             ["finished_reason"], registry=None)
+        for reason in FINISH_REASONS:  # every series from the start, at 0 (as vLLM)
+            self.request_success.labels(reason)
         # vLLM's request phase and size families (a sequence each; n and max_tokens per
         # request as sent).
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
@@ -213,6 +223,9 @@ class StatLogger:
         self._last_log = time.monotonic() if start is None else start
         self._last_prompt = 0.0
         self._last_gen = 0.0
+        # vLLM's prompt_tokens: the whole prompt of each sequence once it has its first token
+        # (prefix-cache hits included), so n identical requests count n prompts.
+        self.prompt_tokens = 0
 
     def prometheus_metrics(self) -> tuple[Any, ...]:
         """The prometheus_client metric objects this logger fills."""
@@ -231,6 +244,11 @@ class StatLogger:
         """A user request was added: its n and max_tokens."""
         self.request_params_n.observe(n)
         self.request_params_max_tokens.observe(max_tokens)
+
+    def on_aborted(self, sequences: int) -> None:
+        """Sequences that an abort ended (outside any step): request_success "abort"."""
+        if sequences:
+            self.request_success.labels("abort").inc(sequences)
 
     def on_step(self, updated: Sequence[Any], now: float,
                 finished: Iterable[Any] | None = None) -> None:
@@ -253,6 +271,7 @@ class StatLogger:
                     req.first_token_time = now  # a Request field this logger owns too
                     self.time_to_first_token.observe(max(0.0, now - req.arrival_time))
                     iteration += req.num_prompt_tokens
+                    self.prompt_tokens += req.num_prompt_tokens
         if iteration:
             self.iteration_tokens.observe(iteration)
         for req in updated:
@@ -284,7 +303,7 @@ class StatLogger:
         now = time.monotonic() if now is None else now
         m = self.metrics_fn()
         elapsed = max(now - self._last_log, 1e-9)
-        prompt = float(m.get("prompt_tokens_total", 0))
+        prompt = float(m.get("request_prompt_tokens_total", 0))
         gen = float(m.get("generation_tokens_total", 0))
         hit_rate = m.get("prefix_cache_hit_rate_recent", m.get("prefix_cache_hit_rate", 0.0))
         line = (f"Avg prompt throughput: {(prompt - self._last_prompt) / elapsed:.1f} tokens/s, "

@@ -170,6 +170,17 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     return True
 
 
+def finish_text(group: RequestGroup, child: ChildState, tokenizer: Any) -> None:
+    """The whole text of a sequence that ends outside a step (an abort): every output token,
+    a trailing partial character as a full decode shows it (none without detokenize)."""
+    if not group.params.detokenize:
+        return
+    if child.detok is None:
+        child.detok = IncrementalDetokenizer(tokenizer, group.params.skip_special_tokens,
+                                             prompt_ids=group.prompt_token_ids)
+    child.detok.feed(child.request.output_token_ids, True)
+
+
 def _check_stop_strings(child: ChildState, group: RequestGroup,
                         stop_request: Callable[[str], None] | None) -> None:
     # Only text added since the last search can complete a stop string: search from the last

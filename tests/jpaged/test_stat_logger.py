@@ -50,14 +50,16 @@ def test_timings_feed_the_histograms():
 
 
 def test_stats_line_every_interval(caplog):
-    m = {"prompt_tokens_total": 300, "generation_tokens_total": 50, "num_requests_running": 2,
+    m = {"request_prompt_tokens_total": 300, "generation_tokens_total": 50,
+         "num_requests_running": 2,
          "num_requests_waiting": 1, "kv_cache_usage": 0.25, "prefix_cache_hit_rate": 0.1,
          "prefix_cache_hit_rate_recent": 0.5}
     sl = StatLogger(lambda: m, interval=10.0, start=100.0)
     with caplog.at_level(logging.INFO, logger="jpaged.metrics"):
         sl.on_step([], 105.0)  # not yet
         sl.on_step([], 110.0)
-        m.update(prompt_tokens_total=400, generation_tokens_total=250, num_requests_running=0)
+        m.update(request_prompt_tokens_total=400, generation_tokens_total=250,
+                 num_requests_running=0)
         sl.on_step([], 115.0)  # not yet: 5 s since the last line
         sl.on_step([], 120.0)
     lines = [r.getMessage() for r in caplog.records if r.name == "jpaged.metrics"]
@@ -77,7 +79,8 @@ def test_stats_line_every_interval(caplog):
 
 
 def test_every_numeric_engine_metric_is_exported():
-    m = {"num_preemptions": 3, "kv_cache_usage": 0.5, "prompt_tokens_total": 7,
+    m = {"num_preemptions": 3, "kv_cache_usage": 0.5, "request_prompt_tokens_total": 7,
+         "prompt_tokens_total": 5,
          "offload_hits_blocks": 4, "host_tier": {"usage": 0.25, "name": "ram"}, "disk_usage": 0.5,
          "swap_enabled": True, "model": "tiny", "nothing": None, "bytes_moved_total": 9,
          "weird key-1": 2.5}
@@ -86,6 +89,8 @@ def test_every_numeric_engine_metric_is_exported():
                                               {("jpaged:num_preemptions_total", ()): 3})
     assert fams["jpaged:kv_cache_usage_perc"][0] == "gauge"
     assert fams["jpaged:prompt_tokens"][1] == {("jpaged:prompt_tokens_total", ()): 7}
+    assert fams["jpaged:prompt_tokens_computed"][1] == {
+        ("jpaged:prompt_tokens_computed_total", ()): 5}
     assert fams["jpaged:offload_hits_blocks"] == ("counter",
                                                   {("jpaged:offload_hits_blocks_total", ()): 4})
     assert fams["jpaged:host_tier_usage"][1] == {("jpaged:host_tier_usage", ()): 0.25}

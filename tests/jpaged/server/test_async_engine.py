@@ -51,6 +51,50 @@ def test_leaving_early_aborts_and_frees(served):
     assert m["kv_cache_usage"] == 0.0
 
 
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY,
+                                  RequestOutputKind.CUMULATIVE])
+def test_an_abort_from_another_task_ends_the_stream(served, kind):
+    """As vLLM's test_abort_final_output: aborting a request whose stream another task reads
+    ends that stream with a finished output (finish_reason "abort", the tokens so far; a
+    FINAL_ONLY stream gets them all in it) instead of leaving the reader waiting."""
+    engine = served.engine
+    params = SamplingParams(temperature=0, max_tokens=100, ignore_eos=True, output_kind=kind)
+
+    async def run() -> list:
+        outs: list = []
+        started = asyncio.Event()
+
+        async def read() -> None:
+            async for out in engine.generate("abort me", params, request_id=f"abort-{kind}"):
+                outs.append(out)
+                started.set()
+
+        reader = asyncio.create_task(read())
+        if kind is RequestOutputKind.FINAL_ONLY:  # nothing streams: abort once it runs
+            for _ in range(6000):
+                if engine.get_metrics().get("num_requests_running"):
+                    break
+                await asyncio.sleep(0.01)
+        else:
+            await asyncio.wait_for(started.wait(), 60)
+        engine.abort(f"abort-{kind}")
+        await asyncio.wait_for(reader, 60)
+        return outs
+
+    aborted = served.metrics().get("jpaged:request_success_total", 0.0)
+    outs = asyncio.run(run())
+    last = outs[-1].outputs[0]
+    assert outs[-1].finished and last.finish_reason == "abort" and last.stop_reason is None
+    # Counted as vLLM counts it: request_success{finished_reason="abort"} (summed here).
+    assert served.metrics()["jpaged:request_success_total"] == aborted + 1
+    n = (sum(len(o.outputs[0].token_ids) for o in outs) if kind is RequestOutputKind.DELTA
+         else len(last.token_ids))
+    assert n < 100 and (n > 0 or kind is RequestOutputKind.FINAL_ONLY)
+    if kind is not RequestOutputKind.DELTA:
+        assert last.text == served.engine.tokenizer.decode(last.token_ids)
+    assert served.wait_drained()["num_requests_running"] == 0
+
+
 def test_bad_request_raises_value_error_and_adds_nothing(served):
     with pytest.raises(ValueError, match="max_model_len"):
         asyncio.run(_collect(served.engine, "x" * 500, DELTA))
