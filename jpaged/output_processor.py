@@ -35,6 +35,7 @@ class ChildState:
     # (-1: all); `token_cut`: output tokens kept when a stop string ended it (-1: all).
     seen: int = -1
     token_cut: int = -1
+    finish_sent: bool = False  # a DELTA stream (n > 1) has carried its finish_reason
 
 
 @dataclass(slots=True)
@@ -261,8 +262,13 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
         return None
     hold = group.stop_hold
     delta = kind is _DELTA
+    # n > 1 streams (as vLLM's): a step's output carries only the sequences with something
+    # new, and a finished one's finish once.
+    only_new = delta and len(group.children) > 1
     outs = []
     for c in group.children:
+        if only_new and c.finish_sent:
+            continue
         out_ids = c.request.output_token_ids
         if c.token_cut >= 0:  # tokens of the same step after its stop string
             out_ids = out_ids[:c.token_cut]
@@ -290,8 +296,14 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
             ids = list(out_ids)
             if lps is not None:
                 lps = list(lps)
+        if only_new:
+            if not ids and not text and c.finish_reason is None:
+                continue
+            c.finish_sent = c.finish_reason is not None
         outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps,
                                      c.finish_reason, c.stop_reason))
+    if only_new and not outs and not finished:
+        return None
     ftt = group.first_token_time
     metrics = ({"arrival_time": group.arrival_time} if ftt is None else
                {"arrival_time": group.arrival_time, "first_token_time": ftt})

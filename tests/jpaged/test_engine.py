@@ -499,3 +499,30 @@ def test_stop_reason_of_eos_tokens(tmp_path):
         c = llm.generate("abc", p.clone(allowed_token_ids=[token], **params))[0].outputs[0]
         assert (c.token_ids, c.finish_reason, c.stop_reason) == ([token], "stop", want), (
             token, params)
+
+
+def test_n_children_stream_only_what_is_new(llm):
+    """As vLLM's n > 1 DELTA stream: each output carries the sequences with new tokens, a
+    finished one's finish_reason exactly once; the deltas add up to the CUMULATIVE result."""
+    engine = llm.llm_engine
+    # A third of the vocabulary stops a sequence: the seeded children end on different steps.
+    p = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=30,
+                       stop_token_ids=list(range(100, 200)),
+                       output_kind=RequestOutputKind.DELTA)
+    engine.add_request("n-delta", "abc", p)
+    ids: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finishes: dict[int, int] = {0: 0, 1: 0, 2: 0}
+    lengths = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.outputs, "an output with nothing in it"
+            for c in out.outputs:
+                assert c.token_ids or c.finish_reason is not None
+                ids[c.index] += c.token_ids
+                finishes[c.index] += c.finish_reason is not None
+                if c.finish_reason is not None:
+                    lengths.append(len(ids[c.index]))
+    assert finishes == {0: 1, 1: 1, 2: 1} and len(set(lengths)) > 1, lengths
+    whole = llm.generate("abc", p.clone(output_kind=RequestOutputKind.CUMULATIVE))
+    assert {c.index: c.token_ids for c in whole[0].outputs} == ids
+    assert _free(llm)
