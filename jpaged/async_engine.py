@@ -109,6 +109,11 @@ class AsyncLLMEngine:
         return self.engine.eos_token_ids
 
     @property
+    def default_sampling(self) -> dict[str, Any]:
+        """The sampling defaults of a request that leaves them unset (generation_config)."""
+        return self.engine.default_sampling
+
+    @property
     def logprobs_limit(self) -> int:
         """The most logprobs a request may ask for (max_logprobs; -1: the vocabulary)."""
         return self.engine.logprobs_limit

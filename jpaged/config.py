@@ -6,6 +6,7 @@ import dataclasses
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from jpaged.kv_events import KVEventsConfig, parse_json_config
@@ -241,8 +242,17 @@ class ModelConfig:
     logprobs_mode: str = "raw_logprobs"  # vLLM's; only its default is implemented
     quantization: str | None = None  # a QUANTIZATION_METHODS name, or None
     enforce_eager: bool = False  # vLLM's: on a GPU, steps outside CUDA graphs
+    generation_config: str = "auto"  # "auto" | "vllm" | a directory (sampling defaults)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            _fail("ModelConfig", "generation_config", '"auto", "vllm" or a directory',
+                  self.generation_config)
+        if self.generation_config not in ("auto", "vllm") and not Path(
+                self.generation_config).expanduser().is_dir():
+            _fail("ModelConfig", "generation_config",
+                  '"auto", "vllm" or a directory holding generation_config.json',
+                  self.generation_config)
         if not isinstance(self.enforce_eager, bool):
             _fail("ModelConfig", "enforce_eager", "True or False", self.enforce_eager)
         if self.dtype not in MODEL_DTYPES:
@@ -534,6 +544,11 @@ class EngineArgs:
     """vLLM's: no CUDA graphs. On a GPU every kernel of a step is launched on its own instead
     of in XLA command buffers (CUDA graphs): for profiling and debugging, slower at small
     batches. The steps are still compiled (XLA has no eager mode). No effect on a CPU."""
+    generation_config: str = "auto"
+    """vLLM's: where requests' default sampling parameters (temperature, top_p, top_k, min_p,
+    repetition_penalty; a field a request leaves unset) come from: "auto", the model's
+    generation_config.json (its creator's recommendation), "vllm", SamplingParams' own
+    defaults, or a directory holding a generation_config.json."""
     trust_remote_code: bool = False
     """Accepted for vLLM's scripts: jpaged runs only its own model implementations, never
     Python code shipped with a checkpoint, so True and False load a model the same way (an
@@ -671,7 +686,8 @@ class EngineArgs:
             model=ModelConfig(self.model, self.dtype, self.attention_backend, self.seed,
                               max_logprobs=self.max_logprobs, quantization=self.quantization,
                               logprobs_mode=self.logprobs_mode,
-                              enforce_eager=self.enforce_eager),
+                              enforce_eager=self.enforce_eager,
+                              generation_config=self.generation_config),
             cache=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,

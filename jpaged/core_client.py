@@ -91,6 +91,7 @@ def _core_main(conn: Any, args: EngineArgs, loader: Callable[[], Any] | None,
     freeze_gc_heap()  # a long-lived serving loop, like jpaged serve's (JPAGED_GC_FREEZE=0: no)
     conn.send(("ready", {"tokenizer": engine.tokenizer, "spec": engine.spec,
                          "config": engine.config, "source": engine.loaded.source,
+                         "generation_config": engine.loaded.generation_config,
                          "pid": os.getpid()}))
     _CoreLoop(engine, conn).run()
 
@@ -209,8 +210,10 @@ class _Source:
     """What the front end knows of the loaded model (LoadedModel's `source`, `spec`,
     `tokenizer`); the weights stay in the core process."""
 
-    def __init__(self, spec: Any, tokenizer: Any, source: str) -> None:
+    def __init__(self, spec: Any, tokenizer: Any, source: str,
+                 generation_config: dict[str, Any] | None = None) -> None:
         self.spec, self.tokenizer, self.source = spec, tokenizer, source
+        self.generation_config = generation_config or {}
 
 
 def _stop_core(proc: Any, conn: Any, timeout: float = 30.0) -> None:
@@ -266,7 +269,8 @@ class CoreProcessEngine(RequestFrontend):
             raise CoreProcessError(f"the engine-core process failed to start: {msg}")
         info = msg[1]
         self.tokenizer, self.spec, self.config = info["tokenizer"], info["spec"], info["config"]
-        self.loaded = _Source(self.spec, self.tokenizer, info["source"])
+        self.loaded = _Source(self.spec, self.tokenizer, info["source"],
+                              info["generation_config"])
         self.async_scheduling = self.config.scheduler.async_scheduling
         self.metrics_history = _RemoteHistory(self)
         self.last_core_loop_s = 0.0  # the core loop's CPU time of the step before the last

@@ -9,6 +9,7 @@ run in an engine-core process, as vLLM V1 splits them.
 from __future__ import annotations
 
 import functools
+import logging
 import numbers
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -31,6 +32,9 @@ from jpaged.outputs import RequestOutput
 from jpaged.request import Request, RequestStatus
 from jpaged.sampling_params import SamplingParams
 from models.config import ModelSpec
+from models.loader import sampling_defaults
+
+logger = logging.getLogger("jpaged")
 
 PromptType = str | Mapping[str, Any]
 
@@ -126,6 +130,21 @@ class RequestFrontend:
         if first is None:
             return tuple(self.spec.eos_token_ids)
         return (first, *(t for t in self.spec.eos_token_ids if t != first))
+
+    @functools.cached_property
+    def default_sampling(self) -> dict[str, Any]:
+        """vLLM's default sampling parameters of a request that leaves them unset: the model's
+        generation_config.json ones (`generation_config` "auto"), none ("vllm"), or those of a
+        directory's generation_config.json."""
+        where = self.config.model.generation_config
+        if where == "vllm":
+            return {}
+        found = (getattr(self.loaded, "generation_config", None) or {} if where == "auto"
+                 else sampling_defaults(where))
+        if found:
+            logger.info("default sampling parameters from the model's generation config: %s "
+                        "(--generation-config vllm to use SamplingParams' own)", found)
+        return dict(found)
 
     @property
     def logprobs_limit(self) -> int:

@@ -41,6 +41,12 @@ class LLM:
         """The model's tokenizer."""
         return self.llm_engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the model's generation-config defaults (temperature,
+        top_p, top_k, min_p, repetition_penalty; see EngineArgs.generation_config), what
+        `generate(prompts)` without sampling_params uses."""
+        return SamplingParams(**self.llm_engine.default_sampling)
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -52,8 +58,8 @@ class LLM:
         """Run prompts to completion; outputs come back in input order. `priority`: one per
         prompt, or one value for all (lower runs first, as vLLM's priority scheduling)."""
         prompts = _prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
+        if sampling_params is None:  # as vLLM: the model's generation-config defaults
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

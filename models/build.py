@@ -4,7 +4,7 @@ reader (``checkpoint.py``) share it without importing each other."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -33,6 +33,9 @@ class LoadedModel:
     tokenizer: Tokenizer
     source: str  # local path of the .gguf file or HF directory that was loaded
     quantization: str | None = None  # how its weights are quantized ("gguf", "fp8"), or None
+    # The sampling defaults its creator recommends (generation_config.json's temperature,
+    # top_p, top_k, min_p, repetition_penalty): vLLM's --generation-config auto.
+    generation_config: dict[str, Any] = field(default_factory=dict)
 
 
 def resolve_dtype(dtype: str) -> Any:

@@ -206,6 +206,7 @@ def save_checkpoint(loaded: LoadedModel, out: str | Path, *, overwrite: bool = F
         "dtype": dtype,
         "spec": spec_to_json(loaded.spec),
         "source": loaded.source,
+        "generation_config": loaded.generation_config,
         "quantization": None if not (plan := plan_of(loaded.model)) else {
             "method": loaded.quantization, "plan": plan_to_json(plan)},
         "params": {
@@ -310,7 +311,11 @@ def load_checkpoint(path: str | Path, dtype: Any = "auto",
     nnx.replace_by_pure_dict(state, restored)
     model = nnx.merge(graphdef, state)
     tokenizer = Tokenizer.from_hf_dir(path)
-    return LoadedModel(spec, model, tokenizer, str(path), method)
+    defaults = manifest.get("generation_config") or {}
+    if not isinstance(defaults, dict):
+        raise ValueError(f"corrupt checkpoint manifest {path / MARKER}: generation_config is "
+                         "not an object")
+    return LoadedModel(spec, model, tokenizer, str(path), method, defaults)
 
 
 def _stored_quantization(path: Path, manifest: dict[str, Any], wanted: str | None

@@ -316,7 +316,35 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
         raise ValueError(f"quantization={quantization!r} names a checkpoint's own method, but "
                          f"{cfg_file} has no quantization_config")
     return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan, model), tokenizer,
-                       str(path), quantization)
+                       str(path), quantization, sampling_defaults(path))
+
+
+# generation_config.json keys that are sampling defaults (vLLM's list; its max_new_tokens is
+# left out here: jpaged's max_tokens defaults stay vLLM's request defaults).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def sampling_defaults(path: str | Path) -> dict[str, Any]:
+    """The sampling defaults in directory `path`'s generation_config.json ({} without one).
+    A file that is not JSON, or a value that is not a number, is a ValueError naming it."""
+    gen_file = Path(path).expanduser() / "generation_config.json"
+    if not gen_file.is_file():
+        return {}
+    try:
+        cfg = json.loads(gen_file.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"invalid JSON in {gen_file}: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{gen_file} must hold a JSON object, got {type(cfg).__name__}")
+    out: dict[str, Any] = {}
+    for key in SAMPLING_DEFAULT_KEYS:
+        v = cfg.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, int | float) or isinstance(v, bool):
+            raise ValueError(f"{gen_file}: {key} must be a number, got {v!r}")
+        out[key] = v
+    return out
 
 
 def _merge_generation_eos(path: Path, eos: tuple[int, ...]) -> tuple[int, ...]:

@@ -158,6 +158,7 @@ class DPEngineClient:
         self.max_model_len: int = first["max_model_len"]
         self.eos_token_ids: tuple[int, ...] = tuple(first["eos_token_ids"])
         self.logprobs_limit: int = first["logprobs_limit"]
+        self.default_sampling: dict[str, Any] = dict(first["default_sampling"])
         self.router = Router(data_parallel_size, routing_policy, first["block_size"],
                              first["hash_algo"], load_weight=load_weight, hash_seed=seed)
         self._lock = threading.Lock()  # guards the router

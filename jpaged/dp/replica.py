@@ -68,6 +68,7 @@ class EngineReplica:
                 "max_model_len": e.config.scheduler.max_model_len,
                 "eos_token_ids": list(e.eos_token_ids),
                 "logprobs_limit": e.logprobs_limit,
+                "default_sampling": e.default_sampling,
                 "block_size": cache.block_size, "hash_algo": cache.prefix_caching_hash_algo,
                 "kv_role": self.kv_role,
                 "events_endpoint": pub.endpoint if pub is not None else None,

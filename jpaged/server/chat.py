@@ -33,7 +33,7 @@ class ChatServing(Serving):
     async def _chat(self, req: ChatCompletionRequest) -> dict[str, Any] | EventStream:
         self.check_model(req.model)
         req.check_prompt()
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.engine.default_sampling)
         tools = req.tool_mode()[0]  # 'none', 'required' or the forced function's name
         # The template holds the special tokens already: no second BOS unless asked.
         param = req.prompt_param

@@ -60,7 +60,7 @@ class CompletionServing(Serving):
 
     async def _completion(self, req: CompletionRequest) -> dict[str, Any] | EventStream:
         self.check_model(req.model)
-        params = req.to_sampling_params()
+        params = req.to_sampling_params(self.engine.default_sampling)
         prompts = await self._tokenized(req.prompts(), params, "prompt",
                                         add_special_tokens=req.add_special_tokens)
         beam = req.beam_search_params(params)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -272,18 +273,24 @@ class _SamplingRequest(BaseModel):
             raise OpenAIError(400, "stream_options is only allowed when stream is true",
                               param="stream_options")
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """SamplingParams for this request; a bad value raises OpenAIError(400) naming it."""
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams for this request; a bad value raises OpenAIError(400) naming it.
+        `defaults`: the engine's sampling defaults (the model's generation config) for the
+        fields the request leaves unset, else SamplingParams' own."""
         self._unsupported()
+        d = defaults or {}
+
+        def unset_or(name: str, fallback: float) -> Any:
+            value = getattr(self, name)
+            return d.get(name, fallback) if value is None else value
+
         kw: dict[str, Any] = dict(
-            n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=-1 if self.top_k is None else self.top_k,
-            min_p=0.0 if self.min_p is None else self.min_p,
+            n=self.n, temperature=unset_or("temperature", 1.0), top_p=unset_or("top_p", 1.0),
+            top_k=unset_or("top_k", -1), min_p=unset_or("min_p", 0.0),
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=(1.0 if self.repetition_penalty is None
-                                else self.repetition_penalty),
+            repetition_penalty=unset_or("repetition_penalty", 1.0),
             seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, max_tokens=max_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
@@ -357,8 +364,8 @@ class CompletionRequest(_SamplingRequest):
                 raise OpenAIError(400, "prompt is empty", param="prompt")
         return [self.salted(x) for x in out]
 
-    def to_sampling_params(self) -> SamplingParams:
-        """SamplingParams of this completion request."""
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams of this completion request (`defaults`: see sampling_params)."""
         if self.suffix:
             raise OpenAIError(400, "suffix is not supported by this server", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
@@ -370,7 +377,7 @@ class CompletionRequest(_SamplingRequest):
                                   "comes back, scored with logprobs if asked, and nothing is "
                                   "generated)", param="max_tokens")
             max_tokens = 1  # as vLLM: one token is generated, then left out of the answer
-        params = self.sampling_params(max_tokens, self.logprobs)
+        params = self.sampling_params(max_tokens, self.logprobs, defaults)
         if self.echo and self.logprobs is not None and self.prompt_logprobs is None:
             # The echoed prompt's tokens come with their logprobs (an eval harness's scores).
             params = params.clone(prompt_logprobs=self.logprobs)
@@ -543,14 +550,14 @@ class ChatCompletionRequest(_SamplingRequest):
         except ValueError as e:
             raise OpenAIError(400, f"tools: {e}", param="tools") from None
 
-    def to_sampling_params(self) -> SamplingParams:
-        """SamplingParams of this chat request."""
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """SamplingParams of this chat request (`defaults`: see sampling_params)."""
         if self.top_logprobs is not None and not self.logprobs:
             raise OpenAIError(400, "top_logprobs needs logprobs to be true", param="top_logprobs")
         max_tokens = (self.max_completion_tokens if self.max_completion_tokens is not None
                       else self.max_tokens)
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        return self.sampling_params(max_tokens, logprobs, defaults)
 
 
 # TokenizeRequest fields that only a chat (messages) request uses.
