@@ -359,6 +359,34 @@ def build_registry(metrics_fn: MetricsFn, stat_logger: StatLogger | None = None)
     return registry
 
 
+class _ConstantLabels:
+    """Every sample of a registry with labels added (vLLM's model_name on each series)."""
+
+    def __init__(self, registry: Any, labels: Mapping[str, str]) -> None:
+        self.registry, self.labels = registry, dict(labels)
+
+    def collect(self) -> Iterator[Any]:
+        """The registry's families, each sample labelled."""
+        from prometheus_client import Metric
+
+        for fam in self.registry.collect():
+            out = Metric(fam.name, fam.documentation, fam.type, fam.unit)
+            for smp in fam.samples:
+                out.add_sample(smp.name, {**self.labels, **smp.labels}, smp.value,
+                               smp.timestamp, smp.exemplar)
+            yield out
+
+
+def with_labels(registry: Any, labels: Mapping[str, str]) -> Any:
+    """A registry exposing `registry`'s metrics with `labels` on every series (the server
+    adds model_name, the served name, as vLLM's metrics carry it)."""
+    from prometheus_client import CollectorRegistry
+
+    out = CollectorRegistry(auto_describe=False)
+    out.register(_ConstantLabels(registry, labels))
+    return out
+
+
 def render(registry: Any) -> tuple[bytes, str]:
     """(Prometheus text exposition, its content type) of a registry."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

@@ -25,7 +25,7 @@ from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
 from jpaged.engine import LLMEngine
 from jpaged.frontend import RequestFrontend
 from jpaged.gc_heap import freeze_gc_heap
-from jpaged.metrics import render
+from jpaged.metrics import render, with_labels
 from jpaged.server.chat import ChatServing
 from jpaged.server.completions import CompletionServing
 from jpaged.server.protocol import (
@@ -122,7 +122,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     aengine.start()
     name = served_model_name or default_model_name(aengine.model_source)
     serving = _Serving(aengine, name)
-    registry = aengine.metrics_registry()
+    registry = with_labels(aengine.metrics_registry(), {"model_name": name})
     created = int(time.time())
 
     @asynccontextmanager

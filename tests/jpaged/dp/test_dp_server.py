@@ -156,8 +156,8 @@ def test_streams_and_disconnects_pass_through_the_router(rr):
           and all(m.get("kv_cache_usage") == 0.0 and m.get("num_requests_running") == 0
                   for m in client.replica_metrics()), "the aborts and an idle pool")
     text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    assert 'jpaged:num_requests_running{engine="0"}' in text
-    assert 'jpaged:num_requests_running{engine="1"}' in text
+    assert f'jpaged:num_requests_running{{engine="0",model_name="{MODEL}"}}' in text
+    assert f'jpaged:num_requests_running{{engine="1",model_name="{MODEL}"}}' in text
     assert 'engine="total"' in text
 
 
@@ -369,8 +369,9 @@ def test_disaggregated_prefill_and_decode_replicas(cluster):
         need = sum(cdiv(len(tok.encode(p)) - 1, 8) for p in prompts)
         assert received < need  # q2's system-prompt blocks were the decode replica's own
         text = httpx.get(f"{server.url}/metrics", timeout=30).text
-        assert 'jpaged:kv_transfer_blocks_sent_total{engine="0"}' in text
-        assert 'jpaged:kv_transfer_blocks_received_total{engine="1"}' in text
+        labels = f'model_name="{MODEL}"'
+        assert f'jpaged:kv_transfer_blocks_sent_total{{engine="0",{labels}}}' in text
+        assert f'jpaged:kv_transfer_blocks_received_total{{engine="1",{labels}}}' in text
         # A client that hangs up after its first chunk: aborted on the decode replica.
         stream = oai.completions.create(model=MODEL, prompt=long, max_tokens=30,
                                         temperature=0, stream=True,

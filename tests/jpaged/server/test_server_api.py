@@ -246,6 +246,10 @@ def test_models_health_and_metrics(served):
     assert 0.0 <= m["jpaged:kv_cache_usage_perc"] <= 1.0
     assert m["jpaged:num_requests_running"] == 0 and m["jpaged:num_preemptions_total"] == 0
     assert m["jpaged:num_blocks_usable"] == 159
+    # As vLLM's: every series carries the served model's name.
+    text = httpx.get(f"{served.url}/metrics", timeout=30).text
+    samples = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+    assert samples and all(f'model_name="{MODEL}"' in ln for ln in samples)
     # vLLM's request phase, size and iteration families: one finished sequence more.
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "request_inference_time_seconds",
