@@ -284,16 +284,22 @@ def _load_gguf_model(path: Path, dtype: Any, tp: int, quantization: str | None
                        str(path), quantization)
 
 
+def _json_object(file: Path) -> dict[str, Any]:
+    """The JSON object in `file`; ValueError naming the file if it is not one."""
+    try:
+        obj = json.loads(file.read_text(encoding="utf-8"))
+    except ValueError as e:
+        raise ValueError(f"invalid JSON in {file}: {e}") from e
+    if not isinstance(obj, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> LoadedModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"config.json not found: {cfg_file}")
-    try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"invalid JSON in {cfg_file}: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{cfg_file} must hold a JSON object, got {type(cfg).__name__}")
+    cfg = _json_object(cfg_file)
     # A checkpoint quantized by its producer (models/hf_quant.py) says so in its config.
     method = quant_method(cfg, str(cfg_file))
     check_requested(method, quantization, str(path))
@@ -330,12 +336,7 @@ def sampling_defaults(path: str | Path) -> dict[str, Any]:
     gen_file = Path(path).expanduser() / "generation_config.json"
     if not gen_file.is_file():
         return {}
-    try:
-        cfg = json.loads(gen_file.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise ValueError(f"invalid JSON in {gen_file}: {e}") from e
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{gen_file} must hold a JSON object, got {type(cfg).__name__}")
+    cfg = _json_object(gen_file)
     out: dict[str, Any] = {}
     for key in SAMPLING_DEFAULT_KEYS:
         v = cfg.get(key)
