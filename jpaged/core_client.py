@@ -411,7 +411,7 @@ class CoreProcessEngine(RequestFrontend):
     def get_metrics(self) -> dict[str, Any]:
         """The core's scheduler and cache gauges plus the front end's request counters."""
         m = dict(self._call("get_metrics"))
-        m.update(self.stats)
+        m.update(self.front_metrics())
         return m
 
     def cache_state(self) -> dict[str, Any]:

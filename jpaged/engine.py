@@ -165,7 +165,7 @@ class LLMEngine(RequestFrontend):
     def get_metrics(self) -> dict[str, Any]:
         """Scheduler and cache gauges plus engine counters (vLLM's names)."""
         m = self.core.get_metrics()
-        m.update(self.stats)
+        m.update(self.front_metrics())
         return m
 
     def cache_state(self) -> dict[str, Any]:

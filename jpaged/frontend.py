@@ -91,8 +91,12 @@ class RequestFrontend:
         self._child_of: dict[str, tuple[RequestGroup, ChildState]] = {}
         self._counter = 0
         # Token and step counters live in the scheduler; these count user-level requests.
-        self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0,
-                      "request_prompt_tokens_total": 0}
+        self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0}
+
+    def front_metrics(self) -> dict[str, Any]:
+        """The front end's counters, beside the core's in get_metrics: user-level requests,
+        and vLLM's prompt_tokens (the stat logger's count)."""
+        return {**self.stats, "request_prompt_tokens_total": self.stat_logger.prompt_tokens}
 
     def _submit(self, requests: list[Request]) -> None:
         raise NotImplementedError
@@ -344,7 +348,6 @@ class RequestFrontend:
         for group in pending.values():
             emit(group, outputs, group.finished)
         self.stat_logger.on_step(updated, now, done)
-        self.stats["request_prompt_tokens_total"] = self.stat_logger.prompt_tokens
         return outputs
 
     def _emit(self, group: RequestGroup, outputs: list[RequestOutput], finished: bool) -> None:

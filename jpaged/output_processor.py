@@ -143,11 +143,7 @@ def update_child(group: RequestGroup, child: ChildState, tokenizer: Any,
     seen = child.seen
     finished = req.is_finished() and (seen < 0 or seen >= len(req.output_token_ids))
     if group.needs_text or (finished and group.params.detokenize):
-        detok = child.detok
-        if detok is None:
-            detok = child.detok = IncrementalDetokenizer(
-                tokenizer, group.params.skip_special_tokens,
-                prompt_ids=group.prompt_token_ids)
+        detok = child.detok or _new_detokenizer(group, child, tokenizer)
         if child.finish_reason is None:  # a stop string may have cut the text already
             ids = req.output_token_ids if seen < 0 else req.output_token_ids[:seen]
             # The token that stopped the request (EOS or one of stop_token_ids) is in the
@@ -176,10 +172,17 @@ def finish_text(group: RequestGroup, child: ChildState, tokenizer: Any) -> None:
     a trailing partial character as a full decode shows it (none without detokenize)."""
     if not group.params.detokenize:
         return
-    if child.detok is None:
-        child.detok = IncrementalDetokenizer(tokenizer, group.params.skip_special_tokens,
-                                             prompt_ids=group.prompt_token_ids)
-    child.detok.feed(child.request.output_token_ids, True)
+    detok = child.detok or _new_detokenizer(group, child, tokenizer)
+    detok.feed(child.request.output_token_ids, True)
+
+
+def _new_detokenizer(group: RequestGroup, child: ChildState,
+                     tokenizer: Any) -> IncrementalDetokenizer:
+    """The child's detokenizer, made on the first update that needs text (primed with the
+    prompt it continues)."""
+    child.detok = IncrementalDetokenizer(tokenizer, group.params.skip_special_tokens,
+                                         prompt_ids=group.prompt_token_ids)
+    return child.detok
 
 
 def _check_stop_strings(child: ChildState, group: RequestGroup,

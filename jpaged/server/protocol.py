@@ -406,6 +406,16 @@ class ChatMessage(BaseModel):
             raise OpenAIError(400, str(e), param="messages") from None
 
 
+def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
+    """Chat messages as {"role", "content"} dicts for the chat template."""
+    return [{"role": m.role, "content": m.text()} for m in messages]
+
+
+# The request fields that shape how messages are rendered by the chat template.
+_TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_template",
+                    "chat_template_kwargs")
+
+
 class ChatCompletionRequest(_SamplingRequest):
     """Body of POST /v1/chat/completions."""
 
@@ -432,7 +442,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages as {"role", "content"} dicts for the chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages]
+        return conversation(self.messages)
 
     @property
     def prompt_param(self) -> str:
@@ -452,8 +462,7 @@ class ChatCompletionRequest(_SamplingRequest):
                               "with it", param="prompt_token_ids")
         if not self.prompt_token_ids:
             raise OpenAIError(400, "prompt_token_ids is empty", param="prompt_token_ids")
-        for name in ("add_generation_prompt", "continue_final_message", "chat_template",
-                     "chat_template_kwargs", "add_special_tokens", "echo"):
+        for name in (*_TEMPLATE_FIELDS, "add_special_tokens", "echo"):
             if name in self.model_fields_set:
                 raise OpenAIError(400, f"{name} applies to rendered messages, not to "
                                   "prompt_token_ids (already tokenized)", param=name)
@@ -561,8 +570,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # TokenizeRequest fields that only a chat (messages) request uses.
-_CHAT_ONLY = ("add_generation_prompt", "continue_final_message", "chat_template",
-              "chat_template_kwargs", "tools")
+_CHAT_ONLY = (*_TEMPLATE_FIELDS, "tools")
 
 
 class TokenizeRequest(BaseModel):
@@ -605,7 +613,7 @@ class TokenizeRequest(BaseModel):
 
     def conversation(self) -> list[dict[str, str]]:
         """Messages as {"role", "content"} dicts for the chat template."""
-        return [{"role": m.role, "content": m.text()} for m in self.messages or []]
+        return conversation(self.messages or [])
 
 
 class DetokenizeRequest(BaseModel):
