@@ -546,9 +546,10 @@ class EngineArgs:
     batches. The steps are still compiled (XLA has no eager mode). No effect on a CPU."""
     generation_config: str = "auto"
     """vLLM's: where requests' default sampling parameters (temperature, top_p, top_k, min_p,
-    repetition_penalty; a field a request leaves unset) come from: "auto", the model's
-    generation_config.json (its creator's recommendation), "vllm", SamplingParams' own
-    defaults, or a directory holding a generation_config.json."""
+    repetition_penalty; a field a request leaves unset; and max_new_tokens, which caps a
+    server request's max_tokens) come from: "auto", the model's generation_config.json (its
+    creator's recommendation), "vllm", SamplingParams' own defaults, or a directory holding a
+    generation_config.json."""
     trust_remote_code: bool = False
     """Accepted for vLLM's scripts: jpaged runs only its own model implementations, never
     Python code shipped with a checkpoint, so True and False load a model the same way (an

@@ -24,6 +24,7 @@ from jpaged.output_processor import (
     RequestGroup,
     finish_text,
     make_output,
+    num_output_tokens,
     prompt_logprobs_of,
     record_logprobs,
     update_child,
@@ -79,8 +80,10 @@ class RequestFrontend:
 
     def _init_frontend(self, log_stats: bool = True) -> None:
         # Request timing histograms + the periodic stats log line (fed once per step).
+        sched = self.config.scheduler
         self.stat_logger = StatLogger(self.get_metrics, log=log_stats,
-                                      max_model_len=self.config.scheduler.max_model_len)
+                                      max_model_len=sched.max_model_len,
+                                      max_num_batched_tokens=sched.max_num_batched_tokens)
         c = self.config.cache
         self.stat_logger.set_cache_config(
             block_size=c.block_size, cache_dtype=c.kv_cache_dtype,
@@ -139,7 +142,7 @@ class RequestFrontend:
     def default_sampling(self) -> dict[str, Any]:
         """vLLM's default sampling parameters of a request that leaves them unset: the model's
         generation_config.json ones (`generation_config` "auto"), none ("vllm"), or those of a
-        directory's generation_config.json."""
+        directory's generation_config.json; its max_new_tokens is max_tokens here."""
         where = self.config.model.generation_config
         if where == "vllm":
             return {}
@@ -263,7 +266,6 @@ class RequestFrontend:
             group.children.append(ChildState(
                 i, req, logprobs=[] if params.logprobs is not None else None))
         self._submit([c.request for c in group.children])  # raises before anything is kept
-        self.stat_logger.on_request(params.n, max_tokens)
         self._groups[request_id] = group
         for c in group.children:
             self._child_of[c.request.request_id] = (group, c)
@@ -284,6 +286,7 @@ class RequestFrontend:
                 c.finish_reason, c.stop_reason = "abort", None
                 finish_text(group, c, self.tokenizer)
             self.stat_logger.on_aborted(len(live))
+            self._observe_finished(group)
             for c in group.children:
                 self._child_of.pop(c.request.request_id, None)
             self.stats["num_requests_aborted"] += 1
@@ -364,6 +367,13 @@ class RequestFrontend:
             for c in group.children:
                 self._child_of.pop(c.request.request_id, None)
             self.stats["num_requests_finished"] += 1
+            self._observe_finished(group)
+
+    def _observe_finished(self, group: RequestGroup) -> None:
+        """The stat logger's per-request figures of a finished (or aborted) request."""
+        p = group.params
+        self.stat_logger.on_request_finished(
+            len(group.children), p.max_tokens, [num_output_tokens(c) for c in group.children])
 
     def _failed_outputs(self, failures: Sequence[tuple[str, str]]) -> list[RequestOutput]:
         """Final outputs of sequences the engine failed (finish_reason "error", the reason as

@@ -43,7 +43,8 @@ class LLM:
 
     def get_default_sampling_params(self) -> SamplingParams:
         """vLLM's: SamplingParams with the model's generation-config defaults (temperature,
-        top_p, top_k, min_p, repetition_penalty; see EngineArgs.generation_config), what
+        top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens; see
+        EngineArgs.generation_config), what
         `generate(prompts)` without sampling_params uses."""
         return SamplingParams(**self.llm_engine.default_sampling)
 

@@ -34,6 +34,17 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 # Request phase times: vLLM's request_*_time_seconds edges.
 REQUEST_TIME_BUCKETS = E2E_BUCKETS
+# iteration_tokens_total: vLLM's edges for an engine without CUDA graphs (with them, vLLM uses
+# its capture sizes), doubled on up to the engine's token budget per step.
+ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def iteration_buckets(max_num_batched_tokens: int) -> tuple[float, ...]:
+    """iteration_tokens_total's edges: vLLM's, and powers of two up to the step budget."""
+    out = [float(b) for b in ITERATION_TOKEN_BUCKETS]
+    while out[-1] < max_num_batched_tokens:
+        out.append(out[-1] * 2)
+    return tuple(out)
 
 
 def buckets_1_2_5(limit: int) -> tuple[float, ...]:
@@ -163,8 +174,8 @@ class StatLogger:
     """Request timing histograms and the periodic "Avg prompt throughput ..." log line."""
 
     def __init__(self, metrics_fn: MetricsFn, interval: float = DEFAULT_LOG_STATS_INTERVAL,
-                 log: bool = True, start: float | None = None, max_model_len: int = 2048
-                 ) -> None:
+                 log: bool = True, start: float | None = None, max_model_len: int = 2048,
+                 max_num_batched_tokens: int = 2048) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
         if not interval > 0:
@@ -187,8 +198,8 @@ class StatLogger:
             ["finished_reason"], registry=None)
         for reason in FINISH_REASONS:  # every series from the start, at 0 (as vLLM)
             self.request_success.labels(reason)
-        # vLLM's request phase and size families (a sequence each; n and max_tokens per
-        # request as sent).
+        # vLLM's request phase and size families: a finished sequence each; n and the most
+        # tokens any of its sequences generated, a finished request each.
         def hist(name: str, doc: str, buckets: Sequence[float]) -> Any:
             return Histogram(f"{PREFIX}{name}", doc, buckets=buckets, registry=None)
         self.request_queue_time = hist("request_queue_time_seconds",
@@ -208,13 +219,17 @@ class StatLogger:
                                           "Prompt tokens per finished sequence.", tokens)
         self.request_generation_tokens = hist("request_generation_tokens",
                                               "Generated tokens per finished sequence.", tokens)
-        self.request_params_n = hist("request_params_n", "The n of each request.",
+        self.request_params_n = hist("request_params_n", "The n of each finished request.",
                                      (1, 2, 5, 10, 20))
         self.request_params_max_tokens = hist("request_params_max_tokens",
-                                              "The max_tokens of each request.", tokens)
+                                              "The max_tokens of each finished sequence.",
+                                              tokens)
+        self.request_max_num_generation_tokens = hist(
+            "request_max_num_generation_tokens",
+            "The most tokens a sequence of each finished request generated.", tokens)
         self.iteration_tokens = hist("iteration_tokens_total",
                                      "Prompt and generated tokens per engine step (vLLM's "
-                                     "count).", buckets_1_2_5(max(max_model_len, 16384)))
+                                     "count).", iteration_buckets(max_num_batched_tokens))
         self.cache_config_info = Gauge(f"{PREFIX}cache_config_info",
                                        "Information of the KV cache config (value 1).",
                                        ["block_size", "cache_dtype", "num_gpu_blocks",
@@ -233,17 +248,20 @@ class StatLogger:
                 self.request_success, self.request_queue_time, self.request_prefill_time,
                 self.request_decode_time, self.request_inference_time,
                 self.request_prompt_tokens, self.request_generation_tokens,
-                self.request_params_n, self.request_params_max_tokens, self.iteration_tokens,
+                self.request_params_n, self.request_params_max_tokens,
+                self.request_max_num_generation_tokens, self.iteration_tokens,
                 self.cache_config_info)
 
     def set_cache_config(self, **labels: Any) -> None:
         """The cache_config_info labels (vLLM's), value 1."""
         self.cache_config_info.labels(**{k: str(v) for k, v in labels.items()}).set(1)
 
-    def on_request(self, n: int, max_tokens: int) -> None:
-        """A user request was added: its n and max_tokens."""
+    def on_request_finished(self, n: int, max_tokens: int, generated: Sequence[int]) -> None:
+        """A user request finished (or was aborted): its n, its max_tokens (once per
+        sequence, as vLLM's) and each sequence's generated token count."""
         self.request_params_n.observe(n)
-        self.request_params_max_tokens.observe(max_tokens)
+        _observe_many(self.request_params_max_tokens, max_tokens, len(generated))
+        self.request_max_num_generation_tokens.observe(max(generated, default=0))
 
     def on_aborted(self, sequences: int) -> None:
         """Sequences that an abort ended (outside any step): request_success "abort"."""

@@ -255,6 +255,12 @@ def prompt_logprobs_of(group: RequestGroup, decode: Callable[[list[int]], str | 
     return out
 
 
+def num_output_tokens(child: ChildState) -> int:
+    """The tokens a sequence has generated (those after a stop string left out)."""
+    n = len(child.request.output_token_ids)
+    return n if child.token_cut < 0 else min(n, child.token_cut)
+
+
 def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
     """The RequestOutput for this step (None while a FINAL_ONLY request runs).
 

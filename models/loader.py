@@ -325,14 +325,17 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
                        str(path), quantization, sampling_defaults(path))
 
 
-# generation_config.json keys that are sampling defaults (vLLM's list; its max_new_tokens is
-# left out here: jpaged's max_tokens defaults stay vLLM's request defaults).
-SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# generation_config.json keys that are sampling defaults (vLLM's list); its max_new_tokens is
+# the default max_tokens, under that name (vLLM's rename).
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                         "max_new_tokens")
+_RENAMED = {"max_new_tokens": "max_tokens"}
 
 
 def sampling_defaults(path: str | Path) -> dict[str, Any]:
-    """The sampling defaults in directory `path`'s generation_config.json ({} without one).
-    A file that is not JSON, or a value that is not a number, is a ValueError naming it."""
+    """The sampling defaults in directory `path`'s generation_config.json ({} without one),
+    keyed by SamplingParams' names. A file that is not JSON, or a value that is not a number
+    (max_new_tokens: an integer >= 1), is a ValueError naming it."""
     gen_file = Path(path).expanduser() / "generation_config.json"
     if not gen_file.is_file():
         return {}
@@ -344,7 +347,9 @@ def sampling_defaults(path: str | Path) -> dict[str, Any]:
             continue
         if not isinstance(v, int | float) or isinstance(v, bool):
             raise ValueError(f"{gen_file}: {key} must be a number, got {v!r}")
-        out[key] = v
+        if key == "max_new_tokens" and not (isinstance(v, int) and v >= 1):
+            raise ValueError(f"{gen_file}: max_new_tokens must be an integer >= 1, got {v!r}")
+        out[_RENAMED.get(key, key)] = v
     return out
 
 

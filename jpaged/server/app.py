@@ -122,7 +122,9 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     aengine.start()
     name = served_model_name or default_model_name(aengine.model_source)
     serving = _Serving(aengine, name)
-    registry = with_labels(aengine.metrics_registry(), {"model_name": name})
+    # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
+    # data-parallel client's series carry each replica's own, which win).
+    registry = with_labels(aengine.metrics_registry(), {"model_name": name, "engine": "0"})
     created = int(time.time())
 
     @asynccontextmanager

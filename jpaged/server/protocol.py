@@ -277,9 +277,13 @@ class _SamplingRequest(BaseModel):
                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """SamplingParams for this request; a bad value raises OpenAIError(400) naming it.
         `defaults`: the engine's sampling defaults (the model's generation config) for the
-        fields the request leaves unset, else SamplingParams' own."""
+        fields the request leaves unset, else SamplingParams' own; their max_tokens (the
+        model's max_new_tokens) caps the request's."""
         self._unsupported()
         d = defaults or {}
+        if d.get("max_tokens") is not None:  # vLLM: the model's max_new_tokens caps any ask
+            max_tokens = d["max_tokens"] if max_tokens is None else min(max_tokens,
+                                                                       d["max_tokens"])
 
         def unset_or(name: str, fallback: float) -> Any:
             value = getattr(self, name)

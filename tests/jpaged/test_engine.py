@@ -237,6 +237,49 @@ def test_abort_frees_blocks_and_engine_keeps_serving(llm):
     assert eng.get_metrics()["num_requests_aborted"] >= 1
 
 
+def test_request_histograms_are_observed_when_a_request_finishes(llm):
+    """vLLM's request_params_n and request_max_num_generation_tokens, one per user request,
+    and request_params_max_tokens, one per sequence, observed when it finishes or is aborted
+    (they were observed when it was added)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from jpaged.metrics import build_registry, render
+
+    eng = llm.llm_engine
+    sl = eng.stat_logger
+    names = ("request_params_n", "request_params_max_tokens",
+             "request_max_num_generation_tokens")
+
+    def counts() -> dict[str, tuple[float, float]]:
+        body, _ = render(build_registry(dict, sl))
+        out = {}
+        for fam in text_string_to_metric_families(body.decode()):
+            if fam.name.removeprefix("jpaged:") in names:
+                smp = {s.name.rsplit("_", 1)[-1]: s.value for s in fam.samples
+                       if not s.name.endswith("_bucket")}
+                out[fam.name.removeprefix("jpaged:")] = (smp["count"], smp["sum"])
+        return out
+
+    before = counts()
+    eng.add_request("n3", {"prompt_token_ids": [5, 6, 7]},
+                    SamplingParams(n=3, temperature=1.0, seed=1, max_tokens=6, ignore_eos=True))
+    eng.add_request("cut", {"prompt_token_ids": [8, 9]},
+                    SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    assert counts() == before  # nothing at add
+    for _ in range(3):
+        eng.step()
+    (aborted,) = eng.abort_request("cut")
+    so_far = len(aborted.outputs[0].token_ids)
+    assert 0 < so_far < 6
+    while eng.has_unfinished_requests():
+        eng.step()
+    after = counts()
+    delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in names}
+    assert delta["request_params_n"] == (2, 3 + 1)
+    assert delta["request_params_max_tokens"] == (3 + 1, 3 * 6 + 40)
+    assert delta["request_max_num_generation_tokens"] == (2, 6 + so_far)
+
+
 def test_priorities_accepted_and_all_finish(llm):
     outs = llm.generate([{"prompt_token_ids": [i + 1] * 5} for i in range(4)],
                         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),

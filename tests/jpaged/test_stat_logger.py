@@ -140,3 +140,17 @@ def test_finished_given_by_the_caller_are_the_ones_counted():
         assert ok[("jpaged:request_success_total", (("finished_reason", "length"),))] == 1
         _, ttft = fams["jpaged:time_to_first_token_seconds"]
         assert ttft[("jpaged:time_to_first_token_seconds_count", ())] == 3
+
+
+def test_iteration_token_edges_are_vllms_up_to_the_step_budget():
+    """vLLM's iteration_tokens_total edges (no CUDA graphs: 1, 8, 16, ... 16384), doubled on
+    to cover a larger per-step token budget."""
+    from jpaged.metrics import ITERATION_TOKEN_BUCKETS, iteration_buckets
+
+    assert iteration_buckets(2048) == tuple(float(b) for b in ITERATION_TOKEN_BUCKETS)
+    assert iteration_buckets(40000)[-2:] == (32768.0, 65536.0)
+    sl = StatLogger(dict, log=False, start=0.0, max_num_batched_tokens=512)
+    sl.on_step([Request("a", [1] * 9, SamplingParams(max_tokens=4), arrival_time=0.0)], 1.0)
+    _, it = _scrape(build_registry(dict, sl))["jpaged:iteration_tokens_total"]
+    name = "jpaged:iteration_tokens_total_bucket"
+    assert it[(name, (("le", "8.0"),))] == 0 and it[(name, (("le", "16.0"),))] == 1  # 9 + 1

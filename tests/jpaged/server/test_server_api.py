@@ -246,19 +246,21 @@ def test_models_health_and_metrics(served):
     assert 0.0 <= m["jpaged:kv_cache_usage_perc"] <= 1.0
     assert m["jpaged:num_requests_running"] == 0 and m["jpaged:num_preemptions_total"] == 0
     assert m["jpaged:num_blocks_usable"] == 159
-    # As vLLM's: every series carries the served model's name.
+    # As vLLM's: every series carries the served model's name and the engine's index.
     text = httpx.get(f"{served.url}/metrics", timeout=30).text
     samples = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
-    assert samples and all(f'model_name="{MODEL}"' in ln for ln in samples)
+    assert samples and all(f'model_name="{MODEL}"' in ln and 'engine="0"' in ln
+                           for ln in samples)
     # vLLM's request phase, size and iteration families: one finished sequence more.
     for name in ("request_queue_time_seconds", "request_prefill_time_seconds",
                  "request_decode_time_seconds", "request_inference_time_seconds",
                  "request_prompt_tokens", "request_generation_tokens", "request_params_n",
-                 "request_params_max_tokens"):
+                 "request_params_max_tokens", "request_max_num_generation_tokens"):
         key = f"jpaged:{name}_count"
         assert m[key] == before.get(key, 0) + 1, name
-    assert m["jpaged:request_generation_tokens_sum"] - before.get(
-        "jpaged:request_generation_tokens_sum", 0) == 12
+    for name in ("request_generation_tokens", "request_max_num_generation_tokens"):
+        key = f"jpaged:{name}_sum"
+        assert m[key] - before.get(key, 0) == 12, name
     assert m["jpaged:iteration_tokens_total_count"] > before.get(
         "jpaged:iteration_tokens_total_count", 0)
     text = httpx.get(f"{served.url}/metrics", timeout=30).text
