@@ -34,6 +34,7 @@ from jpaged.dp.metrics import ReplicaCollector, metric_totals
 from jpaged.dp.replica import EngineReplica
 from jpaged.dp.router import ROUTING_POLICIES, Route, Router
 from jpaged.engine import PromptType
+from jpaged.outputs import CompletionOutput, RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jpaged.dp")
@@ -61,6 +62,11 @@ def _pd_roles(size: int, prefill: int, decode: int, args: EngineArgs) -> list[st
         raise ValueError(f"data_parallel_size ({size}) must equal prefill_replicas + "
                          f"decode_replicas ({prefill + decode}) (or be left at 1)")
     return ["kv_producer"] * prefill + ["kv_consumer"] * decode
+
+
+def _prefill_id(request_id: str) -> str:
+    """The id a disaggregated request has on its prefill replica."""
+    return f"{request_id}::prefill"
 
 
 class DPEngineClient:
@@ -166,6 +172,11 @@ class DPEngineClient:
         self._metrics: list[dict[str, Any]] = [{} for _ in range(data_parallel_size)]
         self._errors: list[str | None] = [None] * data_parallel_size
         self._tasks: dict[str, tuple[asyncio.Task, asyncio.AbstractEventLoop, int]] = {}
+        # Requests whose replica streams their outputs to the caller (an abort there ends the
+        # stream with the replica's final "abort" output), and those aborted before that
+        # (a disaggregated request's prefill hop: its pump ends the stream itself).
+        self._streaming: set[str] = set()
+        self._aborted: set[str] = set()
         self._stopping = threading.Event()
         self._events = KVEventReader(self.router, self._lock)
         for r, info in enumerate(infos):
@@ -237,7 +248,7 @@ class DPEngineClient:
         ids, salt, payload = self._for_routing(prompt)
         loop = asyncio.get_running_loop()
         if self._disaggregate(params):
-            pid = f"{request_id}::prefill"
+            pid = _prefill_id(request_id)
             pparams = params.clone(max_tokens=1, min_tokens=0, logprobs=None,
                                    output_kind=RequestOutputKind.FINAL_ONLY, extra_args={
                                        "kv_transfer_params": {"do_remote_decode": True}})
@@ -249,7 +260,9 @@ class DPEngineClient:
             among = self.decode_ranks  # disaggregated: what cannot split runs on a decoder
             route, actor = await self._place(request_id, payload, params, priority, ids, salt,
                                              among)
+            self._streaming.add(request_id)
             task = loop.create_task(self._pump(request_id, route, actor, queue))
+        task.add_done_callback(lambda t: self._task_done(request_id, t, payload, ids, queue))
         self._tasks[request_id] = (task, loop, route.replica)
         return queue
 
@@ -339,21 +352,30 @@ class DPEngineClient:
         await self._pump(request_id, droute, dactor, queue)
 
     def abort(self, request_id: str | list[str]) -> None:
-        """Abort requests from any thread (their replicas forget them too)."""
+        """Abort requests from any thread (their replicas forget them too). As one engine's
+        abort, each request's stream ends with a finished output, finish_reason "abort",
+        holding the tokens it had."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        by_replica: dict[int, list[str]] = {}
+        # (replica, forget its queues) -> ids: a streamed request's replica keeps its queue,
+        # whose stream brings the final output (even one asked for after the abort); a
+        # cancelled prefill hop's stream may never be asked for.
+        by_replica: dict[tuple[int, bool], list[str]] = {}
         for rid in ids:
             entry = self._tasks.get(rid)
             if entry is None:
                 continue
             task, loop, r = entry
-            by_replica.setdefault(r, []).append(rid)
+            if rid in self._streaming:
+                by_replica.setdefault((r, False), []).append(rid)
+                continue
+            by_replica.setdefault((r, True), []).extend((rid, _prefill_id(rid)))
+            self._aborted.add(rid)
             try:
                 loop.call_soon_threadsafe(task.cancel)
             except RuntimeError:  # its loop is closed
                 pass
-        for r, rids in by_replica.items():
-            self._actors[r].abort.remote(rids)
+        for (r, forget), rids in by_replica.items():
+            self._actors[r].abort.remote(rids, forget)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop the replicas and the threads (and Ray, if this client started it)."""
@@ -401,6 +423,7 @@ class DPEngineClient:
         r = route.replica
         gen = actor.stream.remote(request_id)
         first = True
+        self._streaming.add(request_id)
         try:
             async for ref in gen:
                 outs = await ref
@@ -424,6 +447,22 @@ class DPEngineClient:
             queue.put_nowait(RequestFailedError(f"replica {r}: {type(e).__name__}: {e}"))
         finally:
             self._end(request_id, r)
+
+    def _task_done(self, request_id: str, task: asyncio.Task, payload: Any,
+                   ids: list[int] | None, queue: asyncio.Queue) -> None:
+        """A request's pump ended. One that an abort cancelled (a disaggregated request before
+        its decode) ends its stream with a finished "abort" output: no token was generated."""
+        self._streaming.discard(request_id)
+        if request_id not in self._aborted:
+            return
+        self._aborted.discard(request_id)
+        if not task.cancelled():
+            return  # it ended on its own first
+        prompt = payload if isinstance(payload, str) else (
+            payload.get("prompt") if isinstance(payload, Mapping) else None)
+        queue.put_nowait(RequestOutput(
+            request_id, prompt if isinstance(prompt, str) else None, list(ids or []),
+            [CompletionOutput(0, "", [], finish_reason="abort")], finished=True))
 
     def _end(self, request_id: str, replica: int) -> None:
         with self._lock:

@@ -109,10 +109,13 @@ class EngineReplica:
             if not finished:
                 self.engine.abort(request_id)
 
-    def abort(self, request_ids: list[str]) -> None:
-        """Abort requests (unknown ids are ignored)."""
-        for rid in request_ids:
-            self._queues.pop(rid, None)
+    def abort(self, request_ids: list[str], forget: bool = True) -> None:
+        """Abort requests (unknown ids are ignored). `forget`: drop their output queues (no
+        stream will read them); else each stream reads its request's final "abort" output
+        and ends (a stream asked for after the abort still finds it)."""
+        if forget:
+            for rid in request_ids:
+                self._queues.pop(rid, None)
         self.engine.abort(request_ids)
 
     def metrics(self) -> dict[str, Any]:

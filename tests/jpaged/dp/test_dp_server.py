@@ -161,6 +161,38 @@ def test_streams_and_disconnects_pass_through_the_router(rr):
     assert 'engine="total"' in text
 
 
+def _abort_from_another_task(client, rid: str, prompt: str, after_first: bool):
+    """Add a long request, abort it from another task (after its first output, or at once),
+    and return every output its stream then gave: it must end, with a finished one."""
+    async def run():
+        params = SamplingParams(temperature=0, max_tokens=96, ignore_eos=True)
+        queue = await client.add_request(rid, prompt, params)
+        outs = [await asyncio.wait_for(queue.get(), WAIT_S)] if after_first else []
+
+        async def abort_soon():
+            await asyncio.sleep(0)
+            client.abort(rid)
+        aborter = asyncio.create_task(abort_soon())
+        while not (outs and outs[-1].finished):
+            outs.append(await asyncio.wait_for(queue.get(), WAIT_S))
+        await aborter
+        return outs
+    return asyncio.run(run())
+
+
+def test_an_abort_from_another_task_ends_the_stream_with_the_tokens_so_far(rr):
+    """As one engine's (vLLM's): a request aborted while its stream is read elsewhere ends
+    with a finished output, finish_reason "abort", holding its tokens; the pool empties."""
+    client, _ = rr
+    outs = _abort_from_another_task(client, "dp-abort", PROMPTS[0], after_first=True)
+    last = outs[-1].outputs[0]
+    assert last.finish_reason == "abort" and 1 <= len(last.token_ids) < 96
+    assert last.token_ids[:len(outs[0].outputs[0].token_ids)] == outs[0].outputs[0].token_ids
+    _wait(lambda: client.get_metrics().get("num_unfinished_requests") == 0
+          and all(m.get("kv_cache_usage") == 0.0 for m in client.replica_metrics()),
+          "the abort and an idle pool")
+
+
 def test_kv_aware_routes_a_shared_prefix_to_the_replica_that_holds_it(cluster):
     client, server = _serve("kv_aware")
     try:
@@ -378,6 +410,10 @@ def test_disaggregated_prefill_and_decode_replicas(cluster):
                                         extra_body={"ignore_eos": True})
         next(iter(stream))
         stream.close()
+        # Aborted from another task at once (in its prefill hop, where the client's own pump
+        # ends the stream; or, on a slow machine, in its decode): the stream ends, "abort".
+        outs = _abort_from_another_task(client, "pd-abort", long, after_first=False)
+        assert [(o.finished, o.outputs[0].finish_reason) for o in outs][-1] == (True, "abort")
         _wait(lambda: all(x.get("kv_cache_usage") == 0.0 and x.get("num_requests_running") == 0
                           for x in client.replica_metrics()), "both pools to empty")
         # The decode replica dies: the prefill replica's held blocks go at its timeout.
