@@ -49,6 +49,9 @@ def serve(
     enable_tokenizer_info_endpoint: Annotated[bool, typer.Option(
         "--enable-tokenizer-info-endpoint",
         help="Serve /tokenizer_info (the chat template, special and added tokens).")] = False,
+    enable_server_load_tracking: Annotated[bool, typer.Option(
+        "--enable-server-load-tracking",
+        help="Count the generation requests in flight, served at /load.")] = False,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /tokenize,
@@ -89,7 +92,8 @@ def serve(
     try:
         run_server(engine, host=host, port=port, api_key=api_key,
                    served_model_name=served_model_name or flags.get("model"),
-                   enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
+                   enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+                   enable_server_load_tracking=enable_server_load_tracking)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 

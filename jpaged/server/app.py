@@ -7,6 +7,7 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,10 +53,11 @@ class _Serving(CompletionServing, ChatServing, TokenizationServing):
 class _EventStreamResponse(StreamingResponse):
     """text/event-stream whose generator is closed (and requests aborted) however it ends."""
 
-    def __init__(self, stream: EventStream) -> None:
+    def __init__(self, stream: EventStream, on_end: Callable[[], None] | None = None) -> None:
         super().__init__(stream.events, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache"})
         self._stream = stream
+        self._on_end = on_end
 
     async def stream_response(self, send: Send) -> None:
         """Send the events; on a disconnect (cancellation) close the generator and abort."""
@@ -63,6 +65,8 @@ class _EventStreamResponse(StreamingResponse):
             await super().stream_response(send)
         finally:
             self._stream.close()  # synchronous, so it runs even while being cancelled
+            if self._on_end is not None:
+                self._on_end()
             await self._stream.events.aclose()  # type: ignore[attr-defined]
 
 
@@ -107,14 +111,16 @@ def default_model_name(engine: LLMEngine | str) -> str:
 
 def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               served_model_name: str | None = None, api_key: str | None = None,
-              owned: bool | None = None, enable_tokenizer_info_endpoint: bool = False
-              ) -> FastAPI:
+              owned: bool | None = None, enable_tokenizer_info_endpoint: bool = False,
+              enable_server_load_tracking: bool = False) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
     `owned`: shut the engine down with the app (default: only an LLMEngine it wraps itself).
     `enable_tokenizer_info_endpoint`: serve /tokenizer_info (vLLM's flag; it shows the chat
     template and special tokens, so it is off unless asked for).
+    `enable_server_load_tracking`: /load counts the generation requests in flight (vLLM's
+    flag; without it /load answers 0).
     """
     wrapped = isinstance(engine, RequestFrontend)  # an LLMEngine or a CoreProcessEngine
     owned = wrapped if owned is None else owned
@@ -137,6 +143,9 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
                   lifespan=lifespan)
     app.state.engine = aengine
     app.state.served_model_name = name
+    # vLLM's server load: generation requests from arrival until their answer (a stream: its
+    # last event, or the client's hang-up) is sent. Read and written on the event loop only.
+    app.state.server_load_metrics = 0
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -166,22 +175,44 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         app.add_middleware(_ApiKeyGate, api_key=api_key)
     v1 = APIRouter(prefix="/v1")
 
-    def respond(result: dict[str, Any] | EventStream | None) -> Response:
+    def respond(result: dict[str, Any] | EventStream | None,
+                on_end: Callable[[], None] | None = None) -> Response:
         if result is None:  # the client disconnected; its requests were aborted
             return Response(status_code=499)
         if isinstance(result, EventStream):
-            return _EventStreamResponse(result)
+            return _EventStreamResponse(result, on_end)
         return JSONResponse(result)
+
+    async def load_aware(work: Awaitable[dict[str, Any] | EventStream | None]) -> Response:
+        """`respond` to a generation request, counted in the server load while tracked."""
+        if not enable_server_load_tracking:
+            return respond(await work)
+        app.state.server_load_metrics += 1
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                app.state.server_load_metrics -= 1
+        try:
+            result = await work
+        except BaseException:
+            release()
+            raise
+        if not isinstance(result, EventStream):
+            release()
+        return respond(result, release)
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI completions: prompt(s) in, text out (stream=true: server-sent events)."""
-        return respond(await serving.completion(body, request))
+        return await load_aware(serving.completion(body, request))
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions over the model's chat template."""
-        return respond(await serving.chat(body, request))
+        return await load_aware(serving.chat(body, request))
 
     def card() -> dict[str, Any]:
         return {"id": name, "object": "model", "created": created, "owned_by": "jpaged",
@@ -218,6 +249,11 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
             """vLLM's /tokenizer_info: special tokens, added tokens, chat template."""
             return serving.tokenizer_info()
 
+    @app.get("/load")
+    async def load() -> dict[str, int]:
+        """vLLM's /load: generation requests in flight (0 unless load tracking is on)."""
+        return {"server_load": app.state.server_load_metrics}
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         """The jpaged version serving."""
@@ -249,11 +285,13 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = DEFAULT_HOST,
                port: int = DEFAULT_PORT, api_key: str | None = None,
                served_model_name: str | None = None, log_level: str = "info",
-               enable_tokenizer_info_endpoint: bool = False) -> None:
+               enable_tokenizer_info_endpoint: bool = False,
+               enable_server_load_tracking: bool = False) -> None:
     """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
     is shut down when the server stops."""
     app = build_app(engine, served_model_name, api_key, owned=True,
-                    enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint)
+                    enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
+                    enable_server_load_tracking=enable_server_load_tracking)
     freeze_gc_heap()  # this process is the server's: start-up objects stay to the end
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -168,3 +168,33 @@ def test_version_ping_and_tokenizer_info(served: Served) -> None:
     added = info["added_tokens_decoder"]
     assert added[str(tok.eos_token_id)]["content"] == tok.eos_token
     assert all(isinstance(v["special"], bool) for v in added.values())
+
+
+def test_load_counts_generation_requests_in_flight_when_tracked(served: Served) -> None:
+    """vLLM's /load (--enable-server-load-tracking): a stream counts until its last event, a
+    refused request not at all after its answer; untracked, /load is 0 throughout."""
+    def load(url: str) -> int:
+        return _ok(httpx.get(f"{url}/load", timeout=30))["server_load"]
+
+    body = {"model": MODEL, "prompt": "Count with me:", "max_tokens": 100, "ignore_eos": True,
+            "stream": True}
+    server = BackgroundServer(build_app(served.engine, MODEL, enable_server_load_tracking=True))
+    try:
+        for url, in_flight in ((server.url, 1), (served.url, 0)):
+            assert load(url) == 0
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                assert next(line for line in lines if line.startswith("data:"))
+                assert load(url) == in_flight  # 100 tokens: far from done after the first
+                assert "data: [DONE]" in list(lines)
+            assert load(url) == 0
+            bad = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": -1},
+                             timeout=30)
+            assert bad.status_code == 400 and load(url) == 0
+            ok = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2})
+            assert ok.status_code == 200 and load(url) == 0
+    finally:
+        server.stop()
