@@ -285,8 +285,6 @@ class RequestFrontend:
             for c in live:
                 c.finish_reason, c.stop_reason = "abort", None
                 finish_text(group, c, self.tokenizer)
-            self.stat_logger.on_aborted(len(live))
-            self._observe_finished(group)
             for c in group.children:
                 self._child_of.pop(c.request.request_id, None)
             self.stats["num_requests_aborted"] += 1
@@ -370,7 +368,8 @@ class RequestFrontend:
             self._observe_finished(group)
 
     def _observe_finished(self, group: RequestGroup) -> None:
-        """The stat logger's per-request figures of a finished (or aborted) request."""
+        """The stat logger's per-request figures of a finished request (not an aborted one,
+        as vLLM)."""
         p = group.params
         self.stat_logger.on_request_finished(
             len(group.children), p.max_tokens, [num_output_tokens(c) for c in group.children])

@@ -257,16 +257,12 @@ class StatLogger:
         self.cache_config_info.labels(**{k: str(v) for k, v in labels.items()}).set(1)
 
     def on_request_finished(self, n: int, max_tokens: int, generated: Sequence[int]) -> None:
-        """A user request finished (or was aborted): its n, its max_tokens (once per
-        sequence, as vLLM's) and each sequence's generated token count."""
+        """A user request finished: its n, its max_tokens (once per sequence, as vLLM's) and
+        each sequence's generated token count. (An aborted request is not observed here, nor
+        in request_success: as vLLM, only num_requests_aborted counts it.)"""
         self.request_params_n.observe(n)
         _observe_many(self.request_params_max_tokens, max_tokens, len(generated))
         self.request_max_num_generation_tokens.observe(max(generated, default=0))
-
-    def on_aborted(self, sequences: int) -> None:
-        """Sequences that an abort ended (outside any step): request_success "abort"."""
-        if sequences:
-            self.request_success.labels("abort").inc(sequences)
 
     def on_step(self, updated: Sequence[Any], now: float,
                 finished: Iterable[Any] | None = None) -> None:

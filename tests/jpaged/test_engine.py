@@ -239,8 +239,8 @@ def test_abort_frees_blocks_and_engine_keeps_serving(llm):
 
 def test_request_histograms_are_observed_when_a_request_finishes(llm):
     """vLLM's request_params_n and request_max_num_generation_tokens, one per user request,
-    and request_params_max_tokens, one per sequence, observed when it finishes or is aborted
-    (they were observed when it was added)."""
+    and request_params_max_tokens, one per sequence, observed when it finishes (they were
+    observed when it was added); an aborted request is not observed (as vLLM)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from jpaged.metrics import build_registry, render
@@ -268,16 +268,14 @@ def test_request_histograms_are_observed_when_a_request_finishes(llm):
     assert counts() == before  # nothing at add
     for _ in range(3):
         eng.step()
-    (aborted,) = eng.abort_request("cut")
-    so_far = len(aborted.outputs[0].token_ids)
-    assert 0 < so_far < 6
+    eng.abort_request("cut")
     while eng.has_unfinished_requests():
         eng.step()
     after = counts()
     delta = {k: (after[k][0] - before[k][0], after[k][1] - before[k][1]) for k in names}
-    assert delta["request_params_n"] == (2, 3 + 1)
-    assert delta["request_params_max_tokens"] == (3 + 1, 3 * 6 + 40)
-    assert delta["request_max_num_generation_tokens"] == (2, 6 + so_far)
+    assert delta["request_params_n"] == (1, 3)
+    assert delta["request_params_max_tokens"] == (3, 3 * 6)
+    assert delta["request_max_num_generation_tokens"] == (1, 6)
 
 
 def test_priorities_accepted_and_all_finish(llm):
