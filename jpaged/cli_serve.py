@@ -52,6 +52,14 @@ def serve(
     enable_server_load_tracking: Annotated[bool, typer.Option(
         "--enable-server-load-tracking",
         help="Count the generation requests in flight, served at /load.")] = False,
+    enable_auto_tool_choice: Annotated[bool, typer.Option(
+        "--enable-auto-tool-choice",
+        help="Serve tool_choice 'auto' (with --tool-call-parser): the model's own tool calls "
+        "parsed from its answer.")] = False,
+    tool_call_parser: Annotated[str | None, typer.Option(
+        "--tool-call-parser",
+        help="The model's tool-call syntax: hermes (Hermes, Qwen 2.5/3), llama3_json "
+        "(Llama 3.1/3.2), pythonic (Llama 3.2/4).")] = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /tokenize,
@@ -65,6 +73,9 @@ def serve(
     from jpaged.server import run_server
 
     try:
+        from jpaged.server.tool_parsers import auto_tool_parser
+
+        auto_tool_parser(enable_auto_tool_choice, tool_call_parser)  # before the model loads
         if data_parallel_backend != "ray":
             raise ValueError(f"--data-parallel-backend must be ray, got {data_parallel_backend!r}")
         if data_parallel_size < 1:
@@ -93,7 +104,9 @@ def serve(
         run_server(engine, host=host, port=port, api_key=api_key,
                    served_model_name=served_model_name or flags.get("model"),
                    enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
-                   enable_server_load_tracking=enable_server_load_tracking)
+                   enable_server_load_tracking=enable_server_load_tracking,
+                   enable_auto_tool_choice=enable_auto_tool_choice,
+                   tool_call_parser=tool_call_parser)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 

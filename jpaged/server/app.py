@@ -39,6 +39,7 @@ from jpaged.server.protocol import (
 )
 from jpaged.server.serving import EventStream
 from jpaged.server.tokenization import TokenizationServing
+from jpaged.server.tool_parsers import auto_tool_parser
 
 if TYPE_CHECKING:
     from jpaged.dp.client import DPEngineClient
@@ -112,7 +113,8 @@ def default_model_name(engine: LLMEngine | str) -> str:
 def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               served_model_name: str | None = None, api_key: str | None = None,
               owned: bool | None = None, enable_tokenizer_info_endpoint: bool = False,
-              enable_server_load_tracking: bool = False) -> FastAPI:
+              enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
@@ -121,13 +123,17 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     template and special tokens, so it is off unless asked for).
     `enable_server_load_tracking`: /load counts the generation requests in flight (vLLM's
     flag; without it /load answers 0).
+    `enable_auto_tool_choice` with `tool_call_parser` (one of jpaged.server.tool_parsers'):
+    vLLM's tool_choice "auto", the model's own calls parsed from its text. A bad pair is a
+    ValueError before anything starts.
     """
+    parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     wrapped = isinstance(engine, RequestFrontend)  # an LLMEngine or a CoreProcessEngine
     owned = wrapped if owned is None else owned
     aengine = AsyncLLMEngine(engine) if wrapped else engine
     aengine.start()
     name = served_model_name or default_model_name(aengine.model_source)
-    serving = _Serving(aengine, name)
+    serving = _Serving(aengine, name, parser)
     # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
     # data-parallel client's series carry each replica's own, which win).
     registry = with_labels(aengine.metrics_registry(), {"model_name": name, "engine": "0"})
@@ -286,12 +292,15 @@ def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = 
                port: int = DEFAULT_PORT, api_key: str | None = None,
                served_model_name: str | None = None, log_level: str = "info",
                enable_tokenizer_info_endpoint: bool = False,
-               enable_server_load_tracking: bool = False) -> None:
+               enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
+               tool_call_parser: str | None = None) -> None:
     """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
     is shut down when the server stops."""
     app = build_app(engine, served_model_name, api_key, owned=True,
                     enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
-                    enable_server_load_tracking=enable_server_load_tracking)
+                    enable_server_load_tracking=enable_server_load_tracking,
+                    enable_auto_tool_choice=enable_auto_tool_choice,
+                    tool_call_parser=tool_call_parser)
     freeze_gc_heap()  # this process is the server's: start-up objects stay to the end
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

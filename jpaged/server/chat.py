@@ -12,7 +12,7 @@ from starlette.requests import Request as HTTPRequest
 from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.logprobs import chat_logprobs, prompt_logprobs_json
-from jpaged.server.protocol import ChatCompletionRequest
+from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
 from jpaged.server.serving import EventStream, Serving, sse, until_disconnected
 from jpaged.server.tool_calls import ToolCallStream, tool_call_message
 
@@ -34,7 +34,14 @@ class ChatServing(Serving):
         self.check_model(req.model)
         req.check_prompt()
         params = req.to_sampling_params(self.engine.default_sampling)
-        tools = req.tool_mode()[0]  # 'none', 'required' or the forced function's name
+        tools = req.tool_mode()[0]  # 'none', 'auto', 'required' or the forced function's name
+        parser = self.tool_parser if tools == "auto" else None
+        if tools == "auto":
+            if parser is None:  # vLLM's answer, and its flags' names
+                raise OpenAIError(400, '"auto" tool choice requires --enable-auto-tool-choice '
+                                  "and --tool-call-parser to be set", param="tool_choice")
+            if parser.keeps_special_tokens:
+                params = params.clone(skip_special_tokens=False)
         # The template holds the special tokens already: no second BOS unless asked.
         param = req.prompt_param
         prompt = (await self._tokenized(
@@ -50,10 +57,11 @@ class ChatServing(Serving):
         await batch.start([prompt], param)
         head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
         echo = req.echoed() if tools == "none" else ""
+        calls = ToolCallStream(tools, parser, req.parallel_tool_calls is not False)
         if req.stream:
-            return EventStream(self._stream_chat(batch, head, req.include_usage, tools, echo),
+            return EventStream(self._stream_chat(batch, head, req.include_usage, calls, echo),
                                batch.close)
-        return await self._full_chat(batch, head, tools, echo)
+        return await self._full_chat(batch, head, calls, echo)
 
     async def _beam_chat(self, req: ChatCompletionRequest, prompt: Any, params: SamplingParams,
                          beam: BeamSearchParams) -> dict[str, Any] | EventStream:
@@ -92,8 +100,8 @@ class ChatServing(Serving):
             body["prompt_token_ids"] = prompt_ids
         return body
 
-    async def _full_chat(self, batch: RequestBatch, head: dict[str, Any], tools: str = "none",
-                         echo: str = "") -> dict[str, Any]:
+    async def _full_chat(self, batch: RequestBatch, head: dict[str, Any],
+                         calls: ToolCallStream, echo: str = "") -> dict[str, Any]:
         choices: list[dict[str, Any]] = []
         prompt_ids: list[int] | None = None
         plp = None
@@ -102,7 +110,9 @@ class ChatServing(Serving):
                 prompt_ids = out.prompt_token_ids
                 plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
                 for c in out.outputs:
-                    message, finish = tool_call_message(echo + c.text, c.finish_reason, tools)
+                    message, finish = tool_call_message(echo + c.text, c.finish_reason,
+                                                        calls.tools, calls.parser,
+                                                        calls.parallel)
                     choices.append({"index": c.index, "message": message,
                                     "logprobs": chat_logprobs(c, self.engine.tokenizer,
                                                               batch.tokens_as_ids,
@@ -123,13 +133,13 @@ class ChatServing(Serving):
         return body
 
     def _stream_chat(self, batch: RequestBatch, head: dict[str, Any], include_usage: bool,
-                     tools: str = "none", echo: str = "") -> AsyncIterator[str]:
+                     calls: ToolCallStream, echo: str = "") -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
-        return self._framed(self._chat_chunks(batch, head, include_usage, tools, echo), batch,
+        return self._framed(self._chat_chunks(batch, head, include_usage, calls, echo), batch,
                             head, include_usage)
 
     async def _chat_chunks(self, batch: RequestBatch, head: dict[str, Any], include_usage: bool,
-                           tools: str = "none", echo: str = "") -> AsyncIterator[str]:
+                           calls: ToolCallStream, echo: str = "") -> AsyncIterator[str]:
         def roles(prompt_ids: list[int] | None) -> list[str]:
             """Each choice's role chunk (and echo): the first carries the prompt's ids when
             return_token_ids asks (vLLM's place for them)."""
@@ -156,7 +166,6 @@ class ChatServing(Serving):
             for chunk in roles(None):
                 yield chunk
         done: set[int] = set()  # choices whose final chunk went out (n > 1 repeats them)
-        calls = ToolCallStream(tools)
         async for _, out in batch.outputs():
             if pending_roles:
                 pending_roles = False

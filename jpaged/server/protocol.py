@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping
 from typing import Any, Literal
@@ -410,9 +411,44 @@ class ChatMessage(BaseModel):
             raise OpenAIError(400, str(e), param="messages") from None
 
 
-def conversation(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    """Chat messages as {"role", "content"} dicts for the chat template."""
-    return [{"role": m.role, "content": m.text()} for m in messages]
+def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
+    """Chat messages as {"role", "content"} dicts for the chat template, with what a tool-use
+    template reads: a message's `name`, a tool result's `tool_call_id`, an assistant's
+    `tool_calls` (their JSON arguments as objects, as vLLM hands them to HF templates)."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        msg: dict[str, Any] = {"role": m.role, "content": m.text()}
+        if m.name is not None:
+            msg["name"] = m.name
+        extra = m.model_extra or {}
+        if extra.get("tool_call_id") is not None:
+            msg["tool_call_id"] = extra["tool_call_id"]
+        if extra.get("tool_calls") is not None:
+            msg["tool_calls"] = _template_tool_calls(extra["tool_calls"], i)
+        out.append(msg)
+    return out
+
+
+def _template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant message's tool_calls with each call's arguments parsed (empty: {})."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list):
+        raise OpenAIError(400, f"{where} must be a list", param="messages")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise OpenAIError(400, f"{where}[{j}] must be {{'type': 'function', 'function': "
+                              "{'name': ..., 'arguments': '...'}}", param="messages")
+        args = fn.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise OpenAIError(400, f"{where}[{j}].function.arguments is not JSON: "
+                                  f"{args[:80]!r}", param="messages") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
 
 
 # The request fields that shape how messages are rendered by the chat template.
@@ -444,8 +480,8 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: bool = False
     echo: bool = False
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages as {"role", "content"} dicts for the chat template."""
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as dicts for the chat template (see `conversation`)."""
         return conversation(self.messages)
 
     @property
@@ -480,8 +516,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return last.text() if last.role == "assistant" else ""
 
     def tool_mode(self) -> tuple[str, dict[str, dict[str, Any]]]:
-        """('none' | 'required' | a function's name, the tools' functions by name); 400s name
-        tools or tool_choice. 'auto' needs a tool-call parser, which this server has not."""
+        """('none' | 'auto' | 'required' | a function's name, the tools' functions by name);
+        400s name tools or tool_choice. Tools without a tool_choice: 'auto' (vLLM's default),
+        which needs the server's tool-call parser (the handler checks)."""
         funcs: dict[str, dict[str, Any]] = {}
         for i, t in enumerate(self.tools or []):
             fn = t.get("function") if isinstance(t, dict) else None
@@ -502,12 +539,8 @@ class ChatCompletionRequest(_SamplingRequest):
             return "none", funcs
         if not funcs:
             raise OpenAIError(400, f"tool_choice {choice!r} needs tools", param="tool_choice")
-        if choice == "auto":
-            raise OpenAIError(400, "tool_choice 'auto' needs a tool-call parser, which this "
-                              "server does not have; use 'required' or name a function",
-                              param="tool_choice")
-        if choice == "required":
-            return "required", funcs
+        if choice in ("auto", "required"):
+            return choice, funcs
         if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(
                 choice.get("function"), dict):
             name = choice["function"].get("name")
@@ -522,7 +555,8 @@ class ChatCompletionRequest(_SamplingRequest):
     def structured_param(self) -> str | None:
         """The field the output constraint came from: tools (the called function's
         parameters) for a forced tool call."""
-        return "tools" if self.tool_mode()[0] != "none" else super().structured_param()
+        forced = self.tool_mode()[0] not in ("none", "auto")
+        return "tools" if forced else super().structured_param()
 
     def field_names(self) -> dict[str, str]:
         """Chat spells logprobs' count top_logprobs, and max_tokens max_completion_tokens
@@ -536,7 +570,7 @@ class ChatCompletionRequest(_SamplingRequest):
         """A forced tool call constrains the output to its arguments' schema ('required': a
         JSON array of {name, parameters} calls, vLLM's shape)."""
         mode, funcs = self.tool_mode()
-        if mode == "none":
+        if mode in ("none", "auto"):  # 'auto': the model's own syntax, found by the parser
             return self.structured()
         if self.structured() is not None:
             raise OpenAIError(400, "a forced tool call cannot be combined with a structured "
@@ -615,8 +649,8 @@ class TokenizeRequest(BaseModel):
             return self.add_special_tokens
         return self.messages is None
 
-    def conversation(self) -> list[dict[str, str]]:
-        """Messages as {"role", "content"} dicts for the chat template."""
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as dicts for the chat template (see `conversation`)."""
         return conversation(self.messages or [])
 
 

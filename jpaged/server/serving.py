@@ -18,6 +18,7 @@ from jpaged.frontend import truncation_keep
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.protocol import OpenAIError, error_body
+from jpaged.server.tool_parsers import ToolParser
 
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
@@ -76,9 +77,12 @@ class Serving:
     """The endpoints' shared state and steps over one AsyncLLMEngine (CompletionServing and
     ChatServing add the handlers)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+                 tool_parser: ToolParser | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
+        # vLLM's --tool-call-parser: finds the model's own calls (tool_choice 'auto').
+        self.tool_parser = tool_parser
         # The longest token's UTF-8 text (bytes): the decode of every token id, once per server
         # and before any request. (Computed lazily, every request that arrived before the first
         # computation ended, or was cancelled during it, ran it again: 200 requests at once

@@ -1,10 +1,13 @@
-"""Forced tool calls (tool_choice a function or 'required') as OpenAI messages and deltas."""
+"""Tool calls as OpenAI messages and deltas: forced ones (tool_choice a function or
+'required'), and the model's own with tool_choice 'auto' (found by a tool-call parser)."""
 
 from __future__ import annotations
 
 import json
 import uuid
 from typing import Any
+
+from jpaged.server.tool_parsers import ToolParser
 
 
 def _tool_call(name: str, arguments: str) -> dict[str, Any]:
@@ -23,16 +26,32 @@ def required_tool_calls(text: str) -> list[dict[str, Any]]:
         return []
 
 
-def tool_call_message(text: str, finish_reason: str | None, tools: str
+def _auto_calls(calls: list[tuple[str, str]], parallel: bool) -> list[dict[str, Any]]:
+    return [_tool_call(name, args) for name, args in (calls if parallel else calls[:1])]
+
+
+def tool_call_message(text: str, finish_reason: str | None, tools: str,
+                      parser: ToolParser | None = None, parallel: bool = True
                       ) -> tuple[dict[str, Any], str | None]:
     """The assistant message of a finished choice and its finish_reason, as vLLM answers them.
-    No forced tool: plain content. A forced one always answers `tool_calls` with content ""
+    No tool: plain content. 'auto': the calls `parser` finds (content the text before them,
+    null when none; finish "tool_calls"), or the whole text as content when it has none.
+    A forced one always answers `tool_calls` with content ""
     (never the generated JSON as content): a named function's one call, its arguments as
     generated even when max_tokens cut them (finish as the output's: "stop", as OpenAI answers
     a forced call, or "length"); 'required': the calls of the generated array, none when it was
-    cut, finish "tool_calls" where the output stopped by itself ("stop"), else the output's."""
+    cut, finish "tool_calls" where the output stopped by itself ("stop"), else the output's.
+    `parallel` False (the request's parallel_tool_calls): at most one call."""
     if tools == "none":
         return {"role": "assistant", "content": text}, finish_reason
+    if tools == "auto":
+        assert parser is not None
+        found = parser.parse(text, final=True)
+        if not found.calls:
+            return {"role": "assistant", "content": text}, finish_reason
+        content = text[:found.content_end]
+        return ({"role": "assistant", "content": content or None,
+                 "tool_calls": _auto_calls(found.calls, parallel)}, "tool_calls")
     if tools != "required":
         return ({"role": "assistant", "content": "",
                  "tool_calls": [_tool_call(tools, text)]}, finish_reason)
@@ -41,20 +60,30 @@ def tool_call_message(text: str, finish_reason: str | None, tools: str
 
 
 class ToolCallStream:
-    """Streamed deltas of forced tool calls: a named function's arguments as they come (its id
-    and name in the first delta), cut ones too; 'required' calls whole, in the finishing chunk
-    (none, and no content, when the array was cut). No content delta ever, as vLLM."""
+    """Streamed deltas of tool calls. Forced ones: a named function's arguments as they come
+    (its id and name in the first delta), cut ones too; 'required' calls whole, in the
+    finishing chunk (none, and no content, when the array was cut); no content delta ever, as
+    vLLM. 'auto': content as it comes, short of what may start a call; each call whole once
+    the parser has it; finish "tool_calls" when any was made."""
 
-    def __init__(self, tools: str) -> None:
+    def __init__(self, tools: str, parser: ToolParser | None = None,
+                 parallel: bool = True) -> None:
         self.tools = tools
+        self.parser = parser
+        self.parallel = parallel
         self.text: dict[int, str] = {}
         self.started: set[int] = set()
+        # 'auto', per choice: content chars and calls sent so far.
+        self.sent_content: dict[int, int] = {}
+        self.sent_calls: dict[int, int] = {}
 
     def delta(self, index: int, text: str, finish: str | None
               ) -> tuple[dict[str, Any] | None, str | None]:
         """(delta or None to hold it back, finish_reason) of a choice's next piece."""
         if self.tools == "none":
             return ({"content": text} if text else {}), finish
+        if self.tools == "auto":
+            return self._auto(index, text, finish)
         if self.tools != "required":
             if index not in self.started:
                 self.started.add(index)
@@ -72,3 +101,25 @@ class ToolCallStream:
             return {}, finish  # after it streamed a call
         return ({"tool_calls": [{"index": i, **tc} for i, tc in enumerate(calls)]},
                 "tool_calls" if finish == "stop" else finish)
+
+    def _auto(self, index: int, text: str, finish: str | None
+              ) -> tuple[dict[str, Any] | None, str | None]:
+        assert self.parser is not None
+        full = self.text[index] = self.text.get(index, "") + text
+        found = self.parser.parse(full, final=finish is not None)
+        sent, made = self.sent_content.get(index, 0), self.sent_calls.get(index, 0)
+        calls = found.calls if self.parallel else found.calls[:1]
+        # Once a call is out, no more content (a later block that does not parse stays out).
+        end = sent if made else found.content_end
+        delta: dict[str, Any] = {}
+        if end > sent:
+            delta["content"] = full[sent:end]
+            self.sent_content[index] = end
+        if len(calls) > made:
+            delta["tool_calls"] = [{"index": made + i, **_tool_call(name, args)}
+                                   for i, (name, args) in enumerate(calls[made:])]
+            self.sent_calls[index] = made = len(calls)
+        if finish is not None:
+            self.text.pop(index, None)
+            return delta, "tool_calls" if made else finish
+        return (delta or None), None

@@ -1,0 +1,193 @@
+"""vLLM's tool-call parsers (`--tool-call-parser`), for `tool_choice: "auto"`: the model writes
+its calls in its own syntax, and the parser turns the finished text (or a stream's text so
+far) into plain content and OpenAI tool calls.
+
+- `hermes` (Hermes 2 Pro, Qwen 2.5 / Qwen 3): `<tool_call>{"name": ..., "arguments": {...}}
+  </tool_call>` blocks; the text before the first one is content.
+- `llama3_json` (Llama 3.1 / 3.2 JSON tool calling): the whole answer is one or more
+  `{"name": ..., "parameters": {...}}` objects (`;`-separated, `<|python_tag|>` before them
+  allowed).
+- `pythonic` (Llama 3.2 / 4 pythonic calls): the whole answer is a list of calls,
+  `[get_weather(city="Paris"), now()]`, with literal arguments.
+
+An answer whose calls do not parse is plain content, never an error (vLLM's rule).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger("jpaged.server")
+
+# (name, arguments as a JSON string)
+Call = tuple[str, str]
+
+
+@dataclass
+class Parsed:
+    """What a parser found in text: how much of it is content, and the complete calls."""
+
+    content_end: int  # text[:content_end] is plain content (may grow while streaming)
+    calls: list[Call] = field(default_factory=list)
+
+
+class ToolParser:
+    """One model family's tool-call syntax. `parse(text, final)`: while streaming (final
+    False) content_end holds back what may yet be a call, and calls are those complete so far
+    (a prefix of the final ones); at the end, everything."""
+
+    name = ""
+    # vLLM's hermes parser keeps special tokens in the text: some models mark their tool-call
+    # tags special, and skipping them would hide the calls.
+    keeps_special_tokens = False
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        """The content and calls of `text` (see the class docstring)."""
+        raise NotImplementedError
+
+
+def _arguments(value: Any) -> str:
+    """A call's arguments as OpenAI's JSON string (an object; a string already JSON as is)."""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value if value is not None else {}, ensure_ascii=False)
+
+
+def _json_call(obj: Any, args_keys: tuple[str, ...]) -> Call:
+    """(name, arguments) of a {"name": ..., <one of args_keys>: ...} object; ValueError else."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+        raise ValueError(f"not a tool call: {obj!r}")
+    args = next((obj[k] for k in args_keys if k in obj), {})
+    return obj["name"], _arguments(args)
+
+
+def _held_prefix(text: str, tag: str) -> int:
+    """Chars at the end of `text` that may be the start of `tag` (held back while streaming)."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class HermesParser(ToolParser):
+    """`<tool_call>{...}</tool_call>` blocks (the last one may be left unclosed at the end)."""
+
+    name = "hermes"
+    keeps_special_tokens = True
+    START, END = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = text.find(self.START)
+        if start < 0:
+            return Parsed(len(text) if final else len(text) - _held_prefix(text, self.START))
+        calls: list[Call] = []
+        rest = text[start:]
+        try:
+            for m in self._BLOCK.finditer(rest):
+                calls.append(_json_call(json.loads(m.group(1)), ("arguments", "parameters")))
+            if final:
+                tail = rest[rest.rfind(self.END) + len(self.END):] if self.END in rest else rest
+                t = tail.find(self.START)
+                if t >= 0 and tail[t + len(self.START):].strip():  # an unclosed last call
+                    calls.append(_json_call(json.loads(tail[t + len(self.START):]),
+                                            ("arguments", "parameters")))
+        except ValueError:
+            # A block that is not a call: while streaming wait for the end; at the end the
+            # whole answer is content (vLLM's fallback).
+            return Parsed(len(text) if final else start)
+        if final and not calls:
+            return Parsed(len(text))
+        return Parsed(start, calls)
+
+
+class Llama3JsonParser(ToolParser):
+    """An answer of `{"name": ..., "parameters": {...}}` objects, `;`-separated."""
+
+    name = "llama3_json"
+    TAG = "<|python_tag|>"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        body = text.lstrip()
+        if body.startswith(self.TAG):
+            body = body[len(self.TAG):].lstrip()
+        if not final and self.TAG.startswith(body):
+            return Parsed(0)  # nothing yet, or what may be the tag
+        if not body.startswith("{"):
+            return Parsed(len(text))  # plain content
+        if not final:
+            return Parsed(0)  # calls: parsed once the answer is whole
+        calls: list[Call] = []
+        decoder = json.JSONDecoder()
+        at = 0
+        try:
+            while at < len(body):
+                obj, at = decoder.raw_decode(body, at)
+                calls.append(_json_call(obj, ("parameters", "arguments")))
+                while at < len(body) and body[at] in " \t\r\n;":
+                    at += 1
+        except ValueError:
+            return Parsed(len(text))
+        return Parsed(0, calls)
+
+
+class PythonicParser(ToolParser):
+    """An answer that is a Python list of calls with literal keyword arguments."""
+
+    name = "pythonic"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        body = text.strip()
+        if not body:
+            return Parsed(len(text) if final else 0)
+        if not body.startswith("["):
+            return Parsed(len(text))
+        if not final:
+            return Parsed(0)
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                raise ValueError("not a list of calls")
+            calls = []
+            for call in tree.elts:
+                if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) \
+                        or call.args:
+                    raise ValueError("not a call with keyword arguments")
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords
+                        if kw.arg is not None}
+                calls.append((call.func.id, json.dumps(args, ensure_ascii=False)))
+        except (SyntaxError, ValueError):
+            return Parsed(len(text))
+        return Parsed(0, calls)
+
+
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
+
+
+def get_tool_parser(name: str) -> ToolParser:
+    """The parser named `name`; a ValueError lists the ones there are."""
+    if name not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {name!r} is not one of jpaged's tool-call parsers "
+                         f"({', '.join(sorted(TOOL_PARSERS))})")
+    return TOOL_PARSERS[name]()
+
+
+def auto_tool_parser(enable_auto_tool_choice: bool, name: str | None) -> ToolParser | None:
+    """The parser serving tool_choice 'auto' (vLLM's pair of flags), or None; a bad pair is
+    a ValueError naming the flags."""
+    if not enable_auto_tool_choice:
+        if name is not None:
+            get_tool_parser(name)  # a bad name is refused either way
+            logger.warning("--tool-call-parser %s does nothing without "
+                           "--enable-auto-tool-choice", name)
+        return None
+    if name is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                         f"{', '.join(sorted(TOOL_PARSERS))})")
+    return get_tool_parser(name)

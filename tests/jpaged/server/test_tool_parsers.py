@@ -1,0 +1,150 @@
+"""vLLM's tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser): each parser on
+model text, a stream's deltas adding up to the whole answer's calls, and end to end through a
+real server and the openai client (the tiny model made to write a call by a structured
+output, as a tool-trained model would write it)."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+from serverkit import MODEL, Served
+
+from jpaged.server import BackgroundServer, build_app
+from jpaged.server.tool_calls import ToolCallStream, tool_call_message
+from jpaged.server.tool_parsers import auto_tool_parser, get_tool_parser
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "unit": {"type": "string"}}}}}
+HERMES = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+          '</tool_call>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", '
+          '"unit": "C"}}\n</tool_call>')
+# (parser, model text, content, [(name, arguments)])
+CASES = [
+    ("hermes", HERMES, "Let me check.", [("get_weather", {"city": "Paris"}),
+                                         ("get_weather", {"city": "Oslo", "unit": "C"})]),
+    ("hermes", '<tool_call>{"name": "now", "arguments": {}}', None, [("now", {})]),  # unclosed
+    ("hermes", "No tools needed: 4.", "No tools needed: 4.", []),
+    ("hermes", "<tool_call>{not json}</tool_call>", "<tool_call>{not json}</tool_call>", []),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; '
+     '{"name": "now", "parameters": {}}', None, [("get_weather", {"city": "Rome"}),
+                                                 ("now", {})]),
+    ("llama3_json", "The answer is 4.", "The answer is 4.", []),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city"', '{"name": "get_weather", '
+     '"parameters": {"city"', []),  # cut by max_tokens: content, as vLLM
+    ("pythonic", '[get_weather(city="Paris", unit="C"), now()]', None,
+     [("get_weather", {"city": "Paris", "unit": "C"}), ("now", {})]),
+    ("pythonic", "[1, 2]", "[1, 2]", []),
+    ("pythonic", "Sure, here it is.", "Sure, here it is.", []),
+]
+
+
+def _calls(tool_calls) -> list[tuple[str, dict]]:
+    return [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in tool_calls]
+
+
+@pytest.mark.parametrize(("parser", "text", "content", "calls"), CASES)
+def test_a_whole_answer_and_its_stream_give_the_same_calls(parser, text, content, calls):
+    p = get_tool_parser(parser)
+    message, finish = tool_call_message(text, "stop", "auto", p)
+    assert message["content"] == content
+    assert _calls(message.get("tool_calls", [])) == calls
+    assert finish == ("tool_calls" if calls else "stop")
+    # Streamed in pieces of 3 characters: the content deltas join to the content, the calls
+    # come whole with their indices, the finish is the same.
+    stream = ToolCallStream("auto", p)
+    got_content, got_calls, got_finish = "", [], None
+    for at in range(0, len(text), 3):
+        last = at + 3 >= len(text)
+        delta, fin = stream.delta(0, text[at:at + 3], "stop" if last else None)
+        if delta is None:
+            continue
+        got_content += delta.get("content", "")
+        for c in delta.get("tool_calls", []):
+            assert c["index"] == len(got_calls) and c["id"].startswith("chatcmpl-tool-")
+            got_calls.append(c)
+        got_finish = fin
+    assert got_content == (content or "")
+    assert _calls(got_calls) == calls and got_finish == finish
+    # parallel_tool_calls false: the first call only.
+    one, _ = tool_call_message(text, "stop", "auto", p, parallel=False)
+    assert _calls(one.get("tool_calls", [])) == calls[:1]
+
+
+def test_hermes_streams_content_and_each_call_as_soon_as_whole():
+    stream = ToolCallStream("auto", get_tool_parser("hermes"))
+    first = HERMES.index("</tool_call>") + len("</tool_call>")
+    # "<tool_" might start a call: held back, not sent as content.
+    assert stream.delta(0, "Let me check.<tool_", None) == ({"content": "Let me check."}, None)
+    delta, _ = stream.delta(0, HERMES[len("Let me check.<tool_"):first], None)
+    assert _calls(delta["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    assert "content" not in delta
+
+
+def test_bad_flags_are_refused_by_name():
+    with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
+        auto_tool_parser(True, None)
+    with pytest.raises(ValueError, match="'mistral' is not one of .*hermes, llama3_json"):
+        auto_tool_parser(True, "mistral")
+    with pytest.raises(ValueError, match="'nope' is not one"):
+        auto_tool_parser(False, "nope")
+    assert auto_tool_parser(False, None) is None
+
+
+def test_auto_tool_choice_through_the_server(served: Served):
+    """The openai client against a server with the hermes parser: the model's call comes back
+    as tool_calls (finish "tool_calls"), streamed or whole; plain text stays content; a
+    server without the flags answers vLLM's 400; the call's result goes back to the model as
+    a "tool" message after the assistant's tool_calls (their arguments rendered as objects)."""
+    call = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
+    # A tool-trained model writes this by itself; the tiny one is made to by a structured
+    # output (a one-choice grammar), which tool_choice "auto" leaves to the request.
+    forced = {"structured_outputs": {"choice": [call]}}
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    kw = dict(model=MODEL, messages=messages, tools=[WEATHER], temperature=0)  # (byte tokens)
+    server = BackgroundServer(build_app(served.engine, MODEL, enable_auto_tool_choice=True,
+                                        tool_call_parser="hermes"))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        whole = client.chat.completions.create(**kw, extra_body=forced)  # tool_choice: auto
+        choice = whole.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (tc,) = choice.message.tool_calls
+        assert (tc.type, tc.function.name) == ("function", "get_weather")
+        assert json.loads(tc.function.arguments) == {"city": "Paris"}
+        chunks = list(client.chat.completions.create(**kw, tool_choice="auto", stream=True,
+                                                     extra_body=forced))
+        streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
+        assert [(t.index, t.function.name, json.loads(t.function.arguments))
+                for t in streamed] == [(0, "get_weather", {"city": "Paris"})]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        plain = client.chat.completions.create(
+            **kw, extra_body={"structured_outputs": {"choice": ["Sunny."]}})
+        assert plain.choices[0].message.content == "Sunny."
+        assert plain.choices[0].message.tool_calls in (None, [])
+        assert plain.choices[0].finish_reason == "stop"
+        # The next turn: the call and its result, as an agent loop sends them back.
+        follow = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [tc.model_dump()]},
+            {"role": "tool", "tool_call_id": tc.id, "content": "18 C, clear"}]
+        template = ("{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}"
+                    "{{ m.tool_calls[0].function.arguments.city }}{% endif %}"
+                    "{{ m.tool_call_id or '' }}|{{ m.content }}\n{% endfor %}")
+        r = httpx.post(f"{server.url}/tokenize", timeout=30, json={
+            "messages": follow, "chat_template": template, "add_generation_prompt": False})
+        assert r.status_code == 200, r.text
+        text = served.engine.tokenizer.decode(r.json()["tokens"], skip_special_tokens=True)
+        assert text == ("user:|Weather in Paris?\nassistant:Paris|\n"
+                        f"tool:{tc.id}|18 C, clear\n")
+    finally:
+        server.stop()
+    # Without the flags: vLLM's 400, naming them.
+    r = httpx.post(f"{served.url}/v1/chat/completions", timeout=30,
+                   json={"model": MODEL, "messages": messages, "tools": [WEATHER]})
+    assert r.status_code == 400
+    assert "--enable-auto-tool-choice and --tool-call-parser" in r.json()["error"]["message"]
