@@ -1,8 +1,8 @@
 """The `jpaged` command line (typer): the app and its commands, thin over the package.
 
-The commands live by what they do: generate and chat in jpaged/cli_generate.py, serve in
-jpaged/cli_serve.py, bench, tune, estimate and convert in jpaged/cli_tools.py. Their engine
-flags are derived from EngineArgs (jpaged/cli_engine_flags.py).
+The commands live by what they do: generate and chat in jpaged/cli_generate.py, serve and
+run-batch in jpaged/cli_serve.py, bench, tune, estimate and convert in jpaged/cli_tools.py.
+Their engine flags are derived from EngineArgs (jpaged/cli_engine_flags.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import typer
 
 from jpaged.cli_engine_flags import ENGINE_FLAGS
 from jpaged.cli_generate import chat, generate
-from jpaged.cli_serve import serve
+from jpaged.cli_serve import run_batch, serve
 from jpaged.cli_tools import bench, convert, estimate, tune
 
 __all__ = ["ENGINE_FLAGS", "app", "main"]
@@ -27,6 +27,7 @@ def _root() -> None:
 
 for _command in (generate, estimate, convert, serve, chat, bench, tune):
     app.command()(_command)
+app.command("run-batch")(run_batch)
 
 
 def main() -> None:

@@ -125,3 +125,58 @@ def _exit_cluster_lost(cause: BaseException) -> None:
             ray.shutdown()
     finally:
         exit_now(cause)
+
+
+@with_engine_flags()
+def run_batch(
+    input_file: Annotated[str, typer.Option(
+        "--input-file", "-i", help="OpenAI batch file: JSON lines of {custom_id, method, url, "
+        "body} ('-': stdin).")],
+    output_file: Annotated[str, typer.Option(
+        "--output-file", "-o", help="Where the answers go, a JSON line each, in input order "
+        "('-': stdout).")],
+    served_model_name: Annotated[str | None, typer.Option(
+        "--served-model-name", help="Model name the bodies use (default: --model as given).")
+    ] = None,
+    engine_flags: dict[str, Any] | None = None,
+) -> None:
+    """Answer an OpenAI batch file (/v1/completions and /v1/chat/completions lines), as vLLM's
+    run-batch: every line through the server's handlers in this process, batched."""
+    import asyncio
+    import json
+    from pathlib import Path
+
+    flags = engine_flags or {}
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # The files first: a missing input or output directory fails before the model loads.
+    try:
+        lines = (sys.stdin.read() if input_file == "-"
+                 else Path(input_file).read_text(encoding="utf-8")).splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        fail(f"--input-file {input_file}: {e}")
+    out_path = None if output_file == "-" else Path(output_file)
+    if out_path is not None and not out_path.parent.is_dir():
+        fail(f"--output-file {output_file}: its directory does not exist")
+    from jpaged.server import build_app
+    from jpaged.server.run_batch import run_batch_lines
+
+    try:
+        engine = create_engine(engine_args(flags))
+    except (ValueError, FileNotFoundError) as e:
+        fail(str(e))
+    app = build_app(engine, served_model_name or flags.get("model"), owned=True)
+    try:
+        answers = asyncio.run(run_batch_lines(app, lines))
+    finally:
+        app.state.engine.shutdown()
+    text = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers)
+    if out_path is None:
+        sys.stdout.write(text)
+    else:  # whole or not at all: a reader never sees half a file
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(out_path)
+    failed = sum(a["error"] is not None for a in answers)
+    typer.echo(f"{len(answers)} requests: {len(answers) - failed} answered, {failed} failed "
+               f"-> {output_file}", err=True)
