@@ -336,9 +336,7 @@ class RequestFrontend:
                 child.seen = -1
             if group.first_token_time is None:
                 group.first_token_time = now
-            if child.logprobs is None:
-                child.cumulative_logprob += lps[row]
-            else:
+            if child.logprobs is not None:  # (vLLM: no cumulative_logprob without logprobs)
                 if decode is None:
                     decode = functools.partial(tokenizer.decode, skip_special_tokens=False)
                 record_logprobs(group, child, ids[row], lps[row], row, result, decode)

@@ -21,7 +21,7 @@ class ChildState:
     request: Request
     sent_text_len: int = 0  # chars of `text` already handed out (DELTA) or seen (stop search)
     sent_tokens: int = 0  # output tokens already handed out (DELTA)
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float = 0.0  # summed only where logprobs were asked for
     logprobs: list[dict[int, Logprob]] | None = None  # one entry per output token when asked
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -90,8 +90,9 @@ def token_text(decode: Callable[[list[int]], str | None], token: int,
                context_of: Callable[[], list[int]]) -> str | None:
     """A logprob entry's decoded_token: the token's text, or where its bytes end inside a
     character, what it completes after `context_of()` (the tokens before it, oldest first,
-    read only then), as vLLM's logprobs give it: the whole character at the token that
-    completes it (with the text of the partial tokens before it), "" while incomplete."""
+    read only then): the whole character at the token that completes it (with the text of
+    the partial tokens before it), "" while incomplete. (vLLM's correction decodes with one
+    token before only; this one with up to 4, so every character shows whole.)"""
     text = decode([token])
     if not text or not text.endswith(REPLACEMENT_CHAR):
         return text
@@ -309,7 +310,9 @@ def make_output(group: RequestGroup, finished: bool) -> RequestOutput | None:
             if not ids and not text and c.finish_reason is None:
                 continue
             c.finish_sent = c.finish_reason is not None
-        outs.append(CompletionOutput(c.index, text, ids, c.cumulative_logprob, lps,
+        # vLLM's: a cumulative logprob only where logprobs were asked for (else None).
+        outs.append(CompletionOutput(c.index, text, ids,
+                                     None if c.logprobs is None else c.cumulative_logprob, lps,
                                      c.finish_reason, c.stop_reason))
     if only_new and not outs and not finished:
         return None

@@ -182,6 +182,9 @@ def test_logprobs_top_n(llm):
         assert 3 <= len(entry) <= 4 and all(lp.logprob <= 0 for lp in entry.values())
     assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
                                                      zip(c.token_ids, c.logprobs, strict=True)))
+    # As vLLM's: no logprobs asked, no cumulative logprob either (None, not a sum).
+    assert llm.generate({"prompt_token_ids": [4, 5]}, p.clone(logprobs=None))[0].outputs[
+        0].cumulative_logprob is None
     # logprobs=0 still ranks the sampled token; so does logprobs=1 for a hot draw below the
     # top candidate (the rank counts the whole vocabulary, as vLLM's).
     c = llm.generate({"prompt_token_ids": [4, 5]}, p.clone(logprobs=0))[0].outputs[0]
