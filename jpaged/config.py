@@ -440,6 +440,10 @@ class SpeculativeConfig:
         if self.method in ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator"):
             raise ValueError(f"{c}.method {self.method!r} (a learned draft head) is not "
                              "supported by jpaged yet; use 'ngram', 'suffix' or 'draft_model'")
+        if self.model == "[ngram]" and self.method in (None, "ngram"):
+            # vLLM's older spelling of the n-gram proposer (its own tests still use it).
+            object.__setattr__(self, "model", None)
+            object.__setattr__(self, "method", "ngram")
         if self.method is None and self.model is not None:
             object.__setattr__(self, "method", "draft_model")  # vLLM: a model alone is a draft
         if self.method not in SPECULATIVE_METHODS:

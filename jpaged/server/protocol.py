@@ -520,14 +520,18 @@ class ChatCompletionRequest(_SamplingRequest):
         400s name tools or tool_choice. Tools without a tool_choice: 'auto' (vLLM's default),
         which needs the server's tool-call parser (the handler checks)."""
         funcs: dict[str, dict[str, Any]] = {}
+        if self.tools is not None and not self.tools:
+            raise OpenAIError(400, "tools must not be an empty array (leave it out for none)",
+                              param="tools")
         for i, t in enumerate(self.tools or []):
             fn = t.get("function") if isinstance(t, dict) else None
             if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(fn, dict) \
                     or not isinstance(fn.get("name"), str) or not fn["name"]:
                 raise OpenAIError(400, f"tools[{i}] must be {{'type': 'function', 'function': "
                                   "{'name': ..., 'parameters': {...}}}", param="tools")
-            # No parameters: an empty object (vLLM's shape for a function without arguments).
-            params = fn.get("parameters", {"type": "object", "properties": {}})
+            # No parameters (absent, null or {}): an empty object, as vLLM reads a function
+            # without arguments (so a forced call's arguments are exactly {}).
+            params = fn.get("parameters") or {"type": "object", "properties": {}}
             if not isinstance(params, dict):
                 raise OpenAIError(400, f"tools[{i}].function.parameters must be a JSON schema "
                                   "object", param="tools")

@@ -52,16 +52,25 @@ class ToolParser:
 
 
 def _arguments(value: Any) -> str:
-    """A call's arguments as OpenAI's JSON string (an object; a string already JSON as is)."""
+    """A call's arguments as OpenAI's JSON string, always valid JSON: an object (or any JSON
+    value) serialized; a string that is JSON already kept as is (not encoded twice), any
+    other string serialized as a JSON string (vLLM's rule)."""
     if isinstance(value, str):
-        return value
+        try:
+            json.loads(value)
+            return value
+        except ValueError:
+            return json.dumps(value, ensure_ascii=False)
     return json.dumps(value if value is not None else {}, ensure_ascii=False)
 
 
-def _json_call(obj: Any, args_keys: tuple[str, ...]) -> Call:
-    """(name, arguments) of a {"name": ..., <one of args_keys>: ...} object; ValueError else."""
+def _json_call(obj: Any, args_keys: tuple[str, ...], need_args: bool = False) -> Call:
+    """(name, arguments) of a {"name": ..., <one of args_keys>: ...} object (`need_args`: one
+    of those keys must be there); ValueError else."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
         raise ValueError(f"not a tool call: {obj!r}")
+    if need_args and not any(k in obj for k in args_keys):
+        raise ValueError(f"a tool call without {' or '.join(args_keys)}: {obj!r}")
     args = next((obj[k] for k in args_keys if k in obj), {})
     return obj["name"], _arguments(args)
 
@@ -107,39 +116,103 @@ class HermesParser(ToolParser):
 
 
 class Llama3JsonParser(ToolParser):
-    """An answer of `{"name": ..., "parameters": {...}}` objects, `;`-separated."""
+    """`{"name": ..., "parameters": {...}}` objects (or "arguments"), `;` or newline
+    separated, `<|python_tag|>` before them allowed, prose around them too (vLLM finds calls
+    anywhere in the answer): content is the text before the first call; an object without
+    a name and parameters (or arguments) is not a call."""
 
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    def parse(self, text: str, final: bool) -> Parsed:
-        body = text.lstrip()
-        if body.startswith(self.TAG):
-            body = body[len(self.TAG):].lstrip()
-        if not final and self.TAG.startswith(body):
-            return Parsed(0)  # nothing yet, or what may be the tag
-        if not body.startswith("{"):
-            return Parsed(len(text))  # plain content
-        if not final:
-            return Parsed(0)  # calls: parsed once the answer is whole
-        calls: list[Call] = []
+    @staticmethod
+    def _calls(text: str) -> tuple[int, list[Call]]:
+        """(where the first call starts, else len(text); the complete calls, in order)."""
         decoder = json.JSONDecoder()
-        at = 0
-        try:
-            while at < len(body):
-                obj, at = decoder.raw_decode(body, at)
-                calls.append(_json_call(obj, ("parameters", "arguments")))
-                while at < len(body) and body[at] in " \t\r\n;":
-                    at += 1
-        except ValueError:
-            return Parsed(len(text))
-        return Parsed(0, calls)
+        calls: list[Call] = []
+        first, at = len(text), text.find("{")
+        while at >= 0:
+            try:
+                obj, end = decoder.raw_decode(text, at)
+                calls.append(_json_call(obj, ("parameters", "arguments"), need_args=True))
+            except ValueError:
+                at = text.find("{", at + 1)  # not a (whole) call here: look further on
+                continue
+            first = min(first, at)
+            at = text.find("{", end)
+        return first, calls
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        first, calls = self._calls(text)
+        if not calls:
+            if final:
+                return Parsed(len(text))
+            # Streaming: what may yet be a call (from its "{", or the tag) is held back.
+            brace = text.find("{")
+            tag = text.find(self.TAG)
+            hold = min(i for i in (brace, tag, len(text) - _held_prefix(text, self.TAG))
+                       if i >= 0)
+            return Parsed(hold)
+        tag = text.rfind(self.TAG, 0, first)
+        if tag >= 0 and not text[tag + len(self.TAG):first].strip():
+            first = tag  # the tag before the first call is not content
+        return Parsed(first, calls)
 
 
 class PythonicParser(ToolParser):
-    """An answer that is a Python list of calls with literal keyword arguments."""
+    """An answer that is a Python list of calls with literal keyword arguments. A call whose
+    arguments cannot be JSON (bytes, infinities, other than literals) is dropped and the
+    others kept; a list none of whose calls parse is content (vLLM's rules)."""
 
     name = "pythonic"
+    MAX_CHARS = 65536  # the call-by-call recovery parses prefixes: bounded
+
+    @staticmethod
+    def _call(node: ast.AST) -> Call:
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
+            raise ValueError("not a call with keyword arguments")
+        args = {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords
+                if kw.arg is not None}
+        return node.func.id, json.dumps(args, ensure_ascii=False, allow_nan=False)
+
+    def _calls(self, body: str) -> list[Call]:
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except SyntaxError:
+            return self._recovered(body)
+        if not isinstance(tree, ast.List):
+            return []
+        calls = []
+        for node in tree.elts:
+            try:
+                calls.append(self._call(node))
+            except (ValueError, TypeError, SyntaxError):
+                continue  # this call cannot be JSON: its siblings stand
+        return calls
+
+    def _recovered(self, body: str) -> list[Call]:
+        """The calls before the first one that does not parse (each tried on its own)."""
+        if len(body) > self.MAX_CHARS:
+            return []
+        calls: list[Call] = []
+        at = 1
+        while True:
+            while at < len(body) and body[at] in " \t\r\n,":
+                at += 1
+            end = body.find(")", at)
+            while end >= 0:
+                try:
+                    node = ast.parse(body[at:end + 1], mode="eval").body
+                except SyntaxError:
+                    end = body.find(")", end + 1)
+                    continue
+                try:
+                    calls.append(self._call(node))
+                except (ValueError, TypeError, SyntaxError):
+                    pass
+                break
+            if end < 0:
+                return calls
+            at = end + 1
 
     def parse(self, text: str, final: bool) -> Parsed:
         body = text.strip()
@@ -149,21 +222,8 @@ class PythonicParser(ToolParser):
             return Parsed(len(text))
         if not final:
             return Parsed(0)
-        try:
-            tree = ast.parse(body, mode="eval").body
-            if not isinstance(tree, ast.List) or not tree.elts:
-                raise ValueError("not a list of calls")
-            calls = []
-            for call in tree.elts:
-                if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) \
-                        or call.args:
-                    raise ValueError("not a call with keyword arguments")
-                args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords
-                        if kw.arg is not None}
-                calls.append((call.func.id, json.dumps(args, ensure_ascii=False)))
-        except (SyntaxError, ValueError):
-            return Parsed(len(text))
-        return Parsed(0, calls)
+        calls = self._calls(body)
+        return Parsed(0, calls) if calls else Parsed(len(text))
 
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {

@@ -243,6 +243,9 @@ def test_config_defaults_follow_vllm():
                                  "prompt_lookup_max": 2})
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (2, 2)
     assert SpeculativeConfig.parse({"method": "suffix"}).num_speculative_tokens == 24
+    # vLLM's older spelling of the n-gram proposer, as its own tests write it.
+    c = SpeculativeConfig.parse({"model": "[ngram]", "num_speculative_tokens": 3})
+    assert (c.method, c.model) == ("ngram", None)
 
 
 def test_core_process_and_stop_strings_match_spec_off():

@@ -128,6 +128,7 @@ def test_required_tool_calls_whole_and_streamed(served):
      "tool_choice"),
     (CHAT, {"tools": TOOLS}, "tool_choice"),  # 'auto' by default: needs a tool-call parser
     (CHAT, {"tool_choice": "required"}, "tool_choice"),
+    (CHAT, {"tools": [], "tool_choice": "none"}, "tools"),  # vLLM: not an empty array
     (CHAT, {"tools": [{"type": "function", "function": {}}], "tool_choice": "required"},
      "tools"),
     (COMP, {"logit_bias": {"99999": 1}}, "logit_bias"),
@@ -202,6 +203,21 @@ def test_required_tools_with_defs_and_refs(served):
     named = client.chat.completions.create(
         seed=3, tool_choice={"type": "function", "function": {"name": "days"}}, **kw)
     _check_ref_call("days", named.choices[0].message.tool_calls[0].function.arguments)
+
+
+def test_a_function_without_parameters_is_called_with_an_empty_object(served):
+    """As vLLM: a tool whose parameters are absent, null or {} takes no arguments, so a
+    forced call's arguments are an empty object (the schema {} would allow any JSON)."""
+    client = served.client()
+    for params in ({}, None):
+        tools = [{"type": "function", "function": {"name": "now", "parameters": params}}]
+        for choice in ("required", {"type": "function", "function": {"name": "now"}}):
+            r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=60,
+                                               temperature=1.0, seed=1, tools=tools,
+                                               tool_choice=choice)
+            [call] = r.choices[0].message.tool_calls
+            assert call.function.name == "now"
+            assert json.loads(call.function.arguments) == {}, (params, choice)
 
 
 def test_required_tool_call_cut_by_max_tokens_is_an_empty_message(served):

@@ -35,10 +35,27 @@ CASES = [
     ("llama3_json", "The answer is 4.", "The answer is 4.", []),
     ("llama3_json", '{"name": "get_weather", "parameters": {"city"', '{"name": "get_weather", '
      '"parameters": {"city"', []),  # cut by max_tokens: content, as vLLM
+    # Prose around the calls (Llama 3 writes some): the calls are found, the prose before
+    # them is content; a JSON object that is no call (no parameters) stays text.
+    ("llama3_json", 'Here: {"name": "now", "parameters": {}}; {"name": "t"} Want more?',
+     "Here: ", [("now", {})]),
+    ("llama3_json", '{"name": "toolWithoutParams"}', '{"name": "toolWithoutParams"}', []),
+    ("llama3_json", 'Use {x}: {"name": "now", "arguments": {"tz": "UTC"}}', "Use {x}: ",
+     [("now", {"tz": "UTC"})]),
     ("pythonic", '[get_weather(city="Paris", unit="C"), now()]', None,
      [("get_weather", {"city": "Paris", "unit": "C"}), ("now", {})]),
     ("pythonic", "[1, 2]", "[1, 2]", []),
     ("pythonic", "Sure, here it is.", "Sure, here it is.", []),
+    # A call whose arguments cannot be JSON (bytes, an infinity) is dropped, its siblings
+    # kept; one that does not parse ends the list, the calls before it kept.
+    ("pythonic", "[bad(x=b'z'), calc(x=1e999), now(tz='UTC')]", None, [("now", {"tz": "UTC"})]),
+    ("pythonic", "[now(tz='UTC'), f(a='x 'y', b='z')]", None, [("now", {"tz": "UTC"})]),
+    ("pythonic", "[f(a='x 'y' 'z), g(b='p 'q' 'r)]", "[f(a='x 'y' 'z), g(b='p 'q' 'r)]", []),
+    # hermes: string arguments are JSON as they are, or made a JSON string (never raw).
+    ("hermes", '<tool_call>{"name": "f", "arguments": "{\\"a\\": 1}"}</tool_call>', None,
+     [("f", {"a": 1})]),
+    ("hermes", '<tool_call>{"name": "f", "arguments": "hello"}</tool_call>', None,
+     [("f", "hello")]),
 ]
 
 
