@@ -14,7 +14,7 @@ from jpaged.server.batch import RequestBatch
 from jpaged.server.logprobs import chat_logprobs, prompt_logprobs_json
 from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
 from jpaged.server.serving import EventStream, Serving, sse, until_disconnected
-from jpaged.server.tool_calls import ToolCallStream, tool_call_message
+from jpaged.server.tool_calls import ToolCallStream
 
 
 class ChatServing(Serving):
@@ -110,9 +110,7 @@ class ChatServing(Serving):
                 prompt_ids = out.prompt_token_ids
                 plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
                 for c in out.outputs:
-                    message, finish = tool_call_message(echo + c.text, c.finish_reason,
-                                                        calls.tools, calls.parser,
-                                                        calls.parallel)
+                    message, finish = calls.message(echo + c.text, c.finish_reason)
                     choices.append({"index": c.index, "message": message,
                                     "logprobs": chat_logprobs(c, self.engine.tokenizer,
                                                               batch.tokens_as_ids,

@@ -77,6 +77,10 @@ class ToolCallStream:
         self.sent_content: dict[int, int] = {}
         self.sent_calls: dict[int, int] = {}
 
+    def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
+        """A finished choice's whole message and finish_reason (`tool_call_message`)."""
+        return tool_call_message(text, finish, self.tools, self.parser, self.parallel)
+
     def delta(self, index: int, text: str, finish: str | None
               ) -> tuple[dict[str, Any] | None, str | None]:
         """(delta or None to hold it back, finish_reason) of a choice's next piece."""

@@ -4,13 +4,14 @@ far) into plain content and OpenAI tool calls.
 
 - `hermes` (Hermes 2 Pro, Qwen 2.5 / Qwen 3): `<tool_call>{"name": ..., "arguments": {...}}
   </tool_call>` blocks; the text before the first one is content.
-- `llama3_json` (Llama 3.1 / 3.2 JSON tool calling): the whole answer is one or more
-  `{"name": ..., "parameters": {...}}` objects (`;`-separated, `<|python_tag|>` before them
-  allowed).
+- `llama3_json` (Llama 3.1 / 3.2 JSON tool calling): `{"name": ..., "parameters": {...}}`
+  objects (`;`-separated, `<|python_tag|>` before them allowed), found amid prose too; the
+  text before the first one is content.
 - `pythonic` (Llama 3.2 / 4 pythonic calls): the whole answer is a list of calls,
   `[get_weather(city="Paris"), now()]`, with literal arguments.
 
-An answer whose calls do not parse is plain content, never an error (vLLM's rule).
+An answer whose calls do not parse is plain content, never an error (vLLM's rule); every
+call's arguments are valid JSON.
 """
 
 from __future__ import annotations
