@@ -64,7 +64,9 @@ _SO_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_ta
 class StructuredOutputsParams:
     """A constraint on the output's form (vLLM's class and fields; exactly one kind is set):
     a JSON schema (dict or JSON text), a regex, a choice among strings, a grammar (Lark, or
-    GBNF when it defines rules with `::=`), or any JSON object."""
+    GBNF when it defines rules with `::=`), any JSON object, or a structural tag (JSON text
+    of {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]}: free text,
+    where each trigger starts one of the structures, its JSON following its schema)."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
@@ -83,7 +85,7 @@ class StructuredOutputsParams:
             raise ValueError("StructuredOutputsParams must set exactly one of json, regex, "
                              f"choice, grammar, json_object (got {set_kinds or 'none'})")
         if self.structural_tag is not None:
-            raise ValueError("StructuredOutputsParams.structural_tag is not supported by jpaged")
+            structural_tags(self.structural_tag)  # a ValueError naming what is wrong
         if self.json is not None:
             if isinstance(self.json, str):
                 import json as _json
@@ -113,7 +115,8 @@ class StructuredOutputsParams:
 
     @property
     def kind(self) -> str:
-        """Which constraint is set: 'json', 'regex', 'choice', 'grammar' or 'json_object'."""
+        """Which constraint is set: 'json', 'regex', 'choice', 'grammar', 'json_object' or
+        'structural_tag'."""
         return next(k for k in _SO_KINDS if getattr(self, k) not in (None, False))
 
     def cache_key(self) -> str:
@@ -128,6 +131,43 @@ class StructuredOutputsParams:
 
 # vLLM's former name of the same class.
 GuidedDecodingParams = StructuredOutputsParams
+
+
+def structural_tags(spec: str | dict[str, Any]) -> list[tuple[str, str, dict[str, Any], str]]:
+    """(trigger, begin, schema, end) of each structure of a structural tag (vLLM's form, JSON
+    text or a dict: {"structures": [{"begin", "schema", "end"}, ...], "triggers": [...]},
+    each begin starting with one of the triggers); a ValueError names what is wrong."""
+    import json as _json
+
+    name = "StructuredOutputsParams.structural_tag"
+    if isinstance(spec, str):
+        try:
+            spec = _json.loads(spec)
+        except ValueError as e:
+            raise ValueError(f"{name} is not valid JSON: {e}") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{name} must be a JSON object, got {type(spec).__name__}")
+    if "format" in spec and "structures" not in spec:
+        raise ValueError(f"{name}: the 'format' form is xgrammar's; jpaged takes vLLM's "
+                         "{'structures': [...], 'triggers': [...]} form")
+    structures, triggers = spec.get("structures"), spec.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(
+            isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{name}.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{name}.structures must be a non-empty list")
+    out = []
+    for i, s in enumerate(structures):
+        where = f"{name}.structures[{i}]"
+        if not isinstance(s, dict) or not isinstance(s.get("begin"), str) or not isinstance(
+                s.get("end"), str) or not isinstance(s.get("schema"), dict):
+            raise ValueError(f"{where} must be {{'begin': str, 'schema': {{...}}, 'end': str}}")
+        trigger = next((t for t in triggers if s["begin"].startswith(t)), None)
+        if trigger is None:
+            raise ValueError(f"{where}.begin {s['begin']!r} starts with none of the triggers "
+                             f"{triggers}")
+        out.append((trigger, s["begin"], s["schema"], s["end"]))
+    return out
 
 
 @dataclass

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from jpaged.config import StructuredOutputsConfig
-from jpaged.sampling_params import StructuredOutputsParams
+from jpaged.sampling_params import StructuredOutputsParams, structural_tags
 
 # Distinct grammars kept compiled (their pristine matchers); least recently used dropped first.
 GRAMMAR_CACHE_SIZE = 256
@@ -77,7 +77,23 @@ def grammar_source(so: StructuredOutputsParams,
                 # other bad grammar (a 400 naming the field), never a server error.
                 raise ValueError(f"GBNF: {e}") from None
         return matcher.grammar_from_lark(src)
+    if so.structural_tag is not None:
+        # llguidance's own structural tags: free text (lazy lexemes) until a trigger, then the
+        # structure it begins (its JSON under the same whitespace rules), then free text.
+        tags = [llg.StructTag(trigger=trigger, begin=begin, end=end, grammar=_tag_schema(
+                    schema, so, config)) for trigger, begin, schema, end
+                in structural_tags(so.structural_tag)]
+        return llg.StructTag.to_grammar(tags)
     raise ValueError("StructuredOutputsParams names no constraint")
+
+
+def _tag_schema(schema: dict[str, Any], so: StructuredOutputsParams,
+                config: StructuredOutputsConfig) -> dict[str, Any]:
+    """A structural tag's schema under a JSON request's rules: objects closed, the same
+    whitespace (llguidance reads its options from the schema's "x-guidance")."""
+    if so.disable_additional_properties or not config.open_objects:
+        schema = closed_objects(schema)
+    return {**schema, "x-guidance": _json_options(so, config)}
 
 
 # Whitespace allowed between JSON tokens unless the request says otherwise: one space, or a

@@ -188,10 +188,15 @@ class _SamplingRequest(BaseModel):
         rf = self.response_format
         if rf is not None:
             if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object",
-                                                                   "json_schema"):
-                raise OpenAIError(400, "response_format.type must be 'text', 'json_object' or "
-                                  f"'json_schema', got {rf!r}", param="response_format")
-            if rf["type"] == "json_object":
+                                                                   "json_schema",
+                                                                   "structural_tag"):
+                raise OpenAIError(400, "response_format.type must be 'text', 'json_object', "
+                                  f"'json_schema' or 'structural_tag', got {rf!r}",
+                                  param="response_format")
+            if rf["type"] == "structural_tag":  # vLLM's: {structures, triggers} beside type
+                found.append(("response_format", {"structural_tag": json.dumps(
+                    {k: v for k, v in rf.items() if k != "type"})}))
+            elif rf["type"] == "json_object":
                 found.append(("response_format", {"json_object": True}))
             elif rf["type"] == "json_schema":
                 js = rf.get("json_schema")
@@ -209,7 +214,10 @@ class _SamplingRequest(BaseModel):
             if unknown:
                 raise OpenAIError(400, f"structured_outputs has unknown fields {unknown}",
                                   param="structured_outputs")
-            found.append(("structured_outputs", dict(so)))
+            so = dict(so)
+            if isinstance(so.get("structural_tag"), dict):  # JSON text in vLLM's class
+                so["structural_tag"] = json.dumps(so["structural_tag"])
+            found.append(("structured_outputs", so))
         for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
             value = getattr(self, name)
             if value is not None:

@@ -204,3 +204,47 @@ def test_relocated_rewrites_local_refs_only():
     assert out["properties"]["d"] == {"enum": [{"$ref": "#/$defs/A"}]}  # data, not a schema
     assert out["$defs"]["A"]["items"] == {"$ref": p + "/$defs/A"}
     assert schema["properties"]["a"] == {"$ref": "#/$defs/A"}  # the input is left as it was
+
+
+TAG = {"structures": [{"begin": "<function=get_weather>", "end": "</function>", "schema": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}],
+    "triggers": ["<function="]}
+
+
+def _feed(m, text: str) -> bool:
+    """Whether the matcher takes every byte of `text`."""
+    return all(consume(m, b) is None for b in text.encode())
+
+
+def test_a_structural_tag_is_free_text_until_its_trigger_then_its_schema():
+    """vLLM's structural tag (its guidance backend's form): text goes free until a trigger;
+    the structure the trigger begins must follow, its JSON under its schema (objects closed
+    as a JSON request's), then its end; then free text again."""
+    import json
+
+    gc = _compiler()
+    so = StructuredOutputsParams(structural_tag=json.dumps(TAG))
+    assert _feed(gc.matcher(so), "Sure. <function=get_weather>{\"city\": \"Paris\"}</function>"
+                                 " Done.")
+    assert not _feed(gc.matcher(so), "Sure. <function=get_time>")  # no such structure
+    assert not _feed(gc.matcher(so), '<function=get_weather>{"town": "Paris"}')  # schema
+    assert not _feed(gc.matcher(so), '<function=get_weather>{\t"city"')  # JSON's whitespace
+    m = gc.matcher(so)
+    assert _feed(m, "no call at all") and EOS in _allowed(gc, m)
+
+
+@pytest.mark.parametrize(("tag", "match"), [
+    ("{oops", "not valid JSON"),
+    ({"structures": [], "triggers": ["<f"]}, "structures must be a non-empty list"),
+    ({**TAG, "triggers": []}, "triggers must be a non-empty list"),
+    ({**TAG, "triggers": ["<tool"]}, r"structures\[0\].begin '<function=get_weather>' starts "
+                                     "with none of the triggers"),
+    ({"structures": [{"begin": "<f>", "end": "</f>"}], "triggers": ["<f"]},
+     r"structures\[0\] must be"),
+    ({"type": "structural_tag", "format": {"type": "triggered_tags"}}, "'format' form"),
+])
+def test_a_bad_structural_tag_is_refused_by_name(tag, match):
+    import json
+
+    with pytest.raises(ValueError, match=match):
+        StructuredOutputsParams(structural_tag=tag if isinstance(tag, str) else json.dumps(tag))

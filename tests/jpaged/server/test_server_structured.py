@@ -61,6 +61,35 @@ def test_response_format_json_schema_and_json_object(served):
     assert text.startswith("{")  # a JSON object as far as max_tokens let it go
 
 
+def test_structural_tags_through_both_spellings(served):
+    """vLLM's structural tag (response_format type "structural_tag", or structured_outputs'
+    field): free text, but every trigger starts a structure whose JSON follows its schema.
+    The tiny model is pushed to write the trigger ("<", by logit_bias), so its answer is
+    structure after structure."""
+    tag = {"structures": [{"begin": "<n>", "end": "</n>", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}}],
+        "triggers": ["<"]}
+    lt = served.engine.tokenizer.encode("<", add_special_tokens=False)
+    kw = {"max_tokens": 48, "temperature": 1.0, "seed": 4, "logit_bias": {str(lt[0]): 30}}
+    for body in ({"response_format": {"type": "structural_tag", **tag}},
+                 {"structured_outputs": {"structural_tag": json.dumps(tag)}},
+                 {"structured_outputs": {"structural_tag": tag}}):
+        r = _post(served.url, CHAT, {"messages": MSG, **kw, **body})
+        assert r.status_code == 200, r.text
+        text = r.json()["choices"][0]["message"]["content"]
+        whole = re.findall(r"<n>(.*?)</n>", text, re.S)
+        assert len(whole) >= 2, text  # structures were written, each JSON of the schema
+        assert all(isinstance(json.loads(j)["n"], int) for j in whole), text
+        # Outside them, no trigger but the start of the last one, which max_tokens cut.
+        rest = re.sub(r"<n>(.*?)</n>", "", text, flags=re.S)
+        tail = rest[rest.index("<"):] if "<" in rest else ""
+        assert rest.count("<") <= 1 and (tail.startswith("<n>") or "<n>".startswith(tail))
+    bad = _post(served.url, CHAT, {"messages": MSG, "response_format": {
+        "type": "structural_tag", "structures": tag["structures"], "triggers": ["["]}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "response_format"
+    assert "starts with none of the triggers" in bad.json()["error"]["message"]
+
+
 def test_named_tool_call_whole_and_streamed(served):
     client = served.client()
     choice = {"type": "function", "function": {"name": "weather"}}
