@@ -12,7 +12,7 @@ from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
-from models.tokenizer import message_text
+from models.tokenizer import message_text, template_tool_calls
 
 Messages = list[Mapping[str, Any]]
 
@@ -176,7 +176,10 @@ class LLM:
             for m in conv:
                 if not isinstance(m, Mapping) or not isinstance(m.get("role"), str):
                     raise ValueError("each chat message must be a dict with a string 'role'")
-                msgs.append({**m, "content": message_text(m.get("content"))})
+                msg = {**m, "content": message_text(m.get("content"))}
+                if m.get("tool_calls") is not None:  # arguments as objects, as vLLM's
+                    msg["tool_calls"] = template_tool_calls(m["tool_calls"])
+                msgs.append(msg)
             text = tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt,
                                            chat_template=chat_template,
                                            continue_final_message=continue_final_message,

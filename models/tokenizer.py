@@ -113,6 +113,31 @@ def message_text(content: Any) -> str:
     return "".join(parts)
 
 
+def template_tool_calls(calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's OpenAI `tool_calls` as chat templates read them (vLLM's rule for
+    HF templates): each call's JSON `arguments` string parsed to an object (empty: {}). A
+    malformed call, or arguments that are not JSON, is a ValueError naming it."""
+    import json
+
+    if not isinstance(calls, list):
+        raise ValueError("tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ValueError(f"tool_calls[{j}] must be {{'type': 'function', 'function': "
+                             "{'name': ..., 'arguments': '...'}}")
+        args = fn.get("arguments") or {}
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise ValueError(f"tool_calls[{j}].function.arguments is not JSON: "
+                                 f"{args[:80]!r}") from None
+        out.append({**call, "function": {**fn, "arguments": args}})
+    return out
+
+
 def _token_content(token: Any) -> str | None:
     """tokenizer_config.json spells special tokens as a string or {"content": ...}."""
     if isinstance(token, dict):

@@ -16,7 +16,7 @@ from jpaged.sampling_params import (
     SamplingParams,
     StructuredOutputsParams,
 )
-from models.tokenizer import message_text
+from models.tokenizer import message_text, template_tool_calls
 
 
 class OpenAIError(Exception):
@@ -432,30 +432,11 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         if extra.get("tool_call_id") is not None:
             msg["tool_call_id"] = extra["tool_call_id"]
         if extra.get("tool_calls") is not None:
-            msg["tool_calls"] = _template_tool_calls(extra["tool_calls"], i)
-        out.append(msg)
-    return out
-
-
-def _template_tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
-    """An assistant message's tool_calls with each call's arguments parsed (empty: {})."""
-    where = f"messages[{i}].tool_calls"
-    if not isinstance(calls, list):
-        raise OpenAIError(400, f"{where} must be a list", param="messages")
-    out = []
-    for j, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise OpenAIError(400, f"{where}[{j}] must be {{'type': 'function', 'function': "
-                              "{'name': ..., 'arguments': '...'}}", param="messages")
-        args = fn.get("arguments") or {}
-        if isinstance(args, str):
             try:
-                args = json.loads(args)
-            except ValueError:
-                raise OpenAIError(400, f"{where}[{j}].function.arguments is not JSON: "
-                                  f"{args[:80]!r}", param="messages") from None
-        out.append({**call, "function": {**fn, "arguments": args}})
+                msg["tool_calls"] = template_tool_calls(extra["tool_calls"])
+            except ValueError as e:
+                raise OpenAIError(400, f"messages[{i}].{e}", param="messages") from None
+        out.append(msg)
     return out
 
 

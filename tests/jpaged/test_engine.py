@@ -570,3 +570,23 @@ def test_n_children_stream_only_what_is_new(llm):
     whole = llm.generate("abc", p.clone(output_kind=RequestOutputKind.CUMULATIVE))
     assert {c.index: c.token_ids for c in whole[0].outputs} == ids
     assert _free(llm)
+
+
+def test_chat_hands_tool_calls_to_the_template_with_object_arguments(llm):
+    """As vLLM's LLM.chat: an assistant message's tool_calls reach the template with their
+    JSON arguments as objects; arguments that are not JSON are refused by name."""
+    template = ("{% for m in messages %}{{ m.role }}:{% if m.tool_calls %}"
+                "{{ m.tool_calls[0].function.arguments.city }}{% endif %}|{{ m.content }};"
+                "{% endfor %}")
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+    conv = [{"role": "user", "content": "hi"},
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "cold"}]
+    p = SamplingParams(temperature=0, max_tokens=2)
+    out = llm.chat(conv, p, chat_template=template, add_generation_prompt=False)[0]
+    assert out.prompt == "user:|hi;assistant:Oslo|;tool:|cold;"
+    bad = [conv[0], {**conv[1], "tool_calls": [{**call, "function": {
+        "name": "weather", "arguments": "{city"}}]}]
+    with pytest.raises(ValueError, match=r"tool_calls\[0\].function.arguments is not JSON"):
+        llm.chat(bad, p, chat_template=template, add_generation_prompt=False)
