@@ -30,9 +30,76 @@ for _command in (generate, estimate, convert, serve, chat, bench, tune):
 app.command("run-batch")(run_batch)
 
 
+def config_args(path: str) -> list[str]:
+    """vLLM's `--config FILE`: a YAML mapping of flag names (dashes or underscores) to values,
+    as command-line arguments (true: `--x`, false: `--no-x`, an object: its JSON, a list:
+    its items). A missing file or a file that is not such a mapping is a ValueError."""
+    import json
+
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except OSError as e:
+        raise ValueError(f"--config {path}: {e.strerror or e}") from None
+    except yaml.YAMLError as e:
+        raise ValueError(f"--config {path} is not YAML: {e}") from None
+    if data is None:
+        return []
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path} must map flag names to values, got "
+                         f"{type(data).__name__}")
+    out: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        elif isinstance(value, list):
+            out += [flag, *map(str, value)]
+        else:
+            out += [flag, str(value)]
+    return out
+
+
+def normalize_argv(argv: list[str]) -> list[str]:
+    """The arguments as vLLM's parser reads them: `--max_model_len` is `--max-model-len`, and
+    `--config FILE`'s flags come right after the command, so the command line's own win."""
+    args: list[str] = []
+    config: list[str] = []
+    it = iter(argv)
+    for arg in it:
+        if arg == "--":  # what follows is not options
+            args += [arg, *it]
+            break
+        if arg.startswith("--") and len(arg) > 2:
+            name, eq, value = arg.partition("=")
+            arg = name.replace("_", "-") + eq + value
+            if name.replace("_", "-") == "--config":
+                config += config_args(value if eq else next(it, ""))
+                continue
+        args.append(arg)
+    if config:
+        at = next((i + 1 for i, a in enumerate(args) if not a.startswith("-")), len(args))
+        args[at:at] = config
+    return args
+
+
 def main() -> None:
-    """Entry point for `python -m jpaged.cli`."""
-    app()
+    """Entry point of the `jpaged` script and `python -m jpaged.cli`: vLLM's spellings of the
+    arguments (underscores, `--config FILE`) read, then the typer app."""
+    import sys
+
+    try:
+        argv = normalize_argv(sys.argv[1:])
+    except ValueError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise SystemExit(2) from None
+    app(args=argv)
 
 
 if __name__ == "__main__":

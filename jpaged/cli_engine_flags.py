@@ -35,6 +35,7 @@ import typer
 
 from jpaged.config import (
     ATTENTION_BACKENDS,
+    DTYPE_ALIASES,
     HASH_ALGOS,
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
@@ -47,10 +48,12 @@ from jpaged.config import (
 # EngineArgs fields that are no flag: code sets them (the data-parallel client gives each
 # replica its rank, and `extra` carries fields to the replicas it starts).
 NOT_FLAGS = frozenset({"data_parallel_rank", "extra"})
-SHORT_NAMES: dict[str, str] = {"model": "-m"}
+# vLLM's short names, where jpaged has the flag.
+SHORT_NAMES: dict[str, str] = {"model": "-m", "tensor_parallel_size": "-tp",
+                               "quantization": "-q", "nnodes": "-n", "node_rank": "-r"}
 # The values config.py accepts for a string field, listed in its help (checked by the engine).
 CHOICES: dict[str, tuple[str, ...]] = {
-    "dtype": MODEL_DTYPES,
+    "dtype": (*MODEL_DTYPES, *DTYPE_ALIASES),
     "attention_backend": ATTENTION_BACKENDS,
     "kv_cache_dtype": KV_CACHE_DTYPES,
     "quantization": QUANTIZATION_METHODS,
@@ -59,6 +62,39 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "scheduling_policy": SCHEDULING_POLICIES,
 }
 _SCALARS: tuple[type, ...] = (bool, int, float, str)
+# Integer flags that also take "auto" (vLLM's), read as -1: the model's own limit.
+AUTO_INTS = frozenset({"max_model_len"})
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kKmMgGtT])")
+
+
+def human_readable_int(value: str, auto: bool = False) -> int:
+    """vLLM's human-readable integers: 1k = 1,000 and 1K = 1,024 (m/M, g/G, t/T likewise;
+    decimals only with the decimal suffixes, 25.6k = 25,600), or a plain integer; with `auto`,
+    "auto" is -1. A ValueError names the value."""
+    value = value.strip()
+    if auto and value.lower() == "auto":
+        return -1
+    m = _HUMAN_INT.fullmatch(value)
+    if m is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{value!r} is not an integer (1000, 1k = 1000, 1K = 1024"
+                             f"{', or auto' if auto else ''})") from None
+    number, suffix = m.groups()
+    if suffix.islower():
+        return round(float(number) * 1000 ** ("kmgt".index(suffix) + 1))
+    if "." in number:
+        raise ValueError(f"{value!r}: no decimals with the binary suffix {suffix} (did you "
+                         f"mean {number}{suffix.lower()}?)")
+    return int(number) * 1024 ** ("KMGT".index(suffix) + 1)
+
+
+def _int_parser(auto: bool) -> Callable[[Any], int]:
+    """typer's parser of an integer flag (vLLM's human-readable form too)."""
+    def parse(value: Any) -> int:
+        return value if isinstance(value, int) else human_readable_int(str(value), auto)
+    return parse
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -103,9 +139,12 @@ class EngineFlag:
         return (self.name, short) if short else (self.name,)
 
     def parameter(self) -> inspect.Parameter:
-        """The keyword parameter typer declares this flag from."""
+        """The keyword parameter typer declares this flag from (an integer one also takes
+        vLLM's human-readable form, 32k)."""
         hint: Any = self.value_type | None if self.optional else self.value_type
-        option = typer.Option(*self.declarations, help=self.help)
+        extra = {"parser": _int_parser(self.field in AUTO_INTS)} \
+            if self.value_type is int else {}
+        option = typer.Option(*self.declarations, help=self.help, **extra)
         return inspect.Parameter(self.field, inspect.Parameter.KEYWORD_ONLY,
                                  default=self.default, annotation=Annotated[hint, option])
 

@@ -14,12 +14,24 @@ from jpaged.cli_engine_flags import engine_args, with_engine_flags
 from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
 
 
+def _with_model_tag(flags: dict[str, Any], model_tag: str | None) -> dict[str, Any]:
+    """vLLM's `serve MODEL`: the positional model, unless --model names another (refused)."""
+    if model_tag is None:
+        return flags
+    if flags.get("model") is not None and flags["model"] != model_tag:
+        fail(f"the model is given twice: {model_tag!r} and --model {flags['model']!r}")
+    return {**flags, "model": model_tag}
+
+
 @with_engine_flags()
 def serve(
+    model_tag: Annotated[str | None, typer.Argument(
+        metavar="[MODEL]", show_default=False,
+        help="The model, as vLLM's `serve MODEL` (or --model).")] = None,
     host: Annotated[str, typer.Option("--host", help="Interface to bind.")] = DEFAULT_HOST,
     port: Annotated[int, typer.Option("--port", help="TCP port.")] = DEFAULT_PORT,
     api_key: Annotated[str | None, typer.Option(
-        "--api-key", envvar="JPAGED_API_KEY",
+        "--api-key", envvar=["JPAGED_API_KEY", "VLLM_API_KEY"],
         help="Require 'Authorization: Bearer KEY' on /v1/* routes.")] = None,
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="Model name clients use (default: --model as given).")
@@ -64,7 +76,7 @@ def serve(
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /tokenize,
     /detokenize, /metrics)."""
-    flags = engine_flags or {}
+    flags = _with_model_tag(engine_flags or {}, model_tag)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if run_worker_if_not_rank0(flags):

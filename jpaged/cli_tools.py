@@ -168,10 +168,12 @@ def convert(
     """Write SRC as an orbax checkpoint that --model OUT loads faster (docs/distributed.md)."""
     import time
 
+    from jpaged.config import canonical_dtype
     from models.build import DTYPES
     from models.checkpoint import MARKER, PARAMS_DIR, save_checkpoint
     from models.loader import DEFAULT_MODEL, load_model
 
+    dtype = canonical_dtype(dtype)
     if dtype not in DTYPES:
         fail(f"--dtype must be one of {', '.join(DTYPES)}; got {dtype!r}")
     if out.exists() and not out.is_dir():

@@ -38,6 +38,13 @@ ATTENTION_BACKENDS = ("auto", "pallas", "reference", "xla")
 HASH_ALGOS = ("sha256", "xxhash")
 SCHEDULING_POLICIES = ("priority", "fcfs", "lpm")
 MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's other spellings of two of them (its --dtype choices).
+DTYPE_ALIASES = {"half": "float16", "float": "float32"}
+
+
+def canonical_dtype(dtype: Any) -> Any:
+    """A dtype name as MODEL_DTYPES spells it ("half" -> "float16"); anything else as is."""
+    return DTYPE_ALIASES.get(dtype, dtype) if isinstance(dtype, str) else dtype
 # vLLM's --quantization names jpaged has: "fp8" quantizes the decoder linears at load (or
 # names an fp8 checkpoint's own), "gguf" keeps a GGUF at its own quantization; the others name
 # the method of a checkpoint quantized by its producer, which loads as it is without them too
@@ -531,7 +538,7 @@ class EngineArgs:
     written by `jpaged convert`. Unset: the embedded SmolLM2."""
     dtype: str = "auto"
     """Dtype of the weights and activations ("auto": bfloat16 on an accelerator, float32 on
-    CPU)."""
+    CPU; vLLM's "half" and "float" are float16 and float32)."""
     seed: int = 0
     """Engine seed: a request without a seed of its own samples with one derived from it and
     the request's arrival order, so the same requests with the same seed sample alike."""
@@ -604,7 +611,7 @@ class EngineArgs:
     chunked prefill is off."""
     max_model_len: int | None = None
     """Longest sequence, prompt and output together. Unset: the model's context length, at
-    most 2048."""
+    most 2048; -1 (the CLI's "auto", vLLM's): the model's whole context length."""
     enable_chunked_prefill: bool = True
     """Split a prompt longer than the step's token budget over several steps (off: a prompt
     is computed in one step, so the budget must hold max_model_len)."""
@@ -669,6 +676,9 @@ class EngineArgs:
     """More EngineArgs fields for the engines a data-parallel client starts, laid over these
     in each replica; the engine itself reads nothing from it."""
 
+    def __post_init__(self) -> None:
+        self.dtype = canonical_dtype(self.dtype)  # one spelling for every reader
+
     @classmethod
     def field_names(cls) -> set[str]:
         """Names accepted as keyword arguments by LLM(...)."""
@@ -678,6 +688,8 @@ class EngineArgs:
         """Validate and group; `model_max_len` is the model's own context limit."""
         max_model_len = self.max_model_len if self.max_model_len is not None else min(
             model_max_len, 2048)
+        if max_model_len == -1:  # vLLM's "auto": all the model has
+            max_model_len = model_max_len
         if not isinstance(max_model_len, int) or max_model_len < 1:
             _fail("EngineArgs", "max_model_len", "an integer >= 1", max_model_len)
         if max_model_len > model_max_len:

@@ -45,6 +45,7 @@ from jpaged.config import (
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
     QUANTIZATION_METHODS,
+    canonical_dtype,
 )
 from jpaged.intmath import cdiv
 
@@ -329,6 +330,7 @@ def estimate_capacity(
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise EstimateError("--kv-cache-dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}; "
                             f"got {kv_cache_dtype!r}")
+    dtype = canonical_dtype(dtype)
     if dtype not in MODEL_DTYPES:
         raise EstimateError("--dtype", f"must be one of {', '.join(MODEL_DTYPES)}; got {dtype!r}")
     for flag, value in (("--tensor-parallel-size", tensor_parallel_size),
@@ -350,6 +352,8 @@ def estimate_capacity(
     model_max = spec.max_position_embeddings
     if max_model_len is None:
         max_model_len = min(model_max, 2048)  # the engine's default
+    elif max_model_len == -1:  # vLLM's "auto", as the engine reads it
+        max_model_len = model_max
     if not 1 <= max_model_len <= model_max:
         raise EstimateError("--max-model-len", f"must be in [1, {model_max}] (the model's "
                             f"max_position_embeddings), got {max_model_len}")

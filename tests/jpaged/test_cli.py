@@ -101,7 +101,7 @@ def test_every_engine_arg_is_a_flag_with_its_default_and_help():
     import dataclasses
     import typing
 
-    from jpaged.cli_engine_flags import CHOICES, NOT_FLAGS, field_docs
+    from jpaged.cli_engine_flags import CHOICES, NOT_FLAGS, SHORT_NAMES, field_docs
     from jpaged.config import EngineArgs
 
     assert NOT_FLAGS == {"data_parallel_rank", "extra"}
@@ -124,7 +124,8 @@ def test_every_engine_arg_is_a_flag_with_its_default_and_help():
             if types[field] is bool:
                 assert (p.opts, p.secondary_opts) == ([kebab], ["--no-" + kebab[2:]]), field
             else:
-                assert p.opts == [kebab, *(["-m"] if field == "model" else [])], p.opts
+                short = SHORT_NAMES.get(field)  # vLLM's: -m, -tp, -q, -n, -r
+                assert p.opts == [kebab, *([short] if short else [])], p.opts
     serve = {p.name: p for p in commands["serve"].params}
     assert serve["model"].opts == ["--model", "-m"]
     assert "--gpu-memory-utilization." in serve["kv_cache_memory_bytes"].help  # a field named
@@ -254,3 +255,66 @@ def test_every_help_keeps_flags_and_choices_whole_at_80_columns():
                     assert opt in words, (name, opt)
         if name in ("generate", "serve"):
             assert {"fp8_e4m3", "fp8_e5m2", "recompute", "swap", "reference"} <= words
+
+
+# ------------------------------------------------------------------ vLLM's command lines
+def test_vllm_spellings_of_the_arguments_are_read():
+    """vLLM's parser reads `--max_model_len` as `--max-model-len`, and a `--config` YAML's
+    flags as if given right after the command, so the command line's own win."""
+    from jpaged.cli import normalize_argv
+
+    assert normalize_argv(["serve", "--max_model_len=4k", "--enforce_eager", "a_b", "--",
+                           "--x_y"]) == ["serve", "--max-model-len=4k", "--enforce-eager",
+                                         "a_b", "--", "--x_y"]
+
+
+def test_config_file_flags_and_their_errors(tmp_path):
+    from jpaged.cli import normalize_argv
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_model_len: 4k\nenable-prefix-caching: false\nenforce_eager: true\n"
+                   "speculative_config: {method: suffix}\nport: 9000\nunset: null\n")
+    got = normalize_argv(["serve", "--port", "8001", "--config", str(cfg)])
+    assert got == ["serve", "--max-model-len", "4k", "--no-enable-prefix-caching",
+                   "--enforce-eager", "--speculative-config", '{"method": "suffix"}',
+                   "--port", "9000", "--port", "8001"]  # the command line's --port is last
+    for text, match in (("- a\n- b\n", "must map flag names"), ("a: [b\n", "is not YAML")):
+        cfg.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            normalize_argv(["serve", f"--config={cfg}"])
+    with pytest.raises(ValueError, match="nope.yaml"):
+        normalize_argv(["serve", "--config", str(tmp_path / "nope.yaml")])
+
+
+def test_human_readable_integers_auto_and_dtype_spellings():
+    from jpaged.cli_engine_flags import human_readable_int
+    from jpaged.config import EngineArgs
+
+    assert [human_readable_int(v) for v in ("1k", "1K", "25.6k", "4.35k", "2m", "1G", "77")] \
+        == [1000, 1024, 25600, 4350, 2_000_000, 2**30, 77]
+    assert human_readable_int("auto", auto=True) == -1
+    for bad in ("1.5K", "k", "1kb", "auto"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            human_readable_int(bad)
+    assert EngineArgs(dtype="half").dtype == "float16"
+    assert EngineArgs(dtype="float").dtype == "float32"
+    cfg = EngineArgs(max_model_len=-1).create_engine_config(4096)
+    assert cfg.scheduler.max_model_len == 4096  # vLLM's auto: the model's whole context
+
+
+def test_vllm_command_lines_run(tmp_path):
+    """As a user copies them from vLLM: the jpaged script with a --config file, underscores,
+    a human-readable length and vLLM's dtype spelling (the file's length loses to the
+    command line's); `serve MODEL` takes the model positionally, refusing two models."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("max_model_len: 2k\ndtype: half\nblock_size: 32\n")
+    r = _jpaged("estimate", "--config", str(cfg), "--max_model_len", "1k")
+    assert r.returncode == 0, r.stderr
+    assert "blocks per 1000-token sequence" in r.stdout and "float16" in r.stdout
+    assert "32" in r.stdout
+    r = _jpaged("serve", "/no/such/model", "--port", "1")
+    assert r.returncode != 0 and "/no/such/model" in r.stderr and "Traceback" not in r.stderr
+    r = _jpaged("serve", str(tiny_model_dir()), "--model", "/other")
+    assert r.returncode == 2 and "the model is given twice" in r.stderr
+    r = _jpaged("serve", "--max-model-len", "1.5K")
+    assert r.returncode == 2 and "no decimals with the binary suffix K" in r.stderr
