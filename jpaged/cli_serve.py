@@ -13,6 +13,31 @@ from jpaged.cli_common import create_engine, fail, run_worker_if_not_rank0
 from jpaged.cli_engine_flags import engine_args, with_engine_flags
 from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
 
+# Front-end options serve and run-batch share (vLLM's names).
+ChatTemplateOption = Annotated[str | None, typer.Option(
+    "--chat-template", help="A chat template (a file, or the template itself) in place of the "
+    "model's; a request's own chat_template still wins.")]
+AutoToolChoiceOption = Annotated[bool, typer.Option(
+    "--enable-auto-tool-choice", help="Serve tool_choice 'auto' (with --tool-call-parser): "
+    "the model's own tool calls parsed from its answer.")]
+ToolCallParserOption = Annotated[str | None, typer.Option(
+    "--tool-call-parser", help="The model's tool-call syntax: hermes (Hermes, Qwen 2.5/3), "
+    "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4).")]
+
+
+def _check_front_end(chat_template: str | None, enable_auto_tool_choice: bool,
+                     tool_call_parser: str | None) -> None:
+    """The front-end options' errors, before any model loads (exit 2 naming the flag)."""
+    from jpaged.server.serving import load_chat_template
+    from jpaged.server.tool_parsers import auto_tool_parser
+
+    try:
+        auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
+        if chat_template is not None:
+            load_chat_template(chat_template)
+    except ValueError as e:
+        fail(str(e))
+
 
 def _with_model_tag(flags: dict[str, Any], model_tag: str | None) -> dict[str, Any]:
     """vLLM's `serve MODEL`: the positional model, unless --model names another (refused)."""
@@ -64,14 +89,9 @@ def serve(
     enable_server_load_tracking: Annotated[bool, typer.Option(
         "--enable-server-load-tracking",
         help="Count the generation requests in flight, served at /load.")] = False,
-    enable_auto_tool_choice: Annotated[bool, typer.Option(
-        "--enable-auto-tool-choice",
-        help="Serve tool_choice 'auto' (with --tool-call-parser): the model's own tool calls "
-        "parsed from its answer.")] = False,
-    tool_call_parser: Annotated[str | None, typer.Option(
-        "--tool-call-parser",
-        help="The model's tool-call syntax: hermes (Hermes, Qwen 2.5/3), llama3_json "
-        "(Llama 3.1/3.2), pythonic (Llama 3.2/4).")] = None,
+    enable_auto_tool_choice: AutoToolChoiceOption = False,
+    tool_call_parser: ToolCallParserOption = None,
+    chat_template: ChatTemplateOption = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /tokenize,
@@ -84,10 +104,8 @@ def serve(
     from jpaged.runner.multiprocess import ProcessGroupError, exit_now
     from jpaged.server import run_server
 
+    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser)
     try:
-        from jpaged.server.tool_parsers import auto_tool_parser
-
-        auto_tool_parser(enable_auto_tool_choice, tool_call_parser)  # before the model loads
         if data_parallel_backend != "ray":
             raise ValueError(f"--data-parallel-backend must be ray, got {data_parallel_backend!r}")
         if data_parallel_size < 1:
@@ -118,7 +136,7 @@ def serve(
                    enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
                    enable_server_load_tracking=enable_server_load_tracking,
                    enable_auto_tool_choice=enable_auto_tool_choice,
-                   tool_call_parser=tool_call_parser)
+                   tool_call_parser=tool_call_parser, chat_template=chat_template)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 
@@ -150,6 +168,9 @@ def run_batch(
     served_model_name: Annotated[str | None, typer.Option(
         "--served-model-name", help="Model name the bodies use (default: --model as given).")
     ] = None,
+    enable_auto_tool_choice: AutoToolChoiceOption = False,
+    tool_call_parser: ToolCallParserOption = None,
+    chat_template: ChatTemplateOption = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Answer an OpenAI batch file (/v1/completions and /v1/chat/completions lines), as vLLM's
@@ -170,6 +191,7 @@ def run_batch(
     out_path = None if output_file == "-" else Path(output_file)
     if out_path is not None and not out_path.parent.is_dir():
         fail(f"--output-file {output_file}: its directory does not exist")
+    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser)
     from jpaged.server import build_app
     from jpaged.server.run_batch import run_batch_lines
 
@@ -177,11 +199,14 @@ def run_batch(
         engine = create_engine(engine_args(flags))
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
-    app = build_app(engine, served_model_name or flags.get("model"), owned=True)
+    app = build_app(engine, served_model_name or flags.get("model"), owned=True,
+                    enable_auto_tool_choice=enable_auto_tool_choice,
+                    tool_call_parser=tool_call_parser, chat_template=chat_template)
     try:
-        answers = asyncio.run(run_batch_lines(app, lines))
+        result = asyncio.run(run_batch_lines(app, lines))
     finally:
         app.state.engine.shutdown()
+    answers = result.lines
     text = "".join(json.dumps(a, ensure_ascii=False) + "\n" for a in answers)
     if out_path is None:
         sys.stdout.write(text)
@@ -192,3 +217,7 @@ def run_batch(
     failed = sum(a["error"] is not None for a in answers)
     typer.echo(f"{len(answers)} requests: {len(answers) - failed} answered, {failed} failed "
                f"-> {output_file}", err=True)
+    if result.malformed:  # as vLLM's, which stops on them: a failed run, though the rest ran
+        lines_ = ", ".join(map(str, result.malformed[:10]))
+        fail(f"--input-file {input_file}: line(s) {lines_} are no batch requests "
+             "(their errors are in the output)")

@@ -37,7 +37,7 @@ from jpaged.server.protocol import (
     TokenizeRequest,
     error_body,
 )
-from jpaged.server.serving import EventStream
+from jpaged.server.serving import EventStream, load_chat_template
 from jpaged.server.tokenization import TokenizationServing
 from jpaged.server.tool_parsers import auto_tool_parser
 
@@ -114,7 +114,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               served_model_name: str | None = None, api_key: str | None = None,
               owned: bool | None = None, enable_tokenizer_info_endpoint: bool = False,
               enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, chat_template: str | None = None
+              ) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
@@ -126,14 +127,17 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     `enable_auto_tool_choice` with `tool_call_parser` (one of jpaged.server.tool_parsers'):
     vLLM's tool_choice "auto", the model's own calls parsed from its text. A bad pair is a
     ValueError before anything starts.
+    `chat_template`: vLLM's --chat-template, a file or the template itself, used in place of
+    the model's (a request's own still wins).
     """
     parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
+    template = load_chat_template(chat_template) if chat_template is not None else None
     wrapped = isinstance(engine, RequestFrontend)  # an LLMEngine or a CoreProcessEngine
     owned = wrapped if owned is None else owned
     aengine = AsyncLLMEngine(engine) if wrapped else engine
     aengine.start()
     name = served_model_name or default_model_name(aengine.model_source)
-    serving = _Serving(aengine, name, parser)
+    serving = _Serving(aengine, name, parser, template)
     # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
     # data-parallel client's series carry each replica's own, which win).
     registry = with_labels(aengine.metrics_registry(), {"model_name": name, "engine": "0"})
@@ -293,14 +297,14 @@ def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = 
                served_model_name: str | None = None, log_level: str = "info",
                enable_tokenizer_info_endpoint: bool = False,
                enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
-               tool_call_parser: str | None = None) -> None:
+               tool_call_parser: str | None = None, chat_template: str | None = None) -> None:
     """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
     is shut down when the server stops."""
     app = build_app(engine, served_model_name, api_key, owned=True,
                     enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
                     enable_server_load_tracking=enable_server_load_tracking,
                     enable_auto_tool_choice=enable_auto_tool_choice,
-                    tool_call_parser=tool_call_parser)
+                    tool_call_parser=tool_call_parser, chat_template=chat_template)
     freeze_gc_heap()  # this process is the server's: start-up objects stay to the end
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

@@ -60,6 +60,29 @@ async def until_disconnected(request: HTTPRequest, work: Awaitable[T]) -> T | No
         return None
 
 
+def load_chat_template(value: str) -> str:
+    """vLLM's --chat-template: a file's template, or the value itself when it is one (it has
+    braces or a line break); a ValueError otherwise, or when it does not compile."""
+    from pathlib import Path
+
+    path = Path(value).expanduser()
+    if path.is_file():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template {value}: {e}") from None
+    elif any(c in value for c in "{}\n"):
+        text = value
+    else:
+        raise ValueError(f"--chat-template {value!r} is neither a file nor a template (no "
+                         "such file; a template has {{ }} or {% %})")
+    try:
+        jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template does not compile: {e}") from None
+    return text
+
+
 def _stream_error(e: BaseException) -> dict[str, Any]:
     if isinstance(e, OpenAIError):
         return e.body()
@@ -78,9 +101,13 @@ class Serving:
     ChatServing add the handlers)."""
 
     def __init__(self, engine: AsyncLLMEngine, model_name: str,
-                 tool_parser: ToolParser | None = None) -> None:
+                 tool_parser: ToolParser | None = None, chat_template: str | None = None
+                 ) -> None:
         self.engine = engine
         self.model_name = model_name
+        # vLLM's --chat-template: the server's template in place of the model's (a request's
+        # own chat_template still wins).
+        self.chat_template = chat_template
         # vLLM's --tool-call-parser: finds the model's own calls (tool_choice 'auto').
         self.tool_parser = tool_parser
         # The longest token's UTF-8 text (bytes): the decode of every token id, once per server
@@ -185,9 +212,11 @@ class Serving:
         """The prompt text of a chat request (a ChatCompletionRequest or a TokenizeRequest with
         messages) rendered by its chat template or the model's; 400s name the field."""
         tok = self.engine.tokenizer
-        if not tok.has_chat_template and req.chat_template is None:
-            raise OpenAIError(400, "this model has no chat template; use /v1/completions or "
-                              "pass chat_template", param="messages")
+        template = req.chat_template if req.chat_template is not None else self.chat_template
+        if not tok.has_chat_template and template is None:
+            raise OpenAIError(400, "this model has no chat template; use /v1/completions, "
+                              "pass chat_template, or serve with --chat-template",
+                              param="messages")
         kwargs = req.chat_template_kwargs or {}
         if not isinstance(kwargs, dict):
             raise OpenAIError(400, "chat_template_kwargs must be an object",
@@ -200,7 +229,7 @@ class Serving:
                               "both be true", param="continue_final_message")
         try:
             return tok.apply_chat_template(req.conversation(), add_generation_prompt=add_prompt,
-                                           chat_template=req.chat_template,
+                                           chat_template=template,
                                            continue_final_message=req.continue_final_message,
                                            **extra)
         except jinja2.TemplateSyntaxError as e:

@@ -51,6 +51,7 @@ class TokenizationServing(Serving):
                  for i, t in sorted(tok.backend.get_added_tokens_decoder().items())}
         return {"tokenizer_class": type(tok).__name__, "bos_token": tok.bos_token,
                 "eos_token": tok.eos_token, "pad_token": tok.pad_token,
-                "unk_token": tok.unk_token, "chat_template": tok.chat_template,
+                "unk_token": tok.unk_token,
+                "chat_template": self.chat_template or tok.chat_template,
                 "model_max_length": self.engine.max_model_len, "vocab_size": tok.vocab_size,
                 "added_tokens_decoder": added}

@@ -1,6 +1,8 @@
 """vLLM's run-batch: an OpenAI batch file answered by the server's own handlers in process,
 every line in flight at once, answers in input order; a bad line is answered with its error
-and the others still run. Through `run_batch_lines` and as a user runs `jpaged run-batch`."""
+(vLLM's shape: body null, the error in `error`) and the others still run; lines that are no
+request fail the run afterwards. Through `run_batch_lines` and as a user runs
+`jpaged run-batch`."""
 
 from __future__ import annotations
 
@@ -34,7 +36,9 @@ def test_lines_answer_as_the_server_does_and_bad_ones_say_why(served: Served):
              _line("stream", "/v1/completions", {**comp, "stream": True}),
              _line("bad", "/v1/completions", {**comp, "max_tokens": -1}),
              _line("who", "/v1/completions", {**comp, "model": "other"})]
-    out = asyncio.run(run_batch_lines(build_app(served.engine, MODEL), lines))
+    result = asyncio.run(run_batch_lines(build_app(served.engine, MODEL), lines))
+    out = result.lines
+    assert result.malformed == [4, 5, 6]  # the url, not JSON, not an object
     assert [o["custom_id"] for o in out] == ["chat", "comp", "emb", None, None, "stream",
                                              "bad", "who"]  # the blank line has none
     assert [o["response"]["status_code"] for o in out] == [200, 200, 400, 400, 400, 400, 400,
@@ -46,17 +50,19 @@ def test_lines_answer_as_the_server_does_and_bad_ones_say_why(served: Served):
         want = httpx.post(f"{served.url}{url}", json=body, timeout=60).json()
         got = o["response"]["body"]
         assert got["choices"] == want["choices"] and got["usage"] == want["usage"]
+    assert all(o["response"]["body"] is None for o in out[2:])
     messages = [o["error"]["message"] for o in out[2:]]
     assert "line 4: url '/v1/embeddings' is not served here" in messages[0]
     assert "line 5: not JSON" in messages[1] and "line 6: must be a JSON object" in messages[2]
     assert "must not stream" in messages[3] and "max_tokens" in messages[4]
     assert "`other` does not exist" in messages[5]
-    assert out[6]["response"]["body"]["error"]["param"] == "max_tokens"
+    assert out[6]["error"]["param"] == "max_tokens"
 
 
 def test_jpaged_run_batch_writes_the_answers_in_order(tmp_path):
-    """As a user runs it: the tiny model, a file in, a file out; a missing input fails with
-    its name before any model loads."""
+    """As a user runs it: the tiny model, a file in, a file out (a line with another url
+    fails the run, after the others are answered); a missing input fails with its name
+    before any model loads."""
     src = tmp_path / "in.jsonl"
     src.write_text("\n".join([
         _line(f"r{i}", "/v1/completions", {"model": "tiny", "prompt": f"prompt {i}",
@@ -67,8 +73,9 @@ def test_jpaged_run_batch_writes_the_answers_in_order(tmp_path):
            "--model", str(tiny_model_dir()), "--served-model-name", "tiny",
            "--max-model-len", "64", "--num-gpu-blocks-override", "32"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 2, r.stderr[-2000:]
     assert "6 requests: 5 answered, 1 failed" in r.stderr
+    assert "line(s) 6 are no batch requests" in r.stderr
     out = [json.loads(line) for line in dst.read_text().splitlines()]
     assert [o["custom_id"] for o in out] == [f"r{i}" for i in range(5)] + ["x"]
     assert all(len(o["response"]["body"]["choices"][0]["text"]) > 0 for o in out[:5])

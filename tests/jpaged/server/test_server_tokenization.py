@@ -198,3 +198,34 @@ def test_load_counts_generation_requests_in_flight_when_tracked(served: Served) 
             assert ok.status_code == 200 and load(url) == 0
     finally:
         server.stop()
+
+
+def test_a_served_chat_template_replaces_the_models(served: Served, tmp_path) -> None:
+    """vLLM's --chat-template (a file, or the template itself): messages render with it (a
+    request's own chat_template still wins); /tokenizer_info shows it; a value that is neither
+    is refused before anything starts."""
+    from jpaged.server.serving import load_chat_template
+
+    template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+    path = tmp_path / "t.jinja"
+    path.write_text(template)
+    tok = served.engine.tokenizer
+    msgs = [{"role": "user", "content": "hey"}]
+    for value in (str(path), template):
+        server = BackgroundServer(build_app(served.engine, MODEL, chat_template=value,
+                                            enable_tokenizer_info_endpoint=True))
+        try:
+            ids = _ok(httpx.post(f"{server.url}/tokenize", timeout=30, json={
+                "messages": msgs, "add_special_tokens": False}))["tokens"]
+            assert tok.decode(ids) == "<user>hey"
+            own = _ok(httpx.post(f"{server.url}/tokenize", timeout=30, json={
+                "messages": msgs, "chat_template": "{{ messages[0].content }}!"}))["tokens"]
+            assert tok.decode(own, skip_special_tokens=True) == "hey!"
+            info = _ok(httpx.get(f"{server.url}/tokenizer_info", timeout=30))
+            assert info["chat_template"] == template
+        finally:
+            server.stop()
+    for bad, match in (("no/such/file.jinja", "neither a file nor a template"),
+                       ("{% for %}", "does not compile")):
+        with pytest.raises(ValueError, match=match):
+            load_chat_template(bad)
