@@ -39,6 +39,19 @@ def _check_front_end(chat_template: str | None, enable_auto_tool_choice: bool,
         fail(str(e))
 
 
+def _json_list(flag: str, value: str) -> list[str]:
+    """A flag's JSON list of strings (exit 2 naming the flag otherwise)."""
+    import json
+
+    try:
+        items = json.loads(value)
+    except ValueError as e:
+        fail(f"{flag} is not JSON: {e}")
+    if not isinstance(items, list) or not all(isinstance(x, str) for x in items):
+        fail(f"{flag} must be a JSON list of strings, got {value}")
+    return items
+
+
 def _with_model_tag(flags: dict[str, Any], model_tag: str | None) -> dict[str, Any]:
     """vLLM's `serve MODEL`: the positional model, unless --model names another (refused)."""
     if model_tag is None:
@@ -92,6 +105,11 @@ def serve(
     enable_auto_tool_choice: AutoToolChoiceOption = False,
     tool_call_parser: ToolCallParserOption = None,
     chat_template: ChatTemplateOption = None,
+    allowed_origins: Annotated[str, typer.Option(
+        "--allowed-origins", help="CORS: the origins a browser page may call from, a JSON "
+        "list (vLLM's; default every origin).")] = '["*"]',
+    allow_credentials: Annotated[bool, typer.Option(
+        "--allow-credentials", help="CORS: allow cookies and authorization headers.")] = False,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /tokenize,
@@ -105,6 +123,7 @@ def serve(
     from jpaged.server import run_server
 
     _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser)
+    origins = _json_list("--allowed-origins", allowed_origins)
     try:
         if data_parallel_backend != "ray":
             raise ValueError(f"--data-parallel-backend must be ray, got {data_parallel_backend!r}")
@@ -136,7 +155,8 @@ def serve(
                    enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
                    enable_server_load_tracking=enable_server_load_tracking,
                    enable_auto_tool_choice=enable_auto_tool_choice,
-                   tool_call_parser=tool_call_parser, chat_template=chat_template)
+                   tool_call_parser=tool_call_parser, chat_template=chat_template,
+                   allowed_origins=origins, allow_credentials=allow_credentials)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 

@@ -7,7 +7,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
@@ -80,7 +81,9 @@ class _ApiKeyGate:
         self.want = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        # A CORS preflight (OPTIONS) carries no key: the CORS layer answers it (vLLM's rule).
+        if scope["type"] == "http" and scope["path"].startswith("/v1") \
+                and scope["method"] != "OPTIONS":
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.want):
                 err = OpenAIError(401, "Incorrect or missing API key (Authorization: Bearer KEY)",
@@ -114,7 +117,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               served_model_name: str | None = None, api_key: str | None = None,
               owned: bool | None = None, enable_tokenizer_info_endpoint: bool = False,
               enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
-              tool_call_parser: str | None = None, chat_template: str | None = None
+              tool_call_parser: str | None = None, chat_template: str | None = None,
+              allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False
               ) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
@@ -129,6 +133,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     ValueError before anything starts.
     `chat_template`: vLLM's --chat-template, a file or the template itself, used in place of
     the model's (a request's own still wins).
+    `allowed_origins`, `allow_credentials`: CORS, as vLLM's (every origin by default, so a
+    browser page may call the API; its preflights pass the API key's gate).
     """
     parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     template = load_chat_template(chat_template) if chat_template is not None else None
@@ -183,6 +189,10 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 
     if api_key is not None:
         app.add_middleware(_ApiKeyGate, api_key=api_key)
+    # Added last, so outermost: preflights are answered before the key is asked for.
+    app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins),
+                       allow_credentials=allow_credentials, allow_methods=["*"],
+                       allow_headers=["*"])
     v1 = APIRouter(prefix="/v1")
 
     def respond(result: dict[str, Any] | EventStream | None,
@@ -297,14 +307,17 @@ def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = 
                served_model_name: str | None = None, log_level: str = "info",
                enable_tokenizer_info_endpoint: bool = False,
                enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
-               tool_call_parser: str | None = None, chat_template: str | None = None) -> None:
+               tool_call_parser: str | None = None, chat_template: str | None = None,
+               allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False
+               ) -> None:
     """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
     is shut down when the server stops."""
     app = build_app(engine, served_model_name, api_key, owned=True,
                     enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
                     enable_server_load_tracking=enable_server_load_tracking,
                     enable_auto_tool_choice=enable_auto_tool_choice,
-                    tool_call_parser=tool_call_parser, chat_template=chat_template)
+                    tool_call_parser=tool_call_parser, chat_template=chat_template,
+                    allowed_origins=allowed_origins, allow_credentials=allow_credentials)
     freeze_gc_heap()  # this process is the server's: start-up objects stay to the end
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

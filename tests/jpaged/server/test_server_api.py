@@ -212,6 +212,30 @@ def test_api_key(served):
     assert served.engine.is_running  # the app does not own (or stop) a shared engine
 
 
+def test_cors_as_vllms_and_preflights_pass_the_key(served):
+    """vLLM's CORS: every origin by default, so a browser page may call the API; a preflight
+    (OPTIONS, which carries no key) is answered, the request itself still needs the key;
+    --allowed-origins narrows it."""
+    pre = {"Origin": "http://page.example", "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    for origins, allowed in ((("*",), True), (("http://other.example",), False)):
+        server = BackgroundServer(build_app(served.engine, MODEL, api_key="k",
+                                            allowed_origins=origins))
+        try:
+            r = httpx.options(f"{server.url}/v1/chat/completions", headers=pre)
+            assert (r.status_code == 200) == allowed, r.text
+            got = r.headers.get("access-control-allow-origin")
+            assert (got in ("*", "http://page.example")) == allowed, got
+            r = httpx.get(f"{server.url}/v1/models", headers={
+                "Origin": "http://page.example", "Authorization": "Bearer k"})
+            assert r.status_code == 200
+            assert ("access-control-allow-origin" in r.headers) == allowed
+            assert httpx.get(f"{server.url}/v1/models", headers={
+                "Origin": "http://page.example"}).status_code == 401
+        finally:
+            server.stop()
+
+
 def test_models_health_and_metrics(served):
     models = served.client().models.list()
     assert [m.id for m in models] == [MODEL]
