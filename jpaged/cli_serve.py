@@ -22,7 +22,7 @@ AutoToolChoiceOption = Annotated[bool, typer.Option(
     "the model's own tool calls parsed from its answer.")]
 ToolCallParserOption = Annotated[str | None, typer.Option(
     "--tool-call-parser", help="The model's tool-call syntax: hermes (Hermes, Qwen 2.5/3), "
-    "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4).")]
+    "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4), mistral.")]
 
 
 def _check_front_end(chat_template: str | None, enable_auto_tool_choice: bool,

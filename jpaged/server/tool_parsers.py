@@ -9,6 +9,8 @@ far) into plain content and OpenAI tool calls.
   text before the first one is content.
 - `pythonic` (Llama 3.2 / 4 pythonic calls): the whole answer is a list of calls,
   `[get_weather(city="Paris"), now()]`, with literal arguments.
+- `mistral` (Mistral models): `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or
+  `[TOOL_CALLS]name[ARGS]{...}` per call (v11 tokenizers); the text before is content.
 
 An answer whose calls do not parse is plain content, never an error (vLLM's rule); every
 call's arguments are valid JSON.
@@ -227,8 +229,41 @@ class PythonicParser(ToolParser):
         return Parsed(0, calls) if calls else Parsed(len(text))
 
 
+class MistralParser(ToolParser):
+    """Mistral's `[TOOL_CALLS]` then a JSON list of {"name", "arguments"} calls, or (its
+    v11 tokenizers) `[TOOL_CALLS]name[ARGS]{...}` per call; the text before is content."""
+
+    name = "mistral"
+    keeps_special_tokens = True  # [TOOL_CALLS] is a special token
+    TAG, ARGS = "[TOOL_CALLS]", "[ARGS]"
+
+    def parse(self, text: str, final: bool) -> Parsed:
+        start = text.find(self.TAG)
+        if start < 0:
+            return Parsed(len(text) if final else len(text) - _held_prefix(text, self.TAG))
+        if not final:
+            return Parsed(start)  # calls: parsed once the answer is whole
+        calls: list[Call] = []
+        try:
+            segments = text[start:].split(self.TAG)[1:]
+            if any(self.ARGS in seg for seg in segments):
+                for seg in segments:
+                    name, sep, args = seg.partition(self.ARGS)
+                    if not sep or not name.strip():
+                        raise ValueError("a call without a name or [ARGS]")
+                    obj, _ = json.JSONDecoder().raw_decode(args.strip())
+                    calls.append((name.strip(), _arguments(obj)))
+            else:
+                obj, _ = json.JSONDecoder().raw_decode(text[start + len(self.TAG):].strip())
+                for c in obj if isinstance(obj, list) else [obj]:
+                    calls.append(_json_call(c, ("arguments", "parameters")))
+        except ValueError:
+            return Parsed(len(text))
+        return Parsed(start, calls) if calls else Parsed(len(text))
+
+
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
+    p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser, MistralParser)}
 
 
 def get_tool_parser(name: str) -> ToolParser:

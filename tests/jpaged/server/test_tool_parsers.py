@@ -56,6 +56,14 @@ CASES = [
      [("f", {"a": 1})]),
     ("hermes", '<tool_call>{"name": "f", "arguments": "hello"}</tool_call>', None,
      [("f", "hello")]),
+    # mistral: a JSON list after [TOOL_CALLS], or name[ARGS]{...} per call (v11).
+    ("mistral", 'Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Rome"}},'
+     ' {"name": "now", "arguments": {}}]', "Checking. ", [("get_weather", {"city": "Rome"}),
+                                                          ("now", {})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}[TOOL_CALLS]now[ARGS]{}', None,
+     [("get_weather", {"city": "Rome"}), ("now", {})]),
+    ("mistral", "[TOOL_CALLS][{bad", "[TOOL_CALLS][{bad", []),
+    ("mistral", "Plain answer.", "Plain answer.", []),
 ]
 
 
@@ -105,8 +113,8 @@ def test_hermes_streams_content_and_each_call_as_soon_as_whole():
 def test_bad_flags_are_refused_by_name():
     with pytest.raises(ValueError, match="--enable-auto-tool-choice needs --tool-call-parser"):
         auto_tool_parser(True, None)
-    with pytest.raises(ValueError, match="'mistral' is not one of .*hermes, llama3_json"):
-        auto_tool_parser(True, "mistral")
+    with pytest.raises(ValueError, match="'granite' is not one of .*hermes, llama3_json"):
+        auto_tool_parser(True, "granite")
     with pytest.raises(ValueError, match="'nope' is not one"):
         auto_tool_parser(False, "nope")
     assert auto_tool_parser(False, None) is None
