@@ -83,7 +83,8 @@ class StructuredOutputsParams:
         set_kinds = [k for k in _SO_KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError("StructuredOutputsParams must set exactly one of json, regex, "
-                             f"choice, grammar, json_object (got {set_kinds or 'none'})")
+                             "choice, grammar, json_object, structural_tag (got "
+                             f"{set_kinds or 'none'})")
         if self.structural_tag is not None:
             structural_tags(self.structural_tag)  # a ValueError naming what is wrong
         if self.json is not None:

@@ -79,7 +79,8 @@ def test_bad_grammars_raise_the_compilers_message():
 @pytest.mark.parametrize("kw,match", [
     ({}, "exactly one"), ({"regex": "a", "choice": ["a"]}, "exactly one"),
     ({"choice": []}, "non-empty list"), ({"json": "{not json"}, "not valid JSON"),
-    ({"json": "[1]"}, "schema object"), ({"structural_tag": "x"}, "not supported")])
+    ({"json": "[1]"}, "schema object"),
+    ({"structural_tag": "x"}, "structural_tag is not valid JSON")])
 def test_params_are_validated_by_name(kw, match):
     with pytest.raises(ValueError, match=match):
         StructuredOutputsParams(**kw)
