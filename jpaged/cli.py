@@ -66,23 +66,44 @@ def config_args(path: str) -> list[str]:
     return out
 
 
+# Flags that take several values in vLLM (argparse nargs="+"): `--served-model-name a b` is
+# read as the flag once per value.
+LIST_FLAGS = frozenset({"--served-model-name"})
+
+
 def normalize_argv(argv: list[str]) -> list[str]:
-    """The arguments as vLLM's parser reads them: `--max_model_len` is `--max-model-len`, and
-    `--config FILE`'s flags come right after the command, so the command line's own win."""
+    """The arguments as vLLM's parser reads them: `--max_model_len` is `--max-model-len`,
+    `--served-model-name a b` gives both names, and `--config FILE`'s flags come right after
+    the command, so the command line's own win."""
     args: list[str] = []
     config: list[str] = []
     it = iter(argv)
+    pending: str | None = None  # a list flag whose values are being read
+    got = 0  # values it has had
     for arg in it:
+        if pending is not None and not arg.startswith("-") and arg != "--":
+            args += [pending, arg]
+            got += 1
+            continue
+        if pending is not None and not got:
+            args.append(pending)  # no value: the parser names the flag that lacks one
+        pending = None
         if arg == "--":  # what follows is not options
             args += [arg, *it]
             break
         if arg.startswith("--") and len(arg) > 2:
             name, eq, value = arg.partition("=")
-            arg = name.replace("_", "-") + eq + value
-            if name.replace("_", "-") == "--config":
+            name = name.replace("_", "-")
+            arg = name + eq + value
+            if name == "--config":
                 config += config_args(value if eq else next(it, ""))
                 continue
+            if name in LIST_FLAGS and not eq:
+                pending, got = name, 0
+                continue
         args.append(arg)
+    if pending is not None and not got:
+        args.append(pending)
     if config:
         at = next((i + 1 for i, a in enumerate(args) if not a.startswith("-")), len(args))
         args[at:at] = config

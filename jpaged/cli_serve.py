@@ -14,6 +14,9 @@ from jpaged.cli_engine_flags import engine_args, with_engine_flags
 from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
 
 # Front-end options serve and run-batch share (vLLM's names).
+ServedModelNameOption = Annotated[list[str] | None, typer.Option(
+    "--served-model-name", help="The name(s) requests use for the model (vLLM's list: "
+    "`--served-model-name a b`; answers carry the first; default: --model as given).")]
 ChatTemplateOption = Annotated[str | None, typer.Option(
     "--chat-template", help="A chat template (a file, or the template itself) in place of the "
     "model's; a request's own chat_template still wins.")]
@@ -71,9 +74,7 @@ def serve(
     api_key: Annotated[str | None, typer.Option(
         "--api-key", envvar=["JPAGED_API_KEY", "VLLM_API_KEY"],
         help="Require 'Authorization: Bearer KEY' on /v1/* routes.")] = None,
-    served_model_name: Annotated[str | None, typer.Option(
-        "--served-model-name", help="Model name clients use (default: --model as given).")
-    ] = None,
+    served_model_name: ServedModelNameOption = None,
     data_parallel_size: Annotated[int, typer.Option(
         "--data-parallel-size", "-dp",
         help="Engine replicas behind one router (each its own process, devices and cache).")
@@ -185,9 +186,7 @@ def run_batch(
     output_file: Annotated[str, typer.Option(
         "--output-file", "-o", help="Where the answers go, a JSON line each, in input order "
         "('-': stdout).")],
-    served_model_name: Annotated[str | None, typer.Option(
-        "--served-model-name", help="Model name the bodies use (default: --model as given).")
-    ] = None,
+    served_model_name: ServedModelNameOption = None,
     enable_auto_tool_choice: AutoToolChoiceOption = False,
     tool_call_parser: ToolCallParserOption = None,
     chat_template: ChatTemplateOption = None,

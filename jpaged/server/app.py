@@ -114,7 +114,7 @@ def default_model_name(engine: LLMEngine | str) -> str:
 
 
 def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
-              served_model_name: str | None = None, api_key: str | None = None,
+              served_model_name: str | Sequence[str] | None = None, api_key: str | None = None,
               owned: bool | None = None, enable_tokenizer_info_endpoint: bool = False,
               enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, chat_template: str | None = None,
@@ -123,6 +123,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
+    `served_model_name`: the name clients use, or several (vLLM's list: requests may name any;
+    answers, metrics and logs carry the first).
     `owned`: shut the engine down with the app (default: only an LLMEngine it wraps itself).
     `enable_tokenizer_info_endpoint`: serve /tokenizer_info (vLLM's flag; it shows the chat
     template and special tokens, so it is off unless asked for).
@@ -142,8 +144,10 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     owned = wrapped if owned is None else owned
     aengine = AsyncLLMEngine(engine) if wrapped else engine
     aengine.start()
-    name = served_model_name or default_model_name(aengine.model_source)
-    serving = _Serving(aengine, name, parser, template)
+    names = ([served_model_name] if isinstance(served_model_name, str)
+             else list(served_model_name or ())) or [default_model_name(aengine.model_source)]
+    name = names[0]
+    serving = _Serving(aengine, names, parser, template)
     # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
     # data-parallel client's series carry each replica's own, which win).
     registry = with_labels(aengine.metrics_registry(), {"model_name": name, "engine": "0"})
@@ -234,22 +238,22 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         """OpenAI chat completions over the model's chat template."""
         return await load_aware(serving.chat(body, request))
 
-    def card() -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": created, "owned_by": "jpaged",
+    def card(model_id: str) -> dict[str, Any]:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "jpaged",
                 "root": aengine.model_source, "max_model_len": aengine.max_model_len}
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        """The one served model."""
-        return {"object": "list", "data": [card()]}
+        """The served model, a card per name it is served under."""
+        return {"object": "list", "data": [card(n) for n in names]}
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
         """The served model's card (404 for any other id), for `client.models.retrieve`."""
-        if model_id != name:
+        if model_id not in names:
             raise OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
                               code="model_not_found")
-        return card()
+        return card(model_id)
 
     app.include_router(v1)
 
@@ -304,7 +308,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 
 def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = DEFAULT_HOST,
                port: int = DEFAULT_PORT, api_key: str | None = None,
-               served_model_name: str | None = None, log_level: str = "info",
+               served_model_name: str | Sequence[str] | None = None, log_level: str = "info",
                enable_tokenizer_info_endpoint: bool = False,
                enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
                tool_call_parser: str | None = None, chat_template: str | None = None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -100,11 +100,13 @@ class Serving:
     """The endpoints' shared state and steps over one AsyncLLMEngine (CompletionServing and
     ChatServing add the handlers)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str,
+    def __init__(self, engine: AsyncLLMEngine, model_name: str | Sequence[str],
                  tool_parser: ToolParser | None = None, chat_template: str | None = None
                  ) -> None:
         self.engine = engine
-        self.model_name = model_name
+        # The names requests may use (vLLM's --served-model-name list); answers carry the first.
+        self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+        self.model_name = self.model_names[0]
         # vLLM's --chat-template: the server's template in place of the model's (a request's
         # own chat_template still wins).
         self.chat_template = chat_template
@@ -242,8 +244,8 @@ class Serving:
             raise OpenAIError(400, str(e), param="continue_final_message") from None
 
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is absent, empty (vLLM: the default model) or the served name."""
-        if model and model != self.model_name:
+        """404 unless `model` is absent, empty (vLLM: the default model) or a served name."""
+        if model and model not in self.model_names:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
                               code="model_not_found")
 

@@ -266,6 +266,11 @@ def test_vllm_spellings_of_the_arguments_are_read():
     assert normalize_argv(["serve", "--max_model_len=4k", "--enforce_eager", "a_b", "--",
                            "--x_y"]) == ["serve", "--max-model-len=4k", "--enforce-eager",
                                          "a_b", "--", "--x_y"]
+    # vLLM's several served names after one flag: the flag once per name.
+    assert normalize_argv(["serve", "m", "--served_model_name", "a", "b", "--port", "1"]) == [
+        "serve", "m", "--served-model-name", "a", "--served-model-name", "b", "--port", "1"]
+    assert normalize_argv(["serve", "--served-model-name", "--port", "1"]) == [
+        "serve", "--served-model-name", "--port", "1"]  # no name: the parser says so
 
 
 def test_config_file_flags_and_their_errors(tmp_path):

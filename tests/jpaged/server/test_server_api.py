@@ -212,6 +212,23 @@ def test_api_key(served):
     assert served.engine.is_running  # the app does not own (or stop) a shared engine
 
 
+def test_several_served_names(served):
+    """vLLM's --served-model-name a b: requests may name either, /v1/models lists both, the
+    answers and metrics carry the first; any other name is a 404."""
+    server = BackgroundServer(build_app(served.engine, ["first", "alias"]))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        assert [m.id for m in client.models.list()] == ["first", "alias"]
+        assert client.models.retrieve("alias").id == "alias"
+        r = client.completions.create(model="alias", prompt="x", max_tokens=2)
+        assert r.model == "first"
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt="x", max_tokens=2)
+        assert 'model_name="first"' in httpx.get(f"{server.url}/metrics", timeout=30).text
+    finally:
+        server.stop()
+
+
 def test_cors_as_vllms_and_preflights_pass_the_key(served):
     """vLLM's CORS: every origin by default, so a browser page may call the API; a preflight
     (OPTIONS, which carries no key) is answered, the request itself still needs the key;
