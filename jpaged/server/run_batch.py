@@ -42,52 +42,42 @@ def _output(custom_id: Any, status: int, body: dict[str, Any] | None) -> dict[st
             "error": (body or {}).get("error", body) if failed else None}
 
 
-class _Malformed(Exception):
-    """A line that is no batch request (its output line in `answer`)."""
-
-    def __init__(self, answer: dict[str, Any]) -> None:
-        super().__init__(answer["error"]["message"])
-        self.answer = answer
+def _bad_line(lineno: int, custom_id: Any, msg: str, param: str | None = None
+              ) -> dict[str, Any]:
+    return _output(custom_id, 400, error_body(f"line {lineno}: {msg}", param=param))
 
 
-def _bad_line(lineno: int, custom_id: Any, msg: str, param: str | None = None,
-              malformed: bool = True) -> dict[str, Any]:
-    answer = _output(custom_id, 400, error_body(f"line {lineno}: {msg}", param=param))
-    if malformed:
-        raise _Malformed(answer)
-    return answer
-
-
-async def _answer(client: Any, lineno: int, line: str) -> dict[str, Any]:
+async def _answer(client: Any, lineno: int, line: str) -> tuple[dict[str, Any], bool]:
+    """A line's output line, and whether the line was no batch request at all."""
     try:
         req = json.loads(line)
     except ValueError as e:
-        return _bad_line(lineno, None, f"not JSON ({e})")
+        return _bad_line(lineno, None, f"not JSON ({e})"), True
     if not isinstance(req, dict):
-        return _bad_line(lineno, None, "must be a JSON object with custom_id, method, url, body")
+        return _bad_line(lineno, None, "must be a JSON object with custom_id, method, url, "
+                         "body"), True
     custom_id = req.get("custom_id")
     if not isinstance(custom_id, str):
-        return _bad_line(lineno, custom_id, "custom_id must be a string", "custom_id")
+        return _bad_line(lineno, custom_id, "custom_id must be a string", "custom_id"), True
     if req.get("method", "POST") != "POST":
         return _bad_line(lineno, custom_id, f"method must be POST, got {req.get('method')!r}",
-                         "method")
+                         "method"), True
     url = req.get("url")
     if url not in URLS:
         return _bad_line(lineno, custom_id, f"url {url!r} is not served here; supported: "
-                         f"{', '.join(URLS)}", "url")
+                         f"{', '.join(URLS)}", "url"), True
     body = req.get("body")
     if not isinstance(body, dict):
-        return _bad_line(lineno, custom_id, "body must be a JSON object", "body")
-    if body.get("stream"):
-        return _bad_line(lineno, custom_id, "a batch request must not stream", "stream",
-                         malformed=False)
+        return _bad_line(lineno, custom_id, "body must be a JSON object", "body"), True
+    if body.get("stream"):  # a request, which this runner does not take
+        return _bad_line(lineno, custom_id, "a batch request must not stream", "stream"), False
     r = await client.post(url, json=body)
     try:
         answer = r.json()
     except ValueError:
         answer = error_body(r.text[:500] or f"HTTP {r.status_code}", "server_error",
                             code=r.status_code)
-    return _output(custom_id, r.status_code, answer)
+    return _output(custom_id, r.status_code, answer), False
 
 
 async def run_batch_lines(app: Any, lines: Sequence[str], max_in_flight: int = 256
@@ -103,16 +93,12 @@ async def run_batch_lines(app: Any, lines: Sequence[str], max_in_flight: int = 2
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://batch",
                                  timeout=None) as client:
-        malformed: list[int] = []
-
-        async def one(lineno: int, line: str) -> dict[str, Any]:
+        async def one(lineno: int, line: str) -> tuple[dict[str, Any], bool]:
             async with gate:
-                try:
-                    return await _answer(client, lineno, line)
-                except _Malformed as e:
-                    malformed.append(lineno)
-                    return e.answer
+                return await _answer(client, lineno, line)
 
-        answers = list(await asyncio.gather(*(one(i + 1, line) for i, line in enumerate(lines)
-                                              if line.strip())))
-        return BatchAnswers(answers, sorted(malformed))
+        numbered = [(i + 1, line) for i, line in enumerate(lines) if line.strip()]
+        answers = await asyncio.gather(*(one(n, line) for n, line in numbered))
+        return BatchAnswers([a for a, _ in answers],
+                            [n for (n, _), (_, bad) in zip(numbered, answers, strict=True)
+                             if bad])

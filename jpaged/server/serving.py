@@ -100,12 +100,12 @@ class Serving:
     """The endpoints' shared state and steps over one AsyncLLMEngine (CompletionServing and
     ChatServing add the handlers)."""
 
-    def __init__(self, engine: AsyncLLMEngine, model_name: str | Sequence[str],
+    def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str],
                  tool_parser: ToolParser | None = None, chat_template: str | None = None
                  ) -> None:
         self.engine = engine
         # The names requests may use (vLLM's --served-model-name list); answers carry the first.
-        self.model_names = [model_name] if isinstance(model_name, str) else list(model_name)
+        self.model_names = list(model_names)
         self.model_name = self.model_names[0]
         # vLLM's --chat-template: the server's template in place of the model's (a request's
         # own chat_template still wins).

@@ -26,8 +26,9 @@ def required_tool_calls(text: str) -> list[dict[str, Any]]:
         return []
 
 
-def _auto_calls(calls: list[tuple[str, str]], parallel: bool) -> list[dict[str, Any]]:
-    return [_tool_call(name, args) for name, args in (calls if parallel else calls[:1])]
+def _kept(calls: list[tuple[str, str]], parallel: bool) -> list[tuple[str, str]]:
+    """The calls an answer keeps: all, or with parallel_tool_calls false the first."""
+    return calls if parallel else calls[:1]
 
 
 def tool_call_message(text: str, finish_reason: str | None, tools: str,
@@ -51,7 +52,8 @@ def tool_call_message(text: str, finish_reason: str | None, tools: str,
             return {"role": "assistant", "content": text}, finish_reason
         content = text[:found.content_end]
         return ({"role": "assistant", "content": content or None,
-                 "tool_calls": _auto_calls(found.calls, parallel)}, "tool_calls")
+                 "tool_calls": [_tool_call(name, args)
+                                for name, args in _kept(found.calls, parallel)]}, "tool_calls")
     if tools != "required":
         return ({"role": "assistant", "content": "",
                  "tool_calls": [_tool_call(tools, text)]}, finish_reason)
@@ -112,7 +114,7 @@ class ToolCallStream:
         full = self.text[index] = self.text.get(index, "") + text
         found = self.parser.parse(full, final=finish is not None)
         sent, made = self.sent_content.get(index, 0), self.sent_calls.get(index, 0)
-        calls = found.calls if self.parallel else found.calls[:1]
+        calls = _kept(found.calls, self.parallel)
         # Once a call is out, no more content (a later block that does not parse stays out).
         end = sent if made else found.content_end
         delta: dict[str, Any] = {}
