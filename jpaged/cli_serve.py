@@ -11,7 +11,7 @@ import typer
 
 from jpaged.cli_common import create_engine, fail, run_worker_if_not_rank0
 from jpaged.cli_engine_flags import engine_args, with_engine_flags
-from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
+from jpaged.config import DEFAULT_HOST, DEFAULT_MAX_STORED_RESPONSES, DEFAULT_PORT
 
 # Front-end options serve and run-batch share (vLLM's names).
 ServedModelNameOption = Annotated[list[str] | None, typer.Option(
@@ -111,10 +111,14 @@ def serve(
         "list (vLLM's; default every origin).")] = '["*"]',
     allow_credentials: Annotated[bool, typer.Option(
         "--allow-credentials", help="CORS: allow cookies and authorization headers.")] = False,
+    max_stored_responses: Annotated[int, typer.Option(
+        "--max-stored-responses", min=0,
+        help="/v1/responses: how many answers are kept (the newest) for previous_response_id, "
+        "retrieval and background runs; 0 keeps none.")] = DEFAULT_MAX_STORED_RESPONSES,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
-    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /tokenize,
-    /detokenize, /metrics)."""
+    """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses,
+    /tokenize, /detokenize, /metrics)."""
     flags = _with_model_tag(engine_flags or {}, model_tag)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -157,7 +161,8 @@ def serve(
                    enable_server_load_tracking=enable_server_load_tracking,
                    enable_auto_tool_choice=enable_auto_tool_choice,
                    tool_call_parser=tool_call_parser, chat_template=chat_template,
-                   allowed_origins=origins, allow_credentials=allow_credentials)
+                   allowed_origins=origins, allow_credentials=allow_credentials,
+                   max_stored_responses=max_stored_responses)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 

@@ -17,6 +17,8 @@ DEFAULT_MAX_NUM_SEQS = 256
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
+# /v1/responses answers a server keeps for previous_response_id (the newest first).
+DEFAULT_MAX_STORED_RESPONSES = 1000
 DEFAULT_KV_CACHE_DIR = "~/.cache/jpaged/kv"  # the disk KV tier when kv_cache_dir is None
 # JAX's persistent compilation cache, unless JPAGED_COMPILE_CACHE_DIR says otherwise ("off":
 # none) or the process configured one itself (jax_compilation_cache_dir).

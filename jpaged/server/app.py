@@ -23,12 +23,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from jpaged import __version__
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
-from jpaged.config import DEFAULT_HOST, DEFAULT_PORT
+from jpaged.config import DEFAULT_HOST, DEFAULT_MAX_STORED_RESPONSES, DEFAULT_PORT
 from jpaged.engine import LLMEngine
 from jpaged.frontend import RequestFrontend
 from jpaged.gc_heap import freeze_gc_heap
 from jpaged.metrics import render, with_labels
-from jpaged.server.chat import ChatServing
 from jpaged.server.completions import CompletionServing
 from jpaged.server.protocol import (
     ChatCompletionRequest,
@@ -38,6 +37,8 @@ from jpaged.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from jpaged.server.responses import ResponsesServing
+from jpaged.server.responses_protocol import ResponsesRequest
 from jpaged.server.serving import EventStream, load_chat_template
 from jpaged.server.tokenization import TokenizationServing
 from jpaged.server.tool_parsers import auto_tool_parser
@@ -48,7 +49,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("jpaged.server")
 
 
-class _Serving(CompletionServing, ChatServing, TokenizationServing):
+class _Serving(CompletionServing, ResponsesServing, TokenizationServing):
     """The generation and tokenizer endpoints over one engine (its tokenizer measured once)."""
 
 
@@ -118,8 +119,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               owned: bool | None = None, enable_tokenizer_info_endpoint: bool = False,
               enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, chat_template: str | None = None,
-              allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False
-              ) -> FastAPI:
+              allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False,
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
@@ -137,6 +138,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     the model's (a request's own still wins).
     `allowed_origins`, `allow_credentials`: CORS, as vLLM's (every origin by default, so a
     browser page may call the API; its preflights pass the API key's gate).
+    `max_stored_responses`: how many /v1/responses answers are kept (the newest) for
+    previous_response_id, retrieval and background runs; 0 keeps none.
     """
     parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     template = load_chat_template(chat_template) if chat_template is not None else None
@@ -148,6 +151,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
              else list(served_model_name or ())) or [default_model_name(aengine.model_source)]
     name = names[0]
     serving = _Serving(aengine, names, parser, template)
+    serving.init_responses(max_stored_responses)
     # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
     # data-parallel client's series carry each replica's own, which win).
     registry = with_labels(aengine.metrics_registry(), {"model_name": name, "engine": "0"})
@@ -156,6 +160,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> Any:
         yield
+        await serving.close_responses()
         if owned:
             aengine.shutdown()
 
@@ -238,6 +243,32 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         """OpenAI chat completions over the model's chat template."""
         return await load_aware(serving.chat(body, request))
 
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        """OpenAI's Responses API: a response, its event stream, or a background run."""
+        return await load_aware(serving.responses(body, request))
+
+    @v1.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> dict[str, Any]:
+        """A stored response (a background one as it stands)."""
+        return serving.retrieve_response(response_id)
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> dict[str, Any]:
+        """Cancel a background response."""
+        return await serving.cancel_response(response_id)
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        """Forget a stored response."""
+        return await serving.delete_response(response_id)
+
+    @v1.get("/responses/{response_id}/input_items")
+    async def response_input_items(response_id: str, order: str = "desc", limit: int = 20,
+                                   after: str | None = None) -> dict[str, Any]:
+        """A stored response's input items, OpenAI's list page."""
+        return serving.input_items(response_id, order, limit, after)
+
     def card(model_id: str) -> dict[str, Any]:
         return {"id": model_id, "object": "model", "created": created, "owned_by": "jpaged",
                 "root": aengine.model_source, "max_model_len": aengine.max_model_len}
@@ -312,8 +343,8 @@ def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = 
                enable_tokenizer_info_endpoint: bool = False,
                enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
                tool_call_parser: str | None = None, chat_template: str | None = None,
-               allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False
-               ) -> None:
+               allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False,
+               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
     """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
     is shut down when the server stops."""
     app = build_app(engine, served_model_name, api_key, owned=True,
@@ -321,7 +352,8 @@ def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = 
                     enable_server_load_tracking=enable_server_load_tracking,
                     enable_auto_tool_choice=enable_auto_tool_choice,
                     tool_call_parser=tool_call_parser, chat_template=chat_template,
-                    allowed_origins=allowed_origins, allow_credentials=allow_credentials)
+                    allowed_origins=allowed_origins, allow_credentials=allow_credentials,
+                    max_stored_responses=max_stored_responses)
     freeze_gc_heap()  # this process is the server's: start-up objects stay to the end
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

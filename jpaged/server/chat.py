@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request as HTTPRequest
@@ -15,6 +16,15 @@ from jpaged.server.logprobs import chat_logprobs, prompt_logprobs_json
 from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
 from jpaged.server.serving import EventStream, Serving, sse, until_disconnected
 from jpaged.server.tool_calls import ToolCallStream
+
+
+@dataclass
+class ChatRun:
+    """A chat request in the engine: its batch, its tool-call reader and its tool mode."""
+
+    batch: RequestBatch
+    calls: ToolCallStream
+    tools: str  # 'none', 'auto', 'required' or the forced function's name
 
 
 class ChatServing(Serving):
@@ -31,6 +41,21 @@ class ChatServing(Serving):
         return await until_disconnected(http, self._chat(req))  # as completion(): from the start
 
     async def _chat(self, req: ChatCompletionRequest) -> dict[str, Any] | EventStream:
+        started = await self._start_chat(req, "chatcmpl")
+        if not isinstance(started, ChatRun):
+            return started  # beam search's whole answer
+        batch, calls = started.batch, started.calls
+        head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
+        echo = req.echoed() if started.tools == "none" else ""
+        if req.stream:
+            return EventStream(self._stream_chat(batch, head, req.include_usage, calls, echo),
+                               batch.close)
+        return await self._full_chat(batch, head, calls, echo)
+
+    async def _start_chat(self, req: ChatCompletionRequest, id_prefix: str
+                          ) -> ChatRun | dict[str, Any] | EventStream:
+        """Check a chat request, render and tokenize its prompt and add it to the engine (its
+        id `id_prefix`-<hex> unless it names one); a beam search runs whole here."""
         self.check_model(req.model)
         req.check_prompt()
         params = req.to_sampling_params(self.engine.default_sampling)
@@ -51,17 +76,12 @@ class ChatServing(Serving):
         beam = req.beam_search_params(params)
         if beam is not None:
             return await self._beam_chat(req, prompt, params, beam)
-        batch = RequestBatch(self.engine, req.request_id or f"chatcmpl-{uuid.uuid4().hex}",
+        batch = RequestBatch(self.engine, req.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
                              params, req.priority)
         batch.configure(req)
         await batch.start([prompt], param)
-        head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
-        echo = req.echoed() if tools == "none" else ""
-        calls = ToolCallStream(tools, parser, req.parallel_tool_calls is not False)
-        if req.stream:
-            return EventStream(self._stream_chat(batch, head, req.include_usage, calls, echo),
-                               batch.close)
-        return await self._full_chat(batch, head, calls, echo)
+        return ChatRun(batch, ToolCallStream(tools, parser, req.parallel_tool_calls is not False),
+                       tools)
 
     async def _beam_chat(self, req: ChatCompletionRequest, prompt: Any, params: SamplingParams,
                          beam: BeamSearchParams) -> dict[str, Any] | EventStream:

@@ -1,0 +1,369 @@
+"""The /v1/responses endpoints (OpenAI's Responses API, as vLLM serves it): create (whole, as
+server-sent events, or in the background), retrieve, cancel, delete, list input items; the
+store that `previous_response_id` reads."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import OrderedDict
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.requests import Request as HTTPRequest
+
+from jpaged.config import DEFAULT_MAX_STORED_RESPONSES
+from jpaged.server.chat import ChatRun, ChatServing
+from jpaged.server.logprobs import chat_logprobs
+from jpaged.server.protocol import OpenAIError
+from jpaged.server.responses_protocol import (
+    ResponsesRequest,
+    function_call_item,
+    history_messages,
+    message_item,
+    new_id,
+    now,
+    output_items,
+    output_text,
+    response_object,
+)
+from jpaged.server.serving import EventStream, _stream_error, until_disconnected
+
+# The status of a response whose output ended for this finish_reason.
+_STATUS = {"length": "incomplete", "abort": "cancelled"}
+
+
+@dataclass
+class StoredResponse:
+    """A response kept by id: the object, the conversation a later turn continues (without
+    the instructions, which do not carry over), its input items, its background task."""
+
+    body: dict[str, Any]
+    history: list[dict[str, Any]]
+    input_items: list[dict[str, Any]]
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+
+class ResponseStore:
+    """The last `capacity` stored responses by id, oldest dropped first (0: none kept)."""
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {capacity}")
+        self.capacity = capacity
+        self._items: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def put(self, rid: str, item: StoredResponse) -> None:
+        """Keep `item` under `rid` (the newest), dropping the oldest beyond capacity."""
+        if not self.capacity:
+            return
+        self._items[rid] = item
+        self._items.move_to_end(rid)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, rid: str) -> StoredResponse:
+        """The stored response `rid`, or a 404 naming it."""
+        item = self._items.get(rid)
+        if item is None:
+            hint = "" if self.capacity else " (this server keeps no responses: " \
+                "--max-stored-responses 0)"
+            raise OpenAIError(404, f"Response with id '{rid}' not found.{hint}",
+                              "invalid_request_error", param="response_id")
+        return item
+
+    def pop(self, rid: str) -> StoredResponse:
+        """Remove and return `rid` (a 404 naming it when absent)."""
+        item = self.get(rid)
+        del self._items[rid]
+        return item
+
+    def __contains__(self, rid: str) -> bool:
+        return rid in self._items
+
+    def tasks(self) -> list[asyncio.Task]:
+        """The background tasks still running."""
+        return [s.task for s in self._items.values() if s.task is not None and not s.task.done()]
+
+
+def _input_items(req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as items with ids (GET .../input_items lists them)."""
+    if isinstance(req.input, str):
+        items: list[dict[str, Any]] = [{"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": req.input}]}]
+    else:
+        items = [dict(it) for it in req.input]
+    for it in items:
+        it.setdefault("type", "message")
+        prefix = {"function_call": "fc", "function_call_output": "fco"}.get(it["type"], "msg")
+        it.setdefault("id", new_id(prefix))
+    return items
+
+
+class ResponsesServing(ChatServing):
+    """The handlers of /v1/responses over the chat machinery (a Responses request runs as the
+    chat request it amounts to)."""
+
+    store: ResponseStore
+
+    def init_responses(self, max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+        """Create the response store (called once by build_app)."""
+        self.store = ResponseStore(max_stored_responses)
+
+    async def responses(self, req: ResponsesRequest, http: HTTPRequest
+                        ) -> dict[str, Any] | EventStream | None:
+        """A response object, its SSE stream, or None if the client went away."""
+        return await until_disconnected(http, self._responses(req))
+
+    async def _responses(self, req: ResponsesRequest) -> dict[str, Any] | EventStream:
+        self.check_model(req.model)
+        history: list[dict[str, Any]] = []
+        if req.previous_response_id is not None:
+            prev = self.store.get(req.previous_response_id)
+            if prev.body["status"] in ("queued", "in_progress"):
+                raise OpenAIError(400, f"previous response {req.previous_response_id!r} has "
+                                  "not finished", param="previous_response_id")
+            history = prev.history
+        chat = req.chat_request(history, self.engine.max_model_len)
+        rid = req.request_id or new_id("resp")
+        if req.store and rid in self.store:
+            raise OpenAIError(400, f"request_id {rid!r} is already a stored response",
+                              param="request_id")
+        chat.request_id = rid
+        started = await self._start_chat(chat, "resp")
+        assert isinstance(started, ChatRun)  # a Responses request never runs beam search
+        params = started.batch.params
+        prompt_len = started.batch.prompt_tokens[0]
+        max_out = params.max_tokens if params.max_tokens is not None \
+            else self.engine.max_model_len - prompt_len
+
+        def body(status: str, output: list[dict[str, Any]],
+                 chat_usage: dict[str, Any] | None) -> dict[str, Any]:
+            return response_object(req, rid, self.model_name, created, status, output,
+                                   chat_usage, params.temperature, params.top_p, max_out)
+
+        created = now()
+        # What a later turn continues: this turn's conversation without its instructions.
+        kept = StoredResponse(body("queued", [], None), history + req.input_messages(),
+                              _input_items(req))
+        if req.background:
+            kept.task = asyncio.ensure_future(self._background(req, started, body, kept))
+            self.store.put(rid, kept)
+            return kept.body
+        if req.stream:
+            return EventStream(self._events(req, started, body, kept), started.batch.close)
+        final = await self._whole(req, started, body)
+        self._keep(req, rid, kept, final)
+        return final
+
+    def _keep(self, req: ResponsesRequest, rid: str, kept: StoredResponse,
+              final: dict[str, Any]) -> None:
+        """Store a finished response (store true): its object and the conversation after it."""
+        if not req.store:
+            return
+        kept.body = final
+        kept.history = kept.history + history_messages(final["output"])
+        self.store.put(rid, kept)
+
+    async def _whole(self, req: ResponsesRequest, run: ChatRun, body: Any) -> dict[str, Any]:
+        """The finished response object."""
+        batch = run.batch
+        text, finish, lps = "", None, None
+        try:
+            async for _, out in batch.outputs():
+                c = out.outputs[0]
+                text, finish = c.text, c.finish_reason
+                if req.logprobs:
+                    lps = self._logprobs(c, batch.params.logprobs or 0)
+        finally:
+            batch.close()
+        message, finish = run.calls.message(text, finish)
+        status = _STATUS.get(finish or "", "completed")
+        return body(status, output_items(message, lps), batch.usage())
+
+    def _logprobs(self, c: Any, top: int) -> list[dict[str, Any]]:
+        """The output_text logprobs of an output's (new) tokens, `top` candidates each."""
+        lps = chat_logprobs(c, self.engine.tokenizer, False, top)
+        return (lps or {}).get("content") or []
+
+    async def _background(self, req: ResponsesRequest, run: ChatRun, body: Any,
+                          kept: StoredResponse) -> None:
+        """Run a background response to its end, its stored status following it."""
+        kept.body = {**kept.body, "status": "in_progress"}
+        try:
+            final = await self._whole(req, run, body)
+        except asyncio.CancelledError:
+            run.batch.close()
+            raise
+        except Exception as e:  # noqa: BLE001 - the stored response says what failed
+            err = _stream_error(e)["error"]
+            kept.body = {**kept.body, "status": "failed",
+                         "error": {"code": str(err.get("code") or "server_error"),
+                                   "message": err["message"]}}
+            return
+        if kept.body["status"] != "cancelled":
+            kept.history = kept.history + history_messages(final["output"])
+            kept.body = final
+
+    async def _events(self, req: ResponsesRequest, run: ChatRun, body: Any,
+                      kept: StoredResponse) -> AsyncIterator[str]:
+        """The response's server-sent events, as OpenAI names them: created, in_progress, each
+        output item added / its deltas / done, completed (its status may be incomplete)."""
+        batch, calls = run.batch, run.calls
+        seq = 0
+
+        def event(kind: str, **fields: Any) -> str:
+            nonlocal seq
+            data = {"type": kind, "sequence_number": seq, **fields}
+            seq += 1
+            return f"event: {kind}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+        items: list[dict[str, Any]] = []  # finished output items
+        current: dict[str, Any] | None = None  # the item being streamed
+        text_lps: list[dict[str, Any]] = []
+
+        def close() -> list[str]:
+            nonlocal current
+            if current is None:
+                return []
+            i, out = len(items), []
+            if current["type"] == "message":
+                text = current["content"][0]["text"]
+                part = output_text(text, text_lps if req.logprobs else None)
+                out += [event("response.output_text.done", item_id=current["id"],
+                              output_index=i, content_index=0, text=text,
+                              logprobs=part["logprobs"]),
+                        event("response.content_part.done", item_id=current["id"],
+                              output_index=i, content_index=0, part=part)]
+                current = message_item(text, part["logprobs"], item_id=current["id"])
+            else:
+                out.append(event("response.function_call_arguments.done",
+                                 item_id=current["id"], output_index=i,
+                                 arguments=current["arguments"]))
+                current = {**current, "status": "completed"}
+            out.append(event("response.output_item.done", output_index=i, item=current))
+            items.append(current)
+            current = None
+            return out
+
+        start = body("in_progress", [], None)
+        try:
+            yield event("response.created", response=start)
+            yield event("response.in_progress", response=start)
+            finish = None
+            async for _, out in batch.outputs():
+                c = out.outputs[0]
+                finish = c.finish_reason
+                delta, _ = calls.delta(0, c.text, c.finish_reason)
+                if not delta:
+                    continue
+                lps = self._logprobs(c, batch.params.logprobs or 0) if req.logprobs else []
+                if delta.get("content"):
+                    if current is None or current["type"] != "message":
+                        for e in close():
+                            yield e
+                        current = message_item("", None, "in_progress")
+                        text_lps = []
+                        yield event("response.output_item.added", output_index=len(items),
+                                    item={**current, "content": []})
+                        yield event("response.content_part.added", item_id=current["id"],
+                                    output_index=len(items), content_index=0,
+                                    part=output_text("", None))
+                    current["content"][0]["text"] += delta["content"]
+                    text_lps += lps
+                    yield event("response.output_text.delta", item_id=current["id"],
+                                output_index=len(items), content_index=0,
+                                delta=delta["content"], logprobs=lps)
+                for tc in delta.get("tool_calls") or []:
+                    if "id" in tc:  # a new call: its item, then its arguments as they come
+                        for e in close():
+                            yield e
+                        current = function_call_item(
+                            {**tc, "function": {**tc["function"], "arguments": ""}},
+                            "in_progress")
+                        yield event("response.output_item.added", output_index=len(items),
+                                    item=current)
+                    args = tc["function"].get("arguments") or ""
+                    if args and current is not None:
+                        current["arguments"] += args
+                        yield event("response.function_call_arguments.delta",
+                                    item_id=current["id"], output_index=len(items),
+                                    delta=args)
+            for e in close():
+                yield e
+            final = body(_STATUS.get(finish or "", "completed"), items, batch.usage())
+            self._keep(req, final["id"], kept, final)
+            yield event("response.completed", response=final)
+        except OpenAIError as e:
+            yield event("error", **_error_fields(e.body()["error"]))
+        except Exception as e:  # noqa: BLE001 - an engine failure ends the stream with its error
+            yield event("error", **_error_fields(_stream_error(e)["error"]))
+        finally:
+            batch.close()
+
+    def retrieve_response(self, rid: str) -> dict[str, Any]:
+        """A stored response's object (a background one: as it stands)."""
+        return self.store.get(rid).body
+
+    async def cancel_response(self, rid: str) -> dict[str, Any]:
+        """Cancel a background response still running; its object, status cancelled."""
+        kept = self.store.get(rid)
+        if kept.task is None:
+            raise OpenAIError(400, "Cannot cancel a synchronous response.",
+                              param="response_id")
+        if kept.body["status"] in ("queued", "in_progress"):
+            kept.body = {**kept.body, "status": "cancelled"}
+            kept.task.cancel()
+            try:
+                await kept.task
+            except asyncio.CancelledError:
+                pass
+        return kept.body
+
+    async def delete_response(self, rid: str) -> dict[str, Any]:
+        """Forget a stored response (a running one is cancelled first)."""
+        kept = self.store.pop(rid)
+        if kept.task is not None and not kept.task.done():
+            kept.task.cancel()
+            try:
+                await kept.task
+            except asyncio.CancelledError:
+                pass
+        return {"id": rid, "object": "response", "deleted": True}
+
+    def input_items(self, rid: str, order: str, limit: int, after: str | None
+                    ) -> dict[str, Any]:
+        """OpenAI's input item list of a stored response (newest first by default)."""
+        if order not in ("asc", "desc"):
+            raise OpenAIError(400, f"order must be 'asc' or 'desc', got {order!r}",
+                              param="order")
+        if not 1 <= limit <= 100:
+            raise OpenAIError(400, f"limit must be between 1 and 100, got {limit}",
+                              param="limit")
+        items = self.store.get(rid).input_items
+        items = items[::-1] if order == "desc" else list(items)
+        if after is not None:
+            ids = [it["id"] for it in items]
+            if after not in ids:
+                raise OpenAIError(400, f"after: no input item {after!r} in response {rid!r}",
+                                  param="after")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return {"object": "list", "data": page,
+                "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None,
+                "has_more": len(items) > limit}
+
+    async def close_responses(self) -> None:
+        """Cancel the background responses still running (the server is stopping)."""
+        tasks = self.store.tasks()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _error_fields(err: dict[str, Any]) -> dict[str, Any]:
+    """An error event's fields (OpenAI's: code, message, param)."""
+    return {"code": None if err.get("code") is None else str(err["code"]),
+            "message": err["message"], "param": err.get("param")}
