@@ -265,10 +265,12 @@ class KVCacheManager:
         return fresh
 
     def _record_admission(self, request: Request, hit_tokens: int) -> None:
-        """Count a request's first lookup (prefix-cache metrics; re-admissions apart)."""
+        """Count a request's first lookup (prefix-cache metrics; re-admissions apart). A
+        request that skips the lookup (prompt_logprobs) is no query, as vLLM counts."""
         if self.enable_caching:
-            self.stats.record(request.num_tokens, hit_tokens,
-                              preempted=request.num_preemptions > 0)
+            if not request.skip_reading_prefix_cache:
+                self.stats.record(request.num_tokens, hit_tokens,
+                                  preempted=request.num_preemptions > 0)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = hit_tokens
 
@@ -495,6 +497,8 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> bool:
         """Drop all cached hashes (host-tier entries too); False while any block is in use."""
         ok = self.block_pool.reset_prefix_cache()
+        if ok:  # the recent hit rate starts over (vLLM's reset); the totals keep counting
+            self.stats.reset_recent()
         if ok and self.tiers is not None:
             self.tiers.host.clear_prefix_entries()
         events = self.block_pool.events

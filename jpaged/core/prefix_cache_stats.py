@@ -43,6 +43,11 @@ class PrefixCacheStats:
             self._recent_q -= q
             self._recent_h -= h
 
+    def reset_recent(self) -> None:
+        """Forget the recent window (the prefix cache was reset); the totals stay."""
+        self._recent.clear()
+        self._recent_q = self._recent_h = 0
+
     @property
     def hit_rate(self) -> float:
         """hits / queries over all first admissions (0 when none)."""

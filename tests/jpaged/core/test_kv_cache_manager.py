@@ -173,6 +173,39 @@ def test_preempted_lookups_counted_apart_and_recent_window():
     assert s.recent_hit_rate == 1.0 and s.hit_rate < 1.0
 
 
+def test_prompt_logprobs_requests_are_no_prefix_cache_queries():
+    """vLLM's test_prefill_plp: a request that skips the lookup (prompt_logprobs) is neither
+    a query nor a hit, so the hit rate is of the requests that could hit."""
+    m = KVCacheManager(4, 20, 200)
+    run_prefill(m, req("plp0", list(range(13)), prompt_logprobs=1))
+    assert (m.stats.requests, m.stats.queries, m.stats.hits) == (0, 0, 0)
+    assert run_prefill(m, req("r1", list(range(13)))) == 12
+    assert run_prefill(m, req("plp2", list(range(13)), prompt_logprobs=1)) == 0
+    assert (m.stats.requests, m.stats.queries, m.stats.hits) == (1, 13, 12)
+    assert m.stats.recent_hit_rate == 12 / 13
+
+
+def test_reset_prefix_cache_restarts_the_recent_hit_rate_only():
+    """vLLM's reset: the logged (recent) hit rate starts over, the totals keep counting; a
+    refused reset (blocks in use) changes neither."""
+    m = KVCacheManager(4, 20, 200)
+    a = req("a", list(range(9)))
+    run_prefill(m, a)
+    b = req("b", list(range(9)))
+    run_prefill(m, b)
+    before = (m.stats.queries, m.stats.hits, m.stats.recent_hit_rate)
+    assert before[2] > 0
+    assert not m.reset_prefix_cache()  # a and b hold blocks
+    assert m.stats.recent_hit_rate == before[2]
+    m.free(a)
+    m.free(b)
+    assert m.reset_prefix_cache()
+    assert m.stats.recent_hit_rate == 0.0
+    assert (m.stats.queries, m.stats.hits) == before[:2]
+    run_prefill(m, req("c", list(range(9))))  # nothing cached any more: a miss
+    assert m.stats.recent_hit_rate == 0.0 and m.stats.queries == before[0] + 9
+
+
 def test_caching_disabled_no_hits_no_hashes_needed():
     m = KVCacheManager(4, 20, 200, enable_caching=False)
     a = make_request("a", list(range(12)))
