@@ -299,6 +299,42 @@ class KVCacheManager:
             else:
                 del counts[h]
 
+    def blocks_to_admit(self, request: Request, num_new_tokens: int,
+                        hits: Sequence[Sequence[KVCacheBlock | int]] = (),
+                        num_hit_tokens: int = 0, swapped: bool = False) -> int:
+        """Free blocks `allocate_slots` (or, `swapped`, `swap_in`) would take to admit
+        `request` now: new positions of every group, host slots to load, and the free cached
+        hit blocks it takes out of the free queue (not windowed groups' releases)."""
+        bs, G = self.block_size, self.num_groups
+        if swapped:
+            restored = self.swapped_tokens(request.request_id) or 0
+            n_tab = cdiv(restored + num_new_tokens, bs)
+            return sum(n_tab - p.first_held(restored) for p in self.policies)
+        req = self._req_tables.get(request.request_id)
+        total = request.num_computed_tokens + num_hit_tokens + num_new_tokens
+        if req is not None:
+            return G * max(0, cdiv(total, bs) - req.num_positions)
+        num_hit = len(hits[0]) if hits else 0
+        taken = sum(1 for row in hits for b in row
+                    if isinstance(b, int) or (b.ref_count == 0 and not b.is_null))
+        return G * max(0, cdiv(total, bs) - num_hit) + taken
+
+    def blocks_freed_by(self, requests: Sequence[Request],
+                        keep: Sequence[Sequence[KVCacheBlock | int]] = ()) -> int:
+        """Blocks that freeing every one of `requests` would return to the free queue: those
+        no other request holds, `keep` (a hit about to be taken) excepted."""
+        kept = {b.block_id for row in keep for b in row if not isinstance(b, int)}
+        held: dict[int, int] = {}
+        refs: dict[int, int] = {}
+        for r in requests:
+            tables = self._req_tables.get(r.request_id)
+            for table in tables.blocks if tables is not None else ():
+                for b in table:
+                    if not b.is_null and b.block_id not in kept:
+                        held[b.block_id] = held.get(b.block_id, 0) + 1
+                        refs[b.block_id] = b.ref_count
+        return sum(1 for bid, n in held.items() if refs[bid] == n)
+
     def commit(self, request: Request) -> None:
         """After a step: cache every group's blocks made full by the computed tokens."""
         rid = request.request_id

@@ -5,7 +5,8 @@ When ``allocate_slots`` returns None the scheduler (1) reuses free cached blocks
 prompt phase, then (3) a decoding one, the least important first ("least important" = largest
 (priority, arrival_time, seq); ``fcfs``: (arrival_time, seq)). A running request only preempts
 requests strictly less important than itself; at admission only the ``priority``/``lpm``
-policies preempt, and only requests of a strictly larger priority value.
+policies preempt, only requests of a strictly larger priority value, and only when preempting
+all of those would make room (else nobody: the arrival waits, as vLLM's would).
 """
 
 from __future__ import annotations
@@ -58,16 +59,33 @@ class PreemptionMixin:
                   admission: bool = False, offloaded: TierHit | None = None,
                   swapped: bool = False, delay_cache_blocks: bool = False) -> bool:
         """allocate_slots (or swap_in), preempting eligible victims (stage 2, then 3) until it
-        succeeds."""
+        succeeds. At admission nobody is preempted unless preempting every eligible victim
+        would make room (a request that cannot get in must not cost others their progress)."""
         kv = self.kv_cache_manager
+        checked = not admission
         while (kv.swap_in(req, num_new) if swapped else
                kv.allocate_slots(req, num_new, hit_blocks, hit_tokens, offloaded,
                                  delay_cache_blocks)) is None:
+            if not checked:
+                checked = True
+                hits = offloaded.entries if offloaded is not None else hit_blocks
+                need = kv.blocks_to_admit(req, num_new, hits, hit_tokens, swapped)
+                room = kv.num_free_blocks + kv.blocks_freed_by(
+                    self._eligible_victims(req, st), keep=hits)
+                if need > room:
+                    return False
             victim = self._pick_victim(req, st, admission)
             if victim is None:
                 return False
             self._preempt(victim, st)
         return True
+
+    def _eligible_victims(self, req: Request, st: ScheduleStep) -> list[Request]:
+        """The running requests an admission of `req` may preempt (`_pick_victim`'s rule)."""
+        if self.policy == "fcfs":
+            return []
+        return [c for stage, lst in enumerate(st.victims) for c in lst[:st.tails[stage] + 1]
+                if c.status is RUNNING and c.priority > req.priority]
 
     def _pick_victim(self, req: Request, st: ScheduleStep, admission: bool) -> Request | None:
         if admission and self.policy == "fcfs":

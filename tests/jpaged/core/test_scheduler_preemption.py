@@ -127,6 +127,28 @@ def test_admission_preemption(policy, new_prio, expect_preempt):
 
 
 @pytest.mark.parametrize("caching", [True, False])
+def test_admission_preempts_nobody_when_even_all_victims_leave_too_little(caching):
+    """A more important arrival that would not fit even if every less important request gave
+    its blocks back preempts none of them (found by vLLM's priority-scheduling tests: the
+    victim lost its progress and the freed blocks sat idle); it waits, the others run on."""
+    s = make_scheduler(7, caching=caching)  # 6 usable blocks
+    x = make_request("X", prompt(1, 12), 8, priority=0, arrival=0.0)
+    low = make_request("L", prompt(2, 6), 4, priority=5, arrival=1.0)
+    s.add_request(x)
+    s.add_request(low)
+    sim = Sim(s)
+    sim.step()  # X holds 3 blocks, L 2: one free
+    big = make_request("H", prompt(3, 16), 4, priority=1, arrival=2.0)  # needs 4 (+1)
+    s.add_request(big)
+    out = sim.step()
+    assert out.preempted == [] and low.status is RequestStatus.RUNNING
+    assert big.status is RequestStatus.WAITING
+    assert {x.request.request_id for x in out.scheduled} == {"X", "L"}
+    sim.run()
+    check_outputs(sim.finished, [x, low, big])
+
+
+@pytest.mark.parametrize("caching", [True, False])
 @pytest.mark.parametrize("policy", ["priority", "fcfs", "lpm"])
 def test_recompute_matches_unconstrained_run(caching, policy):
     def workload():
