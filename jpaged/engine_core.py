@@ -26,7 +26,7 @@ from flax import nnx
 from jpaged.config import EngineArgs, EngineConfig
 from jpaged.core.cache_state import snapshot as _cache_snapshot
 from jpaged.core.cache_state import tier_metrics as _tier_metrics
-from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
+from jpaged.core.kv_cache_groups import blocks_by_length, kv_cache_layout
 from jpaged.core.kv_connector import KVConnectorScheduler
 from jpaged.core.metrics_history import MetricsHistory
 from jpaged.core.sched_output import SchedulerOutput
@@ -237,9 +237,10 @@ class EngineCore:
             num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
                                         s.max_model_len, activation_bytes=probe,
                                         kv_head_shards=tp, host_devices=tp, kv_layers=kv_layers,
-                                        blocks_per_seq=blocks_needed(
-                                            s.max_model_len, self.kv_layout,
-                                            config.cache.block_size, s.max_chunk_tokens),
+                                        blocks_per_seq=blocks_by_length(
+                                            self.kv_layout, config.cache.block_size,
+                                            s.max_chunk_tokens if s.enable_chunked_prefill
+                                            else None),
                                         extra_bytes_per_block=draft_block_bytes)
             if self.group is not None:
                 self.group.send_config(num_blocks)

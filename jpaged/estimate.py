@@ -13,17 +13,19 @@ Arithmetic, per device (``--gpu-memory`` is the memory of one device):
   itself measures the real peak from the compiled step at start-up; this is the planner's guess.
 * KV budget = gpu memory x utilization - parameters - activation allowance - margin;
   num_blocks = budget // bytes per block; block 0 is the engine's null block, so
-  max concurrent sequences = (num_blocks - 1) // ceil(max_model_len / block_size).
+  max concurrent sequences = (num_blocks - 1) // blocks per sequence, which is
+  ceil(max_model_len / block_size) for a model without sliding layers.
 
 With tensor parallelism the attention heads, MLP columns and vocabulary are split over the
 devices; KV heads are split too, or replicated (one per device) when tp > kv heads.
 
 Hybrid models (sliding-window layers: Gemma 2/3, Mistral v0.1, Qwen with use_sliding_window)
-also get the hybrid layout's figures: a sliding layer needs only the blocks of its last
-``window`` tokens plus the chunk being computed, cdiv(window - 1 + max_num_batched_tokens,
-block_size) + 1 of them, while a full layer needs all cdiv(max_model_len, block_size). jpaged
-allocates the full layout today (every layer keeps every block); the hybrid figures say what
-the hybrid KV cache manager would hold.
+are sized as the engine lays them out (its KV cache groups): a block id holds one group's
+layers, a sliding group keeps only the blocks of its last ``window`` tokens plus the chunk
+being computed (cdiv(window - 1 + max_num_batched_tokens, block_size) + 1), a full group all
+cdiv(max_model_len, block_size); blocks per sequence count every group's. The full layout
+(--disable-hybrid-kv-cache-manager: every layer keeps every block) is set beside it. The
+largest max_model_len that fits is found by bisection over that count.
 """
 
 from __future__ import annotations
@@ -46,6 +48,12 @@ from jpaged.config import (
     MODEL_DTYPES,
     QUANTIZATION_METHODS,
     canonical_dtype,
+)
+from jpaged.core.kv_cache_groups import (
+    KVCacheLayout,
+    blocks_by_length,
+    kv_cache_layout,
+    largest_fitting,
 )
 from jpaged.intmath import cdiv
 
@@ -101,14 +109,15 @@ class CapacityEstimate:
     max_concurrent_seqs: int  # at max_model_len
     blocks_per_avg_seq: int | None
     max_concurrent_seqs_at_avg_len: int | None
-    # Hybrid models (sliding-window layers): what the hybrid layout would hold, where each
-    # sliding layer keeps only cdiv(window - 1 + chunk, block_size) + 1 blocks per sequence.
-    # jpaged allocates the full layout today; these fields size the hybrid one. None otherwise.
+    # Hybrid models (sliding-window layers): the figures above are the engine's hybrid layout
+    # (a sliding group keeps its window plus a chunk of blocks per sequence); these set it
+    # beside the full layout (--disable-hybrid-kv-cache-manager). None otherwise.
     sliding_layers: int = 0
     sliding_window: int | None = None
+    layers_per_block: int | None = None  # layers' KV one block id holds (a group's)
     full_layout_bytes_per_seq: int | None = None  # per device, one max_model_len sequence
     hybrid_bytes_per_seq: int | None = None
-    hybrid_max_concurrent_seqs: int | None = None
+    full_layout_max_concurrent_seqs: int | None = None
     hybrid_capacity_ratio: float | None = None  # full / hybrid bytes per sequence
     # A speculative draft model (--draft-model): its weights, and the KV each block holds for
     # it too (its pages share the target's block ids); counted in the budget and blocks above.
@@ -389,8 +398,14 @@ def estimate_capacity(
         draft_block = block_size * int(dspec.kv_bytes_per_token(kvbytes))
     budget = (int(mem * gpu_memory_utilization) - weights_dev - draft_params - act
               - RUNTIME_MARGIN_BYTES)
-    block_dev = block_size * per_token_dev + draft_block
-    blocks_per_seq = cdiv(max_model_len, block_size)
+    # The engine's layout: a block id holds `num_slots` layers' KV (all of them without
+    # sliding layers); a request's blocks over every group, sliding ones capped by their
+    # window plus a chunk (the chunk is max_num_batched_tokens: chunked prefill is on).
+    layout = kv_cache_layout(spec.layer_windows)
+    layer_block_dev = block_size * per_token_dev // spec.num_layers
+    block_dev = layer_block_dev * layout.num_slots + draft_block
+    blocks_of = blocks_by_length(layout, block_size, max_num_batched_tokens)
+    blocks_per_seq = blocks_of(max_model_len)
     if budget < 2 * block_dev:
         raise EstimateError("--gpu-memory", f"{mem:,} bytes x {gpu_memory_utilization} minus "
                             f"{weights_dev:,} bytes of weights, {act:,} of activations "
@@ -400,12 +415,13 @@ def estimate_capacity(
     num_blocks = budget // block_dev
     usable = num_blocks - 1  # block 0 is the null block
     if usable < blocks_per_seq:
+        fit = largest_fitting(blocks_of, usable, max_model_len)
         raise EstimateError("--max-model-len", f"one sequence of {max_model_len} tokens needs "
                             f"{blocks_per_seq} blocks but only {usable} fit; the largest "
-                            f"max_model_len that fits is {usable * block_size}")
-    per_avg = None if avg_len is None else cdiv(avg_len, block_size)
-    hybrid = _hybrid_fields(spec, block_dev // spec.num_layers, blocks_per_seq,
-                            max_num_batched_tokens, block_size, usable * block_dev)
+                            f"max_model_len that fits is {fit}")
+    per_avg = None if avg_len is None else blocks_of(avg_len)
+    hybrid = _hybrid_fields(spec, layout, layer_block_dev, blocks_per_seq, max_model_len,
+                            block_size, usable * block_dev)
     return CapacityEstimate(
         model=source, architecture=spec.architecture, num_layers=spec.num_layers,
         num_kv_heads=kvh, head_dim=spec.head_dim, dtype=dtype, kv_cache_dtype=kv_dtype,
@@ -425,22 +441,20 @@ def estimate_capacity(
     )
 
 
-def _hybrid_fields(spec: Any, layer_block_bytes: int, blocks_per_seq: int, chunk: int,
-                   block_size: int, usable_bytes: int) -> dict[str, Any]:
-    """The hybrid layout's bytes per max_model_len sequence and what fits (sliding models)."""
-    windows = spec.layer_windows
-    sliding = [w for w in windows if w is not None]
+def _hybrid_fields(spec: Any, layout: KVCacheLayout, layer_block_bytes: int,
+                   blocks_per_seq: int, max_model_len: int, block_size: int,
+                   usable_bytes: int) -> dict[str, Any]:
+    """A sliding model's bytes per max_model_len sequence in the hybrid layout (the engine's)
+    and in the full one (--disable-hybrid-kv-cache-manager), and what each fits."""
+    sliding = [w for w in spec.layer_windows if w is not None]
     if not sliding:
         return {}
-    window = max(sliding)
-    # A sliding layer holds the blocks of its last window plus the chunk being computed.
-    held = min(blocks_per_seq, cdiv(window - 1 + chunk, block_size) + 1)
-    full = spec.num_layers * blocks_per_seq * layer_block_bytes
-    hybrid = ((len(windows) - len(sliding)) * blocks_per_seq + len(sliding) * held) \
-        * layer_block_bytes
-    return {"sliding_layers": len(sliding), "sliding_window": window,
+    full = spec.num_layers * cdiv(max_model_len, block_size) * layer_block_bytes
+    hybrid = blocks_per_seq * layout.num_slots * layer_block_bytes
+    return {"sliding_layers": len(sliding), "sliding_window": max(sliding),
+            "layers_per_block": layout.num_slots,
             "full_layout_bytes_per_seq": full, "hybrid_bytes_per_seq": hybrid,
-            "hybrid_max_concurrent_seqs": usable_bytes // hybrid,
+            "full_layout_max_concurrent_seqs": usable_bytes // full,
             "hybrid_capacity_ratio": full / hybrid}
 
 
@@ -484,7 +498,8 @@ def rows(est: CapacityEstimate) -> list[tuple[str, str]]:
          f"{human_bytes(e.activation_bytes)} + {human_bytes(e.margin_bytes)}"),
         (f"KV budget{dev}", human_bytes(e.kv_budget_bytes)),
         ("num blocks (incl. 1 null block)", f"{e.num_blocks:,}"),
-        ("pool capacity", f"{(e.num_blocks - 1) * e.block_size:,} tokens"),
+        ("pool capacity", f"{(e.num_blocks - 1) * e.block_size:,} tokens" if
+         e.hybrid_bytes_per_seq is None else "(in KV cache groups: blocks per sequence below)"),
         (f"blocks per {e.max_model_len}-token sequence", f"{e.blocks_per_seq:,}"),
         (f"max concurrent seqs @ {e.max_model_len} tokens", f"{e.max_concurrent_seqs:,}"),
     ]
@@ -496,11 +511,11 @@ def rows(est: CapacityEstimate) -> list[tuple[str, str]]:
         out += [
             ("sliding / full-attention layers",
              f"{e.sliding_layers} (window {e.sliding_window:,}) / {full_layers}"),
-            (f"KV of one {e.max_model_len}-token seq{dev}: full layout (allocated today)",
-             human_bytes(e.full_layout_bytes_per_seq)),
-            ("... hybrid layout (sliding layers keep their window; not built yet)",
-             f"{human_bytes(e.hybrid_bytes_per_seq)} ({e.hybrid_capacity_ratio:.2f}x fewer)"),
-            (f"max concurrent seqs @ {e.max_model_len} tokens, hybrid layout",
-             f"{e.hybrid_max_concurrent_seqs:,}"),
+            ("layers per block id (KV cache groups)",
+             f"{e.layers_per_block} = {human_bytes(e.bytes_per_block_per_device)}"),
+            (f"KV per seq{dev}, hybrid layout",
+             f"{human_bytes(e.hybrid_bytes_per_seq)} ({e.hybrid_capacity_ratio:.2f}x less)"),
+            (f"KV per seq{dev}, full layout", human_bytes(e.full_layout_bytes_per_seq)),
+            ("max seqs, full layout", f"{e.full_layout_max_concurrent_seqs:,}"),
         ]
     return out

@@ -71,7 +71,7 @@ from jpaged.aot.spec_verify import (
 )
 from jpaged.aot.target import H200_HBM_BYTES_PER_S, TARGET_NAME, GpuTarget, h200_target
 from jpaged.aot.traffic import DECODE_BATCHES, DECODE_CONTEXTS, HBM_KEYS, hbm_fields
-from jpaged.core.kv_cache_groups import blocks_needed
+from jpaged.core.kv_cache_groups import blocks_by_length
 from jpaged.runner.batch import BucketPlan
 from jpaged.runner.kv_cache import DEFAULT_UTILIZATION, plan_kv_pool
 from jpaged.runner.memory_probe import PROBE_BLOCKS, largest_shape, step_activation_bytes
@@ -194,9 +194,9 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
                         s.max_model_len, activation_bytes=act,
                         kv_head_shards=cfg.tensor_parallel_size, device_bytes=device_bytes,
                         platform="cuda", kv_layers=probe.kv_layout.num_slots,
-                        blocks_per_seq=blocks_needed(s.max_model_len, probe.kv_layout,
-                                                     config.cache.block_size,
-                                                     s.max_chunk_tokens))
+                        blocks_per_seq=blocks_by_length(
+                            probe.kv_layout, config.cache.block_size,
+                            s.max_chunk_tokens if s.enable_chunked_prefill else None))
     est = estimate_capacity(model_source(cfg.model, cfg.weights), gpu_memory=device_bytes,
                             gpu_memory_utilization=DEFAULT_UTILIZATION, dtype="bfloat16",
                             kv_cache_dtype=cfg.kv_cache_dtype,

@@ -18,7 +18,7 @@ is ``kv_cache_manager.KVCacheManager``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from jpaged.core.kv_cache_policies import (
@@ -118,3 +118,24 @@ def blocks_needed(longest: int, layout: KVCacheLayout, block_size: int, chunk: i
     """Most blocks one request of `longest` scheduled tokens holds across all groups (each
     group's policy bounds its own: max_blocks)."""
     return sum(p.max_blocks(longest, chunk) for p in layout.policies(block_size))
+
+
+def blocks_by_length(layout: KVCacheLayout, block_size: int, chunk: int | None
+                     ) -> Callable[[int], int]:
+    """`blocks_needed` as a function of the request's length; `chunk` None: no chunked
+    prefill, so a request's one chunk is its whole length."""
+    policies = layout.policies(block_size)
+    return lambda n: sum(p.max_blocks(n, n if chunk is None else chunk) for p in policies)
+
+
+def largest_fitting(blocks: Callable[[int], int], usable: int, longest: int) -> int:
+    """The largest length <= longest whose request takes at most `usable` blocks (0: none;
+    `blocks`, e.g. `blocks_by_length`, never decreases with the length): bisection."""
+    lo, hi = 0, longest
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if blocks(mid) <= usable:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

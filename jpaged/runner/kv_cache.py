@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from jpaged.config import CacheConfig
+from jpaged.core.kv_cache_groups import largest_fitting
 from jpaged.intmath import cdiv
 from models.config import ModelSpec
 from pallas_kernels.reference import bits_dtype, from_bits
@@ -202,7 +203,8 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
                  max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                  kv_head_shards: int = 1, device_bytes: int | None = None,
                  platform: str | None = None, host_devices: int = 1,
-                 kv_layers: int | None = None, blocks_per_seq: int | None = None,
+                 kv_layers: int | None = None,
+                 blocks_per_seq: int | Callable[[int], int] | None = None,
                  extra_bytes_per_block: int = 0) -> KVPoolPlan:
     """Size the pool: override, else explicit KV bytes, else a fraction of device memory.
 
@@ -215,7 +217,9 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
     CPU devices): the RAM and the CPU default KV space are the machine's, split between them,
     so tensor parallelism over N CPU devices takes the same memory as one device, not N times.
     KV cache groups: a block holds `kv_layers` layers' KV and one max_model_len request takes
-    `blocks_per_seq` blocks (all groups). `extra_bytes_per_block`: another model's KV that
+    `blocks_per_seq` blocks (all groups), or `blocks_per_seq(max_model_len)` when it is a
+    function of the length (then the largest length that fits is exact, sliding groups
+    included). `extra_bytes_per_block`: another model's KV that
     each block also holds (a speculative draft model's pages, indexed by the same block ids).
     Raises ValueError when one max_model_len request cannot fit, naming the largest that can.
     """
@@ -254,16 +258,21 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
         util = frac
     n = (cache.num_gpu_blocks_override if cache.num_gpu_blocks_override is not None
          else max(budget, 0) // per_block)
-    if blocks_per_seq is None:
+    by_length = blocks_per_seq if callable(blocks_per_seq) else None
+    if by_length is not None:
+        blocks_per_seq = by_length(max_model_len)
+    elif blocks_per_seq is None:
         blocks_per_seq = cdiv(max_model_len, cache.block_size)
+    assert isinstance(blocks_per_seq, int)
     plan = KVPoolPlan(source, dev, util, param_bytes, act, margin, avail, max(budget, 0),
                       per_block, int(n), max_model_len, cache.block_size, share, blocks_per_seq)
     plan.log()
     if cache.num_gpu_blocks_override is None and n - 1 < blocks_per_seq:
-        # With groups a request's blocks do not grow in proportion to its length: the
-        # figure is then an estimate (exact without groups).
-        per = cdiv(max_model_len, cache.block_size) / blocks_per_seq
-        fit = int(max(n - 1, 0) * per) * cache.block_size
+        if by_length is not None:  # blocks grow with the length: the largest that fits
+            fit = largest_fitting(by_length, int(n) - 1, max_model_len)
+        else:  # proportional (one full group): exact at block granularity
+            per = cdiv(max_model_len, cache.block_size) / blocks_per_seq
+            fit = int(max(n - 1, 0) * per) * cache.block_size
         what = (f"the largest max_model_len that fits is {fit}" if fit > 0
                 else "not even one block fits")
         raise ValueError(
@@ -280,7 +289,8 @@ def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_
                    max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                    kv_head_shards: int = 1, device_bytes: int | None = None,
                    platform: str | None = None, host_devices: int = 1,
-                   kv_layers: int | None = None, blocks_per_seq: int | None = None,
+                   kv_layers: int | None = None,
+                   blocks_per_seq: int | Callable[[int], int] | None = None,
                    extra_bytes_per_block: int = 0) -> int:
     """Blocks per layer for this config (see `plan_kv_pool`, which also logs the breakdown)."""
     return plan_kv_pool(cache, spec, dtype, param_bytes, max_model_len,

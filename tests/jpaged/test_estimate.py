@@ -200,17 +200,24 @@ def test_hybrid_gemma3_27b_at_128k_against_the_full_layout(tmp_path):
     path.write_text(json.dumps(GEMMA3_27B))
     est = estimate_capacity(str(path), gpu_memory="141GiB", max_model_len=131072,
                             max_num_batched_tokens=2048)
-    assert est.bytes_per_token == 2 * 62 * 16 * 128 * 2  # the full layout, allocated today
+    assert est.bytes_per_token == 2 * 62 * 16 * 128 * 2
     assert (est.sliding_layers, est.sliding_window) == (52, 1024)  # 62 - 10 global layers
     per_layer_block = 16 * 2 * 16 * 128 * 2
+    # The engine's groups: gcd(52, 10) = 2 layers a block id, 5 full + 26 sliding groups.
+    assert est.bytes_per_block_per_device == 2 * per_layer_block
+    assert est.blocks_per_seq == 5 * 8192 + 26 * 193
     assert est.full_layout_bytes_per_seq == 62 * 8192 * per_layer_block
     assert est.hybrid_bytes_per_seq == (10 * 8192 + 52 * 193) * per_layer_block
     assert est.hybrid_capacity_ratio == pytest.approx(62 * 8192 / (10 * 8192 + 52 * 193))
     assert est.hybrid_capacity_ratio > 5  # ~5.4x: a full layout holds ~5x what is ever read
-    assert est.hybrid_max_concurrent_seqs >= 5 * max(est.max_concurrent_seqs, 1)
+    assert est.max_concurrent_seqs >= 5 * max(est.full_layout_max_concurrent_seqs, 1)
     r = run("--model", str(path), "--gpu-memory", "141GiB", "--max-model-len", "131072")
     assert r.exit_code == 0, r.output
     assert "hybrid layout" in r.output and "52 (window 1,024) / 10" in r.output
+    # 80 GiB: the full layout could not hold one 131072-token sequence (the estimate refused
+    # it before), the engine's hybrid layout holds it.
+    small = estimate_capacity(str(path), gpu_memory="80GiB", max_model_len=131072)
+    assert small.max_concurrent_seqs >= 1 and small.full_layout_max_concurrent_seqs == 0
     dense = estimate_capacity(str(path.parent), gpu_memory="141GiB", max_model_len=2048)
     assert dense.hybrid_capacity_ratio < est.hybrid_capacity_ratio  # short contexts gain less
 

@@ -144,6 +144,35 @@ def test_too_small_for_one_request_names_the_largest_fitting_len():
                        platform="gpu")
 
 
+@pytest.mark.parametrize("chunk", [2048, None])
+def test_hybrid_model_error_names_a_length_that_fits(chunk):
+    """Gemma 3's 5 sliding : 1 global layers: a request's blocks do not grow in proportion
+    to its length (the sliding groups' are capped), so the length the error names is found
+    by bisection: it fits, one token more does not (vLLM's estimate_max_model_len). Found
+    by vLLM's kv_cache_utils tests: the proportional figure named lengths that failed again."""
+    from types import SimpleNamespace
+
+    from jpaged.core.kv_cache_groups import blocks_by_length, kv_cache_layout
+
+    windows = [512] * 5 + [None]
+    spec = SimpleNamespace(num_layers=6, num_kv_heads=2, head_dim=64, layer_windows=windows)
+    layout = kv_cache_layout(windows)
+    blocks = blocks_by_length(layout, 16, chunk)
+    budget = 2001 * bytes_per_block(spec, 16, F32, kv_layers=layout.num_slots)
+    cache = CacheConfig(block_size=16, kv_cache_memory_bytes=budget)
+
+    def plan(n: int):
+        return plan_kv_pool(cache, spec, F32, 0, n, platform="cpu",
+                            kv_layers=layout.num_slots, blocks_per_seq=blocks)
+
+    with pytest.raises(ValueError, match=r"fits is (\d+)") as e:
+        plan(32768)
+    fits = int(str(e.value).split("fits is ")[1].split(".")[0])
+    assert plan(fits).num_blocks == 2001
+    with pytest.raises(ValueError):
+        plan(fits + 1)
+
+
 def test_engine_start_up_error_and_override():
     with pytest.raises(ValueError, match="largest max_model_len that fits is 64"):
         LLMEngine(EngineArgs(max_model_len=256, block_size=16,
