@@ -259,7 +259,10 @@ class KVCacheManager:
             for g, table in enumerate(req.blocks):
                 pool.cache_full_blocks(request.block_hashes, table, 0, num_hit,
                                        request.all_token_ids, group=g)
-            self.tiers.record_hits(num_loads, bs)
+            # Tokens once per position, however many groups loaded a block for it.
+            loaded = sum(1 for col in zip(*hits, strict=True)
+                         if any(isinstance(b, int) for b in col))
+            self.tiers.record_hits(num_loads, loaded * bs)
         if self.enable_caching and not delay_cache_blocks:
             self._mark_in_flight(request, req, total)
         return fresh

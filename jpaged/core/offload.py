@@ -339,10 +339,11 @@ class KVTiers:
             host.pin(slot)
         return slot
 
-    def record_hits(self, num_blocks: int, block_size: int) -> None:
-        """Count prefix blocks served from the host/disk tiers."""
+    def record_hits(self, num_blocks: int, num_tokens: int) -> None:
+        """Count a prefix hit the host/disk tiers served: `num_blocks` block copies loaded
+        (every group's), covering `num_tokens` prompt tokens."""
         self.stats["offload_hits_blocks"] += num_blocks
-        self.stats["offload_hits_tokens"] += num_blocks * block_size
+        self.stats["offload_hits_tokens"] += num_tokens
 
     def swap_out(self, request_id: str, block_ids: Sequence[int], num_tokens: int) -> bool:
         """Gather a victim's computed blocks into swap slots; False (nothing done) if full."""

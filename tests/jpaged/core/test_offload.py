@@ -331,3 +331,38 @@ def test_disk_tier_behind_host_tier_and_corrupt_file(tmp_path):
     assert st["disk_hits_blocks"] == 3 and st["offload_hits_blocks"] == 3
     assert st["disk_corrupt_skipped"] == 1 and st["disk_bytes_read"] > 0
     check(sim.finished, reqs + [again])
+
+
+def test_offload_hit_tokens_count_each_prompt_position_once_in_a_hybrid_layout():
+    """One full and one sliding group: a tier hit of 5 positions loads 7 block copies (the
+    sliding group only its window's) and covers 20 prompt tokens, not 28 (found by vLLM's
+    metrics tests, which count external hits in prompt tokens)."""
+    from jpaged.core.kv_cache_groups import kv_cache_layout
+
+    bs = 4
+
+    def req(rid, prompt):
+        r = make_request(rid, list(prompt), 8)
+        r.set_block_hasher(BlockHasher(bs))
+        return r
+
+    m = KVCacheManager(bs, 16, 1024, layout=kv_cache_layout([None, 2 * bs]),
+                       tiers=KVTiers(HostTier(64, (4,), np.int64)))
+    prompt = list(range(1, 22))  # 21 tokens: 5 full blocks
+    a = req("a", prompt)
+    m.allocate_slots(a, 21)
+    a.num_computed_tokens = 21
+    m.commit(a)
+    m.free(a)
+    b = req("b", range(1000, 1000 + bs * (m.num_free_blocks // 2)))  # evicts a's: offloaded
+    m.allocate_slots(b, b.num_tokens)
+    m.free(b)
+    m.begin_step()
+    c = req("c", prompt)
+    _, n = m.get_computed_blocks(c)
+    hit = m.get_offloaded_blocks(c, n // bs)
+    assert (n, hit.num_blocks) == (0, 5)
+    m.allocate_slots(c, 21 - 20, offloaded=hit, num_new_computed_tokens=20)
+    stats = m.tier_stats()
+    assert (stats["offload_hits_blocks"], stats["offload_hits_tokens"]) == (7, 20)
+    assert m.stats.hits == 20
