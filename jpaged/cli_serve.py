@@ -197,8 +197,9 @@ def run_batch(
     chat_template: ChatTemplateOption = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
-    """Answer an OpenAI batch file (/v1/completions and /v1/chat/completions lines), as vLLM's
-    run-batch: every line through the server's handlers in this process, batched."""
+    """Answer an OpenAI batch file (/v1/completions, /v1/chat/completions and /v1/responses
+    lines), as vLLM's run-batch: every line through the server's handlers in this process,
+    batched."""
     import asyncio
     import json
     from pathlib import Path
@@ -223,9 +224,11 @@ def run_batch(
         engine = create_engine(engine_args(flags))
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
+    # A batch keeps no response (nobody can ask for one by id once the run ends).
     app = build_app(engine, served_model_name or flags.get("model"), owned=True,
                     enable_auto_tool_choice=enable_auto_tool_choice,
-                    tool_call_parser=tool_call_parser, chat_template=chat_template)
+                    tool_call_parser=tool_call_parser, chat_template=chat_template,
+                    max_stored_responses=0)
     try:
         result = asyncio.run(run_batch_lines(app, lines))
     finally:

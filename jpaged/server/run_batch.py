@@ -3,8 +3,9 @@
 its url, all of them in flight at once up to a bound, so the engine batches them; the output
 has one line per input line, in input order, in the OpenAI batch output format.
 
-A line that fails (not JSON, not a request, a url other than /v1/completions and
-/v1/chat/completions, a stream, a bad body, a refused prompt) gets an output line saying why,
+A line that fails (not JSON, not a request, a url other than /v1/completions,
+/v1/chat/completions and /v1/responses (OpenAI's batch urls), a stream, a background response,
+a bad body, a refused prompt) gets an output line saying why,
 with the HTTP status the server would answer (vLLM's shape: `response.body` null, the error in
 `error`); every other line is still answered. Lines that are no request at all are counted
 (`jpaged run-batch` then exits 1, as vLLM's fails on them).
@@ -21,7 +22,7 @@ from typing import Any
 
 from jpaged.server.protocol import error_body
 
-URLS = ("/v1/completions", "/v1/chat/completions")
+URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
 
 
 @dataclass
@@ -71,6 +72,9 @@ async def _answer(client: Any, lineno: int, line: str) -> tuple[dict[str, Any], 
         return _bad_line(lineno, custom_id, "body must be a JSON object", "body"), True
     if body.get("stream"):  # a request, which this runner does not take
         return _bad_line(lineno, custom_id, "a batch request must not stream", "stream"), False
+    if url == "/v1/responses" and body.get("background"):  # the run would end before it
+        return _bad_line(lineno, custom_id, "a batch response cannot run in the background",
+                         "background"), False
     r = await client.post(url, json=body)
     try:
         answer = r.json()

@@ -35,14 +35,21 @@ def test_lines_answer_as_the_server_does_and_bad_ones_say_why(served: Served):
              "{not json", json.dumps(["a list"]),
              _line("stream", "/v1/completions", {**comp, "stream": True}),
              _line("bad", "/v1/completions", {**comp, "max_tokens": -1}),
-             _line("who", "/v1/completions", {**comp, "model": "other"})]
+             _line("who", "/v1/completions", {**comp, "model": "other"}),
+             _line("resp", "/v1/responses", {"model": MODEL, "input": "hi there",
+                                              "max_output_tokens": 6, "temperature": 0}),
+             _line("bg", "/v1/responses", {"model": MODEL, "input": "x", "background": True})]
     result = asyncio.run(run_batch_lines(build_app(served.engine, MODEL), lines))
     out = result.lines
     assert result.malformed == [4, 5, 6]  # the url, not JSON, not an object
     assert [o["custom_id"] for o in out] == ["chat", "comp", "emb", None, None, "stream",
-                                             "bad", "who"]  # the blank line has none
+                                             "bad", "who", "resp", "bg"]  # no blank line
     assert [o["response"]["status_code"] for o in out] == [200, 200, 400, 400, 400, 400, 400,
-                                                           404]
+                                                           404, 200, 400]
+    resp, bg = out.pop(8)["response"]["body"], out.pop(8)
+    assert resp["object"] == "response" and resp["usage"]["output_tokens"] == 6
+    assert resp["output"][0]["type"] == "message"
+    assert "background" in bg["error"]["message"] and bg["response"]["body"] is None
     # The answers are the server's for the same bodies (greedy, and seeded sampling).
     for o, (url, body) in zip(out[:2], (("/v1/chat/completions", chat),
                                          ("/v1/completions", comp)), strict=True):
