@@ -115,6 +115,15 @@ def serve(
         "--max-stored-responses", min=0,
         help="/v1/responses: how many answers are kept (the newest) for previous_response_id, "
         "retrieval and background runs; 0 keeps none.")] = DEFAULT_MAX_STORED_RESPONSES,
+    enable_log_requests: Annotated[bool, typer.Option(
+        "--enable-log-requests", help="Log each request as the engine takes it: its prompt, "
+        "prompt ids and sampling parameters (vLLM's flag).")] = False,
+    enable_log_outputs: Annotated[bool, typer.Option(
+        "--enable-log-outputs", help="With --enable-log-requests, also log each finished "
+        "output: its text, ids and finish reason.")] = False,
+    max_log_len: Annotated[int | None, typer.Option(
+        "--max-log-len", min=0, help="Cut logged prompts, outputs and id lists to this many "
+        "characters / ids (default: whole).")] = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses,
@@ -128,6 +137,8 @@ def serve(
     from jpaged.server import run_server
 
     _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser)
+    if enable_log_outputs and not enable_log_requests:
+        fail("--enable-log-outputs needs --enable-log-requests (vLLM's rule)")
     origins = _json_list("--allowed-origins", allowed_origins)
     try:
         if data_parallel_backend != "ray":
@@ -162,7 +173,9 @@ def serve(
                    enable_auto_tool_choice=enable_auto_tool_choice,
                    tool_call_parser=tool_call_parser, chat_template=chat_template,
                    allowed_origins=origins, allow_credentials=allow_credentials,
-                   max_stored_responses=max_stored_responses)
+                   max_stored_responses=max_stored_responses,
+                   enable_log_requests=enable_log_requests,
+                   enable_log_outputs=enable_log_outputs, max_log_len=max_log_len)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 

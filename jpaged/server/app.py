@@ -37,6 +37,7 @@ from jpaged.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from jpaged.server.request_log import RequestLogger
 from jpaged.server.responses import ResponsesServing
 from jpaged.server.responses_protocol import ResponsesRequest
 from jpaged.server.serving import EventStream, load_chat_template
@@ -120,7 +121,9 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
               tool_call_parser: str | None = None, chat_template: str | None = None,
               allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False,
-              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> FastAPI:
+              max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
+              enable_log_requests: bool = False, enable_log_outputs: bool = False,
+              max_log_len: int | None = None) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
@@ -140,6 +143,9 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     browser page may call the API; its preflights pass the API key's gate).
     `max_stored_responses`: how many /v1/responses answers are kept (the newest) for
     previous_response_id, retrieval and background runs; 0 keeps none.
+    `enable_log_requests`, `enable_log_outputs`, `max_log_len`: vLLM's request log (a line per
+    engine request as it is added, with its prompt and parameters; one as it finishes, with
+    its text; prompts, texts and id lists cut at `max_log_len`).
     """
     parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     template = load_chat_template(chat_template) if chat_template is not None else None
@@ -150,7 +156,10 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     names = ([served_model_name] if isinstance(served_model_name, str)
              else list(served_model_name or ())) or [default_model_name(aengine.model_source)]
     name = names[0]
-    serving = _Serving(aengine, names, parser, template)
+    if enable_log_outputs and not enable_log_requests:
+        raise ValueError("--enable-log-outputs needs --enable-log-requests (vLLM's rule)")
+    log = RequestLogger(max_log_len, enable_log_outputs) if enable_log_requests else None
+    serving = _Serving(aengine, names, parser, template, log)
     serving.init_responses(max_stored_responses)
     # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
     # data-parallel client's series carry each replica's own, which win).
@@ -338,22 +347,11 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 
 
 def run_server(engine: LLMEngine | AsyncLLMEngine | DPEngineClient, host: str = DEFAULT_HOST,
-               port: int = DEFAULT_PORT, api_key: str | None = None,
-               served_model_name: str | Sequence[str] | None = None, log_level: str = "info",
-               enable_tokenizer_info_endpoint: bool = False,
-               enable_server_load_tracking: bool = False, enable_auto_tool_choice: bool = False,
-               tool_call_parser: str | None = None, chat_template: str | None = None,
-               allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False,
-               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
+               port: int = DEFAULT_PORT, log_level: str = "info", **app_options: Any) -> None:
     """Serve the OpenAI-compatible API with uvicorn until interrupted (blocking); the engine
-    is shut down when the server stops."""
-    app = build_app(engine, served_model_name, api_key, owned=True,
-                    enable_tokenizer_info_endpoint=enable_tokenizer_info_endpoint,
-                    enable_server_load_tracking=enable_server_load_tracking,
-                    enable_auto_tool_choice=enable_auto_tool_choice,
-                    tool_call_parser=tool_call_parser, chat_template=chat_template,
-                    allowed_origins=allowed_origins, allow_credentials=allow_credentials,
-                    max_stored_responses=max_stored_responses)
+    is shut down when the server stops. `app_options`: build_app's (api_key,
+    served_model_name, the endpoint and logging options)."""
+    app = build_app(engine, owned=True, **app_options)
     freeze_gc_heap()  # this process is the server's: start-up objects stay to the end
     logger.info("serving %s on http://%s:%d", app.state.served_model_name, host, port)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level,

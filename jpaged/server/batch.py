@@ -9,16 +9,21 @@ from typing import Any
 from jpaged.async_engine import AsyncLLMEngine
 from jpaged.frontend import truncation_keep
 from jpaged.outputs import RequestOutput
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.server.protocol import OpenAIError, bad_value
+from jpaged.server.request_log import RequestLogger
 
 
 class RequestBatch:
     """The engine requests behind one HTTP request (one per prompt), on one shared queue."""
 
     def __init__(self, engine: AsyncLLMEngine, base_id: str, params: SamplingParams,
-                 priority: int) -> None:
+                 priority: int, log: RequestLogger | None = None) -> None:
         self.engine, self.base_id, self.params, self.priority = engine, base_id, params, priority
+        self.log = log  # vLLM's request log (--enable-log-requests), None when off
+        # (engine request id, choice) -> text and ids so far: a delta stream's whole output,
+        # for the finish line of --enable-log-outputs.
+        self._logged: dict[tuple[str, int], tuple[str, list[int]]] = {}
         self.queue: asyncio.Queue = asyncio.Queue()
         self.index: dict[str, int] = {}  # engine request id -> prompt index
         self.pending: set[str] = set()  # added and not finished: aborted by close()
@@ -70,6 +75,9 @@ class RequestBatch:
                 # Only once added: a refused id (one in use) belongs to another request, which
                 # close() must never abort. (A cancelled add aborts itself if it went in.)
                 self.pending.add(rid)
+                if self.log is not None:
+                    self.log.inputs(rid, prompt.get("prompt"), prompt["prompt_token_ids"],
+                                    self.params)
         except ValueError as e:
             self.close()
             if self.so_param is not None and str(e).startswith("structured_outputs"):
@@ -99,11 +107,30 @@ class RequestBatch:
                 k = i * self.params.n + c.index
                 self.choice_tokens[k] = self.choice_tokens.get(k, 0) + len(c.token_ids)
                 self.completion_tokens += len(c.token_ids)
+            if self.log is not None and self.log.log_outputs:
+                self._log_outputs(item)
             if item.finished:
                 self.pending.discard(item.request_id)
                 if item.kv_transfer_params is not None:
                     self.kv_transfer_params = item.kv_transfer_params
             yield i, item
+
+    def _log_outputs(self, item: RequestOutput) -> None:
+        """Log each sequence of `item` that finished, its whole text and ids (a delta
+        stream's pieces gathered)."""
+        delta = self.params.output_kind == RequestOutputKind.DELTA
+        for c in item.outputs:
+            key = (item.request_id, c.index)
+            text, ids = c.text, list(c.token_ids)
+            if delta:
+                before = self._logged.pop(key, ("", []))
+                text, ids = before[0] + text, before[1] + ids
+            if c.finish_reason is None:
+                if delta:
+                    self._logged[key] = (text, ids)
+                continue
+            assert self.log is not None
+            self.log.outputs(item.request_id, c.index, text, ids, c.finish_reason)
 
     def usage(self) -> dict[str, Any]:
         """OpenAI usage counts (prompt tokens once per prompt, all completion tokens)."""

@@ -77,7 +77,7 @@ class ChatServing(Serving):
         if beam is not None:
             return await self._beam_chat(req, prompt, params, beam)
         batch = RequestBatch(self.engine, req.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
-                             params, req.priority)
+                             params, req.priority, self.request_logger)
         batch.configure(req)
         await batch.start([prompt], param)
         return ChatRun(batch, ToolCallStream(tools, parser, req.parallel_tool_calls is not False),

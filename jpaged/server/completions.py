@@ -73,7 +73,7 @@ class CompletionServing(Serving):
             raise OpenAIError(400, "kv_transfer_params needs a single prompt (one request's KV "
                               "moves)", param="kv_transfer_params")
         batch = RequestBatch(self.engine, req.request_id or f"cmpl-{uuid.uuid4().hex}", params,
-                             req.priority)
+                             req.priority, self.request_logger)
         batch.configure(req)
         await batch.start(prompts, "prompt")
         tok = self.engine.tokenizer

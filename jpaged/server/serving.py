@@ -18,6 +18,7 @@ from jpaged.frontend import truncation_keep
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.protocol import OpenAIError, error_body
+from jpaged.server.request_log import RequestLogger
 from jpaged.server.tool_parsers import ToolParser
 
 T = TypeVar("T")
@@ -101,9 +102,10 @@ class Serving:
     ChatServing add the handlers)."""
 
     def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str],
-                 tool_parser: ToolParser | None = None, chat_template: str | None = None
-                 ) -> None:
+                 tool_parser: ToolParser | None = None, chat_template: str | None = None,
+                 request_logger: RequestLogger | None = None) -> None:
         self.engine = engine
+        self.request_logger = request_logger  # vLLM's --enable-log-requests (None: off)
         # The names requests may use (vLLM's --served-model-name list); answers carry the first.
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]
@@ -169,7 +171,8 @@ class Serving:
         prompt_tokens = cached = 0
         while not search.done:
             beams = search.requests()
-            batch = RequestBatch(self.engine, f"{base_id}-beam{search.steps}", step, priority)
+            batch = RequestBatch(self.engine, f"{base_id}-beam{search.steps}", step, priority,
+                                 self.request_logger)
             await batch.start(prompts if beams is None else [salted(b) for b in beams], param)
             outs: list[Any] = [None] * len(batch.index)
             try:

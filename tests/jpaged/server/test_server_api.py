@@ -749,3 +749,36 @@ def test_max_logprobs_and_the_whole_vocabulary(served):
     finally:
         server.stop()
         engine.shutdown()
+
+
+def test_request_log_as_vllms(served, caplog):
+    """--enable-log-requests: a line per engine request (prompt, ids, parameters) cut at
+    --max-log-len; --enable-log-outputs: a line per finished choice with its whole text, a
+    stream's deltas gathered."""
+    import logging
+
+    with pytest.raises(ValueError, match="--enable-log-requests"):
+        build_app(served.engine, MODEL, enable_log_outputs=True)
+    server = BackgroundServer(build_app(served.engine, MODEL, enable_log_requests=True,
+                                        enable_log_outputs=True, max_log_len=40))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        with caplog.at_level(logging.INFO, logger="jpaged.server.requests"):
+            stream = client.completions.create(model=MODEL, prompt="Once upon a time " * 5,
+                                               max_tokens=5, n=2, stream=True,
+                                               extra_body={"ignore_eos": True})
+            texts = ["", ""]
+            for chunk in stream:
+                for c in chunk.choices:
+                    texts[c.index] += c.text
+    finally:
+        server.stop()
+    lines = [r.getMessage() for r in caplog.records if r.name == "jpaged.server.requests"]
+    (received,) = [m for m in lines if m.startswith("Received request")]
+    assert f"prompt: {('Once upon a time ' * 5)[:40]!r}" in received
+    assert "max_tokens=5" in received and "prompt_token_ids: [" in received
+    done = sorted(m for m in lines if m.startswith("Generated response"))
+    assert len(done) == 2
+    for i, m in enumerate(done):
+        assert f"(choice {i}): output: {texts[i][:40]!r}" in m and "finish_reason: length" in m
