@@ -443,9 +443,29 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # vLLM's fields with one value here: a draft model runs unsharded, drafting one token a
+    # pass, as the engine runs (accepted so vLLM's configs load; another value is refused).
+    draft_tensor_parallel_size: int | None = None
+    parallel_drafting: bool = False
+    enforce_eager: bool | None = None
+    # vLLM's: no proposals for a request once it would pass this many tokens (None: the
+    # engine's max_model_len); proposing stops there, decoding goes on.
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         c = "speculative_config"  # errors name the flag's fields
+        if self.draft_tensor_parallel_size not in (None, 1):
+            raise ValueError(f"{c}.draft_tensor_parallel_size must be 1 (a draft model runs "
+                             f"unsharded here), got {self.draft_tensor_parallel_size!r}")
+        if self.parallel_drafting is not False:
+            raise ValueError(f"{c}.parallel_drafting is not supported: drafts are proposed "
+                             "one token a pass")
+        if self.max_model_len is not None and (not _is_int(self.max_model_len)
+                                               or self.max_model_len < 1):
+            _fail(c, "max_model_len", "an integer >= 1", self.max_model_len)
+        if self.enforce_eager not in (None, False, True):
+            _fail(c, "enforce_eager", "true or false (the draft runs as the engine does)",
+                  self.enforce_eager)
         if self.method in ("eagle", "eagle3", "mtp", "medusa", "mlp_speculator"):
             raise ValueError(f"{c}.method {self.method!r} (a learned draft head) is not "
                              "supported by jpaged yet; use 'ngram', 'suffix' or 'draft_model'")

@@ -36,6 +36,8 @@ class Proposer:
         self.config = config
         self.method = config.method
         self.num_speculative_tokens = int(config.num_speculative_tokens or 0)
+        # vLLM's speculative max_model_len: no proposal takes a request past it.
+        self.max_len = config.max_model_len
         self._ngram = NgramConfig(self.num_speculative_tokens, int(config.prompt_lookup_max),
                                   int(config.prompt_lookup_min))
         self._suffix = SuffixProposer(SuffixConfig(
@@ -58,7 +60,9 @@ class Proposer:
                     or n <= req.num_prompt_tokens or req.is_finished()):
                 req.spec_token_ids = []
                 continue
-            room = req.length_limit - n - 1  # a verifying step adds up to k + 1 tokens
+            limit = req.length_limit if self.max_len is None else min(req.length_limit,
+                                                                     self.max_len)
+            room = limit - n - 1  # a verifying step adds up to k + 1 tokens
             if room <= 0:
                 req.spec_token_ids = []
                 continue

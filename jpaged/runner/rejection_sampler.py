@@ -41,12 +41,16 @@ def rejection_sample(
                         jax.random.categorical(key, jnp.log(target_probs[:, 0]), axis=-1))
         return tok[:, None].astype(jnp.int32), jnp.ones((b,), jnp.int32)
     pos = jnp.arange(k)[None, :]
-    valid = pos < num_draft[:, None]  # [B, K]
-    p_draft = jnp.take_along_axis(target_probs[:, :k], draft_tokens[..., None], -1)[..., 0]
+    # A placeholder (-1, vLLM's padding) or out-of-vocabulary draft is never accepted: it is
+    # not looked up (a -1 index would wrap to the last token's probability).
+    in_vocab = (draft_tokens >= 0) & (draft_tokens < v)
+    valid = (pos < num_draft[:, None]) & in_vocab  # [B, K]
+    safe = jnp.where(in_vocab, draft_tokens, 0)
+    p_draft = jnp.take_along_axis(target_probs[:, :k], safe[..., None], -1)[..., 0]
     if draft_probs is None:
         q_draft = jnp.ones_like(p_draft)
     else:
-        q_draft = jnp.take_along_axis(draft_probs, draft_tokens[..., None], -1)[..., 0]
+        q_draft = jnp.take_along_axis(draft_probs, safe[..., None], -1)[..., 0]
     k_accept, k_resample = jax.random.split(key)
     u = jax.random.uniform(k_accept, (b, k), dtype=jnp.float32)
     # u < p/q, written without a division (q > 0 for a drafted token).
@@ -66,6 +70,9 @@ def rejection_sample(
             draft_tokens, jnp.minimum(at, k - 1)[:, None], 1)[:, 0], v, dtype=p_at.dtype)
     else:
         q_at = jnp.take_along_axis(draft_probs, jnp.minimum(at, k - 1)[:, None, None], 1)[:, 0]
+    # A placeholder rejected at `at` proposed nothing: the token is drawn from p itself.
+    drafted_at = jnp.take_along_axis(in_vocab, jnp.minimum(at, k - 1)[:, None], 1)
+    q_at = jnp.where(drafted_at, q_at, 0.0)
     residual = jnp.maximum(p_at - q_at, 0.0)
     dist = jnp.where(rejected[:, None], residual, p_at)
     # A residual that is all zero (p == q) cannot be reached (acceptance was then certain);

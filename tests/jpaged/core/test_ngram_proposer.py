@@ -45,16 +45,20 @@ def test_bad_config_is_refused_by_name(kw, msg):
         NgramConfig(**kw)
 
 
-@settings(max_examples=60, deadline=None, derandomize=True)
+@settings(max_examples=300, deadline=None, derandomize=True)
 @given(toks=st.lists(st.integers(0, 4), min_size=0, max_size=60), k=st.integers(1, 5),
        lo=st.integers(1, 3), extra=st.integers(0, 3))
 def test_matches_a_brute_force_search(toks, k, lo, extra):
+    """The module's rule: the longest matching suffix; what follows its latest earlier
+    occurrence with k tokens after it, else its earliest (the oracle took the latest always,
+    which the examples never told apart: [0, 7, 7, 7, 7, 7] with k 3 is [7, 7, 7])."""
     cfg = NgramConfig(k, lo + extra, lo)
     want: list[int] = []
     for n in range(min(cfg.prompt_lookup_max, len(toks) - 1), lo - 1, -1):
         starts = [s for s in range(len(toks) - n) if toks[s:s + n] == toks[len(toks) - n:]]
         if starts:
-            s = starts[-1] + n
+            whole = [s for s in starts if s + n + k <= len(toks)]
+            s = (whole[-1] if whole else starts[0]) + n
             want = toks[s:s + k]
             break
     assert propose_ngram(np.asarray(toks, np.int32), cfg) == want
@@ -66,3 +70,37 @@ def test_a_loop_proposes_a_full_continuation():
     cfg = NgramConfig(num_speculative_tokens=3, prompt_lookup_max=2)
     assert propose_ngram([1, 7, 7, 7, 7, 7, 7], cfg) == [7, 7, 7]
     assert propose_ngram([1, 7, 7, 7], cfg) == [7]  # no occurrence with 3 after: the earliest
+    assert propose_ngram([0, 7, 7, 7, 7, 7], NgramConfig(3, 2, 2)) == [7, 7, 7]
+
+
+def test_speculative_max_model_len_stops_proposing_not_decoding():
+    """vLLM's speculative_config.max_model_len: no proposal takes a request past it; the
+    request itself decodes on to the engine's max_model_len."""
+    from core_sim import make_request, make_scheduler
+
+    from jpaged.config import SpeculativeConfig
+    from jpaged.core.spec_proposer import Proposer
+
+    sched = make_scheduler(64, block_size=4, max_model_len=128)
+    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    req = make_request("a", prompt, max_tokens=50, stop_token_ids=[])
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, [3], first_rows=[0])  # 9 tokens: ... 1 2 3
+    assert req.num_tokens == 9
+
+    def proposal(limit):
+        cfg = SpeculativeConfig(method="ngram", num_speculative_tokens=4,
+                                prompt_lookup_max=3, prompt_lookup_min=2, max_model_len=limit)
+        Proposer(cfg).propose([req])
+        return req.spec_token_ids
+
+    assert proposal(None) == [1, 2, 3, 1]
+    assert proposal(12) == [1, 2]  # 9 tokens + 2 + the verified one = 12
+    assert proposal(10) == []
+    with pytest.raises(ValueError, match="max_model_len"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, max_model_len=0)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, draft_tensor_parallel_size=2)
+    SpeculativeConfig(method="ngram", num_speculative_tokens=2, draft_tensor_parallel_size=1,
+                      enforce_eager=True, parallel_drafting=False)  # vLLM's, accepted

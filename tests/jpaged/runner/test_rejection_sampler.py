@@ -81,3 +81,20 @@ def test_no_drafts_at_all_is_a_plain_draw():
     tokens, count = rejection_sample(p, jnp.zeros((1, 0), jnp.int32), jnp.zeros(1, jnp.int32),
                                      jnp.zeros(1, bool), jax.random.key(0))
     assert np.asarray(tokens).tolist() == [[1]] and np.asarray(count).tolist() == [1]
+
+
+def test_placeholder_and_out_of_vocab_drafts_are_rejected_never_emitted():
+    """vLLM's test_placeholder_draft_token_rejected_*: a -1 draft (vLLM's padding) or one past
+    the vocabulary is rejected in greedy and sampled rows alike and the token there is drawn
+    from the target (a -1 index used to wrap to the last token's probability)."""
+    p = np.zeros((2, 2, V), np.float32)
+    p[:, 0, V - 1] = 1.0  # the target is sure of the last token, which -1 would wrap to
+    p[:, 1, 3] = 1.0
+    for drafts in ([[-1], [-1]], [[V], [V + 3]]):
+        for greedy in (True, False):
+            for q in (None, jnp.full((2, 1, V), 1.0 / V)):
+                tokens, count = rejection_sample(jnp.asarray(p), jnp.asarray(drafts, jnp.int32),
+                                                 jnp.ones(2, jnp.int32),
+                                                 jnp.full(2, greedy), jax.random.key(1), q)
+                assert np.asarray(count).tolist() == [1, 1]
+                assert np.asarray(tokens)[:, 0].tolist() == [V - 1, V - 1]
