@@ -258,9 +258,13 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         return await load_aware(serving.responses(body, request))
 
     @v1.get("/responses/{response_id}")
-    async def retrieve_response(response_id: str) -> dict[str, Any]:
-        """A stored response (a background one as it stands)."""
-        return serving.retrieve_response(response_id)
+    async def retrieve_response(response_id: str, stream: bool = False,
+                                starting_after: int | None = None) -> Response:
+        """A stored response (a background one as it stands); stream=true: a background
+        stream's events again, after `starting_after`."""
+        if stream:
+            return respond(serving.stream_again(response_id, starting_after))
+        return JSONResponse(serving.retrieve_response(response_id))
 
     @v1.post("/responses/{response_id}/cancel")
     async def cancel_response(response_id: str) -> dict[str, Any]:

@@ -43,6 +43,29 @@ class StoredResponse:
     history: list[dict[str, Any]]
     input_items: list[dict[str, Any]]
     task: asyncio.Task | None = field(default=None, repr=False)
+    # A background stream's events so far, (sequence number, SSE text), for every reader
+    # (the creating request and GET ?stream=true); None when it was not streamed.
+    events: list[tuple[int, str]] | None = field(default=None, repr=False)
+    streaming: bool = False  # its events are still coming
+    changed: asyncio.Condition | None = field(default=None, repr=False)
+
+    async def replay(self, after: int | None) -> AsyncIterator[str]:
+        """The stream's events after sequence number `after` (all: None), then each new one
+        as it comes, until the stream ends."""
+        events, changed = self.events, self.changed
+        assert events is not None and changed is not None
+        i = 0
+        while True:
+            async with changed:
+                while i >= len(events) and self.streaming:
+                    await changed.wait()
+            while i < len(events):
+                seq, text = events[i]
+                i += 1
+                if after is None or seq > after:
+                    yield text
+            if not self.streaming and i >= len(events):
+                return
 
 
 class ResponseStore:
@@ -147,6 +170,12 @@ class ResponsesServing(ChatServing):
         # What a later turn continues: this turn's conversation without its instructions.
         kept = StoredResponse(body("queued", [], None), history + req.input_messages(),
                               _input_items(req))
+        if req.background and req.stream:  # runs on its own; readers replay its events
+            kept.events, kept.streaming, kept.changed = [], True, asyncio.Condition()
+            kept.task = asyncio.ensure_future(
+                self._background_stream(req, started, body, kept))
+            self.store.put(rid, kept)
+            return EventStream(kept.replay(None), lambda: None)
         if req.background:
             kept.task = asyncio.ensure_future(self._background(req, started, body, kept))
             self.store.put(rid, kept)
@@ -205,6 +234,31 @@ class ResponsesServing(ChatServing):
         if kept.body["status"] != "cancelled":
             kept.history = kept.history + history_messages(final["output"])
             kept.body = final
+
+    async def _background_stream(self, req: ResponsesRequest, run: ChatRun, body: Any,
+                                 kept: StoredResponse) -> None:
+        """Run a streamed background response to its end, keeping its events for readers."""
+        assert kept.events is not None and kept.changed is not None
+        kept.body = {**kept.body, "status": "in_progress"}
+        try:
+            async for text in self._events(req, run, body, kept):
+                seq = json.loads(text.split("data: ", 1)[1])["sequence_number"]
+                kept.events.append((seq, text))
+                async with kept.changed:
+                    kept.changed.notify_all()
+        finally:
+            kept.streaming = False
+            async with kept.changed:
+                kept.changed.notify_all()
+
+    def stream_again(self, rid: str, starting_after: int | None) -> EventStream:
+        """GET /v1/responses/{id}?stream=true: a background stream's events after
+        `starting_after`, then the rest as they come (a client that lost its connection)."""
+        kept = self.store.get(rid)
+        if kept.events is None:
+            raise OpenAIError(400, f"response {rid!r} was not created with background and "
+                              "stream true: there are no events to stream", param="stream")
+        return EventStream(kept.replay(starting_after), lambda: None)
 
     async def _events(self, req: ResponsesRequest, run: ChatRun, body: Any,
                       kept: StoredResponse) -> AsyncIterator[str]:

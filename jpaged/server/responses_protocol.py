@@ -78,10 +78,6 @@ class ResponsesRequest(BaseModel):
         if self.background and not self.store:
             raise OpenAIError(400, "background needs store to be true (a background "
                               "response is read back by its id)", param="background")
-        if self.background and self.stream:
-            raise OpenAIError(400, "background responses are not streamed here: create it "
-                              "with stream false and poll GET /v1/responses/{id}",
-                              param="stream")
         if isinstance(self.input, list) and not self.input:
             raise OpenAIError(400, "input must hold at least one item", param="input")
         if self.request_id is not None and not self.request_id:
