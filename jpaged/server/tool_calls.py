@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import uuid
 from typing import Any
 
 from jpaged.server.tool_parsers import ToolParser
+
+logger = logging.getLogger("jpaged.server")
 
 
 def _tool_call(name: str, arguments: str) -> dict[str, Any]:
@@ -65,8 +68,10 @@ class ToolCallStream:
     """Streamed deltas of tool calls. Forced ones: a named function's arguments as they come
     (its id and name in the first delta), cut ones too; 'required' calls whole, in the
     finishing chunk (none, and no content, when the array was cut); no content delta ever, as
-    vLLM. 'auto': content as it comes, short of what may start a call; each call whole once
-    the parser has it; finish "tool_calls" when any was made."""
+    vLLM. 'auto': content as it comes, short of what may start a call; each call as it is
+    written where the parser follows a call in progress (hermes: its id and name once the
+    name is whole, then its arguments as far as later text cannot change them), else whole
+    once the parser has it; finish "tool_calls" when any was made."""
 
     def __init__(self, tools: str, parser: ToolParser | None = None,
                  parallel: bool = True) -> None:
@@ -75,9 +80,12 @@ class ToolCallStream:
         self.parallel = parallel
         self.text: dict[int, str] = {}
         self.started: set[int] = set()
-        # 'auto', per choice: content chars and calls sent so far.
+        # 'auto', per choice: content chars and calls sent so far (whole, or opened: a call
+        # streamed as it is written counts from its first delta).
         self.sent_content: dict[int, int] = {}
         self.sent_calls: dict[int, int] = {}
+        # 'auto', per choice: the call being streamed: (its index, the arguments sent).
+        self.open_call: dict[int, tuple[int, str]] = {}
 
     def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """A finished choice's whole message and finish_reason (`tool_call_message`)."""
@@ -115,17 +123,54 @@ class ToolCallStream:
         found = self.parser.parse(full, final=finish is not None)
         sent, made = self.sent_content.get(index, 0), self.sent_calls.get(index, 0)
         calls = _kept(found.calls, self.parallel)
-        # Once a call is out, no more content (a later block that does not parse stays out).
-        end = sent if made else found.content_end
+        # Once a call is out (or being streamed), no more content (a later block that does
+        # not parse stays out).
+        end = sent if made or index in self.open_call else found.content_end
         delta: dict[str, Any] = {}
         if end > sent:
             delta["content"] = full[sent:end]
             self.sent_content[index] = end
-        if len(calls) > made:
-            delta["tool_calls"] = [{"index": made + i, **_tool_call(name, args)}
-                                   for i, (name, args) in enumerate(calls[made:])]
-            self.sent_calls[index] = made = len(calls)
+        out: list[dict[str, Any]] = []
+        opened = self.open_call.pop(index, None)
+        for i, (name, args) in enumerate(calls[made:], made):
+            if opened is not None and opened[0] == i:  # the rest of the call streamed so far
+                streamed = opened[1]
+                if not args.startswith(streamed):  # cannot happen: what was sent was stable
+                    logger.warning("tool call %d's arguments changed after they were "
+                                   "streamed: %r then %r", i, streamed, args)
+                if args[len(streamed):]:
+                    out.append({"index": i, "function": {"arguments": args[len(streamed):]}})
+                opened = None
+            else:
+                out.append({"index": i, **_tool_call(name, args)})
+        made = max(made, len(calls))
+        if opened is not None:
+            self.open_call[index] = opened
+        if finish is None and (self.parallel or made == 0):
+            out += self._stream_open(index, made, full)
+        if out:
+            delta["tool_calls"] = out
+        self.sent_calls[index] = made
         if finish is not None:
             self.text.pop(index, None)
-            return delta, "tool_calls" if made else finish
+            self.open_call.pop(index, None)
+            return delta, "tool_calls" if made or opened is not None else finish
         return (delta or None), None
+
+    def _stream_open(self, index: int, slot: int, full: str) -> list[dict[str, Any]]:
+        """Deltas of the call being written at `slot`: its id and name once the name is whole,
+        then its arguments as far as no later text can change them."""
+        assert self.parser is not None
+        found = self.parser.in_progress(full)
+        if found is None:
+            return []
+        name, prefix = found
+        opened = self.open_call.get(index)
+        if opened is None:  # its header, with the arguments as far as they go
+            self.open_call[index] = (slot, prefix)
+            return [{"index": slot, **_tool_call(name, prefix)}]
+        sent = opened[1]
+        if len(prefix) <= len(sent) or not prefix.startswith(sent):
+            return []
+        self.open_call[index] = (slot, prefix)
+        return [{"index": slot, "function": {"arguments": prefix[len(sent):]}}]

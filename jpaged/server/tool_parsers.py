@@ -53,6 +53,12 @@ class ToolParser:
         """The content and calls of `text` (see the class docstring)."""
         raise NotImplementedError
 
+    def in_progress(self, text: str) -> tuple[str, str] | None:
+        """While streaming: the call being written after the complete ones, as (its name,
+        a prefix of its final arguments string that no later text can change), or None when
+        there is none or this parser sends calls whole."""
+        return None
+
 
 def _arguments(value: Any) -> str:
     """A call's arguments as OpenAI's JSON string, always valid JSON: an object (or any JSON
@@ -76,6 +82,111 @@ def _json_call(obj: Any, args_keys: tuple[str, ...], need_args: bool = False) ->
         raise ValueError(f"a tool call without {' or '.join(args_keys)}: {obj!r}")
     args = next((obj[k] for k in args_keys if k in obj), {})
     return obj["name"], _arguments(args)
+
+
+class _Cut(Exception):
+    """The JSON text ended inside a value."""
+
+
+_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
+_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r",
+            "t": "\t"}
+
+
+def _partial_json(text: str, at: int = 0) -> tuple[Any, int, bool]:
+    """(value, end, whole) of the JSON value starting at text[at] (whitespace skipped), the
+    text possibly cut short: a cut string is kept as far as it went, a cut container holds
+    what it has whole, and a cut number or literal (its value may still change) raises _Cut;
+    `whole` False when the text ended inside the value. ValueError: not JSON."""
+    n = len(text)
+    while at < n and text[at] in " \t\r\n":
+        at += 1
+    if at >= n:
+        raise _Cut
+    c = text[at]
+    if c == '"':
+        out, i = [], at + 1
+        while i < n:
+            ch = text[i]
+            if ch == '"':
+                return "".join(out), i + 1, True
+            if ch == "\\":
+                if i + 1 >= n:
+                    break
+                e = text[i + 1]
+                if e == "u":
+                    if i + 6 > n:
+                        break
+                    code = int(text[i + 2:i + 6], 16)
+                    if 0xD800 <= code < 0xDC00:  # a high surrogate: its pair makes one char
+                        if i + 12 > n:
+                            break
+                        low = text[i + 6:i + 8] == "\\u" and int(text[i + 8:i + 12], 16)
+                        if low and 0xDC00 <= low < 0xE000:
+                            out.append(chr(0x10000 + (code - 0xD800) * 0x400 + low - 0xDC00))
+                            i += 12
+                            continue
+                    out.append(chr(code))
+                    i += 6
+                    continue
+                if e not in _ESCAPES:
+                    raise ValueError(f"bad escape \\{e}")
+                out.append(_ESCAPES[e])
+                i += 2
+                continue
+            out.append(ch)
+            i += 1
+        return "".join(out), n, False
+    if c in "{[":
+        obj: Any = {} if c == "{" else []
+        close = "}" if c == "{" else "]"
+        i = at + 1
+        while True:
+            while i < n and text[i] in " \t\r\n,":
+                i += 1
+            if i >= n:
+                return obj, n, False
+            if text[i] == close:
+                return obj, i + 1, True
+            if c == "{":
+                key, i, whole = _partial_json(text, i)
+                if not whole or not isinstance(key, str):
+                    return obj, n, False
+                while i < n and text[i] in " \t\r\n":
+                    i += 1
+                if i >= n:
+                    return obj, n, False
+                if text[i] != ":":
+                    raise ValueError("expected ':'")
+                i += 1
+            try:
+                value, i, whole = _partial_json(text, i)
+            except _Cut:
+                return obj, n, False
+            if c == "{":
+                obj[key] = value
+            else:
+                obj.append(value)
+            if not whole:
+                return obj, n, False
+    m = _NUMBER.match(text, at)
+    if m is not None and m.end() > at:
+        if m.end() >= n:
+            raise _Cut  # 12 may be 123 or 12.5 yet
+        return json.loads(m.group()), m.end(), True
+    for word, value in (("true", True), ("false", False), ("null", None)):
+        if text.startswith(word, at):
+            return value, at + len(word), True
+        if word.startswith(text[at:]):
+            raise _Cut
+    raise ValueError(f"not JSON at {at}")
+
+
+def _stable_arguments(value: dict[str, Any], whole: bool) -> str:
+    """The part of a call's arguments string (json.dumps, as `_arguments` writes it) that more
+    text cannot change: all of it when whole, else without its closing quotes and brackets."""
+    dumped = json.dumps(value, ensure_ascii=False)
+    return dumped if whole else dumped.rstrip('"]}')
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -116,6 +227,26 @@ class HermesParser(ToolParser):
         if final and not calls:
             return Parsed(len(text))
         return Parsed(start, calls)
+
+    def in_progress(self, text: str) -> tuple[str, str] | None:
+        """The unclosed last block's call, once its name is whole (its arguments follow it)."""
+        start = text.rfind(self.START)
+        if start < 0 or self.END in text[start:]:
+            return None
+        try:
+            obj, _, whole = _partial_json(text, start + len(self.START))
+        except (_Cut, ValueError):
+            return None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+            return None
+        # The arguments come after the name, so the name is whole once they start; a key
+        # after them ends them.
+        keys = list(obj)
+        key = next((k for k in ("arguments", "parameters") if k in obj), None)
+        if key is None or keys.index(key) < keys.index("name") or \
+                not isinstance(obj[key], dict) or not obj["name"]:
+            return None
+        return obj["name"], _stable_arguments(obj[key], whole or keys[-1] != key)
 
 
 class Llama3JsonParser(ToolParser):

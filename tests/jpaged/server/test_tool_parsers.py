@@ -10,6 +10,8 @@ import json
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from serverkit import MODEL, Served
 
 from jpaged.server import BackgroundServer, build_app
@@ -81,18 +83,7 @@ def test_a_whole_answer_and_its_stream_give_the_same_calls(parser, text, content
     assert finish == ("tool_calls" if calls else "stop")
     # Streamed in pieces of 3 characters: the content deltas join to the content, the calls
     # come whole with their indices, the finish is the same.
-    stream = ToolCallStream("auto", p)
-    got_content, got_calls, got_finish = "", [], None
-    for at in range(0, len(text), 3):
-        last = at + 3 >= len(text)
-        delta, fin = stream.delta(0, text[at:at + 3], "stop" if last else None)
-        if delta is None:
-            continue
-        got_content += delta.get("content", "")
-        for c in delta.get("tool_calls", []):
-            assert c["index"] == len(got_calls) and c["id"].startswith("chatcmpl-tool-")
-            got_calls.append(c)
-        got_finish = fin
+    got_content, got_calls, got_finish = _assembled(ToolCallStream("auto", p), text, 3)
     assert got_content == (content or "")
     assert _calls(got_calls) == calls and got_finish == finish
     # parallel_tool_calls false: the first call only.
@@ -100,14 +91,74 @@ def test_a_whole_answer_and_its_stream_give_the_same_calls(parser, text, content
     assert _calls(one.get("tool_calls", [])) == calls[:1]
 
 
-def test_hermes_streams_content_and_each_call_as_soon_as_whole():
+def _assembled(stream: ToolCallStream, text: str, step: int | list[int]):
+    """Feed `text` in pieces (`step` characters, or these cut points), assembling the deltas
+    as a client does: content joined, each call's id and name from its first delta, its
+    arguments joined by index. (content, calls, finish_reason)."""
+    cuts = list(range(step, len(text), step)) if isinstance(step, int) else sorted(step)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    content, calls, finish = "", [], None
+    for i, piece in enumerate(pieces):
+        delta, fin = stream.delta(0, piece, "stop" if i == len(pieces) - 1 else None)
+        if delta is None:
+            continue
+        content += delta.get("content") or ""
+        for c in delta.get("tool_calls", []):
+            if c["index"] == len(calls):  # a new call: its header
+                assert c["id"].startswith("chatcmpl-tool-") and c["function"]["name"]
+                calls.append({"id": c["id"], "function": dict(c["function"])})
+            else:
+                assert c["index"] == len(calls) - 1 and "id" not in c
+                calls[-1]["function"]["arguments"] += c["function"]["arguments"]
+        finish = fin
+    return content, calls, finish
+
+
+def test_hermes_streams_content_then_each_call_as_it_is_written():
+    """As vLLM's hermes parser streams: content up to the tag, then the call's id and name
+    once the name is whole, then its arguments piece by piece (never a piece that later text
+    changes), joining to the whole answer's arguments."""
     stream = ToolCallStream("auto", get_tool_parser("hermes"))
-    first = HERMES.index("</tool_call>") + len("</tool_call>")
     # "<tool_" might start a call: held back, not sent as content.
     assert stream.delta(0, "Let me check.<tool_", None) == ({"content": "Let me check."}, None)
-    delta, _ = stream.delta(0, HERMES[len("Let me check.<tool_"):first], None)
-    assert _calls(delta["tool_calls"]) == [("get_weather", {"city": "Paris"})]
-    assert "content" not in delta
+    assert stream.delta(0, 'call>\n{"name": "get_wea', None) == (None, None)
+    delta, _ = stream.delta(0, 'ther", "arguments": {"ci', None)
+    (head,) = delta["tool_calls"]
+    assert head["function"] == {"name": "get_weather", "arguments": "{"}
+    delta, _ = stream.delta(0, 'ty": "Par', None)
+    assert "".join(c["function"]["arguments"] for c in delta["tool_calls"]).endswith('"Par')
+    content, calls, finish = _assembled(ToolCallStream("auto", get_tool_parser("hermes")),
+                                        HERMES, 1)
+    whole, _ = tool_call_message(HERMES, "stop", "auto", get_tool_parser("hermes"))
+    assert content == whole["content"] and finish == "tool_calls"
+    assert [c["function"] for c in calls] == [c["function"] for c in whole["tool_calls"]]
+
+
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6)
+    | st.floats(allow_nan=False, allow_infinity=False, width=32) | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner,
+                                                                max_size=3),
+    max_leaves=8)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(args=st.dictionaries(st.text(max_size=5), _JSON, max_size=4),
+       spacing=st.sampled_from([(", ", ": "), (",", ":"), (" , ", " :  ")]),
+       ascii_only=st.booleans(), cuts=st.lists(st.integers(1, 400), max_size=12))
+def test_hermes_streamed_arguments_always_join_to_the_whole_ones(args, spacing, ascii_only,
+                                                                  cuts):
+    """However the model spaces its JSON and however the text is cut into deltas, what is
+    streamed of a call's arguments is never changed by later text: the pieces join to the
+    arguments of the whole answer."""
+    body = json.dumps({"name": "f", "arguments": args}, separators=spacing,
+                      ensure_ascii=ascii_only)
+    text = f"Sure.<tool_call>\n{body}\n</tool_call>"
+    whole, _ = tool_call_message(text, "stop", "auto", get_tool_parser("hermes"))
+    _, calls, finish = _assembled(ToolCallStream("auto", get_tool_parser("hermes")), text,
+                                  sorted({c for c in cuts if c < len(text)}))
+    assert finish == "tool_calls"
+    assert [c["function"] for c in calls] == [c["function"] for c in whole["tool_calls"]]
 
 
 def test_bad_flags_are_refused_by_name():
@@ -145,8 +196,11 @@ def test_auto_tool_choice_through_the_server(served: Served):
         chunks = list(client.chat.completions.create(**kw, tool_choice="auto", stream=True,
                                                      extra_body=forced))
         streamed = [t for c in chunks for t in (c.choices[0].delta.tool_calls or [])]
-        assert [(t.index, t.function.name, json.loads(t.function.arguments))
-                for t in streamed] == [(0, "get_weather", {"city": "Paris"})]
+        # The call as it is written: its id and name first, then its arguments in pieces.
+        assert {t.index for t in streamed} == {0} and streamed[0].id
+        assert [t.function.name for t in streamed if t.function.name] == ["get_weather"]
+        args = "".join(t.function.arguments or "" for t in streamed)
+        assert json.loads(args) == {"city": "Paris"} and len(streamed) > 1
         assert chunks[-1].choices[0].finish_reason == "tool_calls"
         plain = client.chat.completions.create(
             **kw, extra_body={"structured_outputs": {"choice": ["Sunny."]}})
