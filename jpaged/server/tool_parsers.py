@@ -84,102 +84,79 @@ def _json_call(obj: Any, args_keys: tuple[str, ...], need_args: bool = False) ->
     return obj["name"], _arguments(args)
 
 
-class _Cut(Exception):
-    """The JSON text ended inside a value."""
+# A whole JSON string, a bracket, a colon or a comma; a lone quote starts a string that the
+# text cut short.
+_JSON_TOKEN = re.compile(r'"(?:[^"\\]++|\\.)*+"|[{}\[\]:,]|"')
+# The end of a cut string that cannot be kept: a lone backslash, a \u escape cut short, or
+# a high surrogate whose pair has not come yet.
+_CUT_ESCAPE = re.compile(r'(?:\\u[dD][89abAB][0-9a-fA-F]{2}|\\u[0-9a-fA-F]{0,3})$')
 
 
-_NUMBER = re.compile(r"-?(?:0|[1-9]\d*)(?:\.\d+)?(?:[eE][+-]?\d+)?")
-_ESCAPES = {'"': '"', "\\": "\\", "/": "/", "b": "\b", "f": "\f", "n": "\n", "r": "\r",
-            "t": "\t"}
-
-
-def _partial_json(text: str, at: int = 0) -> tuple[Any, int, bool]:
-    """(value, end, whole) of the JSON value starting at text[at] (whitespace skipped), the
-    text possibly cut short: a cut string is kept as far as it went, a cut container holds
-    what it has whole, and a cut number or literal (its value may still change) raises _Cut;
-    `whole` False when the text ended inside the value. ValueError: not JSON."""
-    n = len(text)
-    while at < n and text[at] in " \t\r\n":
-        at += 1
-    if at >= n:
-        raise _Cut
-    c = text[at]
-    if c == '"':
-        out, i = [], at + 1
-        while i < n:
-            ch = text[i]
-            if ch == '"':
-                return "".join(out), i + 1, True
-            if ch == "\\":
-                if i + 1 >= n:
-                    break
-                e = text[i + 1]
-                if e == "u":
-                    if i + 6 > n:
-                        break
-                    code = int(text[i + 2:i + 6], 16)
-                    if 0xD800 <= code < 0xDC00:  # a high surrogate: its pair makes one char
-                        if i + 12 > n:
-                            break
-                        low = text[i + 6:i + 8] == "\\u" and int(text[i + 8:i + 12], 16)
-                        if low and 0xDC00 <= low < 0xE000:
-                            out.append(chr(0x10000 + (code - 0xD800) * 0x400 + low - 0xDC00))
-                            i += 12
-                            continue
-                    out.append(chr(code))
-                    i += 6
-                    continue
-                if e not in _ESCAPES:
-                    raise ValueError(f"bad escape \\{e}")
-                out.append(_ESCAPES[e])
-                i += 2
-                continue
-            out.append(ch)
-            i += 1
-        return "".join(out), n, False
-    if c in "{[":
-        obj: Any = {} if c == "{" else []
-        close = "}" if c == "{" else "]"
-        i = at + 1
-        while True:
-            while i < n and text[i] in " \t\r\n,":
-                i += 1
-            if i >= n:
-                return obj, n, False
-            if text[i] == close:
-                return obj, i + 1, True
-            if c == "{":
-                key, i, whole = _partial_json(text, i)
-                if not whole or not isinstance(key, str):
-                    return obj, n, False
-                while i < n and text[i] in " \t\r\n":
-                    i += 1
-                if i >= n:
-                    return obj, n, False
-                if text[i] != ":":
-                    raise ValueError("expected ':'")
-                i += 1
-            try:
-                value, i, whole = _partial_json(text, i)
-            except _Cut:
-                return obj, n, False
-            if c == "{":
-                obj[key] = value
+def _closed_json(text: str) -> tuple[str, bool] | None:
+    """`text`, a JSON value that may be cut anywhere, made whole JSON: (the JSON text, whether
+    `text` held the whole value), or None when nothing of it can be kept yet. A cut string
+    value is kept as far as it goes; a cut key, number or literal (its value may yet change)
+    and a dangling comma or colon are dropped; open brackets are closed. Regular expressions
+    find the tokens (strings at C speed), so a long string costs little to re-read.
+    ValueError: not JSON."""
+    stack: list[str] = []
+    safe: tuple[int, str] | None = None  # (where the text can be cut, the closers then)
+    state = "value"  # what may come: value, key, colon, after (a value), or value/key or close
+    at = 0
+    for m in _JSON_TOKEN.finditer(text):
+        tok, start = m.group(), m.start()
+        gap = text[at:start].strip()
+        if gap:  # a number or literal, whole since a token follows it
+            if state not in ("value", "value_or_close"):
+                raise ValueError(f"unexpected {gap[:20]!r}")
+            json.loads(gap)
+            state = "after"
+            safe = (at + len(text[at:start].rstrip()), "".join(reversed(stack)))
+        at = m.end()
+        if tok in "{[" and len(tok) == 1:
+            if state not in ("value", "value_or_close"):
+                raise ValueError(f"unexpected {tok}")
+            stack.append("}" if tok == "{" else "]")
+            state = "key_or_close" if tok == "{" else "value_or_close"
+            safe = (at, "".join(reversed(stack)))
+        elif tok in "}]" and len(tok) == 1:
+            if not stack or stack[-1] != tok or state not in (
+                    "after", "key_or_close" if tok == "}" else "value_or_close"):
+                raise ValueError(f"unexpected {tok}")
+            stack.pop()
+            state = "after"
+            if not stack:
+                return text[:at], True
+            safe = (at, "".join(reversed(stack)))
+        elif tok == ":":
+            if state != "colon":
+                raise ValueError("unexpected ':'")
+            state = "value"
+        elif tok == ",":
+            if state != "after":
+                raise ValueError("unexpected ','")
+            state = "key" if stack[-1] == "}" else "value"
+        elif len(tok) > 1:  # a whole string
+            if state in ("key", "key_or_close"):
+                state = "colon"
+            elif state in ("value", "value_or_close"):
+                state = "after"
+                safe = (at, "".join(reversed(stack)))
             else:
-                obj.append(value)
-            if not whole:
-                return obj, n, False
-    m = _NUMBER.match(text, at)
-    if m is not None and m.end() > at:
-        if m.end() >= n:
-            raise _Cut  # 12 may be 123 or 12.5 yet
-        return json.loads(m.group()), m.end(), True
-    for word, value in (("true", True), ("false", False), ("null", None)):
-        if text.startswith(word, at):
-            return value, at + len(word), True
-        if word.startswith(text[at:]):
-            raise _Cut
-    raise ValueError(f"not JSON at {at}")
+                raise ValueError("unexpected string")
+        else:  # a string the text cut: kept as a value, dropped as a key
+            if state in ("value", "value_or_close"):
+                body, before = text[start:], None
+                while body != before:  # e.g. a high surrogate, then a cut \u, then a "\"
+                    before = body
+                    if (len(body) - len(body.rstrip("\\"))) % 2:
+                        body = body[:-1]
+                    body = _CUT_ESCAPE.sub("", body)
+                return text[:start] + body + '"' + "".join(reversed(stack)), False
+            break
+    if safe is None:
+        return None
+    return text[:safe[0]] + safe[1], False
 
 
 def _stable_arguments(value: dict[str, Any], whole: bool) -> str:
@@ -211,8 +188,9 @@ class HermesParser(ToolParser):
             return Parsed(len(text) if final else len(text) - _held_prefix(text, self.START))
         calls: list[Call] = []
         rest = text[start:]
+        closed = rest.rfind(self.END)  # blocks end there: the open one is not searched
         try:
-            for m in self._BLOCK.finditer(rest):
+            for m in self._BLOCK.finditer(rest, 0, closed + len(self.END) if closed >= 0 else 0):
                 calls.append(_json_call(json.loads(m.group(1)), ("arguments", "parameters")))
             if final:
                 tail = rest[rest.rfind(self.END) + len(self.END):] if self.END in rest else rest
@@ -234,8 +212,11 @@ class HermesParser(ToolParser):
         if start < 0 or self.END in text[start:]:
             return None
         try:
-            obj, _, whole = _partial_json(text, start + len(self.START))
-        except (_Cut, ValueError):
+            closed = _closed_json(text[start + len(self.START):])
+            if closed is None:
+                return None
+            obj, whole = json.loads(closed[0]), closed[1]
+        except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
             return None
