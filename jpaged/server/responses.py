@@ -78,13 +78,19 @@ class ResponseStore:
         self._items: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, rid: str, item: StoredResponse) -> None:
-        """Keep `item` under `rid` (the newest), dropping the oldest beyond capacity."""
-        if not self.capacity:
+        """Keep `item` under `rid` (the newest), dropping the oldest finished ones beyond
+        capacity (a background response still running stays: it can be read and cancelled
+        until it ends, and counts against the capacity then)."""
+        if not self.capacity and item.task is None:
             return
         self._items[rid] = item
         self._items.move_to_end(rid)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        excess = len(self._items) - self.capacity
+        for old in [k for k, v in self._items.items() if v.task is None or v.task.done()]:
+            if excess <= 0:
+                break
+            del self._items[old]
+            excess -= 1
 
     def get(self, rid: str) -> StoredResponse:
         """The stored response `rid`, or a 404 naming it."""
@@ -149,6 +155,9 @@ class ResponsesServing(ChatServing):
                                   "not finished", param="previous_response_id")
             history = prev.history
         chat = req.chat_request(history, self.engine.max_model_len)
+        if req.background and not self.store.capacity:
+            raise OpenAIError(400, "background needs a response store: this server keeps none "
+                              "(--max-stored-responses 0)", param="background")
         rid = req.request_id or new_id("resp")
         if req.store and rid in self.store:
             raise OpenAIError(400, f"request_id {rid!r} is already a stored response",
@@ -306,14 +315,27 @@ class ResponsesServing(ChatServing):
             yield event("response.created", response=start)
             yield event("response.in_progress", response=start)
             finish = None
+            # Logprobs of tokens that brought no text yet (a character's first bytes) wait for
+            # the message's next delta; once it is open, such tokens (the EOS too) get a delta
+            # of no text, so every token's logprob is streamed, as vLLM streams them.
+            pending: list[dict[str, Any]] = []
             async for _, out in batch.outputs():
                 c = out.outputs[0]
                 finish = c.finish_reason
                 delta, _ = calls.delta(0, c.text, c.finish_reason)
-                if not delta:
-                    continue
                 lps = self._logprobs(c, batch.params.logprobs or 0) if req.logprobs else []
+                delta = delta or {}
+                if lps and not delta.get("content"):
+                    if current is not None and current["type"] == "message":
+                        text_lps += lps
+                        yield event("response.output_text.delta", item_id=current["id"],
+                                    output_index=len(items), content_index=0, delta="",
+                                    logprobs=lps)
+                    else:
+                        pending += lps
+                    lps = []
                 if delta.get("content"):
+                    lps, pending = pending + lps, []
                     if current is None or current["type"] != "message":
                         for e in close():
                             yield e
@@ -366,13 +388,18 @@ class ResponsesServing(ChatServing):
         if kept.task is None:
             raise OpenAIError(400, "Cannot cancel a synchronous response.",
                               param="response_id")
-        if kept.body["status"] in ("queued", "in_progress"):
-            kept.body = {**kept.body, "status": "cancelled"}
-            kept.task.cancel()
-            try:
-                await kept.task
-            except asyncio.CancelledError:
-                pass
+        status = kept.body["status"]
+        if status == "cancelled":
+            return kept.body
+        if status not in ("queued", "in_progress"):  # vLLM's answer: nothing left to cancel
+            raise OpenAIError(400, f"Cannot cancel a response that has finished ({status}).",
+                              param="response_id")
+        kept.body = {**kept.body, "status": "cancelled"}
+        kept.task.cancel()
+        try:
+            await kept.task
+        except asyncio.CancelledError:
+            pass
         return kept.body
 
     async def delete_response(self, rid: str) -> dict[str, Any]:

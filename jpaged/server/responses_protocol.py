@@ -15,7 +15,8 @@ from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
 
 # Fields OpenAI defines that change nothing here (echoed back where the response has them).
 _NO_EFFECT = frozenset({"service_tier", "user", "prompt_cache_key", "safety_identifier",
-                        "max_tool_calls", "stream_options", "prompt_cache_retention"})
+                        "max_tool_calls", "stream_options", "prompt_cache_retention",
+                        "chat_template_kwargs"})  # (the last read by chat_request)
 # Fields OpenAI defines for what this server cannot do: refused by name when set.
 _REFUSED = {
     "prompt": "prompt templates (stored prompts) are not supported",
@@ -106,8 +107,10 @@ class ResponsesRequest(BaseModel):
             elif kind == "function_call":
                 call = _function_call(item, where)
                 last = messages[-1] if messages else None
-                if last is not None and last["role"] == "assistant" and "tool_calls" in last:
-                    last["tool_calls"].append(call)
+                if last is not None and last["role"] == "assistant":
+                    # An answer's text and its calls are one assistant turn (a response's
+                    # output items replayed as input render as previous_response_id does).
+                    last.setdefault("tool_calls", []).append(call)
                 else:
                     messages.append({"role": "assistant", "content": None,
                                      "tool_calls": [call]})
@@ -190,9 +193,14 @@ class ResponsesRequest(BaseModel):
         """The chat request this response amounts to: the instructions as a system message,
         then `history` (an earlier response's conversation), then the input."""
         self.check()
-        messages = ([{"role": "system", "content": self.instructions}]
-                    if self.instructions else [])
-        messages += history + self.input_messages()
+        given = self.input_messages()
+        # Developer messages join the instructions, the one system message (vLLM's rule:
+        # chat templates know no developer role).
+        system = [self.instructions or ""] + [m["content"] for m in given
+                                              if m["role"] == "developer"]
+        system_text = "\n\n".join(t for t in system if t)
+        messages = [{"role": "system", "content": system_text}] if system_text else []
+        messages += history + [m for m in given if m["role"] != "developer"]
         body: dict[str, Any] = {"messages": messages, "stream": self.stream,
                                 "max_tokens": self.max_output_tokens,
                                 "parallel_tool_calls": self.parallel_tool_calls,
@@ -211,13 +219,21 @@ class ResponsesRequest(BaseModel):
             body["tool_choice"] = choice
         fmt = self.response_format()
         if fmt is not None:
+            if "structured_outputs" in body:
+                raise OpenAIError(400, "give text.format or structured_outputs, not both",
+                                  param="text")
             body["response_format"] = fmt
         if self.logprobs:
             body["logprobs"] = True
             body["top_logprobs"] = self.top_logprobs or 0
+        kwargs = (self.model_extra or {}).get("chat_template_kwargs")
+        if kwargs is not None and not isinstance(kwargs, dict):
+            raise OpenAIError(400, "chat_template_kwargs must be an object",
+                              param="chat_template_kwargs")
         effort = (self.reasoning or {}).get("effort")
-        if effort is not None:  # vLLM hands it to the chat template
-            body["chat_template_kwargs"] = {"reasoning_effort": effort}
+        if effort is not None or kwargs:  # vLLM hands both to the chat template
+            body["chat_template_kwargs"] = {**(kwargs or {}), **(
+                {"reasoning_effort": effort} if effort is not None else {})}
         if self.continues_final_message():
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False

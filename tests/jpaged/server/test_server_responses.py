@@ -179,6 +179,19 @@ def test_structured_text_and_logprobs(served):
     assert [x.token for x in lps] == ["a", "b", "c", "d", "</s>"]  # the EOS scored too
     plain = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4)
     assert plain.output[0].content[0].logprobs == []
+    # Streamed: every token's logprob, those of tokens that bring no text of their own
+    # (a character's first bytes, the EOS) included, as in the whole answer.
+    kw = dict(model=MODEL, input="Hi", max_output_tokens=40, temperature=1.0,
+              include=["message.output_text.logprobs"], extra_body={"seed": 7})
+    whole = client.responses.create(**kw).output[0].content[0].logprobs
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    streamed = [x for e in events if e.type == "response.output_text.delta"
+                for x in e.logprobs]
+    assert len(streamed) == len(whole) == final.usage.output_tokens == 40
+    assert [x.logprob for x in streamed] == [x.logprob for x in whole]
+    assert len(final.output[0].content[0].logprobs) == 40
 
 
 def test_background_runs_polls_and_cancels(served):
@@ -203,6 +216,43 @@ def test_background_runs_polls_and_cancels(served):
     served.wait_drained()
     with pytest.raises(openai.BadRequestError, match="synchronous"):
         client.responses.cancel(same.id)
+    with pytest.raises(openai.BadRequestError, match="finished"):
+        client.responses.cancel(bg.id)
+
+
+def test_running_background_responses_outlive_the_store_and_need_one(served):
+    """A background response still running is never evicted by newer answers (it stays
+    readable and cancellable); a server that keeps no responses refuses background runs."""
+    server = BackgroundServer(build_app(served.engine, MODEL, max_stored_responses=1))
+    none = BackgroundServer(build_app(served.engine, MODEL, max_stored_responses=0))
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                               timeout=120)
+        long = client.responses.create(model=MODEL, input="long", background=True,
+                                       max_output_tokens=100, extra_body={"ignore_eos": True})
+        for _ in range(2):
+            client.responses.create(model=MODEL, input="x", max_output_tokens=2)
+        assert client.responses.retrieve(long.id).status in ("queued", "in_progress")
+        assert client.responses.cancel(long.id).status == "cancelled"
+        r = httpx.post(f"{none.url}/v1/responses", timeout=30, json={
+            "model": MODEL, "input": "x", "background": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "background"
+    finally:
+        server.stop()
+        none.stop()
+    served.wait_drained()
+
+
+def test_developer_messages_join_the_instructions(served):
+    """vLLM folds developer messages into the instructions: one system message (chat
+    templates know no developer role)."""
+    client = served.client()
+    r = client.responses.create(model=MODEL, max_output_tokens=2, instructions="Be kind.",
+                                input=[{"role": "developer", "content": "Be concise."},
+                                       {"role": "user", "content": "Hi"}])
+    assert r.usage.input_tokens == _prompt_tokens(served, [
+        {"role": "system", "content": "Be kind.\n\nBe concise."},
+        {"role": "user", "content": "Hi"}])
 
 
 def test_a_background_stream_is_read_again_from_where_a_client_left(served):
@@ -252,6 +302,22 @@ def test_auto_function_calls_with_the_servers_parser(served):
         with client.responses.stream(**kw) as stream:
             final = stream.get_final_response()
         assert [(i.type, i.name) for i in final.output] == [("function_call", "weather")]
+        # Text and a call: replaying the output items as input renders the turn as
+        # previous_response_id does (one assistant turn with its text and its call).
+        both = client.responses.create(model=MODEL, input="weather?", tools=[WEATHER],
+                                       extra_body={"structured_outputs": {
+                                           "choice": ["Let me check." + call]}})
+        assert [i.type for i in both.output] == ["message", "function_call"]
+        result = {"type": "function_call_output", "call_id": both.output[1].call_id,
+                  "output": "18 C"}
+        chained = client.responses.create(model=MODEL, input=[result], tools=[WEATHER],
+                                          previous_response_id=both.id, tool_choice="none",
+                                          max_output_tokens=2)
+        replayed = client.responses.create(
+            model=MODEL, tools=[WEATHER], tool_choice="none", max_output_tokens=2,
+            input=[{"role": "user", "content": "weather?"},
+                   *[i.model_dump(exclude_none=True) for i in both.output], result])
+        assert chained.usage.input_tokens == replayed.usage.input_tokens
     finally:
         server.stop()
 
