@@ -61,6 +61,8 @@ class ChatServing(Serving):
         params = req.to_sampling_params(self.engine.default_sampling)
         tools = req.tool_mode()[0]  # 'none', 'auto', 'required' or the forced function's name
         parser = self.tool_parser if tools == "auto" else None
+        if tools == "auto" and parser is None and req.auto_tools_as_text:
+            tools = "none"  # the tools reach the template; the answer is text
         if tools == "auto":
             if parser is None:  # vLLM's answer, and its flags' names
                 raise OpenAIError(400, '"auto" tool choice requires --enable-auto-tool-choice '

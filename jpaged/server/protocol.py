@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -447,6 +447,10 @@ _TEMPLATE_FIELDS = ("add_generation_prompt", "continue_final_message", "chat_tem
 
 class ChatCompletionRequest(_SamplingRequest):
     """Body of POST /v1/chat/completions."""
+
+    # tool_choice 'auto' on a server without a tool-call parser: a 400 naming the flags
+    # (vLLM's chat), or (True: vLLM's Responses API) the answer is plain text.
+    auto_tools_as_text: ClassVar[bool] = False
 
     messages: list[ChatMessage] = Field(default_factory=list)
     # vLLM's token-in chat: the prompt's ids as /tokenize gave them, no template rendered

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -251,7 +251,11 @@ class ResponsesRequest(BaseModel):
 
 
 class ResponsesChat(ChatCompletionRequest):
-    """The chat request behind a Responses request: its errors name the Responses fields."""
+    """The chat request behind a Responses request: its errors name the Responses fields, and
+    tools with tool_choice 'auto' on a server without a tool-call parser answer plain text
+    (vLLM's Responses API; its chat endpoint refuses them)."""
+
+    auto_tools_as_text: ClassVar[bool] = True
 
     @property
     def prompt_param(self) -> str:

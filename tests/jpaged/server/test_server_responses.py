@@ -243,6 +243,18 @@ def test_running_background_responses_outlive_the_store_and_need_one(served):
     served.wait_drained()
 
 
+def test_tools_without_a_parser_answer_text_as_vllms_responses(served):
+    """tool_choice auto (the default) on a server without --tool-call-parser: vLLM's
+    Responses API answers text (its chat endpoint, and jpaged's, refuse with a 400)."""
+    r = served.client().responses.create(model=MODEL, input="weather?", tools=[WEATHER],
+                                         max_output_tokens=3)
+    assert [i.type for i in r.output] == ["message"] and r.usage.output_tokens == 3
+    chat = httpx.post(f"{served.url}/v1/chat/completions", timeout=30, json={
+        "model": MODEL, "messages": [{"role": "user", "content": "x"}],
+        "tools": [{"type": "function", "function": {"name": "weather"}}]})
+    assert chat.status_code == 400 and "--tool-call-parser" in chat.json()["error"]["message"]
+
+
 def test_developer_messages_join_the_instructions(served):
     """vLLM folds developer messages into the instructions: one system message (chat
     templates know no developer role)."""
