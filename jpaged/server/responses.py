@@ -28,7 +28,7 @@ from jpaged.server.responses_protocol import (
     output_text,
     response_object,
 )
-from jpaged.server.serving import EventStream, _stream_error, until_disconnected
+from jpaged.server.serving import EventStream, stream_error, until_disconnected
 
 # The status of a response whose output ended for this finish_reason.
 _STATUS = {"length": "incomplete", "abort": "cancelled"}
@@ -69,7 +69,8 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """The last `capacity` stored responses by id, oldest dropped first (0: none kept)."""
+    """The last `capacity` stored responses by id, the oldest finished one dropped first (0:
+    none kept); background responses still running are never dropped."""
 
     def __init__(self, capacity: int) -> None:
         if capacity < 0:
@@ -235,7 +236,7 @@ class ResponsesServing(ChatServing):
             run.batch.close()
             raise
         except Exception as e:  # noqa: BLE001 - the stored response says what failed
-            err = _stream_error(e)["error"]
+            err = stream_error(e)["error"]
             kept.body = {**kept.body, "status": "failed",
                          "error": {"code": str(err.get("code") or "server_error"),
                                    "message": err["message"]}}
@@ -374,7 +375,7 @@ class ResponsesServing(ChatServing):
         except OpenAIError as e:
             yield event("error", **_error_fields(e.body()["error"]))
         except Exception as e:  # noqa: BLE001 - an engine failure ends the stream with its error
-            yield event("error", **_error_fields(_stream_error(e)["error"]))
+            yield event("error", **_error_fields(stream_error(e)["error"]))
         finally:
             batch.close()
 

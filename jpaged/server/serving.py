@@ -84,7 +84,8 @@ def load_chat_template(value: str) -> str:
     return text
 
 
-def _stream_error(e: BaseException) -> dict[str, Any]:
+def stream_error(e: BaseException) -> dict[str, Any]:
+    """The error body a stream ends with for `e` (an OpenAIError's own, else a 500/503)."""
     if isinstance(e, OpenAIError):
         return e.body()
     return error_body(str(e), "server_error", code=503 if isinstance(e, EngineDeadError) else 500)
@@ -263,7 +264,7 @@ class Serving:
             if include_usage:
                 yield sse({**head, "choices": [], "usage": batch.usage()})
         except (OpenAIError, RequestFailedError, EngineDeadError) as e:
-            yield sse(_stream_error(e))
+            yield sse(stream_error(e))
         finally:
             batch.close()
             await chunks.aclose()  # type: ignore[attr-defined]
