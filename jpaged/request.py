@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
 import time
@@ -118,8 +119,11 @@ class Request:
         self.set_length_limit(2**62)
         # Disaggregated prefill/decode (a KV connector): the request's kv_transfer_params as
         # given (SamplingParams.extra_args), and the ones its finish hands to the next engine.
+        # Its own copy: the connector marks it (do_remote_prefill False once pulled), and the
+        # caller's dict may serve other requests (one SamplingParams for many prompts).
         extra = sampling_params.extra_args or {}
-        self.kv_transfer_params: dict | None = extra.get("kv_transfer_params")
+        given = extra.get("kv_transfer_params")
+        self.kv_transfer_params: dict | None = copy.deepcopy(given) if given else given
         self.finished_kv_transfer_params: dict | None = None
         # True: every prompt position is computed here, none taken from a cache (the device
         # prefix cache, the host/disk tiers, another engine's pages). Prompt logprobs need each

@@ -281,3 +281,31 @@ def test_shared_storage_connector(tmp_path, reference):
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+def test_one_params_object_for_several_consumer_requests(tmp_path, reference):
+    """As LLM.generate(prompts, params) does: one SamplingParams for several consumer
+    requests. Each pulls its own KV (the first's pull marked the shared dict done, so the
+    others recomputed) and the caller's dict is left as given (vLLM clones per request)."""
+    cfg = {"kv_connector": "SharedStorageConnector",
+           "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}}
+    producer = LLMEngine(_args({**cfg, "kv_role": "kv_producer"}), loaded=tiny())
+    consumer = LLMEngine(_args({**cfg, "kv_role": "kv_consumer"}), loaded=tiny())
+    try:
+        prompts = [_prompt(20 + i, 40) for i in range(2)]
+        store = SamplingParams(**{**GREEDY, "max_tokens": 1},
+                               extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+        for i, p in enumerate(prompts):
+            _run(producer, f"p{i}", p, store)
+        for _ in range(3):
+            producer.step()  # the saves run
+        shared = SamplingParams(**GREEDY, extra_args={
+            "kv_transfer_params": {"do_remote_prefill": True}})
+        for i, p in enumerate(prompts):
+            out = _run(consumer, f"c{i}", p, shared)
+            assert out.outputs[0].token_ids == reference(p)
+        assert consumer.get_metrics()["kv_transfer_blocks_received_total"] == 2 * (39 // BS)
+        assert shared.extra_args["kv_transfer_params"] == {"do_remote_prefill": True}
+    finally:
+        producer.shutdown()
+        consumer.shutdown()
