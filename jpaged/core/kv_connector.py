@@ -258,9 +258,17 @@ class KVConnectorScheduler:
         """(keep the blocks until the consumer has them, the params the consumer needs).
 
         Only a request that asked for a remote decode and ended normally is held; an aborted
-        one frees its blocks at once. `block_ids`: its table per KV cache group.
+        one frees its blocks at once. `block_ids`: its table per KV cache group. A consumer's
+        request that ends before its pull started (aborted while queued) tells the producer
+        to free the blocks it holds for it, as vLLM's connectors do, instead of holding them
+        to its timeout.
         """
         params = request.kv_transfer_params
+        if (self.config.is_consumer and not self.shared_storage and params
+                and params.get("do_remote_prefill") and params.get("remote_host")):
+            self._meta.releases.append((params["remote_host"], params["remote_port"],
+                                        params["remote_request_id"]))
+            params["do_remote_prefill"] = False
         if (not self.config.is_producer or not params or not params.get("do_remote_decode")
                 or request.status not in (RequestStatus.FINISHED_LENGTH,
                                           RequestStatus.FINISHED_STOPPED)):

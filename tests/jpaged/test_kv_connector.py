@@ -309,3 +309,26 @@ def test_one_params_object_for_several_consumer_requests(tmp_path, reference):
     finally:
         producer.shutdown()
         consumer.shutdown()
+
+
+def test_a_consumer_request_aborted_before_its_pull_releases_the_producer(producer):
+    """Found by vLLM's connector tests: a consumer request aborted while still queued (its
+    pull never started) tells the producer to free the blocks it holds for it at once; they
+    were held to the producer's abort_timeout_s (30 s here, 120 by default)."""
+    prompt = _prompt(30, 40)
+    pre = _prefill(producer, prompt)
+    stats = producer.engine.scheduler.get_stats
+    assert stats()["kv_transfer_requests_held"] == 1
+    consumer = _consumer()
+    try:
+        consumer.add_request("c", {"prompt_token_ids": prompt},
+                             _decode_params(pre.kv_transfer_params))
+        consumer.abort_request("c")  # its client went away before it was admitted
+
+        def released():
+            consumer.step()
+            return stats()["kv_transfer_requests_held"] == 0
+        _wait(released, timeout=10)
+        _wait(lambda: producer.engine.kv_cache_usage == 0.0, timeout=10)
+    finally:
+        consumer.shutdown()
