@@ -410,6 +410,15 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                 if not self._kv_loaded:
                     break
                 continue
+            if st.num_running + len(self.waiting_for_kv) + len(self._kv_loaded) \
+                    >= cfg.max_num_seqs:
+                # Requests whose remote pages are coming or came hold blocks and count toward
+                # max_num_seqs (vLLM's rule): one more would take a slot a landed load needs
+                # to run and give its blocks back (with max_num_seqs 1: a deadlock).
+                skipped.append((key, req))
+                if not self._kv_loaded:
+                    break
+                continue
             restored = kv.swapped_tokens(req.request_id)
             hit_blocks: Sequence[Sequence[KVCacheBlock]] = ()
             offloaded: TierHit | None = None

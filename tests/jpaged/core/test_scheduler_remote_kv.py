@@ -78,6 +78,28 @@ def test_landed_remote_loads_cannot_wedge_the_queue() -> None:
     assert sched.kv_cache_manager.usage == 0.0
 
 
+def test_loads_count_toward_max_num_seqs_so_one_slot_cannot_deadlock() -> None:
+    """vLLM's test_async_loads_count_toward_active_request_limit and the max_num_seqs=1
+    deadlock test: with one slot, two loads started at once landed, one ran, and the other
+    held the blocks the runner needed while it could not get the slot: no progress, ever.
+    Loads in flight or landed now count toward max_num_seqs."""
+    for extra in ([], [make_request("r", [300 + i for i in range(16)], 40)]):
+        sched = make_consumer(9, max_num_seqs=1, max_model_len=1024)  # 8 usable blocks
+        reqs = [remote_request("l1", [100 + i for i in range(40)], max_tokens=60),
+                remote_request("l2", [200 + i for i in range(40)], max_tokens=60), *extra]
+        for r in reqs:
+            sched.add_request(r)
+        for _ in range(400):
+            step(sched)
+            land_all(sched)
+            assert sched.num_running + len(sched.waiting_for_kv) <= 1
+            if not sched.has_unfinished_requests():
+                break
+        assert not sched.has_unfinished_requests(), {
+            r.request_id: (r.status.name, r.num_computed_tokens) for r in reqs}
+        assert sched.kv_cache_manager.usage == 0.0
+
+
 def test_a_local_request_does_not_wait_for_a_remote_load_sharing_its_prefix() -> None:
     # The remote load's pages are not computed by this engine in any step: a local request
     # with the same prefix computes it now rather than waiting until (or if) they land.
