@@ -3,7 +3,9 @@
 When ``allocate_slots`` returns None the scheduler (1) reuses free cached blocks LRU-first
 (automatic: they sit in the free queue), then preempts (2) a running request still in its
 prompt phase, then (3) a decoding one, the least important first ("least important" = largest
-(priority, arrival_time, seq); ``fcfs``: (arrival_time, seq)). A running request only preempts
+(priority, arrival_time, seq); ``fcfs``: (arrival_time, seq)); under a priority policy the
+lowest priority class goes first, stages 2 then 3 within it (a more important prompt-phase
+request is never preempted while a less important one decodes). A running request only preempts
 requests strictly less important than itself; at admission only the ``priority``/``lpm``
 policies preempt, only requests of a strictly larger priority value, and only when preempting
 all of those would make room (else nobody: the arrival waits, as vLLM's would).
@@ -88,8 +90,12 @@ class PreemptionMixin:
                 if c.status is RUNNING and c.priority > req.priority]
 
     def _pick_victim(self, req: Request, st: ScheduleStep, admission: bool) -> Request | None:
+        """The next request to preempt for `req`: of the eligible ones, a prompt-phase request
+        before a decoding one (seed stages 2, 3), but under a priority policy never a more
+        important one before a less important one (the lowest priority class goes first)."""
         if admission and self.policy == "fcfs":
             return None
+        found: list[Request] = []
         for stage in (0, 1):  # 0: prompt phase (seed stage 2), 1: decoding (seed stage 3)
             lst, i = st.victims[stage], st.tails[stage]
             while i >= 0 and lst[i].status is not RUNNING:
@@ -103,8 +109,10 @@ class PreemptionMixin:
             else:
                 ok = self._key(cand) > self._key(req)
             if ok:
-                return cand
-        return None
+                found.append(cand)
+        if len(found) == 2 and self.policy != "fcfs" and found[1].priority > found[0].priority:
+            return found[1]  # the decoding one is of a lower priority class
+        return found[0] if found else None
 
     def _preempt(self, victim: Request, st: ScheduleStep) -> None:
         kv = self.kv_cache_manager
