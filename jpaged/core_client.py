@@ -108,6 +108,7 @@ class _CoreLoop:
         self.last_ids: list[str] | None = None  # req_ids of the latest CoreStep sent
         self.sent = 0  # CoreSteps sent
         self.acked = 0  # CoreSteps the front end has taken (its "ack" messages)
+        self.adds = 0  # "add" messages taken (each CoreStep says how many: adds_seen)
 
     def _send_all(self) -> None:
         while (data := self.outbox.get()) is not None:
@@ -145,6 +146,7 @@ class _CoreLoop:
                 step = engine.core_step()
                 step.loop_s = loop_s
                 step.kv_cache_usage = engine.kv_cache_usage
+                step.adds_seen = self.adds
                 if step.req_ids == self.last_ids:
                     step.req_ids = None  # the front end has this list already
                 else:
@@ -167,6 +169,7 @@ class _CoreLoop:
         """Apply one front-end message; False on shutdown."""
         op = msg[0]
         if op == "add":
+            self.adds += 1
             self.engine.queue_requests(msg[1])
         elif op == "ack":
             self.acked += msg[1]
@@ -258,6 +261,7 @@ class CoreProcessEngine(RequestFrontend):
         self._steps: collections.deque[CoreStep] = collections.deque()
         self._last_req_ids: list[str] = []  # of the latest CoreStep (see CoreStep.req_ids)
         self._seq = 0
+        self._adds_sent = 0  # "add" messages sent (see CoreStep.adds_seen)
         self._closed = False
         try:
             msg = self._recv(deadline=time.monotonic() + start_timeout_s)
@@ -337,6 +341,9 @@ class CoreProcessEngine(RequestFrontend):
             if req.request_id in self._child_of:
                 raise ValueError(f"request id {req.request_id!r} is already in use")
             check_request_fits(req, sc.max_model_len, cc.block_size, cc.num_gpu_blocks)
+        self._adds_sent += 1
+        for req in requests:  # the front end's copy: which add carried it (CoreStep.adds_seen)
+            req.core_add_seq = self._adds_sent
         self._send(("add", requests))
 
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
@@ -379,11 +386,22 @@ class CoreProcessEngine(RequestFrontend):
         self.last_core_loop_s = step.loop_s
         self.kv_cache_usage = step.kv_cache_usage
         child_of = self._child_of
+        seen = step.adds_seen
+
+        def live(rid: str) -> Any:
+            """The child whose request this step's row of `rid` is: None when aborted, ended
+            by a stop string (the core learns it later), or added again under the same id
+            after the core computed this step (the row was the old request's)."""
+            entry = child_of.get(rid)
+            if entry is None or entry[1].request.core_add_seq > seen:
+                return None
+            return entry
+
         updated: list[Request] = []  # the front end's copy of each updated sequence
         rows: list[int] = []
         tokens = step.token_ids
         for i, rid in enumerate(step.req_ids):
-            entry = child_of.get(rid)
+            entry = live(rid)
             if entry is None or entry[1].finish_reason is not None:
                 continue  # aborted, or ended by a stop string: the core learns it later
             req = entry[1].request
@@ -393,16 +411,16 @@ class CoreProcessEngine(RequestFrontend):
         if step.finished or step.num_cached or step.prompt_logprobs:
             names = step.req_ids
             for i, status, stop_reason in step.finished:
-                entry = child_of.get(names[i])
+                entry = live(names[i])
                 if entry is not None and entry[1].finish_reason is None:
                     entry[1].request.status = RequestStatus[status]
                     entry[1].request.stop_reason = stop_reason
             for i, n in step.num_cached:
-                entry = child_of.get(names[i])
+                entry = live(names[i])
                 if entry is not None:
                     entry[1].request.num_cached_tokens = n
             for i, plp in step.prompt_logprobs:
-                entry = child_of.get(names[i])
+                entry = live(names[i])
                 if entry is not None:
                     entry[1].request.prompt_logprob_rows = plp
         return self._outputs(updated, rows, tokens, step.logprobs, step)

@@ -125,6 +125,9 @@ class Request:
         given = extra.get("kv_transfer_params")
         self.kv_transfer_params: dict | None = copy.deepcopy(given) if given else given
         self.finished_kv_transfer_params: dict | None = None
+        # A core process's front end: the number of the "add" message that carried this
+        # request (core_client.py: rows of an earlier request of the same id are not its).
+        self.core_add_seq = 0
         # True: every prompt position is computed here, none taken from a cache (the device
         # prefix cache, the host/disk tiers, another engine's pages). Prompt logprobs need each
         # position's logits (vLLM's rule). Every lookup of any tier asks this one attribute.

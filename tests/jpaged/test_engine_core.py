@@ -160,6 +160,33 @@ def test_the_core_runs_at_most_max_ahead_steps_past_the_front_end(core):
     assert sorted(len(o.outputs[0].token_ids) for o in outs if o.finished) == [60, 60]
 
 
+def test_an_id_added_again_gets_none_of_the_old_requests_steps(core):
+    """vLLM's test_engine_core re-adds an id once its request ended. Here the core runs
+    steps ahead, so steps of the old request were still on the way: aborted (or ended by a
+    stop string, or already finished in the core) and added again at once, the new request
+    got the old one's tokens and finish (found by porting vLLM's engine-core tests)."""
+    ref_engine = LLM.from_engine(LLMEngine(EngineArgs(**ARGS), loaded=host_model()))
+    old, new = _prompts(2, seed=7)
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    want = ref_engine.generate(new, params, use_tqdm=False)[0].outputs[0].token_ids
+    long = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    for rid, first in (("again", long), ("short", params.clone(max_tokens=3))):
+        core.add_request(rid, old, first)
+        core.step()
+        deadline = time.monotonic() + 60
+        while core.get_metrics()["num_steps"] < MAX_AHEAD and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the core has its steps ahead queued
+        core.abort_request(rid)
+        core.add_request(rid, new, params)
+        outs = []
+        while core.has_unfinished_requests():
+            outs += core.step()
+        (done,) = [o for o in outs if o.finished]
+        assert done.outputs[0].token_ids == want and done.outputs[0].finish_reason == "length"
+    _drain(core)
+
+
 def test_bad_input_is_refused_in_the_front_end(core):
     with pytest.raises(ValueError, match="max_model_len"):
         core.add_request("long", {"prompt_token_ids": [1] * 200})
