@@ -13,10 +13,11 @@ from pydantic import BaseModel, ConfigDict
 
 from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
 
-# Fields OpenAI defines that change nothing here (echoed back where the response has them).
-_NO_EFFECT = frozenset({"service_tier", "user", "prompt_cache_key", "safety_identifier",
-                        "max_tool_calls", "stream_options", "prompt_cache_retention",
-                        "chat_template_kwargs"})  # (the last read by chat_request)
+# Undeclared fields taken: OpenAI's that change nothing here (echoed back where the response
+# has them), and vLLM's chat_template_kwargs (chat_request reads it).
+_ACCEPTED = frozenset({"service_tier", "user", "prompt_cache_key", "safety_identifier",
+                       "max_tool_calls", "stream_options", "prompt_cache_retention",
+                       "chat_template_kwargs"})
 # Fields OpenAI defines for what this server cannot do: refused by name when set.
 _REFUSED = {
     "prompt": "prompt templates (stored prompts) are not supported",
@@ -73,7 +74,7 @@ class ResponsesRequest(BaseModel):
             if extra.get(name) is not None:
                 raise OpenAIError(400, why, param=name)
         for name in extra:
-            if name not in _NO_EFFECT and name not in _SAMPLING:
+            if name not in _ACCEPTED and name not in _SAMPLING:
                 raise OpenAIError(400, f"unknown field {name!r}: this server does not "
                                   "implement it", param=name)
         if self.background and not self.store:
