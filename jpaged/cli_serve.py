@@ -26,16 +26,21 @@ AutoToolChoiceOption = Annotated[bool, typer.Option(
 ToolCallParserOption = Annotated[str | None, typer.Option(
     "--tool-call-parser", help="The model's tool-call syntax: hermes (Hermes, Qwen 2.5/3), "
     "llama3_json (Llama 3.1/3.2), pythonic (Llama 3.2/4), mistral.")]
+ReasoningParserOption = Annotated[str | None, typer.Option(
+    "--reasoning-parser", help="vLLM's reasoning parser: a reasoning model's thought comes back "
+    "as the message's `reasoning`, apart from its content (deepseek_r1, qwen3).")]
 
 
 def _check_front_end(chat_template: str | None, enable_auto_tool_choice: bool,
-                     tool_call_parser: str | None) -> None:
+                     tool_call_parser: str | None, reasoning_parser: str | None = None) -> None:
     """The front-end options' errors, before any model loads (exit 2 naming the flag)."""
+    from jpaged.server.reasoning_parsers import get_reasoning_parser
     from jpaged.server.serving import load_chat_template
     from jpaged.server.tool_parsers import auto_tool_parser
 
     try:
         auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
+        get_reasoning_parser(reasoning_parser)
         if chat_template is not None:
             load_chat_template(chat_template)
     except ValueError as e:
@@ -124,6 +129,7 @@ def serve(
     max_log_len: Annotated[int | None, typer.Option(
         "--max-log-len", min=0, help="Cut logged prompts, outputs and id lists to this many "
         "characters / ids (default: whole).")] = None,
+    reasoning_parser: ReasoningParserOption = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses,
@@ -136,7 +142,7 @@ def serve(
     from jpaged.runner.multiprocess import ProcessGroupError, exit_now
     from jpaged.server import run_server
 
-    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser)
+    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     if enable_log_outputs and not enable_log_requests:
         fail("--enable-log-outputs needs --enable-log-requests (vLLM's rule)")
     origins = _json_list("--allowed-origins", allowed_origins)
@@ -175,7 +181,8 @@ def serve(
                    allowed_origins=origins, allow_credentials=allow_credentials,
                    max_stored_responses=max_stored_responses,
                    enable_log_requests=enable_log_requests,
-                   enable_log_outputs=enable_log_outputs, max_log_len=max_log_len)
+                   enable_log_outputs=enable_log_outputs, max_log_len=max_log_len,
+                   reasoning_parser=reasoning_parser)
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 
@@ -208,6 +215,7 @@ def run_batch(
     enable_auto_tool_choice: AutoToolChoiceOption = False,
     tool_call_parser: ToolCallParserOption = None,
     chat_template: ChatTemplateOption = None,
+    reasoning_parser: ReasoningParserOption = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Answer an OpenAI batch file (/v1/completions, /v1/chat/completions and /v1/responses
@@ -229,7 +237,7 @@ def run_batch(
     out_path = None if output_file == "-" else Path(output_file)
     if out_path is not None and not out_path.parent.is_dir():
         fail(f"--output-file {output_file}: its directory does not exist")
-    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser)
+    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser, reasoning_parser)
     from jpaged.server import build_app
     from jpaged.server.run_batch import run_batch_lines
 
@@ -241,7 +249,7 @@ def run_batch(
     app = build_app(engine, served_model_name or flags.get("model"), owned=True,
                     enable_auto_tool_choice=enable_auto_tool_choice,
                     tool_call_parser=tool_call_parser, chat_template=chat_template,
-                    max_stored_responses=0)
+                    max_stored_responses=0, reasoning_parser=reasoning_parser)
     try:
         result = asyncio.run(run_batch_lines(app, lines))
     finally:

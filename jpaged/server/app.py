@@ -37,8 +37,9 @@ from jpaged.server.protocol import (
     TokenizeRequest,
     error_body,
 )
+from jpaged.server.reasoning_parsers import get_reasoning_parser
 from jpaged.server.request_log import RequestLogger
-from jpaged.server.responses import ResponsesServing
+from jpaged.server.responses import ResponsesServing, ResponseStore
 from jpaged.server.responses_protocol import ResponsesRequest
 from jpaged.server.serving import EventStream, load_chat_template
 from jpaged.server.tokenization import TokenizationServing
@@ -123,7 +124,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               enable_log_requests: bool = False, enable_log_outputs: bool = False,
-              max_log_len: int | None = None) -> FastAPI:
+              max_log_len: int | None = None, reasoning_parser: str | None = None) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
@@ -146,8 +147,15 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     `enable_log_requests`, `enable_log_outputs`, `max_log_len`: vLLM's request log (a line per
     engine request as it is added, with its prompt and parameters; one as it finishes, with
     its text; prompts, texts and id lists cut at `max_log_len`).
+    `reasoning_parser`: vLLM's --reasoning-parser (jpaged.server.reasoning_parsers): a
+    reasoning model's thought comes back as the message's `reasoning`, apart from its content.
     """
     parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
+    thinker = get_reasoning_parser(reasoning_parser)
+    if enable_log_outputs and not enable_log_requests:
+        raise ValueError("--enable-log-outputs needs --enable-log-requests (vLLM's rule)")
+    log = RequestLogger(max_log_len, enable_log_outputs) if enable_log_requests else None
+    store = ResponseStore(max_stored_responses)  # a bad size is refused before the engine runs
     template = load_chat_template(chat_template) if chat_template is not None else None
     wrapped = isinstance(engine, RequestFrontend)  # an LLMEngine or a CoreProcessEngine
     owned = wrapped if owned is None else owned
@@ -156,11 +164,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     names = ([served_model_name] if isinstance(served_model_name, str)
              else list(served_model_name or ())) or [default_model_name(aengine.model_source)]
     name = names[0]
-    if enable_log_outputs and not enable_log_requests:
-        raise ValueError("--enable-log-outputs needs --enable-log-requests (vLLM's rule)")
-    log = RequestLogger(max_log_len, enable_log_outputs) if enable_log_requests else None
-    serving = _Serving(aengine, names, parser, template, log)
-    serving.init_responses(max_stored_responses)
+    serving = _Serving(aengine, names, parser, template, log, thinker)
+    serving.store = store
     # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
     # data-parallel client's series carry each replica's own, which win).
     registry = with_labels(aengine.metrics_registry(), {"model_name": name, "engine": "0"})

@@ -14,6 +14,7 @@ from jpaged.sampling_params import BeamSearchParams, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.logprobs import chat_logprobs, prompt_logprobs_json
 from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
+from jpaged.server.reasoning_parsers import ReasoningParser, ReasoningStream
 from jpaged.server.serving import EventStream, Serving, sse, until_disconnected
 from jpaged.server.tool_calls import ToolCallStream
 
@@ -25,6 +26,23 @@ class ChatRun:
     batch: RequestBatch
     calls: ToolCallStream
     tools: str  # 'none', 'auto', 'required' or the forced function's name
+    # The server's reasoning parser where it applies (not to an output a grammar constrains
+    # from its first token: that one cannot think first), and whether the answer starts in
+    # thought (qwen3's enable_thinking).
+    reasoning: ReasoningParser | None = None
+    thinking: bool = True
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """A finished choice's (reasoning or None, the rest) (all the rest without a parser)."""
+        if self.reasoning is None:
+            return None, text
+        reasoning, content = self.reasoning.split(text, self.thinking)
+        return reasoning, content or ""
+
+    def stream(self) -> ReasoningStream | None:
+        """A choice's streamed reasoning split (None without a parser)."""
+        return None if self.reasoning is None else ReasoningStream(self.reasoning,
+                                                                    self.thinking)
 
 
 class ChatServing(Serving):
@@ -44,13 +62,13 @@ class ChatServing(Serving):
         started = await self._start_chat(req, "chatcmpl")
         if not isinstance(started, ChatRun):
             return started  # beam search's whole answer
-        batch, calls = started.batch, started.calls
+        batch = started.batch
         head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
         echo = req.echoed() if started.tools == "none" else ""
         if req.stream:
-            return EventStream(self._stream_chat(batch, head, req.include_usage, calls, echo),
+            return EventStream(self._stream_chat(started, head, req.include_usage, echo),
                                batch.close)
-        return await self._full_chat(batch, head, calls, echo)
+        return await self._full_chat(started, head, echo)
 
     async def _start_chat(self, req: ChatCompletionRequest, id_prefix: str
                           ) -> ChatRun | dict[str, Any] | EventStream:
@@ -69,6 +87,9 @@ class ChatServing(Serving):
                                   "and --tool-call-parser to be set", param="tool_choice")
             if parser.keeps_special_tokens:
                 params = params.clone(skip_special_tokens=False)
+        reasoning = self.reasoning_parser if params.structured_outputs is None else None
+        if reasoning is not None and params.skip_special_tokens:
+            params = params.clone(skip_special_tokens=False)  # the tags may be special tokens
         # The template holds the special tokens already: no second BOS unless asked.
         param = req.prompt_param
         prompt = (await self._tokenized(
@@ -83,7 +104,8 @@ class ChatServing(Serving):
         batch.configure(req)
         await batch.start([prompt], param)
         return ChatRun(batch, ToolCallStream(tools, parser, req.parallel_tool_calls is not False),
-                       tools)
+                       tools, reasoning,
+                       reasoning is not None and reasoning.thinking(req.chat_template_kwargs))
 
     async def _beam_chat(self, req: ChatCompletionRequest, prompt: Any, params: SamplingParams,
                          beam: BeamSearchParams) -> dict[str, Any] | EventStream:
@@ -122,8 +144,9 @@ class ChatServing(Serving):
             body["prompt_token_ids"] = prompt_ids
         return body
 
-    async def _full_chat(self, batch: RequestBatch, head: dict[str, Any],
-                         calls: ToolCallStream, echo: str = "") -> dict[str, Any]:
+    async def _full_chat(self, run: ChatRun, head: dict[str, Any], echo: str = ""
+                         ) -> dict[str, Any]:
+        batch, calls = run.batch, run.calls
         choices: list[dict[str, Any]] = []
         prompt_ids: list[int] | None = None
         plp = None
@@ -132,7 +155,10 @@ class ChatServing(Serving):
                 prompt_ids = out.prompt_token_ids
                 plp = out.prompt_logprobs if out.prompt_logprobs is not None else plp
                 for c in out.outputs:
-                    message, finish = calls.message(echo + c.text, c.finish_reason)
+                    reasoning, text = run.split(c.text)
+                    message, finish = calls.message(echo + text, c.finish_reason)
+                    if run.reasoning is not None:
+                        message = _with_reasoning(message, reasoning, text)
                     choices.append({"index": c.index, "message": message,
                                     "logprobs": chat_logprobs(c, self.engine.tokenizer,
                                                               batch.tokens_as_ids,
@@ -152,14 +178,16 @@ class ChatServing(Serving):
             body["prompt_logprobs"] = prompt_logprobs_json(plp)
         return body
 
-    def _stream_chat(self, batch: RequestBatch, head: dict[str, Any], include_usage: bool,
-                     calls: ToolCallStream, echo: str = "") -> AsyncIterator[str]:
+    def _stream_chat(self, run: ChatRun, head: dict[str, Any], include_usage: bool,
+                     echo: str = "") -> AsyncIterator[str]:
         head = {**head, "object": "chat.completion.chunk"}
-        return self._framed(self._chat_chunks(batch, head, include_usage, calls, echo), batch,
+        return self._framed(self._chat_chunks(run, head, include_usage, echo), run.batch,
                             head, include_usage)
 
-    async def _chat_chunks(self, batch: RequestBatch, head: dict[str, Any], include_usage: bool,
-                           calls: ToolCallStream, echo: str = "") -> AsyncIterator[str]:
+    async def _chat_chunks(self, run: ChatRun, head: dict[str, Any], include_usage: bool,
+                           echo: str = "") -> AsyncIterator[str]:
+        batch, calls = run.batch, run.calls
+        thoughts: dict[int, ReasoningStream] = {}  # per choice, with a reasoning parser
         def roles(prompt_ids: list[int] | None) -> list[str]:
             """Each choice's role chunk (and echo): the first carries the prompt's ids when
             return_token_ids asks (vLLM's place for them)."""
@@ -201,7 +229,19 @@ class ChatServing(Serving):
                     continue
                 if c.finish_reason is not None:
                     done.add(c.index)
-                delta, finish = calls.delta(c.index, c.text, c.finish_reason)
+                text, thought = c.text, ""
+                if run.reasoning is not None:
+                    split = thoughts.get(c.index)
+                    if split is None:
+                        split = thoughts[c.index] = run.stream()
+                    thought, text = split.delta(c.text, c.finish_reason is not None)
+                    if not (thought or text or c.finish_reason or lps or batch.return_token_ids):
+                        continue  # what may be a tag: held back
+                delta, finish = calls.delta(c.index, text, c.finish_reason)
+                if thought:  # vLLM's field, and its former name (clients read either)
+                    delta = {"reasoning": thought, "reasoning_content": thought, **(delta or {})}
+                    if delta.get("content") == "" and "tool_calls" not in delta:
+                        del delta["content"]
                 if delta is None:  # held back: 'required' calls go out whole at the finish
                     continue
                 choice = {"index": c.index, "delta": delta, "logprobs": lps,
@@ -212,3 +252,13 @@ class ChatServing(Serving):
                 if include_usage:
                     chunk["usage"] = batch.chunk_usage(c.index)
                 yield sse(chunk)
+
+
+def _with_reasoning(message: dict[str, Any], reasoning: str | None, text: str
+                    ) -> dict[str, Any]:
+    """A finished message with its reasoning (vLLM's `reasoning`, and `reasoning_content`,
+    its former name); content null when the answer was all thought."""
+    out = {**message, "reasoning": reasoning, "reasoning_content": reasoning}
+    if not text and not message.get("tool_calls"):
+        out["content"] = None
+    return out

@@ -431,6 +431,9 @@ def conversation(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         extra = m.model_extra or {}
         if extra.get("tool_call_id") is not None:
             msg["tool_call_id"] = extra["tool_call_id"]
+        thought = extra.get("reasoning_content", extra.get("reasoning"))
+        if isinstance(thought, str):  # an earlier answer's thought, for templates that show it
+            msg["reasoning_content"] = msg["reasoning"] = thought
         if extra.get("tool_calls") is not None:
             try:
                 msg["tool_calls"] = template_tool_calls(extra["tool_calls"])

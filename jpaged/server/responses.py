@@ -13,7 +13,6 @@ from typing import Any
 
 from starlette.requests import Request as HTTPRequest
 
-from jpaged.config import DEFAULT_MAX_STORED_RESPONSES
 from jpaged.server.chat import ChatRun, ChatServing
 from jpaged.server.logprobs import chat_logprobs
 from jpaged.server.protocol import OpenAIError
@@ -26,6 +25,7 @@ from jpaged.server.responses_protocol import (
     now,
     output_items,
     output_text,
+    reasoning_item,
     response_object,
 )
 from jpaged.server.serving import EventStream, stream_error, until_disconnected
@@ -135,11 +135,7 @@ class ResponsesServing(ChatServing):
     """The handlers of /v1/responses over the chat machinery (a Responses request runs as the
     chat request it amounts to)."""
 
-    store: ResponseStore
-
-    def init_responses(self, max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES) -> None:
-        """Create the response store (called once by build_app)."""
-        self.store = ResponseStore(max_stored_responses)
+    store: ResponseStore  # the responses kept (build_app sets it)
 
     async def responses(self, req: ResponsesRequest, http: HTTPRequest
                         ) -> dict[str, Any] | EventStream | None:
@@ -217,9 +213,20 @@ class ResponsesServing(ChatServing):
                     lps = self._logprobs(c, batch.params.logprobs or 0)
         finally:
             batch.close()
+        reasoning, text = run.split(text)
         message, finish = run.calls.message(text, finish)
         status = _STATUS.get(finish or "", "completed")
-        return body(status, output_items(message, lps), batch.usage())
+        items = output_items(message, lps)
+        if reasoning:  # the thought first; no empty message when it was all thought
+            items = [reasoning_item(reasoning)] + [
+                it for it in items if it["type"] != "message" or it["content"]]
+        return body(status, items, self._usage(batch.usage(), reasoning))
+
+    def _usage(self, chat_usage: dict[str, Any], reasoning: str | None) -> dict[str, Any]:
+        """Chat's usage with the reasoning's tokens (its text tokenized) beside."""
+        n = len(self.engine.tokenizer.encode(reasoning, add_special_tokens=False)) \
+            if reasoning else 0
+        return {**chat_usage, "reasoning_tokens": min(n, chat_usage["completion_tokens"])}
 
     def _logprobs(self, c: Any, top: int) -> list[dict[str, Any]]:
         """The output_text logprobs of an output's (new) tokens, `top` candidates each."""
@@ -292,7 +299,12 @@ class ResponsesServing(ChatServing):
             if current is None:
                 return []
             i, out = len(items), []
-            if current["type"] == "message":
+            if current["type"] == "reasoning":
+                text = current["content"][0]["text"]
+                out.append(event("response.reasoning_text.done", item_id=current["id"],
+                                 output_index=i, content_index=0, text=text))
+                current = reasoning_item(text, item_id=current["id"])
+            elif current["type"] == "message":
                 text = current["content"][0]["text"]
                 part = output_text(text, text_lps if req.logprobs else None)
                 out += [event("response.output_text.done", item_id=current["id"],
@@ -320,10 +332,26 @@ class ResponsesServing(ChatServing):
             # the message's next delta; once it is open, such tokens (the EOS too) get a delta
             # of no text, so every token's logprob is streamed, as vLLM streams them.
             pending: list[dict[str, Any]] = []
+            split = run.stream()
+            reasoning = ""
             async for _, out in batch.outputs():
                 c = out.outputs[0]
                 finish = c.finish_reason
-                delta, _ = calls.delta(0, c.text, c.finish_reason)
+                text = c.text
+                if split is not None:
+                    thought, text = split.delta(c.text, c.finish_reason is not None)
+                    if thought:  # the reasoning item, opened at its first piece
+                        reasoning += thought
+                        if current is None or current["type"] != "reasoning":
+                            for e in close():
+                                yield e
+                            current = reasoning_item("", "in_progress")
+                            yield event("response.output_item.added",
+                                        output_index=len(items), item=current)
+                        current["content"][0]["text"] += thought
+                        yield event("response.reasoning_text.delta", item_id=current["id"],
+                                    output_index=len(items), content_index=0, delta=thought)
+                delta, _ = calls.delta(0, text, c.finish_reason)
                 lps = self._logprobs(c, batch.params.logprobs or 0) if req.logprobs else []
                 delta = delta or {}
                 if lps and not delta.get("content"):
@@ -369,7 +397,8 @@ class ResponsesServing(ChatServing):
                                     delta=args)
             for e in close():
                 yield e
-            final = body(_STATUS.get(finish or "", "completed"), items, batch.usage())
+            final = body(_STATUS.get(finish or "", "completed"), items,
+                         self._usage(batch.usage(), reasoning or None))
             self._keep(req, final["id"], kept, final)
             yield event("response.completed", response=final)
         except OpenAIError as e:

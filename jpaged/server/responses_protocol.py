@@ -343,6 +343,13 @@ def output_items(message: dict[str, Any], logprobs: list[dict[str, Any]] | None
     return items + [function_call_item(c) for c in calls]
 
 
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None
+                   ) -> dict[str, Any]:
+    """A reasoning output item (the model's thought, as a reasoning parser split it off)."""
+    return {"type": "reasoning", "id": item_id or new_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
 def history_messages(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Output items as the chat messages a later turn's prompt holds: one assistant message
     with the text and the calls."""
@@ -365,7 +372,7 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, Any] | None:
             "input_tokens_details": {
                 "cached_tokens": chat_usage["prompt_tokens_details"]["cached_tokens"]},
             "output_tokens": chat_usage["completion_tokens"],
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": chat_usage.get("reasoning_tokens", 0)},
             "total_tokens": chat_usage["total_tokens"]}
 
 

@@ -18,6 +18,7 @@ from jpaged.frontend import truncation_keep
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.protocol import OpenAIError, error_body
+from jpaged.server.reasoning_parsers import ReasoningParser
 from jpaged.server.request_log import RequestLogger
 from jpaged.server.tool_parsers import ToolParser
 
@@ -104,8 +105,11 @@ class Serving:
 
     def __init__(self, engine: AsyncLLMEngine, model_names: Sequence[str],
                  tool_parser: ToolParser | None = None, chat_template: str | None = None,
-                 request_logger: RequestLogger | None = None) -> None:
+                 request_logger: RequestLogger | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         self.engine = engine
+        # vLLM's --reasoning-parser: splits a reasoning model's thought from its answer.
+        self.reasoning_parser = reasoning_parser
         self.request_logger = request_logger  # vLLM's --enable-log-requests (None: off)
         # The names requests may use (vLLM's --served-model-name list); answers carry the first.
         self.model_names = list(model_names)
