@@ -31,6 +31,7 @@ class ChatRun:
     # thought (qwen3's enable_thinking).
     reasoning: ReasoningParser | None = None
     thinking: bool = True
+    include_reasoning: bool = True  # vLLM's request field: false drops the thought
 
     def split(self, text: str) -> tuple[str | None, str]:
         """A finished choice's (reasoning or None, the rest) (all the rest without a parser)."""
@@ -105,7 +106,8 @@ class ChatServing(Serving):
         await batch.start([prompt], param)
         return ChatRun(batch, ToolCallStream(tools, parser, req.parallel_tool_calls is not False),
                        tools, reasoning,
-                       reasoning is not None and reasoning.thinking(req.chat_template_kwargs))
+                       reasoning is not None and reasoning.thinking(req.chat_template_kwargs),
+                       req.include_reasoning)
 
     async def _beam_chat(self, req: ChatCompletionRequest, prompt: Any, params: SamplingParams,
                          beam: BeamSearchParams) -> dict[str, Any] | EventStream:
@@ -158,7 +160,8 @@ class ChatServing(Serving):
                     reasoning, text = run.split(c.text)
                     message, finish = calls.message(echo + text, c.finish_reason)
                     if run.reasoning is not None:
-                        message = _with_reasoning(message, reasoning, text)
+                        message = _with_reasoning(
+                            message, reasoning if run.include_reasoning else None, text)
                     choices.append({"index": c.index, "message": message,
                                     "logprobs": chat_logprobs(c, self.engine.tokenizer,
                                                               batch.tokens_as_ids,
@@ -235,6 +238,7 @@ class ChatServing(Serving):
                     if split is None:
                         split = thoughts[c.index] = run.stream()
                     thought, text = split.delta(c.text, c.finish_reason is not None)
+                    thought = thought if run.include_reasoning else ""
                     if not (thought or text or c.finish_reason or lps or batch.return_token_ids):
                         continue  # what may be a tag: held back
                 delta, finish = calls.delta(c.index, text, c.finish_reason)

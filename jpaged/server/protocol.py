@@ -475,6 +475,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False
     echo: bool = False
+    # vLLM's: with a reasoning parser, false leaves the thought out of the answer.
+    include_reasoning: bool = True
 
     def conversation(self) -> list[dict[str, Any]]:
         """Messages as dicts for the chat template (see `conversation`)."""

@@ -3,7 +3,8 @@
 (the chat message's `reasoning`, and `reasoning_content`, its former name) and the content.
 
 - `deepseek_r1` (DeepSeek R1 and its distills, QwQ): the template opens `<think>` in the
-  prompt, so the answer usually has only `</think>`; a `<think>` the model writes is dropped.
+  prompt, so the answer usually has only `</think>`; a `<think>` the model writes is dropped
+  (the text around it kept, so a stream and the whole answer agree).
   No `</think>` at all: everything is reasoning (the answer was cut while thinking).
 - `qwen3` (Qwen3): as deepseek_r1, except that with `chat_template_kwargs: {"enable_thinking":
   false}` (the template then closes the thinking in the prompt) the answer is all content.
@@ -41,14 +42,19 @@ class ReasoningParser:
         thinking (qwen3's enable_thinking false): all content, as vLLM streams it."""
         if not thinking:
             return None, text or None
-        before, tag, after = text.partition(self.start)
-        body = after if tag else before
-        if not tag and not final and self.start.startswith(body.lstrip()) and body.strip():
-            return None, None  # "<thi" may be the start tag yet
+        # The start tag (before the end tag) is dropped, the text around it kept: what came
+        # before it was streamed as thought already (as vLLM streams "\n<think>...").
+        end = text.find(self.end)
+        at = text.find(self.start, 0, len(text) if end < 0 else end)
+        opened = at >= 0
+        body = text[:at] + text[at + len(self.start):] if opened else text
         reasoning, tag, content = body.partition(self.end)
         if not tag:
-            if not final:
-                reasoning = reasoning[:len(reasoning) - _held(reasoning, self.end)]
+            if not final:  # a tag cut at the end may complete: held back
+                held = _held(reasoning, self.end)
+                if not opened:
+                    held = max(held, _held(reasoning, self.start))
+                reasoning = reasoning[:len(reasoning) - held]
             return reasoning or None, None
         return reasoning or None, content or None
 

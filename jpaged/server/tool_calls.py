@@ -84,8 +84,9 @@ class ToolCallStream:
         # streamed as it is written counts from its first delta).
         self.sent_content: dict[int, int] = {}
         self.sent_calls: dict[int, int] = {}
-        # 'auto', per choice: the call being streamed: (its index, the arguments sent).
-        self.open_call: dict[int, tuple[int, str]] = {}
+        # 'auto', per choice: the call being streamed: (its index, the arguments sent, those
+        # arguments closed as they stood: what ends them if the answer stops there).
+        self.open_call: dict[int, tuple[int, str, str]] = {}
 
     def message(self, text: str, finish: str | None) -> tuple[dict[str, Any], str | None]:
         """A finished choice's whole message and finish_reason (`tool_call_message`)."""
@@ -146,14 +147,21 @@ class ToolCallStream:
         made = max(made, len(calls))
         if opened is not None:
             self.open_call[index] = opened
-        if finish is None and (self.parallel or made == 0):
-            out += self._stream_open(index, made, full)
+        if opened is not None or finish is None and (self.parallel or made == 0):
+            out += self._stream_open(index, made if opened is None else opened[0], full)
+        if finish is not None:
+            opened = self.open_call.pop(index, None)
+            if opened is not None:  # never whole (cut, or its block does not parse): what
+                # was streamed is closed, so its arguments are valid JSON as every call's are
+                streamed, closed = opened[1], opened[2]
+                if closed.startswith(streamed) and closed[len(streamed):]:
+                    out.append({"index": opened[0],
+                                "function": {"arguments": closed[len(streamed):]}})
         if out:
             delta["tool_calls"] = out
         self.sent_calls[index] = made
         if finish is not None:
             self.text.pop(index, None)
-            self.open_call.pop(index, None)
             return delta, "tool_calls" if made or opened is not None else finish
         return (delta or None), None
 
@@ -164,13 +172,13 @@ class ToolCallStream:
         found = self.parser.in_progress(full)
         if found is None:
             return []
-        name, prefix = found
+        name, prefix, closed = found
         opened = self.open_call.get(index)
         if opened is None:  # its header, with the arguments as far as they go
-            self.open_call[index] = (slot, prefix)
+            self.open_call[index] = (slot, prefix, closed)
             return [{"index": slot, **_tool_call(name, prefix)}]
         sent = opened[1]
         if len(prefix) <= len(sent) or not prefix.startswith(sent):
             return []
-        self.open_call[index] = (slot, prefix)
+        self.open_call[index] = (slot, prefix, closed)
         return [{"index": slot, "function": {"arguments": prefix[len(sent):]}}]

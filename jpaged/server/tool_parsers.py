@@ -53,10 +53,11 @@ class ToolParser:
         """The content and calls of `text` (see the class docstring)."""
         raise NotImplementedError
 
-    def in_progress(self, text: str) -> tuple[str, str] | None:
-        """While streaming: the call being written after the complete ones, as (its name,
-        a prefix of its final arguments string that no later text can change), or None when
-        there is none or this parser sends calls whole."""
+    def in_progress(self, text: str) -> tuple[str, str, str] | None:
+        """While streaming: the call being written after the complete ones, as (its name, a
+        prefix of its final arguments string that no later text can change, its arguments
+        closed as they stand: what a stream that ends here completes them with), or None
+        when there is none or this parser sends calls whole."""
         return None
 
 
@@ -159,11 +160,21 @@ def _closed_json(text: str) -> tuple[str, bool] | None:
     return text[:safe[0]] + safe[1], False
 
 
-def _stable_arguments(value: dict[str, Any], whole: bool) -> str:
-    """The part of a call's arguments string (json.dumps, as `_arguments` writes it) that more
-    text cannot change: all of it when whole, else without its closing quotes and brackets."""
+def _first_wins(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose repeated key keeps its first value (a streamed call sends the
+    first before the second is written, so the whole answer reads it the same way)."""
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        out.setdefault(k, v)
+    return out
+
+
+def _stable_arguments(value: dict[str, Any], whole: bool) -> tuple[str, str]:
+    """(the part of a call's arguments string (json.dumps, as `_arguments` writes it) that
+    more text cannot change: all of it when whole, else without its closing quotes and
+    brackets; the whole string as it stands)."""
     dumped = json.dumps(value, ensure_ascii=False)
-    return dumped if whole else dumped.rstrip('"]}')
+    return (dumped if whole else dumped.rstrip('"]}')), dumped
 
 
 def _held_prefix(text: str, tag: str) -> int:
@@ -191,12 +202,14 @@ class HermesParser(ToolParser):
         closed = rest.rfind(self.END)  # blocks end there: the open one is not searched
         try:
             for m in self._BLOCK.finditer(rest, 0, closed + len(self.END) if closed >= 0 else 0):
-                calls.append(_json_call(json.loads(m.group(1)), ("arguments", "parameters")))
+                calls.append(_json_call(json.loads(m.group(1), object_pairs_hook=_first_wins),
+                                        ("arguments", "parameters")))
             if final:
                 tail = rest[rest.rfind(self.END) + len(self.END):] if self.END in rest else rest
                 t = tail.find(self.START)
                 if t >= 0 and tail[t + len(self.START):].strip():  # an unclosed last call
-                    calls.append(_json_call(json.loads(tail[t + len(self.START):]),
+                    calls.append(_json_call(json.loads(tail[t + len(self.START):],
+                                                       object_pairs_hook=_first_wins),
                                             ("arguments", "parameters")))
         except ValueError:
             # A block that is not a call: while streaming wait for the end; at the end the
@@ -206,7 +219,7 @@ class HermesParser(ToolParser):
             return Parsed(len(text))
         return Parsed(start, calls)
 
-    def in_progress(self, text: str) -> tuple[str, str] | None:
+    def in_progress(self, text: str) -> tuple[str, str, str] | None:
         """The unclosed last block's call, once its name is whole (its arguments follow it)."""
         start = text.rfind(self.START)
         if start < 0 or self.END in text[start:]:
@@ -215,7 +228,7 @@ class HermesParser(ToolParser):
             closed = _closed_json(text[start + len(self.START):])
             if closed is None:
                 return None
-            obj, whole = json.loads(closed[0]), closed[1]
+            obj, whole = json.loads(closed[0], object_pairs_hook=_first_wins), closed[1]
         except ValueError:
             return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
@@ -227,7 +240,7 @@ class HermesParser(ToolParser):
         if key is None or keys.index(key) < keys.index("name") or \
                 not isinstance(obj[key], dict) or not obj["name"]:
             return None
-        return obj["name"], _stable_arguments(obj[key], whole or keys[-1] != key)
+        return (obj["name"], *_stable_arguments(obj[key], whole or keys[-1] != key))
 
 
 class Llama3JsonParser(ToolParser):

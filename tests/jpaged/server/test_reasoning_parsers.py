@@ -28,6 +28,7 @@ QWEN3 = get_reasoning_parser("qwen3")
     ("Let me see, 2 + 2", True, R1, ("Let me see, 2 + 2", None)),  # cut while thinking
     ("</think>Just the answer", True, R1, (None, "Just the answer")),
     ("<think>Only thought</think>", True, R1, ("Only thought", None)),
+    ("\n<think>Thought</think>\nRest", True, R1, ("\nThought", "\nRest")),  # vLLM's stream
     ("Plain answer", False, QWEN3, (None, "Plain answer")),  # enable_thinking false
     ("Plain answer", True, QWEN3, ("Plain answer", None)),
     ("<think>a</think>\n\nb", False, QWEN3, (None, "<think>a</think>\n\nb")),
@@ -36,15 +37,19 @@ def test_whole_answers_split_as_vllms(text, thinking, parser, want):
     assert parser.split(text, thinking) == want
 
 
-@settings(max_examples=200, deadline=None, derandomize=True)
-@given(thought=st.text(alphabet="ab<>/thinkT \n", max_size=20),
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(before=st.text(alphabet="a<>/thk \n", max_size=6),
+       thought=st.text(alphabet="ab<>/thinkT \n", max_size=20),
        answer=st.text(alphabet="ab<>/thinkT \n", max_size=20),
        opened=st.booleans(), thinking=st.booleans(),
        cuts=st.lists(st.integers(1, 60), max_size=8))
-def test_streamed_pieces_join_to_the_whole_split(thought, answer, opened, thinking, cuts):
+def test_streamed_pieces_join_to_the_whole_split(before, thought, answer, opened, thinking,
+                                                 cuts):
     """However the text is cut, the streamed reasoning and content join to the whole
-    answer's split (a tag cut in two is held back, never sent as text)."""
-    text = ("<think>" if opened else "") + thought + "</think>" + answer
+    answer's split (a tag cut in two is held back, never sent as text; text before the start
+    tag stays thought: it may have been streamed before the tag came, as vLLM streams
+    "\n<think>...")."""
+    text = (before + "<think>" if opened else "") + thought + "</think>" + answer
     for parser in (R1, QWEN3):
         stream = ReasoningStream(parser, thinking)
         points = sorted({c for c in cuts if c < len(text)})
@@ -92,6 +97,15 @@ def test_chat_answers_reasoning_apart_whole_and_streamed(served):
                           for c in chunks if c.choices)
         assert thought == msg["reasoning"]
         assert all(not (c.choices and c.choices[0].delta.content) for c in chunks)
+        # vLLM's include_reasoning false: the thought is left out, whole and streamed.
+        hidden = client.chat.completions.create(**kw, max_tokens=6, temperature=0,
+                                                extra_body={"include_reasoning": False})
+        assert hidden.choices[0].message.model_dump().get("reasoning") is None
+        quiet = list(client.chat.completions.create(**kw, max_tokens=6, temperature=0,
+                                                    stream=True,
+                                                    extra_body={"include_reasoning": False}))
+        assert not any(c.choices and c.choices[0].delta.model_dump().get("reasoning")
+                       for c in quiet)
         # An earlier answer's reasoning reaches the template as reasoning_content.
         r = httpx.post(f"{server.url}/tokenize", timeout=30, json={
             "messages": [{"role": "assistant", "content": "x", "reasoning_content": "why"}],

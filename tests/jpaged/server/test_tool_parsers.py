@@ -134,6 +134,40 @@ def test_hermes_streams_content_then_each_call_as_it_is_written():
     assert [c["function"] for c in calls] == [c["function"] for c in whole["tool_calls"]]
 
 
+@pytest.mark.parametrize("text,finish,args", [
+    # Cut by max_tokens inside a string, inside a number, and a later block that is no JSON:
+    # what was streamed is closed, so every call's arguments are JSON (found by vLLM's
+    # tests: the stream ended with '{"city": "San').
+    ('Checking. <tool_call>{"name": "w", "arguments": {"city": "San Francisco', "length",
+     ['{"city": "San Francisco"}']),
+    ('<tool_call>{"name": "w", "arguments": {"n": 12', "length", ["{}"]),
+    ('<tool_call>{"name": "w", "arguments": {"a": 1}}</tool_call><tool_call>{"name": "g", '
+     '"arguments": {oops}}</tool_call>', "stop", ['{"a": 1}', "{}"]),
+    # A repeated key: the first value, streamed before the second was written, wins in the
+    # whole answer too.
+    ('<tool_call>{"name": "w", "arguments": {"a": 1, "a": 2}}</tool_call>', "stop",
+     ['{"a": 1}']),
+])
+def test_hermes_streamed_calls_always_end_as_json(text, finish, args):
+    for step in (1, 3, 7):
+        stream = ToolCallStream("auto", get_tool_parser("hermes"))
+        cuts = list(range(step, len(text), step))
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+        calls: list[dict] = []
+        for i, piece in enumerate(pieces):
+            delta, fin = stream.delta(0, piece, finish if i == len(pieces) - 1 else None)
+            for c in (delta or {}).get("tool_calls", []):
+                if c["index"] == len(calls):
+                    calls.append({"arguments": c["function"]["arguments"]})
+                else:
+                    calls[c["index"]]["arguments"] += c["function"]["arguments"]
+        assert [c["arguments"] for c in calls] == args, (step, calls)
+        assert fin == "tool_calls"
+    whole, _ = tool_call_message(text, finish, "auto", get_tool_parser("hermes"))
+    if whole.get("tool_calls"):  # parsed whole: the same arguments
+        assert [c["function"]["arguments"] for c in whole["tool_calls"]] == args
+
+
 _JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-10**6, 10**6)
     | st.floats(allow_nan=False, allow_infinity=False, width=32) | st.text(max_size=8),
