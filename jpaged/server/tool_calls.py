@@ -125,8 +125,13 @@ class ToolCallStream:
         sent, made = self.sent_content.get(index, 0), self.sent_calls.get(index, 0)
         calls = _kept(found.calls, self.parallel)
         # Once a call is out (or being streamed), no more content (a later block that does
-        # not parse stays out).
+        # not parse stays out); a call that starts streaming now ends the content where it
+        # starts.
         end = sent if made or index in self.open_call else found.content_end
+        if not made and index not in self.open_call and finish is None and not calls:
+            progress = self.parser.in_progress(full)
+            if progress is not None:
+                end = max(end, progress[3])
         delta: dict[str, Any] = {}
         if end > sent:
             delta["content"] = full[sent:end]
@@ -147,8 +152,10 @@ class ToolCallStream:
         made = max(made, len(calls))
         if opened is not None:
             self.open_call[index] = opened
-        if opened is not None or finish is None and (self.parallel or made == 0):
-            out += self._stream_open(index, made if opened is None else opened[0], full)
+        if opened is not None or self.parallel or made == 0:  # (at the finish too: a call
+            # cut there is streamed and closed however the text was cut into deltas)
+            out += self._stream_open(index, made if opened is None else opened[0], full,
+                                     finish is not None)
         if finish is not None:
             opened = self.open_call.pop(index, None)
             if opened is not None:  # never whole (cut, or its block does not parse): what
@@ -165,15 +172,19 @@ class ToolCallStream:
             return delta, "tool_calls" if made or opened is not None else finish
         return (delta or None), None
 
-    def _stream_open(self, index: int, slot: int, full: str) -> list[dict[str, Any]]:
+    def _stream_open(self, index: int, slot: int, full: str, final: bool = False
+                     ) -> list[dict[str, Any]]:
         """Deltas of the call being written at `slot`: its id and name once the name is whole,
-        then its arguments as far as no later text can change them."""
+        then its arguments as far as no later text can change them. At the finish (`final`)
+        a call not opened yet is opened only if cut (a whole one the final parse has)."""
         assert self.parser is not None
         found = self.parser.in_progress(full)
         if found is None:
             return []
-        name, prefix, closed = found
+        name, prefix, closed, _ = found
         opened = self.open_call.get(index)
+        if final and opened is None and prefix == closed:
+            return []
         if opened is None:  # its header, with the arguments as far as they go
             self.open_call[index] = (slot, prefix, closed)
             return [{"index": slot, **_tool_call(name, prefix)}]

@@ -6,7 +6,7 @@ far) into plain content and OpenAI tool calls.
   </tool_call>` blocks; the text before the first one is content.
 - `llama3_json` (Llama 3.1 / 3.2 JSON tool calling): `{"name": ..., "parameters": {...}}`
   objects (`;`-separated, `<|python_tag|>` before them allowed), found amid prose too; the
-  text before the first one is content.
+  text before the first one is content. Streamed as it is written, as hermes.
 - `pythonic` (Llama 3.2 / 4 pythonic calls): the whole answer is a list of calls,
   `[get_weather(city="Paris"), now()]`, with literal arguments.
 - `mistral` (Mistral models): `[TOOL_CALLS]` then a JSON list of {"name", "arguments"}, or
@@ -53,11 +53,12 @@ class ToolParser:
         """The content and calls of `text` (see the class docstring)."""
         raise NotImplementedError
 
-    def in_progress(self, text: str) -> tuple[str, str, str] | None:
+    def in_progress(self, text: str) -> tuple[str, str, str, int] | None:
         """While streaming: the call being written after the complete ones, as (its name, a
         prefix of its final arguments string that no later text can change, its arguments
-        closed as they stand: what a stream that ends here completes them with), or None
-        when there is none or this parser sends calls whole."""
+        closed as they stand: what a stream that ends here completes them with, where in
+        `text` the call starts: content ends there), or None when there is none or this
+        parser sends calls whole."""
         return None
 
 
@@ -177,6 +178,30 @@ def _stable_arguments(value: dict[str, Any], whole: bool) -> tuple[str, str]:
     return (dumped if whole else dumped.rstrip('"]}')), dumped
 
 
+def _call_in_progress(body: str, args_keys: tuple[str, ...]
+                      ) -> tuple[str, str, str] | None:
+    """`in_progress` of a JSON call object {"name", <an args key>: {...}} that `body` starts,
+    cut anywhere: once its name is whole (the arguments come after it, so they started),
+    (name, the arguments' stable prefix, the arguments closed as they stand)."""
+    try:
+        closed = _closed_json(body)
+        if closed is None:
+            return None
+        obj, whole = json.loads(closed[0], object_pairs_hook=_first_wins), closed[1]
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    # The arguments come after the name, so the name is whole once they start; a key after
+    # them ends them.
+    keys = list(obj)
+    key = next((k for k in args_keys if k in obj), None)
+    if key is None or keys.index(key) < keys.index("name") or \
+            not isinstance(obj[key], dict) or not obj["name"]:
+        return None
+    return (obj["name"], *_stable_arguments(obj[key], whole or keys[-1] != key))
+
+
 def _held_prefix(text: str, tag: str) -> int:
     """Chars at the end of `text` that may be the start of `tag` (held back while streaming)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
@@ -219,28 +244,13 @@ class HermesParser(ToolParser):
             return Parsed(len(text))
         return Parsed(start, calls)
 
-    def in_progress(self, text: str) -> tuple[str, str, str] | None:
+    def in_progress(self, text: str) -> tuple[str, str, str, int] | None:
         """The unclosed last block's call, once its name is whole (its arguments follow it)."""
         start = text.rfind(self.START)
         if start < 0 or self.END in text[start:]:
             return None
-        try:
-            closed = _closed_json(text[start + len(self.START):])
-            if closed is None:
-                return None
-            obj, whole = json.loads(closed[0], object_pairs_hook=_first_wins), closed[1]
-        except ValueError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        # The arguments come after the name, so the name is whole once they start; a key
-        # after them ends them.
-        keys = list(obj)
-        key = next((k for k in ("arguments", "parameters") if k in obj), None)
-        if key is None or keys.index(key) < keys.index("name") or \
-                not isinstance(obj[key], dict) or not obj["name"]:
-            return None
-        return (obj["name"], *_stable_arguments(obj[key], whole or keys[-1] != key))
+        found = _call_in_progress(text[start + len(self.START):], ("arguments", "parameters"))
+        return None if found is None else (*found, text.find(self.START))
 
 
 class Llama3JsonParser(ToolParser):
@@ -253,11 +263,12 @@ class Llama3JsonParser(ToolParser):
     TAG = "<|python_tag|>"
 
     @staticmethod
-    def _calls(text: str) -> tuple[int, list[Call]]:
-        """(where the first call starts, else len(text); the complete calls, in order)."""
-        decoder = json.JSONDecoder()
+    def _calls(text: str) -> tuple[int, list[Call], int]:
+        """(where the first call starts, else len(text); the complete calls, in order; where
+        the last one ends, else 0)."""
+        decoder = json.JSONDecoder(object_pairs_hook=_first_wins)
         calls: list[Call] = []
-        first, at = len(text), text.find("{")
+        first, at, last_end = len(text), text.find("{"), 0
         while at >= 0:
             try:
                 obj, end = decoder.raw_decode(text, at)
@@ -265,12 +276,12 @@ class Llama3JsonParser(ToolParser):
             except ValueError:
                 at = text.find("{", at + 1)  # not a (whole) call here: look further on
                 continue
-            first = min(first, at)
+            first, last_end = min(first, at), end
             at = text.find("{", end)
-        return first, calls
+        return first, calls, last_end
 
     def parse(self, text: str, final: bool) -> Parsed:
-        first, calls = self._calls(text)
+        first, calls, _ = self._calls(text)
         if not calls:
             if final:
                 return Parsed(len(text))
@@ -284,6 +295,22 @@ class Llama3JsonParser(ToolParser):
         if tag >= 0 and not text[tag + len(self.TAG):first].strip():
             first = tag  # the tag before the first call is not content
         return Parsed(first, calls)
+
+    def in_progress(self, text: str) -> tuple[str, str, str, int] | None:
+        """The call object being written after the complete ones (the first "{" after them
+        that opens a {"name", "parameters"} object cut short)."""
+        first, _, last_end = self._calls(text)
+        at = text.find("{", last_end)
+        while at >= 0:
+            found = _call_in_progress(text[at:], ("parameters", "arguments"))
+            if found is not None:
+                start = min(first, at)
+                tag = text.rfind(self.TAG, 0, start)
+                if tag >= 0 and not text[tag + len(self.TAG):start].strip():
+                    start = tag  # the tag before the first call is not content
+                return (*found, start)
+            at = text.find("{", at + 1)
+        return None
 
 
 class PythonicParser(ToolParser):

@@ -84,6 +84,11 @@ def test_a_whole_answer_and_its_stream_give_the_same_calls(parser, text, content
     # Streamed in pieces of 3 characters: the content deltas join to the content, the calls
     # come whole with their indices, the finish is the same.
     got_content, got_calls, got_finish = _assembled(ToolCallStream("auto", p), text, 3)
+    if text.endswith('"parameters": {"city"'):
+        # Cut inside a call: whole, vLLM answers the text; streamed, the call was already
+        # going out as it was written (vLLM's stream too), closed as valid JSON.
+        assert _calls(got_calls) == [("get_weather", {})] and got_finish == "tool_calls"
+        return
     assert got_content == (content or "")
     assert _calls(got_calls) == calls and got_finish == finish
     # parallel_tool_calls false: the first call only.
@@ -149,8 +154,23 @@ def test_hermes_streams_content_then_each_call_as_it_is_written():
      ['{"a": 1}']),
 ])
 def test_hermes_streamed_calls_always_end_as_json(text, finish, args):
+    _streamed_calls_end_as_json("hermes", text, finish, args)
+
+
+@pytest.mark.parametrize("text,finish,args", [
+    ('Let me check. {"name": "w", "parameters": {"city": "San Francisco', "length",
+     ['{"city": "San Francisco"}']),
+    ('{"name": "w", "parameters": {"a": 1}}; {"name": "g", "parameters": {"b": [1, 2',
+     "length", ['{"a": 1}', '{"b": [1]}']),  # the cut number may have gone on: dropped
+    ('{"name": "w", "parameters": {"a": 1, "a": 2}}', "stop", ['{"a": 1}']),
+])
+def test_llama3_json_calls_stream_as_written_and_end_as_json(text, finish, args):
+    _streamed_calls_end_as_json("llama3_json", text, finish, args)
+
+
+def _streamed_calls_end_as_json(parser, text, finish, args):
     for step in (1, 3, 7):
-        stream = ToolCallStream("auto", get_tool_parser("hermes"))
+        stream = ToolCallStream("auto", get_tool_parser(parser))
         cuts = list(range(step, len(text), step))
         pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         calls: list[dict] = []
@@ -163,9 +183,10 @@ def test_hermes_streamed_calls_always_end_as_json(text, finish, args):
                     calls[c["index"]]["arguments"] += c["function"]["arguments"]
         assert [c["arguments"] for c in calls] == args, (step, calls)
         assert fin == "tool_calls"
-    whole, _ = tool_call_message(text, finish, "auto", get_tool_parser("hermes"))
-    if whole.get("tool_calls"):  # parsed whole: the same arguments
-        assert [c["function"]["arguments"] for c in whole["tool_calls"]] == args
+    whole, _ = tool_call_message(text, finish, "auto", get_tool_parser(parser))
+    if whole.get("tool_calls"):  # parsed whole: the same arguments (the cut call left out)
+        got = [c["function"]["arguments"] for c in whole["tool_calls"]]
+        assert got == args[:len(got)]
 
 
 _JSON = st.recursive(
@@ -179,17 +200,22 @@ _JSON = st.recursive(
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(args=st.dictionaries(st.text(max_size=5), _JSON, max_size=4),
        spacing=st.sampled_from([(", ", ": "), (",", ":"), (" , ", " :  ")]),
-       ascii_only=st.booleans(), cuts=st.lists(st.integers(1, 400), max_size=12))
-def test_hermes_streamed_arguments_always_join_to_the_whole_ones(args, spacing, ascii_only,
-                                                                  cuts):
+       ascii_only=st.booleans(), cuts=st.lists(st.integers(1, 400), max_size=12),
+       parser=st.sampled_from(["hermes", "llama3_json"]))
+def test_streamed_arguments_always_join_to_the_whole_ones(args, spacing, ascii_only, cuts,
+                                                          parser):
     """However the model spaces its JSON and however the text is cut into deltas, what is
     streamed of a call's arguments is never changed by later text: the pieces join to the
-    arguments of the whole answer."""
-    body = json.dumps({"name": "f", "arguments": args}, separators=spacing,
-                      ensure_ascii=ascii_only)
-    text = f"Sure.<tool_call>\n{body}\n</tool_call>"
-    whole, _ = tool_call_message(text, "stop", "auto", get_tool_parser("hermes"))
-    _, calls, finish = _assembled(ToolCallStream("auto", get_tool_parser("hermes")), text,
+    arguments of the whole answer (hermes' blocks and Llama 3's bare objects alike)."""
+    if parser == "hermes":
+        body = json.dumps({"name": "f", "arguments": args}, separators=spacing,
+                          ensure_ascii=ascii_only)
+        text = f"Sure.<tool_call>\n{body}\n</tool_call>"
+    else:
+        text = "<|python_tag|>" + json.dumps({"name": "f", "parameters": args},
+                                              separators=spacing, ensure_ascii=ascii_only)
+    whole, _ = tool_call_message(text, "stop", "auto", get_tool_parser(parser))
+    _, calls, finish = _assembled(ToolCallStream("auto", get_tool_parser(parser)), text,
                                   sorted({c for c in cuts if c < len(text)}))
     assert finish == "tool_calls"
     assert [c["function"] for c in calls] == [c["function"] for c in whole["tool_calls"]]
