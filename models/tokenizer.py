@@ -94,9 +94,10 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
-def message_text(content: Any) -> str:
-    """A chat message's content as plain text: a string, a list of OpenAI text parts
-    ({"type": "text", "text": ...}, joined) or None (empty); anything else is a ValueError."""
+def message_text(content: Any, kinds: tuple[str, ...] = ("text",)) -> str:
+    """A chat message's content as plain text: a string, a list of text parts (of `kinds`:
+    OpenAI chat's {"type": "text", "text": ...}; a "refusal" part's text is its `refusal`),
+    joined, or None (empty); anything else is a ValueError naming the part."""
     if content is None:
         return ""
     if isinstance(content, str):
@@ -105,11 +106,13 @@ def message_text(content: Any) -> str:
         raise ValueError("message content must be a string or a list of text parts, got "
                          f"{type(content).__name__}")
     parts = []
-    for part in content:
+    for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"only text content parts are supported, got type {kind!r}")
-        parts.append(part["text"])
+        text = part.get("refusal" if kind == "refusal" else "text") if kind in kinds else None
+        if not isinstance(text, str):
+            raise ValueError(f"only text content parts are supported ({', '.join(kinds)}), "
+                             f"got type {kind!r} at part {j}")
+        parts.append(text)
     return "".join(parts)
 
 

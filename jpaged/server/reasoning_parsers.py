@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jpaged.server.tool_parsers import held_prefix
+
 
 @dataclass(frozen=True)
 class ReasoningParser:
@@ -51,20 +53,12 @@ class ReasoningParser:
         reasoning, tag, content = body.partition(self.end)
         if not tag:
             if not final:  # a tag cut at the end may complete: held back
-                held = _held(reasoning, self.end)
+                held = held_prefix(reasoning, self.end)
                 if not opened:
-                    held = max(held, _held(reasoning, self.start))
+                    held = max(held, held_prefix(reasoning, self.start))
                 reasoning = reasoning[:len(reasoning) - held]
             return reasoning or None, None
         return reasoning or None, content or None
-
-
-def _held(text: str, tag: str) -> int:
-    """Chars at the end of `text` that may be the start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 class ReasoningStream:

@@ -43,9 +43,9 @@ class StoredResponse:
     history: list[dict[str, Any]]
     input_items: list[dict[str, Any]]
     task: asyncio.Task | None = field(default=None, repr=False)
-    # A background stream's events so far, (sequence number, SSE text), for every reader
-    # (the creating request and GET ?stream=true); None when it was not streamed.
-    events: list[tuple[int, str]] | None = field(default=None, repr=False)
+    # A background stream's events so far (SSE text; event i has sequence number i), for
+    # every reader (the creating request and GET ?stream=true); None when not streamed.
+    events: list[str] | None = field(default=None, repr=False)
     streaming: bool = False  # its events are still coming
     changed: asyncio.Condition | None = field(default=None, repr=False)
 
@@ -60,10 +60,9 @@ class StoredResponse:
                 while i >= len(events) and self.streaming:
                     await changed.wait()
             while i < len(events):
-                seq, text = events[i]
+                if after is None or i > after:
+                    yield events[i]
                 i += 1
-                if after is None or seq > after:
-                    yield text
             if not self.streaming and i >= len(events):
                 return
 
@@ -151,7 +150,7 @@ class ResponsesServing(ChatServing):
                 raise OpenAIError(400, f"previous response {req.previous_response_id!r} has "
                                   "not finished", param="previous_response_id")
             history = prev.history
-        chat = req.chat_request(history, self.engine.max_model_len)
+        chat, conversation = req.chat_request(history, self.engine.max_model_len)
         if req.background and not self.store.capacity:
             raise OpenAIError(400, "background needs a response store: this server keeps none "
                               "(--max-stored-responses 0)", param="background")
@@ -167,15 +166,15 @@ class ResponsesServing(ChatServing):
         max_out = params.max_tokens if params.max_tokens is not None \
             else self.engine.max_model_len - prompt_len
 
+        created = now()
+
         def body(status: str, output: list[dict[str, Any]],
                  chat_usage: dict[str, Any] | None) -> dict[str, Any]:
             return response_object(req, rid, self.model_name, created, status, output,
                                    chat_usage, params.temperature, params.top_p, max_out)
 
-        created = now()
         # What a later turn continues: this turn's conversation without its instructions.
-        kept = StoredResponse(body("queued", [], None), history + req.input_messages(),
-                              _input_items(req))
+        kept = StoredResponse(body("queued", [], None), conversation, _input_items(req))
         if req.background and req.stream:  # runs on its own; readers replay its events
             kept.events, kept.streaming, kept.changed = [], True, asyncio.Condition()
             kept.task = asyncio.ensure_future(
@@ -259,8 +258,7 @@ class ResponsesServing(ChatServing):
         kept.body = {**kept.body, "status": "in_progress"}
         try:
             async for text in self._events(req, run, body, kept):
-                seq = json.loads(text.split("data: ", 1)[1])["sequence_number"]
-                kept.events.append((seq, text))
+                kept.events.append(text)  # numbered from 0, one by one: its index
                 async with kept.changed:
                     kept.changed.notify_all()
         finally:
@@ -425,22 +423,14 @@ class ResponsesServing(ChatServing):
             raise OpenAIError(400, f"Cannot cancel a response that has finished ({status}).",
                               param="response_id")
         kept.body = {**kept.body, "status": "cancelled"}
-        kept.task.cancel()
-        try:
-            await kept.task
-        except asyncio.CancelledError:
-            pass
+        await _stopped(kept.task)
         return kept.body
 
     async def delete_response(self, rid: str) -> dict[str, Any]:
         """Forget a stored response (a running one is cancelled first)."""
         kept = self.store.pop(rid)
-        if kept.task is not None and not kept.task.done():
-            kept.task.cancel()
-            try:
-                await kept.task
-            except asyncio.CancelledError:
-                pass
+        if kept.task is not None:
+            await _stopped(kept.task)
         return {"id": rid, "object": "response", "deleted": True}
 
     def input_items(self, rid: str, order: str, limit: int, after: str | None
@@ -472,6 +462,17 @@ class ResponsesServing(ChatServing):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _stopped(task: asyncio.Task) -> None:
+    """Cancel a background response's task and wait for it to end (its batch aborted)."""
+    if task.done():
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        pass
 
 
 def _error_fields(err: dict[str, Any]) -> dict[str, Any]:

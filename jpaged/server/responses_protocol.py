@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict
 
 from jpaged.server.protocol import ChatCompletionRequest, OpenAIError
+from models.tokenizer import message_text
 
 # Undeclared fields taken: OpenAI's that change nothing here (echoed back where the response
 # has them), and vLLM's chat_template_kwargs (chat_request reads it).
@@ -190,9 +191,10 @@ class ResponsesRequest(BaseModel):
                           f"'json_schema', got {fmt!r}", param="text")
 
     def chat_request(self, history: list[dict[str, Any]], max_model_len: int
-                     ) -> ChatCompletionRequest:
-        """The chat request this response amounts to: the instructions as a system message,
-        then `history` (an earlier response's conversation), then the input."""
+                     ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
+        """The chat request this response amounts to (the instructions as a system message,
+        then `history`, an earlier response's conversation, then the input), and the
+        conversation a later turn continues (`history` and the input)."""
         self.check()
         given = self.input_messages()
         # Developer messages join the instructions, the one system message (vLLM's rule:
@@ -246,7 +248,7 @@ class ResponsesRequest(BaseModel):
                                   param="max_output_tokens")
             body["truncate_prompt_tokens"] = keep
         try:
-            return ResponsesChat.model_validate(body)
+            return ResponsesChat.model_validate(body), history + given
         except ValueError as e:  # a malformed message or sampling field
             raise OpenAIError(400, str(e).splitlines()[0], param="input") from None
 
@@ -269,22 +271,12 @@ class ResponsesChat(ChatCompletionRequest):
 
 
 def _text(content: Any, where: str) -> str:
-    """The text of a content value: a string, or a list of text parts joined."""
-    if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
-        raise OpenAIError(400, f"{where} must be a string or a list of parts", param="input")
-    out = []
-    for j, part in enumerate(content):
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in _TEXT_PARTS:
-            raise OpenAIError(400, f"{where}[{j}]: type {kind!r} is not supported (this server "
-                              "serves a text model: input_text parts only)", param="input")
-        text = part.get("text", part.get("refusal"))
-        if not isinstance(text, str):
-            raise OpenAIError(400, f"{where}[{j}].text must be a string", param="input")
-        out.append(text)
-    return "".join(out)
+    """The text of a content value: a string, or a list of text parts joined (a 400 naming
+    `where` for any other part: this server serves text models)."""
+    try:
+        return message_text(content, _TEXT_PARTS)
+    except ValueError as e:
+        raise OpenAIError(400, f"{where}: {e}", param="input") from None
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:

@@ -124,14 +124,17 @@ class ToolCallStream:
         found = self.parser.parse(full, final=finish is not None)
         sent, made = self.sent_content.get(index, 0), self.sent_calls.get(index, 0)
         calls = _kept(found.calls, self.parallel)
+        was_open = index in self.open_call
+        # The call being written, read once a delta: where it may stream (the one open, or a
+        # new one where more calls are allowed).
+        progress = (self.parser.in_progress(full)
+                    if was_open or self.parallel or not (made or calls) else None)
         # Once a call is out (or being streamed), no more content (a later block that does
         # not parse stays out); a call that starts streaming now ends the content where it
         # starts.
-        end = sent if made or index in self.open_call else found.content_end
-        if not made and index not in self.open_call and finish is None and not calls:
-            progress = self.parser.in_progress(full)
-            if progress is not None:
-                end = max(end, progress[3])
+        end = sent if made or was_open else found.content_end
+        if not made and not was_open and finish is None and not calls and progress is not None:
+            end = max(end, progress[3])
         delta: dict[str, Any] = {}
         if end > sent:
             delta["content"] = full[sent:end]
@@ -154,7 +157,7 @@ class ToolCallStream:
             self.open_call[index] = opened
         if opened is not None or self.parallel or made == 0:  # (at the finish too: a call
             # cut there is streamed and closed however the text was cut into deltas)
-            out += self._stream_open(index, made if opened is None else opened[0], full,
+            out += self._stream_open(index, made if opened is None else opened[0], progress,
                                      finish is not None)
         if finish is not None:
             opened = self.open_call.pop(index, None)
@@ -172,13 +175,13 @@ class ToolCallStream:
             return delta, "tool_calls" if made or opened is not None else finish
         return (delta or None), None
 
-    def _stream_open(self, index: int, slot: int, full: str, final: bool = False
+    def _stream_open(self, index: int, slot: int,
+                     found: tuple[str, str, str, int] | None, final: bool = False
                      ) -> list[dict[str, Any]]:
-        """Deltas of the call being written at `slot`: its id and name once the name is whole,
-        then its arguments as far as no later text can change them. At the finish (`final`)
-        a call not opened yet is opened only if cut (a whole one the final parse has)."""
-        assert self.parser is not None
-        found = self.parser.in_progress(full)
+        """Deltas of the call being written at `slot` (`found`: the parser's in_progress of
+        the text so far): its id and name once the name is whole, then its arguments as far
+        as no later text can change them. At the finish (`final`) a call not opened yet is
+        opened only if cut (a whole one the final parse has)."""
         if found is None:
             return []
         name, prefix, closed, _ = found

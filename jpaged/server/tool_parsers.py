@@ -202,7 +202,7 @@ def _call_in_progress(body: str, args_keys: tuple[str, ...]
     return (obj["name"], *_stable_arguments(obj[key], whole or keys[-1] != key))
 
 
-def _held_prefix(text: str, tag: str) -> int:
+def held_prefix(text: str, tag: str) -> int:
     """Chars at the end of `text` that may be the start of `tag` (held back while streaming)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -221,7 +221,7 @@ class HermesParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         start = text.find(self.START)
         if start < 0:
-            return Parsed(len(text) if final else len(text) - _held_prefix(text, self.START))
+            return Parsed(len(text) if final else len(text) - held_prefix(text, self.START))
         calls: list[Call] = []
         rest = text[start:]
         closed = rest.rfind(self.END)  # blocks end there: the open one is not searched
@@ -288,7 +288,7 @@ class Llama3JsonParser(ToolParser):
             # Streaming: what may yet be a call (from its "{", or the tag) is held back.
             brace = text.find("{")
             tag = text.find(self.TAG)
-            hold = min(i for i in (brace, tag, len(text) - _held_prefix(text, self.TAG))
+            hold = min(i for i in (brace, tag, len(text) - held_prefix(text, self.TAG))
                        if i >= 0)
             return Parsed(hold)
         tag = text.rfind(self.TAG, 0, first)
@@ -392,7 +392,7 @@ class MistralParser(ToolParser):
     def parse(self, text: str, final: bool) -> Parsed:
         start = text.find(self.TAG)
         if start < 0:
-            return Parsed(len(text) if final else len(text) - _held_prefix(text, self.TAG))
+            return Parsed(len(text) if final else len(text) - held_prefix(text, self.TAG))
         if not final:
             return Parsed(start)  # calls: parsed once the answer is whole
         calls: list[Call] = []
