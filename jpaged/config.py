@@ -173,6 +173,12 @@ class SchedulerConfig:
     async_scheduling: bool = True
 
     @property
+    def chunk_limit(self) -> int | None:
+        """max_chunk_tokens with chunked prefill; None without (a request's one chunk is its
+        whole length, whatever that length: kv_cache_groups.blocks_by_length's `chunk`)."""
+        return self.max_chunk_tokens if self.enable_chunked_prefill else None
+
+    @property
     def max_chunk_tokens(self) -> int:
         """Most new tokens one request computes in a step (what a sliding window's blocks must
         cover beyond the window): a prefill chunk, or the whole context without chunking."""

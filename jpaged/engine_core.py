@@ -237,10 +237,9 @@ class EngineCore:
             num_blocks = num_blocks_for(config.cache, self.spec, self.kv_dtype, params_bytes,
                                         s.max_model_len, activation_bytes=probe,
                                         kv_head_shards=tp, host_devices=tp, kv_layers=kv_layers,
-                                        blocks_per_seq=blocks_by_length(
+                                        request_blocks=blocks_by_length(
                                             self.kv_layout, config.cache.block_size,
-                                            s.max_chunk_tokens if s.enable_chunked_prefill
-                                            else None),
+                                            s.chunk_limit),
                                         extra_bytes_per_block=draft_block_bytes)
             if self.group is not None:
                 self.group.send_config(num_blocks)

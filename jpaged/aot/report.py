@@ -194,9 +194,8 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
                         s.max_model_len, activation_bytes=act,
                         kv_head_shards=cfg.tensor_parallel_size, device_bytes=device_bytes,
                         platform="cuda", kv_layers=probe.kv_layout.num_slots,
-                        blocks_per_seq=blocks_by_length(
-                            probe.kv_layout, config.cache.block_size,
-                            s.max_chunk_tokens if s.enable_chunked_prefill else None))
+                        request_blocks=blocks_by_length(
+                            probe.kv_layout, config.cache.block_size, s.chunk_limit))
     est = estimate_capacity(model_source(cfg.model, cfg.weights), gpu_memory=device_bytes,
                             gpu_memory_utilization=DEFAULT_UTILIZATION, dtype="bfloat16",
                             kv_cache_dtype=cfg.kv_cache_dtype,

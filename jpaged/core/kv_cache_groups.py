@@ -124,8 +124,7 @@ def blocks_by_length(layout: KVCacheLayout, block_size: int, chunk: int | None
                      ) -> Callable[[int], int]:
     """`blocks_needed` as a function of the request's length; `chunk` None: no chunked
     prefill, so a request's one chunk is its whole length."""
-    policies = layout.policies(block_size)
-    return lambda n: sum(p.max_blocks(n, n if chunk is None else chunk) for p in policies)
+    return lambda n: blocks_needed(n, layout, block_size, n if chunk is None else chunk)
 
 
 def largest_fitting(blocks: Callable[[int], int], usable: int, longest: int) -> int:

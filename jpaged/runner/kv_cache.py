@@ -204,7 +204,7 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
                  kv_head_shards: int = 1, device_bytes: int | None = None,
                  platform: str | None = None, host_devices: int = 1,
                  kv_layers: int | None = None,
-                 blocks_per_seq: int | Callable[[int], int] | None = None,
+                 request_blocks: Callable[[int], int] | None = None,
                  extra_bytes_per_block: int = 0) -> KVPoolPlan:
     """Size the pool: override, else explicit KV bytes, else a fraction of device memory.
 
@@ -216,10 +216,10 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
     `host_devices`: on CPU, how many of the mesh's devices share this machine's RAM (forced
     CPU devices): the RAM and the CPU default KV space are the machine's, split between them,
     so tensor parallelism over N CPU devices takes the same memory as one device, not N times.
-    KV cache groups: a block holds `kv_layers` layers' KV and one max_model_len request takes
-    `blocks_per_seq` blocks (all groups), or `blocks_per_seq(max_model_len)` when it is a
-    function of the length (then the largest length that fits is exact, sliding groups
-    included). `extra_bytes_per_block`: another model's KV that
+    KV cache groups: a block holds `kv_layers` layers' KV and a request of n tokens takes
+    `request_blocks(n)` blocks (all groups; None: cdiv(n, block_size), one full group), so
+    the largest length that fits is exact, sliding groups included. `extra_bytes_per_block`:
+    another model's KV that
     each block also holds (a speculative draft model's pages, indexed by the same block ids).
     Raises ValueError when one max_model_len request cannot fit, naming the largest that can.
     """
@@ -258,21 +258,14 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
         util = frac
     n = (cache.num_gpu_blocks_override if cache.num_gpu_blocks_override is not None
          else max(budget, 0) // per_block)
-    by_length = blocks_per_seq if callable(blocks_per_seq) else None
-    if by_length is not None:
-        blocks_per_seq = by_length(max_model_len)
-    elif blocks_per_seq is None:
-        blocks_per_seq = cdiv(max_model_len, cache.block_size)
-    assert isinstance(blocks_per_seq, int)
+    if request_blocks is None:
+        request_blocks = partial(_full_group_blocks, block_size=cache.block_size)
+    blocks_per_seq = request_blocks(max_model_len)
     plan = KVPoolPlan(source, dev, util, param_bytes, act, margin, avail, max(budget, 0),
                       per_block, int(n), max_model_len, cache.block_size, share, blocks_per_seq)
     plan.log()
     if cache.num_gpu_blocks_override is None and n - 1 < blocks_per_seq:
-        if by_length is not None:  # blocks grow with the length: the largest that fits
-            fit = largest_fitting(by_length, int(n) - 1, max_model_len)
-        else:  # proportional (one full group): exact at block granularity
-            per = cdiv(max_model_len, cache.block_size) / blocks_per_seq
-            fit = int(max(n - 1, 0) * per) * cache.block_size
+        fit = largest_fitting(request_blocks, int(n) - 1, max_model_len)
         what = (f"the largest max_model_len that fits is {fit}" if fit > 0
                 else "not even one block fits")
         raise ValueError(
@@ -285,19 +278,24 @@ def plan_kv_pool(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_by
     return plan
 
 
+def _full_group_blocks(num_tokens: int, block_size: int) -> int:
+    """Blocks a request of `num_tokens` holds in one full-attention group."""
+    return cdiv(num_tokens, block_size)
+
+
 def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_bytes: int,
                    max_model_len: int, *, activation_bytes: int | ActivationProbe | None = None,
                    kv_head_shards: int = 1, device_bytes: int | None = None,
                    platform: str | None = None, host_devices: int = 1,
                    kv_layers: int | None = None,
-                   blocks_per_seq: int | Callable[[int], int] | None = None,
+                   request_blocks: Callable[[int], int] | None = None,
                    extra_bytes_per_block: int = 0) -> int:
     """Blocks per layer for this config (see `plan_kv_pool`, which also logs the breakdown)."""
     return plan_kv_pool(cache, spec, dtype, param_bytes, max_model_len,
                         activation_bytes=activation_bytes, kv_head_shards=kv_head_shards,
                         device_bytes=device_bytes, platform=platform,
                         host_devices=host_devices, kv_layers=kv_layers,
-                        blocks_per_seq=blocks_per_seq,
+                        request_blocks=request_blocks,
                         extra_bytes_per_block=extra_bytes_per_block).num_blocks
 
 

@@ -163,7 +163,7 @@ def test_hybrid_model_error_names_a_length_that_fits(chunk):
 
     def plan(n: int):
         return plan_kv_pool(cache, spec, F32, 0, n, platform="cpu",
-                            kv_layers=layout.num_slots, blocks_per_seq=blocks)
+                            kv_layers=layout.num_slots, request_blocks=blocks)
 
     with pytest.raises(ValueError, match=r"fits is (\d+)") as e:
         plan(32768)
