@@ -194,7 +194,8 @@ class ResponsesRequest(BaseModel):
                      ) -> tuple[ChatCompletionRequest, list[dict[str, Any]]]:
         """The chat request this response amounts to (the instructions as a system message,
         then `history`, an earlier response's conversation, then the input), and the
-        conversation a later turn continues (`history` and the input)."""
+        conversation a later turn continues (`history` and the input; developer messages
+        joined the instructions, which do not carry over, as vLLM keeps no system message)."""
         self.check()
         given = self.input_messages()
         # Developer messages join the instructions, the one system message (vLLM's rule:
@@ -203,7 +204,8 @@ class ResponsesRequest(BaseModel):
                                               if m["role"] == "developer"]
         system_text = "\n\n".join(t for t in system if t)
         messages = [{"role": "system", "content": system_text}] if system_text else []
-        messages += history + [m for m in given if m["role"] != "developer"]
+        turn = [m for m in given if m["role"] != "developer"]
+        messages += history + turn
         body: dict[str, Any] = {"messages": messages, "stream": self.stream,
                                 "max_tokens": self.max_output_tokens,
                                 "parallel_tool_calls": self.parallel_tool_calls,
@@ -248,7 +250,7 @@ class ResponsesRequest(BaseModel):
                                   param="max_output_tokens")
             body["truncate_prompt_tokens"] = keep
         try:
-            return ResponsesChat.model_validate(body), history + given
+            return ResponsesChat.model_validate(body), history + turn
         except ValueError as e:  # a malformed message or sampling field
             raise OpenAIError(400, str(e).splitlines()[0], param="input") from None
 

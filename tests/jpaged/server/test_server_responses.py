@@ -265,6 +265,13 @@ def test_developer_messages_join_the_instructions(served):
     assert r.usage.input_tokens == _prompt_tokens(served, [
         {"role": "system", "content": "Be kind.\n\nBe concise."},
         {"role": "user", "content": "Hi"}])
+    # Like the instructions they joined, they do not carry over to the next turn (no
+    # developer turn reaches the template there).
+    nxt = client.responses.create(model=MODEL, max_output_tokens=2, input="More",
+                                  previous_response_id=r.id)
+    assert nxt.usage.input_tokens == _prompt_tokens(served, [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": r.output_text},
+        {"role": "user", "content": "More"}])
 
 
 def test_a_background_stream_is_read_again_from_where_a_client_left(served):
