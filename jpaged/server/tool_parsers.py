@@ -262,10 +262,22 @@ class Llama3JsonParser(ToolParser):
     name = "llama3_json"
     TAG = "<|python_tag|>"
 
-    @staticmethod
-    def _calls(text: str) -> tuple[int, list[Call], int]:
+    def __init__(self) -> None:
+        # The last text read and what it held: a stream's delta asks parse and in_progress
+        # of the same text (one event loop uses a parser: no two readers at once).
+        self._last: tuple[str, tuple[int, list[Call], int]] | None = None
+
+    def _calls(self, text: str) -> tuple[int, list[Call], int]:
         """(where the first call starts, else len(text); the complete calls, in order; where
         the last one ends, else 0)."""
+        if self._last is not None and self._last[0] is text:
+            return self._last[1]
+        found = self._scan(text)
+        self._last = (text, found)
+        return found
+
+    @staticmethod
+    def _scan(text: str) -> tuple[int, list[Call], int]:
         decoder = json.JSONDecoder(object_pairs_hook=_first_wins)
         calls: list[Call] = []
         first, at, last_end = len(text), text.find("{"), 0
