@@ -15,6 +15,7 @@ _EXPORTS = {
     "AsyncLLMEngine": "jpaged.async_engine",
     "EngineArgs": "jpaged.config",
     "SamplingParams": "jpaged.sampling_params",
+    "LoRARequest": "jpaged.lora_request",
     "RequestOutputKind": "jpaged.sampling_params",
     "StructuredOutputsParams": "jpaged.sampling_params",
     "GuidedDecodingParams": "jpaged.sampling_params",

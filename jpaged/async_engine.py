@@ -23,6 +23,7 @@ from typing import Any
 from jpaged.config import EngineArgs
 from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
+from jpaged.lora_request import LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.runner.multiprocess import ProcessGroupError, exit_soon
 from jpaged.sampling_params import SamplingParams
@@ -60,6 +61,7 @@ class _Add:
     priority: int
     sink: _Sink
     done: concurrent.futures.Future
+    lora_request: LoRARequest | None = None
 
 
 @dataclass
@@ -168,12 +170,13 @@ class AsyncLLMEngine:
             self._cond.notify_all()
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, queue: asyncio.Queue | None = None
-                          ) -> asyncio.Queue:
+                          priority: int = 0, queue: asyncio.Queue | None = None,
+                          lora_request: LoRARequest | None = None) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its outputs arrive on.
 
         Raises what `LLMEngine.add_request` raises (ValueError for bad input). Several requests
-        may share one `queue`; items carry their `request_id`.
+        may share one `queue`; items carry their `request_id`. `lora_request`: the LoRA
+        adapter it runs with (read on an executor thread the first time).
         """
         queue = asyncio.Queue() if queue is None else queue
         if getattr(params, "structured_outputs", None) is not None:
@@ -181,9 +184,12 @@ class AsyncLLMEngine:
             # matcher; a grammar that does not compile raises its ValueError here.
             await asyncio.get_running_loop().run_in_executor(
                 None, self.engine.grammar_compiler.compile, params.structured_outputs)
+        if lora_request is not None:  # read off the engine loop; a bad adapter raises here
+            await asyncio.get_running_loop().run_in_executor(
+                None, self.engine.check_lora, lora_request)
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._submit(_Add(request_id, prompt, params, priority,
-                          _Sink(asyncio.get_running_loop(), queue), done))
+                          _Sink(asyncio.get_running_loop(), queue), done, lora_request))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -194,13 +200,24 @@ class AsyncLLMEngine:
             raise
         return queue
 
+    def check_lora(self, lora_request: LoRARequest) -> None:
+        """Read and check a LoRA adapter as a request's would be (ValueError or
+        FileNotFoundError naming the problem); thread-safe."""
+        self.engine.check_lora(lora_request)
+
+    def drop_lora(self, name: str) -> bool:
+        """Drop LoRA adapter `name`'s host copy (requests running with it go on)."""
+        return self.engine.drop_lora(name)
+
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
-                       request_id: str | None = None, priority: int = 0
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None
                        ) -> AsyncIterator[RequestOutput]:
         """Stream one request's outputs (vLLM's AsyncLLM.generate); leaving the loop early
         aborts the request."""
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
-        queue = await self.add_request(rid, prompt, sampling_params, priority)
+        queue = await self.add_request(rid, prompt, sampling_params, priority,
+                                       lora_request=lora_request)
         finished = False
         try:
             while True:
@@ -292,7 +309,7 @@ class AsyncLLMEngine:
             return
         try:
             self.engine.add_request(cmd.request_id, cmd.prompt, cmd.params,
-                                    priority=cmd.priority)
+                                    priority=cmd.priority, lora_request=cmd.lora_request)
         except Exception as e:
             cmd.done.set_exception(e)
             return

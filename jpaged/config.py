@@ -80,6 +80,9 @@ SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 32
 
 
+MAX_LORA_RANK = 512  # vLLM's largest
+
+
 def _fail(cls: str, name: str, allowed: str, value: object) -> None:
     raise ValueError(f"{cls}.{name} must be {allowed}, got {value!r}")
 
@@ -534,6 +537,32 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters (vLLM's --enable-lora): how many run on the device at once, their
+    largest rank, and how many the host keeps read."""
+
+    max_loras: int = 1  # adapters on the device at once (and in one step)
+    max_lora_rank: int = 16  # every slot holds this rank; a larger adapter is refused
+    max_cpu_loras: int | None = None  # adapters kept read on the host (None: max_loras)
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_loras) or self.max_loras < 1:
+            _fail("EngineArgs", "max_loras", "an integer >= 1", self.max_loras)
+        if not _is_int(self.max_lora_rank) or not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            _fail("EngineArgs", "max_lora_rank", f"an integer in [1, {MAX_LORA_RANK}]",
+                  self.max_lora_rank)
+        if self.max_cpu_loras is not None and (not _is_int(self.max_cpu_loras)
+                                               or self.max_cpu_loras < self.max_loras):
+            _fail("EngineArgs", "max_cpu_loras", f"an integer >= max_loras ({self.max_loras})",
+                  self.max_cpu_loras)
+
+    @property
+    def host_capacity(self) -> int:
+        """Adapters the host keeps read."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, grouped."""
 
@@ -546,6 +575,7 @@ class EngineConfig:
     # Structured outputs' engine-wide defaults (the grammar compiler reads them).
     structured_outputs: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     speculative: SpeculativeConfig | None = None  # speculative decoding (None: off)
+    lora: LoRAConfig | None = None  # LoRA adapters (None: --enable-lora not given)
 
     def with_num_blocks(self, num_blocks: int) -> EngineConfig:
         """The same config with the pool size filled in."""
@@ -692,6 +722,17 @@ class EngineArgs:
     tokens that followed an earlier occurrence of the latest n-gram; '{"method": "suffix"}'
     proposes from suffix trees of the request and of earlier responses. The target verifies
     every proposal in one step; outputs keep the target's distribution (docs/spec_decode.md)."""
+    enable_lora: bool = False
+    """Serve LoRA adapters (PEFT directories): a request names one with a LoRARequest (the
+    server: by the adapter's name in `model`); each adapted projection adds the adapter's
+    product, and the prefix cache keeps each adapter's blocks apart (docs/lora.md)."""
+    max_loras: int = 1
+    """LoRA adapters on the device at once; a step runs requests of at most this many."""
+    max_lora_rank: int = 16
+    """Largest LoRA rank served: every device slot is this wide, a larger adapter is refused."""
+    max_cpu_loras: int | None = None
+    """LoRA adapters kept read on the host (default: max_loras); others are read again from
+    their directories when a request needs them."""
     disable_log_stats: bool = False
     """No periodic stats line in the log."""
     max_logprobs: int = DEFAULT_MAX_LOGPROBS
@@ -767,4 +808,6 @@ class EngineArgs:
             kv_transfer=KVTransferConfig.parse(self.kv_transfer_config),
             structured_outputs=StructuredOutputsConfig.parse(self.structured_outputs_config),
             speculative=SpeculativeConfig.parse(self.speculative_config),
+            lora=(LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+                  if self.enable_lora else None),
         )

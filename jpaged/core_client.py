@@ -423,7 +423,11 @@ class CoreProcessEngine(RequestFrontend):
                 entry = live(names[i])
                 if entry is not None:
                     entry[1].request.prompt_logprob_rows = plp
-        return self._outputs(updated, rows, tokens, step.logprobs, step)
+        outputs = self._outputs(updated, rows, tokens, step.logprobs, step)
+        if step.failures:  # ended by the core (never queued there): finish_reason "error"
+            failed = [(rid, why) for rid, why in step.failures if live(rid) is not None]
+            outputs = self._failed_outputs(failed) + outputs
+        return outputs
 
     # ----------------------------------------------------------------- core state
     def get_metrics(self) -> dict[str, Any]:

@@ -21,13 +21,16 @@ class CoreStep:
     name, stop_reason) of the sequences this step ended; `num_cached`: (position, prompt tokens
     found in the prefix cache) of those that got their first token. `kv_cache_usage`: the pool's
     usage after the step. `loop_s`: the core loop's thread CPU time of its previous iteration
-    (take messages, step, send). `adds_seen`: see __init__. `req_ids` is None when it equals
+    (take messages, step, send). `adds_seen`: see __init__. `failures`: (request id, reason)
+    of requests the core ended with an error (a LoRA adapter that no longer reads on its
+    side). `req_ids` is None when it equals
     the previous CoreStep's (sent in order, so the front end keeps the last list: the batch
     is mostly unchanged).
     """
 
     __slots__ = ("req_ids", "token_ids", "logprobs", "top_ids", "top_logprobs", "ranks", "finished",
-                 "num_cached", "prompt_logprobs", "kv_cache_usage", "loop_s", "adds_seen")
+                 "num_cached", "prompt_logprobs", "kv_cache_usage", "loop_s", "adds_seen",
+                 "failures")
 
     def __init__(self) -> None:
         self.req_ids: list[str] | None = []
@@ -46,6 +49,7 @@ class CoreStep:
         # belongs to the request of its id only if that request's add is among them (an id
         # aborted and added again must not get the old request's rows).
         self.adds_seen = 0
+        self.failures: list[tuple[str, str]] = []
 
     def __getstate__(self) -> tuple[Any, ...]:
         return tuple(getattr(self, k) for k in self.__slots__)

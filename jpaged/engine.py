@@ -43,7 +43,7 @@ class LLMEngine(RequestFrontend):
         self.core = EngineCore(args, loaded, group=group)
         core = self.core
         self.loaded, self.spec, self.tokenizer = core.loaded, core.spec, core.tokenizer
-        self._init_frontend(log_stats=not args.disable_log_stats)
+        self._init_frontend(log_stats=not args.disable_log_stats, lora_cache=core.lora_cache)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

@@ -47,6 +47,7 @@ from jpaged.runner.kv_connector import (
     SharedStorageWorker,
     kv_identity,
 )
+from jpaged.runner.lora import LoraSlots
 from jpaged.runner.memory_probe import step_activation_bytes
 from jpaged.runner.model_runner import (
     DeferredStep,
@@ -67,6 +68,7 @@ from jpaged.runner.tier_transfer import TierTransfer
 from models.build import LoadedModel
 from models.llama import stack_layers
 from models.loader import load_model
+from models.lora import LoraCache, lora_slot_bytes
 from models.sharding import check_device_count
 from pallas_kernels.backend import select_backend
 from pallas_kernels.reference import is_fp8
@@ -153,6 +155,9 @@ def _check_supported(config: EngineConfig) -> None:
     if ev is not None and ev.enable_kv_cache_events and not config.cache.enable_prefix_caching:
         raise ValueError("kv_events_config: KV cache events need enable_prefix_caching "
                          "(without it no block is ever cached)")
+    if config.lora is not None and config.parallel.nnodes > 1:
+        raise ValueError("enable_lora: LoRA adapters run in one process in this version "
+                         f"(nnodes is {config.parallel.nnodes})")
 
 
 
@@ -210,6 +215,10 @@ class EngineCore:
         self.parallel = TensorParallel(self.spec, tp) if tp > 1 else None
         params_bytes = (_param_bytes(nnx.state(self.loaded.model)) if self.parallel is None else
                         self.parallel.param_bytes_per_device(nnx.state(self.loaded.model)))
+        lora = config.lora
+        if lora is not None:  # the adapter slots, whole on every device, beside the weights
+            params_bytes += lora_slot_bytes(self.spec, lora.max_loras, lora.max_lora_rank,
+                                            self.loaded.model.dtype.itemsize)
         draft_block_bytes = 0
         if self.draft_loaded is not None:
             params_bytes += _param_bytes(nnx.state(self.draft_loaded.model))
@@ -254,7 +263,8 @@ class EngineCore:
         self.scheduler = Scheduler(self.config.scheduler, self.config.cache, num_blocks,
                                    self.tiers, token_buckets=plan.token_buckets,
                                    kv_layout=self.kv_layout, connector=connector,
-                                   max_rows=plan.max_rows)
+                                   max_rows=plan.max_rows,
+                                   max_loras=lora.max_loras if lora is not None else None)
         plan.num_groups = self.kv_layout.num_groups  # after the probe, which runs one group
         if self.kv_layout.is_hybrid:
             logger.info("hybrid KV cache: %d groups (%s), %d layers' KV per block",
@@ -278,13 +288,15 @@ class EngineCore:
         if config.cache.calculate_kv_scales and not calc_scales:
             logger.warning("calculate_kv_scales is ignored: kv_cache_dtype=%s is not fp8 "
                            "(scales stay 1.0)", config.cache.kv_cache_dtype)
+        self.lora_cache: LoraCache | None = None  # LoRA adapters read (set by _lora_slots)
         self.runner = ModelRunner(self.loaded.model, kv, plan, self.config.cache.block_size,
                                   self.spec.vocab_size, self.ops, self.config.model.seed,
                                   parallel=self.parallel, calculate_kv_scales=calc_scales,
                                   kv_layout=self.kv_layout,
                                   num_top_logprobs=config.model.logprobs_limit(
                                       self.spec.vocab_size),
-                                  eager=config.model.enforce_eager)
+                                  eager=config.model.enforce_eager,
+                                  lora=self._lora_slots(config))
         if self.group is not None and self.group.is_leader:
             self.runner.announce = self.group.announce_step  # the others launch it too
         self.draft: DraftRunner | None = None
@@ -343,9 +355,41 @@ class EngineCore:
         return self._grammar_compiler
 
     # ----------------------------------------------------------------- requests
+    def _lora_slots(self, config: EngineConfig) -> tuple[LoraSlots, LoraCache] | None:
+        """The runner's LoRA slots and the host cache of adapters (None: LoRA off)."""
+        lora = config.lora
+        if lora is None:
+            return None
+        # The front end of an in-process engine reads adapters through this same cache.
+        self.lora_cache = LoraCache(self.spec, lora.max_lora_rank, lora.host_capacity)
+        place = self.parallel.replicate if self.parallel is not None else None
+        slots = LoraSlots(self.spec, lora.max_loras, lora.max_lora_rank,
+                          self.loaded.model.dtype, place)
+        logger.info("LoRA: %d slots of rank %d, %d bytes on the device", lora.max_loras,
+                    lora.max_lora_rank, slots.nbytes)
+        return slots, self.lora_cache
+
+    def _read_adapters(self, requests: list[Request]) -> list[Request]:
+        """The requests whose LoRA adapter reads (others end as failures, with the reason):
+        the front end checked them, but a core process reads them again."""
+        if self.lora_cache is None:
+            return requests
+        kept = []
+        for req in requests:
+            lr = req.lora_request
+            if lr is not None:
+                try:
+                    self.lora_cache.get(lr.lora_name, lr.lora_path)
+                except (OSError, ValueError) as e:
+                    self.failures.append((req.request_id, f"LoRA adapter: {e}"))
+                    continue
+            kept.append(req)
+        return kept
+
     def queue_requests(self, requests: list[Request]) -> None:
         """Hand checked requests to the scheduler, with their grammar matchers and bad words
         (all or none: a grammar that does not compile raises before any is queued)."""
+        requests = self._read_adapters(requests)
         so = self.structured_output
         matchers = so.add_requests(requests)
         for req in requests:
@@ -366,8 +410,10 @@ class EngineCore:
         return self._in_flight is not None
 
     def has_work(self) -> bool:
-        """True while a request is unfinished or a dispatched step's tokens are unread."""
-        return self._in_flight is not None or self.scheduler.has_unfinished_requests()
+        """True while a request is unfinished, a dispatched step's tokens are unread, or a
+        failure is still to be reported (the next step carries it)."""
+        return (self._in_flight is not None or self.scheduler.has_unfinished_requests()
+                or bool(self.failures))
 
     def has_pending_kv_transfers(self) -> bool:
         """True while a KV connector holds blocks for a consumer or pulls pages: the engine's
@@ -427,6 +473,7 @@ class EngineCore:
         step = CoreStep()
         step.fill(res.updated, res.rows, res.token_ids, res.logprobs, res.result,
                   res.finished_at)
+        step.failures = res.failures
         return step
 
     def _launch(self) -> tuple[Dispatched | None, Dispatched | None]:

@@ -18,6 +18,7 @@ from typing import Any
 from jpaged.config import EngineConfig
 from jpaged.core.kv_connector import check_kv_transfer_params
 from jpaged.core.structured_output import GrammarCompiler, make_grammar_compiler
+from jpaged.lora_request import LoRARequest
 from jpaged.metrics import StatLogger
 from jpaged.output_processor import (
     ChildState,
@@ -34,6 +35,7 @@ from jpaged.request import Request, RequestStatus
 from jpaged.sampling_params import SamplingParams
 from models.config import ModelSpec
 from models.loader import sampling_defaults
+from models.lora import LoraCache
 
 logger = logging.getLogger("jpaged")
 
@@ -78,7 +80,8 @@ class RequestFrontend:
     config: EngineConfig
     stat_logger: StatLogger
 
-    def _init_frontend(self, log_stats: bool = True) -> None:
+    def _init_frontend(self, log_stats: bool = True, lora_cache: LoraCache | None = None
+                       ) -> None:
         # Request timing histograms + the periodic stats log line (fed once per step).
         sched = self.config.scheduler
         self.stat_logger = StatLogger(self.get_metrics, log=log_stats,
@@ -95,6 +98,51 @@ class RequestFrontend:
         self._counter = 0
         # Token and step counters live in the scheduler; these count user-level requests.
         self.stats = {"num_requests_finished": 0, "num_requests_aborted": 0}
+        # LoRA adapters as the front end checks them (an in-process engine's core reads
+        # through the same cache); None when LoRA is off.
+        lora = self.config.lora
+        self._lora_cache = lora_cache if lora_cache is not None or lora is None else LoraCache(
+            self.spec, lora.max_lora_rank, lora.host_capacity)
+        self._lora_names: dict[int, str] = {}  # lora_int_id -> name, of adapters checked
+
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """Refuse a LoRARequest this engine cannot run (ValueError or FileNotFoundError naming
+        the problem): LoRA off, or an adapter that does not read or does not fit the model."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got "
+                             f"{type(lora_request).__name__}")
+        if self._lora_cache is None:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled "
+                             "(start the engine with enable_lora=True, --enable-lora)")
+        self._lora_cache.get(lora_request.lora_name, lora_request.lora_path)
+        self._lora_names[lora_request.lora_int_id] = lora_request.lora_name
+
+    def drop_lora(self, name: str) -> bool:
+        """Drop adapter `name`'s host copy (the server's unload); False when none was held."""
+        return self._lora_cache is not None and self._lora_cache.drop(name)
+
+    # vLLM's LLMEngine adapter calls, on the host copies this front end holds.
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests (errors as `check_lora`)."""
+        self.check_lora(lora_request)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        """Drop the host copy of the adapter with this lora_int_id; False when none is held."""
+        name = self._lora_names.get(lora_id)
+        return name is not None and self.drop_lora(name)
+
+    def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters held on the host."""
+        cache = self._lora_cache
+        return {i for i, n in self._lora_names.items() if cache is not None and n in cache}
+
+    def pin_lora(self, lora_id: int) -> bool:
+        """Keep the adapter with this lora_int_id on the host whatever max_cpu_loras says."""
+        name = self._lora_names.get(lora_id)
+        return name is not None and self._lora_cache is not None and self._lora_cache.pin(name)
 
     def front_metrics(self) -> dict[str, Any]:
         """The front end's counters, beside the core's in get_metrics: user-level requests,
@@ -212,8 +260,10 @@ class RequestFrontend:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:
-        """Validate, tokenize and queue a request; n > 1 fans out into n sequences."""
+                    arrival_time: float | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """Validate, tokenize and queue a request; n > 1 fans out into n sequences
+        (`lora_request`: the LoRA adapter it runs with, None for the base model)."""
         if not isinstance(request_id, str):  # as vLLM: abort and outputs key on the string
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._groups:
@@ -238,6 +288,7 @@ class RequestFrontend:
         if whole:  # past here every count is a number of candidates
             params = params.clone(**whole)
         self._check_params(params)
+        self.check_lora(lora_request)
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("allowed_token_ids", params.allowed_token_ids),
                           ("logit_bias", params.logit_bias)):
@@ -262,7 +313,7 @@ class RequestFrontend:
             child_params = base.clone(n=1, seed=seed)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
             req = Request(child_id, ids, child_params, priority=priority, arrival_time=arrival,
-                          cache_salt=salt)
+                          cache_salt=salt, lora_request=lora_request)
             group.children.append(ChildState(
                 i, req, logprobs=[] if params.logprobs is not None else None))
         self._submit([c.request for c in group.children])  # raises before anything is kept

@@ -258,8 +258,9 @@ class KVEventCollector:
 
     def stored_chain(self, hashes: Sequence[bytes], parent: bytes | None,
                      token_ids: Sequence[int], medium: str = MEDIUM_DEVICE,
-                     group: int = 0) -> None:
-        """Consecutive blocks of one sequence became cached (tokens: all of them, flat)."""
+                     group: int = 0, lora_id: int | None = None) -> None:
+        """Consecutive blocks of one sequence became cached (tokens: all of them, flat;
+        `lora_id`: its LoRA adapter's lora_int_id, None for the base model)."""
         if not hashes:
             return
         bs = self.block_size
@@ -271,7 +272,7 @@ class KVEventCollector:
                     self._where.setdefault(h, set()).add(medium)
                 prev = h
             self._events.append(BlockStored(list(hashes), parent, list(token_ids), bs,
-                                            None, medium, group))
+                                            lora_id, medium, group))
 
     def stored(self, hashes: Iterable[bytes], medium: str) -> None:
         """Blocks became cached in a lower tier: each stated with what is known of it (tier

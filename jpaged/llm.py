@@ -10,6 +10,7 @@ from jpaged.beam_search import BeamSearch, BeamSearchOutput
 from jpaged.config import EngineArgs
 from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
+from jpaged.lora_request import LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from models.tokenizer import message_text, template_tool_calls
@@ -55,9 +56,11 @@ class LLM:
         *,
         priority: int | Sequence[int] | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run prompts to completion; outputs come back in input order. `priority`: one per
-        prompt, or one value for all (lower runs first, as vLLM's priority scheduling)."""
+        prompt, or one value for all (lower runs first, as vLLM's priority scheduling);
+        `lora_request`: one LoRA adapter for all, or one (or None) per prompt."""
         prompts = _prompt_list(prompts)
         if sampling_params is None:  # as vLLM: the model's generation-config defaults
             sampling_params = self.get_default_sampling_params()
@@ -79,11 +82,12 @@ class LLM:
         elif priority is not None and len(priority) != len(prompts):
             raise ValueError(f"priority must have one entry per prompt (or be one integer), "
                              f"got {len(priority)} for {len(prompts)} prompts")
-        return self._run(prompts, params_list, priority, use_tqdm)
+        return self._run(prompts, params_list, priority, use_tqdm,
+                         _lora_list(lora_request, len(prompts)))
 
     def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
-             priority: Sequence[int] | None, use_tqdm: bool | Callable[..., Any]
-             ) -> list[RequestOutput]:
+             priority: Sequence[int] | None, use_tqdm: bool | Callable[..., Any],
+             loras: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         engine = self.llm_engine
         order: dict[str, int] = {}
         added: list[str] = []
@@ -92,7 +96,8 @@ class LLM:
                 rid = f"gen-{next(self._ids)}"
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(rid, prompt, params,
-                                   priority=priority[i] if priority is not None else 0)
+                                   priority=priority[i] if priority is not None else 0,
+                                   lora_request=loras[i] if loras is not None else None)
                 order[rid] = i
                 added.append(rid)
         except Exception:
@@ -121,10 +126,12 @@ class LLM:
         params: BeamSearchParams,
         *,
         use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's beam search: each prompt's `params.beam_width` best sequences (prompt and
         output tokens, their text, cumulative logprob), best first. Each step runs every live
-        beam as a one-token request; the prefix cache keeps what the beams share."""
+        beam as a one-token request (`lora_request`: all with that LoRA adapter); the prefix
+        cache keeps what the beams share."""
         prompts = _prompt_list(prompts)
         engine = self.llm_engine
         search = BeamSearch(len(prompts), params, engine.eos_token_ids,
@@ -134,7 +141,8 @@ class LLM:
         try:
             while not search.done:
                 batch = search.requests() or prompts
-                search.advance(self._run(batch, [search.step_params] * len(batch), None, False))
+                search.advance(self._run(batch, [search.step_params] * len(batch), None, False,
+                                         _lora_list(lora_request, len(batch))))
                 if bar is not None:
                     bar.update(1)
         finally:
@@ -158,6 +166,7 @@ class LLM:
         chat_template_kwargs: Mapping[str, Any] | None = None,
         tools: list[dict[str, Any]] | None = None,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate.
 
@@ -187,7 +196,8 @@ class LLM:
             # The template already holds the special tokens; do not add a BOS again.
             prompts.append({"prompt": text,
                             "prompt_token_ids": tok.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm,
+                             lora_request=lora_request)
 
     def get_metrics(self) -> dict[str, Any]:
         """Preemptions, KV usage, prefix-cache hit rate and other engine metrics."""
@@ -229,6 +239,21 @@ class LLM:
         the weights, dtype, block size and scales, which changed weights already change;
         delete its folder under kv_cache_dir to empty it."""
         return self.llm_engine.reset_prefix_cache()
+
+
+def _lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+               ) -> list[LoRARequest | None] | None:
+    """One LoRARequest (or None) per prompt, from one for all or a list of them."""
+    if lora is None or isinstance(lora, LoRARequest):
+        return None if lora is None else [lora] * n
+    if isinstance(lora, str | Mapping) or not isinstance(lora, Iterable):
+        raise ValueError(f"lora_request must be a LoRARequest or a list of them, got "
+                         f"{type(lora).__name__}")
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_request entries for {n} prompts; pass one "
+                         "or one per prompt")
+    return loras
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from jpaged.lora_request import LoRARequest
 from jpaged.sampling_params import SamplingParams
 
 
@@ -73,7 +74,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: Sequence[int],
                  sampling_params: SamplingParams, *, priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
-                 extra_keys: tuple = (), block_hasher: PrefixHasher | None = None) -> None:
+                 extra_keys: tuple = (), block_hasher: PrefixHasher | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"Request.prompt_token_ids must be non-empty (request {request_id!r})")
         self.request_id = request_id
@@ -84,7 +86,11 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
-        self.extra_keys = tuple(extra_keys)
+        # A LoRA adapter's blocks are its own: its name enters every block's hash (vLLM's key).
+        self.lora_request = lora_request
+        self.lora_name: str | None = None if lora_request is None else lora_request.lora_name
+        self.extra_keys = tuple(extra_keys) + (
+            () if lora_request is None else (lora_request.lora_name,))
         self.seq = next(_REQUEST_SEQ)
         # Ordering keys, fixed at creation (priority and arrival never change): plain tuples
         # so that sorting the running batch every step calls no Python per request.

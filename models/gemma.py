@@ -25,6 +25,7 @@ from .attention import AttnFn
 from .config import ModelSpec
 from .linear_ops import DecodeLinears
 from .llama import MLP, Attention, LlamaForCausalLM, LlamaModel, _bias, _weight, residual_sum
+from .lora import LoraBatch
 
 
 class GemmaRMSNorm(nnx.Module):
@@ -63,12 +64,14 @@ class GemmaDecoderLayer(nnx.Module):
         attn_fn: AttnFn,
         attn_state: Any,
         linears: DecodeLinears | None = None,
+        lora: LoraBatch | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """One layer; returns (x, attn_state after this layer). With `linears`, the
         projections run on the fused kernels (input and pre-feedforward norms in their
         prologues); the post norms sit between a projection and its residual add, so they and
-        the adds stay XLA's."""
+        the adds stay XLA's. `lora`: LoRA adapters' deltas on the projections (no linears)."""
         if linears is not None:
+            assert lora is None, "LoRA runs on XLA's GEMMs (the runner passes no linears)"
             attn = self.self_attn
             out, attn_state = attn.fused_attention(x, self.input_layernorm, cos, sin,
                                                    layer_idx, attn_fn, attn_state, linears)
@@ -77,9 +80,9 @@ class GemmaDecoderLayer(nnx.Module):
             ff = self.mlp.fused(x, self.pre_feedforward_layernorm, linears, None)
             return residual_sum(x, self.post_feedforward_layernorm(ff)), attn_state
         attn_out, attn_state = self.self_attn(
-            self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state)
+            self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state, lora)
         x = residual_sum(x, self.post_attention_layernorm(attn_out))
-        ff = self.mlp(self.pre_feedforward_layernorm(x))
+        ff = self.mlp(self.pre_feedforward_layernorm(x), lora, layer_idx)
         return residual_sum(x, self.post_feedforward_layernorm(ff)), attn_state
 
 

@@ -27,6 +27,7 @@ from pallas_kernels.reference import from_bits, to_bits
 from .attention import AttnFn
 from .config import ModelSpec
 from .linear_ops import DecodeLinears, activation_name, matmul_precision, one_row_as_two
+from .lora import LoraBatch, add_delta
 from .quant import QuantWeight
 from .quant_layers import QuantEmbed, QuantLinear
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -102,9 +103,13 @@ class MLP(nnx.Module):
         self.down_proj = _linear(i, h, b, dtype, rngs)
         self.act = spec.hidden_act
 
-    def __call__(self, x: Float[Array, "T hidden"]) -> Float[Array, "T hidden"]:
-        gate = _activation(self.act)(one_row_as_two(self.gate_proj, x))
-        return one_row_as_two(self.down_proj, gate * one_row_as_two(self.up_proj, x))
+    def __call__(self, x: Float[Array, "T hidden"], lora: LoraBatch | None = None,
+                 layer_idx: int | jax.Array = 0) -> Float[Array, "T hidden"]:
+        """down(act(gate(x)) * up(x)), each projection plus its LoRA delta when `lora`."""
+        g = add_delta(lora, layer_idx, "gate_proj", x, one_row_as_two(self.gate_proj, x))
+        u = add_delta(lora, layer_idx, "up_proj", x, one_row_as_two(self.up_proj, x))
+        h = _activation(self.act)(g) * u
+        return add_delta(lora, layer_idx, "down_proj", h, one_row_as_two(self.down_proj, h))
 
     def fused(self, x: jax.Array, norm: nnx.Module, linears: DecodeLinears,
               residual: jax.Array | None) -> jax.Array:
@@ -141,11 +146,15 @@ class Attention(nnx.Module):
         layer_idx: int,
         attn_fn: AttnFn,
         attn_state: Any,
+        lora: LoraBatch | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
-        """Attention output projected back to hidden size, and the backend's updated state."""
-        q, k, v = (one_row_as_two(p, x) for p in (self.q_proj, self.k_proj, self.v_proj))
+        """Attention output projected back to hidden size, and the backend's updated state
+        (`lora`: each projection plus its adapters' delta)."""
+        q, k, v = (add_delta(lora, layer_idx, name, x, one_row_as_two(p, x)) for name, p in
+                   (("q_proj", self.q_proj), ("k_proj", self.k_proj), ("v_proj", self.v_proj)))
         out, attn_state = self.attend(q, k, v, cos, sin, layer_idx, attn_fn, attn_state)
-        return one_row_as_two(self.o_proj, out), attn_state
+        return add_delta(lora, layer_idx, "o_proj", out,
+                         one_row_as_two(self.o_proj, out)), attn_state
 
     def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, cos: jax.Array,
                sin: jax.Array, layer_idx: int, attn_fn: AttnFn, attn_state: Any,
@@ -206,20 +215,24 @@ class DecoderLayer(nnx.Module):
         attn_fn: AttnFn,
         attn_state: Any,
         linears: DecodeLinears | None = None,
+        lora: LoraBatch | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """One layer; returns (x, attn_state after this layer). `linears`: fused kernels for
-        the projections (norms and residual adds folded in), else XLA's GEMMs."""
+        the projections (norms and residual adds folded in), else XLA's GEMMs; `lora`: LoRA
+        adapters' deltas added to the projections (XLA's GEMMs only)."""
         attn = self.self_attn
         if linears is not None:
+            assert lora is None, "LoRA runs on XLA's GEMMs (the runner passes no linears)"
             out, attn_state = attn.fused_attention(x, self.input_layernorm, cos, sin,
                                                    layer_idx, attn_fn, attn_state, linears)
             x = linears.out(out, _weight(attn.o_proj), _bias(attn.o_proj), x)
             return self.mlp.fused(x, self.post_attention_layernorm, linears, x), attn_state
         attn_out, attn_state = attn(
-            self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state
+            self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state, lora
         )
         x = residual_sum(x, attn_out)
-        return residual_sum(x, self.mlp(self.post_attention_layernorm(x))), attn_state
+        return residual_sum(x, self.mlp(self.post_attention_layernorm(x), lora, layer_idx)
+                            ), attn_state
 
 
 # embed_fn(table, input_ids) -> rows: the token lookup, for callers whose table is laid out in
@@ -269,6 +282,7 @@ class LlamaModel(nnx.Module):
         *,
         embed_fn: EmbedFn | None = None,
         linears: DecodeLinears | None = None,
+        lora: LoraBatch | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """(final-norm hidden states, attn_state after the last layer)."""
         tables = self.rope_tables(positions)
@@ -278,11 +292,11 @@ class LlamaModel(nnx.Module):
             x = embed_fn(self.embed_tokens.embedding[...], input_ids)
         x = self.scale_embeddings(x)
         if isinstance(self.layers, ScannedLayers):  # XLA:CPU (stack_layers): uniform layers
-            x, attn_state = self.layers(x, *tables[0], attn_fn, attn_state, linears)
+            x, attn_state = self.layers(x, *tables[0], attn_fn, attn_state, linears, lora)
         else:
             # Unrolled at trace time: layer i's GEMMs read layer i's own weight arrays in place.
             for i, layer in enumerate(self.layers):
-                x, attn_state = layer(x, *tables[i], i, attn_fn, attn_state, linears)
+                x, attn_state = layer(x, *tables[i], i, attn_fn, attn_state, linears, lora)
         return self.norm(x), attn_state
 
 
@@ -302,6 +316,7 @@ class ScannedLayers(nnx.Module):
         attn_fn: AttnFn,
         attn_state: Any,
         linears: DecodeLinears | None = None,
+        lora: LoraBatch | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """All layers in order; returns (x, attn_state after the last layer)."""
         layer_def, stacked = nnx.split(self.layer)
@@ -317,7 +332,7 @@ class ScannedLayers(nnx.Module):
             h, state, i = carry
             layer_state = jax.tree.map(from_bits, layer_state, dtypes)
             h, state = nnx.merge(layer_def, layer_state)(h, cos, sin, i, attn_fn, state,
-                                                         linears)
+                                                         linears, lora)
             return (h, state, i + 1), None
 
         (x, attn_state, _), _ = jax.lax.scan(body, (x, attn_state, jnp.int32(0)), stacked)
@@ -384,13 +399,15 @@ class LlamaForCausalLM(nnx.Module):
         *,
         embed_fn: EmbedFn | None = None,
         linears: DecodeLinears | None = None,
+        lora: LoraBatch | None = None,
     ) -> tuple[Float[Array, "T hidden"], Any]:
         """(final-norm hidden states of a flattened token batch, attn_state after all layers).
 
-        `linears`: fused kernels for every decoder layer's projections (models/linear_ops.py).
+        `linears`: fused kernels for every decoder layer's projections (models/linear_ops.py);
+        `lora`: LoRA adapters' deltas on the projections (models/lora.py), without linears.
         """
         return self.model(input_ids, positions, attn_fn, attn_state, embed_fn=embed_fn,
-                          linears=linears)
+                          linears=linears, lora=lora)
 
     def head_weight(self) -> tuple[jax.Array | QuantWeight, bool]:
         """The output head's weight as it lies, and whether it is transposed: lm_head's

@@ -231,12 +231,13 @@ class BlockPool:
 
     def cache_full_blocks(self, block_hashes: Sequence[BlockHash], blocks: Sequence[KVCacheBlock],
                           num_cached_blocks: int, num_full_blocks: int,
-                          token_ids: Sequence[int] | None = None, group: int = 0) -> None:
+                          token_ids: Sequence[int] | None = None, group: int = 0,
+                          lora_id: int | None = None) -> None:
         """Register blocks[num_cached_blocks:num_full_blocks] under block_hashes[i] in `group`.
 
         A hash already mapped keeps its primary; the new block joins its duplicates. Null
         blocks (a sliding group's freed positions) are skipped. `token_ids` (the sequence's
-        tokens) are only read for KV events.
+        tokens) and `lora_id` (its LoRA adapter's id) are only read for KV events.
         """
         if not self.enable_caching:
             return
@@ -255,10 +256,10 @@ class BlockPool:
             cached[h] = b
             run.append(i)
         if self.events is not None and run:
-            self._stored_events(block_hashes, run, token_ids or (), group)
+            self._stored_events(block_hashes, run, token_ids or (), group, lora_id)
 
     def _stored_events(self, hashes: Sequence[BlockHash], run: list[int],
-                       token_ids: Sequence[int], group: int) -> None:
+                       token_ids: Sequence[int], group: int, lora_id: int | None) -> None:
         # One BlockStored per stretch of consecutive block indices (its own chain).
         bs = self.events.block_size  # type: ignore[union-attr]
         start = prev = run[0]
@@ -268,7 +269,7 @@ class BlockPool:
                 continue
             self.events.stored_chain(  # type: ignore[union-attr]
                 hashes[start:prev + 1], hashes[start - 1] if start else None,
-                token_ids[start * bs:(prev + 1) * bs], "GPU", group=group)
+                token_ids[start * bs:(prev + 1) * bs], "GPU", group=group, lora_id=lora_id)
             if i is not None:
                 start = prev = i
 

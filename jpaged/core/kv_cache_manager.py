@@ -258,7 +258,8 @@ class KVCacheManager:
             assert self.tiers is not None  # host slots come from the tiers only
             for g, table in enumerate(req.blocks):
                 pool.cache_full_blocks(request.block_hashes, table, 0, num_hit,
-                                       request.all_token_ids, group=g)
+                                       request.all_token_ids, group=g,
+                                       lora_id=_lora_id(request))
             # Tokens once per position, however many groups loaded a block for it.
             loaded = sum(1 for col in zip(*hits, strict=True)
                          if any(isinstance(b, int) for b in col))
@@ -355,7 +356,8 @@ class KVCacheManager:
         if end > start:
             for g, table in enumerate(tables):
                 self.block_pool.cache_full_blocks(request.block_hashes, table, start, end,
-                                                  request.all_token_ids, group=g)
+                                                  request.all_token_ids, group=g,
+                                                  lora_id=_lora_id(request))
             req.num_cached = end
 
     def trim(self, request: Request) -> int:
@@ -580,3 +582,9 @@ class KVCacheManager:
             for rid in self._req_tables:
                 if self.tiers.swapped_tokens(rid) is not None:
                     raise AssertionError(f"{rid!r} holds device blocks and a swap entry")
+
+
+def _lora_id(request: Request) -> int | None:
+    """The lora_int_id of a request's LoRA adapter (KV events state it), or None."""
+    lora = getattr(request, "lora_request", None)  # (duck-typed requests have none)
+    return None if lora is None else lora.lora_int_id

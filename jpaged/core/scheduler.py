@@ -80,8 +80,11 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                  token_buckets: Sequence[int] | None = None,
                  kv_layout: KVCacheLayout | None = None,
                  connector: KVConnectorScheduler | None = None,
-                 max_rows: int | None = None) -> None:
+                 max_rows: int | None = None, max_loras: int | None = None) -> None:
         self.scheduler_config = scheduler_config
+        # LoRA: the running requests use at most this many adapters at once (the device's
+        # slots); None: no limit (LoRA off).
+        self.max_loras = max_loras
         # Rows of a step: its requests plus their proposals (speculative decoding: each
         # proposal is scored as a row of its own); the step shapes hold at most this many.
         self.max_rows = max(max_rows or 0, scheduler_config.max_num_seqs)
@@ -374,6 +377,10 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
         # They hold the blocks they need (reserved with their pages), and running is how those
         # blocks come back, so none of them may wait behind a request that waits for memory.
         blocked = False
+        # LoRA: the adapters of the running requests; a waiting request with another one waits
+        # while they fill the device's slots (requests of the base model and of these go on).
+        loras = ({r.lora_name for r in self.running if r.lora_name is not None}
+                 if self.max_loras is not None else None)
         while st.budget > 0 and st.num_running < cfg.max_num_seqs:
             item = (lpm.pop() if lpm else None) if lpm is not None else self.waiting.pop()
             if item is None:
@@ -382,6 +389,10 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
             if req.num_output_placeholders:
                 # Preempted while its last step runs: admitted once that token is known.
                 skipped.append((key, req))
+                continue
+            if (loras is not None and req.lora_name is not None and req.lora_name not in loras
+                    and len(loras) >= self.max_loras):
+                skipped.append((key, req))  # every slot holds another adapter now
                 continue
             if st.stall_priority is not None and (
                     self.policy == "fcfs" or req.priority >= st.stall_priority):
@@ -401,6 +412,8 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                     continue
                 self._kv_loaded.discard(req.request_id)
                 req.status = RUNNING  # first admitted when its blocks were allocated
+                if loras is not None and req.lora_name is not None:
+                    loras.add(req.lora_name)
                 self.running.append(req)
                 st.num_running += 1
                 self._add_scheduled(req, num_new, st)
@@ -462,6 +475,8 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                     break
                 continue
             req.status = RUNNING
+            if loras is not None and req.lora_name is not None:
+                loras.add(req.lora_name)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = hit_tokens

@@ -47,6 +47,9 @@ class StepBatch:
     # None when no scheduled request asked for prompt logprobs.
     plp_idx: Int[Array, " P"] | None = None
     plp_target: Int[Array, " P"] | None = None
+    # LoRA (a runner with adapter slots): each token's slot, -1 for the base model and for
+    # padding. None when the runner has no slots.
+    lora_slots: Int[Array, " T"] | None = None
 
 
 def _powers(base: int, start: int, cap: int) -> list[int]:
@@ -487,7 +490,8 @@ class FlatStep:
     history_is_output[R*H] (0/1), bias_ids[R*K], token_mask[R*W]; floats = temperature,
     top_p, min_p, repetition, presence, frequency penalties, [R] each, then bias_vals[R*K]
     (K = bias_len, 0 when no row has token constraints; W = mask_words, 0 when no row has a
-    grammar), then plp_idx[P], plp_target[P] (P = plp_len, 0 without prompt logprobs).
+    grammar), then plp_idx[P], plp_target[P] (P = plp_len, 0 without prompt logprobs), then
+    lora_slots[T] when `lora` (a runner with LoRA slots).
     """
 
     ints: Int[Array, " N"]
@@ -501,6 +505,7 @@ class FlatStep:
     mask_words: int = field(default=0, metadata={"static": True})
     plp_len: int = field(default=0, metadata={"static": True})
     num_rows: int = field(default=-1, metadata={"static": True})  # R (-1: B)
+    lora: bool = field(default=False, metadata={"static": True})  # lora_slots present
 
     def __post_init__(self) -> None:
         if self.num_rows < 0:
@@ -519,17 +524,18 @@ def flatten_step(batch: StepBatch) -> FlatStep:
     mask = [] if s.token_mask is None else [s.token_mask.reshape(-1)]
     p = 0 if batch.plp_idx is None else batch.plp_idx.shape[0]
     plp = [] if batch.plp_idx is None else [batch.plp_idx, batch.plp_target]
+    lora = [] if batch.lora_slots is None else [batch.lora_slots]
     ints = np.concatenate([
         batch.input_ids, batch.positions, batch.slot_mapping, batch.query_start_loc,
         batch.seq_lens, batch.logits_indices, batch.feed_rows, s.top_k,
         np.asarray(s.seeds, np.uint32).view(np.int32), s.counters,
         batch.block_tables.reshape(-1), s.history.reshape(-1),
-        s.history_is_output.reshape(-1), *bias, *mask, *plp], dtype=np.int32)
+        s.history_is_output.reshape(-1), *bias, *mask, *plp, *lora], dtype=np.int32)
     floats = np.concatenate([s.temperature, s.top_p, s.min_p, s.repetition_penalty,
                              s.presence_penalty, s.frequency_penalty,
                              *([] if s.bias_vals is None else [s.bias_vals.reshape(-1)])],
                             dtype=np.float32)
-    return FlatStep(ints, floats, t, b, gm // g, h, g, k, w, p, r)
+    return FlatStep(ints, floats, t, b, gm // g, h, g, k, w, p, r, bool(lora))
 
 
 def unflatten_step(flat: FlatStep) -> StepBatch:
@@ -539,13 +545,14 @@ def unflatten_step(flat: FlatStep) -> StepBatch:
     t, b, h, g, k, w, p = (flat.num_tokens, flat.num_seqs, flat.history_len, flat.num_groups,
                            flat.bias_len, flat.mask_words, flat.plp_len)
     r, m = flat.num_rows, g * flat.max_blocks
-    sizes = [t, t, g * t, b + 1, b, r, r, r, r, r, b * m, r * h, r * h, r * k, r * w, p, p]
+    sizes = [t, t, g * t, b + 1, b, r, r, r, r, r, b * m, r * h, r * h, r * k, r * w, p, p,
+             t if flat.lora else 0]
     parts, off = [], 0
     for n in sizes:
         parts.append(flat.ints[off:off + n])
         off += n
     (ids, pos, slots, qsl, lens, logits_idx, feed, top_k, seeds, counters, tables, hist,
-     is_out, bias_ids, mask, plp_idx, plp_tgt) = parts
+     is_out, bias_ids, mask, plp_idx, plp_tgt, lora_slots) = parts
     f = flat.floats[:6 * r].reshape(6, r)
     bias = (None, None) if k == 0 else (bias_ids.reshape(r, k),
                                         flat.floats[6 * r:].reshape(r, k))
@@ -554,4 +561,5 @@ def unflatten_step(flat: FlatStep) -> StepBatch:
                              f[3], f[4], f[5], hist.reshape(r, h), is_out.reshape(r, h) != 0,
                              *bias, None if w == 0 else mask.reshape(r, w))
     return StepBatch(ids, pos, slots, qsl, lens, tables.reshape(b, m), logits_idx, feed,
-                     sampling, *((plp_idx, plp_tgt) if p else (None, None)))
+                     sampling, *((plp_idx, plp_tgt) if p else (None, None)),
+                     lora_slots if flat.lora else None)

@@ -142,9 +142,12 @@ class InputBatch:
         return len(self.row_of)
 
     def pack(self, scheduled: Sequence[Any], prev_rows: Mapping[str, int] | None = None,
-             token_masks: np.ndarray | None = None) -> PackedStep:
+             token_masks: np.ndarray | None = None, lora_slots: np.ndarray | None = None
+             ) -> PackedStep:
         """The step batch of `scheduled` (duck-typed ScheduledRequest), as pack_step has it
-        (a request verifying proposals: its k + 1 rows share its persistent row)."""
+        (a request verifying proposals: its k + 1 rows share its persistent row);
+        `lora_slots`: each scheduled request's LoRA slot (-1: none), given when the runner has
+        slots (the batch then carries one per token)."""
         n = len(scheduled)
         bs = self.block_size
         row_of, nblocks, tables = self.row_of, self._nblocks, self.tables
@@ -255,8 +258,12 @@ class InputBatch:
                            bias_vals=bias_vals, token_mask=mask_rows(token_masks, r_pad))
         plp_idx, plp_tgt, spans = (prompt_logprob_rows(scheduled, qsl) if self._plp
                                    and not self._plp.isdisjoint(rows) else (None, None, ()))
+        token_slots = None
+        if lora_slots is not None:  # padding tokens use no adapter
+            token_slots = np.full(t_pad, -1, np.int32)
+            token_slots[:num_tokens] = np.repeat(np.asarray(lora_slots, np.int32), k)
         batch = StepBatch(input_ids, positions, slot_mapping, qsl, seq_lens, step_tables,
-                          logits_idx, feed_rows, sampling, plp_idx, plp_tgt)
+                          logits_idx, feed_rows, sampling, plp_idx, plp_tgt, token_slots)
         flags = SamplingFlags(use_penalties=use_pen, top_logprobs=use_top,
                               decode_only=is_decode_step(n, num_tokens))
         return PackedStep(batch, flags, n, num_tokens, spans, nr, srows.first)

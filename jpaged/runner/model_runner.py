@@ -31,8 +31,10 @@ from jpaged.runner.linears import (
     rope_in_kernel,
     select_linears,
 )
+from jpaged.runner.lora import LoraSlots
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample, searches_wide
 from models.linear_ops import DecodeLinears
+from models.lora import LoraBatch, LoraCache, slot_mask
 from models.quant_layers import plan_of
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
@@ -204,8 +206,16 @@ class ModelRunner:
                  calculate_kv_scales: bool = False,
                  kv_layout: KVCacheLayout | None = None, platform: str | None = None,
                  num_top_logprobs: int = NUM_TOP_LOGPROBS,
-                 decode_matmuls: bool = True, eager: bool = False) -> None:
+                 decode_matmuls: bool = True, eager: bool = False,
+                 lora: tuple[LoraSlots, LoraCache] | None = None) -> None:
         self.graphdef, self.params = nnx.split(model)
+        # LoRA: the adapter slots on the device and the host cache adapters are read through
+        # (None: no adapters; steps carry no slot inputs and compile as they always did).
+        self.lora, self.lora_cache = lora if lora is not None else (None, None)
+        if self.lora is not None and decode_matmuls:
+            # The fused kernels have no adapter epilogue: every step runs on XLA's GEMMs.
+            logger.info("LoRA: decode steps run on XLA's GEMMs, not the fused projections")
+            decode_matmuls = False
         platform = platform or jax.default_backend()
         # Candidates a step with logprobs returns per row (sampled and prompt alike): the
         # engine's max_logprobs, at most the vocabulary. Static: part of every compiled step.
@@ -298,9 +308,14 @@ class ModelRunner:
         return self.last_tokens
 
     def _step(self, params: Any, kv: KVCache, flat: FlatStep, last_tokens: jax.Array,
-              flags: SamplingFlags, calc_scales: bool = False, defer: bool = False):
+              flags: SamplingFlags, calc_scales: bool = False, defer: bool = False,
+              lora_weights: dict[str, tuple[jax.Array, jax.Array]] | None = None):
         batch = unflatten_step(flat)  # two host buffers in, the step's fields sliced out here
         model = nnx.merge(self.graphdef, params)
+        lora = None
+        if lora_weights is not None:  # every slot's adapters; each token picks its own
+            lora = LoraBatch(lora_weights, slot_mask(batch.lora_slots, self.lora.num_slots,
+                                                     self.lora.rank))
         # Tokens sampled by the previous step (never seen by the host) enter here.
         fed = batch.feed_rows >= 0
         fed_ids = jnp.take(last_tokens, jnp.maximum(batch.feed_rows, 0))
@@ -368,7 +383,7 @@ class ModelRunner:
             linears = dataclasses.replace(linears, qkv_write=qkv_write)
         hidden, (k_pages, v_pages, k_scale, v_scale) = model(
             input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
-            embed_fn=embed_fn, linears=linears)
+            embed_fn=embed_fn, linears=linears, lora=lora)
         logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0),
                                       linears=_head(linears, batch.logits_indices.shape[0]))
         if self.parallel is not None:  # vocab-split lm_head: the sampler works on the split
@@ -453,6 +468,8 @@ class ModelRunner:
                      for s in shapes]
         for (t, b, r), decode_only in kinds:
             packed = empty_step(self.plan, t, b, self.vocab_size, decode_only, num_rows=r)
+            if self.lora is not None:  # the program real steps run: slot inputs included
+                packed.batch.lora_slots = np.full(t, -1, np.int32)
             flat = flatten_step(packed.batch)
             if self.announce is not None:
                 self.announce(flat, packed.flags, False, True)
@@ -469,7 +486,8 @@ class ModelRunner:
         flags = self.static_flags(flags)
         if scratch:
             outs, self.kv, _ = self._jit_step(self.params, self.kv, flat, self._new_buffer(),
-                                              flags=flags, calc_scales=calc_scales)
+                                              flags=flags, calc_scales=calc_scales,
+                                              lora_weights=self._lora_weights)
             return outs
         if self.wait_before_dispatch and self.last_tokens is not None:
             w0 = time.perf_counter()
@@ -482,11 +500,24 @@ class ModelRunner:
         if defer:  # the forward only: the last-token buffer stays as it is (read, not written)
             outs, self.kv, self.last_tokens = self._jit_step(
                 self.params, self.kv, flat, self._buffer(), flags=flags,
-                calc_scales=calc_scales, defer=True)
+                calc_scales=calc_scales, defer=True, lora_weights=self._lora_weights)
             return outs
         outs, self.kv, self.last_tokens = self._jit_step(
-            self.params, self.kv, flat, self._buffer(), flags=flags, calc_scales=calc_scales)
+            self.params, self.kv, flat, self._buffer(), flags=flags, calc_scales=calc_scales,
+            lora_weights=self._lora_weights)
         return outs
+
+    @property
+    def _lora_weights(self) -> dict[str, tuple[jax.Array, jax.Array]] | None:
+        """The slots' arrays a step reads (None without LoRA)."""
+        return None if self.lora is None else self.lora.weights
+
+    def _lora_slots(self, scheduled: Sequence[Any]) -> np.ndarray | None:
+        """Each scheduled request's LoRA slot for this step (adapters loaded as needed), or
+        None without LoRA."""
+        if self.lora is None:
+            return None
+        return self.lora.step_slots([s.request for s in scheduled], self.lora_cache)
 
     def static_flags(self, flags: SamplingFlags) -> SamplingFlags:
         """The flags as the compile key holds them: `decode_only` matters to Pallas alone."""
@@ -506,7 +537,8 @@ class ModelRunner:
         if any(s.spec_token_ids for s in scheduled):
             raise ValueError("a step verifying proposals runs whole (dispatch), never deferred")
         placeholder = np.full((len(scheduled), mask_words), -1, np.int32)
-        packed = self.input_batch.pack(scheduled, self._prev_rows, placeholder)
+        packed = self.input_batch.pack(scheduled, self._prev_rows, placeholder,
+                                       self._lora_slots(scheduled))
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
         outs = self.launch(flatten_step(packed.batch), packed.flags, calc, defer=True)
@@ -550,7 +582,8 @@ class ModelRunner:
         # A request verifying k proposals is one sequence of k + 1 tokens sampled at each of
         # them (k + 1 rows, `step_rows`); token_masks come by those rows
         # (StructuredOutputManager.token_masks).
-        packed = self.input_batch.pack(scheduled, self._prev_rows, token_masks)
+        packed = self.input_batch.pack(scheduled, self._prev_rows, token_masks,
+                                       self._lora_slots(scheduled))
         t1 = time.perf_counter()
         calc, self.scales_pending = self.scales_pending, False
         flat = flatten_step(packed.batch)

@@ -33,3 +33,11 @@ def test_quantized_weights_split_like_float_kernels(facts):
     assert case["down_proj_tp2"] == [[2, 64, 64], [[2, 32, 64]] * 2]
     assert "down_proj: tensor_parallel_size=2 splits its 96 input rows into 48, which cuts " \
            "its groups of 32" in case["cut_error"]
+
+
+def test_lora_under_tp_gives_the_single_device_tokens(facts):
+    case = facts["lora"]
+    assert case["tp2"] == case["tp1"]
+    half = len(case["tp1"]) // 2
+    assert case["tp1"][half:] != case["tp1"][:half]  # the adapter changed the answers
+    assert case["slot_sharding"] == ["P()", "P()"]  # replicated on the mesh

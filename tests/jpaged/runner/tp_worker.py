@@ -325,12 +325,39 @@ def sharded_load_cases(out: dict) -> None:
     }
 
 
+def lora_cases(out: dict) -> None:
+    """A LoRA adapter beside the base model at tp 1 and 2: the slots replicated, the same
+    tokens (the adapter's product lies on the split projections' outputs and inputs)."""
+    import tempfile
+
+    from helpers import hf_llama_twin
+    from lora_fixtures import write_peft_adapter
+
+    from jpaged.lora_request import LoRARequest
+
+    tmp = Path(tempfile.mkdtemp(prefix="jpaged-tp-lora-"))
+    path = write_peft_adapter(hf_llama_twin(tiny(), tmp / "hf"), tmp / "a", r=4, alpha=8,
+                              seed=2)
+    lora = LoRARequest("a", 1, str(path))
+    case: dict = {}
+    for tp in (1, 2):
+        llm = make_llm(tiny(), tensor_parallel_size=tp, enable_lora=True, max_lora_rank=4,
+                       **TINY_ARGS)
+        outs = llm.generate(TINY_PROMPTS * 2, GREEDY,
+                            lora_request=[None] * len(TINY_PROMPTS) + [lora] * len(TINY_PROMPTS))
+        case[f"tp{tp}"] = [o.outputs[0].token_ids for o in outs]
+        if tp == 2:
+            a, b = llm.llm_engine.runner.lora.weights["q_proj"]
+            case["slot_sharding"] = [str(a.sharding.spec), str(b.sharding.spec)]
+    out["lora"] = case
+
+
 # The cases of each test file's subprocess (argv[1]): two files, so pytest's two workers run
 # them side by side.
 GROUPS = {
     "engine": (sharded_load_cases, tiny_cases, candidate_cases, embedded_cases,
                default_pool_cases),
-    "kernels": (fused_linear_cases, quantized_cases),
+    "kernels": (fused_linear_cases, quantized_cases, lora_cases),
 }
 
 

@@ -1,0 +1,134 @@
+"""The device's LoRA slots: up to `max_loras` adapters on the device, loaded as steps need them.
+
+Every projection that LoRA can adapt gets one A [L, in, S*R] and one B [L, S*R, out] array in
+the model's dtype (S = max_loras slots, R = max_lora_rank; models/lora.py, `LoraBatch`). An
+adapter of rank r <= R fills its slot's first r columns (rows) and zeros the rest, so a slot
+once reused holds nothing of its previous adapter. The arrays keep their shapes for the
+engine's life: loading an adapter recompiles nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelSpec
+from models.lora import LoraAdapter, lora_module_shapes
+
+logger = logging.getLogger(__name__)
+
+
+@partial(jax.jit, donate_argnums=(0,))
+def _write_slot(weights: dict[str, tuple[jax.Array, jax.Array]],
+                new: dict[str, tuple[jax.Array, jax.Array]], start: jax.Array
+                ) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """`weights` with each module's slot columns [start, start + R) of A and rows of B
+    replaced by `new`'s (donated: the old arrays' memory is reused)."""
+    out = {}
+    for m, (a, b) in weights.items():
+        na, nb = new[m]
+        out[m] = (jax.lax.dynamic_update_slice(a, na, (0, 0, start)),
+                  jax.lax.dynamic_update_slice(b, nb, (0, start, 0)))
+    return out
+
+
+class LoraSlots:
+    """`num_slots` adapter slots of rank `rank` on the device, and which adapter holds each."""
+
+    def __init__(self, spec: ModelSpec, num_slots: int, rank: int, dtype: Any,
+                 place: Callable[[jax.Array], jax.Array] | None = None) -> None:
+        self.spec = spec
+        self.num_slots = num_slots
+        self.rank = rank
+        self.dtype = jnp.dtype(dtype)
+        self._place = place or (lambda x: x)
+        width = num_slots * rank
+        layers = spec.num_layers
+        # Invariant: slot s's columns of A (rows of B) hold the adapter `_holder[s]` names,
+        # zero-padded to `rank`, or zeros when it is None.
+        self.weights: dict[str, tuple[jax.Array, jax.Array]] = {
+            m: (self._place(jnp.zeros((layers, n_in, width), self.dtype)),
+                self._place(jnp.zeros((layers, width, n_out), self.dtype)))
+            for m, (n_in, n_out) in lora_module_shapes(spec).items()}
+        self._holder: list[str | None] = [None] * num_slots
+        self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
+        self.num_loads = 0  # adapters written into a slot (a reload counts again)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of every slot's arrays."""
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+    def loaded(self) -> list[str]:
+        """Names of the adapters in a slot now."""
+        return list(self._slot_of)
+
+    def _padded(self, adapter: LoraAdapter) -> dict[str, tuple[jax.Array, jax.Array]]:
+        """The adapter's arrays for one slot: [L, in, R] and [L, R, out], zeros where absent."""
+        out = {}
+        layers, r = self.spec.num_layers, adapter.rank
+        for m, (n_in, n_out) in lora_module_shapes(self.spec).items():
+            a = np.zeros((layers, n_in, self.rank), np.float32)
+            b = np.zeros((layers, self.rank, n_out), np.float32)
+            if m in adapter.weights:
+                a[:, :, :r], b[:, :r, :] = adapter.weights[m]
+            out[m] = (self._place(jnp.asarray(a, self.dtype)),
+                      self._place(jnp.asarray(b, self.dtype)))
+        return out
+
+    def assign(self, adapters: Mapping[str, Callable[[], LoraAdapter]]) -> dict[str, int]:
+        """A slot for each adapter of a step, by name (loading those not in one, read by
+        their callable, into the slots least recently used by others); {name: slot}.
+        ValueError past `num_slots` adapters (the scheduler admits at most that many)."""
+        names = dict(adapters)
+        if len(names) > self.num_slots:
+            raise ValueError(f"a step uses {len(names)} LoRA adapters but max_loras is "
+                             f"{self.num_slots}")
+        for name, read in names.items():
+            if name in self._slot_of:
+                self._slot_of.move_to_end(name)
+                continue
+            adapter = read()
+            free = [s for s, h in enumerate(self._holder) if h is None]
+            if free:
+                slot = free[0]
+            else:  # the least recently used adapter this step does not need
+                victim = next(n for n in self._slot_of if n not in names)
+                slot = self._slot_of.pop(victim)
+            self.weights = _write_slot(self.weights, self._padded(adapter),
+                                       jnp.int32(slot * self.rank))
+            self._holder[slot] = name
+            self._slot_of[name] = slot
+            self.num_loads += 1
+            logger.debug("LoRA adapter %r loaded into slot %d", name, slot)
+        return {name: self._slot_of[name] for name in names}
+
+    def evict(self, name: str) -> bool:
+        """Forget adapter `name`'s slot (its columns are zeroed when the slot is reused or now);
+        False when it held none."""
+        slot = self._slot_of.pop(name, None)
+        if slot is None:
+            return False
+        self._holder[slot] = None
+        zeros = {m: (jnp.zeros_like(a[:, :, :self.rank]), jnp.zeros_like(b[:, :self.rank]))
+                 for m, (a, b) in self.weights.items()}
+        self.weights = _write_slot(self.weights, zeros, jnp.int32(slot * self.rank))
+        return True
+
+    def step_slots(self, requests: Sequence[Any], cache: Any) -> np.ndarray:
+        """Each request's slot (-1: the base model) for one step, loading adapters as needed;
+        `cache` is the models.lora.LoraCache the adapters are read through."""
+        wanted = {r.lora_request.lora_name: r.lora_request for r in requests
+                  if r.lora_request is not None}
+        # An adapter in a slot needs no host copy; the others are read through the cache.
+        slot_of = self.assign({name: partial(cache.get, lr.lora_name, lr.lora_path)
+                               for name, lr in wanted.items()}) if wanted else {}
+        return np.asarray([-1 if r.lora_request is None else slot_of[r.lora_request.lora_name]
+                           for r in requests], np.int32)
