@@ -68,7 +68,7 @@ def config_args(path: str) -> list[str]:
 
 # Flags that take several values in vLLM (argparse nargs="+"): `--served-model-name a b` is
 # read as the flag once per value.
-LIST_FLAGS = frozenset({"--served-model-name"})
+LIST_FLAGS = frozenset({"--served-model-name", "--lora-modules"})
 
 
 def normalize_argv(argv: list[str]) -> list[str]:

@@ -17,6 +17,14 @@ from jpaged.config import DEFAULT_HOST, DEFAULT_MAX_STORED_RESPONSES, DEFAULT_PO
 ServedModelNameOption = Annotated[list[str] | None, typer.Option(
     "--served-model-name", help="The name(s) requests use for the model (vLLM's list: "
     "`--served-model-name a b`; answers carry the first; default: --model as given).")]
+LoraModulesOption = Annotated[list[str] | None, typer.Option(
+    "--lora-modules", help="LoRA adapters served by name (with --enable-lora), vLLM's list: "
+    "`--lora-modules sql=/path/to/adapter chat=/other` or JSON '{\"name\": ..., \"path\": "
+    "..., \"base_model_name\": ...}'; a request selects one by naming it as its model.")]
+RuntimeLoraOption = Annotated[bool | None, typer.Option(
+    "--allow-runtime-lora-updating/--no-allow-runtime-lora-updating",
+    help="Serve /v1/load_lora_adapter and /v1/unload_lora_adapter (default: as vLLM, when "
+    "VLLM_ALLOW_RUNTIME_LORA_UPDATING is true).")]
 ChatTemplateOption = Annotated[str | None, typer.Option(
     "--chat-template", help="A chat template (a file, or the template itself) in place of the "
     "model's; a request's own chat_template still wins.")]
@@ -32,8 +40,10 @@ ReasoningParserOption = Annotated[str | None, typer.Option(
 
 
 def _check_front_end(chat_template: str | None, enable_auto_tool_choice: bool,
-                     tool_call_parser: str | None, reasoning_parser: str | None = None) -> None:
+                     tool_call_parser: str | None, reasoning_parser: str | None = None,
+                     lora_modules: list[str] | None = None) -> None:
     """The front-end options' errors, before any model loads (exit 2 naming the flag)."""
+    from jpaged.server.lora_modules import parse_lora_modules
     from jpaged.server.reasoning_parsers import get_reasoning_parser
     from jpaged.server.serving import load_chat_template
     from jpaged.server.tool_parsers import auto_tool_parser
@@ -41,6 +51,7 @@ def _check_front_end(chat_template: str | None, enable_auto_tool_choice: bool,
     try:
         auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
         get_reasoning_parser(reasoning_parser)
+        parse_lora_modules(lora_modules)
         if chat_template is not None:
             load_chat_template(chat_template)
     except ValueError as e:
@@ -130,6 +141,8 @@ def serve(
         "--max-log-len", min=0, help="Cut logged prompts, outputs and id lists to this many "
         "characters / ids (default: whole).")] = None,
     reasoning_parser: ReasoningParserOption = None,
+    lora_modules: LoraModulesOption = None,
+    allow_runtime_lora_updating: RuntimeLoraOption = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Serve an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/responses,
@@ -142,7 +155,10 @@ def serve(
     from jpaged.runner.multiprocess import ProcessGroupError, exit_now
     from jpaged.server import run_server
 
-    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser, reasoning_parser,
+                     lora_modules)
+    if lora_modules and not flags.get("enable_lora"):
+        fail("--lora-modules needs --enable-lora")
     if enable_log_outputs and not enable_log_requests:
         fail("--enable-log-outputs needs --enable-log-requests (vLLM's rule)")
     origins = _json_list("--allowed-origins", allowed_origins)
@@ -182,7 +198,10 @@ def serve(
                    max_stored_responses=max_stored_responses,
                    enable_log_requests=enable_log_requests,
                    enable_log_outputs=enable_log_outputs, max_log_len=max_log_len,
-                   reasoning_parser=reasoning_parser)
+                   reasoning_parser=reasoning_parser, lora_modules=lora_modules,
+                   allow_runtime_lora_updating=allow_runtime_lora_updating)
+    except (ValueError, FileNotFoundError) as e:  # an adapter that does not read, before start
+        fail(str(e))
     except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C once it has shut down gracefully
         pass
 
@@ -216,6 +235,7 @@ def run_batch(
     tool_call_parser: ToolCallParserOption = None,
     chat_template: ChatTemplateOption = None,
     reasoning_parser: ReasoningParserOption = None,
+    lora_modules: LoraModulesOption = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Answer an OpenAI batch file (/v1/completions, /v1/chat/completions and /v1/responses
@@ -237,7 +257,8 @@ def run_batch(
     out_path = None if output_file == "-" else Path(output_file)
     if out_path is not None and not out_path.parent.is_dir():
         fail(f"--output-file {output_file}: its directory does not exist")
-    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser, reasoning_parser)
+    _check_front_end(chat_template, enable_auto_tool_choice, tool_call_parser, reasoning_parser,
+                     lora_modules)
     from jpaged.server import build_app
     from jpaged.server.run_batch import run_batch_lines
 
@@ -246,10 +267,15 @@ def run_batch(
     except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     # A batch keeps no response (nobody can ask for one by id once the run ends).
-    app = build_app(engine, served_model_name or flags.get("model"), owned=True,
-                    enable_auto_tool_choice=enable_auto_tool_choice,
-                    tool_call_parser=tool_call_parser, chat_template=chat_template,
-                    max_stored_responses=0, reasoning_parser=reasoning_parser)
+    try:
+        app = build_app(engine, served_model_name or flags.get("model"), owned=True,
+                        enable_auto_tool_choice=enable_auto_tool_choice,
+                        tool_call_parser=tool_call_parser, chat_template=chat_template,
+                        max_stored_responses=0, reasoning_parser=reasoning_parser,
+                        lora_modules=lora_modules)
+    except (ValueError, FileNotFoundError) as e:
+        engine.shutdown()
+        fail(str(e))
     try:
         result = asyncio.run(run_batch_lines(app, lines))
     finally:

@@ -233,8 +233,8 @@ class DPEngineClient:
         return registry
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, queue: asyncio.Queue | None = None
-                          ) -> asyncio.Queue:
+                          priority: int = 0, queue: asyncio.Queue | None = None,
+                          lora_request: Any = None) -> asyncio.Queue:
         """Route and add a request; its outputs (or an exception) arrive on the queue.
 
         Disaggregated (prefill and decode replicas): the prompt goes first to the least loaded
@@ -242,6 +242,9 @@ class DPEngineClient:
         kv_transfer_params to the decode replica the KV-aware score picks (the one holding most
         of the prompt already pulls least); both hops run in the request's pump task.
         """
+        if lora_request is not None:  # (the server refuses --lora-modules with replicas)
+            raise ValueError("lora_request: LoRA adapters are not served by data-parallel "
+                             "replicas in this version")
         if self._stopping.is_set():
             raise EngineDeadError("the data-parallel engine is shut down")
         queue = asyncio.Queue() if queue is None else queue

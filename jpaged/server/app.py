@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+import itertools
 import logging
 import socket
 import threading
@@ -16,7 +18,7 @@ import uvicorn
 from fastapi import APIRouter, FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -27,14 +29,18 @@ from jpaged.config import DEFAULT_HOST, DEFAULT_MAX_STORED_RESPONSES, DEFAULT_PO
 from jpaged.engine import LLMEngine
 from jpaged.frontend import RequestFrontend
 from jpaged.gc_heap import freeze_gc_heap
+from jpaged.lora_request import LoRARequest
 from jpaged.metrics import render, with_labels
 from jpaged.server.completions import CompletionServing
+from jpaged.server.lora_modules import parse_lora_modules, runtime_updating_allowed
 from jpaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     OpenAIError,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
     error_body,
 )
 from jpaged.server.reasoning_parsers import get_reasoning_parser
@@ -124,7 +130,9 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
               allowed_origins: Sequence[str] = ("*",), allow_credentials: bool = False,
               max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES,
               enable_log_requests: bool = False, enable_log_outputs: bool = False,
-              max_log_len: int | None = None, reasoning_parser: str | None = None) -> FastAPI:
+              max_log_len: int | None = None, reasoning_parser: str | None = None,
+              lora_modules: Sequence[str | dict[str, Any]] | None = None,
+              allow_runtime_lora_updating: bool | None = None) -> FastAPI:
     """An OpenAI-compatible FastAPI app over `engine`: one engine (an LLMEngine is run and
     owned by the app) or data-parallel replicas (jpaged.dp.DPEngineClient).
 
@@ -149,6 +157,11 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     its text; prompts, texts and id lists cut at `max_log_len`).
     `reasoning_parser`: vLLM's --reasoning-parser (jpaged.server.reasoning_parsers): a
     reasoning model's thought comes back as the message's `reasoning`, apart from its content.
+    `lora_modules`: vLLM's --lora-modules, `name=path` or {"name", "path", "base_model_name"}
+    entries (the engine needs enable_lora): a request whose `model` names one runs with that
+    LoRA adapter; each is read and checked here, before anything starts.
+    `allow_runtime_lora_updating`: serve /v1/load_lora_adapter and /v1/unload_lora_adapter
+    (None: as vLLM, when VLLM_ALLOW_RUNTIME_LORA_UPDATING is true).
     """
     parser = auto_tool_parser(enable_auto_tool_choice, tool_call_parser)
     thinker = get_reasoning_parser(reasoning_parser)
@@ -157,15 +170,31 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     log = RequestLogger(max_log_len, enable_log_outputs) if enable_log_requests else None
     store = ResponseStore(max_stored_responses)  # a bad size is refused before the engine runs
     template = load_chat_template(chat_template) if chat_template is not None else None
+    loras = parse_lora_modules(lora_modules)  # a malformed entry is refused before any start
+    runtime_loras = runtime_updating_allowed(allow_runtime_lora_updating)
     wrapped = isinstance(engine, RequestFrontend)  # an LLMEngine or a CoreProcessEngine
     owned = wrapped if owned is None else owned
-    aengine = AsyncLLMEngine(engine) if wrapped else engine
-    aengine.start()
+    aengine = AsyncLLMEngine(engine, start=False) if wrapped else engine
     names = ([served_model_name] if isinstance(served_model_name, str)
              else list(served_model_name or ())) or [default_model_name(aengine.model_source)]
+    if loras or runtime_loras:  # before the engine loop starts: a refusal leaves nothing running
+        if not hasattr(aengine, "check_lora"):
+            raise ValueError("--lora-modules: LoRA adapters are not served by data-parallel "
+                             "replicas in this version")
+        for module in loras:  # LoRA off, or an adapter that does not read: refused now
+            if module.lora_name in names:
+                raise ValueError(f"--lora-modules {module.lora_name}: the name is the served "
+                                 "model's (--served-model-name); give the adapter its own")
+            try:
+                aengine.check_lora(module)
+            except (ValueError, FileNotFoundError) as e:
+                raise ValueError(f"--lora-modules {module.lora_name}: {e}") from None
+    aengine.start()
     name = names[0]
     serving = _Serving(aengine, names, parser, template, log, thinker)
     serving.store = store
+    serving.lora_modules.update((m.lora_name, m) for m in loras)
+    lora_ids = itertools.count(len(loras) + 1)
     # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
     # data-parallel client's series carry each replica's own, which win).
     registry = with_labels(aengine.metrics_registry(), {"model_name": name, "engine": "0"})
@@ -288,21 +317,63 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         return serving.input_items(response_id, order, limit, after)
 
     def card(model_id: str) -> dict[str, Any]:
+        lora = serving.lora_modules.get(model_id) if model_id not in names else None
+        if lora is not None:  # vLLM's adapter card: its directory, the base model as parent
+            return {"id": model_id, "object": "model", "created": created,
+                    "owned_by": "jpaged", "root": lora.lora_path,
+                    "parent": lora.base_model_name or name,
+                    "max_model_len": aengine.max_model_len}
         return {"id": model_id, "object": "model", "created": created, "owned_by": "jpaged",
-                "root": aengine.model_source, "max_model_len": aengine.max_model_len}
+                "root": aengine.model_source, "parent": None,
+                "max_model_len": aengine.max_model_len}
 
     @v1.get("/models")
     async def models() -> dict[str, Any]:
-        """The served model, a card per name it is served under."""
-        return {"object": "list", "data": [card(n) for n in names]}
+        """The served model, a card per name it is served under, then each LoRA adapter."""
+        return {"object": "list", "data": [card(n) for n in [*names, *serving.lora_modules]]}
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> dict[str, Any]:
-        """The served model's card (404 for any other id), for `client.models.retrieve`."""
-        if model_id not in names:
+        """The served model's or an adapter's card (404 for any other id), for
+        `client.models.retrieve`."""
+        if model_id not in names and model_id not in serving.lora_modules:
             raise OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
                               code="model_not_found")
         return card(model_id)
+
+    if runtime_loras:
+        @v1.post("/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            """vLLM's runtime adapter loading: read and check it, then serve it by name."""
+            name = body.lora_name
+            if body.load_inplace:
+                raise OpenAIError(400, "load_inplace is not supported: an adapter's name keeps "
+                                  "its directory (the prefix cache keys blocks by name)",
+                                  param="load_inplace")
+            if name in serving.lora_modules or name in names:
+                raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.",
+                                  param="lora_name")
+            try:
+                module = LoRARequest(name, next(lora_ids), body.lora_path)
+                await asyncio.get_running_loop().run_in_executor(None, aengine.check_lora,
+                                                                 module)
+            except (ValueError, FileNotFoundError) as e:
+                raise OpenAIError(400, str(e), param="lora_path") from None
+            serving.lora_modules[name] = module
+            logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+        @v1.post("/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            """vLLM's runtime adapter unloading: no new request may name it (running ones go
+            on); its host copy is dropped."""
+            name = body.lora_name
+            if serving.lora_modules.pop(name, None) is None:
+                raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.",
+                                  param="lora_name", code="model_not_found")
+            aengine.drop_lora(name)
+            logger.info("LoRA adapter %r unloaded", name)
+            return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 
     app.include_router(v1)
 

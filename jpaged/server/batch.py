@@ -8,6 +8,7 @@ from typing import Any
 
 from jpaged.async_engine import AsyncLLMEngine
 from jpaged.frontend import truncation_keep
+from jpaged.lora_request import LoRARequest
 from jpaged.outputs import RequestOutput
 from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from jpaged.server.protocol import OpenAIError, bad_value
@@ -18,8 +19,10 @@ class RequestBatch:
     """The engine requests behind one HTTP request (one per prompt), on one shared queue."""
 
     def __init__(self, engine: AsyncLLMEngine, base_id: str, params: SamplingParams,
-                 priority: int, log: RequestLogger | None = None) -> None:
+                 priority: int, log: RequestLogger | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         self.engine, self.base_id, self.params, self.priority = engine, base_id, params, priority
+        self.lora_request = lora_request  # the LoRA adapter every prompt runs with, or None
         self.log = log  # vLLM's request log (--enable-log-requests), None when off
         # (engine request id, choice) -> text and ids so far: a delta stream's whole output,
         # for the finish line of --enable-log-outputs.
@@ -71,7 +74,7 @@ class RequestBatch:
                     n = min(n, truncation_keep(self.params.truncate_prompt_tokens, limit))
                 self.prompt_tokens[i] = n
                 await self.engine.add_request(rid, prompt, self.params, self.priority,
-                                              queue=self.queue)
+                                              queue=self.queue, lora_request=self.lora_request)
                 # Only once added: a refused id (one in use) belongs to another request, which
                 # close() must never abort. (A cancelled add aborts itself if it went in.)
                 self.pending.add(rid)

@@ -64,7 +64,8 @@ class ChatServing(Serving):
         if not isinstance(started, ChatRun):
             return started  # beam search's whole answer
         batch = started.batch
-        head = {"id": batch.base_id, "created": int(time.time()), "model": self.model_name}
+        head = {"id": batch.base_id, "created": int(time.time()),
+                "model": self.answer_model(req.model)}
         echo = req.echoed() if started.tools == "none" else ""
         if req.stream:
             return EventStream(self._stream_chat(started, head, req.include_usage, echo),
@@ -101,7 +102,8 @@ class ChatServing(Serving):
         if beam is not None:
             return await self._beam_chat(req, prompt, params, beam)
         batch = RequestBatch(self.engine, req.request_id or f"{id_prefix}-{uuid.uuid4().hex}",
-                             params, req.priority, self.request_logger)
+                             params, req.priority, self.request_logger,
+                             self.lora_for(req.model))
         batch.configure(req)
         await batch.start([prompt], param)
         return ChatRun(batch, ToolCallStream(tools, parser, req.parallel_tool_calls is not False),
@@ -115,9 +117,10 @@ class ChatServing(Serving):
         choice's role, then its whole message, once the search ends)."""
         base = req.request_id or f"chatcmpl-{uuid.uuid4().hex}"
         (result,), usage = await self._beam_search([prompt], beam, base, req.priority,
-                                                   req.prompt_param, req.salted)
+                                                   req.prompt_param, req.salted,
+                                                   self.lora_for(req.model))
         echo = req.echoed()
-        head = {"id": base, "created": int(time.time()), "model": self.model_name}
+        head = {"id": base, "created": int(time.time()), "model": self.answer_model(req.model)}
         choices = []
         for j, seq in enumerate(result.sequences):
             text = echo + self.beam_text(seq, params.skip_special_tokens)

@@ -73,7 +73,7 @@ class CompletionServing(Serving):
             raise OpenAIError(400, "kv_transfer_params needs a single prompt (one request's KV "
                               "moves)", param="kv_transfer_params")
         batch = RequestBatch(self.engine, req.request_id or f"cmpl-{uuid.uuid4().hex}", params,
-                             req.priority, self.request_logger)
+                             req.priority, self.request_logger, self.lora_for(req.model))
         batch.configure(req)
         await batch.start(prompts, "prompt")
         tok = self.engine.tokenizer
@@ -84,7 +84,7 @@ class CompletionServing(Serving):
                           else tok.decode(p["prompt_token_ids"], False) for p in prompts],
                          req.logprobs is not None, req.echo_only)
         head = {"id": batch.base_id, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+                "model": self.answer_model(req.model)}
         if req.stream:
             return EventStream(self._stream_completion(batch, head, echo, req.include_usage),
                                batch.close)
@@ -97,7 +97,7 @@ class CompletionServing(Serving):
         sends each choice whole once the search ends)."""
         base = req.request_id or f"cmpl-{uuid.uuid4().hex}"
         results, usage = await self._beam_search(prompts, beam, base, req.priority, "prompt",
-                                                 req.salted)
+                                                 req.salted, self.lora_for(req.model))
         chunks = []
         for i, result in enumerate(results):
             for j, seq in enumerate(result.sequences):
@@ -111,7 +111,7 @@ class CompletionServing(Serving):
                 chunks.append(({"choices": [choice]}, seq.num_prompt_tokens,
                                len(seq.output_token_ids)))
         head = {"id": base, "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+                "model": self.answer_model(req.model)}
         if req.stream:
             return self.beam_stream(head, chunks, usage, req.include_usage,
                                     req.continuous_usage)

@@ -663,3 +663,22 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """Body of POST /v1/load_lora_adapter (vLLM's): the adapter's name and directory."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """Body of POST /v1/unload_lora_adapter (vLLM's): the adapter's name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's; the name alone identifies the adapter here

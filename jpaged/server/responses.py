@@ -170,8 +170,9 @@ class ResponsesServing(ChatServing):
 
         def body(status: str, output: list[dict[str, Any]],
                  chat_usage: dict[str, Any] | None) -> dict[str, Any]:
-            return response_object(req, rid, self.model_name, created, status, output,
-                                   chat_usage, params.temperature, params.top_p, max_out)
+            return response_object(req, rid, self.answer_model(req.model), created, status,
+                                   output, chat_usage, params.temperature, params.top_p,
+                                   max_out)
 
         # What a later turn continues: this turn's conversation without its instructions.
         kept = StoredResponse(body("queued", [], None), conversation, _input_items(req))

@@ -209,7 +209,7 @@ class ResponsesRequest(BaseModel):
         body: dict[str, Any] = {"messages": messages, "stream": self.stream,
                                 "max_tokens": self.max_output_tokens,
                                 "parallel_tool_calls": self.parallel_tool_calls,
-                                "request_id": self.request_id}
+                                "request_id": self.request_id, "model": self.model}
         for name in _SAMPLING:
             value = getattr(self, name, None)
             if value is None:

@@ -15,6 +15,7 @@ from starlette.requests import Request as HTTPRequest
 from jpaged.async_engine import AsyncLLMEngine, EngineDeadError, RequestFailedError
 from jpaged.beam_search import BeamSearch, BeamSearchOutput, BeamSearchSequence
 from jpaged.frontend import truncation_keep
+from jpaged.lora_request import LoRARequest
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from jpaged.server.batch import RequestBatch
 from jpaged.server.protocol import OpenAIError, error_body
@@ -114,6 +115,9 @@ class Serving:
         # The names requests may use (vLLM's --served-model-name list); answers carry the first.
         self.model_names = list(model_names)
         self.model_name = self.model_names[0]
+        # vLLM's --lora-modules (and adapters loaded at run time), by the name a request's
+        # `model` gives; answers to such a request carry that name.
+        self.lora_modules: dict[str, LoRARequest] = {}
         # vLLM's --chat-template: the server's template in place of the model's (a request's
         # own chat_template still wins).
         self.chat_template = chat_template
@@ -162,7 +166,8 @@ class Serving:
         return out
 
     async def _beam_search(self, prompts: list[Any], params: BeamSearchParams, base_id: str,
-                           priority: int, param: str, salted: Callable[[Any], Any]
+                           priority: int, param: str, salted: Callable[[Any], Any],
+                           lora: LoRARequest | None = None
                            ) -> tuple[list[BeamSearchOutput], dict[str, Any]]:
         """Each prompt's best beams (jpaged/beam_search.py), every step's live beams run as
         one-token requests (`salted`: a beam's prompt with the request's cache_salt); and the
@@ -177,7 +182,7 @@ class Serving:
         while not search.done:
             beams = search.requests()
             batch = RequestBatch(self.engine, f"{base_id}-beam{search.steps}", step, priority,
-                                 self.request_logger)
+                                 self.request_logger, lora)
             await batch.start(prompts if beams is None else [salted(b) for b in beams], param)
             outs: list[Any] = [None] * len(batch.index)
             try:
@@ -252,10 +257,19 @@ class Serving:
             raise OpenAIError(400, str(e), param="continue_final_message") from None
 
     def check_model(self, model: str | None) -> None:
-        """404 unless `model` is absent, empty (vLLM: the default model) or a served name."""
-        if model and model not in self.model_names:
+        """404 unless `model` is absent, empty (vLLM: the default model), a served name or a
+        LoRA adapter's."""
+        if model and model not in self.model_names and model not in self.lora_modules:
             raise OpenAIError(404, f"The model `{model}` does not exist.", param="model",
                               code="model_not_found")
+
+    def lora_for(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model)."""
+        return self.lora_modules.get(model) if model else None
+
+    def answer_model(self, model: str | None) -> str:
+        """The model name an answer carries: the adapter's when `model` names one."""
+        return model if model and model in self.lora_modules else self.model_name
 
     @staticmethod
     async def _framed(chunks: AsyncIterator[str], batch: RequestBatch, head: dict[str, Any],
