@@ -62,6 +62,9 @@ def generate(
     output_file: Annotated[Path | None, typer.Option("--output",
                                                      help="Write JSONL results here.")] = None,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Log to stderr.")] = False,
+    lora_path: Annotated[Path | None, typer.Option(
+        "--lora-path", help="Run every prompt with this LoRA adapter (a PEFT directory; "
+        "turns on --enable-lora, its rank at most --max-lora-rank).")] = None,
     engine_flags: dict[str, Any] | None = None,
 ) -> None:
     """Complete prompts with the paged engine (chat template applied unless --raw)."""
@@ -79,10 +82,15 @@ def generate(
             fail(f"--output: no such directory: {output_file.parent}")
     if not texts:
         fail("give at least one PROMPT or --input FILE")
+    if lora_path is not None:
+        if not lora_path.is_dir():
+            fail(f"--lora-path: not a directory: {lora_path}")
+        flags = {**flags, "enable_lora": True}
     for i, t in enumerate(texts, 1):  # checked before the model loads
         if not t:
             fail(f"prompt {i} is empty")
     from jpaged.llm import LLM
+    from jpaged.lora_request import LoRARequest
     from jpaged.runner.multiprocess import ProcessGroupError, exit_now
     from jpaged.sampling_params import SamplingParams
 
@@ -102,7 +110,9 @@ def generate(
         # A batch written to a file always reports progress on stderr (one final line when
         # stderr is not a terminal); several prompts to a terminal only when it is one.
         show = output_file is not None or (len(inputs) > 1 and sys.stderr.isatty())
-        outs = llm.generate(inputs, params, use_tqdm=show)
+        lora = (None if lora_path is None else
+                LoRARequest(lora_path.resolve().name or "adapter", 1, str(lora_path)))
+        outs = llm.generate(inputs, params, use_tqdm=show, lora_request=lora)
         llm.llm_engine.shutdown()  # a multi-process run: the other processes stop too
     except ProcessGroupError as e:
         exit_now(e)

@@ -99,7 +99,8 @@ def tune(
 # estimate reads the model's config only, and plans for a device it may not run on: its own
 # --model, --dtype and memory options; the pool's shape flags are the engine's.
 @with_engine_flags(only=("block_size", "kv_cache_dtype", "max_model_len", "tensor_parallel_size",
-                         "max_num_seqs", "quantization"))
+                         "max_num_seqs", "quantization", "enable_lora", "max_loras",
+                         "max_lora_rank"))
 def estimate(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="HF directory, config.json, .gguf or hub repo id (config only; "

@@ -47,6 +47,7 @@ from jpaged.config import (
     KV_CACHE_DTYPES,
     MODEL_DTYPES,
     QUANTIZATION_METHODS,
+    LoRAConfig,
     canonical_dtype,
 )
 from jpaged.core.kv_cache_groups import (
@@ -56,6 +57,7 @@ from jpaged.core.kv_cache_groups import (
     largest_fitting,
 )
 from jpaged.intmath import cdiv
+from models.lora import lora_slot_bytes
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # config.json torch_dtype values -> our names ("half" and "float" appear in old configs).
@@ -125,6 +127,7 @@ class CapacityEstimate:
     draft_param_bytes: int = 0
     draft_bytes_per_block: int = 0
     quantization: str | None = None  # how the weights are counted ("fp8", "gguf"), or None
+    lora_slot_bytes: int = 0  # --enable-lora: the adapter slots, per device (in the budget)
 
     def to_dict(self) -> dict[str, Any]:
         """All fields as a JSON-ready dict."""
@@ -326,7 +329,8 @@ def estimate_capacity(
     tensor_parallel_size: int = 1, dtype: str = "auto",
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, draft_model: str | None = None,
-    quantization: str | None = None,
+    quantization: str | None = None, enable_lora: bool = False, max_loras: int = 1,
+    max_lora_rank: int = 16,
 ) -> CapacityEstimate:
     """Plan the KV pool; raises EstimateError (a ValueError naming the flag) on bad input."""
     mem = parse_memory(gpu_memory)
@@ -347,6 +351,13 @@ def estimate_capacity(
                         ("--max-num-seqs", max_num_seqs)):
         if value < 1:
             raise EstimateError(flag, f"must be >= 1, got {value}")
+    lora_config = None
+    if enable_lora:  # the engine's rules for its LoRA slots, with the flags named
+        try:
+            lora_config = LoRAConfig(max_loras, max_lora_rank)
+        except ValueError as e:
+            flag = "--max-loras" if "max_loras" in str(e) else "--max-lora-rank"
+            raise EstimateError(flag, "must " + str(e).split(" must ", 1)[1]) from None
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise EstimateError("--quantization", f"must be one of "
                             f"{', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
@@ -396,7 +407,11 @@ def estimate_capacity(
                                 f"is not the target's ({spec.vocab_size})")
         draft_params = param_counts(dspec, 1)[0] * wbytes
         draft_block = block_size * int(dspec.kv_bytes_per_token(kvbytes))
-    budget = (int(mem * gpu_memory_utilization) - weights_dev - draft_params - act
+    # LoRA: every slot of every projection, whole on each device (the engine replicates them).
+    lora_bytes = (0 if lora_config is None else
+                  lora_slot_bytes(spec, lora_config.max_loras, lora_config.max_lora_rank,
+                                  wbytes))
+    budget = (int(mem * gpu_memory_utilization) - weights_dev - draft_params - lora_bytes - act
               - RUNTIME_MARGIN_BYTES)
     # The engine's layout: a block id holds `num_slots` layers' KV (all of them without
     # sliding layers); a request's blocks over every group, sliding ones capped by their
@@ -437,7 +452,7 @@ def estimate_capacity(
         blocks_per_avg_seq=per_avg,
         max_concurrent_seqs_at_avg_len=None if per_avg is None else usable // per_avg,
         **hybrid, draft_model=draft_source, draft_param_bytes=draft_params,
-        draft_bytes_per_block=draft_block,
+        draft_bytes_per_block=draft_block, lora_slot_bytes=lora_bytes,
     )
 
 
@@ -486,6 +501,8 @@ def rows(est: CapacityEstimate) -> list[tuple[str, str]]:
             ("KV bytes per block, per device", human_bytes(e.bytes_per_block_per_device)),
             ("parameters, per device", human_bytes(e.param_bytes_per_device)),
         ]
+    if e.lora_slot_bytes:
+        out += [("LoRA adapter slots", human_bytes(e.lora_slot_bytes))]
     if e.draft_model is not None:
         out += [("draft model (speculative)", e.draft_model),
                 ("draft weights", human_bytes(e.draft_param_bytes)),

@@ -250,3 +250,19 @@ def test_gptq_int4_counts_its_groups_and_a_quantized_head(cfg8):
     plain = gptq()
     assert bf16 - plain == linears * 2 - (linears // 2 + linears // 128 * 4)
     assert plain - gptq(lm_head=True) == head * 2 - (head // 2 + head // 128 * 4)
+
+
+def test_lora_slots_come_out_of_the_kv_budget():
+    """--enable-lora: max_loras slots of max_lora_rank on every projection, per device."""
+    from jpaged.estimate import load_spec
+    from models.lora import lora_slot_bytes
+
+    base = estimate_capacity(None, dtype="bfloat16")
+    lora = estimate_capacity(None, dtype="bfloat16", enable_lora=True, max_loras=4,
+                             max_lora_rank=64)
+    want = lora_slot_bytes(load_spec(None)[0], 4, 64, 2)
+    assert lora.lora_slot_bytes == want and base.lora_slot_bytes == 0
+    assert base.kv_budget_bytes - lora.kv_budget_bytes == want
+    assert lora.num_blocks < base.num_blocks
+    with pytest.raises(EstimateError, match="--max-loras"):
+        estimate_capacity(None, enable_lora=True, max_loras=0)
