@@ -738,6 +738,9 @@ class EngineCore:
         if self.proposer is not None:
             m.update(self.scheduler.spec_decode.as_metrics(self.proposer.num_speculative_tokens))
             m["spec_decode_overlapped_steps_total"] = self.num_spec_overlapped_steps
+        if self.config.lora is not None:  # exported as vLLM's lora_requests_info
+            m["lora_requests_info"] = (self.config.lora.max_loras,
+                                       *self.scheduler.lora_names())
         return m
 
     def cache_state(self) -> dict[str, Any]:

@@ -111,6 +111,10 @@ TIER_COUNTERS = frozenset({
 
 # A get_metrics() list exported as one counter with a `position` label.
 PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
+# A get_metrics() (max_lora, running adapters, waiting adapters) tuple, exported as vLLM's
+# lora_requests_info: one gauge whose labels name the adapters (comma-separated), valued at
+# the scrape's time.
+LORA_INFO = "lora_requests_info"
 
 
 def _sanitize(name: str) -> str:
@@ -358,6 +362,14 @@ class _EngineCollector:
                                          labels=["position"])
             for j, n in enumerate(per_pos):
                 family.add_metric([str(j)], float(n))
+            yield family
+        lora = metrics.get(LORA_INFO)
+        if lora is not None:  # vLLM's info gauge of the adapters in use
+            family = GaugeMetricFamily(f"{PREFIX}{LORA_INFO}", "LoRA adapters of the running and "
+                                       "waiting requests (labels), and the device's slots.",
+                                       labels=["max_lora", "running_lora_adapters",
+                                               "waiting_lora_adapters"])
+            family.add_metric([str(lora[0]), ",".join(lora[1]), ",".join(lora[2])], time.time())
             yield family
         if self.stat_logger is not None:
             for metric in self.stat_logger.prometheus_metrics():

@@ -490,6 +490,12 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
 
     # -- stats -----------------------------------------------------------------------------------
 
+    def lora_names(self) -> tuple[list[str], list[str]]:
+        """The LoRA adapters of the running requests and of the waiting ones, sorted names."""
+        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        waiting = {r.lora_name for r in self.waiting if r.lora_name is not None}
+        return sorted(running), sorted(waiting)
+
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prefix block; False while any block is in use."""
         return self.kv_cache_manager.reset_prefix_cache()

@@ -190,3 +190,20 @@ def test_add_remove_list_and_pin_as_vllms_engine(adapters, hf_tiny, tmp_path):
     assert engine.list_loras() == {1}
     with pytest.raises(FileNotFoundError):
         engine.add_lora(LoRARequest("d", 4, str(tmp_path / "nope")))
+
+
+def test_metrics_name_the_adapters_in_use(adapters):
+    """vLLM's lora_requests_info: the running and waiting requests' adapters as labels."""
+    from jpaged.metrics import build_registry, render
+
+    llm = make_llm(tiny(), enable_lora=True, max_loras=1, max_lora_rank=8, **TINY)
+    engine = llm.llm_engine
+    for i, lora in enumerate([adapters["a"], adapters["b"], None]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                           lora_request=lora)
+    engine.step()
+    text = render(build_registry(engine.get_metrics))[0].decode()
+    line = next(x for x in text.splitlines() if x.startswith("jpaged:lora_requests_info{"))
+    assert 'max_lora="1"' in line and 'running_lora_adapters="a"' in line
+    assert 'waiting_lora_adapters="b"' in line  # one slot: b waits for a's requests
+    engine.abort_request(["r0", "r1", "r2"])
