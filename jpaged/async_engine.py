@@ -205,9 +205,32 @@ class AsyncLLMEngine:
         FileNotFoundError naming the problem); thread-safe."""
         self.engine.check_lora(lora_request)
 
+    def lora_id_for(self, name: str) -> int:
+        """Adapter `name`'s lora_int_id in this engine, or one no adapter has."""
+        return self.engine.lora_id_for(name)
+
     def drop_lora(self, name: str) -> bool:
         """Drop LoRA adapter `name`'s host copy (requests running with it go on)."""
         return self.engine.drop_lora(name)
+
+    # vLLM's AsyncLLM adapter calls (the adapter is read on an executor thread).
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter ahead of its requests."""
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.add_lora,
+                                                         lora_request)
+        return True
+
+    async def remove_lora(self, lora_id: int) -> bool:
+        """Drop the host copy of the adapter with this lora_int_id."""
+        return self.engine.remove_lora(lora_id)
+
+    async def list_loras(self) -> set[int]:
+        """The lora_int_ids of the adapters held on the host."""
+        return self.engine.list_loras()
+
+    async def pin_lora(self, lora_id: int) -> bool:
+        """Keep the adapter with this lora_int_id on the host."""
+        return self.engine.pin_lora(lora_id)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str | None = None, priority: int = 0,

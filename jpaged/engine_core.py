@@ -355,8 +355,9 @@ class EngineCore:
         return self._grammar_compiler
 
     # ----------------------------------------------------------------- requests
-    def _lora_slots(self, config: EngineConfig) -> tuple[LoraSlots, LoraCache] | None:
-        """The runner's LoRA slots and the host cache of adapters (None: LoRA off)."""
+    def _lora_slots(self, config: EngineConfig) -> LoraSlots | None:
+        """The runner's LoRA slots, and the host cache adapters are read through (None and
+        no cache: LoRA off)."""
         lora = config.lora
         if lora is None:
             return None
@@ -367,11 +368,12 @@ class EngineCore:
                           self.loaded.model.dtype, place)
         logger.info("LoRA: %d slots of rank %d, %d bytes on the device", lora.max_loras,
                     lora.max_lora_rank, slots.nbytes)
-        return slots, self.lora_cache
+        return slots
 
     def _read_adapters(self, requests: list[Request]) -> list[Request]:
-        """The requests whose LoRA adapter reads (others end as failures, with the reason):
-        the front end checked them, but a core process reads them again."""
+        """The requests whose LoRA adapter reads, each holding it from now to its end (others
+        end as failures, with the reason: the front end checked them, but a core process
+        reads them again, and a directory can change in between)."""
         if self.lora_cache is None:
             return requests
         kept = []
@@ -379,7 +381,7 @@ class EngineCore:
             lr = req.lora_request
             if lr is not None:
                 try:
-                    self.lora_cache.get(lr.lora_name, lr.lora_path)
+                    req.attach_lora(self.lora_cache.get(lr.lora_name, lr.lora_path))
                 except (OSError, ValueError) as e:
                     self.failures.append((req.request_id, f"LoRA adapter: {e}"))
                     continue

@@ -116,6 +116,11 @@ class RequestFrontend:
         if self._lora_cache is None:
             raise ValueError(f"lora_request {lora_request.lora_name!r}: LoRA is not enabled "
                              "(start the engine with enable_lora=True, --enable-lora)")
+        other = self._lora_names.get(lora_request.lora_int_id)
+        if other is not None and other != lora_request.lora_name:
+            raise ValueError(f"lora_request {lora_request.lora_name!r}: lora_int_id "
+                             f"{lora_request.lora_int_id} is adapter {other!r}'s; each adapter "
+                             "needs an id of its own")
         self._lora_cache.get(lora_request.lora_name, lora_request.lora_path)
         self._lora_names[lora_request.lora_int_id] = lora_request.lora_name
 
@@ -134,15 +139,24 @@ class RequestFrontend:
         name = self._lora_names.get(lora_id)
         return name is not None and self.drop_lora(name)
 
+    def lora_id_for(self, name: str) -> int:
+        """The lora_int_id of adapter `name` if this engine has checked it, else one no
+        adapter has (the server numbers its adapters so)."""
+        known = [i for i, n in self._lora_names.items() if n == name]
+        return known[0] if known else max(self._lora_names, default=0) + 1
+
     def list_loras(self) -> set[int]:
         """The lora_int_ids of the adapters held on the host."""
         cache = self._lora_cache
         return {i for i, n in self._lora_names.items() if cache is not None and n in cache}
 
     def pin_lora(self, lora_id: int) -> bool:
-        """Keep the adapter with this lora_int_id on the host whatever max_cpu_loras says."""
+        """Keep the adapter with this lora_int_id on the host whatever max_cpu_loras says
+        (ValueError when none is held, as vLLM's)."""
         name = self._lora_names.get(lora_id)
-        return name is not None and self._lora_cache is not None and self._lora_cache.pin(name)
+        if name is None or self._lora_cache is None or not self._lora_cache.pin(name):
+            raise ValueError(f"pin_lora: no LoRA adapter with lora_int_id {lora_id} is held")
+        return True
 
     def front_metrics(self) -> dict[str, Any]:
         """The front end's counters, beside the core's in get_metrics: user-level requests,

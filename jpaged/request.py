@@ -86,11 +86,16 @@ class Request:
         self.priority = priority
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
-        # A LoRA adapter's blocks are its own: its name enters every block's hash (vLLM's key).
         self.lora_request = lora_request
         self.lora_name: str | None = None if lora_request is None else lora_request.lora_name
-        self.extra_keys = tuple(extra_keys) + (
-            () if lora_request is None else (lora_request.lora_name,))
+        # The adapter as the engine read it (`attach_lora`, before the request is queued):
+        # its weights stay with the request until it ends, and its key (name and digest of
+        # its files) is what the scheduler counts, the device slots hold and every block's
+        # hash includes (a directory rewritten and read again never shares blocks or a slot
+        # with what was read before). None for the base model, or until attached.
+        self.lora_adapter: Any = None
+        self.lora_key: str | None = None
+        self.extra_keys = tuple(extra_keys)
         self.seq = next(_REQUEST_SEQ)
         # Ordering keys, fixed at creation (priority and arrival never change): plain tuples
         # so that sorting the running batch every step calls no Python per request.
@@ -193,6 +198,15 @@ class Request:
     def block_hasher(self) -> PrefixHasher | None:
         """The hasher maintaining block_hashes (None: prefix caching unused)."""
         return self._hasher
+
+    def attach_lora(self, adapter: Any) -> None:
+        """Hold the LoRA adapter read for this request (before its block hashes are set)."""
+        if self.block_hashes:
+            raise ValueError(f"request {self.request_id!r}: its LoRA adapter must be attached "
+                             "before its blocks are hashed")
+        self.lora_adapter = adapter
+        self.lora_key = adapter.key
+        self.extra_keys = (*self.extra_keys, adapter.key)
 
     def set_block_hasher(self, hasher: PrefixHasher) -> None:
         """Use `hasher` for block_hashes, recomputing them for the current tokens."""

@@ -16,6 +16,7 @@ that read every loaded adapter once, whatever the mix of adapters in the batch.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -36,7 +37,8 @@ from .weights import load_safetensors
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-_KEY = re.compile(r"^base_model\.model\.model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+# PEFT's keys (base_model.model.model.layers...), or the same without PEFT's wrapper prefix.
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
                   r"\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn",
            "o_proj": "self_attn", "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -69,6 +71,14 @@ class LoraAdapter:
     path: str
     rank: int
     weights: dict[str, tuple[np.ndarray, np.ndarray]]
+    # Hash of the files read (config and weights): the adapter's identity beside its name, so
+    # a directory rewritten and read again is another adapter (device slot, prefix cache).
+    digest: str = ""
+
+    @property
+    def key(self) -> str:
+        """The adapter's identity: its name and the digest of what was read."""
+        return f"{self.name}@{self.digest}"
 
     @property
     def nbytes(self) -> int:
@@ -109,7 +119,10 @@ def _check_config(config: dict, where: Path) -> tuple[int, float]:
         if config.get(key):
             raise ValueError(f"LoRA adapter {where}: {key} (a rank or alpha per module) is not "
                              "supported")
-    r, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if alpha is None:  # (peft would assume 8, vLLM refuses: no silent guess of the scaling)
+        raise ValueError(f"LoRA adapter {where}: lora_alpha is missing (the scaling is "
+                         "lora_alpha / r)")
     if not isinstance(r, int) or isinstance(r, bool) or r < 1:
         raise ValueError(f"LoRA adapter {where}: r must be a positive integer, got {r!r}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
@@ -122,14 +135,14 @@ def read_lora_adapter(path: str | Path, spec: ModelSpec, name: str, max_rank: in
     """A PEFT LoRA adapter directory, checked against `spec` (FileNotFoundError or ValueError
     naming the file, key or field): its rank at most `max_rank`, only the decoder layers'
     projections adapted, every tensor of its projection's shape."""
-    directory = Path(path)
+    directory = Path(path).expanduser()
     if not directory.is_dir():
         raise FileNotFoundError(f"LoRA adapter {name!r}: {path} is not a directory")
     config = _read_config(directory)
     r, alpha = _check_config(config, directory)
     if r > max_rank:
-        raise ValueError(f"LoRA adapter {name!r}: rank {r} exceeds max_lora_rank {max_rank} "
-                         "(raise --max-lora-rank)")
+        raise ValueError(f"LoRA adapter {name!r}: LoRA rank {r} is greater than "
+                         f"max_lora_rank {max_rank} (raise --max-lora-rank)")
     weights_path = directory / WEIGHTS_FILE
     if not weights_path.is_file():
         other = " (adapter_model.bin, a torch pickle, is not read: save with safetensors)" \
@@ -178,7 +191,11 @@ def read_lora_adapter(path: str | Path, spec: ModelSpec, name: str, max_rank: in
             a[layer] = a_t.T
             b[layer] = b_t.T * scaling
         weights[module] = (a, b)
-    return LoraAdapter(name, str(directory), r, weights)
+    digest = hashlib.blake2b(json.dumps(config, sort_keys=True).encode(), digest_size=16)
+    with open(weights_path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            digest.update(chunk)
+    return LoraAdapter(name, str(directory), r, weights, digest.hexdigest())
 
 
 @jax.tree_util.register_dataclass
@@ -225,14 +242,16 @@ def add_delta(lora: LoraBatch | None, layer: int | jax.Array, module: str, x: ja
 
 class LoraCache:
     """Adapters read from disk, kept by name on the host (least recently used dropped past
-    `capacity`); a name always stands for the directory it was first read from."""
+    `capacity`); a name stands for the directory it was read from until `drop` frees it."""
 
     def __init__(self, spec: ModelSpec, max_rank: int, capacity: int) -> None:
         self.spec = spec
         self.max_rank = max_rank
         self.capacity = max(1, capacity)
         self._adapters: OrderedDict[str, LoraAdapter] = OrderedDict()
-        self._paths: dict[str, str] = {}  # every name seen, kept after its adapter is dropped
+        # The directory of every name read, kept when the capacity drops its adapter (it is
+        # read again from there), forgotten by `drop`.
+        self._paths: dict[str, str] = {}
         self._pinned: set[str] = set()  # never dropped for room (LLMEngine.pin_lora)
         # The server's front end reads adapters on executor threads beside the engine loop.
         self._lock = threading.Lock()
@@ -240,6 +259,7 @@ class LoraCache:
     def get(self, name: str, path: str) -> LoraAdapter:
         """The adapter `name` (read from `path` unless held); ValueError or FileNotFoundError
         naming the problem when it cannot be read or `name` was read from another path."""
+        path = str(Path(path).expanduser())
         with self._lock:
             known = self._paths.get(name)
             if known is not None and known != str(path):
@@ -265,10 +285,11 @@ class LoraCache:
             return True
 
     def drop(self, name: str) -> bool:
-        """Drop `name`'s host copy (read again when asked for; the name keeps its directory,
-        as the prefix cache keys blocks by name); False when none was held."""
+        """Forget adapter `name`: its host copy and its directory (the name may then be read
+        from any; requests holding the old adapter keep it); False when none was held."""
         with self._lock:
             self._pinned.discard(name)
+            self._paths.pop(name, None)
             return self._adapters.pop(name, None) is not None
 
     def __contains__(self, name: object) -> bool:

@@ -379,7 +379,7 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
         blocked = False
         # LoRA: the adapters of the running requests; a waiting request with another one waits
         # while they fill the device's slots (requests of the base model and of these go on).
-        loras = ({r.lora_name for r in self.running if r.lora_name is not None}
+        loras = ({r.lora_key for r in self.running if r.lora_key is not None}
                  if self.max_loras is not None else None)
         while st.budget > 0 and st.num_running < cfg.max_num_seqs:
             item = (lpm.pop() if lpm else None) if lpm is not None else self.waiting.pop()
@@ -390,7 +390,7 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                 # Preempted while its last step runs: admitted once that token is known.
                 skipped.append((key, req))
                 continue
-            if (loras is not None and req.lora_name is not None and req.lora_name not in loras
+            if (loras is not None and req.lora_key is not None and req.lora_key not in loras
                     and len(loras) >= self.max_loras):
                 skipped.append((key, req))  # every slot holds another adapter now
                 continue
@@ -412,8 +412,8 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                     continue
                 self._kv_loaded.discard(req.request_id)
                 req.status = RUNNING  # first admitted when its blocks were allocated
-                if loras is not None and req.lora_name is not None:
-                    loras.add(req.lora_name)
+                if loras is not None and req.lora_key is not None:
+                    loras.add(req.lora_key)
                 self.running.append(req)
                 st.num_running += 1
                 self._add_scheduled(req, num_new, st)
@@ -475,8 +475,8 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
                     break
                 continue
             req.status = RUNNING
-            if loras is not None and req.lora_name is not None:
-                loras.add(req.lora_name)
+            if loras is not None and req.lora_key is not None:
+                loras.add(req.lora_key)
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = time.monotonic()
             req.num_computed_tokens = hit_tokens

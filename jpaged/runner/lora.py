@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -68,7 +68,7 @@ class LoraSlots:
 
     def loaded(self) -> list[str]:
         """Names of the adapters in a slot now."""
-        return list(self._slot_of)
+        return [key.rsplit("@", 1)[0] for key in self._slot_of]
 
     def _padded(self, adapter: LoraAdapter) -> dict[str, tuple[jax.Array, jax.Array]]:
         """The adapter's arrays for one slot: [L, in, R] and [L, R, out], zeros where absent."""
@@ -83,19 +83,18 @@ class LoraSlots:
                       self._place(jnp.asarray(b, self.dtype)))
         return out
 
-    def assign(self, adapters: Mapping[str, Callable[[], LoraAdapter]]) -> dict[str, int]:
-        """A slot for each adapter of a step, by name (loading those not in one, read by
-        their callable, into the slots least recently used by others); {name: slot}.
-        ValueError past `num_slots` adapters (the scheduler admits at most that many)."""
-        names = dict(adapters)
+    def assign(self, adapters: Sequence[LoraAdapter]) -> dict[str, int]:
+        """A slot for each adapter of a step, by key (loading those not in one into the slots
+        least recently used by others); {key: slot}. ValueError past `num_slots` adapters
+        (the scheduler admits at most that many at once)."""
+        names = {a.key: a for a in adapters}
         if len(names) > self.num_slots:
             raise ValueError(f"a step uses {len(names)} LoRA adapters but max_loras is "
                              f"{self.num_slots}")
-        for name, read in names.items():
+        for name, adapter in names.items():
             if name in self._slot_of:
                 self._slot_of.move_to_end(name)
                 continue
-            adapter = read()
             free = [s for s, h in enumerate(self._holder) if h is None]
             if free:
                 slot = free[0]
@@ -111,8 +110,8 @@ class LoraSlots:
         return {name: self._slot_of[name] for name in names}
 
     def evict(self, name: str) -> bool:
-        """Forget adapter `name`'s slot (its columns are zeroed when the slot is reused or now);
-        False when it held none."""
+        """Forget the slot of the adapter keyed `name` (its columns zeroed now); False when it
+        held none."""
         slot = self._slot_of.pop(name, None)
         if slot is None:
             return False
@@ -122,13 +121,10 @@ class LoraSlots:
         self.weights = _write_slot(self.weights, zeros, jnp.int32(slot * self.rank))
         return True
 
-    def step_slots(self, requests: Sequence[Any], cache: Any) -> np.ndarray:
-        """Each request's slot (-1: the base model) for one step, loading adapters as needed;
-        `cache` is the models.lora.LoraCache the adapters are read through."""
-        wanted = {r.lora_request.lora_name: r.lora_request for r in requests
-                  if r.lora_request is not None}
-        # An adapter in a slot needs no host copy; the others are read through the cache.
-        slot_of = self.assign({name: partial(cache.get, lr.lora_name, lr.lora_path)
-                               for name, lr in wanted.items()}) if wanted else {}
-        return np.asarray([-1 if r.lora_request is None else slot_of[r.lora_request.lora_name]
+    def step_slots(self, requests: Sequence[Any]) -> np.ndarray:
+        """Each request's slot (-1: the base model) for one step, loading the adapters the
+        requests hold (`Request.lora_adapter`) as needed."""
+        adapters = [r.lora_adapter for r in requests if r.lora_adapter is not None]
+        slot_of = self.assign(adapters) if adapters else {}
+        return np.asarray([-1 if r.lora_adapter is None else slot_of[r.lora_adapter.key]
                            for r in requests], np.int32)

@@ -34,7 +34,7 @@ from jpaged.runner.linears import (
 from jpaged.runner.lora import LoraSlots
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample, searches_wide
 from models.linear_ops import DecodeLinears
-from models.lora import LoraBatch, LoraCache, slot_mask
+from models.lora import LoraBatch, slot_mask
 from models.quant_layers import plan_of
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
@@ -207,11 +207,11 @@ class ModelRunner:
                  kv_layout: KVCacheLayout | None = None, platform: str | None = None,
                  num_top_logprobs: int = NUM_TOP_LOGPROBS,
                  decode_matmuls: bool = True, eager: bool = False,
-                 lora: tuple[LoraSlots, LoraCache] | None = None) -> None:
+                 lora: LoraSlots | None = None) -> None:
         self.graphdef, self.params = nnx.split(model)
-        # LoRA: the adapter slots on the device and the host cache adapters are read through
-        # (None: no adapters; steps carry no slot inputs and compile as they always did).
-        self.lora, self.lora_cache = lora if lora is not None else (None, None)
+        # LoRA: the adapter slots on the device (None: no adapters; steps carry no slot
+        # inputs and compile as they always did). Requests bring their adapters' weights.
+        self.lora = lora
         if self.lora is not None and decode_matmuls:
             # The fused kernels have no adapter epilogue: every step runs on XLA's GEMMs.
             logger.info("LoRA: decode steps run on XLA's GEMMs, not the fused projections")
@@ -517,7 +517,7 @@ class ModelRunner:
         None without LoRA."""
         if self.lora is None:
             return None
-        return self.lora.step_slots([s.request for s in scheduled], self.lora_cache)
+        return self.lora.step_slots([s.request for s in scheduled])
 
     def static_flags(self, flags: SamplingFlags) -> SamplingFlags:
         """The flags as the compile key holds them: `decode_only` matters to Pallas alone."""

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
-import itertools
 import logging
 import socket
 import threading
@@ -181,7 +181,10 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         if not hasattr(aengine, "check_lora"):
             raise ValueError("--lora-modules: LoRA adapters are not served by data-parallel "
                              "replicas in this version")
-        for module in loras:  # LoRA off, or an adapter that does not read: refused now
+        for i, module in enumerate(loras):  # LoRA off, an adapter that does not read: refused
+            # Numbered by the engine (an adapter it knows keeps its id; others get new ones).
+            module = loras[i] = dataclasses.replace(
+                module, lora_int_id=aengine.lora_id_for(module.lora_name))
             if module.lora_name in names:
                 raise ValueError(f"--lora-modules {module.lora_name}: the name is the served "
                                  "model's (--served-model-name); give the adapter its own")
@@ -194,7 +197,6 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     serving = _Serving(aengine, names, parser, template, log, thinker)
     serving.store = store
     serving.lora_modules.update((m.lora_name, m) for m in loras)
-    lora_ids = itertools.count(len(loras) + 1)
     # vLLM's labels on every series: model_name, and engine (the one engine's "0"; a
     # data-parallel client's series carry each replica's own, which win).
     registry = with_labels(aengine.metrics_registry(), {"model_name": name, "engine": "0"})
@@ -321,7 +323,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         if lora is not None:  # vLLM's adapter card: its directory, the base model as parent
             return {"id": model_id, "object": "model", "created": created,
                     "owned_by": "jpaged", "root": lora.lora_path,
-                    "parent": lora.base_model_name or name,
+                    "parent": (lora.base_model_name if lora.base_model_name in names
+                               else name),
                     "max_model_len": aengine.max_model_len}
         return {"id": model_id, "object": "model", "created": created, "owned_by": "jpaged",
                 "root": aengine.model_source, "parent": None,
@@ -342,22 +345,28 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         return card(model_id)
 
     if runtime_loras:
+        load_lock = asyncio.Lock()
+
         @v1.post("/load_lora_adapter")
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
             """vLLM's runtime adapter loading: read and check it, then serve it by name."""
             name = body.lora_name
-            if body.load_inplace:
-                raise OpenAIError(400, "load_inplace is not supported: an adapter's name keeps "
-                                  "its directory (the prefix cache keys blocks by name)",
-                                  param="load_inplace")
-            if name in serving.lora_modules or name in names:
+            if name in names or (name in serving.lora_modules and not body.load_inplace):
                 raise OpenAIError(400, f"The lora adapter '{name}' has already been loaded.",
                                   param="lora_name")
+            if body.load_inplace and name in serving.lora_modules:
+                # vLLM's in-place reload: the directory is read anew (requests already queued
+                # keep the weights they were queued with; later ones get these).
+                aengine.drop_lora(name)
             try:
-                module = LoRARequest(name, next(lora_ids), body.lora_path)
-                await asyncio.get_running_loop().run_in_executor(None, aengine.check_lora,
-                                                                 module)
-            except (ValueError, FileNotFoundError) as e:
+                async with load_lock:  # one at a time: each draws an id the others have not
+                    module = LoRARequest(name, aengine.lora_id_for(name), body.lora_path)
+                    await asyncio.get_running_loop().run_in_executor(None, aengine.check_lora,
+                                                                     module)
+            except FileNotFoundError as e:  # vLLM's answer to a path that is not there
+                raise OpenAIError(404, str(e), param="lora_path",
+                                  code="model_not_found") from None
+            except ValueError as e:
                 raise OpenAIError(400, str(e), param="lora_path") from None
             serving.lora_modules[name] = module
             logger.info("LoRA adapter %r loaded from %s", name, body.lora_path)

@@ -130,7 +130,7 @@ def test_bad_adapters_are_refused_by_name_and_the_engine_serves_on(adapters, exp
     assert first == expected["b"][0]
     with pytest.raises(FileNotFoundError, match="is not a directory"):
         llm.generate(one, GREEDY, lora_request=LoRARequest("x", 3, str(tmp_path / "nope")))
-    with pytest.raises(ValueError, match="rank 8 exceeds max_lora_rank 4"):
+    with pytest.raises(ValueError, match="LoRA rank 8 is greater than max_lora_rank 4"):
         llm.generate(one, GREEDY, lora_request=adapters["a"])
     with pytest.raises(ValueError, match="already used for"):
         llm.generate(one, GREEDY, lora_request=LoRARequest("b", 2, adapters["a"].lora_path))
@@ -183,7 +183,11 @@ def test_add_remove_list_and_pin_as_vllms_engine(adapters, hf_tiny, tmp_path):
     c = LoRARequest("c", 3, str(write_peft_adapter(hf_tiny, tmp_path / "c", r=2, alpha=2)))
     assert engine.add_lora(adapters["a"]) and engine.add_lora(adapters["b"])
     assert engine.list_loras() == {1, 2}
-    assert engine.pin_lora(1) and not engine.pin_lora(7)
+    assert engine.pin_lora(1)
+    with pytest.raises(ValueError, match="lora_int_id 7"):
+        engine.pin_lora(7)
+    with pytest.raises(ValueError, match="lora_int_id 1 is adapter 'a'"):
+        engine.add_lora(LoRARequest("other", 1, adapters["b"].lora_path))
     engine.add_lora(c)
     assert engine.list_loras() == {1, 3}  # b went, a is pinned
     assert engine.remove_lora(3) and not engine.remove_lora(3)
@@ -207,3 +211,57 @@ def test_metrics_name_the_adapters_in_use(adapters):
     assert 'max_lora="1"' in line and 'running_lora_adapters="a"' in line
     assert 'waiting_lora_adapters="b"' in line  # one slot: b waits for a's requests
     engine.abort_request(["r0", "r1", "r2"])
+
+
+def test_a_rewritten_adapter_read_again_is_a_new_adapter(hf_tiny, tmp_path):
+    """A trainer overwrites an adapter's directory; remove_lora, then the same LoRARequest:
+    the new weights run (a new device slot, no cached block of the old ones), while a
+    request queued before the rewrite keeps the weights it was queued with."""
+    path = tmp_path / "x"
+    write_peft_adapter(hf_tiny, path, r=4, alpha=8, seed=11)
+    old = [peft_greedy(peft_model(hf_tiny, path), PROMPTS[1], 10, (-1,))]
+    llm = make_llm(tiny(), enable_lora=True, max_loras=1, max_lora_rank=8,
+                   enable_prefix_caching=True, **TINY)
+    engine, lora = llm.llm_engine, LoRARequest("x", 1, str(path))
+    one = [{"prompt_token_ids": PROMPTS[1]}]
+    assert [o.outputs[0].token_ids for o in llm.generate(one, GREEDY, lora_request=lora)] == old
+    engine.add_request("queued", one[0], GREEDY, lora_request=lora)  # holds the old weights
+    import shutil
+
+    shutil.rmtree(path)
+    write_peft_adapter(hf_tiny, path, r=4, alpha=8, seed=12)
+    new = [peft_greedy(peft_model(hf_tiny, path), PROMPTS[1], 10, (-1,))]
+    assert new != old
+    assert engine.remove_lora(1)
+    engine.add_request("after", one[0], GREEDY, lora_request=lora)  # reads the new files
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert [done["queued"].outputs[0].token_ids] == old
+    assert [done["after"].outputs[0].token_ids] == new
+    assert done["after"].num_cached_tokens == 0  # never the old weights' blocks
+
+
+def test_queued_requests_keep_their_adapter_when_its_directory_goes(adapters, expected,
+                                                                      hf_tiny, tmp_path):
+    """max_cpu_loras 1: reading a second adapter drops the first's host copy, and its
+    directory is then deleted; the request queued with it still runs it (each request holds
+    the adapter it was queued with), and no other request fails."""
+    import shutil
+
+    gone = tmp_path / "gone"
+    shutil.copytree(adapters["a"].lora_path, gone)
+    llm = make_llm(tiny(), enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=1,
+                   **TINY)
+    engine = llm.llm_engine
+    engine.add_request("x", {"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                       lora_request=LoRARequest("gone", 5, str(gone)))
+    engine.add_request("z", {"prompt_token_ids": PROMPTS[0]}, GREEDY,
+                       lora_request=adapters["b"])
+    engine.add_request("base", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+    shutil.rmtree(gone)
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert {k: v.outputs[0].token_ids for k, v in done.items()} == {
+        "x": expected["a"][0], "z": expected["b"][0], "base": expected[None][0]}

@@ -134,6 +134,7 @@ def _bad_cases(raw: dict[str, np.ndarray]) -> list[tuple[str, dict, dict | None,
         ("modules_to_save", {"modules_to_save": ["lm_head"]}, None, "modules_to_save"),
         ("rank_pattern", {"rank_pattern": {"q_proj": 2}}, None, "rank_pattern"),
         ("rank", {"r": 0}, None, "r must be a positive integer"),
+        ("alpha", {"lora_alpha": None}, None, "lora_alpha is missing"),
         ("peft_type", {"peft_type": "IA3"}, None, "peft_type 'IA3'"),
         ("embedding", {}, with_embed, "embed_tokens"),
         ("lm_head", {}, head, "lm_head"),
@@ -146,7 +147,7 @@ def _bad_cases(raw: dict[str, np.ndarray]) -> list[tuple[str, dict, dict | None,
     ]
 
 
-@pytest.mark.parametrize("case", range(14))
+@pytest.mark.parametrize("case", range(15))
 def test_refuses_what_it_cannot_apply_naming_it(adapter_dir, tmp_path, case):
     name, config, tensors, match = _bad_cases(_keys(adapter_dir))[case]
     path = _copy_adapter(adapter_dir, tmp_path / name, config, tensors)
@@ -172,7 +173,7 @@ def test_refuses_missing_files_and_a_rank_over_the_limit(adapter_dir, tmp_path):
     (tmp_path / "badjson" / "adapter_config.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         read_lora_adapter(tmp_path / "badjson", spec, "x", 8)
-    with pytest.raises(ValueError, match="rank 4 exceeds max_lora_rank 2"):
+    with pytest.raises(ValueError, match="LoRA rank 4 is greater than max_lora_rank 2"):
         read_lora_adapter(adapter_dir, spec, "x", 2)
 
 
@@ -187,6 +188,26 @@ def test_cache_keeps_a_name_to_its_directory_and_drops_least_recent(hf_tiny, ada
     cache.get("b", str(other))
     assert "b" in cache and "a" not in cache  # capacity 1: the least recent went
     assert cache.get("a", str(adapter_dir)) is not first  # read again from its directory
-    assert cache.drop("a") and not cache.drop("a")
-    with pytest.raises(ValueError, match="already used for"):  # the name keeps its directory
+    cache.get("b", str(other))  # the capacity dropped "a": its name still holds its directory
+    with pytest.raises(ValueError, match="already used for"):
         cache.get("a", str(other))
+    assert not cache.drop("a")  # no host copy held, but the name is freed
+    assert cache.get("a", str(other)).path == str(other)
+
+
+def test_reads_keys_without_peft_prefix_and_expands_home(adapter_dir, tmp_path, monkeypatch):
+    """vLLM reads an adapter whose keys lack PEFT's `base_model.model.` wrapper, and a path
+    under `~`; the weights read are the same, and so is the digest of the same files."""
+    spec = tiny().spec
+    ref = read_lora_adapter(adapter_dir, spec, "a", 8)
+    bare = {k.removeprefix("base_model.model."): v for k, v in _keys(adapter_dir).items()}
+    (tmp_path / "home").mkdir()
+    path = _copy_adapter(adapter_dir, tmp_path / "home" / "bare", tensors=bare)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    got = read_lora_adapter("~/bare", spec, "a", 8)
+    assert got.path == str(path) and set(got.weights) == set(ref.weights)
+    for m, (a, b) in ref.weights.items():
+        np.testing.assert_array_equal(got.weights[m][0], a)
+        np.testing.assert_array_equal(got.weights[m][1], b)
+    assert ref.digest == read_lora_adapter(adapter_dir, spec, "a", 8).digest
+    assert got.digest != ref.digest  # other bytes: another adapter

@@ -30,7 +30,9 @@ from jpaged.server import BackgroundServer, build_app
 from jpaged.server.lora_modules import RUNTIME_UPDATING_ENV
 
 LORA_ARGS = {**ENGINE_ARGS, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
-BASE_NAME = "tiny-base"  # the "chat" adapter's base_model_name (its card's parent)
+# The "chat" adapter's base_model_name: not a served name, so its card's parent is the served
+# model (vLLM keeps a base_model_name only when it names a served model).
+BASE_NAME = "tiny-base"
 N = 12
 # Greedy, EOS ignored (the references run without an EOS), the token ids in the answer.
 GREEDY = dict(temperature=0, max_tokens=N,
@@ -112,13 +114,13 @@ def test_models_list_shows_the_base_model_then_each_adapter(lora_served, adapter
     base, sql, chat = cards
     assert base["root"] == lora_served.engine.model_source and base["parent"] is None
     assert sql["root"] == str(adapters.dirs["sql"]) and sql["parent"] == MODEL
-    assert chat["root"] == str(adapters.dirs["chat"]) and chat["parent"] == BASE_NAME
+    assert chat["root"] == str(adapters.dirs["chat"]) and chat["parent"] == MODEL
     assert all(c["object"] == "model" and c["max_model_len"] == ENGINE_ARGS["max_model_len"]
                for c in cards)
     got = client.models.retrieve("sql").to_dict()
     assert got["id"] == "sql" and got["root"] == str(adapters.dirs["sql"])
     assert got["parent"] == MODEL
-    assert client.models.retrieve("chat").to_dict()["parent"] == BASE_NAME
+    assert client.models.retrieve("chat").to_dict()["parent"] == MODEL
     assert client.models.retrieve(MODEL).to_dict()["parent"] is None
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("no-such-adapter")
@@ -243,7 +245,8 @@ def test_runtime_load_and_unload(lora_served, adapters):
     for (m, _, _), (seen, got) in zip(jobs, _run_together(lora_served, jobs), strict=True):
         assert seen == {m} and got == adapters.ref(None if m == MODEL else m, ids), m
 
-    # Refusals: 400s naming the problem, nothing listed, the server goes on.
+    # Refusals: 400s (404 for a directory or file not there, as vLLM) naming the problem,
+    # nothing listed, the server goes on.
     for body, param, words in (
             ({"lora_name": "extra", "lora_path": extra}, "lora_name", "already been loaded"),
             ({"lora_name": MODEL, "lora_path": extra}, "lora_name", "already been loaded"),
@@ -253,11 +256,11 @@ def test_runtime_load_and_unload(lora_served, adapters):
              "adapter_config.json"),
             ({"lora_name": "ghost", "lora_path": str(adapters.dirs["too-big"])}, "lora_path",
              "max_lora_rank"),
-            ({"lora_name": "ghost", "lora_path": extra, "load_inplace": True}, "load_inplace",
-             "load_inplace"),
             ({"lora_name": "ghost"}, "lora_path", "lora_path")):
         r = _post(url, "/v1/load_lora_adapter", body)
-        assert r.status_code == 400, (body, r.text)
+        gone = body.get("lora_path") in (str(adapters.dirs["missing"]),
+                                         str(adapters.dirs["empty"]))
+        assert r.status_code == (404 if gone else 400), (body, r.text)
         err = r.json()["error"]
         assert err["param"] == param and words in err["message"], (body, err)
     assert [c["id"] for c in _cards(client)] == [MODEL, "sql", "chat", "extra"]
@@ -420,3 +423,21 @@ def test_serve_cli_refuses_bad_lora_modules_before_loading_a_model():
     # Without --enable-lora: refused before any engine is built.
     r = capture(normalize_argv(["serve", "--lora-modules", "a=/x"]))
     assert r.get("exit_code") == 2 and "needs --enable-lora" in r["output"], r
+
+
+def test_load_inplace_reads_the_adapter_anew(lora_served, adapters):
+    """vLLM's load_inplace: an adapter loaded again under its name, here from another
+    directory; the answers follow the new weights, and it can be unloaded as any other."""
+    url, client = lora_served.url, lora_served.client()
+    ids = _ids(lora_served, PROMPTS[0])
+    body = {"lora_name": "swap", "lora_path": str(adapters.dirs["extra"])}
+    assert _post(url, "/v1/load_lora_adapter", body).status_code == 200
+    out = client.completions.create(model="swap", prompt=ids, **GREEDY)
+    assert out.choices[0].token_ids == adapters.ref("extra", ids)
+    assert _post(url, "/v1/load_lora_adapter", body).status_code == 400  # not in place
+    body = {"lora_name": "swap", "lora_path": str(adapters.dirs["chat"]), "load_inplace": True}
+    assert _post(url, "/v1/load_lora_adapter", body).status_code == 200
+    out = client.completions.create(model="swap", prompt=ids, **GREEDY)
+    assert out.choices[0].token_ids == adapters.ref("chat", ids)
+    assert {c["id"]: c["root"] for c in _cards(client)}["swap"] == str(adapters.dirs["chat"])
+    assert _post(url, "/v1/unload_lora_adapter", {"lora_name": "swap"}).status_code == 200
