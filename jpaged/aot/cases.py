@@ -27,6 +27,7 @@ from jpaged.config import EngineArgs, EngineConfig
 from jpaged.core.kv_cache_groups import kv_cache_layout
 from jpaged.runner.batch import BucketPlan, empty_step, flatten_step
 from jpaged.runner.kv_cache import KVCache, kv_dtype, storage_dtype
+from jpaged.runner.lora import LoraSlots
 from jpaged.runner.memory_probe import abstract_kv
 from jpaged.runner.model_runner import ModelRunner
 from jpaged.runner.parallel import TensorParallel
@@ -163,6 +164,7 @@ class StepBuilder:
 
     `devices`: abstract GPU devices (a deviceless compile) or None for the local default backend.
     `weights`: decoder linears kept quantized ("fp8", "int4": `quantize_abstract`), or None.
+    `lora`: (max_loras, max_lora_rank) of an engine serving LoRA adapters, or None.
     """
 
     spec: ModelSpec
@@ -174,6 +176,7 @@ class StepBuilder:
     tensor_parallel_size: int = 1
     config: EngineConfig | None = None
     weights: str | None = None
+    lora: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         self.config = self.config or engine_config(self.spec)
@@ -233,17 +236,31 @@ class StepBuilder:
         if self.parallel is None and self.devices is not None:
             graphdef, state = nnx.split(model)
             model = nnx.merge(graphdef, jax.tree.map(self._abstract, state))
+        lora = None
+        if self.lora is not None:  # replicated on a mesh, as the engine places them
+            lora = LoraSlots.abstract(self.spec, *self.lora, self.model_dtype,
+                                      self._replicated())
         return ModelRunner(model, self.abstract_kv(), self.plan, self.block_size,
                            self.spec.vocab_size, self.ops, parallel=self.parallel,
-                           kv_layout=self.kv_layout, platform=self.platform)
+                           kv_layout=self.kv_layout, platform=self.platform, lora=lora)
+
+    def _replicated(self) -> Any:
+        """The sharding of an array whole on every device of the case."""
+        if self.parallel is None:
+            return self._single()
+        from jax.sharding import NamedSharding
+        from jax.sharding import PartitionSpec as P
+
+        return NamedSharding(self.parallel.mesh, P())
 
     @property
     def param_bytes(self) -> int:
-        """Parameter bytes per device."""
+        """Parameter bytes per device (LoRA slots included: every step reads them)."""
         params = self.runner.params
+        slots = self.runner.lora.nbytes if self.runner.lora is not None else 0
         if self.parallel is not None:
-            return self.parallel.param_bytes_per_device(params)
-        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+            return self.parallel.param_bytes_per_device(params) + slots
+        return sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params)) + slots
 
     @property
     def pool_bytes(self) -> int:
@@ -294,13 +311,14 @@ class StepBuilder:
         lowered (call inside the target's lowering context for abstract GPUs); by default the
         variant with top candidates."""
         r = self.runner
-        batch = jax.tree.map(self._step_input,
-                             flatten_step(empty_step(self.plan, tokens, seqs,
-                                                     self.spec.vocab_size,
-                                                     num_rows=num_rows).batch))
+        packed = empty_step(self.plan, tokens, seqs, self.spec.vocab_size, num_rows=num_rows)
+        if r.lora is not None:  # each token's adapter slot, as a LoRA engine's steps carry
+            packed.batch.lora_slots = np.full(tokens, -1, np.int32)
+        batch = jax.tree.map(self._step_input, flatten_step(packed.batch))
         return r._jit_step.trace(r.params, r.kv, batch, self._step_input(r.last_tokens_spec()),
-                                 flags=flags, calc_scales=False).lower(
-            lowering_platforms=(self.platform,))
+                                 flags=flags, calc_scales=False,
+                                 lora_weights=None if r.lora is None else r.lora.weights
+                                 ).lower(lowering_platforms=(self.platform,))
 
     def lower_transfer(self, kind: str, num_blocks: int) -> Any:
         """The KV tier's batched gather ('gather') or donated scatter ('scatter') program."""

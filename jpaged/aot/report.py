@@ -97,11 +97,15 @@ class Config:
     xla_options: tuple[tuple[str, Any], ...] = ()
     # Decoder linears kept quantized (cases.WEIGHTS), or None: the model dtype's.
     weights: str | None = None
+    # LoRA adapter slots (max_loras, max_lora_rank) of an engine serving adapters, or None.
+    lora: tuple[int, int] | None = None
 
     @property
     def key(self) -> str:
-        """What --only matches: model[-weights]/kv_cache_dtype/backend/tp<N>."""
+        """What --only matches: model[-weights][-loraSxR]/kv_cache_dtype/backend/tp<N>."""
         model = f"{self.model}-{self.weights}" if self.weights else self.model
+        if self.lora:
+            model += f"-lora{self.lora[0]}x{self.lora[1]}"
         return f"{model}/{self.kv_cache_dtype}/{self.backend}/tp{self.tensor_parallel_size}"
 
 
@@ -182,7 +186,8 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
 
     spec = model_spec(cfg.model)
     probe = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, PROBE_BLOCKS,
-                        target.devices, cfg.tensor_parallel_size, weights=cfg.weights)
+                        target.devices, cfg.tensor_parallel_size, weights=cfg.weights,
+                        lora=cfg.lora)
     t, b = largest_shape(probe.plan)
     row = compile_lowered(lambda: probe.lower_step(t, b), True, None, probe.pool_shape(),
                           target=target, options=dict(cfg.xla_options))
@@ -200,7 +205,10 @@ def size_pool(cfg: Config, target: GpuTarget, cpu_probe: bool = True
                             gpu_memory_utilization=DEFAULT_UTILIZATION, dtype="bfloat16",
                             kv_cache_dtype=cfg.kv_cache_dtype,
                             tensor_parallel_size=cfg.tensor_parallel_size,
-                            quantization="fp8" if cfg.weights == "fp8" else None)
+                            quantization="fp8" if cfg.weights == "fp8" else None,
+                            **({} if cfg.lora is None else {
+                                "enable_lora": True, "max_loras": cfg.lora[0],
+                                "max_lora_rank": cfg.lora[1]}))
     sizing = {
         "model": cfg.model, **_weights_field(cfg),
         "kv_cache_dtype": cfg.kv_cache_dtype, "backend": cfg.backend,
@@ -242,13 +250,14 @@ def run_config(cfg: Config, shapes: list[tuple[int, int]], target: GpuTarget,
     num_blocks, sizing = sized or size_pool(cfg, target, cpu_probe=cpu_probe)
     spec = model_spec(cfg.model)
     builder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
-                          target.devices, cfg.tensor_parallel_size, weights=cfg.weights)
+                          target.devices, cfg.tensor_parallel_size, weights=cfg.weights,
+                          lora=cfg.lora)
     # Decode shapes (tokens == seqs) compile with block tables wide enough for the longest
     # context reported; that program serves every context, so it compiles once.
     decoder = StepBuilder(spec, jnp.bfloat16, cfg.kv_cache_dtype, cfg.backend, num_blocks,
                           target.devices, cfg.tensor_parallel_size,
                           engine_config(spec, max_model_len=max(DECODE_CONTEXTS)),
-                          weights=cfg.weights)
+                          weights=cfg.weights, lora=cfg.lora)
     base = {"model": cfg.model, **_weights_field(cfg), "kv_cache_dtype": cfg.kv_cache_dtype,
             "backend": cfg.backend,
             "tensor_parallel_size": cfg.tensor_parallel_size, "num_blocks": num_blocks,
@@ -363,10 +372,14 @@ def run_spec_config(cfg: Config, target: GpuTarget, ptxas: str | None, num_block
     return out
 
 
-def _weights_field(cfg: Config) -> dict[str, str]:
-    """{"weights": kind} for a configuration whose linears are quantized, else nothing (the
-    rows of the model dtype's weights keep their fields)."""
-    return {"weights": cfg.weights} if cfg.weights else {}
+def _weights_field(cfg: Config) -> dict[str, Any]:
+    """{"weights": kind} for a configuration whose linears are quantized, {"lora": [slots,
+    rank]} for one serving LoRA adapters, else nothing (the rows of the model dtype's weights
+    keep their fields)."""
+    out: dict[str, Any] = {"weights": cfg.weights} if cfg.weights else {}
+    if cfg.lora:  # (max_loras, max_lora_rank)
+        out["lora"] = list(cfg.lora)
+    return out
 
 
 def transfer_traffic(text: str) -> list[dict[str, Any]]:
@@ -474,6 +487,8 @@ def plan_configs(quick: bool) -> list[tuple[Config, str]]:
     out.append((Config("gemma3-270m", "bfloat16", "pallas"), "decode" if quick else "all"))
     for weights in WEIGHTS:
         out.append((Config("llama3-8b", "bfloat16", "pallas", weights=weights), "decode"))
+    # An engine serving LoRA adapters (4 slots of rank 16): its steps on XLA's GEMMs.
+    out.append((Config("llama3-8b", "bfloat16", "pallas", lora=(4, 16)), "decode"))
     return out
 
 

@@ -42,6 +42,22 @@ def _write_slot(weights: dict[str, tuple[jax.Array, jax.Array]],
 class LoraSlots:
     """`num_slots` adapter slots of rank `rank` on the device, and which adapter holds each."""
 
+    @classmethod
+    def abstract(cls, spec: ModelSpec, num_slots: int, rank: int, dtype: Any,
+                 sharding: Any = None) -> LoraSlots:
+        """Slots whose arrays are ShapeDtypeStructs (a deviceless compile; nothing allocated,
+        nothing can be loaded)."""
+        slots = cls.__new__(cls)
+        slots.spec, slots.num_slots, slots.rank = spec, num_slots, rank
+        slots.dtype = jnp.dtype(dtype)
+        width, layers = num_slots * rank, spec.num_layers
+        slots.weights = {
+            m: (jax.ShapeDtypeStruct((layers, n_in, width), slots.dtype, sharding=sharding),
+                jax.ShapeDtypeStruct((layers, width, n_out), slots.dtype, sharding=sharding))
+            for m, (n_in, n_out) in lora_module_shapes(spec).items()}
+        slots._holder, slots._slot_of, slots.num_loads = [None] * num_slots, OrderedDict(), 0
+        return slots
+
     def __init__(self, spec: ModelSpec, num_slots: int, rank: int, dtype: Any,
                  place: Callable[[jax.Array], jax.Array] | None = None) -> None:
         self.spec = spec
@@ -64,7 +80,7 @@ class LoraSlots:
     @property
     def nbytes(self) -> int:
         """Device bytes of every slot's arrays."""
-        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+        return sum(x.size * x.dtype.itemsize for pair in self.weights.values() for x in pair)
 
     def loaded(self) -> list[str]:
         """Names of the adapters in a slot now."""

@@ -108,6 +108,8 @@ def test_plan_covers_both_models_dtypes_backends_and_tp2():
                   for d in ("bfloat16", "fp8_e4m3") for b in ("pallas", "xla")
                   } | {("gemma3-270m", "bfloat16", "pallas")}  # sliding windows, head_dim 256
     assert any(c.tensor_parallel_size == 2 for c in cfgs)
+    # An engine serving LoRA adapters: the 8B's decode steps with 4 slots of rank 16.
+    assert "llama3-8b-lora4x16/bfloat16/pallas/tp1" in {c.key for c in cfgs}
 
     class Plan:
         def all_shapes(self):
@@ -252,3 +254,20 @@ def test_xla_options_of_the_command_line():
         with pytest.raises(SystemExit) as e:
             main(["--xla-option", bad])
         assert e.value.code == 2
+
+
+def test_lora_step_lowers_with_its_slots_counted_as_weights():
+    """A LoRA engine's step (every slot's arrays, each token's slot) lowers on the local
+    backend as the engine runs it; its slot bytes count among the weights every step reads."""
+    from tiny_models import tiny_spec
+
+    from jpaged.aot.cases import StepBuilder
+    from models.lora import lora_slot_bytes
+
+    spec = tiny_spec()
+    plain = StepBuilder(spec, jnp.float32, "auto", "xla", 16)
+    lora = StepBuilder(spec, jnp.float32, "auto", "xla", 16, lora=(2, 4))
+    assert lora.param_bytes - plain.param_bytes == lora_slot_bytes(spec, 2, 4, 4)
+    text = lora.lower_step(16, 4).as_text()
+    assert "dot_general" in text and lora.runner.lora.weights["q_proj"][0].shape == (
+        spec.num_layers, spec.hidden_size, 8)
