@@ -265,3 +265,23 @@ def test_queued_requests_keep_their_adapter_when_its_directory_goes(adapters, ex
         done.update((o.request_id, o) for o in engine.step() if o.finished)
     assert {k: v.outputs[0].token_ids for k, v in done.items()} == {
         "x": expected["a"][0], "z": expected["b"][0], "base": expected[None][0]}
+
+
+@pytest.mark.parametrize("kind", ["qwen3_qk_norm", "gemma3"])
+def test_other_architectures_give_peft_tokens(kind, tmp_path):
+    """Qwen3 (q/k norms after the adapted q/k projections) and Gemma 3 (post norms around
+    the adapted projections, sliding layers in their own KV cache group): an adapter's
+    request and a base request, each HF + peft's greedy tokens."""
+    from tiny_models import make_hf_checkpoint
+
+    hf = make_hf_checkpoint(kind, tmp_path / "model")
+    path = write_peft_adapter(hf, tmp_path / "adapter", r=4, alpha=8, seed=3)
+    prompt = [1, 5, 9, 23, 44, 12, 7, 8, 9, 10, 11]  # longer than gemma3's window of 4
+    want = [peft_greedy(peft_model(hf, path), prompt, 10, (-1,)), hf_greedy(hf, prompt, 10,
+                                                                             (-1,))]
+    assert want[0] != want[1]
+    llm = LLM(model=str(tmp_path / "model"), dtype="float32", enable_lora=True,
+              max_lora_rank=8, max_model_len=64, kv_cache_memory_bytes=2**24, max_num_seqs=4)
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, GREEDY,
+                        lora_request=[LoRARequest("a", 1, str(path)), None])
+    assert [o.outputs[0].token_ids for o in outs] == want
