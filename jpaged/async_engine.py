@@ -65,6 +65,14 @@ class _Add:
 
 
 @dataclass
+class _Call:
+    """A call of an engine method on the loop thread, between two steps (sleep mode)."""
+
+    fn: Any
+    done: concurrent.futures.Future
+
+
+@dataclass
 class _Abort:
     request_ids: list[str]
 
@@ -232,6 +240,24 @@ class AsyncLLMEngine:
         """Keep the adapter with this lora_int_id on the host."""
         return self.engine.pin_lora(lora_id)
 
+    async def _on_loop(self, fn: Any) -> Any:
+        """fn() run on the engine loop's thread between two steps; its result."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode, between two steps of the loop (LLMEngine.sleep)."""
+        return await self._on_loop(lambda: self.engine.sleep(level))
+
+    async def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the device memory back (LLMEngine.wake_up)."""
+        await self._on_loop(lambda: self.engine.wake_up(tags))
+
+    def is_sleeping(self) -> bool:
+        """True while the engine sleeps."""
+        return self.engine.is_sleeping()
+
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
                        request_id: str | None = None, priority: int = 0,
                        lora_request: LoRARequest | None = None
@@ -312,7 +338,14 @@ class AsyncLLMEngine:
                 self._cond.notify_all()
             self._close(cmds)
 
-    def _apply(self, cmd: _Add | _Abort) -> None:
+    def _apply(self, cmd: _Add | _Abort | _Call) -> None:
+        if isinstance(cmd, _Call):
+            if cmd.done.set_running_or_notify_cancel():
+                try:
+                    cmd.done.set_result(cmd.fn())
+                except Exception as e:  # noqa: BLE001 - the caller gets it; the loop goes on
+                    cmd.done.set_exception(e)
+            return
         if isinstance(cmd, _Abort):
             # Each aborted request's stream ends with its last output (finish_reason
             # "abort", the tokens it had), as vLLM's: a reader in another task is not left

@@ -261,6 +261,7 @@ class ModelConfig:
     quantization: str | None = None  # a QUANTIZATION_METHODS name, or None
     enforce_eager: bool = False  # vLLM's: on a GPU, steps outside CUDA graphs
     generation_config: str = "auto"  # "auto" | "vllm" | a directory (sampling defaults)
+    enable_sleep_mode: bool = False  # vLLM's: LLM.sleep / wake_up may give the device back
 
     def __post_init__(self) -> None:
         if not isinstance(self.generation_config, str) or not self.generation_config:
@@ -722,6 +723,10 @@ class EngineArgs:
     tokens that followed an earlier occurrence of the latest n-gram; '{"method": "suffix"}'
     proposes from suffix trees of the request and of earlier responses. The target verifies
     every proposal in one step; outputs keep the target's distribution (docs/spec_decode.md)."""
+    enable_sleep_mode: bool = False
+    """vLLM's sleep mode: `LLM.sleep(level)` gives the device memory of the KV cache and the
+    weights back while the engine idles (level 1 keeps the weights on the host, level 2 reads
+    them again at `wake_up`); the server adds /sleep, /wake_up and /is_sleeping."""
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT directories): a request names one with a LoRARequest (the
     server: by the adapter's name in `model`); each adapted projection adds the adapter's
@@ -773,7 +778,8 @@ class EngineArgs:
                               max_logprobs=self.max_logprobs, quantization=self.quantization,
                               logprobs_mode=self.logprobs_mode,
                               enforce_eager=self.enforce_eager,
-                              generation_config=self.generation_config),
+                              generation_config=self.generation_config,
+                              enable_sleep_mode=self.enable_sleep_mode),
             cache=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,

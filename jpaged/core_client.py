@@ -64,7 +64,7 @@ _POLL_S = 0.5  # the front end's wait between liveness checks of the core proces
 MAX_AHEAD = 4
 # Core-state queries the front end may make (LLMEngine methods, run between two steps).
 _CALLS = frozenset({"get_metrics", "cache_state", "reset_prefix_cache", "cached_block_hashes",
-                    "metrics_snapshot", "warmup_decode"})
+                    "metrics_snapshot", "warmup_decode", "sleep", "wake_up", "is_sleeping"})
 
 
 class CoreProcessError(RuntimeError):
@@ -439,6 +439,21 @@ class CoreProcessEngine(RequestFrontend):
     def cache_state(self) -> dict[str, Any]:
         """The core's KV pool and block tables (see LLM.cache_state)."""
         return self._user_request_ids(self._call("cache_state"))
+
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode, in the core process (EngineCore.sleep)."""
+        freed = self._call("sleep", level)
+        self._asleep = True
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the core's device memory back ("weights", "kv_cache", or both)."""
+        self._call("wake_up", tags)
+        self._asleep = self._call("is_sleeping")
+
+    def is_sleeping(self) -> bool:
+        """True while the core sleeps (known here: only this front end puts it to sleep)."""
+        return getattr(self, "_asleep", False)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses; False if some are in use."""

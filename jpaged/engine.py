@@ -42,8 +42,25 @@ class LLMEngine(RequestFrontend):
         args = args or EngineArgs()
         self.core = EngineCore(args, loaded, group=group)
         core = self.core
-        self.loaded, self.spec, self.tokenizer = core.loaded, core.spec, core.tokenizer
+        self.spec, self.tokenizer = core.spec, core.tokenizer
         self._init_frontend(log_stats=not args.disable_log_stats, lora_cache=core.lora_cache)
+
+    @property
+    def loaded(self) -> LoadedModel:
+        """The core's LoadedModel (its `model` is None while the weights sleep)."""
+        return self.core.loaded
+
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode (EngineCore.sleep): the device memory given back while idle."""
+        return self.core.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the device memory back ("weights", "kv_cache", or both)."""
+        self.core.wake_up(tags)
+
+    def is_sleeping(self) -> bool:
+        """True while the engine sleeps (no request may be added)."""
+        return self.core.is_sleeping()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

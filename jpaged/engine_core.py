@@ -203,6 +203,9 @@ class EngineCore:
             self.loaded = dataclasses.replace(self.loaded, model=stack_layers(self.loaded.model))
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
+        # Sleep level 2 reads the weights again as they were read here: only a model this
+        # engine loaded itself can be.
+        self._args, self._reloadable, self._sleep_level = args, loaded is None, 0
         config = args.create_engine_config(self.spec.max_position_embeddings)
         self.kv_dtype = kv_dtype(config.cache.kv_cache_dtype, self.loaded.model.dtype)
         # A speculative draft model: loaded and checked against the target before the pool
@@ -734,7 +737,8 @@ class EngineCore:
         m["num_gpu_blocks"] = self.config.cache.num_gpu_blocks
         m["block_size"] = self.config.cache.block_size
         m["tensor_parallel_size"] = self.config.parallel.tensor_parallel_size
-        m["kv_pool_bytes_per_device"] = kv_bytes_per_device(self.runner.kv)
+        m["kv_pool_bytes_per_device"] = (0 if "kv_cache" in self.runner.asleep
+                                          else kv_bytes_per_device(self.runner.kv))
         if self.kv_worker is not None:
             m.update(self.kv_worker.stats)
         if self.proposer is not None:
@@ -750,6 +754,69 @@ class EngineCore:
         state = _cache_snapshot(self.scheduler)
         state["tiers"] = _tier_metrics(self.get_metrics())
         return state
+
+    # ----------------------------------------------------------------- sleep mode
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode: with no request unfinished, give up the device memory of the KV
+        pages (the device prefix cache is emptied; the host and disk tiers keep theirs) and
+        of the weights: kept on the host at level 1, dropped at level 2 (read again from the
+        model's source at `wake_up`). Returns the device bytes let go (ValueError naming what
+        stands in the way otherwise)."""
+        if not self.config.model.enable_sleep_mode:
+            raise ValueError("sleep: start the engine with enable_sleep_mode=True "
+                             "(--enable-sleep-mode)")
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
+        if self.runner.asleep:
+            raise ValueError("sleep: the engine is asleep already (wake_up first)")
+        if self.has_work():
+            raise ValueError(f"sleep: {self.scheduler.get_num_unfinished_requests()} requests "
+                             "are unfinished; sleep when the engine is idle")
+        for what, present in (("a speculative draft model", self.draft is not None),
+                              ("a KV connector", self.kv_worker is not None),
+                              ("several processes", self.group is not None)):
+            if present:
+                raise ValueError(f"sleep: not with {what} in this version")
+        if level == 2 and not self._reloadable:
+            raise ValueError("sleep: level 2 reads the weights again at wake_up, so it needs "
+                             "an engine that loaded its model itself (LLM(model=...)), not one "
+                             "given a loaded model")
+        if not self.reset_prefix_cache():
+            raise ValueError("sleep: KV blocks are still in use")
+        freed = self.runner.sleep(level)
+        self._sleep_level = level
+        # The engine's own handle on the arrays goes too, so nothing keeps them on the device.
+        self.loaded = dataclasses.replace(self.loaded, model=None)
+        logger.info("asleep (level %d): %d bytes of device memory let go", level, freed)
+        return freed
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the device memory back: "weights", "kv_cache" or both (None); requests run
+        again once both are back."""
+        tags = ["weights", "kv_cache"] if tags is None else list(tags)
+        unknown = set(tags) - {"weights", "kv_cache"}
+        if unknown or not tags:
+            raise ValueError(f"wake_up: tags must be among 'weights' and 'kv_cache', got "
+                             f"{tags!r}")
+        if not self.runner.asleep:
+            return
+        model = None
+        if "weights" in tags and "weights" in self.runner.asleep and self._sleep_level == 2:
+            args = self._args
+            model = load_model(args.model, args.dtype, args.tensor_parallel_size,
+                               args.quantization).model
+            if scans_layers():
+                model = stack_layers(model)
+        self.runner.wake_up(tags, model)
+        if "weights" not in self.runner.asleep:
+            self.loaded = dataclasses.replace(
+                self.loaded, model=nnx.merge(self.runner.graphdef, self.runner.params))
+        logger.info("awake: %s", ", ".join(sorted({"weights", "kv_cache"}
+                                                   - self.runner.asleep)))
+
+    def is_sleeping(self) -> bool:
+        """True while any part of the device memory is given up (no request may be added)."""
+        return bool(self.runner.asleep)
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses, device and host tier (the disk tier

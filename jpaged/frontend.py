@@ -166,6 +166,10 @@ class RequestFrontend:
     def _submit(self, requests: list[Request]) -> None:
         raise NotImplementedError
 
+    def is_sleeping(self) -> bool:
+        """True while the engine sleeps (sleep mode); a front end without it never does."""
+        return False
+
     def _finish(self, request_ids: list[str], status: RequestStatus) -> None:
         raise NotImplementedError
 
@@ -282,6 +286,8 @@ class RequestFrontend:
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if self.is_sleeping():
+            raise ValueError("the engine is sleeping (sleep mode): call wake_up() first")
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")

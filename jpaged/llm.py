@@ -233,6 +233,16 @@ class LLM:
         """Per-step points (oldest first, bounded): time, KV usage, queues, preemptions, tokens."""
         return self.llm_engine.metrics_history.snapshot()
 
+    def sleep(self, level: int = 1) -> int:
+        """vLLM's sleep mode (needs enable_sleep_mode=True and no unfinished request): the
+        device memory of the KV cache and the weights given back (level 1: weights kept on
+        the host; level 2: read again at wake_up); returns the bytes let go."""
+        return self.llm_engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the device memory back after `sleep`: "weights", "kv_cache" or both."""
+        self.llm_engine.wake_up(tags)
+
     def reset_prefix_cache(self) -> bool:
         """Forget cached prefix blocks, on the device and in the host tier (only when no
         request holds them). The disk tier is kept: a persistent cache under a fingerprint of

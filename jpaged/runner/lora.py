@@ -125,6 +125,16 @@ class LoraSlots:
             logger.debug("LoRA adapter %r loaded into slot %d", name, slot)
         return {name: self._slot_of[name] for name in names}
 
+    def clear(self) -> None:
+        """Zeroed slots, none holding an adapter (after their arrays were dropped)."""
+        self.weights = {m: (jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype),
+                                    out_shardings=a.sharding)(),
+                            jax.jit(lambda b=b: jnp.zeros(b.shape, b.dtype),
+                                    out_shardings=b.sharding)())
+                        for m, (a, b) in self.weights.items()}
+        self._holder = [None] * self.num_slots
+        self._slot_of.clear()
+
     def evict(self, name: str) -> bool:
         """Forget the slot of the adapter keyed `name` (its columns zeroed now); False when it
         held none."""

@@ -519,6 +519,74 @@ class ModelRunner:
             return None
         return self.lora.step_slots([s.request for s in scheduled])
 
+    # ----------------------------------------------------------------- sleep mode
+    @property
+    def asleep(self) -> frozenset[str]:
+        """The parts whose device memory is given up: "weights", "kv_cache" (none: awake)."""
+        return frozenset(getattr(self, "_asleep", ()))
+
+    def sleep(self, level: int) -> int:
+        """Give up the device memory of the KV pages (their contents are lost) and of the
+        weights and LoRA slots: kept on the host at level 1, dropped at level 2. Returns the
+        bytes let go. While asleep the pool and the params hold ShapeDtypeStructs."""
+        if self.asleep:
+            raise ValueError("sleep: the runner is asleep already")
+        freed = 0
+
+        def abstract(x: jax.Array) -> jax.ShapeDtypeStruct:
+            nonlocal freed
+            freed += x.nbytes
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+
+        self.kv = dataclasses.replace(self.kv, k=abstract(self.kv.k), v=abstract(self.kv.v))
+        self._host_params = jax.device_get(self.params) if level == 1 else None
+        self.params = jax.tree.map(abstract, self.params)
+        if self.lora is not None:
+            self._host_lora = jax.device_get(self.lora.weights) if level == 1 else None
+            self.lora.weights = jax.tree.map(abstract, self.lora.weights)
+        self.last_tokens = None  # remade by the next step
+        self._prev_rows = {}
+        self._asleep = {"weights", "kv_cache"}
+        return freed
+
+    def wake_up(self, tags: Iterable[str], model: nnx.Module | None = None) -> None:
+        """Take the device memory of `tags` back: the weights from the host copy (level 1) or
+        from `model`, a fresh load of the same model (level 2), and a zeroed KV pool."""
+        asleep = set(self.asleep)
+        if "weights" in tags and "weights" in asleep:
+            placed = lambda host, spec: jax.device_put(host, spec.sharding)  # noqa: E731
+            if model is not None:
+                graphdef, state = nnx.split(model)
+                if graphdef != self.graphdef:
+                    raise ValueError("wake_up: the reloaded model is not the one put to sleep")
+                if self.parallel is not None:
+                    state = self.parallel.shard_params(state)
+                fresh = nnx.to_pure_dict(state)
+                self.params = jax.tree.map(lambda x, spec: x if x.sharding == spec.sharding
+                                           else placed(x, spec), fresh, self.params)
+            elif self._host_params is not None:
+                self.params = jax.tree.map(placed, self._host_params, self.params)
+            else:
+                raise ValueError("wake_up: the weights were dropped (sleep level 2) and no "
+                                 "model was given to take them from")
+            self._host_params = None
+            if self.lora is not None:
+                host = getattr(self, "_host_lora", None)
+                if host is not None:
+                    self.lora.weights = jax.tree.map(placed, host, self.lora.weights)
+                else:  # level 2: empty slots; adapters load again as steps need them
+                    self.lora.clear()
+                self._host_lora = None
+            asleep.discard("weights")
+        if "kv_cache" in tags and "kv_cache" in asleep:
+            def zeros(spec: jax.ShapeDtypeStruct) -> jax.Array:
+                return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype),
+                               out_shardings=spec.sharding)()
+
+            self.kv = dataclasses.replace(self.kv, k=zeros(self.kv.k), v=zeros(self.kv.v))
+            asleep.discard("kv_cache")
+        self._asleep = asleep
+
     def static_flags(self, flags: SamplingFlags) -> SamplingFlags:
         """The flags as the compile key holds them: `decode_only` matters to Pallas alone."""
         if flags.decode_only and not self.ops.name.startswith("pallas"):  # "pallas+tp2" too

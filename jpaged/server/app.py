@@ -12,10 +12,10 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import uvicorn
-from fastapi import APIRouter, FastAPI
+from fastapi import APIRouter, FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -343,6 +343,31 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
             raise OpenAIError(404, f"The model `{model_id}` does not exist.", param="model",
                               code="model_not_found")
         return card(model_id)
+
+    config = getattr(getattr(aengine, "engine", None), "config", None)
+    if config is not None and config.model.enable_sleep_mode:  # vLLM's sleep-mode routes
+        @app.post("/sleep")
+        async def sleep(level: int = 1) -> Response:
+            """Give the device memory back while no request runs (LLM.sleep)."""
+            try:
+                await aengine.sleep(level)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param="level") from None
+            return Response(status_code=200)
+
+        @app.post("/wake_up")
+        async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
+            """Take it back: ?tags=weights, ?tags=kv_cache, or both (no tags)."""
+            try:
+                await aengine.wake_up(tags)
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param="tags") from None
+            return Response(status_code=200)
+
+        @app.get("/is_sleeping")
+        async def is_sleeping() -> dict[str, bool]:
+            """Whether the engine sleeps now."""
+            return {"is_sleeping": aengine.is_sleeping()}
 
     if runtime_loras:
         load_lock = asyncio.Lock()

@@ -87,6 +87,8 @@ class RequestBatch:
                 # The grammar did not compile: name the field it came from.
                 raise OpenAIError(400, self.so_param + str(e)[len("structured_outputs"):],
                                   param=self.so_param) from None
+            elif "the engine is sleeping" in str(e):  # (sleep mode) come back after wake_up
+                raise OpenAIError(503, str(e), "server_error") from None
             elif "is already in use" in str(e):
                 raise OpenAIError(400, f"request_id {self.base_id!r} is already in use by a "
                                   "request that has not finished", param="request_id") from None
