@@ -168,6 +168,7 @@ class DPEngineClient:
         self.router = Router(data_parallel_size, routing_policy, first["block_size"],
                              first["hash_algo"], load_weight=load_weight, hash_seed=seed)
         self._lock = threading.Lock()  # guards the router
+        self._lora_ids: dict[str, int] = {}  # LoRA adapter name -> lora_int_id (the server's)
         self._infos: list[dict[str, Any] | None] = list(infos)
         self._metrics: list[dict[str, Any]] = [{} for _ in range(data_parallel_size)]
         self._errors: list[str | None] = [None] * data_parallel_size
@@ -242,13 +243,14 @@ class DPEngineClient:
         kv_transfer_params to the decode replica the KV-aware score picks (the one holding most
         of the prompt already pulls least); both hops run in the request's pump task.
         """
-        if lora_request is not None:  # (the server refuses --lora-modules with replicas)
-            raise ValueError("lora_request: LoRA adapters are not served by data-parallel "
-                             "replicas in this version")
         if self._stopping.is_set():
             raise EngineDeadError("the data-parallel engine is shut down")
         queue = asyncio.Queue() if queue is None else queue
         ids, salt, payload = self._for_routing(prompt)
+        if lora_request is not None:
+            # A LoRA adapter's blocks are keyed by a digest of its files the router cannot
+            # compute: its requests are placed by load alone (no prefix estimate).
+            ids, salt = None, None
         loop = asyncio.get_running_loop()
         if self._disaggregate(params):
             pid = _prefill_id(request_id)
@@ -256,13 +258,15 @@ class DPEngineClient:
                                    output_kind=RequestOutputKind.FINAL_ONLY, extra_args={
                                        "kv_transfer_params": {"do_remote_decode": True}})
             route, actor = await self._place(pid, payload, pparams, priority, ids, salt,
-                                             self.prefill_ranks, "least_load")
+                                             self.prefill_ranks, "least_load",
+                                             lora_request=lora_request)
             task = loop.create_task(self._pump_pd(request_id, pid, route, actor, ids, salt,
-                                                  payload, params, priority, queue))
+                                                  payload, params, priority, queue,
+                                                  lora_request))
         else:
             among = self.decode_ranks  # disaggregated: what cannot split runs on a decoder
             route, actor = await self._place(request_id, payload, params, priority, ids, salt,
-                                             among)
+                                             among, lora_request=lora_request)
             self._streaming.add(request_id)
             task = loop.create_task(self._pump(request_id, route, actor, queue))
         task.add_done_callback(lambda t: self._task_done(request_id, t, payload, ids, queue))
@@ -277,8 +281,8 @@ class DPEngineClient:
 
     async def _place(self, request_id: str, payload: Any, params: SamplingParams, priority: int,
                      ids: list[int] | None, salt: str | None, among: list[int] | None,
-                     policy: str | None = None, decode_only: bool = False
-                     ) -> tuple[Route, Any]:
+                     policy: str | None = None, decode_only: bool = False,
+                     lora_request: Any = None) -> tuple[Route, Any]:
         """Choose a replica among `among` (all: None) and add the request there; a dead
         replica is marked down and another tried; bad input raises as from one engine."""
         import ray
@@ -302,7 +306,7 @@ class DPEngineClient:
                 raise EngineDeadError(f"no{what} replica could take the request")
             actor = self._actors[route.replica]
             try:
-                await actor.add.remote(request_id, payload, params, priority)
+                await actor.add.remote(request_id, payload, params, priority, lora_request)
                 return route, actor
             except ray.exceptions.RayTaskError as e:  # the engine refused it (bad input)
                 self._end(request_id, route.replica)
@@ -314,8 +318,10 @@ class DPEngineClient:
 
     async def _pump_pd(self, request_id: str, pid: str, route: Route, actor: Any,
                        ids: list[int] | None, salt: str | None, payload: Any,
-                       params: SamplingParams, priority: int, queue: asyncio.Queue) -> None:
-        """The prefill hop's final output, then the decode hop pumped into `queue`."""
+                       params: SamplingParams, priority: int, queue: asyncio.Queue,
+                       lora_request: Any = None) -> None:
+        """The prefill hop's final output, then the decode hop pumped into `queue` (both hops
+        with the request's LoRA adapter)."""
         import ray
 
         kvp = None
@@ -341,7 +347,8 @@ class DPEngineClient:
             **(params.extra_args or {}), "kv_transfer_params": kvp})
         try:
             droute, dactor = await self._place(request_id, payload, dparams, priority, ids, salt,
-                                               self.decode_ranks, decode_only=kvp is not None)
+                                               self.decode_ranks, decode_only=kvp is not None,
+                                               lora_request=lora_request)
         except BaseException as e:
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -353,6 +360,32 @@ class DPEngineClient:
         if entry is not None:  # aborts now go to the decode replica
             self._tasks[request_id] = (entry[0], entry[1], droute.replica)
         await self._pump(request_id, droute, dactor, queue)
+
+    # -- LoRA adapters: every replica reads them (the server's --lora-modules and loads) ------
+
+    def check_lora(self, lora_request: Any) -> None:
+        """Read and check a LoRA adapter on every replica (the error a replica raised when one
+        cannot: ValueError or FileNotFoundError naming the problem)."""
+        import ray
+
+        try:
+            ray.get([a.check_lora.remote(lora_request) for a in self._actors],
+                    timeout=self.dead_timeout_s + 60)
+        except ray.exceptions.RayTaskError as e:
+            raise _cause(e) from None
+        self._lora_ids.setdefault(lora_request.lora_name, lora_request.lora_int_id)
+
+    def drop_lora(self, name: str) -> bool:
+        """Drop adapter `name`'s host copy on every replica."""
+        import ray
+
+        self._lora_ids.pop(name, None)
+        return any(ray.get([a.drop_lora.remote(name) for a in self._actors],
+                           timeout=self.dead_timeout_s + 60))
+
+    def lora_id_for(self, name: str) -> int:
+        """Adapter `name`'s lora_int_id here, or one no adapter has."""
+        return self._lora_ids.get(name, max(self._lora_ids.values(), default=0) + 1)
 
     def abort(self, request_id: str | list[str]) -> None:
         """Abort requests from any thread (their replicas forget them too). As one engine's

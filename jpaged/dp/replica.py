@@ -80,10 +80,18 @@ class EngineReplica:
         return self.engine.tokenizer
 
     async def add(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                  priority: int = 0) -> None:
+                  priority: int = 0, lora_request: Any = None) -> None:
         """Queue a request; raises ValueError for bad input, as LLMEngine.add_request."""
-        self._queues[request_id] = await self.engine.add_request(request_id, prompt, params,
-                                                                 priority)
+        self._queues[request_id] = await self.engine.add_request(
+            request_id, prompt, params, priority, lora_request=lora_request)
+
+    def check_lora(self, lora_request: Any) -> None:
+        """Read and check a LoRA adapter here (the server's --lora-modules, its loads)."""
+        self.engine.check_lora(lora_request)
+
+    def drop_lora(self, name: str) -> bool:
+        """Drop LoRA adapter `name`'s host copy here (the server's unload)."""
+        return self.engine.drop_lora(name)
 
     async def stream(self, request_id: str) -> AsyncIterator[list[RequestOutput]]:
         """The request's outputs, in batches, until it finishes; cancelled: it is aborted."""

@@ -178,9 +178,6 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     names = ([served_model_name] if isinstance(served_model_name, str)
              else list(served_model_name or ())) or [default_model_name(aengine.model_source)]
     if loras or runtime_loras:  # before the engine loop starts: a refusal leaves nothing running
-        if not hasattr(aengine, "check_lora"):
-            raise ValueError("--lora-modules: LoRA adapters are not served by data-parallel "
-                             "replicas in this version")
         for i, module in enumerate(loras):  # LoRA off, an adapter that does not read: refused
             # Numbered by the engine (an adapter it knows keeps its id; others get new ones).
             module = loras[i] = dataclasses.replace(
@@ -382,7 +379,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
             if body.load_inplace and name in serving.lora_modules:
                 # vLLM's in-place reload: the directory is read anew (requests already queued
                 # keep the weights they were queued with; later ones get these).
-                aengine.drop_lora(name)
+                await asyncio.get_running_loop().run_in_executor(None, aengine.drop_lora,
+                                                                 name)
             try:
                 async with load_lock:  # one at a time: each draws an id the others have not
                     module = LoRARequest(name, aengine.lora_id_for(name), body.lora_path)
@@ -405,7 +403,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
             if serving.lora_modules.pop(name, None) is None:
                 raise OpenAIError(404, f"The lora adapter '{name}' cannot be found.",
                                   param="lora_name", code="model_not_found")
-            aengine.drop_lora(name)
+            await asyncio.get_running_loop().run_in_executor(None, aengine.drop_lora, name)
             logger.info("LoRA adapter %r unloaded", name)
             return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")
 

@@ -454,3 +454,39 @@ def test_bench_pd_reports_every_field(cluster):
         [{"prompt_token_ids": p} for p in work.streams],
         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False))}
     assert {k: v for k, v in row["texts"].items() if k.startswith("stream")} == want
+
+
+def test_lora_adapters_on_both_replicas(cluster, tmp_path):
+    """--lora-modules with two replicas: every replica reads the adapter at start, a request
+    naming it runs it wherever it lands (HF + peft's tokens), and a runtime load reaches
+    both replicas."""
+    from helpers import hf_greedy, hf_llama_twin, tiny
+    from lora_fixtures import peft_greedy, peft_model, write_peft_adapter
+
+    from jpaged.dp.client import DPEngineClient
+
+    hf = hf_llama_twin(tiny(), tmp_path / "hf")
+    paths = {n: write_peft_adapter(hf, tmp_path / n, r=4, alpha=8, seed=s)
+             for n, s in (("sql", 1), ("late", 2))}
+    prompt = [1, 5, 9, 23, 44, 12]
+    want = {n: peft_greedy(peft_model(hf, p), prompt, 6, (-1,)) for n, p in paths.items()}
+    want[MODEL] = hf_greedy(hf, prompt, 6, (-1,))
+    client = DPEngineClient(EngineArgs(model=str(tiny_model_dir()), enable_lora=True,
+                                       max_lora_rank=8, **ARGS), 2, "round_robin",
+                            ready_timeout=WAIT_S, replica_cpus=0.5)
+    server = BackgroundServer(build_app(client, MODEL, owned=True,
+                                        lora_modules=[f"sql={paths['sql']}"],
+                                        allow_runtime_lora_updating=True))
+    try:
+        oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
+                            timeout=WAIT_S)
+        r = httpx.post(f"{server.url}/v1/load_lora_adapter", timeout=WAIT_S,
+                       json={"lora_name": "late", "lora_path": str(paths["late"])})
+        assert r.status_code == 200, r.text
+        for model in ("sql", "sql", "late", "late", MODEL, MODEL):  # round robin: both
+            out = oai.completions.create(model=model, prompt=prompt, max_tokens=6,
+                                         temperature=0.0, extra_body={
+                                             "ignore_eos": True, "return_token_ids": True})
+            assert out.model == model and out.choices[0].token_ids == want[model], model
+    finally:
+        server.stop()
