@@ -406,10 +406,10 @@ class AsyncLLMEngine:
         for sink in sinks.values():
             sink.put(error)
 
-    def _close(self, pending: list[_Add | _Abort]) -> None:
+    def _close(self, pending: list[_Add | _Abort | _Call]) -> None:
         error = EngineDeadError("the engine loop stopped")
-        for cmd in pending:
-            if isinstance(cmd, _Add) and not cmd.done.done():
+        for cmd in pending:  # adds and calls still queued: their callers learn it now
+            if isinstance(cmd, _Add | _Call) and not cmd.done.done():
                 cmd.done.set_exception(error)
         self._fail_all(error)
         try:

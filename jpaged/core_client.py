@@ -183,7 +183,9 @@ class _CoreLoop:
                 value = self._call(name, args)
                 self._send(("reply", seq, True, value))
             except Exception as e:  # noqa: BLE001 - the caller gets the error, the core goes on
-                self._send(("reply", seq, False, f"{type(e).__name__}: {e}"))
+                # (raised again there as a ValueError: its own message needs no type prefix)
+                why = str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"
+                self._send(("reply", seq, False, why))
         elif op == "shutdown":
             return False
         else:

@@ -744,6 +744,8 @@ class EngineCore:
         if self.proposer is not None:
             m.update(self.scheduler.spec_decode.as_metrics(self.proposer.num_speculative_tokens))
             m["spec_decode_overlapped_steps_total"] = self.num_spec_overlapped_steps
+        if self.config.model.enable_sleep_mode:  # exported as vLLM's engine_sleep_state
+            m["engine_sleep_state"] = self.sleep_state()
         if self.config.lora is not None:  # exported as vLLM's lora_requests_info
             m["lora_requests_info"] = (self.config.lora.max_loras,
                                        *self.scheduler.lora_names())
@@ -767,11 +769,18 @@ class EngineCore:
                              "(--enable-sleep-mode)")
         if level not in (1, 2):
             raise ValueError(f"sleep: level must be 1 or 2, got {level!r}")
-        if self.runner.asleep:
-            raise ValueError("sleep: the engine is asleep already (wake_up first)")
-        if self.has_work():
+        if self.runner.asleep:  # (vLLM's: a warning, nothing done)
+            logger.warning("sleep: the engine is asleep already")
+            return 0
+        if self.scheduler.has_unfinished_requests():
             raise ValueError(f"sleep: {self.scheduler.get_num_unfinished_requests()} requests "
                              "are unfinished; sleep when the engine is idle")
+        # Async scheduling: a step dispatched before the last requests ended is still in
+        # flight (its tokens are past those requests' ends, dropped); apply it first.
+        for _ in range(4):
+            if self._in_flight is None:
+                break
+            self.step()
         for what, present in (("a speculative draft model", self.draft is not None),
                               ("a KV connector", self.kv_worker is not None),
                               ("several processes", self.group is not None)):
@@ -781,7 +790,12 @@ class EngineCore:
             raise ValueError("sleep: level 2 reads the weights again at wake_up, so it needs "
                              "an engine that loaded its model itself (LLM(model=...)), not one "
                              "given a loaded model")
-        if not self.reset_prefix_cache():
+        # The device pages go: their prefix-cache entries with them; the host and disk tiers
+        # hold copies, which stay.
+        ok = self.scheduler.reset_prefix_cache(keep_host_tier=True)
+        if self.kv_events is not None:
+            self.kv_events.flush()
+        if not ok:
             raise ValueError("sleep: KV blocks are still in use")
         freed = self.runner.sleep(level)
         self._sleep_level = level
@@ -817,6 +831,13 @@ class EngineCore:
     def is_sleeping(self) -> bool:
         """True while any part of the device memory is given up (no request may be added)."""
         return bool(self.runner.asleep)
+
+    def sleep_state(self) -> str:
+        """vLLM's engine_sleep_state: "awake", "weights_offloaded" (level 1) or "discard_all"
+        (level 2)."""
+        if not self.runner.asleep:
+            return "awake"
+        return "weights_offloaded" if self._sleep_level == 1 else "discard_all"
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses, device and host tier (the disk tier

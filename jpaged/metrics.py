@@ -115,6 +115,10 @@ PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 # lora_requests_info: one gauge whose labels name the adapters (comma-separated), valued at
 # the scrape's time.
 LORA_INFO = "lora_requests_info"
+# A get_metrics() sleep-mode state, exported as vLLM's engine_sleep_state: 1 for the state the
+# engine is in, 0 for the others.
+SLEEP_STATE = "engine_sleep_state"
+SLEEP_STATES = ("awake", "weights_offloaded", "discard_all")
 
 
 def _sanitize(name: str) -> str:
@@ -362,6 +366,13 @@ class _EngineCollector:
                                          labels=["position"])
             for j, n in enumerate(per_pos):
                 family.add_metric([str(j)], float(n))
+            yield family
+        state = metrics.get(SLEEP_STATE)
+        if state is not None:
+            family = GaugeMetricFamily(f"{PREFIX}{SLEEP_STATE}", "Sleep mode: 1 for the state "
+                                       "the engine is in.", labels=["sleep_state"])
+            for name in SLEEP_STATES:
+                family.add_metric([name], float(name == state))
             yield family
         lora = metrics.get(LORA_INFO)
         if lora is not None:  # vLLM's info gauge of the adapters in use

@@ -535,12 +535,13 @@ class KVCacheManager:
         """Cached blocks evicted to make room."""
         return self.block_pool.num_evictions
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop all cached hashes (host-tier entries too); False while any block is in use."""
+    def reset_prefix_cache(self, keep_host_tier: bool = False) -> bool:
+        """Drop all cached hashes (host-tier entries too, unless `keep_host_tier`: sleep mode
+        loses the device pages only); False while any block is in use."""
         ok = self.block_pool.reset_prefix_cache()
         if ok:  # the recent hit rate starts over (vLLM's reset); the totals keep counting
             self.stats.reset_recent()
-        if ok and self.tiers is not None:
+        if ok and self.tiers is not None and not keep_host_tier:
             self.tiers.host.clear_prefix_entries()
         events = self.block_pool.events
         if ok and events is not None:

@@ -496,9 +496,10 @@ class Scheduler(StepResultsMixin, PreemptionMixin, RemoteKVMixin):
         waiting = {r.lora_name for r in self.waiting if r.lora_name is not None}
         return sorted(running), sorted(waiting)
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop every cached prefix block; False while any block is in use."""
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, keep_host_tier: bool = False) -> bool:
+        """Drop every cached prefix block (the host tier's too unless `keep_host_tier`); False
+        while any block is in use."""
+        return self.kv_cache_manager.reset_prefix_cache(keep_host_tier)
 
     def get_stats(self) -> dict[str, float | int]:
         """Counters and gauges for metrics (names as vLLM's where they exist)."""

@@ -109,7 +109,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         if err.get("type") == "json_invalid":
             detail = (err.get("ctx") or {}).get("error", "")
             return f"the request body is not valid JSON ({detail})", None
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc = [str(x) for x in err.get("loc", ()) if x not in ("body", "query")]
         parts.setdefault(loc[0] if loc else "body",
                          f"{'.'.join(loc) or 'body'}: {err.get('msg', 'invalid')}")
     param = next((k for k in parts if k != "body"), None)

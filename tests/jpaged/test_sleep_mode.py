@@ -70,8 +70,7 @@ def test_sleep_is_refused_with_the_reason():
     while engine.has_unfinished_requests():
         engine.step()
     llm.sleep(1)
-    with pytest.raises(ValueError, match="asleep already"):
-        llm.sleep(1)
+    assert llm.sleep(1) == 0  # asleep already: a warning, nothing done (vLLM's)
     with pytest.raises(ValueError, match="tags must be among"):
         llm.wake_up(["everything"])
     llm.wake_up()
@@ -111,3 +110,35 @@ def test_core_process_sleeps_too():
         assert not llm.llm_engine.is_sleeping() and _tokens(llm) == want
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_sleep_right_after_a_request_stops_early():
+    """Async scheduling: a request that ends by a stop token leaves one step in flight (its
+    token past the end is dropped); sleep applies it first instead of refusing."""
+    llm = make_llm(tiny(), **ARGS)
+    assert llm.llm_engine.config.scheduler.async_scheduling
+    first = _tokens(llm)[0]
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=20,
+                                                   stop_token_ids=[first[2]]))[0]
+    assert out.outputs[0].finish_reason == "stop"
+    assert llm.sleep(1) > 0
+    llm.wake_up()
+    assert _tokens(llm)[0] == first
+
+
+def test_the_host_tier_keeps_its_blocks_through_sleep():
+    """The device pages go, their copies in the host tier stay: after wake_up the prompt's
+    blocks come back from there (prefix hits), with the same tokens."""
+    llm = make_llm(tiny(), **{**ARGS, "kv_cache_memory_bytes": None,
+                              "num_gpu_blocks_override": 24, "kv_offloading_size": 0.01})
+    engine = llm.llm_engine
+    want = _tokens(llm)[0]
+    fillers = [{"prompt_token_ids": [100 + i] * 60} for i in range(3)]
+    llm.generate(fillers, GREEDY)  # push the first prompt's blocks down to the host tier
+    held = engine.cached_block_hashes()["CPU"]
+    assert held
+    llm.sleep(1)
+    assert engine.cached_block_hashes()["CPU"] == held
+    llm.wake_up()
+    out = llm.generate(PROMPTS[:1], GREEDY)[0]
+    assert out.outputs[0].token_ids == want and out.num_cached_tokens > 0

@@ -29,8 +29,15 @@ def test_sleep_wake_up_and_is_sleeping():
         want = client.completions.create(**ask).choices[0].text
         assert httpx.get(f"{url}/is_sleeping", timeout=30).json() == {"is_sleeping": False}
         assert _post(url, "/sleep", level=2).status_code == 400  # a caller's loaded model
+        r = _post(url, "/sleep", level="abc")
+        assert r.status_code == 400 and r.json()["error"]["param"] == "level", r.text
         assert _post(url, "/sleep", level=1).status_code == 200
+        assert _post(url, "/sleep", level=1).status_code == 200  # asleep already: nothing done
         assert httpx.get(f"{url}/is_sleeping", timeout=30).json() == {"is_sleeping": True}
+        states = {line.split('sleep_state="')[1].split('"')[0]: line.rsplit(" ", 1)[1]
+                  for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+                  if line.startswith("jpaged:engine_sleep_state{")}
+        assert states == {"awake": "0.0", "weights_offloaded": "1.0", "discard_all": "0.0"}
         with pytest.raises(openai.InternalServerError) as e:
             client.completions.create(**ask)
         assert e.value.status_code == 503 and "sleeping" in str(e.value)
