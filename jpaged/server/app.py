@@ -343,23 +343,22 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
 
     config = getattr(getattr(aengine, "engine", None), "config", None)
     if config is not None and config.model.enable_sleep_mode:  # vLLM's sleep-mode routes
+        async def done_or_400(work: Awaitable[Any], param: str) -> Response:
+            try:
+                await work
+            except ValueError as e:
+                raise OpenAIError(400, str(e), param=param) from None
+            return Response(status_code=200)
+
         @app.post("/sleep")
         async def sleep(level: int = 1) -> Response:
             """Give the device memory back while no request runs (LLM.sleep)."""
-            try:
-                await aengine.sleep(level)
-            except ValueError as e:
-                raise OpenAIError(400, str(e), param="level") from None
-            return Response(status_code=200)
+            return await done_or_400(aengine.sleep(level), "level")
 
         @app.post("/wake_up")
         async def wake_up(tags: Annotated[list[str] | None, Query()] = None) -> Response:
             """Take it back: ?tags=weights, ?tags=kv_cache, or both (no tags)."""
-            try:
-                await aengine.wake_up(tags)
-            except ValueError as e:
-                raise OpenAIError(400, str(e), param="tags") from None
-            return Response(status_code=200)
+            return await done_or_400(aengine.wake_up(tags), "tags")
 
         @app.get("/is_sleeping")
         async def is_sleeping() -> dict[str, bool]:
