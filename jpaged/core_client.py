@@ -264,6 +264,7 @@ class CoreProcessEngine(RequestFrontend):
         self._last_req_ids: list[str] = []  # of the latest CoreStep (see CoreStep.req_ids)
         self._seq = 0
         self._adds_sent = 0  # "add" messages sent (see CoreStep.adds_seen)
+        self._asleep = False  # sleep mode: this front end put the core to sleep
         self._closed = False
         try:
             msg = self._recv(deadline=time.monotonic() + start_timeout_s)
@@ -455,7 +456,7 @@ class CoreProcessEngine(RequestFrontend):
 
     def is_sleeping(self) -> bool:
         """True while the core sleeps (known here: only this front end puts it to sleep)."""
-        return getattr(self, "_asleep", False)
+        return self._asleep
 
     def reset_prefix_cache(self) -> bool:
         """Drop every cached block that no request uses; False if some are in use."""

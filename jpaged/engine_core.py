@@ -161,6 +161,17 @@ def _check_supported(config: EngineConfig) -> None:
 
 
 
+def _read_model(args: EngineArgs) -> LoadedModel:
+    """The model `args` name, read as the engine reads it at start (sleep level 2 again)."""
+    return load_model(args.model, args.dtype, args.tensor_parallel_size, args.quantization)
+
+
+def _as_run(model: Any) -> Any:
+    """`model` in the layout this platform runs: on XLA:CPU one scanned layer compiles ~5x
+    faster than 30 unrolled (stack_layers); elsewhere each layer's own arrays."""
+    return stack_layers(model) if scans_layers() else model
+
+
 class EngineCore:
     """The engine's core: one jitted device step per `step()` call, no front end.
 
@@ -190,17 +201,15 @@ class EngineCore:
         _check_connector(early, args)
         # With tensor parallelism the weights load straight into their shards.
         rss_before = rss_bytes()
-        self.loaded = loaded or load_model(args.model, args.dtype, args.tensor_parallel_size,
-                                           args.quantization)
+        self.loaded = loaded or _read_model(args)
         if self.group is not None:  # what loading took from this process (docs/distributed.md)
             mine = sum(s.data.nbytes for x in jax.tree_util.tree_leaves(nnx.state(
                 self.loaded.model)) for s in x.addressable_shards)
             logger.info("process %d of %d loaded its parameter slices: %d bytes on its devices; "
                         "peak RSS %d bytes, %d before loading", self.group.rank,
                         self.group.nnodes, mine, peak_rss_bytes(), rss_before)
-        if scans_layers():  # XLA:CPU: one scanned layer compiles ~5x faster than 30 unrolled
-            # A model this engine loaded gives up its per-layer arrays; a caller's stays whole.
-            self.loaded = dataclasses.replace(self.loaded, model=stack_layers(self.loaded.model))
+        # A model this engine loaded gives up its per-layer arrays; a caller's stays whole.
+        self.loaded = dataclasses.replace(self.loaded, model=_as_run(self.loaded.model))
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
         # Sleep level 2 reads the weights again as they were read here: only a model this
@@ -604,8 +613,7 @@ class EngineCore:
             raise ValueError(f"{c}: the target's sliding-window layers free blocks the draft "
                              "still reads; set disable_hybrid_kv_cache_manager")
         draft = load_model(config.speculative.model, args.dtype)
-        if scans_layers():
-            draft = dataclasses.replace(draft, model=stack_layers(draft.model))
+        draft = dataclasses.replace(draft, model=_as_run(draft.model))
         if draft.spec.vocab_size != self.spec.vocab_size:
             raise ValueError(f"{c}: the draft's vocabulary ({draft.spec.vocab_size} tokens) is "
                              f"not the target's ({self.spec.vocab_size})")
@@ -775,12 +783,6 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             raise ValueError(f"sleep: {self.scheduler.get_num_unfinished_requests()} requests "
                              "are unfinished; sleep when the engine is idle")
-        # Async scheduling: a step dispatched before the last requests ended is still in
-        # flight (its tokens are past those requests' ends, dropped); apply it first.
-        for _ in range(4):
-            if self._in_flight is None:
-                break
-            self.step()
         for what, present in (("a speculative draft model", self.draft is not None),
                               ("a KV connector", self.kv_worker is not None),
                               ("several processes", self.group is not None)):
@@ -790,6 +792,11 @@ class EngineCore:
             raise ValueError("sleep: level 2 reads the weights again at wake_up, so it needs "
                              "an engine that loaded its model itself (LLM(model=...)), not one "
                              "given a loaded model")
+        # Async scheduling: a step dispatched before the last requests ended is still in
+        # flight (its tokens are past those requests' ends, dropped); apply it first. With no
+        # request unfinished, a step dispatches nothing new, so this ends.
+        while self._in_flight is not None:
+            self.step()
         # The device pages go: their prefix-cache entries with them; the host and disk tiers
         # hold copies, which stay.
         ok = self.scheduler.reset_prefix_cache(keep_host_tier=True)
@@ -816,11 +823,7 @@ class EngineCore:
             return
         model = None
         if "weights" in tags and "weights" in self.runner.asleep and self._sleep_level == 2:
-            args = self._args
-            model = load_model(args.model, args.dtype, args.tensor_parallel_size,
-                               args.quantization).model
-            if scans_layers():
-                model = stack_layers(model)
+            model = _as_run(_read_model(self._args).model)  # as it was read at start
         self.runner.wake_up(tags, model)
         if "weights" not in self.runner.asleep:
             self.loaded = dataclasses.replace(

@@ -87,7 +87,6 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.lora_request = lora_request
-        self.lora_name: str | None = None if lora_request is None else lora_request.lora_name
         # The adapter as the engine read it (`attach_lora`, before the request is queued):
         # its weights stay with the request until it ends, and its key (name and digest of
         # its files) is what the scheduler counts, the device slots hold and every block's
@@ -198,6 +197,11 @@ class Request:
     def block_hasher(self) -> PrefixHasher | None:
         """The hasher maintaining block_hashes (None: prefix caching unused)."""
         return self._hasher
+
+    @property
+    def lora_name(self) -> str | None:
+        """The name of its LoRA adapter, None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     def attach_lora(self, adapter: Any) -> None:
         """Hold the LoRA adapter read for this request (before its block hashes are set)."""

@@ -299,6 +299,12 @@ def num_blocks_for(cache: CacheConfig, spec: ModelSpec, dtype: jnp.dtype, param_
                         extra_bytes_per_block=extra_bytes_per_block).num_blocks
 
 
+def zeros_as(spec: jax.ShapeDtypeStruct | jax.Array) -> jax.Array:
+    """A zeroed array of `spec`'s shape, dtype and sharding, made where it lies (no host copy,
+    no device holding a whole sharded array)."""
+    return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype), out_shardings=spec.sharding)()
+
+
 def allocate_kv_cache(spec: ModelSpec, num_blocks: int, block_size: int,
                       dtype: jnp.dtype, kv_layers: int | None = None) -> KVCache:
     """Zeroed pages for every layer (or `kv_layers` slots: KV cache groups), scales 1.0."""

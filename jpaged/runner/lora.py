@@ -19,10 +19,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jpaged.runner.kv_cache import zeros_as
 from models.config import ModelSpec
 from models.lora import LoraAdapter, lora_module_shapes
 
 logger = logging.getLogger(__name__)
+
+
+def _slot_shapes(spec: ModelSpec, width: int) -> dict[str, tuple[tuple[int, ...], ...]]:
+    """The A and B shapes of every adaptable projection for slots `width` columns wide."""
+    layers = spec.num_layers
+    return {m: ((layers, n_in, width), (layers, width, n_out))
+            for m, (n_in, n_out) in lora_module_shapes(spec).items()}
 
 
 @partial(jax.jit, donate_argnums=(0,))
@@ -50,12 +58,10 @@ class LoraSlots:
         slots = cls.__new__(cls)
         slots.spec, slots.num_slots, slots.rank = spec, num_slots, rank
         slots.dtype = jnp.dtype(dtype)
-        width, layers = num_slots * rank, spec.num_layers
-        slots.weights = {
-            m: (jax.ShapeDtypeStruct((layers, n_in, width), slots.dtype, sharding=sharding),
-                jax.ShapeDtypeStruct((layers, width, n_out), slots.dtype, sharding=sharding))
-            for m, (n_in, n_out) in lora_module_shapes(spec).items()}
-        slots._holder, slots._slot_of, slots.num_loads = [None] * num_slots, OrderedDict(), 0
+        slots.weights = {m: tuple(jax.ShapeDtypeStruct(s, slots.dtype, sharding=sharding)
+                                  for s in shapes)
+                         for m, shapes in _slot_shapes(spec, num_slots * rank).items()}
+        slots._slot_of, slots.num_loads = OrderedDict(), 0
         return slots
 
     def __init__(self, spec: ModelSpec, num_slots: int, rank: int, dtype: Any,
@@ -65,16 +71,13 @@ class LoraSlots:
         self.rank = rank
         self.dtype = jnp.dtype(dtype)
         self._place = place or (lambda x: x)
-        width = num_slots * rank
-        layers = spec.num_layers
-        # Invariant: slot s's columns of A (rows of B) hold the adapter `_holder[s]` names,
-        # zero-padded to `rank`, or zeros when it is None.
         self.weights: dict[str, tuple[jax.Array, jax.Array]] = {
-            m: (self._place(jnp.zeros((layers, n_in, width), self.dtype)),
-                self._place(jnp.zeros((layers, width, n_out), self.dtype)))
-            for m, (n_in, n_out) in lora_module_shapes(spec).items()}
-        self._holder: list[str | None] = [None] * num_slots
-        self._slot_of: OrderedDict[str, int] = OrderedDict()  # least recently used first
+            m: tuple(self._place(jnp.zeros(s, self.dtype)) for s in shapes)
+            for m, shapes in _slot_shapes(spec, num_slots * rank).items()}
+        # Invariant: slot s's columns of A (rows of B) hold the adapter keyed k where
+        # _slot_of[k] == s, zero-padded to `rank`; a slot no key maps to holds zeros or an
+        # adapter no step will use again. Keys least recently used first.
+        self._slot_of: OrderedDict[str, int] = OrderedDict()
         self.num_loads = 0  # adapters written into a slot (a reload counts again)
 
     @property
@@ -111,7 +114,8 @@ class LoraSlots:
             if name in self._slot_of:
                 self._slot_of.move_to_end(name)
                 continue
-            free = [s for s, h in enumerate(self._holder) if h is None]
+            used = set(self._slot_of.values())
+            free = [s for s in range(self.num_slots) if s not in used]
             if free:
                 slot = free[0]
             else:  # the least recently used adapter this step does not need
@@ -119,7 +123,6 @@ class LoraSlots:
                 slot = self._slot_of.pop(victim)
             self.weights = _write_slot(self.weights, self._padded(adapter),
                                        jnp.int32(slot * self.rank))
-            self._holder[slot] = name
             self._slot_of[name] = slot
             self.num_loads += 1
             logger.debug("LoRA adapter %r loaded into slot %d", name, slot)
@@ -127,25 +130,8 @@ class LoraSlots:
 
     def clear(self) -> None:
         """Zeroed slots, none holding an adapter (after their arrays were dropped)."""
-        self.weights = {m: (jax.jit(lambda a=a: jnp.zeros(a.shape, a.dtype),
-                                    out_shardings=a.sharding)(),
-                            jax.jit(lambda b=b: jnp.zeros(b.shape, b.dtype),
-                                    out_shardings=b.sharding)())
-                        for m, (a, b) in self.weights.items()}
-        self._holder = [None] * self.num_slots
+        self.weights = jax.tree.map(zeros_as, self.weights)
         self._slot_of.clear()
-
-    def evict(self, name: str) -> bool:
-        """Forget the slot of the adapter keyed `name` (its columns zeroed now); False when it
-        held none."""
-        slot = self._slot_of.pop(name, None)
-        if slot is None:
-            return False
-        self._holder[slot] = None
-        zeros = {m: (jnp.zeros_like(a[:, :, :self.rank]), jnp.zeros_like(b[:, :self.rank]))
-                 for m, (a, b) in self.weights.items()}
-        self.weights = _write_slot(self.weights, zeros, jnp.int32(slot * self.rank))
-        return True
 
     def step_slots(self, requests: Sequence[Any]) -> np.ndarray:
         """Each request's slot (-1: the base model) for one step, loading the adapters the

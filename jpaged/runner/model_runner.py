@@ -24,7 +24,7 @@ from jpaged.runner.batch import (
     unflatten_step,
 )
 from jpaged.runner.input_batch import InputBatch
-from jpaged.runner.kv_cache import KVCache, amax_scale
+from jpaged.runner.kv_cache import KVCache, amax_scale, zeros_as
 from jpaged.runner.linears import (
     fused_qkv_write,
     is_gpu_platform,
@@ -212,6 +212,11 @@ class ModelRunner:
         # LoRA: the adapter slots on the device (None: no adapters; steps carry no slot
         # inputs and compile as they always did). Requests bring their adapters' weights.
         self.lora = lora
+        # Sleep mode: the parts given up ("weights", "kv_cache"), and the host copies of the
+        # params and LoRA slots a level-1 sleep keeps (None otherwise).
+        self._asleep: set[str] = set()
+        self._host_params: Any = None
+        self._host_lora: Any = None
         if self.lora is not None and decode_matmuls:
             # The fused kernels have no adapter epilogue: every step runs on XLA's GEMMs.
             logger.info("LoRA: decode steps run on XLA's GEMMs, not the fused projections")
@@ -523,7 +528,7 @@ class ModelRunner:
     @property
     def asleep(self) -> frozenset[str]:
         """The parts whose device memory is given up: "weights", "kv_cache" (none: awake)."""
-        return frozenset(getattr(self, "_asleep", ()))
+        return frozenset(self._asleep)
 
     def sleep(self, level: int) -> int:
         """Give up the device memory of the KV pages (their contents are lost) and of the
@@ -571,19 +576,14 @@ class ModelRunner:
                                  "model was given to take them from")
             self._host_params = None
             if self.lora is not None:
-                host = getattr(self, "_host_lora", None)
-                if host is not None:
-                    self.lora.weights = jax.tree.map(placed, host, self.lora.weights)
+                if self._host_lora is not None:
+                    self.lora.weights = jax.tree.map(placed, self._host_lora, self.lora.weights)
                 else:  # level 2: empty slots; adapters load again as steps need them
                     self.lora.clear()
                 self._host_lora = None
             asleep.discard("weights")
         if "kv_cache" in tags and "kv_cache" in asleep:
-            def zeros(spec: jax.ShapeDtypeStruct) -> jax.Array:
-                return jax.jit(lambda: jnp.zeros(spec.shape, spec.dtype),
-                               out_shardings=spec.sharding)()
-
-            self.kv = dataclasses.replace(self.kv, k=zeros(self.kv.k), v=zeros(self.kv.v))
+            self.kv = dataclasses.replace(self.kv, k=zeros_as(self.kv.k), v=zeros_as(self.kv.v))
             asleep.discard("kv_cache")
         self._asleep = asleep
 

@@ -177,18 +177,19 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     aengine = AsyncLLMEngine(engine, start=False) if wrapped else engine
     names = ([served_model_name] if isinstance(served_model_name, str)
              else list(served_model_name or ())) or [default_model_name(aengine.model_source)]
-    if loras or runtime_loras:  # before the engine loop starts: a refusal leaves nothing running
-        for i, module in enumerate(loras):  # LoRA off, an adapter that does not read: refused
-            # Numbered by the engine (an adapter it knows keeps its id; others get new ones).
-            module = loras[i] = dataclasses.replace(
-                module, lora_int_id=aengine.lora_id_for(module.lora_name))
-            if module.lora_name in names:
-                raise ValueError(f"--lora-modules {module.lora_name}: the name is the served "
-                                 "model's (--served-model-name); give the adapter its own")
-            try:
-                aengine.check_lora(module)
-            except (ValueError, FileNotFoundError) as e:
-                raise ValueError(f"--lora-modules {module.lora_name}: {e}") from None
+    # Before the engine loop starts, so that a refusal leaves nothing running: LoRA off, an
+    # adapter that does not read, or one named as the served model is refused.
+    for i, module in enumerate(loras):
+        # Numbered by the engine (an adapter it knows keeps its id; others get new ones).
+        module = loras[i] = dataclasses.replace(
+            module, lora_int_id=aengine.lora_id_for(module.lora_name))
+        if module.lora_name in names:
+            raise ValueError(f"--lora-modules {module.lora_name}: the name is the served "
+                             "model's (--served-model-name); give the adapter its own")
+        try:
+            aengine.check_lora(module)
+        except (ValueError, FileNotFoundError) as e:
+            raise ValueError(f"--lora-modules {module.lora_name}: {e}") from None
     aengine.start()
     name = names[0]
     serving = _Serving(aengine, names, parser, template, log, thinker)
