@@ -226,14 +226,25 @@ def _split(n: int, tp: int) -> int:
     return cdiv(n, tp)
 
 
+def _ffn_params(spec: Any, layer: int, t: int) -> int:
+    """Feed-forward parameters of decoder layer `layer` on one of `t` devices: a dense MLP,
+    or the router, every expert (each split by width) and a shared expert with its gate."""
+    d = spec.hidden_size
+    if not spec.layer_is_sparse(layer):
+        ff = _split(spec.intermediate_size, t)
+        return 3 * d * ff + ((2 * ff + d) if spec.mlp_bias else 0)
+    experts = spec.num_experts * 3 * d * _split(spec.moe_intermediate_size, t)
+    shared = spec.shared_expert_intermediate_size
+    return d * spec.num_experts + experts + ((3 * d * _split(shared, t) + d) if shared else 0)
+
+
 def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
     """(parameters of the whole model, parameters held by one of `tp` devices)."""
-    d, inter, hd, v = spec.hidden_size, spec.intermediate_size, spec.head_dim, spec.vocab_size
+    d, hd, v = spec.hidden_size, spec.head_dim, spec.vocab_size
     totals = []
     for t in (1, tp):
         q_heads = spec.num_heads // t
         kv = max(1, spec.num_kv_heads // t)  # replicated (one per device) when t > kv heads
-        ff = _split(inter, t)
         layer = d * (q_heads + 2 * kv) * hd + q_heads * hd * d  # q, k, v, o
         if spec.attention_bias:
             layer += (q_heads + 2 * kv) * hd
@@ -241,14 +252,24 @@ def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
             layer += d  # row-parallel bias: whole on every device
         if spec.qk_norm:
             layer += 2 * hd
-        layer += 3 * d * ff + 2 * d  # gate, up, down; two RMSNorms (replicated)
+        layer += 2 * d  # two RMSNorms (replicated)
         if spec.is_gemma:
             layer += 2 * d  # Gemma's pre- and post-feedforward norms
-        if spec.mlp_bias:
-            layer += 2 * ff + d
+        ffn = sum(_ffn_params(spec, i, t) for i in range(spec.num_layers))
         embed = _split(v, t) * d
-        totals.append(spec.num_layers * layer + embed * (1 if spec.tie_word_embeddings else 2) + d)
+        totals.append(spec.num_layers * layer + ffn
+                      + embed * (1 if spec.tie_word_embeddings else 2) + d)
     return totals[0], totals[1]
+
+
+def _ffn_width(spec: Any, tp: int) -> int:
+    """The widest feed-forward activation a token makes on one of `tp` devices: the dense
+    MLP's, or its experts' (num_experts_per_tok of them) plus a shared expert's."""
+    widths = [_split(spec.intermediate_size, tp)]
+    if spec.is_moe:
+        widths.append(spec.num_experts_per_tok * _split(spec.moe_intermediate_size, tp)
+                      + _split(spec.shared_expert_intermediate_size, tp))
+    return max(widths)
 
 
 def weight_bytes(spec: Any, wbytes: int, quantization: str | None, source: str,
@@ -262,6 +283,9 @@ def weight_bytes(spec: Any, wbytes: int, quantization: str | None, source: str,
         quantization = str(qc.get("quant_method", "")).lower()
     if quantization is None:
         return n_params * wbytes
+    if spec.is_moe:
+        raise EstimateError("--quantization", f"{spec.architecture}'s experts run unquantized "
+                            "in this version (quantized weights are for dense models)")
     d, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_kv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
     linear = d * q_kv + spec.num_heads * hd * d + 3 * d * inter  # elements a layer
@@ -393,7 +417,7 @@ def estimate_capacity(
     weights_dev = round(weights * n_params_dev / n_params)  # quantized bytes split as params
     widths = (2 * (spec.num_heads // tp) + 2 * kv_per_dev) * spec.head_dim
     act = (max_num_batched_tokens * wbytes
-           * (2 * spec.hidden_size + widths + 3 * _split(spec.intermediate_size, tp))
+           * (2 * spec.hidden_size + widths + 3 * _ffn_width(spec, tp))
            + max_num_seqs * spec.vocab_size * 4)
     draft_params = draft_block = 0
     draft_source = None

@@ -60,6 +60,8 @@ WRITTEN = (MARKER, PARAMS_DIR, "tokenizer.json", "tokenizer_config.json", "confi
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+    "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -114,6 +116,17 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
     if spec.rope_scaling is not None:
         cfg["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
                                for k, v in spec.rope_scaling}
+    if spec.architecture == "MixtralForCausalLM":
+        cfg.update(num_local_experts=spec.num_experts,
+                   num_experts_per_tok=spec.num_experts_per_tok)
+    elif spec.is_moe:  # Qwen's names; a dense layer is listed in mlp_only_layers
+        cfg.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                   moe_intermediate_size=spec.moe_intermediate_size,
+                   norm_topk_prob=spec.norm_topk_prob,
+                   shared_expert_intermediate_size=spec.shared_expert_intermediate_size,
+                   qkv_bias=spec.attention_bias, decoder_sparse_step=1,
+                   mlp_only_layers=[i for i in range(spec.num_layers)
+                                    if not spec.layer_is_sparse(i)])
     return cfg
 
 

@@ -15,7 +15,14 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
     "Qwen3ForCausalLM",
     "Gemma2ForCausalLM",
     "Gemma3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
+# The mixture-of-experts ones (models/moe.py): some or all layers route each token to
+# `num_experts_per_tok` of `num_experts` feed-forward experts.
+MOE_ARCHITECTURES: tuple[str, ...] = (
+    "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 # Used when config.json has no `architectures` list (e.g. saved from a bare config class).
 _MODEL_TYPE_TO_ARCH = {
@@ -25,6 +32,9 @@ _MODEL_TYPE_TO_ARCH = {
     "qwen3": "Qwen3ForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 # HF `layer_types` entries: attention over every earlier token, or over the last
@@ -81,6 +91,19 @@ class ModelSpec:
     final_logit_softcapping: float | None = None  # the same on the logits (Gemma 2)
     query_pre_attn_scalar: float | None = None  # attention scale scalar**-0.5 (Gemma)
     rope_local_base_freq: float | None = None  # RoPE base of sliding layers (Gemma 3)
+    # Mixture of experts (MOE_ARCHITECTURES; 0 = a dense model): each sparse layer's router
+    # picks num_experts_per_tok of num_experts experts of width moe_intermediate_size per
+    # token, their weights renormalized to sum 1 when norm_topk_prob; a shared expert of
+    # width shared_expert_intermediate_size (0: none) behind a sigmoid gate (Qwen2-MoE).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    # One bool per layer: True = a sparse (expert) layer, False = the dense MLP of width
+    # intermediate_size (Qwen's mlp_only_layers, decoder_sparse_step). None = every layer
+    # sparse when num_experts > 0.
+    sparse_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -110,6 +133,43 @@ class ModelSpec:
                 raise ValueError("ModelSpec.rope_scaling must be a tuple of (key, value) pairs")
             _check_rope_scaling(self.rope_scaling, self.head_dim)
         self._check_attention_kinds()
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        moe = self.architecture in MOE_ARCHITECTURES
+        if not moe:
+            if self.num_experts or self.sparse_layers is not None:
+                raise ValueError(f"ModelSpec.num_experts is for {', '.join(MOE_ARCHITECTURES)}"
+                                 f", not {self.architecture}")
+            return
+        for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"ModelSpec.{name} must be an int >= 1 for "
+                                 f"{self.architecture}, got {value!r}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"ModelSpec.num_experts_per_tok ({self.num_experts_per_tok}) "
+                             f"exceeds num_experts ({self.num_experts})")
+        shared = self.shared_expert_intermediate_size
+        if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+            raise ValueError("ModelSpec.shared_expert_intermediate_size must be an int >= 0, "
+                             f"got {shared!r}")
+        sparse = self.sparse_layers
+        if sparse is not None and (not isinstance(sparse, tuple) or len(sparse) !=
+                                   self.num_layers or not all(isinstance(b, bool) for b in sparse)):
+            raise ValueError(f"ModelSpec.sparse_layers must be a tuple of num_layers="
+                             f"{self.num_layers} bools or None, got {sparse!r}")
+
+    @property
+    def is_moe(self) -> bool:
+        """True for a mixture-of-experts model (some layers route tokens to experts)."""
+        return self.num_experts > 0
+
+    def layer_is_sparse(self, layer_idx: int) -> bool:
+        """Whether decoder layer `layer_idx` is an expert layer (else a dense MLP)."""
+        if not self.is_moe:
+            return False
+        return True if self.sparse_layers is None else self.sparse_layers[layer_idx]
 
     def _check_attention_kinds(self) -> None:
         if self.hidden_act not in ACTIVATIONS:
@@ -203,8 +263,10 @@ class ModelSpec:
         o_proj_bias = attention_bias
         if arch == "Qwen2ForCausalLM":  # Qwen2 always has q/k/v bias and never o_proj bias
             attention_bias, o_proj_bias = True, False
-        if arch == "MistralForCausalLM":
+        if arch in ("MistralForCausalLM", "MixtralForCausalLM"):
             attention_bias = o_proj_bias = False
+        if arch == "Qwen2MoeForCausalLM":  # q/k/v bias unless qkv_bias says not (v5 field)
+            attention_bias, o_proj_bias = bool(cfg.get("qkv_bias", True)), False
 
         eos = cfg.get("eos_token_id")
         eos_list = [] if eos is None else eos if isinstance(eos, list | tuple) else [eos]
@@ -224,7 +286,7 @@ class ModelSpec:
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_position_embeddings=max_pos,
             bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
@@ -234,6 +296,7 @@ class ModelSpec:
             layer_types=layer_types,
             sliding_window=window,
             **(_gemma_fields(cfg, arch) if gemma else {}),
+            **(_moe_fields(cfg, arch, num_layers) if arch in MOE_ARCHITECTURES else {}),
         )
 
 
@@ -283,7 +346,7 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int,
     attends in full (a window as long as the context is full attention)."""
     defaults = _GEMMA_DEFAULTS.get(arch, {})
     window = cfg.get("sliding_window", defaults.get("sliding_window"))
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window"):
+    if arch in _QWEN and not cfg.get("use_sliding_window"):
         window = None
     types = cfg.get("layer_types")
     if types is not None:
@@ -297,9 +360,9 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int,
         types = tuple(types)
     elif window is None:
         return None, None
-    elif arch == "MistralForCausalLM":  # one window on every layer
+    elif arch in ("MistralForCausalLM", "MixtralForCausalLM"):  # one window on every layer
         types = (SLIDING_ATTENTION,) * num_layers
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):  # layers from max_window_layers on
+    elif arch in _QWEN:  # layers from max_window_layers on
         first = cfg.get("max_window_layers", 28)
         types = tuple(SLIDING_ATTENTION if i >= first else FULL_ATTENTION
                       for i in range(num_layers))
@@ -317,6 +380,45 @@ def _layer_types(cfg: dict[str, Any], arch: str, num_layers: int,
     if window >= max_pos:  # it never binds: full attention, the same result
         return None, None
     return types, window
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, Any]:
+    """The expert fields of a mixture-of-experts config, as HF's config classes read them:
+    Mixtral's experts are intermediate_size wide on every layer, always renormalized; Qwen's
+    are moe_intermediate_size wide on the layers decoder_sparse_step and mlp_only_layers
+    leave sparse."""
+    if arch == "MixtralForCausalLM":
+        return {"num_experts": _get_int(cfg, "num_local_experts"),
+                "num_experts_per_tok": _get_int(cfg, "num_experts_per_tok"),
+                "moe_intermediate_size": _get_int(cfg, "intermediate_size"),
+                "norm_topk_prob": True}
+    step = cfg.get("decoder_sparse_step", 1)
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"config field 'decoder_sparse_step' must be an int >= 1, got {step!r}")
+    dense = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense, list | tuple) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < num_layers
+            for i in dense):
+        raise ValueError(f"config field 'mlp_only_layers' must list layer indices in "
+                         f"[0, {num_layers}), got {dense!r}")
+    sparse = tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers))
+    shared = 0
+    if arch == "Qwen2MoeForCausalLM":
+        shared = _get_int(cfg, "shared_expert_intermediate_size")
+    norm = cfg.get("norm_topk_prob", False)
+    if not isinstance(norm, bool):
+        raise ValueError(f"config field 'norm_topk_prob' must be true or false, got {norm!r}")
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (Mixtral's name).
+    count = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg \
+        else "num_local_experts"
+    return {"num_experts": _get_int(cfg, count),
+            "num_experts_per_tok": _get_int(cfg, "num_experts_per_tok"),
+            "moe_intermediate_size": _get_int(cfg, "moe_intermediate_size"),
+            "norm_topk_prob": norm, "shared_expert_intermediate_size": shared,
+            "sparse_layers": None if all(sparse) else sparse}
+
+
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _gemma_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:

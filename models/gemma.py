@@ -46,7 +46,7 @@ class GemmaRMSNorm(nnx.Module):
 class GemmaDecoderLayer(nnx.Module):
     """x + post_attn_norm(attn(input_norm(x))), then x + post_ff_norm(mlp(pre_ff_norm(x)))."""
 
-    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
+    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs, layer_idx: int = 0):
         h, eps = spec.hidden_size, spec.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(h, eps, dtype=dtype)
         self.self_attn = Attention(spec, dtype=dtype, rngs=rngs, norm_cls=GemmaRMSNorm)

@@ -242,6 +242,11 @@ def spec_from_gguf(
             f"GGUF file {path}: unsupported architecture {arch!r}; "
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
+    experts = meta.get(arch + ".expert_count")
+    if experts:  # llama.cpp's Mixtral, Qwen MoE, ...: stacked ffn_*_exps tensors
+        raise ValueError(f"GGUF file {path}: a mixture-of-experts model ({arch}.expert_count="
+                         f"{experts}) is not supported from GGUF in this version; load its HF "
+                         "checkpoint (safetensors) instead")
     if arch == "gemma3":  # through the HF config, so both routes share one parser
         try:
             return ModelSpec.from_hf_config(hf_config_from_gguf(meta, tensor_names))

@@ -28,6 +28,7 @@ from .attention import AttnFn
 from .config import ModelSpec
 from .linear_ops import DecodeLinears, activation_name, matmul_precision, one_row_as_two
 from .lora import LoraBatch, add_delta
+from .moe import SparseMoeBlock
 from .quant import QuantWeight
 from .quant_layers import QuantEmbed, QuantLinear
 from .rope import apply_rope, inverse_frequencies, rope_cos_sin
@@ -197,14 +198,31 @@ class Attention(nnx.Module):
         return self.attend(q, k, v, cos, sin, layer_idx, attn_fn, attn_state, roped=roped)
 
 
-class DecoderLayer(nnx.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+def feed_forward(spec: ModelSpec, layer_idx: int, *, dtype: Any, rngs: nnx.Rngs
+                 ) -> tuple[str, nnx.Module]:
+    """A layer's feed-forward module and its HF attribute name: the experts of a sparse layer
+    (Mixtral's `block_sparse_moe`, Qwen's `mlp`), else the dense MLP (`mlp`)."""
+    if not spec.layer_is_sparse(layer_idx):
+        return "mlp", MLP(spec, dtype=dtype, rngs=rngs)
+    name = "block_sparse_moe" if spec.architecture == "MixtralForCausalLM" else "mlp"
+    return name, SparseMoeBlock(spec, dtype=dtype, rngs=rngs, mlp_cls=MLP)
 
-    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs):
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)) (the MLP a mixture of
+    experts in a sparse layer)."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs, layer_idx: int = 0):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
         self.self_attn = Attention(spec, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
-        self.mlp = MLP(spec, dtype=dtype, rngs=rngs)
+        self.ffn_name, ffn = feed_forward(spec, layer_idx, dtype=dtype, rngs=rngs)
+        setattr(self, self.ffn_name, ffn)
+
+    @property
+    def ffn(self) -> nnx.Module:
+        """The layer's feed-forward module (MLP or SparseMoeBlock)."""
+        return getattr(self, self.ffn_name)
 
     def __call__(
         self,
@@ -226,12 +244,14 @@ class DecoderLayer(nnx.Module):
             out, attn_state = attn.fused_attention(x, self.input_layernorm, cos, sin,
                                                    layer_idx, attn_fn, attn_state, linears)
             x = linears.out(out, _weight(attn.o_proj), _bias(attn.o_proj), x)
-            return self.mlp.fused(x, self.post_attention_layernorm, linears, x), attn_state
+            if isinstance(self.ffn, SparseMoeBlock):  # experts: XLA's grouped GEMMs
+                return residual_sum(x, self.ffn(self.post_attention_layernorm(x))), attn_state
+            return self.ffn.fused(x, self.post_attention_layernorm, linears, x), attn_state
         attn_out, attn_state = attn(
             self.input_layernorm(x), cos, sin, layer_idx, attn_fn, attn_state, lora
         )
         x = residual_sum(x, attn_out)
-        return residual_sum(x, self.mlp(self.post_attention_layernorm(x), lora, layer_idx)
+        return residual_sum(x, self.ffn(self.post_attention_layernorm(x), lora, layer_idx)
                             ), attn_state
 
 
@@ -254,7 +274,8 @@ class LlamaModel(nnx.Module):
         )
         # Invariant: len(layers) == num_layers, and layer i's Params are its own arrays.
         self.layers = nnx.List(
-            [self.layer_class(spec, dtype=dtype, rngs=rngs) for _ in range(spec.num_layers)]
+            [self.layer_class(spec, dtype=dtype, rngs=rngs, layer_idx=i)
+             for i in range(spec.num_layers)]
         )
         self.norm = self.norm_class(spec.hidden_size, spec.rms_norm_eps, dtype=dtype)
 
@@ -457,3 +478,15 @@ class LlamaForCausalLM(nnx.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Mistral: Llama layers without biases; a sliding window (ModelSpec) on every layer."""
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    """Mixtral: Mistral's attention, a mixture of experts (`block_sparse_moe`) in every layer."""
+
+
+class Qwen2MoeForCausalLM(LlamaForCausalLM):
+    """Qwen2-MoE: Qwen2's attention; experts plus a gated shared expert (models/moe.py)."""
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    """Qwen3-MoE: Qwen3's attention (q/k norms); experts without a shared one."""

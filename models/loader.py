@@ -308,6 +308,11 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
     except ValueError as e:  # name the file: the message alone names only the field
         raise ValueError(f"{cfg_file}: {e}") from e
     spec = spec.replace(eos_token_ids=_merge_generation_eos(path, spec.eos_token_ids))
+    if spec.is_moe and (method or quantization):
+        raise ValueError(f"{cfg_file}: {spec.architecture}'s experts run unquantized in this "
+                         f"version; quantization {method or quantization!r} is for dense "
+                         "models (load it without --quantization, from an unquantized "
+                         "checkpoint)")
     tokenizer = Tokenizer.from_hf_dir(path)
     weights = load_hf_dir_weights(path, spec)
     plan = None

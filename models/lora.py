@@ -165,6 +165,11 @@ def read_lora_adapter(path: str | Path, spec: ModelSpec, name: str, max_rank: in
         if layer >= spec.num_layers:
             raise ValueError(f"LoRA adapter {weights_path}: tensor {key!r} is for layer {layer} "
                              f"but the model has {spec.num_layers} layers")
+        if parent == "mlp" and spec.layer_is_sparse(layer):
+            raise ValueError(f"LoRA adapter {weights_path}: tensor {key!r} adapts layer "
+                             f"{layer}'s {module}, but that layer is a mixture of experts "
+                             "(adapters on experts are not supported; attention projections "
+                             "and dense layers' MLPs are)")
         n_in, n_out = shapes[module]
         want = (r, n_in) if which == "A" else (n_out, r)
         if tuple(arr.shape) != want:

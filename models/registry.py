@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from .gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
-from .llama import LlamaForCausalLM, MistralForCausalLM
+from .llama import (
+    LlamaForCausalLM,
+    MistralForCausalLM,
+    MixtralForCausalLM,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeForCausalLM,
+)
 from .qwen2 import Qwen2ForCausalLM
 from .qwen3 import Qwen3ForCausalLM
 
@@ -14,6 +20,9 @@ MODEL_REGISTRY: dict[str, type] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -4,6 +4,8 @@ The loaders place every parameter straight into this plan, and the engine's `Ten
 (jpaged/runner/parallel.py) uses the same functions, so a model loaded here needs no reshard.
 
   q_proj, gate_proj, up_proj   split by output columns  -> each device owns heads / N, ffn / N
+                               (a layer's stacked experts [E, hidden, width]: every expert's
+                               width / N; the router and shared-expert gate replicated)
   k_proj, v_proj               split by columns when N <= kv_heads, else replicated
   o_proj, down_proj            split by input rows (their biases replicated)
   embed_tokens, lm_head        split by vocabulary when N divides it, else replicated
@@ -44,10 +46,18 @@ def check_device_count(tensor_parallel_size: int) -> None:
             "XLA_FLAGS=--xla_force_host_platform_device_count=N fakes N devices")
 
 
+def _widths(spec: ModelSpec) -> dict[str, int]:
+    """Every feed-forward width a device splits: the dense MLP's, the experts' and the shared
+    expert's (0: the model has none)."""
+    return {"intermediate_size": spec.intermediate_size,
+            "moe_intermediate_size": spec.moe_intermediate_size,
+            "shared_expert_intermediate_size": spec.shared_expert_intermediate_size}
+
+
 def _fits(spec: ModelSpec, n: int) -> bool:
     kv = spec.num_kv_heads
     return (spec.num_heads % n == 0 and (kv % n == 0 or n % kv == 0)
-            and spec.intermediate_size % n == 0)
+            and all(w % n == 0 for w in _widths(spec).values()))
 
 
 def valid_tp_sizes(spec: ModelSpec) -> list[int]:
@@ -90,8 +100,8 @@ def plan_layout(spec: ModelSpec, tensor_parallel_size: int) -> TPLayout:
             why.append(f"{spec.num_heads} query heads do not split {n} ways")
         if spec.num_kv_heads % n and n % spec.num_kv_heads:
             why.append(f"{spec.num_kv_heads} KV heads neither split {n} ways nor divide {n}")
-        if spec.intermediate_size % n:
-            why.append(f"intermediate_size={spec.intermediate_size} does not split {n} ways")
+        why += [f"{name}={w} does not split {n} ways"
+                for name, w in _widths(spec).items() if w % n]
         raise ValueError(
             f"tensor_parallel_size={n} does not fit the model ({spec.num_heads} query heads, "
             f"{spec.num_kv_heads} KV heads): {'; '.join(why)}. tensor_parallel_size values "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -17,6 +18,7 @@ from safetensors import safe_open
 
 from .config import ModelSpec
 from .gguf_loader import load_gguf, permute_qk, unpermute_qk
+from .moe import EXPERT_PARAMS, expert_hf_names
 from .tensors import TensorDict
 
 __all__ = [
@@ -131,6 +133,22 @@ def hf_param_table(model: nnx.Module) -> dict[str, HFParam]:
     return table
 
 
+# A stacked experts Param's table name: `<layer>.<mlp>.experts.<gate_proj|up_proj|down_proj>`,
+# possibly under a scan's stacked layer (`.layers.layer.`).
+_EXPERT_PARAM = re.compile(rf"^(?P<prefix>.+\.experts)\.(?P<param>{'|'.join(EXPERT_PARAMS)})$")
+
+
+def _expert_tensors(name: str, shape: tuple[int, ...], architecture: str) -> list[str] | None:
+    """The checkpoint's per-expert tensor names (`...experts.{e}.{w1|gate_proj}.weight`, one
+    [out, in] each) of a stacked experts Param of `shape` ([..., E, in, out]), in expert
+    order; None for other Params."""
+    m = _EXPERT_PARAM.match(name)
+    if m is None:
+        return None
+    hf = expert_hf_names(architecture)[m["param"]]
+    return [f"{m['prefix']}.{e}.{hf}.weight" for e in range(shape[-3])]
+
+
 def _checked_table(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: ModelSpec
                    ) -> tuple[dict[str, HFParam], Callable[[str, HFParam], np.ndarray]]:
     """The model's HF table after checking the checkpoint has every tensor it needs, and a
@@ -142,7 +160,10 @@ def _checked_table(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: M
     where = getattr(weights, "source_of", lambda _: "<weights dict>")
     origin = getattr(weights, "origin", "<weights dict>")
     table = hf_param_table(model)
-    missing = [name for name in table if name not in weights]
+    # A checkpoint holding a stacked tensor itself (jpaged's own) is read as it is.
+    experts = {name: parts for name, entry in table.items() if name not in weights and
+               (parts := _expert_tensors(name, entry.hf_shape(), spec.architecture))}
+    missing = [n for name in table for n in experts.get(name, [name]) if n not in weights]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise ValueError(
@@ -150,6 +171,17 @@ def _checked_table(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: M
         )
 
     def checked(name: str, entry: HFParam) -> np.ndarray:
+        if name in experts:  # [E, in, out] from each expert's [out, in] (one Param's bytes)
+            want = entry.hf_shape()[-2:][::-1]
+            parts = []
+            for part in experts[name]:
+                arr = weights[part]
+                if tuple(arr.shape) != want:
+                    raise ValueError(f"tensor {part!r} in {where(part)} has shape "
+                                     f"{tuple(arr.shape)}, expected {want} for "
+                                     f"{spec.architecture}")
+                parts.append(arr.T)
+            return np.stack(parts)
         arr = weights[name]
         if tuple(arr.shape) != entry.hf_shape():
             raise ValueError(
@@ -220,14 +252,26 @@ _STACKED = ".layers.layer."
 
 
 def export_weights(model: nnx.Module) -> dict[str, np.ndarray]:
-    """The model's parameters as host numpy arrays in HF naming and layout (inverse of assign)."""
+    """The model's parameters as host numpy arrays in HF naming and layout (inverse of assign;
+    a layer's stacked experts as one tensor per expert, as HF checkpoints hold them)."""
     out: dict[str, np.ndarray] = {}
+    spec = model.spec
     for name, entry in hf_param_table(model).items():
         host = np.asarray(entry.param[...])
         if _STACKED in name:  # layers stacked for a scan (models.llama.stack_layers): one each
             for i, one in enumerate(host):
-                out[name.replace(_STACKED, f".layers.{i}.")] = np.ascontiguousarray(
-                    one.T if entry.transpose else one)
+                _export_one(out, name.replace(_STACKED, f".layers.{i}."), one, entry, spec)
             continue
-        out[name] = np.ascontiguousarray(host.T if entry.transpose else host)
+        _export_one(out, name, host, entry, spec)
     return out
+
+
+def _export_one(out: dict[str, np.ndarray], name: str, host: np.ndarray, entry: HFParam,
+                spec: ModelSpec) -> None:
+    """One Param's tensors in HF layout: itself (transposed back), or one per expert."""
+    parts = _expert_tensors(name, host.shape, spec.architecture)
+    if parts is not None:
+        for part, one in zip(parts, host, strict=True):
+            out[part] = np.ascontiguousarray(one.T)
+        return
+    out[name] = np.ascontiguousarray(host.T if entry.transpose else host)

@@ -35,6 +35,7 @@ from jpaged.runner.lora import LoraSlots
 from jpaged.runner.sampler import NUM_TOP_LOGPROBS, SamplingFlags, sample, searches_wide
 from models.linear_ops import DecodeLinears
 from models.lora import LoraBatch, slot_mask
+from models.moe import expert_impl, experts_run_as
 from models.quant_layers import plan_of
 from pallas_kernels.backend import AttentionOps
 from pallas_kernels.reference import from_bits, to_bits
@@ -222,6 +223,8 @@ class ModelRunner:
             logger.info("LoRA: decode steps run on XLA's GEMMs, not the fused projections")
             decode_matmuls = False
         platform = platform or jax.default_backend()
+        # How a mixture-of-experts model's grouped matmuls run in this step (models/moe.py).
+        self.experts_impl = expert_impl(platform, tensor_parallel=parallel is not None)
         # Candidates a step with logprobs returns per row (sampled and prompt alike): the
         # engine's max_logprobs, at most the vocabulary. Static: part of every compiled step.
         self.num_top_logprobs = max(1, min(num_top_logprobs, vocab_size))
@@ -386,9 +389,10 @@ class ModelRunner:
                 return q, k, v, (to_bits(kp), to_bits(vp), k_scale, v_scale)
 
             linears = dataclasses.replace(linears, qkv_write=qkv_write)
-        hidden, (k_pages, v_pages, k_scale, v_scale) = model(
-            input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
-            embed_fn=embed_fn, linears=linears, lora=lora)
+        with experts_run_as(self.experts_impl):
+            hidden, (k_pages, v_pages, k_scale, v_scale) = model(
+                input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
+                embed_fn=embed_fn, linears=linears, lora=lora)
         logits = model.compute_logits(jnp.take(hidden, batch.logits_indices, axis=0),
                                       linears=_head(linears, batch.logits_indices.shape[0]))
         if self.parallel is not None:  # vocab-split lm_head: the sampler works on the split

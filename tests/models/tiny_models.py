@@ -48,6 +48,18 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
         _COMMON, num_hidden_layers=3, head_dim=16, sliding_window=4, query_pre_attn_scalar=24,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         rope_theta=1e6, rope_local_base_freq=100.0, hidden_activation="gelu_pytorch_tanh")),
+    # Mixtures of experts: 8 experts, 2 a token (Mixtral); Qwen3-MoE with 4 of 16 experts
+    # renormalized and a dense layer (mlp_only_layers); Qwen2-MoE with its gated shared
+    # expert and the weights not renormalized.
+    "mixtral": ("MixtralConfig", dict(_COMMON, head_dim=16, num_local_experts=8,
+                                      num_experts_per_tok=2, sliding_window=None)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(
+        _COMMON, num_hidden_layers=3, head_dim=16, num_experts=16, num_experts_per_tok=4,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
+        use_sliding_window=False)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(
+        _COMMON, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
+        shared_expert_intermediate_size=72, norm_topk_prob=False, use_sliding_window=False)),
 }
 
 

@@ -41,3 +41,13 @@ def test_lora_under_tp_gives_the_single_device_tokens(facts):
     half = len(case["tp1"]) // 2
     assert case["tp1"][half:] != case["tp1"][:half]  # the adapter changed the answers
     assert case["slot_sharding"] == ["P()", "P()"]  # replicated on the mesh
+
+
+def test_experts_split_their_width_and_give_the_single_device_tokens(facts):
+    case = facts["moe"]
+    assert case["tp2"] == case["tp1"] and any(len(t) == 8 for t in case["tp1"])
+    # Stacked experts [E, hidden, width] / [E, width, hidden]: each device holds width / 2 of
+    # all 6 experts (scanned layers add a leading axis of 2); the router [hidden, E] is whole.
+    shapes = case["shard_shapes"]
+    assert shapes["gate_proj"][-3:] == [6, 64, 16] and shapes["down_proj"][-3:] == [6, 16, 64]
+    assert shapes["router"][-2:] == [64, 6]

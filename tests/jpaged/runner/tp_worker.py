@@ -352,12 +352,40 @@ def lora_cases(out: dict) -> None:
     out["lora"] = case
 
 
+def moe_cases(out: dict) -> None:
+    """A Qwen2-MoE (experts and a gated shared expert) at tp 1 and 2: the same tokens, each
+    device holding half of every expert's width, the router replicated."""
+    from jpaged.bench.fixtures import random_model
+    from models.config import ModelSpec
+
+    spec = ModelSpec.from_hf_config({
+        "architectures": ["Qwen2MoeForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "max_position_embeddings": 256, "num_experts": 6,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "bos_token_id": 256, "eos_token_id": 257})
+    case: dict = {}
+    for tp in (1, 2):
+        llm = make_llm(random_model(spec, np.float32, seed=4), tensor_parallel_size=tp,
+                       **TINY_ARGS)
+        outs = llm.generate(TINY_PROMPTS, GREEDY)
+        case[f"tp{tp}"] = [o.outputs[0].token_ids for o in outs]
+        if tp == 2:
+            moe = llm.llm_engine.runner.params["model"]["layers"]["layer"]["mlp"]  # scanned
+            case["shard_shapes"] = {
+                name: list(arr.addressable_shards[0].data.shape) for name, arr in (
+                    ("gate_proj", moe["experts"]["gate_proj"]),
+                    ("down_proj", moe["experts"]["down_proj"]),
+                    ("router", moe["gate"]["kernel"]))}
+    out["moe"] = case
+
+
 # The cases of each test file's subprocess (argv[1]): two files, so pytest's two workers run
 # them side by side.
 GROUPS = {
     "engine": (sharded_load_cases, tiny_cases, candidate_cases, embedded_cases,
                default_pool_cases),
-    "kernels": (fused_linear_cases, quantized_cases, lora_cases),
+    "kernels": (fused_linear_cases, quantized_cases, lora_cases, moe_cases),
 }
 
 

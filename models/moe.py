@@ -1,0 +1,229 @@
+"""Mixture-of-experts feed-forward layers (Mixtral, Qwen2-MoE, Qwen3-MoE) as Flax NNX modules.
+
+A sparse layer's router scores every token against `num_experts` experts; each token goes to
+its `num_experts_per_tok` best (their softmax weights, renormalized to sum 1 where the model
+says so) and its output is the weighted sum of those experts' SwiGLU MLPs. The experts of a
+layer are three stacked Params, `[E, hidden, width]` (gate, up) and `[E, width, hidden]`
+(down), so tensor parallel splits every expert's width as it splits a dense MLP's
+(models/sharding.py's rules are rank-relative).
+
+The work grows with the tokens, not the experts: the (token, expert) pairs are sorted by
+expert and each expert multiplies only its own rows (`grouped_matmul`). On XLA:CPU that is a
+loop over (row tile, expert) pieces whose count is known only at run time, so a decode step
+reads the weights of the experts its tokens chose and no others; elsewhere it is
+`jax.lax.ragged_dot`, which XLA and Pallas lower to grouped GEMMs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import grouped_matmul as gmm_kernel
+
+from .config import ModelSpec
+from .linear_ops import matmul_precision
+
+logger = logging.getLogger("jpaged")
+
+__all__ = ["Experts", "SparseMoeBlock", "experts_run_as", "expert_impl", "grouped_matmul",
+           "route", "EXPERT_IMPLS", "EXPERT_PARAMS", "expert_hf_names"]
+
+# The stacked Params of a layer's experts and, per architecture family, the name each
+# expert's tensor has in HF checkpoints (`...experts.{e}.{name}.weight`, [out, in]).
+EXPERT_PARAMS = ("gate_proj", "up_proj", "down_proj")
+_MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+# How grouped_matmul runs when the caller says (the runner: for the platform its step compiles
+# for, which a deviceless GPU compile traces on the CPU backend): one of EXPERT_IMPLS, or None
+# for jax's default backend's.
+_IMPL: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_impl", default=None)
+# "loop": the while loop (XLA:CPU); "pallas": the Pallas kernel (a GPU, one device);
+# "interpret": that kernel in the Pallas interpreter (tests); "xla": jax.lax.ragged_dot.
+EXPERT_IMPLS = ("loop", "pallas", "interpret", "xla")
+_logged: set[str] = set()
+
+# Rows of the sorted (token, expert) pairs one piece of the CPU loop multiplies.
+LOOP_TILE_ROWS = 64
+
+
+def expert_hf_names(architecture: str) -> dict[str, str]:
+    """Stacked Param name -> the per-expert tensor's name in an HF checkpoint."""
+    if architecture == "MixtralForCausalLM":
+        return dict(_MIXTRAL_NAMES)
+    return {p: p for p in EXPERT_PARAMS}
+
+
+def expert_impl(platform: str, tensor_parallel: bool = False) -> str:
+    """How the experts' matmuls run on `platform`: the loop on XLA:CPU, the Pallas kernel on
+    one GPU, else XLA's ragged_dot (tensor parallel on a GPU: the kernel is not partitioned;
+    XLA's ragged_dot reads every expert's weights, correct but slower at small batch)."""
+    if platform == "cpu":
+        return "loop"
+    if platform in ("gpu", "cuda", "rocm") and not tensor_parallel:
+        return "pallas"
+    return "xla"
+
+
+@contextlib.contextmanager
+def experts_run_as(impl: str | None) -> Iterator[None]:
+    """Within the block, sparse layers trace their grouped matmuls as `impl` (EXPERT_IMPLS)."""
+    if impl is not None and impl not in EXPERT_IMPLS:
+        raise ValueError(f"expert impl must be one of {', '.join(EXPERT_IMPLS)}, got {impl!r}")
+    token = _IMPL.set(impl)
+    try:
+        yield
+    finally:
+        _IMPL.reset(token)
+
+
+def _loop_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+                         precision: Any) -> jax.Array:
+    """grouped_matmul as a while loop over (row tile, expert) pieces: only the pieces that
+    hold rows run, each reading its expert's weights once (XLA:CPU)."""
+    m, k = x.shape
+    e, _, n = w.shape
+    tm = min(LOOP_TILE_ROWS, 1 << max(0, (m - 1).bit_length()))
+    mp = -(-m // tm) * tm
+    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    gs = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(gs)
+    starts = ends - gs
+    first = starts // tm
+    count = jnp.where(gs > 0, (ends - 1) // tm - first + 1, 0)  # tiles expert e touches
+    item_end = jnp.cumsum(count)
+    item_start = item_end - count
+    total = item_end[-1]
+    rows = jnp.arange(tm, dtype=jnp.int32)
+
+    def body(carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        j, out = carry
+        ex = jnp.searchsorted(item_end, j, side="right").astype(jnp.int32)  # piece j's expert
+        tile = first[ex] + j - item_start[ex]
+        lo = tile * tm
+        lhs = jax.lax.dynamic_slice(xp, (lo, 0), (tm, k))
+        prod = jnp.dot(lhs, jax.lax.dynamic_index_in_dim(w, ex, keepdims=False),
+                       precision=precision, preferred_element_type=jnp.float32)
+        mine = ((lo + rows >= starts[ex]) & (lo + rows < ends[ex]))[:, None]
+        cur = jax.lax.dynamic_slice(out, (lo, 0), (tm, n))
+        return j + 1, jax.lax.dynamic_update_slice(out, cur + jnp.where(mine, prod, 0.0),
+                                                   (lo, 0))
+
+    # Invariant: the groups tile the rows in order (sum(group_sizes) == m), so each row is
+    # summed into by exactly one piece, and the padded rows by none.
+    _, out = jax.lax.while_loop(lambda c: c[0] < total, body,
+                                (jnp.int32(0), jnp.zeros((mp, n), jnp.float32)))
+    return out[:m]
+
+
+def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
+                   group_sizes: Int[Array, " E"], *, precision: Any = None,
+                   impl: str | None = None) -> Float[Array, "M N"]:
+    """Rows [start_e, start_e + group_sizes[e]) of `x` times w[e], for each expert e in order;
+    float32 out. Invariant: sum(group_sizes) == M (every row belongs to one expert).
+    `impl`: one of EXPERT_IMPLS (default: the caller's `experts_run_as`, else the backend's)."""
+    impl = impl or _IMPL.get() or expert_impl(jax.default_backend())
+    if impl == "loop":
+        return _loop_grouped_matmul(x, w, group_sizes, precision)
+    if impl in ("pallas", "interpret"):
+        why = gmm_kernel.unsupported(x.shape[1], w.shape[2], w.dtype)
+        if why is None:
+            return gmm_kernel.grouped_matmul(x.astype(w.dtype), w, group_sizes,
+                                             interpret=impl == "interpret")
+        if why not in _logged:  # once per reason, at trace time
+            _logged.add(why)
+            logger.warning("experts run on XLA's ragged_dot: %s", why)
+    return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=precision,
+                              preferred_element_type=jnp.float32)
+
+
+def route(logits: Float[Array, "T E"], top_k: int, renormalize: bool
+          ) -> tuple[Float[Array, "T k"], Int[Array, "T k"]]:
+    """Each token's top_k experts and their weights: softmax over all experts (float32),
+    the top_k kept, rescaled to sum 1 when `renormalize` (HF's order and rule)."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
+    return nnx.Param(nnx.initializers.lecun_normal(in_axis=-2, out_axis=-1)(
+        rngs.params(), shape, dtype))
+
+
+class Experts(nnx.Module):
+    """A layer's experts' SwiGLU weights, stacked: gate/up [E, hidden, width], down
+    [E, width, hidden] (each expert's HF [out, in] tensors transposed)."""
+
+    def __init__(self, num_experts: int, hidden: int, width: int, *, dtype: Any,
+                 rngs: nnx.Rngs):
+        self.gate_proj = _init(rngs, (num_experts, hidden, width), dtype)
+        self.up_proj = _init(rngs, (num_experts, hidden, width), dtype)
+        self.down_proj = _init(rngs, (num_experts, width, hidden), dtype)
+
+    def __call__(self, xs: Float[Array, "M hidden"], group_sizes: Int[Array, " E"]
+                 ) -> Float[Array, "M hidden"]:
+        """Each row through its own expert's SwiGLU MLP (rows sorted by expert)."""
+        dtype = self.gate_proj.get_value().dtype
+        precision = matmul_precision(dtype)
+        xs = xs.astype(dtype)
+
+        def mm(a: jax.Array, w: jax.Array) -> jax.Array:
+            return grouped_matmul(a, w, group_sizes, precision=precision)
+
+        g = mm(xs, self.gate_proj[...]).astype(dtype)
+        u = mm(xs, self.up_proj[...]).astype(dtype)
+        return mm(jax.nn.silu(g) * u, self.down_proj[...])
+
+
+class SparseMoeBlock(nnx.Module):
+    """Router, experts and (Qwen2-MoE) a gated shared expert; HF's `mlp` / `block_sparse_moe`."""
+
+    def __init__(self, spec: ModelSpec, *, dtype: Any, rngs: nnx.Rngs,
+                 mlp_cls: Any = None):
+        h = spec.hidden_size
+        self.top_k, self.renormalize = spec.num_experts_per_tok, spec.norm_topk_prob
+        self.gate = nnx.Linear(h, spec.num_experts, use_bias=False, dtype=dtype,
+                               param_dtype=dtype, precision=matmul_precision(dtype), rngs=rngs)
+        self.experts = Experts(spec.num_experts, h, spec.moe_intermediate_size, dtype=dtype,
+                               rngs=rngs)
+        if spec.shared_expert_intermediate_size:
+            shared = spec.replace(intermediate_size=spec.shared_expert_intermediate_size)
+            self.shared_expert = mlp_cls(shared, dtype=dtype, rngs=rngs)
+            self.shared_expert_gate = nnx.Linear(
+                h, 1, use_bias=False, dtype=dtype, param_dtype=dtype,
+                precision=matmul_precision(dtype), rngs=rngs)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def __call__(self, x: Float[Array, "T hidden"], lora: Any = None,
+                 layer_idx: int | jax.Array = 0) -> Float[Array, "T hidden"]:
+        """Each token's chosen experts' outputs weighted by the router (plus the shared
+        expert's, gated). `lora` is never for a sparse layer (models/lora.py refuses adapters
+        on its projections); the arguments match the dense MLP's."""
+        t, h = x.shape
+        kernel = self.gate.kernel[...]
+        logits = jnp.dot(x.astype(kernel.dtype), kernel, precision=matmul_precision(x.dtype),
+                         preferred_element_type=jnp.float32)
+        weights, experts = route(logits, self.top_k, self.renormalize)
+        flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
+        order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
+        group_sizes = jnp.bincount(flat, length=kernel.shape[1])
+        out = self.experts(x[order // self.top_k], group_sizes)  # float32, sorted pairs
+        # Back to pair order by a gather (no scatter), then each token's weighted sum.
+        pairs = out[jnp.argsort(order)].reshape(t, self.top_k, h)
+        y = jnp.einsum("tkh,tk->th", pairs, weights)
+        if self.shared_expert is not None:
+            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
+            y = y + gate * self.shared_expert(x).astype(jnp.float32)
+        return y.astype(x.dtype)

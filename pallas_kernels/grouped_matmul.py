@@ -1,0 +1,110 @@
+"""Grouped matmul for mixture-of-experts layers (Pallas, Triton backend on GPU).
+
+Rows sorted by expert, `x [M, K]`, each times its own expert's weight `w[e] [K, N]`. jax's
+`ragged_dot` lowers on XLA:GPU (jax 0.10) to one dense GEMM over every expert (the rows widened
+to [M, E * K], masked): a decode step would read all E experts' weights where its tokens chose a
+few, and a prefill's temporary grows to M * E * K. This kernel reads only the chosen experts.
+
+Layout: each expert's rows are laid out from a tile boundary (`block_m` rows a tile), so every
+row tile belongs to one expert and no two programs write the same output rows. Tile t's expert
+is `tile_expert[t]` (E past the last used tile: such programs write zeros and read nothing).
+A program (t, j) reads its tile of rows and column block j of its expert's weight, block_k rows
+at a time, and writes [block_m, block_n] of the float32 output. Tiles: at most
+ceil(M / block_m) + min(E, M) (each non-empty expert adds at most one partial tile).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels._compat import is_pow2, mm, pallas_call
+
+__all__ = ["grouped_matmul", "unsupported"]
+
+BLOCK_M = 16  # Triton's smallest dot tile; a decode step's expert holds a row or two
+BLOCK_N_MAX = 128
+BLOCK_K_MAX = 64
+
+
+def _pow2_divisor(n: int, cap: int) -> int:
+    """The largest power of two <= cap dividing n."""
+    b = cap
+    while b > 1 and n % b:
+        b //= 2
+    return b
+
+
+def unsupported(k: int, n: int, dtype: jnp.dtype) -> str | None:
+    """Why the kernel cannot take a [K, N] expert weight of `dtype`, or None."""
+    if _pow2_divisor(k, BLOCK_K_MAX) < 16 or _pow2_divisor(n, BLOCK_N_MAX) < 16:
+        return f"expert weight {k} x {n} has no power-of-two tile >= 16 dividing both sides"
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                                jnp.dtype(jnp.float32)):
+        return f"expert weights of dtype {jnp.dtype(dtype).name}"
+    return None
+
+
+def _kernel(tile_expert_ref, x_ref, w_ref, o_ref, *, num_experts: int, k: int, block_k: int,
+            block_n: int) -> None:
+    t, j = pl.program_id(0), pl.program_id(1)
+    e = tile_expert_ref[t]
+
+    @pl.when(e < num_experts)
+    def _():
+        def body(kk, acc):
+            a = x_ref[:, pl.ds(kk * block_k, block_k)]
+            b = w_ref[e, pl.ds(kk * block_k, block_k), pl.ds(j * block_n, block_n)]
+            return acc + mm(a, b)
+
+        acc = jax.lax.fori_loop(0, k // block_k, body,
+                                jnp.zeros(o_ref.shape, jnp.float32))
+        o_ref[...] = acc
+
+    @pl.when(e >= num_experts)
+    def _():
+        o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+
+
+def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
+                   group_sizes: Int[Array, " E"], *, interpret: bool = False
+                   ) -> Float[Array, "M N"]:
+    """Rows [start_e, start_e + group_sizes[e]) of x times w[e], float32 out.
+    Invariant: sum(group_sizes) == M; the shapes pass `unsupported`."""
+    m, k = x.shape
+    e, _, n = w.shape
+    bm, bn, bk = BLOCK_M, _pow2_divisor(n, BLOCK_N_MAX), _pow2_divisor(k, BLOCK_K_MAX)
+    assert is_pow2(bn) and is_pow2(bk) and n % bn == 0 and k % bk == 0
+    gs = group_sizes.astype(jnp.int32)
+    row_end = jnp.cumsum(gs)
+    row_start = row_end - gs
+    tiles = -(-gs // bm)  # tiles expert e's rows fill
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    max_tiles = -(-m // bm) + min(e, m)
+    t = jnp.arange(max_tiles, dtype=jnp.int32)
+    tile_expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)  # E: unused
+    # Padded row q of tile t holds sorted row row_start[e] + local, if local < gs[e].
+    q = jnp.arange(max_tiles * bm, dtype=jnp.int32)
+    qe = jnp.minimum(tile_expert[q // bm], e - 1)
+    local = (q // bm - tile_start[qe]) * bm + q % bm
+    valid = (tile_expert[q // bm] < e) & (local < gs[qe])
+    xp = jnp.where(valid[:, None], x[jnp.clip(row_start[qe] + local, 0, m - 1)], 0)
+    out = pallas_call(
+        functools.partial(_kernel, num_experts=e, k=k, block_k=bk, block_n=bn),
+        grid=(max_tiles, n // bn),
+        in_specs=[pl.BlockSpec((max_tiles,), lambda i, j: (0,)),
+                  pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
+                  pl.BlockSpec((e, k, n), lambda i, j: (0, 0, 0))],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((max_tiles * bm, n), jnp.float32),
+        interpret=interpret, num_warps=4, num_stages=3, name="moe_grouped_matmul",
+    )(tile_expert, xp.astype(w.dtype), w)
+    # Sorted row r of expert e lies at padded row tile_start[e] * bm + (r - row_start[e]).
+    r = jnp.arange(m, dtype=jnp.int32)
+    re = jnp.minimum(jnp.searchsorted(row_end, r, side="right"), e - 1)
+    return out[tile_start[re] * bm + r - row_start[re]]

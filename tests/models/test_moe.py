@@ -1,0 +1,258 @@
+"""Mixture-of-experts layers (models/moe.py): the grouped matmul against a plain reference,
+the router against HF's rule, the config fields, checkpoints in HF's per-expert layout (read,
+refused when wrong, written back), and what is refused for experts."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tiny_models import TINY_CONFIGS, hf_logits, jpaged_logits, make_hf_checkpoint, relative_error
+
+from models import load_model
+from models.checkpoint import save_checkpoint, save_hf_dir
+from models.config import ModelSpec
+from models.gguf_loader import spec_from_gguf
+from models.moe import _loop_grouped_matmul, grouped_matmul, route
+from models.sharding import plan_layout
+
+torch = pytest.importorskip("torch")
+
+
+def reference(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Each group of rows times its expert's weight, in float64."""
+    out, start = np.zeros((x.shape[0], w.shape[2])), 0
+    for e, n in enumerate(sizes):
+        out[start:start + n] = x[start:start + n].astype(np.float64) @ w[e].astype(np.float64)
+        start += n
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 300), e=st.integers(1, 12), k=st.sampled_from([16, 24, 64]),
+       n=st.sampled_from([16, 40, 128]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       seed=st.integers(0, 2**16))
+def test_grouped_matmul_equals_the_reference(m, e, k, n, dtype, seed):
+    rng = np.random.default_rng(seed)
+    sizes = rng.multinomial(m, rng.dirichlet(np.full(e, 0.3)))  # many groups empty
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    w = rng.standard_normal((e, k, n)).astype(np.float32)
+    jx, jw = jnp.asarray(x, dtype), jnp.asarray(w, dtype)
+    want = reference(np.asarray(jx, np.float32), np.asarray(jw, np.float32), sizes)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    scale = max(1.0, float(np.abs(want).max()))
+    # The while loop, the Pallas kernel (interpreted) and ragged_dot (XLA:CPU's dense form).
+    for impl in ("loop", "interpret", "xla"):
+        got = grouped_matmul(jx, jw, jnp.asarray(sizes), impl=impl)
+        assert got.dtype == jnp.float32 and got.shape == (m, n)
+        assert np.abs(np.asarray(got) - want).max() / scale < tol, impl
+
+
+def test_the_loop_reads_only_chosen_experts_without_a_weight_sized_temporary():
+    """Two decode rows against 64 experts: the loop's temporaries stay far below the experts'
+    bytes (the ragged_dot fallback on XLA:CPU widens the rows per expert instead)."""
+    m, e, k, n = 2, 64, 256, 512
+    x = jax.ShapeDtypeStruct((m, k), jnp.float32)
+    w = jax.ShapeDtypeStruct((e, k, n), jnp.float32)
+    sizes = jax.ShapeDtypeStruct((e,), jnp.int32)
+    compiled = jax.jit(lambda a, b, c: _loop_grouped_matmul(a, b, c, None)).lower(
+        x, w, sizes).compile()
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < e * k * n * 4 / 16, temp  # under 4 experts' bytes of 64
+    sizes_np = np.zeros(e, np.int32)
+    sizes_np[[5, 40]] = 1
+    rng = np.random.default_rng(0)
+    xv, wv = rng.standard_normal((m, k), np.float32), rng.standard_normal((e, k, n), np.float32)
+    got = compiled(jnp.asarray(xv), jnp.asarray(wv), jnp.asarray(sizes_np))
+    np.testing.assert_allclose(np.asarray(got), reference(xv, wv, sizes_np), rtol=1e-4,
+                               atol=1e-3)
+
+
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_route_follows_hf(renormalize):
+    logits = np.random.default_rng(2).standard_normal((7, 10)).astype(np.float32)
+    weights, experts = route(jnp.asarray(logits), 3, renormalize)
+    probs = torch.softmax(torch.tensor(logits), dim=-1)
+    top, idx = torch.topk(probs, 3, dim=-1)
+    if renormalize:
+        top = top / top.sum(dim=-1, keepdim=True)
+    np.testing.assert_array_equal(np.asarray(experts), idx.numpy())
+    np.testing.assert_allclose(np.asarray(weights), top.numpy(), rtol=1e-6)
+
+
+QWEN_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 300, "hidden_size": 64,
+            "intermediate_size": 96, "num_hidden_layers": 6, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "max_position_embeddings": 256, "num_experts": 8,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def test_config_fields_of_each_family():
+    spec = ModelSpec.from_hf_config({**QWEN_MOE, "decoder_sparse_step": 2,
+                                     "mlp_only_layers": [3], "norm_topk_prob": True})
+    assert spec.sparse_layers == (False, True, False, False, False, True)
+    assert [spec.layer_is_sparse(i) for i in range(6)] == list(spec.sparse_layers)
+    assert spec.is_moe and spec.norm_topk_prob and spec.qk_norm
+    assert ModelSpec.from_hf_config(QWEN_MOE).sparse_layers is None  # every layer sparse
+    # transformers 5 writes Qwen3-MoE's count as num_local_experts.
+    v5 = {k: v for k, v in QWEN_MOE.items() if k != "num_experts"} | {"num_local_experts": 8}
+    assert ModelSpec.from_hf_config(v5).num_experts == 8
+    mixtral = ModelSpec.from_hf_config({**QWEN_MOE, "architectures": ["MixtralForCausalLM"],
+                                        "num_local_experts": 8})
+    assert (mixtral.num_experts, mixtral.moe_intermediate_size, mixtral.norm_topk_prob) == (
+        8, 96, True)
+    qwen2 = ModelSpec.from_hf_config({**QWEN_MOE, "architectures": ["Qwen2MoeForCausalLM"],
+                                      "shared_expert_intermediate_size": 48})
+    assert qwen2.attention_bias and qwen2.shared_expert_intermediate_size == 48
+    assert not qwen2.norm_topk_prob  # HF's default for Qwen
+    dense = ModelSpec.from_hf_config({**QWEN_MOE, "architectures": ["Qwen3ForCausalLM"]})
+    assert not dense.is_moe and not dense.layer_is_sparse(0)
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok (9) exceeds num_experts (8)"),
+    ({"num_experts": 0}, "'num_experts' must be an int >= 1"),
+    ({"moe_intermediate_size": None}, "'moe_intermediate_size' must be an int >= 1"),
+    ({"mlp_only_layers": [6]}, "'mlp_only_layers' must list layer indices in [0, 6)"),
+    ({"decoder_sparse_step": 0}, "'decoder_sparse_step' must be an int >= 1"),
+    ({"norm_topk_prob": "yes"}, "'norm_topk_prob' must be true or false"),
+])
+def test_bad_expert_configs_are_refused_by_field(change, needle):
+    with pytest.raises(ValueError) as e:
+        ModelSpec.from_hf_config({**QWEN_MOE, **change})
+    assert needle in str(e.value)
+
+
+def test_tensor_parallel_must_split_the_experts_width():
+    spec = ModelSpec.from_hf_config({**QWEN_MOE, "moe_intermediate_size": 30})
+    plan_layout(spec, 2)
+    with pytest.raises(ValueError, match="moe_intermediate_size=30 does not split 4 ways"):
+        plan_layout(spec, 4)
+
+
+@pytest.fixture(scope="module")
+def qwen2_moe(tmp_path_factory):
+    path = tmp_path_factory.mktemp("qwen2_moe")
+    return path, make_hf_checkpoint("qwen2_moe", path, seed=3)
+
+
+def _copy_without(src: Path, dst: Path, drop: str | None = None,
+                  reshape: str | None = None) -> Path:
+    """`src`'s checkpoint in `dst`, one tensor dropped or one cut by a row."""
+    from safetensors.numpy import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    if drop:
+        del tensors[drop]
+    if reshape:
+        tensors[reshape] = tensors[reshape][:-1]
+    save_file(tensors, str(dst / "model.safetensors"))
+    return dst
+
+
+def test_checkpoints_missing_or_misshapen_experts_are_refused_by_name(qwen2_moe, tmp_path):
+    path, _ = qwen2_moe
+    name = "model.layers.1.mlp.experts.4.up_proj.weight"
+    with pytest.raises(ValueError, match=f"lacks tensor '{name}'"):
+        load_model(str(_copy_without(path, tmp_path / "a", drop=name)), dtype="float32")
+    with pytest.raises(ValueError, match=rf"tensor '{name}' .* has shape \(39, 64\), "
+                                         r"expected \(40, 64\)"):
+        load_model(str(_copy_without(path, tmp_path / "b", reshape=name)), dtype="float32")
+
+
+def test_written_back_in_hfs_layout_and_through_a_jpaged_checkpoint(qwen2_moe, tmp_path):
+    """save_hf_dir writes one tensor per expert (transformers loads it and gives the same
+    logits); a jpaged (orbax) checkpoint loads back to the same model."""
+    import transformers
+
+    path, hf = qwen2_moe
+    loaded = load_model(str(path), dtype="float32")
+    seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
+    want = hf_logits(hf, seqs)
+    out = save_hf_dir(loaded, tmp_path / "hf")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_experts"] == 6 and cfg["shared_expert_intermediate_size"] == 72
+    again = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
+    for a, b in zip(hf_logits(again, seqs), want, strict=True):
+        assert relative_error(a, b) < 1e-5
+    ckpt = save_checkpoint(loaded, tmp_path / "ckpt")
+    back = load_model(str(ckpt), dtype="float32")
+    assert back.spec == loaded.spec
+    for a, b in zip(jpaged_logits(back.model, seqs), want, strict=True):
+        assert relative_error(a, b) < 1e-3
+
+
+def test_what_experts_do_not_take_is_refused(qwen2_moe, tmp_path):
+    path, _ = qwen2_moe
+    with pytest.raises(ValueError, match="experts run unquantized in this version; "
+                                         "quantization 'fp8'"):
+        load_model(str(path), dtype="float32", quantization="fp8")
+    with pytest.raises(ValueError, match=r"mixture-of-experts model \(llama.expert_count=8\) "
+                                         "is not supported from GGUF"):
+        spec_from_gguf({"general.architecture": "llama", "llama.expert_count": 8}, set(),
+                       Path("mixtral.gguf"))
+
+
+def test_lora_on_an_expert_layers_mlp_is_refused(qwen2_moe, tmp_path):
+    from safetensors.numpy import save_file
+
+    from models.lora import read_lora_adapter
+
+    path, _ = qwen2_moe
+    spec = load_model(str(path), dtype="float32").spec
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps(
+        {"r": 2, "lora_alpha": 4, "peft_type": "LORA",
+         "target_modules": ["q_proj", "gate_proj"]}))
+    a = np.zeros((2, 64), np.float32)
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": a,
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight":
+                   np.zeros((64, 2), np.float32),
+               "base_model.model.model.layers.0.mlp.gate_proj.lora_A.weight": a,
+               "base_model.model.model.layers.0.mlp.gate_proj.lora_B.weight":
+                   np.zeros((96, 2), np.float32)},
+              str(adapter / "adapter_model.safetensors"))
+    with pytest.raises(ValueError, match="adapts layer 0's gate_proj, but that layer is a "
+                                         "mixture of experts"):
+        read_lora_adapter(adapter, spec, "a", 8)
+
+
+def test_every_family_is_a_tiny_config():
+    """The HF-logit and engine tests cover each mixture-of-experts family."""
+    archs = {cls for cls, _ in TINY_CONFIGS.values()}
+    assert {"MixtralConfig", "Qwen2MoeConfig", "Qwen3MoeConfig"} <= archs
+
+
+def test_the_kernel_in_the_model_gives_hfs_logits(tmp_path):
+    """The tiny Mixtral with its experts on the Pallas kernel (interpreted) and on the loop."""
+    from models.moe import experts_run_as
+
+    hf = make_hf_checkpoint("mixtral", tmp_path)
+    loaded = load_model(str(tmp_path), dtype="float32")
+    seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
+    want = hf_logits(hf, seqs)
+    for impl in ("interpret", "loop"):
+        with experts_run_as(impl):
+            got = jpaged_logits(loaded.model, seqs)
+        for a, b in zip(got, want, strict=True):
+            assert relative_error(a, b) < 1e-3, impl
+
+
+def test_each_platform_runs_its_own_grouped_matmul():
+    from models.moe import expert_impl, experts_run_as
+
+    assert expert_impl("cpu") == "loop" and expert_impl("cpu", tensor_parallel=True) == "loop"
+    assert expert_impl("gpu") == "pallas" and expert_impl("cuda") == "pallas"
+    assert expert_impl("gpu", tensor_parallel=True) == "xla" and expert_impl("tpu") == "xla"
+    with pytest.raises(ValueError, match="expert impl must be one of"), experts_run_as("fast"):
+        pass
