@@ -37,7 +37,21 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+# A llama GGUF with experts (`llama.expert_count`) is Mixtral.
+_MOE_ARCHITECTURES = {"llama": "MixtralForCausalLM", "qwen2moe": "Qwen2MoeForCausalLM",
+                      "qwen3moe": "Qwen3MoeForCausalLM"}
+# llama.cpp's mixture-of-experts tensors of a sparse layer: the experts stacked [E, out, in]
+# (HF: one [out, in] tensor each; jpaged: one [E, in, out] Param, models/moe.py), the router,
+# and Qwen2-MoE's shared expert and its gate (a vector in the GGUF, [1, hidden] in HF).
+_STACKED_EXPERTS = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj",
+                    "ffn_down_exps": "down_proj"}
+_MOE_LAYER_NAMES = {"ffn_gate_inp": "gate", "ffn_gate_shexp": "shared_expert.gate_proj",
+                    "ffn_up_shexp": "shared_expert.up_proj",
+                    "ffn_down_shexp": "shared_expert.down_proj",
+                    "ffn_gate_inp_shexp": "shared_expert_gate"}
 # Architectures whose q/k rows llama.cpp's converter permutes (non-NeoX RoPE).
 _PERMUTED_ARCHS = {"llama"}
 # Architectures whose converter stores RMSNorm weights plus 1 (HF's norm is x * (1 + w)).
@@ -94,6 +108,11 @@ def gguf_to_hf_name(name: str, arch: str = "llama") -> str | None:
         return None
     if base.startswith("blk."):
         _, idx, part = base.split(".", 2)
+        moe = "block_sparse_moe" if arch == "llama" else "mlp"  # Mixtral's name, Qwen's
+        if part in _STACKED_EXPERTS and suffix == "weight":  # the stacked Param's own name
+            return f"model.layers.{idx}.{moe}.experts.{_STACKED_EXPERTS[part]}"
+        if part in _MOE_LAYER_NAMES:
+            return f"model.layers.{idx}.{moe}.{_MOE_LAYER_NAMES[part]}.{suffix}"
         mapped = _LAYER_NAMES_BY_ARCH.get(arch, _LAYER_NAMES).get(part)
         return None if mapped is None else f"model.layers.{idx}.{mapped}.{suffix}"
     mapped = _GLOBAL_NAMES.get(base)
@@ -243,10 +262,10 @@ def spec_from_gguf(
             f"supported: {', '.join(GGUF_ARCHITECTURES)}"
         )
     experts = meta.get(arch + ".expert_count")
-    if experts:  # llama.cpp's Mixtral, Qwen MoE, ...: stacked ffn_*_exps tensors
-        raise ValueError(f"GGUF file {path}: a mixture-of-experts model ({arch}.expert_count="
-                         f"{experts}) is not supported from GGUF in this version; load its HF "
-                         "checkpoint (safetensors) instead")
+    if experts and arch not in _MOE_ARCHITECTURES:
+        raise ValueError(f"GGUF file {path}: a mixture-of-experts {arch!r} model "
+                         f"({arch}.expert_count={experts}) is not supported; mixtures of "
+                         f"experts from GGUF: {', '.join(_MOE_ARCHITECTURES)}")
     if arch == "gemma3":  # through the HF config, so both routes share one parser
         try:
             return ModelSpec.from_hf_config(hf_config_from_gguf(meta, tensor_names))
@@ -283,7 +302,8 @@ def spec_from_gguf(
             eos_ids.append(int(meta[key]))
     bos = meta.get("tokenizer.ggml.bos_token_id")
     return ModelSpec(
-        architecture=GGUF_ARCHITECTURES[arch],
+        **{"architecture": GGUF_ARCHITECTURES[arch],
+           **_moe_from_gguf(meta, arch, tensor_names, path)},
         vocab_size=int(vocab),
         hidden_size=int(hidden),
         intermediate_size=int(_require(meta, p + "feed_forward_length", path)),
@@ -303,6 +323,37 @@ def spec_from_gguf(
         o_proj_bias="blk.0.attn_output.bias" in tensor_names,
         mlp_bias="blk.0.ffn_up.bias" in tensor_names,
     )
+
+
+def _moe_from_gguf(meta: dict[str, Any], arch: str, tensor_names: set[str], path: Path
+                   ) -> dict[str, Any]:
+    """ModelSpec's expert fields from llama.cpp's keys (empty for a dense model): the sparse
+    layers are those with stacked experts; the weights renormalized as llama.cpp does (Mixtral
+    and Qwen3-MoE yes, Qwen2-MoE no) unless `expert_weights_norm` says."""
+    p = arch + "."
+    if not meta.get(p + "expert_count"):
+        return {}
+    try:
+        layers = _count(meta, p + "block_count")
+        width = (_count(meta, p + "expert_feed_forward_length") if arch != "llama"
+                 else _count(meta, p + "feed_forward_length"))
+        shared = (_count(meta, p + "expert_shared_feed_forward_length")
+                  if "blk.0.ffn_up_shexp.weight" in tensor_names else 0)
+        fields = {"architecture": _MOE_ARCHITECTURES[arch],
+                  "num_experts": _count(meta, p + "expert_count"),
+                  "num_experts_per_tok": _count(meta, p + "expert_used_count"),
+                  "moe_intermediate_size": width, "shared_expert_intermediate_size": shared,
+                  "norm_topk_prob": bool(meta.get(p + "expert_weights_norm",
+                                                  arch != "qwen2moe"))}
+    except ValueError as e:
+        raise ValueError(f"GGUF file {path}: {e}") from e
+    sparse = tuple(f"blk.{i}.ffn_gate_exps.weight" in tensor_names for i in range(layers))
+    if not any(sparse):
+        raise ValueError(f"GGUF file {path}: {p}expert_count is set but no layer has stacked "
+                         "experts (blk.N.ffn_gate_exps); per-expert tensors of old converters "
+                         "are not supported")
+    fields["sparse_layers"] = None if all(sparse) else sparse
+    return fields
 
 
 # Rows dequantized at a time: the temporaries stay a few MiB, whatever the tensor's size.
@@ -354,6 +405,10 @@ def _tensor_makers(path: Path, meta: dict[str, Any], tensors: dict[str, TensorIn
                 arr = unpermute_qk(arr, n)
         if arch in _NORM_SHIFTED_ARCHS and hf.endswith("norm.weight"):
             arr -= 1.0
+        if ".experts." in hf:  # [E, out, in] -> the stacked Param's [E, in, out]
+            arr = arr.transpose(0, 2, 1)
+        elif hf.endswith("shared_expert_gate.weight"):  # a vector here, [1, hidden] in HF
+            arr = arr.reshape(1, -1)
         return arr
 
     return {hf: functools.partial(hf_tensor, name, hf) for name in tensors
@@ -477,6 +532,9 @@ def load_gguf_quantized(path: str | Path
     if "rope_freqs.weight" in tensors:
         factors = tuple(float(x) for x in _read_tensor(path, tensors["rope_freqs.weight"]).ravel())
     spec = spec_from_gguf(meta, set(tensors), path, factors)
+    if spec.is_moe:
+        raise ValueError(f"GGUF file {path}: {spec.architecture}'s experts run unquantized in "
+                         "this version; load it without quantization='gguf' (dequantized)")
     makers, plan = _quantized_makers(path, meta, tensors)
     return spec, LazyTensors(str(path), makers), plan, meta
 

@@ -274,6 +274,9 @@ def _load_gguf_model(path: Path, dtype: Any, tp: int, quantization: str | None
     else:  # dequantized ("fp8" then quantizes the dequantized linears: see fp8_plan)
         # Lazy: each tensor is dequantized when placed, so one whole f32 tensor at a time.
         spec, weights, metadata = load_gguf(path, lazy=True)
+    if spec.is_moe and quantization is not None:  # ("gguf" refused by its reader)
+        raise ValueError(f"GGUF file {path}: {spec.architecture}'s experts run unquantized in "
+                         f"this version; load it without quantization={quantization!r}")
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     del metadata  # the vocabulary's strings: not held while the weights are read
     model = abstract_model(spec, dtype)

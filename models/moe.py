@@ -25,12 +25,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import grouped_matmul as gmm_kernel
 
 from .config import ModelSpec
-from .linear_ops import matmul_precision
+from .linear_ops import matmul_precision, one_row_as_two
 
 logger = logging.getLogger("jpaged")
 
@@ -49,6 +51,9 @@ _IMPL: contextvars.ContextVar[str | None] = contextvars.ContextVar("moe_impl", d
 # "loop": the while loop (XLA:CPU); "pallas": the Pallas kernel (a GPU, one device);
 # "interpret": that kernel in the Pallas interpreter (tests); "xla": jax.lax.ragged_dot.
 EXPERT_IMPLS = ("loop", "pallas", "interpret", "xla")
+# The tensor-parallel mesh the kernel runs per device on, under shard_map (None: one device,
+# or GSPMD partitions the step: the loop and ragged_dot are plain XLA ops).
+_MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("moe_mesh", default=None)
 _logged: set[str] = set()
 
 # Rows of the sorted (token, expert) pairs one piece of the CPU loop multiplies.
@@ -62,27 +67,28 @@ def expert_hf_names(architecture: str) -> dict[str, str]:
     return {p: p for p in EXPERT_PARAMS}
 
 
-def expert_impl(platform: str, tensor_parallel: bool = False) -> str:
-    """How the experts' matmuls run on `platform`: the loop on XLA:CPU, the Pallas kernel on
-    one GPU, else XLA's ragged_dot (tensor parallel on a GPU: the kernel is not partitioned;
-    XLA's ragged_dot reads every expert's weights, correct but slower at small batch)."""
+def expert_impl(platform: str) -> str:
+    """How the experts' matmuls run on `platform`: the loop on XLA:CPU, the Pallas kernel on a
+    GPU (per device under tensor parallel), else XLA's ragged_dot (TPU)."""
     if platform == "cpu":
         return "loop"
-    if platform in ("gpu", "cuda", "rocm") and not tensor_parallel:
+    if platform in ("gpu", "cuda", "rocm"):
         return "pallas"
     return "xla"
 
 
 @contextlib.contextmanager
-def experts_run_as(impl: str | None) -> Iterator[None]:
-    """Within the block, sparse layers trace their grouped matmuls as `impl` (EXPERT_IMPLS)."""
+def experts_run_as(impl: str | None, mesh: Mesh | None = None) -> Iterator[None]:
+    """Within the block, sparse layers trace their grouped matmuls as `impl` (EXPERT_IMPLS);
+    `mesh`: the tensor-parallel mesh whose devices each run the kernel on their own width."""
     if impl is not None and impl not in EXPERT_IMPLS:
         raise ValueError(f"expert impl must be one of {', '.join(EXPERT_IMPLS)}, got {impl!r}")
-    token = _IMPL.set(impl)
+    tokens = _IMPL.set(impl), _MESH.set(mesh)
     try:
         yield
     finally:
-        _IMPL.reset(token)
+        _IMPL.reset(tokens[0])
+        _MESH.reset(tokens[1])
 
 
 def _loop_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
@@ -133,16 +139,20 @@ def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
     impl = impl or _IMPL.get() or expert_impl(jax.default_backend())
     if impl == "loop":
         return _loop_grouped_matmul(x, w, group_sizes, precision)
-    if impl in ("pallas", "interpret"):
-        why = gmm_kernel.unsupported(x.shape[1], w.shape[2], w.dtype)
-        if why is None:
-            return gmm_kernel.grouped_matmul(x.astype(w.dtype), w, group_sizes,
-                                             interpret=impl == "interpret")
-        if why not in _logged:  # once per reason, at trace time
-            _logged.add(why)
-            logger.warning("experts run on XLA's ragged_dot: %s", why)
+    if impl in ("pallas", "interpret") and _kernel_takes(w):
+        return gmm_kernel.grouped_matmul(x.astype(w.dtype), w, group_sizes,
+                                         interpret=impl == "interpret")
     return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=precision,
                               preferred_element_type=jnp.float32)
+
+
+def _kernel_takes(w: jax.Array) -> bool:
+    """Whether the Pallas kernel takes an [E, K, N] weight; else one log line names why."""
+    why = gmm_kernel.unsupported(w.shape[1], w.shape[2], w.dtype)
+    if why is not None and why not in _logged:  # once per reason, at trace time
+        _logged.add(why)
+        logger.warning("experts run on XLA's ragged_dot: %s", why)
+    return why is None
 
 
 def route(logits: Float[Array, "T E"], top_k: int, renormalize: bool
@@ -173,17 +183,42 @@ class Experts(nnx.Module):
 
     def __call__(self, xs: Float[Array, "M hidden"], group_sizes: Int[Array, " E"]
                  ) -> Float[Array, "M hidden"]:
-        """Each row through its own expert's SwiGLU MLP (rows sorted by expert)."""
-        dtype = self.gate_proj.get_value().dtype
-        precision = matmul_precision(dtype)
-        xs = xs.astype(dtype)
+        """Each row through its own expert's SwiGLU MLP (rows sorted by expert); float32."""
+        weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
+        xs = xs.astype(weights[0].dtype)
+        mesh, impl = _MESH.get(), _IMPL.get()
+        if mesh is None or mesh.size == 1 or impl not in ("pallas", "interpret"):
+            return _swiglu(xs, group_sizes, *weights)
+        # A kernel is one opaque call to GSPMD: each device runs it on its own width of every
+        # expert (gate/up columns, down rows, models/sharding.py's split) and the partial down
+        # products are summed, as a row-split dense projection's.
+        axis = mesh.axis_names[0]
+        cols, rows = P(None, None, axis), P(None, axis, None)
 
-        def mm(a: jax.Array, w: jax.Array) -> jax.Array:
-            return grouped_matmul(a, w, group_sizes, precision=precision)
+        def local(xs: jax.Array, gs: jax.Array, wg: jax.Array, wu: jax.Array,
+                  wd: jax.Array) -> jax.Array:
+            return jax.lax.psum(_swiglu(xs, gs, wg, wu, wd), axis)
 
-        g = mm(xs, self.gate_proj[...]).astype(dtype)
-        u = mm(xs, self.up_proj[...]).astype(dtype)
-        return mm(jax.nn.silu(g) * u, self.down_proj[...])
+        f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), cols, cols, rows),
+                          out_specs=P(), check_vma=False)
+        return f(xs, group_sizes, *weights)
+
+
+def _swiglu(xs: jax.Array, group_sizes: jax.Array, wg: jax.Array, wu: jax.Array,
+            wd: jax.Array) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) of each row by its own expert's weights; float32."""
+    dtype, precision = wg.dtype, matmul_precision(wg.dtype)
+    impl = _IMPL.get() or expert_impl(jax.default_backend())
+    if impl in ("pallas", "interpret") and _kernel_takes(wg) and _kernel_takes(wd):
+        return gmm_kernel.grouped_swiglu(xs, wg, wu, wd, group_sizes,
+                                         interpret=impl == "interpret")
+
+    def mm(a: jax.Array, w: jax.Array) -> jax.Array:
+        return grouped_matmul(a, w, group_sizes, precision=precision)
+
+    g = mm(xs, wg).astype(dtype)
+    u = mm(xs, wu).astype(dtype)
+    return mm(jax.nn.silu(g) * u, wd)
 
 
 class SparseMoeBlock(nnx.Module):
@@ -213,8 +248,10 @@ class SparseMoeBlock(nnx.Module):
         on its projections); the arguments match the dense MLP's."""
         t, h = x.shape
         kernel = self.gate.kernel[...]
-        logits = jnp.dot(x.astype(kernel.dtype), kernel, precision=matmul_precision(x.dtype),
-                         preferred_element_type=jnp.float32)
+        logits = one_row_as_two(  # no f32 copy of the router's weight at batch 1
+            lambda h: jnp.dot(h.astype(kernel.dtype), kernel,
+                              precision=matmul_precision(x.dtype),
+                              preferred_element_type=jnp.float32), x)
         weights, experts = route(logits, self.top_k, self.renormalize)
         flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
         order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
@@ -224,6 +261,7 @@ class SparseMoeBlock(nnx.Module):
         pairs = out[jnp.argsort(order)].reshape(t, self.top_k, h)
         y = jnp.einsum("tkh,tk->th", pairs, weights)
         if self.shared_expert is not None:
-            gate = jax.nn.sigmoid(self.shared_expert_gate(x).astype(jnp.float32))
+            gate = jax.nn.sigmoid(
+                one_row_as_two(self.shared_expert_gate, x).astype(jnp.float32))
             y = y + gate * self.shared_expert(x).astype(jnp.float32)
         return y.astype(x.dtype)

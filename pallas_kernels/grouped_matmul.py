@@ -9,13 +9,16 @@ Layout: each expert's rows are laid out from a tile boundary (`block_m` rows a t
 row tile belongs to one expert and no two programs write the same output rows. Tile t's expert
 is `tile_expert[t]` (E past the last used tile: such programs write zeros and read nothing).
 A program (t, j) reads its tile of rows and column block j of its expert's weight, block_k rows
-at a time, and writes [block_m, block_n] of the float32 output. Tiles: at most
+at a time, and writes [block_m, block_n] of the output. A SwiGLU layer (`grouped_swiglu`) lays
+its rows out once and launches twice: gate and up in one kernel (both weights' blocks, the
+SiLU product in its epilogue, written in the weights' dtype), then down. Tiles: at most
 ceil(M / block_m) + min(E, M) (each non-empty expert adds at most one partial tile).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +27,8 @@ from jaxtyping import Array, Float, Int
 
 from pallas_kernels._compat import is_pow2, mm, pallas_call
 
-__all__ = ["grouped_matmul", "unsupported"]
+__all__ = ["TileLayout", "grouped_matmul", "grouped_swiglu", "pad_rows", "tile_layout",
+           "tiled_matmul", "unsupported"]
 
 BLOCK_M = 16  # Triton's smallest dot tile; a decode step's expert holds a row or two
 BLOCK_N_MAX = 128
@@ -49,36 +53,51 @@ def unsupported(k: int, n: int, dtype: jnp.dtype) -> str | None:
     return None
 
 
-def _kernel(tile_expert_ref, x_ref, w_ref, o_ref, *, num_experts: int, k: int, block_k: int,
-            block_n: int) -> None:
+def _kernel(tile_expert_ref, x_ref, *refs, num_experts: int, k: int, block_k: int,
+            block_n: int, gated: bool) -> None:
+    """Program (t, j): tile t's rows times column block j of its expert's weight (gated: of
+    the gate and up weights, silu(gate) * up written in the output's dtype)."""
+    *w_refs, o_ref = refs
     t, j = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[t]
 
     @pl.when(e < num_experts)
     def _():
-        def body(kk, acc):
+        def body(kk, accs):
             a = x_ref[:, pl.ds(kk * block_k, block_k)]
-            b = w_ref[e, pl.ds(kk * block_k, block_k), pl.ds(j * block_n, block_n)]
-            return acc + mm(a, b)
+            return tuple(acc + mm(a, w[e, pl.ds(kk * block_k, block_k),
+                                       pl.ds(j * block_n, block_n)])
+                         for acc, w in zip(accs, w_refs, strict=True))
 
-        acc = jax.lax.fori_loop(0, k // block_k, body,
-                                jnp.zeros(o_ref.shape, jnp.float32))
-        o_ref[...] = acc
+        zero = jnp.zeros(o_ref.shape, jnp.float32)
+        accs = jax.lax.fori_loop(0, k // block_k, body, (zero,) * len(w_refs))
+        out = jax.nn.silu(accs[0]) * accs[1] if gated else accs[0]
+        o_ref[...] = out.astype(o_ref.dtype)
 
     @pl.when(e >= num_experts)
     def _():
-        o_ref[...] = jnp.zeros(o_ref.shape, jnp.float32)
+        o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
 
 
-def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
-                   group_sizes: Int[Array, " E"], *, interpret: bool = False
-                   ) -> Float[Array, "M N"]:
-    """Rows [start_e, start_e + group_sizes[e]) of x times w[e], float32 out.
-    Invariant: sum(group_sizes) == M; the shapes pass `unsupported`."""
-    m, k = x.shape
-    e, _, n = w.shape
-    bm, bn, bk = BLOCK_M, _pow2_divisor(n, BLOCK_N_MAX), _pow2_divisor(k, BLOCK_K_MAX)
-    assert is_pow2(bn) and is_pow2(bk) and n % bn == 0 and k % bk == 0
+class TileLayout(NamedTuple):
+    """Sorted rows laid out so that each 16-row tile is one expert's: `tile_expert[t]` (E for
+    an unused tile), `src[q]` the sorted row padded row q holds (-1: none), `dst[r]` the
+    padded row of sorted row r."""
+
+    tile_expert: jax.Array
+    src: jax.Array
+    dst: jax.Array
+
+    @property
+    def max_tiles(self) -> int:
+        """Tiles of the layout (static): ceil(M / 16) + min(E, M)."""
+        return self.tile_expert.shape[0]
+
+
+def tile_layout(group_sizes: Int[Array, " E"], m: int) -> TileLayout:
+    """The layout of M sorted rows in groups of `group_sizes` (sum M), each group from a tile
+    boundary."""
+    bm, e = BLOCK_M, group_sizes.shape[0]
     gs = group_sizes.astype(jnp.int32)
     row_end = jnp.cumsum(gs)
     row_start = row_end - gs
@@ -93,18 +112,57 @@ def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
     qe = jnp.minimum(tile_expert[q // bm], e - 1)
     local = (q // bm - tile_start[qe]) * bm + q % bm
     valid = (tile_expert[q // bm] < e) & (local < gs[qe])
-    xp = jnp.where(valid[:, None], x[jnp.clip(row_start[qe] + local, 0, m - 1)], 0)
-    out = pallas_call(
-        functools.partial(_kernel, num_experts=e, k=k, block_k=bk, block_n=bn),
-        grid=(max_tiles, n // bn),
-        in_specs=[pl.BlockSpec((max_tiles,), lambda i, j: (0,)),
-                  pl.BlockSpec((bm, k), lambda i, j: (i, 0)),
-                  pl.BlockSpec((e, k, n), lambda i, j: (0, 0, 0))],
-        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
-        out_shape=jax.ShapeDtypeStruct((max_tiles * bm, n), jnp.float32),
-        interpret=interpret, num_warps=4, num_stages=3, name="moe_grouped_matmul",
-    )(tile_expert, xp.astype(w.dtype), w)
+    src = jnp.where(valid, row_start[qe] + local, -1)
     # Sorted row r of expert e lies at padded row tile_start[e] * bm + (r - row_start[e]).
     r = jnp.arange(m, dtype=jnp.int32)
     re = jnp.minimum(jnp.searchsorted(row_end, r, side="right"), e - 1)
-    return out[tile_start[re] * bm + r - row_start[re]]
+    return TileLayout(tile_expert, src, tile_start[re] * bm + r - row_start[re])
+
+
+def pad_rows(x: Float[Array, "M K"], layout: TileLayout) -> jax.Array:
+    """x's rows in the tiled layout (zeros where a tile has no row): a gather."""
+    return jnp.where((layout.src >= 0)[:, None], x[jnp.maximum(layout.src, 0)], 0)
+
+
+def tiled_matmul(xp: jax.Array, weights: tuple[jax.Array, ...], layout: TileLayout, *,
+                 out_dtype: Any = jnp.float32, interpret: bool = False) -> jax.Array:
+    """Each tile of the padded rows `xp` times its expert's weight ([E, K, N]); with two
+    weights (gate, up), silu(x @ gate) * (x @ up). Rows of unused tiles come out zero."""
+    kp, k = xp.shape
+    e, _, n = weights[0].shape
+    bm, bn, bk = BLOCK_M, _pow2_divisor(n, BLOCK_N_MAX), _pow2_divisor(k, BLOCK_K_MAX)
+    assert is_pow2(bn) and is_pow2(bk) and n % bn == 0 and k % bk == 0 and kp % bm == 0
+    wspec = pl.BlockSpec((e, k, n), lambda i, j: (0, 0, 0))  # whole: read at its expert
+    return pallas_call(
+        functools.partial(_kernel, num_experts=e, k=k, block_k=bk, block_n=bn,
+                          gated=len(weights) == 2),
+        grid=(layout.max_tiles, n // bn),
+        in_specs=[pl.BlockSpec((layout.max_tiles,), lambda i, j: (0,)),
+                  pl.BlockSpec((bm, k), lambda i, j: (i, 0)), *[wspec] * len(weights)],
+        out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
+        out_shape=jax.ShapeDtypeStruct((kp, n), out_dtype),
+        interpret=interpret, num_warps=4, num_stages=3,
+        name="moe_grouped_gate_up" if len(weights) == 2 else "moe_grouped_matmul",
+    )(layout.tile_expert, xp.astype(weights[0].dtype), *weights)
+
+
+def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
+                   group_sizes: Int[Array, " E"], *, interpret: bool = False
+                   ) -> Float[Array, "M N"]:
+    """Rows [start_e, start_e + group_sizes[e]) of x times w[e], float32 out.
+    Invariant: sum(group_sizes) == M; the shapes pass `unsupported`."""
+    layout = tile_layout(group_sizes, x.shape[0])
+    out = tiled_matmul(pad_rows(x, layout), (w,), layout, interpret=interpret)
+    return out[layout.dst]
+
+
+def grouped_swiglu(x: Float[Array, "M H"], wg: Float[Array, "E H I"], wu: Float[Array, "E H I"],
+                   wd: Float[Array, "E I H"], group_sizes: Int[Array, " E"], *,
+                   interpret: bool = False) -> Float[Array, "M H"]:
+    """down(silu(x @ gate) * (x @ up)) of each sorted row by its own expert, float32 out: the
+    rows laid out once, two launches (gate and up together with the SiLU product in the
+    first's epilogue, written in the weights' dtype; then down), gathered back once."""
+    layout = tile_layout(group_sizes, x.shape[0])
+    h = tiled_matmul(pad_rows(x, layout), (wg, wu), layout, out_dtype=wg.dtype,
+                     interpret=interpret)
+    return tiled_matmul(h, (wd,), layout, interpret=interpret)[layout.dst]

@@ -14,11 +14,14 @@
 # filter; the engine check with the synchronous and the overlapped loop compared), and the
 # host work per request-step of both loops (scripts/bench_host.py, tiny model), merged into
 # one JSON under $OUT, with the whole log. The bf16 decode rows again with XLA's split-K
-# heuristic forced off (docs/benchmarks.md) run when named (--stages ...,split_k).
+# heuristic forced off (docs/benchmarks.md) run when named (--stages ...,split_k), and so does
+# the mixture-of-experts grouped matmul beside XLA's ragged_dot (--stages moe: python -m
+# jpaged.bench.moe_check, Qwen3-30B-A3B's expert shapes).
 #
 #   scripts/device_check.sh                      # on the GPU machine, stage limits 560 s in all
 #   scripts/device_check.sh --stages engine,split_k   # a second call: only those stages
 #   scripts/device_check.sh --stages quant       # the quantized weights alone
+#   scripts/device_check.sh --stages moe         # the MoE grouped matmul alone (~60 s)
 #   scripts/device_check.sh --cpu-smoke          # every stage here, tiny shapes, interpreter
 #
 # Python packages the GPU machine lacks travel as wheels in .whl/ (the embedded model cannot:
@@ -48,8 +51,9 @@ done
 # Each stage has its own wall-clock limit (seconds), so one that overruns cannot take the
 # next one's time; every stage prints its figures as it goes, into $OUT_DIR/device_check.log.
 if [ "$SMOKE" = 1 ]; then
-  STAGES=${STAGES:-kernels,matmuls,decode,split_k,quant,engine,host}
+  STAGES=${STAGES:-kernels,matmuls,decode,split_k,quant,moe,engine,host}
   KERNEL_ARGS=(--cpu-smoke)
+  MOE_ARGS=(--cpu-smoke)
   MATMUL_ARGS=(--cpu-smoke)
   QUANT_ARGS=(--cpu-smoke)
   ENGINE_ARGS=(--cpu-smoke)
@@ -57,6 +61,7 @@ if [ "$SMOKE" = 1 ]; then
   HOST_ARGS=(--batches 4 --no-core-process)
   SPLITK_ARGS=(--cpu-smoke --decode-batches 4)
   L_KERNELS=300 L_MATMULS=300 L_DECODE=300 L_SPLITK=300 L_QUANT=300 L_ENGINE=300 L_HOST=300
+  L_MOE=300
 else
   STAGES=${STAGES:-kernels,matmuls,decode,quant,engine,host}
   # Estimated on an H200 (docs/kernels.md, "Running the device check"): step programs compile
@@ -74,6 +79,8 @@ else
   ENGINE_ARGS=(--budget-s 75)
   HOST_ARGS=(--batches 64 256)
   SPLITK_ARGS=(--decode-budget-s 40 --decode-batches 256 --no-decode-ab)
+  MOE_ARGS=(--budget-s 60)
+  L_MOE=90
   # The default stages: 70 + 85 + 130 + 100 + 140 + 35 = 560 s, under the run's 600.
   L_KERNELS=70 L_MATMULS=85 L_DECODE=130 L_QUANT=100 L_ENGINE=140 L_HOST=35 L_SPLITK=90
   nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv \
@@ -105,7 +112,7 @@ run_stage() {
 echo "== stages: $STAGES"
 # A stage not run has rc "null" in the merged JSON.
 kernels_rc=null matmuls_rc=null decode_rc=null splitk_rc=null quant_rc=null engine_rc=null
-host_rc=null
+host_rc=null moe_rc=null
 want kernels && run_stage kernels_rc "kernels" "$L_KERNELS" \
   "$PY" scripts/gpu_check.py "${KERNEL_ARGS[@]}" --out "$OUT_DIR/kernels.json"
 # The decode matmul kernels alone; their % of copy is of the kernels stage's 16-byte copy
@@ -127,6 +134,10 @@ want quant && run_stage quant_rc "quantized weights" "$L_QUANT" \
   "$PY" -m jpaged.bench.quant_check "${QUANT_ARGS[@]}" --ceiling-json "$OUT_DIR/kernels.json" \
   --matmul-json "$OUT_DIR/matmul.json" --decode-json "$OUT_DIR/decode.json" \
   --out "$OUT_DIR/quant.json"
+# The mixture-of-experts grouped matmul kernel beside XLA's ragged_dot (opt-in on a GPU).
+want moe && run_stage moe_rc "MoE grouped matmul" "$L_MOE" \
+  "$PY" -m jpaged.bench.moe_check "${MOE_ARGS[@]}" --ceiling-json "$OUT_DIR/kernels.json" \
+  --out "$OUT_DIR/moe.json"
 want engine && run_stage engine_rc "engine check" "$L_ENGINE" \
   "$PY" scripts/gpu_engine_check.py --part check "${ENGINE_ARGS[@]}" --out "$OUT_DIR/engine.json"
 # XLA_FLAGS set (empty unless given): bench_host's XLA:CPU thread flags are for this CPU only.
@@ -137,18 +148,19 @@ want host && run_stage host_rc "host work per step" "$L_HOST" \
   --out "$OUT_DIR/host.json"
 
 "$PY" - "$OUT_DIR" "$kernels_rc" "$matmuls_rc" "$decode_rc" "$engine_rc" "$host_rc" \
-  "$splitk_rc" "$quant_rc" "$(( $(date +%s) - t0 ))" "$STAGES" <<'PYEOF'
+  "$splitk_rc" "$quant_rc" "$(( $(date +%s) - t0 ))" "$STAGES" "$moe_rc" <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 krc, mrc, drc, erc, hrc, src, qrc = (json.loads(x) for x in sys.argv[2:9])
-wall, stages = int(sys.argv[9]), sys.argv[10].split(",")
+wall, stages, moerc = int(sys.argv[9]), sys.argv[10].split(","), json.loads(sys.argv[11])
 doc = {"stages": stages, "kernels_rc": krc, "matmuls_rc": mrc, "decode_rc": drc,
        "engine_rc": erc, "host_rc": hrc, "decode_split_k_off_rc": src, "quant_rc": qrc,
-       "wall_s": wall}
+       "moe_rc": moerc, "wall_s": wall}
 for name, f in (("kernels", "kernels"), ("matmuls", "matmul"), ("decode", "decode"),
                 ("engine", "engine"), ("host", "host"),
-                ("decode_split_k_off", "decode_split_k_off"), ("quant", "quant")):
+                ("decode_split_k_off", "decode_split_k_off"), ("quant", "quant"),
+                ("moe", "moe")):
     p = out / f"{f}.json"
     doc[name] = json.loads(p.read_text()) if p.exists() else None
 # The ceilings at the top level: the kernels stage's, else what the matmul stage measured.
@@ -174,6 +186,8 @@ doc["quant_decode"] = [{k: r.get(k) for k in ("weights", "batch", "context_len",
                                               "bf16_step_ms", "bf16_over_quant",
                                               "decode_matmuls", "weight_bytes")}
                        for r in quant.get("quant_decode_rows", [])]
+# The MoE grouped matmul beside XLA's ragged_dot (the opt-in moe stage).
+doc["moe_ab"] = (doc["moe"] or {}).get("moe_rows", [])
 smi = out / "nvidia_smi.csv"
 doc["nvidia_smi"] = smi.read_text() if smi.exists() else None
 (out / "device_check.json").write_text(json.dumps(doc, indent=1))
@@ -190,12 +204,15 @@ for r in doc["verify_rows"]:
     print(f"  verify {r['kv_cache_dtype']} B={r['batch']} k={r['k']} ({r['rows']} rows, bucket "
           f"{r['bucket']}) ctx={r['context_len']}: {r['verify_ms']} ms, decode "
           f"{r['decode_ms']} ms (break-even {r['break_even_accepted']} tokens/step)")
+for r in doc["moe_ab"]:
+    print(f"  moe T={r['tokens']} ({r['experts_chosen']} experts): kernel {r['us_kernel']} us, "
+          f"ragged_dot {r.get('us_xla')} us ({r.get('kernel_GBps')} GB/s of chosen experts)")
 for r in doc["quant_decode"]:
     print(f"  decode {r['weights']} B={r['batch']}: {r['step_ms']} ms, bf16 "
           f"{r['bf16_step_ms']} ms (bf16/quant {r['bf16_over_quant']}x; {r['decode_matmuls']})")
 PYEOF
 for rc in "$kernels_rc" "$matmuls_rc" "$decode_rc" "$splitk_rc" "$quant_rc" "$engine_rc" \
-    "$host_rc"; do
+    "$host_rc" "$moe_rc"; do
   [ "$rc" = null ] || [ "$rc" -eq 0 ] || exit 1
 done
 exit 0

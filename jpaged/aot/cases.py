@@ -79,7 +79,18 @@ LLAMA32_1B_CONFIG: dict[str, Any] = {
     "max_position_embeddings": 131072, "tie_word_embeddings": True, "bos_token_id": 128000,
     "eos_token_id": 128001, "torch_dtype": "bfloat16",
 }
-MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m", "llama3.2-1b")
+# Qwen/Qwen3-30B-A3B's config.json shapes: a mixture of experts, 8 of 128 experts of width 768
+# a token in each of 48 layers (~3B of its 30B parameters active), q/k norms, 4 KV heads.
+QWEN3_30B_A3B_CONFIG: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+    "max_position_embeddings": 40960, "num_experts": 128, "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "tie_word_embeddings": False, "bos_token_id": 151643,
+    "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m", "llama3.2-1b", "qwen3-30b-a3b")
 # Weights kept quantized on the device (models/quant.py), besides the model dtype's: "fp8" per
 # output channel (`--quantization fp8`: every decoder linear, embeddings and head unchanged),
 # "int4" in groups of 128 with float16 scales and mins (the layout of the GPTQ and AWQ 4-bit
@@ -88,7 +99,7 @@ MODELS = ("smollm2-135m", "llama3-8b", "gemma3-270m", "llama3.2-1b")
 WEIGHTS = ("fp8", "int4")
 INT4_GROUP = 128
 _CONFIGS = {"llama3-8b": LLAMA3_8B_CONFIG, "gemma3-270m": GEMMA3_270M_CONFIG,
-            "llama3.2-1b": LLAMA32_1B_CONFIG}
+            "llama3.2-1b": LLAMA32_1B_CONFIG, "qwen3-30b-a3b": QWEN3_30B_A3B_CONFIG}
 
 # XLA's short names of the pool storage dtypes.
 _XLA_DTYPE = {"uint8": "u8", "uint16": "u16", "bfloat16": "bf16", "float16": "f16",
@@ -283,12 +294,18 @@ class StepBuilder:
 
     def traffic_case(self, tokens: int, seqs: int, context_len: int) -> StepTraffic:
         """The HBM-traffic description of step (tokens, seqs) at a context length."""
-        return StepTraffic(tokens, seqs, context_len, self.spec.num_layers, self.block_size,
-                           self.local_kv_heads, self.spec.head_dim,
-                           storage_dtype(self.page_dtype).itemsize, self.spec.vocab_size,
-                           self.param_bytes, self.num_blocks, self.spec.layer_windows,
-                           self.spec.num_heads // self.tensor_parallel_size
-                           // self.local_kv_heads, jnp.dtype(self.model_dtype).itemsize)
+        spec, tp = self.spec, self.tensor_parallel_size
+        itemsize = jnp.dtype(self.model_dtype).itemsize
+        width = spec.moe_intermediate_size // tp
+        moe = {} if not spec.is_moe else {
+            "sparse_layers": sum(map(spec.layer_is_sparse, range(spec.num_layers))),
+            "num_experts": spec.num_experts, "top_k": spec.num_experts_per_tok,
+            "expert_matrix_bytes": spec.hidden_size * width * itemsize, "expert_width": width}
+        return StepTraffic(tokens, seqs, context_len, spec.num_layers, self.block_size,
+                           self.local_kv_heads, spec.head_dim,
+                           storage_dtype(self.page_dtype).itemsize, spec.vocab_size,
+                           self.param_bytes, self.num_blocks, spec.layer_windows,
+                           spec.num_heads // tp // self.local_kv_heads, itemsize, **moe)
 
     def pool_shape(self) -> str:
         """One pool array's XLA shape per device."""

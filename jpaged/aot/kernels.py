@@ -37,7 +37,8 @@ _PTXAS_SPILL = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
 _PTXAS_SMEM = re.compile(r"(\d+) bytes smem")
 # Kernels that stream weights or K/V from HBM: each must load 16 bytes per thread per
 # instruction and spill nothing (report.check_rows).
-STREAMING_KERNEL_PREFIXES = ("decode_matmul", "paged_decode_", "ragged_paged_")
+STREAMING_KERNEL_PREFIXES = ("decode_matmul", "paged_decode_", "ragged_paged_",
+                             "moe_grouped_")
 MIN_STREAMING_LOAD_BYTES = 16
 
 

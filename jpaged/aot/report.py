@@ -489,6 +489,8 @@ def plan_configs(quick: bool) -> list[tuple[Config, str]]:
         out.append((Config("llama3-8b", "bfloat16", "pallas", weights=weights), "decode"))
     # An engine serving LoRA adapters (4 slots of rank 16): its steps on XLA's GEMMs.
     out.append((Config("llama3-8b", "bfloat16", "pallas", lora=(4, 16)), "decode"))
+    # A mixture of experts: the grouped-matmul kernel reads only the experts tokens chose.
+    out.append((Config("qwen3-30b-a3b", "bfloat16", "pallas"), "decode"))
     return out
 
 

@@ -94,6 +94,29 @@ class StepTraffic:
     # A verifying step (speculative decoding): each sequence's tokens // seqs new tokens are
     # the last of its context_len (its input token and proposals), each one a logits row.
     verifying: bool = False
+    # A mixture of experts: sparse layers, experts a layer, experts a token, and the bytes of
+    # one expert's matrix (gate, up or down: the same size) on this device. 0: a dense model.
+    sparse_layers: int = 0
+    num_experts: int = 0
+    top_k: int = 0
+    expert_matrix_bytes: int = 0
+    expert_width: int = 0  # one expert's (per-device) width, the down matrix's K
+
+    @property
+    def experts_read(self) -> float:
+        """Experts a sparse layer's step reads, the data-dependent part of an MoE step: the
+        number a batch of `tokens` routed uniformly is expected to choose,
+        E * (1 - (1 - k/E)^tokens), which both the kernel's reads and the minimum count."""
+        if not self.num_experts:
+            return 0.0
+        e = self.num_experts
+        return e * (1 - (1 - self.top_k / e) ** self.tokens)
+
+    @property
+    def unread_expert_bytes(self) -> int:
+        """Bytes of the experts a step leaves unread (every sparse layer, 3 matrices each)."""
+        unread = self.num_experts - self.experts_read
+        return round(self.sparse_layers * 3 * unread * self.expert_matrix_bytes)
 
     @property
     def decode(self) -> bool:
@@ -132,6 +155,17 @@ class StepTraffic:
             return KernelRule(0, 0, write=rows * self.head_dim * self.model_bytes,
                               read=self._partial_bytes(_param(name, "pk"), _window(name))
                               + self.seqs * 4)
+        if name.startswith("moe_grouped_"):
+            # Its tile-expert map and padded rows whole, and of each [E, K, N] weight (gate and
+            # up together, or one) only the experts its tiles hold (experts_read); its output
+            # counted whole.
+            weights = 2 if name.startswith("moe_grouped_gate_up") else 1
+            tiles = cdiv(self.tokens * self.top_k, 16) + min(self.num_experts,
+                                                           self.tokens * self.top_k)
+            hidden = self.expert_matrix_bytes // max(1, self.expert_width * self.model_bytes)
+            rows = tiles * 16 * max(hidden, self.expert_width) * self.model_bytes
+            return KernelRule(0, 0, read=4 * tiles + rows
+                              + round(weights * self.experts_read * self.expert_matrix_bytes))
         if name.startswith("ragged_paged_"):
             if self.decode:  # launched inactive: no tile has a valid row
                 return KernelRule(0, 0, idle=True)
@@ -187,14 +221,15 @@ class StepTraffic:
         return self.context_len - self.tokens // self.seqs if self.verifying else 0
 
     def min_hbm_bytes(self) -> int:
-        """Weights once, the attended K/V once (a sliding layer's window of it), the new K/V
+        """Weights once (of a mixture of experts' experts, the ones `experts_read` counts),
+        the attended K/V once (a sliding layer's window of it), the new K/V
         written once, f32 logits once (a row per sequence; in a verifying step per token)."""
         windows = self.layer_windows or (None,) * self.num_layers
         attended = sum(self.context_len if w is None else min(w, self.context_len)
                        for w in windows)
         kv = 2 * self.row_bytes * (self.seqs * attended + self.num_layers * self.tokens)
         rows = self.tokens if self.verifying else self.seqs
-        return self.param_bytes + kv + rows * self.vocab_size * 4
+        return self.param_bytes - self.unread_expert_bytes + kv + rows * self.vocab_size * 4
 
     def min_hbm_bytes_rows(self) -> int:
         """The least this verifying step would move laid out as one single-token sequence a

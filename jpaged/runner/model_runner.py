@@ -224,7 +224,7 @@ class ModelRunner:
             decode_matmuls = False
         platform = platform or jax.default_backend()
         # How a mixture-of-experts model's grouped matmuls run in this step (models/moe.py).
-        self.experts_impl = expert_impl(platform, tensor_parallel=parallel is not None)
+        self.experts_impl = expert_impl(platform)
         # Candidates a step with logprobs returns per row (sampled and prompt alike): the
         # engine's max_logprobs, at most the vocabulary. Static: part of every compiled step.
         self.num_top_logprobs = max(1, min(num_top_logprobs, vocab_size))
@@ -389,7 +389,8 @@ class ModelRunner:
                 return q, k, v, (to_bits(kp), to_bits(vp), k_scale, v_scale)
 
             linears = dataclasses.replace(linears, qkv_write=qkv_write)
-        with experts_run_as(self.experts_impl):
+        with experts_run_as(self.experts_impl,
+                            None if self.parallel is None else self.parallel.mesh):
             hidden, (k_pages, v_pages, k_scale, v_scale) = model(
                 input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
                 embed_fn=embed_fn, linears=linears, lora=lora)

@@ -234,7 +234,15 @@ _TO_GGUF = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+    # A sparse layer's router and Qwen2-MoE's shared expert (Mixtral's block_sparse_moe too).
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# Each expert's [out, in] tensor goes into its layer's stacked [E, out, in] GGUF tensor.
+_EXPERT_TO_GGUF = {"gate_proj": "ffn_gate_exps", "w1": "ffn_gate_exps", "up_proj": "ffn_up_exps",
+                   "w3": "ffn_up_exps", "down_proj": "ffn_down_exps", "w2": "ffn_down_exps"}
 
 
 def gguf_name(hf_name: str) -> str:
@@ -246,18 +254,47 @@ def gguf_name(hf_name: str) -> str:
     return f"{_TO_GGUF[base]}.{suffix}"
 
 
+def gguf_moe_weights(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """HF tensors of a mixture of experts with each layer's experts stacked under llama.cpp's
+    names (blk.N.ffn_*_exps.weight, [E, out, in]), the shared expert's gate as a vector, and
+    the other tensors as they are (HF names, for write_gguf)."""
+    import re
+
+    out: dict[str, np.ndarray] = {}
+    stacks: dict[str, dict[int, np.ndarray]] = {}
+    for name, arr in weights.items():
+        m = re.match(r"model\.layers\.(\d+)\.\w+\.experts\.(\d+)\.(\w+)\.weight$", name)
+        if m:
+            key = f"blk.{m[1]}.{_EXPERT_TO_GGUF[m[3]]}.weight"
+            stacks.setdefault(key, {})[int(m[2])] = arr
+        elif name.endswith("shared_expert_gate.weight"):
+            out[name] = arr.reshape(-1)
+        else:
+            out[name] = arr
+    for key, parts in stacks.items():
+        out[key] = np.stack([parts[e] for e in range(len(parts))])
+    return out
+
+
 def write_gguf(path: Path, spec, weights: dict[str, np.ndarray],
-               quantize: tuple[str, ...] | dict[str, str] = ()):
-    """A llama-arch GGUF as llama.cpp's converter writes it (q/k rows permuted).
+               quantize: tuple[str, ...] | dict[str, str] = (), arch: str = "llama",
+               metadata: dict[str, int | float | bool] | None = None):
+    """A GGUF of `arch` (llama by default) as llama.cpp's converter writes it (q/k rows
+    permuted for llama); `metadata`: more `{arch}.` keys (ints, floats, bools).
 
     Tensors whose HF name contains a string in `quantize` are stored as Q8_0, or (a dict:
-    substring -> GGML type name, first match wins) as that type.
+    substring -> GGML type name, first match wins) as that type. Names already in GGUF form
+    (blk.N....) are written as they are.
     """
     import gguf
 
     from models.weights import permute_qk
 
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in (metadata or {}).items():
+        add = (w.add_bool if isinstance(value, bool) else
+               w.add_uint32 if isinstance(value, int) else w.add_float32)
+        add(f"{arch}.{key}", value)
     w.add_block_count(spec.num_layers)
     w.add_context_length(spec.max_position_embeddings)
     w.add_embedding_length(spec.hidden_size)
@@ -281,7 +318,9 @@ def write_gguf(path: Path, spec, weights: dict[str, np.ndarray],
     w.add_eos_token_id(EOS)
     w.add_chat_template("{% for m in messages %}{{ m['content'] }}{% endfor %}")
     for name, arr in weights.items():
-        if name.endswith("q_proj.weight"):
+        if arch != "llama":
+            pass
+        elif name.endswith("q_proj.weight"):
             arr = permute_qk(arr, spec.num_heads)
         elif name.endswith("k_proj.weight"):
             arr = permute_qk(arr, spec.num_kv_heads)
@@ -291,7 +330,8 @@ def write_gguf(path: Path, spec, weights: dict[str, np.ndarray],
             qtype = gguf.GGMLQuantizationType[kind]
             w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
-            w.add_tensor(gguf_name(name), np.ascontiguousarray(arr, dtype=np.float32))
+            w.add_tensor(name if name.startswith("blk.") else gguf_name(name),
+                         np.ascontiguousarray(arr, dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

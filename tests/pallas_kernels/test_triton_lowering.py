@@ -85,3 +85,25 @@ def test_decode_matmuls_lower_to_one_triton_call_each(rows, hidden, q, kv, inter
     down_t = lower_for_cuda(functools.partial(dm.projection_residual, transposed=True),
                              S((rows, inter), dtype), S((hidden, inter), dtype), x)
     assert _triton_calls(down_t) == 1
+
+
+@pytest.mark.parametrize("rows,experts,k,n,dtype", [
+    (8, 128, 2048, 768, jnp.bfloat16),  # Qwen3-30B-A3B's gate/up at one token (8 experts)
+    (300, 8, 96, 48, jnp.float32),  # odd sides: tiles of 32 and 16
+    (5, 4, 96, 40, jnp.float32),  # a side without a tile the kernel can take
+])
+def test_the_moe_grouped_matmul_lowers_to_one_triton_call(rows, experts, k, n, dtype):
+    from pallas_kernels import grouped_matmul as gmm
+
+    why = gmm.unsupported(k, n, dtype)
+    if why is not None:  # n = 40 has no power-of-two tile >= 16: ragged_dot takes it
+        assert "no power-of-two tile >= 16" in why
+        return
+    text = lower_for_cuda(gmm.grouped_matmul, S((rows, k), dtype), S((experts, k, n), dtype),
+                          S((experts,), jnp.int32))
+    assert _triton_calls(text) == 1 and "moe_grouped_matmul" in text
+    # A layer's SwiGLU: gate and up in one launch, then down.
+    w, wd = S((experts, k, n), dtype), S((experts, n, k), dtype)
+    swiglu = lower_for_cuda(gmm.grouped_swiglu, S((rows, k), dtype), w, w, wd,
+                            S((experts,), jnp.int32))
+    assert _triton_calls(swiglu) == 2 and "moe_grouped_gate_up" in swiglu

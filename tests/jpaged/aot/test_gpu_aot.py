@@ -106,7 +106,8 @@ def test_plan_covers_both_models_dtypes_backends_and_tp2():
     assert {(c.model, c.kv_cache_dtype, c.backend) for c in cfgs if c.tensor_parallel_size == 1
             } == {(m, d, b) for m in ("smollm2-135m", "llama3-8b")
                   for d in ("bfloat16", "fp8_e4m3") for b in ("pallas", "xla")
-                  } | {("gemma3-270m", "bfloat16", "pallas")}  # sliding windows, head_dim 256
+                  } | {("gemma3-270m", "bfloat16", "pallas"),  # sliding windows, head_dim 256
+                       ("qwen3-30b-a3b", "bfloat16", "pallas")}  # a mixture of experts
     assert any(c.tensor_parallel_size == 2 for c in cfgs)
     # An engine serving LoRA adapters: the 8B's decode steps with 4 slots of rank 16.
     assert "llama3-8b-lora4x16/bfloat16/pallas/tp1" in {c.key for c in cfgs}
@@ -271,3 +272,32 @@ def test_lora_step_lowers_with_its_slots_counted_as_weights():
     text = lora.lower_step(16, 4).as_text()
     assert "dot_general" in text and lora.runner.lora.weights["q_proj"][0].shape == (
         spec.num_layers, spec.hidden_size, 8)
+
+
+def test_a_mixture_of_experts_step_counts_the_experts_its_tokens_choose():
+    """Qwen3-30B-A3B (128 experts, 8 a token): one token reads 8 experts of each layer, the
+    grouped-matmul kernel's weight operand is capped at them, and the minimum leaves the rest
+    out; a dense model's figures are unchanged."""
+    from jpaged.aot.cases import model_spec
+    from jpaged.aot.traffic import StepTraffic
+
+    spec = model_spec("qwen3-30b-a3b")
+    assert spec.is_moe and spec.num_experts == 128 and spec.num_experts_per_tok == 8
+    matrix = 2048 * 768 * 2
+    base = dict(context_len=1024, num_layers=48, block_size=16, kv_heads=4, head_dim=128,
+                page_bytes=2, vocab_size=151936, param_bytes=61_000_000_000, num_blocks=9000)
+    moe = dict(sparse_layers=48, num_experts=128, top_k=8, expert_matrix_bytes=matrix,
+               expert_width=768)
+    one = StepTraffic(1, 1, **base, **moe)
+    assert one.experts_read == pytest.approx(8.0)
+    assert one.unread_expert_bytes == 48 * 3 * 120 * matrix
+    assert StepTraffic(1, 1, **base).min_hbm_bytes() - one.min_hbm_bytes() == \
+        one.unread_expert_bytes
+    rule = one.kernel_rule("moe_grouped_matmul__1")
+    tiles = 1 + 8  # ceil(8 rows / 16) + min(128 experts, 8 rows)
+    assert rule.read == 4 * tiles + tiles * 16 * 2048 * 2 + 8 * matrix
+    # Many tokens choose nearly every expert; never more than all of them.
+    assert 125 < StepTraffic(64, 64, **base, **moe).experts_read <= 128
+    assert StepTraffic(1, 1, **base).kernel_rule("moe_grouped_matmul") is not None
+    both = one.kernel_rule("moe_grouped_gate_up")  # gate and up: two weights' experts
+    assert both.read - rule.read == 8 * matrix

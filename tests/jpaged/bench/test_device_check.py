@@ -2,8 +2,8 @@
 (kernel checks and timings with the 16-byte copy ceiling, the decode matmul kernels against
 XLA with their tile sweep, the decode rows' matmul A/B, speculative decoding's verifying step
 beside plain decode, decode rows with XLA's split-K forced off, the quantized weights (fp8,
-int4) beside their bf16 twins, the engine on random weights with both loops compared, the host
-work per request-step, one merged JSON), tiny shapes."""
+int4) beside their bf16 twins, the MoE grouped matmul, the engine on random weights with both
+loops compared, the host work per request-step, one merged JSON), tiny shapes."""
 
 from __future__ import annotations
 
@@ -24,11 +24,14 @@ def test_device_check_cpu_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     doc = json.loads((tmp_path / "device_check.json").read_text())
     assert (doc["kernels_rc"], doc["matmuls_rc"], doc["decode_rc"], doc["engine_rc"],
-            doc["host_rc"], doc["decode_split_k_off_rc"], doc["quant_rc"]) == (0,) * 7
-    assert doc["stages"] == ["kernels", "matmuls", "decode", "split_k", "quant", "engine",
-                             "host"]
+            doc["host_rc"], doc["decode_split_k_off_rc"], doc["quant_rc"],
+            doc["moe_rc"]) == (0,) * 8
+    assert doc["stages"] == ["kernels", "matmuls", "decode", "split_k", "quant", "moe",
+                             "engine", "host"]
     log = (tmp_path / "device_check.log").read_text()
-    assert "== decode step rows" in log and log.count("== stage took") == 7
+    assert "== decode step rows" in log and log.count("== stage took") == 8
+    # The MoE grouped matmul kernel (interpreted) on routed rows, checked.
+    assert [r["tokens"] for r in doc["moe_ab"]] == [1, 5] and all(r["ok"] for r in doc["moe_ab"])
     # The split-K-off rows right after the decode rows they are compared with.
     assert log.index("split-K off (limit") < log.index("== engine check")
     kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]

@@ -377,6 +377,24 @@ def moe_cases(out: dict) -> None:
                     ("gate_proj", moe["experts"]["gate_proj"]),
                     ("down_proj", moe["experts"]["down_proj"]),
                     ("router", moe["gate"]["kernel"]))}
+    # The GPU's way under tensor parallel: the kernel (interpreted here) on each device's
+    # width under shard_map, its partial down products summed; against one device's loop.
+    from flax import nnx
+    from tiny_models import flatten, make_logits_fn
+
+    from jpaged.runner.parallel import TensorParallel
+    from models.moe import experts_run_as
+
+    model = random_model(spec, np.float32, seed=4).model
+    ids, pos, seg = flatten([[256, 7, 99, 12, 150, 3], [256, 1, 2]], pad_to=12)
+    with experts_run_as("loop"):
+        want = np.asarray(make_logits_fn(model)(ids, pos, seg))
+    tp = TensorParallel(spec, 2, jax.devices()[:2])
+    graphdef, state = nnx.split(model)
+    sharded = nnx.merge(graphdef, tp.shard_params(state))
+    with experts_run_as("interpret", tp.mesh):
+        got = np.asarray(make_logits_fn(sharded)(ids, pos, seg))
+    case["kernel_tp2_max_err"] = float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
     out["moe"] = case
 
 

@@ -1,0 +1,115 @@
+"""The mixture-of-experts grouped matmul on a lent GPU: the Pallas kernel beside XLA's ragged_dot.
+
+Qwen3-30B-A3B's expert shapes (128 experts, 2048 -> 768, 8 a token, bf16), random routing of
+T tokens (T * 8 sorted rows): each row times both ways (`us_kernel`, `us_xla`), checked against
+a float32 reference of the same rows, with the bytes of the experts the rows chose
+(`expert_bytes_read`) over the kernel's time as its rate (`kernel_GBps`, and as a % of the
+16-byte copy ceiling when the kernels stage measured one). `--cpu-smoke`: tiny shapes in the
+Pallas interpreter (the suite runs it).
+
+    python -m jpaged.bench.moe_check --out OUT/moe.json [--ceiling-json OUT/kernels.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.bench.kernel_timing import pipelined
+from pallas_kernels import grouped_matmul as gmm
+
+GPU_SHAPE = {"experts": 128, "k": 2048, "n": 768, "top_k": 8, "tokens": [1, 16, 64, 256, 2048]}
+SMOKE_SHAPE = {"experts": 8, "k": 64, "n": 32, "top_k": 2, "tokens": [1, 5]}
+
+
+def routed(tokens: int, experts: int, top_k: int, seed: int) -> np.ndarray:
+    """Group sizes of `tokens` tokens each routed to top_k distinct random experts."""
+    rng = np.random.default_rng(seed)
+    chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
+    return np.bincount(chosen.reshape(-1), minlength=experts).astype(np.int32)
+
+
+def run_row(tokens: int, shape: dict[str, Any], dtype: Any, interpret: bool,
+            ceiling: float | None) -> dict[str, Any]:
+    """One token count: both ways timed (the kernel alone in the interpreter), checked."""
+    e, k, n, top = shape["experts"], shape["k"], shape["n"], shape["top_k"]
+    sizes = routed(tokens, e, top, seed=tokens)
+    m = int(sizes.sum())
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((m, k), np.float32) * 0.1, dtype)
+    w = jnp.asarray(rng.standard_normal((e, k, n), np.float32) * 0.05, dtype)
+    gs = jnp.asarray(sizes)
+    kernel = jax.jit(lambda a, b, c: gmm.grouped_matmul(a, b, c, interpret=interpret))
+    xla = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c,
+                                                     preferred_element_type=jnp.float32))
+    got = np.asarray(kernel(x, w, gs))
+    xf, wf = np.asarray(x, np.float32), np.asarray(w, np.float32)
+    want, start = np.zeros((m, n), np.float32), 0
+    for i, g in enumerate(sizes):
+        want[start:start + g] = xf[start:start + g] @ wf[i]
+        start += g
+    err = float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
+    read = int((sizes > 0).sum()) * k * n * jnp.dtype(dtype).itemsize
+    row: dict[str, Any] = {"tokens": tokens, "rows": m, "experts_chosen": int((sizes > 0).sum()),
+                           "expert_bytes_read": read, "max_rel_err": err,
+                           "ok": err < (2e-2 if dtype == jnp.bfloat16 else 1e-3)}
+    t_kernel = pipelined(kernel, (x, w, gs), repeats=3 if interpret else 5)
+    row["us_kernel"] = round(t_kernel.median_s * 1e6, 2)
+    if not interpret:
+        t_xla = pipelined(xla, (x, w, gs))
+        row["us_xla"] = round(t_xla.median_s * 1e6, 2)
+        row["xla_over_kernel"] = round(t_xla.median_s / t_kernel.median_s, 2)
+        row["kernel_GBps"] = round(read / t_kernel.median_s / 1e9, 1)
+        if ceiling:
+            row["pct_of_copy_16byte"] = round(100 * row["kernel_GBps"] / ceiling, 1)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Time every row within the budget; write the JSON; exit 1 when a row is wrong."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--cpu-smoke", action="store_true")
+    ap.add_argument("--ceiling-json", type=Path)
+    ap.add_argument("--budget-s", type=float, default=60.0)
+    args = ap.parse_args(argv)
+    smoke = args.cpu_smoke
+    shape = SMOKE_SHAPE if smoke else GPU_SHAPE
+    dtype = jnp.float32 if smoke else jnp.bfloat16
+    ceiling = None
+    if args.ceiling_json is not None and args.ceiling_json.exists():
+        ceiling = json.loads(args.ceiling_json.read_text()).get("copy_GBps_16byte")
+    doc: dict[str, Any] = {"device": str(jax.devices()[0]), "shape": shape,
+                           "dtype": jnp.dtype(dtype).name, "copy_GBps_16byte": ceiling,
+                           "moe_rows": [], "skipped": [], "errors": []}
+    t0 = time.perf_counter()
+    for tokens in shape["tokens"]:
+        if time.perf_counter() - t0 > args.budget_s:
+            doc["skipped"].append(tokens)
+            continue
+        try:
+            row = run_row(tokens, shape, dtype, smoke, ceiling)
+        except Exception as e:  # a failure is a finding: named, and the next row still runs
+            doc["errors"].append(f"T={tokens}: {type(e).__name__}: {e}"[:500])
+            traceback.print_exc()
+            continue
+        doc["moe_rows"].append(row)
+        print(f"moe T={tokens} rows={row['rows']} experts={row['experts_chosen']}: kernel "
+              f"{row['us_kernel']} us, xla {row.get('us_xla')} us, "
+              f"{row.get('kernel_GBps')} GB/s, err {row['max_rel_err']:.1e}", flush=True)
+    args.out.write_text(json.dumps(doc, indent=1))
+    bad = doc["errors"] or not all(r["ok"] for r in doc["moe_rows"])
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

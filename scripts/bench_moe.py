@@ -1,0 +1,90 @@
+"""What a mixture-of-experts layer's experts cost by how they are multiplied, on this CPU.
+
+One sparse layer's experts (SwiGLU: gate, up, down) for T tokens routed to k of E experts, as
+the engine runs them on XLA:CPU (`loop`: a while loop over the row tiles of the experts the
+tokens chose) beside jax.lax.ragged_dot (`xla`: XLA:CPU widens the rows to one GEMM over every
+expert), side by side at decode and prefill token counts. Each row is the median of the timed
+rounds, the two taking turns; `ratio` is xla's time over loop's. The weights are random float32
+of Qwen3-30B-A3B's expert shape scaled down (E=64 experts of 1024 -> 512, k=8) to fit a 24 GiB
+machine beside ragged_dot's temporaries; `temp_bytes` is XLA's memory analysis of each program.
+
+    .venv/bin/python scripts/bench_moe.py --out docs/bench/moe.json   # ~2 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jpaged.bench import report
+from models.moe import grouped_matmul, route
+
+E, HIDDEN, WIDTH, TOP_K = 64, 1024, 512, 8
+
+
+def experts_fn(impl: str):
+    """Jitted: x [T, hidden] routed by logits [T, E] -> the experts' weighted sum."""
+
+    @jax.jit
+    def run(x, logits, wg, wu, wd):
+        weights, experts = route(logits, TOP_K, True)
+        flat = experts.reshape(-1)
+        order = jnp.argsort(flat, stable=True)
+        sizes = jnp.bincount(flat, length=E)
+        xs = x[order // TOP_K]
+        g = grouped_matmul(xs, wg, sizes, impl=impl)
+        u = grouped_matmul(xs, wu, sizes, impl=impl)
+        out = grouped_matmul(jax.nn.silu(g) * u, wd, sizes, impl=impl)
+        pairs = out[jnp.argsort(order)].reshape(x.shape[0], TOP_K, HIDDEN)
+        return jnp.einsum("tkh,tk->th", pairs, weights)
+
+    return run
+
+
+def main() -> None:
+    """Time both ways at each token count; write the JSON and print a table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=Path("docs/bench/moe.json"))
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", default="1,4,16,64,256")
+    args = ap.parse_args()
+    rng = np.random.default_rng(0)
+    w = [jnp.asarray(rng.standard_normal(s, np.float32) * 0.03)
+         for s in ((E, HIDDEN, WIDTH), (E, HIDDEN, WIDTH), (E, WIDTH, HIDDEN))]
+    fns = {impl: experts_fn(impl) for impl in ("loop", "xla")}
+    rows = []
+    for t in (int(n) for n in args.tokens.split(",")):
+        x = jnp.asarray(rng.standard_normal((t, HIDDEN), np.float32))
+        logits = jnp.asarray(rng.standard_normal((t, E), np.float32))
+        temps, times = {}, {impl: [] for impl in fns}
+        outs = {}
+        for impl, fn in fns.items():
+            compiled = fn.lower(x, logits, *w).compile()
+            temps[impl] = compiled.memory_analysis().temp_size_in_bytes
+            outs[impl] = np.asarray(fn(x, logits, *w))  # warm
+        err = float(np.abs(outs["loop"] - outs["xla"]).max())
+        for _ in range(args.rounds):
+            for impl, fn in fns.items():
+                t0 = time.perf_counter()
+                fn(x, logits, *w).block_until_ready()
+                times[impl].append(time.perf_counter() - t0)
+        ms = {impl: 1e3 * report.median(ts) for impl, ts in times.items()}
+        rows.append({"tokens": t, "ms_loop": round(ms["loop"], 3), "ms_xla": round(ms["xla"], 3),
+                     "ratio": round(ms["xla"] / ms["loop"], 2), "temp_bytes_loop": temps["loop"],
+                     "temp_bytes_xla": temps["xla"], "max_abs_diff": err})
+    data = {"machine": report.machine(), "experts": E, "hidden": HIDDEN, "width": WIDTH,
+            "top_k": TOP_K, "expert_bytes": E * 3 * HIDDEN * WIDTH * 4, "rows": rows}
+    report.write(args.out, data)
+    report.print_table("MoE experts on this CPU (E=64, 1024 -> 512, k=8)", [
+        (f"T={r['tokens']}", f"loop {r['ms_loop']} ms, xla {r['ms_xla']} ms (x{r['ratio']}); "
+                             f"temps {r['temp_bytes_loop'] / 2**20:.1f} / "
+                             f"{r['temp_bytes_xla'] / 2**20:.1f} MiB") for r in rows])
+
+
+if __name__ == "__main__":
+    main()
