@@ -262,6 +262,26 @@ def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
     return totals[0], totals[1]
 
 
+def _fp8_elements(spec: Any) -> tuple[int, int]:
+    """(weights, float32 scales) that `--quantization fp8` quantizes in a model: each layer's
+    attention projections, dense MLP or experts (a scale per expert and output channel) and
+    shared expert, one scale per output channel; routers and gates excluded."""
+    d, hd = spec.hidden_size, spec.head_dim
+    q_kv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
+    weights = scales = 0
+    for i in range(spec.num_layers):
+        weights += d * q_kv + spec.num_heads * hd * d
+        scales += q_kv + d
+        widths = [spec.intermediate_size] if not spec.layer_is_sparse(i) else \
+            [spec.moe_intermediate_size] * spec.num_experts + (
+                [spec.shared_expert_intermediate_size]
+                if spec.shared_expert_intermediate_size else [])
+        for w in widths:  # gate, up [d -> w] and down [w -> d]
+            weights += 3 * d * w
+            scales += 2 * w + d
+    return weights, scales
+
+
 def _ffn_width(spec: Any, tp: int) -> int:
     """The widest feed-forward activation a token makes on one of `tp` devices: the dense
     MLP's, or its experts' (num_experts_per_tok of them) plus a shared expert's."""
@@ -283,13 +303,16 @@ def weight_bytes(spec: Any, wbytes: int, quantization: str | None, source: str,
         quantization = str(qc.get("quant_method", "")).lower()
     if quantization is None:
         return n_params * wbytes
-    if spec.is_moe:
-        raise EstimateError("--quantization", f"{spec.architecture}'s experts run unquantized "
-                            "in this version (quantized weights are for dense models)")
+    if spec.is_moe and quantization != "fp8":
+        raise EstimateError("--quantization", f"{spec.architecture}'s experts take fp8 (at "
+                            f"load) only in this version, not {quantization!r}")
     d, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
     q_kv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
     linear = d * q_kv + spec.num_heads * hd * d + 3 * d * inter  # elements a layer
     rest = (n_params - spec.num_layers * linear) * wbytes
+    if spec.is_moe:  # fp8: every decoder linear and expert; the router in the model's dtype
+        elements, scales = _fp8_elements(spec)
+        return (n_params - elements) * wbytes + elements + 4 * scales
     if quantization in ("fp8", "compressed-tensors"):
         scales = q_kv + d + 2 * inter + d  # one float32 per output channel
         return rest + spec.num_layers * (linear + 4 * scales)

@@ -533,8 +533,9 @@ def load_gguf_quantized(path: str | Path
         factors = tuple(float(x) for x in _read_tensor(path, tensors["rope_freqs.weight"]).ravel())
     spec = spec_from_gguf(meta, set(tensors), path, factors)
     if spec.is_moe:
-        raise ValueError(f"GGUF file {path}: {spec.architecture}'s experts run unquantized in "
-                         "this version; load it without quantization='gguf' (dequantized)")
+        raise ValueError(f"GGUF file {path}: {spec.architecture}'s experts cannot run at the "
+                         "GGUF's own quantization in this version; load it dequantized (no "
+                         "quantization) or with quantization='fp8'")
     makers, plan = _quantized_makers(path, meta, tensors)
     return spec, LazyTensors(str(path), makers), plan, meta
 

@@ -274,9 +274,6 @@ def _load_gguf_model(path: Path, dtype: Any, tp: int, quantization: str | None
     else:  # dequantized ("fp8" then quantizes the dequantized linears: see fp8_plan)
         # Lazy: each tensor is dequantized when placed, so one whole f32 tensor at a time.
         spec, weights, metadata = load_gguf(path, lazy=True)
-    if spec.is_moe and quantization is not None:  # ("gguf" refused by its reader)
-        raise ValueError(f"GGUF file {path}: {spec.architecture}'s experts run unquantized in "
-                         f"this version; load it without quantization={quantization!r}")
     tokenizer = Tokenizer.from_gguf_metadata(metadata)
     del metadata  # the vocabulary's strings: not held while the weights are read
     model = abstract_model(spec, dtype)
@@ -311,11 +308,10 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
     except ValueError as e:  # name the file: the message alone names only the field
         raise ValueError(f"{cfg_file}: {e}") from e
     spec = spec.replace(eos_token_ids=_merge_generation_eos(path, spec.eos_token_ids))
-    if spec.is_moe and (method or quantization):
-        raise ValueError(f"{cfg_file}: {spec.architecture}'s experts run unquantized in this "
-                         f"version; quantization {method or quantization!r} is for dense "
-                         "models (load it without --quantization, from an unquantized "
-                         "checkpoint)")
+    if spec.is_moe and method:
+        raise ValueError(f"{cfg_file}: {spec.architecture} checkpoints quantized by their "
+                         f"producer ({method!r}) are not supported in this version; load an "
+                         "unquantized one (--quantization fp8 quantizes its experts at load)")
     tokenizer = Tokenizer.from_hf_dir(path)
     weights = load_hf_dir_weights(path, spec)
     plan = None

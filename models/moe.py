@@ -36,8 +36,9 @@ from .linear_ops import matmul_precision, one_row_as_two
 
 logger = logging.getLogger("jpaged")
 
-__all__ = ["Experts", "SparseMoeBlock", "experts_run_as", "expert_impl", "grouped_matmul",
-           "route", "EXPERT_IMPLS", "EXPERT_PARAMS", "expert_hf_names"]
+__all__ = ["EXPERT_IMPLS", "EXPERT_PARAMS", "ExpertWeight", "Experts", "SparseMoeBlock",
+           "StackedFp8", "expert_hf_names", "expert_impl", "expert_tensor_names",
+           "experts_run_as", "grouped_matmul", "route"]
 
 # The stacked Params of a layer's experts and, per architecture family, the name each
 # expert's tensor has in HF checkpoints (`...experts.{e}.{name}.weight`, [out, in]).
@@ -55,6 +56,10 @@ EXPERT_IMPLS = ("loop", "pallas", "interpret", "xla")
 # or GSPMD partitions the step: the loop and ragged_dot are plain XLA ops).
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("moe_mesh", default=None)
 _logged: set[str] = set()
+
+# One matrix of a layer's experts: [E, K, N] in the model's dtype, or fp8 (values, scales
+# [E, 1, N]).
+ExpertWeight = jax.Array | tuple[jax.Array, jax.Array]
 
 # Rows of the sorted (token, expert) pairs one piece of the CPU loop multiplies.
 LOOP_TILE_ROWS = 64
@@ -77,6 +82,18 @@ def expert_impl(platform: str) -> str:
     return "xla"
 
 
+def expert_tensor_names(param_path: str, num_experts: int) -> list[str] | None:
+    """An HF checkpoint's per-expert tensors (`...experts.{e}.{w1|gate_proj}.weight`, [out, in]
+    each) of a stacked experts Param at `param_path` (`<layer>.<mlp|block_sparse_moe>.experts.
+    <gate_proj|up_proj|down_proj>`), in expert order; None for other paths."""
+    prefix, _, param = param_path.rpartition(".")
+    if not prefix.endswith(".experts") or param not in EXPERT_PARAMS:
+        return None
+    arch = "MixtralForCausalLM" if ".block_sparse_moe." in param_path else ""
+    hf = expert_hf_names(arch)[param]
+    return [f"{prefix}.{e}.{hf}.weight" for e in range(num_experts)]
+
+
 @contextlib.contextmanager
 def experts_run_as(impl: str | None, mesh: Mesh | None = None) -> Iterator[None]:
     """Within the block, sparse layers trace their grouped matmuls as `impl` (EXPERT_IMPLS);
@@ -91,10 +108,12 @@ def experts_run_as(impl: str | None, mesh: Mesh | None = None) -> Iterator[None]
         _MESH.reset(tokens[1])
 
 
-def _loop_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
+def _loop_grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
                          precision: Any) -> jax.Array:
     """grouped_matmul as a while loop over (row tile, expert) pieces: only the pieces that
-    hold rows run, each reading its expert's weights once (XLA:CPU)."""
+    hold rows run, each reading its expert's weights once (XLA:CPU); an fp8 expert is
+    widened one expert at a time and its product scaled per column."""
+    w, scales = (w, None) if not isinstance(w, tuple) else w
     m, k = x.shape
     e, _, n = w.shape
     tm = min(LOOP_TILE_ROWS, 1 << max(0, (m - 1).bit_length()))
@@ -116,8 +135,10 @@ def _loop_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
         tile = first[ex] + j - item_start[ex]
         lo = tile * tm
         lhs = jax.lax.dynamic_slice(xp, (lo, 0), (tm, k))
-        prod = jnp.dot(lhs, jax.lax.dynamic_index_in_dim(w, ex, keepdims=False),
-                       precision=precision, preferred_element_type=jnp.float32)
+        we = jax.lax.dynamic_index_in_dim(w, ex, keepdims=False).astype(x.dtype)
+        prod = jnp.dot(lhs, we, precision=precision, preferred_element_type=jnp.float32)
+        if scales is not None:  # x @ (q * s) == (x @ q) * s for a scale per column
+            prod = prod * jax.lax.dynamic_index_in_dim(scales, ex, keepdims=False)
         mine = ((lo + rows >= starts[ex]) & (lo + rows < ends[ex]))[:, None]
         cur = jax.lax.dynamic_slice(out, (lo, 0), (tm, n))
         return j + 1, jax.lax.dynamic_update_slice(out, cur + jnp.where(mine, prod, 0.0),
@@ -130,7 +151,7 @@ def _loop_grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array,
     return out[:m]
 
 
-def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
+def grouped_matmul(x: Float[Array, "M K"], w: ExpertWeight,
                    group_sizes: Int[Array, " E"], *, precision: Any = None,
                    impl: str | None = None) -> Float[Array, "M N"]:
     """Rows [start_e, start_e + group_sizes[e]) of `x` times w[e], for each expert e in order;
@@ -140,15 +161,22 @@ def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
     if impl == "loop":
         return _loop_grouped_matmul(x, w, group_sizes, precision)
     if impl in ("pallas", "interpret") and _kernel_takes(w):
-        return gmm_kernel.grouped_matmul(x.astype(w.dtype), w, group_sizes,
-                                         interpret=impl == "interpret")
+        return gmm_kernel.grouped_matmul(x, w, group_sizes, interpret=impl == "interpret")
+    if isinstance(w, tuple):  # fp8: widened whole for ragged_dot, each row scaled by its expert
+        q, scales = w
+        y = jax.lax.ragged_dot(x, q.astype(x.dtype), group_sizes.astype(jnp.int32),
+                               precision=precision, preferred_element_type=jnp.float32)
+        row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]),
+                                      side="right")
+        return y * scales[jnp.minimum(row_expert, q.shape[0] - 1), 0]
     return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), precision=precision,
                               preferred_element_type=jnp.float32)
 
 
-def _kernel_takes(w: jax.Array) -> bool:
+def _kernel_takes(w: ExpertWeight) -> bool:
     """Whether the Pallas kernel takes an [E, K, N] weight; else one log line names why."""
-    why = gmm_kernel.unsupported(w.shape[1], w.shape[2], w.dtype)
+    q = w[0] if isinstance(w, tuple) else w
+    why = gmm_kernel.unsupported(q.shape[1], q.shape[2], q.dtype)
     if why is not None and why not in _logged:  # once per reason, at trace time
         _logged.add(why)
         logger.warning("experts run on XLA's ragged_dot: %s", why)
@@ -171,49 +199,73 @@ def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
         rngs.params(), shape, dtype))
 
 
+class StackedFp8(nnx.Module):
+    """A layer's experts' matrix in fp8_e4m3: values [E, K, N] and a float32 scale per expert
+    and output channel [E, 1, N] (`--quantization fp8`; models/quant_layers.fp8_plan)."""
+
+    def __init__(self, num_experts: int, k: int, n: int):
+        self.qweight = nnx.Param(jnp.zeros((num_experts, k, n), jnp.float8_e4m3fn))
+        self.scales = nnx.Param(jnp.zeros((num_experts, 1, n), jnp.float32))
+
+    def weight(self) -> tuple[jax.Array, jax.Array]:
+        """(values, scales) as they lie."""
+        return self.qweight[...], self.scales[...]
+
+
 class Experts(nnx.Module):
     """A layer's experts' SwiGLU weights, stacked: gate/up [E, hidden, width], down
-    [E, width, hidden] (each expert's HF [out, in] tensors transposed)."""
+    [E, width, hidden] (each expert's HF [out, in] tensors transposed); each a Param in the
+    model's dtype or, quantized, a StackedFp8."""
 
     def __init__(self, num_experts: int, hidden: int, width: int, *, dtype: Any,
                  rngs: nnx.Rngs):
         self.gate_proj = _init(rngs, (num_experts, hidden, width), dtype)
         self.up_proj = _init(rngs, (num_experts, hidden, width), dtype)
         self.down_proj = _init(rngs, (num_experts, width, hidden), dtype)
+        self.dtype = jnp.dtype(dtype)
+
+    def weights(self) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
+        """gate, up and down as they lie: arrays, or (fp8 values, scales)."""
+        return tuple(w.weight() if isinstance(w, StackedFp8) else w[...]
+                     for w in (self.gate_proj, self.up_proj, self.down_proj))
 
     def __call__(self, xs: Float[Array, "M hidden"], group_sizes: Int[Array, " E"]
                  ) -> Float[Array, "M hidden"]:
         """Each row through its own expert's SwiGLU MLP (rows sorted by expert); float32."""
-        weights = (self.gate_proj[...], self.up_proj[...], self.down_proj[...])
-        xs = xs.astype(weights[0].dtype)
+        weights = self.weights()
+        xs = xs.astype(self.dtype)
         mesh, impl = _MESH.get(), _IMPL.get()
         if mesh is None or mesh.size == 1 or impl not in ("pallas", "interpret"):
             return _swiglu(xs, group_sizes, *weights)
         # A kernel is one opaque call to GSPMD: each device runs it on its own width of every
-        # expert (gate/up columns, down rows, models/sharding.py's split) and the partial down
-        # products are summed, as a row-split dense projection's.
+        # expert (gate/up columns, down rows, models/sharding.py's split; an fp8 down's
+        # per-column scales whole) and the partial down products are summed, as a row-split
+        # dense projection's.
         axis = mesh.axis_names[0]
         cols, rows = P(None, None, axis), P(None, axis, None)
+        quant = isinstance(weights[0], tuple)
+        specs = ((cols, cols), (cols, cols), (rows, P())) if quant else (cols, cols, rows)
 
-        def local(xs: jax.Array, gs: jax.Array, wg: jax.Array, wu: jax.Array,
-                  wd: jax.Array) -> jax.Array:
+        def local(xs: jax.Array, gs: jax.Array, wg: ExpertWeight, wu: ExpertWeight,
+                  wd: ExpertWeight) -> jax.Array:
             return jax.lax.psum(_swiglu(xs, gs, wg, wu, wd), axis)
 
-        f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), cols, cols, rows),
-                          out_specs=P(), check_vma=False)
+        f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), *specs), out_specs=P(),
+                          check_vma=False)
         return f(xs, group_sizes, *weights)
 
 
-def _swiglu(xs: jax.Array, group_sizes: jax.Array, wg: jax.Array, wu: jax.Array,
-            wd: jax.Array) -> jax.Array:
-    """down(silu(gate(x)) * up(x)) of each row by its own expert's weights; float32."""
-    dtype, precision = wg.dtype, matmul_precision(wg.dtype)
+def _swiglu(xs: jax.Array, group_sizes: jax.Array, wg: ExpertWeight, wu: ExpertWeight,
+            wd: ExpertWeight) -> jax.Array:
+    """down(silu(gate(x)) * up(x)) of each row by its own expert's weights; float32. The
+    activations are in xs's dtype (the model's)."""
+    dtype, precision = xs.dtype, matmul_precision(xs.dtype)
     impl = _IMPL.get() or expert_impl(jax.default_backend())
     if impl in ("pallas", "interpret") and _kernel_takes(wg) and _kernel_takes(wd):
         return gmm_kernel.grouped_swiglu(xs, wg, wu, wd, group_sizes,
                                          interpret=impl == "interpret")
 
-    def mm(a: jax.Array, w: jax.Array) -> jax.Array:
+    def mm(a: jax.Array, w: ExpertWeight) -> jax.Array:
         return grouped_matmul(a, w, group_sizes, precision=precision)
 
     g = mm(xs, wg).astype(dtype)

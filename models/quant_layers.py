@@ -19,6 +19,7 @@ import numpy as np
 from flax import nnx
 
 from .linear_ops import matmul_precision, one_row_as_two
+from .moe import EXPERT_PARAMS, Experts, StackedFp8, expert_tensor_names
 from .quant import QuantWeight, quant_logits, quant_matmul, quant_rows, quantize_fp8
 
 _VALUE_DTYPES = {"int4": np.uint8, "int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
@@ -124,8 +125,14 @@ def _resolve(root: nnx.Module, path: str) -> tuple[Any, str]:
     return obj, leaf
 
 
-def _twin(old: nnx.Module, layout: QuantLayout, path: str) -> nnx.Module:
-    """An abstract quantized module of `old`'s shapes."""
+def _twin(old: nnx.Module | nnx.Param, layout: QuantLayout, path: str) -> nnx.Module:
+    """An abstract quantized module of `old`'s shapes (a layer's stacked experts: fp8)."""
+    if isinstance(old, nnx.Param) and old.get_value().ndim == 3:  # [E, K, N] experts
+        if layout.kind != "fp8" or layout.group_size != old.get_value().shape[1]:
+            raise ValueError(f"a layer's experts are quantized to fp8 per output channel "
+                             f"only, not {layout.kind} in groups of {layout.group_size}")
+        e, k, n = old.get_value().shape
+        return nnx.eval_shape(lambda: StackedFp8(e, k, n))
     if isinstance(old, nnx.Linear):
         bias = getattr(old, "bias", None) is not None
         return nnx.eval_shape(lambda: QuantLinear(old.in_features, old.out_features, layout,
@@ -158,8 +165,16 @@ def fp8_plan(model: nnx.Module) -> dict[str, QuantLayout]:
     plan = {}
     for path, node in nnx.iter_graph(model):
         names = [str(p) for p in path]
-        if isinstance(node, nnx.Linear) and names[:2] == ["model", "layers"]:
+        if names[:2] != ["model", "layers"]:
+            continue
+        # A mixture of experts' router and shared-expert gate stay in the model's dtype (vLLM
+        # keeps its gate unquantized); its experts go fp8 per expert and output channel.
+        if isinstance(node, nnx.Linear) and names[-1] not in ("gate", "shared_expert_gate"):
             plan[".".join(names)] = QuantLayout("fp8", node.in_features, False, "float32")
+        elif isinstance(node, Experts):
+            for leaf in EXPERT_PARAMS:
+                k = getattr(node, leaf).get_value().shape[-2]
+                plan[".".join([*names, leaf])] = QuantLayout("fp8", k, False, "float32")
     return plan
 
 
@@ -223,16 +238,67 @@ class QuantTensors(Mapping[str, np.ndarray]):
         return len(self._derived) + sum(1 for n in self.weights if n not in self._derived)
 
 
+@dataclass(frozen=True)
+class StackedQuant:
+    """A layer's experts quantized on the host: fp8 values [E, K, N], scales [E, 1, N]."""
+
+    q: np.ndarray
+    scales: np.ndarray
+    mins: None = None
+
+    def check(self, name: str) -> None:
+        """Raise ValueError naming `name` when the arrays do not form stacked fp8 experts."""
+        e, _, n = self.q.shape
+        if tuple(self.scales.shape) != (e, 1, n):
+            raise ValueError(f"{name}: scales of shape {tuple(self.scales.shape)} do not fit "
+                             f"experts of shape {tuple(self.q.shape)}")
+
+
+def _experts_source(weights: Mapping[str, np.ndarray], module: str
+                    ) -> tuple[Callable[[], StackedQuant], str] | None:
+    """How to make a stacked experts module's fp8 arrays from `weights`: its stacked float
+    tensor [E, K, N] (a GGUF's, as the loader lays it out), or one HF [out, in] tensor per
+    expert, each quantized per output channel; None when the checkpoint has neither."""
+    if module in weights:
+        def from_stack() -> StackedQuant:
+            return _stack_fp8(list(np.asarray(weights[module])))
+        return from_stack, module
+    if expert_tensor_names(module, 0) is None:
+        return None
+    first = expert_tensor_names(module, 1)[0]
+    count = 0  # the checkpoint's experts: as many as it has tensors for, from expert 0 on
+    while first.replace(".experts.0.", f".experts.{count}.") in weights:
+        count += 1
+    if not count:
+        return None
+    parts = expert_tensor_names(module, count)
+    return (lambda: _stack_fp8([np.asarray(weights[p]).T for p in parts])), parts[0]
+
+
+def _stack_fp8(experts: list[np.ndarray]) -> StackedQuant:
+    """Each [K, N] expert quantized per output channel (`quantize_fp8`), stacked."""
+    qs = [quantize_fp8(w) for w in experts]
+    return StackedQuant(np.stack([np.asarray(w.q) for w in qs]),
+                        np.stack([np.asarray(w.scales) for w in qs]))
+
+
 def fp8_tensors(weights: Mapping[str, np.ndarray], plan: dict[str, QuantLayout]
                 ) -> QuantTensors:
     """`weights` with each planned module's float `weight` ([out, in], HF) also offered as
-    fp8 `qweight` [in, out] and per-channel `scales` [1, out] (`quantize_fp8`)."""
+    fp8 `qweight` [in, out] and per-channel `scales` [1, out] (`quantize_fp8`); a layer's
+    stacked experts as `qweight` [E, in, out] and `scales` [E, 1, out]."""
     def make(module: str) -> Callable[[], QuantWeight]:
         return lambda: quantize_fp8(np.asarray(weights[f"{module}.weight"]).T)
 
     # (a module whose weight is missing offers nothing: the loader names the tensor it lacks)
-    return QuantTensors(weights, {m: QuantSource(layout, make(m), f"{m}.weight")
-                                  for m, layout in plan.items() if f"{m}.weight" in weights})
+    sources = {}
+    for m, layout in plan.items():
+        experts = _experts_source(weights, m)
+        if experts is not None:
+            sources[m] = QuantSource(layout, experts[0], experts[1])
+        elif f"{m}.weight" in weights:
+            sources[m] = QuantSource(layout, make(m), f"{m}.weight")
+    return QuantTensors(weights, sources)
 
 
 def check_quant_splits(model: nnx.Module, tensor_parallel_size: int) -> None:
@@ -257,6 +323,9 @@ def plan_of(model: nnx.Module) -> dict[str, QuantLayout]:
     layers stacked for a scan (models.llama.stack_layers) count their groups per layer."""
     plan = {}
     for path, node in nnx.iter_graph(model):
+        if isinstance(node, StackedFp8):  # [(layers,) E, K, N]: per output channel
+            k = node.qweight.get_value().shape[-2]
+            plan[".".join(map(str, path))] = QuantLayout("fp8", k, False, "float32")
         if isinstance(node, QuantLinear | QuantEmbed):
             scales = node.scales.get_value()  # [(layers,) groups, N] or [V, groups]
             linear = isinstance(node, QuantLinear)

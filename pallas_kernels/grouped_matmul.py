@@ -30,6 +30,9 @@ from pallas_kernels._compat import is_pow2, mm, pallas_call
 __all__ = ["TileLayout", "grouped_matmul", "grouped_swiglu", "pad_rows", "tile_layout",
            "tiled_matmul", "unsupported"]
 
+# One matrix of a layer's experts: [E, K, N], or fp8 values [E, K, N] with scales [E, 1, N].
+Weight = jax.Array | tuple[jax.Array, jax.Array]
+
 BLOCK_M = 16  # Triton's smallest dot tile; a decode step's expert holds a row or two
 BLOCK_N_MAX = 128
 BLOCK_K_MAX = 64
@@ -48,16 +51,20 @@ def unsupported(k: int, n: int, dtype: jnp.dtype) -> str | None:
     if _pow2_divisor(k, BLOCK_K_MAX) < 16 or _pow2_divisor(n, BLOCK_N_MAX) < 16:
         return f"expert weight {k} x {n} has no power-of-two tile >= 16 dividing both sides"
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                jnp.dtype(jnp.float32)):
+                                jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e4m3fn)):
         return f"expert weights of dtype {jnp.dtype(dtype).name}"
     return None
 
 
 def _kernel(tile_expert_ref, x_ref, *refs, num_experts: int, k: int, block_k: int,
-            block_n: int, gated: bool) -> None:
+            block_n: int, gated: bool, scaled: bool) -> None:
     """Program (t, j): tile t's rows times column block j of its expert's weight (gated: of
-    the gate and up weights, silu(gate) * up written in the output's dtype)."""
+    the gate and up weights, silu(gate) * up written in the output's dtype). `scaled`: each
+    weight is fp8 followed by its [E, 1, N] scales; the slabs widen to the rows' dtype and each
+    product is scaled per column after the K loop ((x @ q) * s == x @ (q * s))."""
     *w_refs, o_ref = refs
+    scale_refs = w_refs[1::2] if scaled else ()
+    w_refs = w_refs[0::2] if scaled else w_refs
     t, j = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[t]
 
@@ -66,11 +73,14 @@ def _kernel(tile_expert_ref, x_ref, *refs, num_experts: int, k: int, block_k: in
         def body(kk, accs):
             a = x_ref[:, pl.ds(kk * block_k, block_k)]
             return tuple(acc + mm(a, w[e, pl.ds(kk * block_k, block_k),
-                                       pl.ds(j * block_n, block_n)])
+                                       pl.ds(j * block_n, block_n)].astype(a.dtype))
                          for acc, w in zip(accs, w_refs, strict=True))
 
         zero = jnp.zeros(o_ref.shape, jnp.float32)
         accs = jax.lax.fori_loop(0, k // block_k, body, (zero,) * len(w_refs))
+        if scaled:
+            accs = tuple(acc * sc[e, :, pl.ds(j * block_n, block_n)]
+                         for acc, sc in zip(accs, scale_refs, strict=True))
         out = jax.nn.silu(accs[0]) * accs[1] if gated else accs[0]
         o_ref[...] = out.astype(o_ref.dtype)
 
@@ -124,31 +134,33 @@ def pad_rows(x: Float[Array, "M K"], layout: TileLayout) -> jax.Array:
     return jnp.where((layout.src >= 0)[:, None], x[jnp.maximum(layout.src, 0)], 0)
 
 
-def tiled_matmul(xp: jax.Array, weights: tuple[jax.Array, ...], layout: TileLayout, *,
+def tiled_matmul(xp: jax.Array, weights: tuple[Weight, ...], layout: TileLayout, *,
                  out_dtype: Any = jnp.float32, interpret: bool = False) -> jax.Array:
-    """Each tile of the padded rows `xp` times its expert's weight ([E, K, N]); with two
-    weights (gate, up), silu(x @ gate) * (x @ up). Rows of unused tiles come out zero."""
+    """Each tile of the padded rows `xp` times its expert's weight ([E, K, N], or fp8 values
+    and [E, 1, N] scales); with two weights (gate, up), silu(x @ gate) * (x @ up). Rows of
+    unused tiles come out zero."""
+    scaled = isinstance(weights[0], tuple)
+    arrays = [a for w in weights for a in (w if scaled else (w,))]
     kp, k = xp.shape
-    e, _, n = weights[0].shape
+    e, _, n = arrays[0].shape
     bm, bn, bk = BLOCK_M, _pow2_divisor(n, BLOCK_N_MAX), _pow2_divisor(k, BLOCK_K_MAX)
     assert is_pow2(bn) and is_pow2(bk) and n % bn == 0 and k % bk == 0 and kp % bm == 0
-    wspec = pl.BlockSpec((e, k, n), lambda i, j: (0, 0, 0))  # whole: read at its expert
+    whole = [pl.BlockSpec(a.shape, lambda i, j: (0, 0, 0)) for a in arrays]  # read at e
     return pallas_call(
         functools.partial(_kernel, num_experts=e, k=k, block_k=bk, block_n=bn,
-                          gated=len(weights) == 2),
+                          gated=len(weights) == 2, scaled=scaled),
         grid=(layout.max_tiles, n // bn),
         in_specs=[pl.BlockSpec((layout.max_tiles,), lambda i, j: (0,)),
-                  pl.BlockSpec((bm, k), lambda i, j: (i, 0)), *[wspec] * len(weights)],
+                  pl.BlockSpec((bm, k), lambda i, j: (i, 0)), *whole],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
         out_shape=jax.ShapeDtypeStruct((kp, n), out_dtype),
         interpret=interpret, num_warps=4, num_stages=3,
         name="moe_grouped_gate_up" if len(weights) == 2 else "moe_grouped_matmul",
-    )(layout.tile_expert, xp.astype(weights[0].dtype), *weights)
+    )(layout.tile_expert, xp if scaled else xp.astype(arrays[0].dtype), *arrays)
 
 
-def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
-                   group_sizes: Int[Array, " E"], *, interpret: bool = False
-                   ) -> Float[Array, "M N"]:
+def grouped_matmul(x: Float[Array, "M K"], w: Weight, group_sizes: Int[Array, " E"], *,
+                   interpret: bool = False) -> Float[Array, "M N"]:
     """Rows [start_e, start_e + group_sizes[e]) of x times w[e], float32 out.
     Invariant: sum(group_sizes) == M; the shapes pass `unsupported`."""
     layout = tile_layout(group_sizes, x.shape[0])
@@ -156,13 +168,14 @@ def grouped_matmul(x: Float[Array, "M K"], w: Float[Array, "E K N"],
     return out[layout.dst]
 
 
-def grouped_swiglu(x: Float[Array, "M H"], wg: Float[Array, "E H I"], wu: Float[Array, "E H I"],
-                   wd: Float[Array, "E I H"], group_sizes: Int[Array, " E"], *,
-                   interpret: bool = False) -> Float[Array, "M H"]:
+def grouped_swiglu(x: Float[Array, "M H"], wg: Weight, wu: Weight, wd: Weight,
+                   group_sizes: Int[Array, " E"], *, interpret: bool = False
+                   ) -> Float[Array, "M H"]:
     """down(silu(x @ gate) * (x @ up)) of each sorted row by its own expert, float32 out: the
     rows laid out once, two launches (gate and up together with the SiLU product in the
     first's epilogue, written in the weights' dtype; then down), gathered back once."""
     layout = tile_layout(group_sizes, x.shape[0])
-    h = tiled_matmul(pad_rows(x, layout), (wg, wu), layout, out_dtype=wg.dtype,
+    h = tiled_matmul(pad_rows(x, layout), (wg, wu), layout,
+                     out_dtype=x.dtype if isinstance(wg, tuple) else wg.dtype,
                      interpret=interpret)
     return tiled_matmul(h, (wd,), layout, interpret=interpret)[layout.dst]

@@ -297,10 +297,14 @@ class StepBuilder:
         spec, tp = self.spec, self.tensor_parallel_size
         itemsize = jnp.dtype(self.model_dtype).itemsize
         width = spec.moe_intermediate_size // tp
+        # One expert matrix's bytes: the model's dtype, or fp8 values and a float32 scale per
+        # output channel (at most hidden of them).
+        matrix = (spec.hidden_size * width * itemsize if self.weights != "fp8"
+                  else spec.hidden_size * width + 4 * spec.hidden_size)
         moe = {} if not spec.is_moe else {
             "sparse_layers": sum(map(spec.layer_is_sparse, range(spec.num_layers))),
             "num_experts": spec.num_experts, "top_k": spec.num_experts_per_tok,
-            "expert_matrix_bytes": spec.hidden_size * width * itemsize, "expert_width": width}
+            "expert_matrix_bytes": matrix, "expert_width": width}
         return StepTraffic(tokens, seqs, context_len, spec.num_layers, self.block_size,
                            self.local_kv_heads, spec.head_dim,
                            storage_dtype(self.page_dtype).itemsize, spec.vocab_size,

@@ -491,6 +491,7 @@ def plan_configs(quick: bool) -> list[tuple[Config, str]]:
     out.append((Config("llama3-8b", "bfloat16", "pallas", lora=(4, 16)), "decode"))
     # A mixture of experts: the grouped-matmul kernel reads only the experts tokens chose.
     out.append((Config("qwen3-30b-a3b", "bfloat16", "pallas"), "decode"))
+    out.append((Config("qwen3-30b-a3b", "bfloat16", "pallas", weights="fp8"), "decode"))
     return out
 
 

@@ -106,6 +106,13 @@ def test_estimate_counts_every_expert(cases):
     n = sum(int(np.prod(x.shape)) for x in _params(loaded))
     assert param_counts(loaded.spec)[0] == n
     assert json.loads(r.output)["param_bytes"] == 4 * n
+    # fp8: every expert and projection at a byte and a float32 scale per output channel; the
+    # estimate equals the bytes the engine's model holds.
+    r = CliRunner().invoke(app, ["estimate", "--model", str(path), "--json", "--dtype",
+                                 "float32", "--max-model-len", "64", "--quantization", "fp8"])
+    assert r.exit_code == 0, r.output
+    fp8 = load_model(str(path), dtype="float32", quantization="fp8")
+    assert json.loads(r.output)["param_bytes"] == sum(x.nbytes for x in _params(fp8))
 
 
 def _params(loaded) -> list:

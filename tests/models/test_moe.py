@@ -218,9 +218,15 @@ def test_written_back_in_hfs_layout_and_through_a_jpaged_checkpoint(qwen2_moe, t
 
 def test_what_experts_do_not_take_is_refused(qwen2_moe, tmp_path):
     path, _ = qwen2_moe
-    with pytest.raises(ValueError, match="experts run unquantized in this version; "
-                                         "quantization 'fp8'"):
-        load_model(str(path), dtype="float32", quantization="fp8")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8"}
+    (tmp_path / "q").mkdir()
+    for f in path.iterdir():
+        (tmp_path / "q" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"Qwen2MoeForCausalLM checkpoints quantized by their "
+                                         r"producer \('fp8'\) are not supported"):
+        load_model(str(tmp_path / "q"), dtype="float32")
     with pytest.raises(ValueError, match=r"a mixture-of-experts 'gemma3' model "
                                          r"\(gemma3.expert_count=8\) is not supported"):
         spec_from_gguf({"general.architecture": "gemma3", "gemma3.expert_count": 8}, set(),
@@ -310,5 +316,54 @@ def test_a_gguf_mixture_of_experts_gives_hfs_logits(kind, arch, tmp_path):
     seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
     for a, b in zip(jpaged_logits(loaded.model, seqs), hf_logits(hf, seqs), strict=True):
         assert relative_error(a, b) < 1e-3
-    with pytest.raises(ValueError, match="experts run unquantized in this version"):
+    with pytest.raises(ValueError, match="experts cannot run at the GGUF's own quantization"):
         load_model(str(path), dtype="float32", quantization="gguf")
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+def test_fp8_experts_give_the_float_models_logits_on_their_rounded_weights(kind, tmp_path):
+    """`quantization="fp8"`: every expert fp8 per expert and output channel (the router and the
+    shared expert's gate kept in the model's dtype); on the loop, the kernel (interpreted) and
+    a scanned (stacked-layer) twin, the logits are the float model's with each planned weight
+    replaced by its fp8 rounding, and the experts hold a quarter of their float32 bytes."""
+    import jax
+    from flax import nnx
+
+    from models.llama import stack_layers
+    from models.moe import StackedFp8, experts_run_as
+    from models.quant import dequantize_np, quantize_fp8
+    from models.quant_layers import plan_of
+
+    make_hf_checkpoint(kind, tmp_path)
+    ref = load_model(str(tmp_path), dtype="float32")
+    got = load_model(str(tmp_path), dtype="float32", quantization="fp8")
+    plan = plan_of(got.model)
+    moe = "block_sparse_moe" if kind == "mixtral" else "mlp"
+    assert f"model.layers.0.{moe}.experts.gate_proj" in plan
+    assert not any(p.endswith((".gate", "shared_expert_gate")) for p in plan)
+    layer = got.model.model.layers[0]
+    assert isinstance(getattr(layer, moe).experts.down_proj, StackedFp8)
+    for module in plan:
+        parent = ref.model
+        *path, leaf = module.split(".")
+        for part in path:
+            parent = parent[int(part)] if part.isdigit() else getattr(parent, part)
+        if leaf in ("gate_proj", "up_proj", "down_proj") and path[-1] == "experts":
+            param = getattr(parent, leaf)
+            w = np.asarray(param[...])
+            param.set_value(jnp.asarray(np.stack([dequantize_np(quantize_fp8(x)) for x in w])))
+        else:
+            kernel = getattr(parent, leaf).kernel
+            kernel.set_value(jnp.asarray(dequantize_np(quantize_fp8(np.asarray(kernel[...])))))
+    seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
+    want = jpaged_logits(ref.model, seqs)
+    for impl, model in (("loop", got.model), ("interpret", got.model),
+                        ("loop", stack_layers(got.model))):
+        with experts_run_as(impl):
+            for a, b in zip(jpaged_logits(model, seqs), want, strict=True):
+                assert relative_error(a, b) < 1e-5, impl
+    quantized = [x for _, x in nnx.iter_graph(got.model) if isinstance(x, StackedFp8)]
+    floats = [x for p, x in nnx.iter_graph(ref.model)
+              if isinstance(x, nnx.Param) and "experts" in map(str, p)]
+    held = sum(a.nbytes for x in quantized for a in jax.tree.leaves(nnx.state(x)))
+    assert held / sum(x.get_value().nbytes for x in floats) < 0.27  # values + scales
