@@ -29,8 +29,9 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
+from .moe import EXPERT_PARAMS, Experts, expert_tensor_names
 from .quant import QuantWeight, narrow_scales, pack_int4
-from .quant_layers import QuantLayout, QuantSource, QuantTensors
+from .quant_layers import QuantLayout, QuantSource, QuantTensors, StackedQuant
 
 METHODS = ("awq", "compressed-tensors", "fp8", "gptq")
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -79,13 +80,30 @@ def hf_quantized(cfg: Mapping[str, Any], weights: Mapping[str, np.ndarray], mode
     qc = cfg[_QC]
     linears = _linears(model)
     reader = _Reader(weights, where)
+    experts = _experts(model)
+    if experts and method not in ("fp8", "compressed-tensors"):
+        raise ValueError(f"{where}: {_QC}.quant_method {method!r} on a mixture of experts is "
+                         "not supported (its experts load from fp8 checkpoints, per tensor or "
+                         "per channel, or quantize at load with --quantization fp8)")
     if method == "gptq":
         modules = _gptq(qc, linears, reader)
     elif method == "awq":
         modules = _awq(qc, linears, reader)
     else:
-        modules = _fp8(method, qc, linears, reader)
+        modules = _fp8(method, qc, linears, reader, experts)
     return {m: mod.layout for m, mod in modules.items()}, QuantTensors(weights, modules)
+
+
+def _experts(model: nnx.Module) -> dict[str, tuple[int, int, int]]:
+    """HF path of each layer's stacked expert matrix (`<layer>.<mlp>.experts.gate_proj`, ...)
+    -> (experts, in, out)."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Experts):
+            for leaf in EXPERT_PARAMS:
+                shape = getattr(node, leaf).get_value().shape
+                out[".".join([*map(str, path), leaf])] = tuple(shape)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,7 +377,8 @@ def _ct_targets(qc: Mapping[str, Any], where: str) -> list[Any]:
 
 
 def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]],
-         reader: _Reader) -> dict[str, QuantSource]:
+         reader: _Reader, experts: Mapping[str, tuple[int, int, int]] | None = None
+         ) -> dict[str, QuantSource]:
     where = reader.where
     if method == "compressed-tensors":
         targets = _ct_targets(qc, where)
@@ -374,8 +393,17 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
                              "keeps one scale per output channel")
         expected = None
         scale_leaves = ("weight_scale", "weight_scale_inv")
+    # A layer's experts: one HF linear per expert (`...experts.{e}.w1` / `gate_proj`), each
+    # checked as a linear is, stacked into one StackedFp8 (float32 scales per expert).
+    names_of = {m: expert_tensor_names(m, e) for m, (e, _, _) in (experts or {}).items()}
+    expert_linears = {name[:-len(".weight")]: (k, n) for m, (e, k, n) in (experts or {}).items()
+                      for name in names_of[m]}
+    if expected is not None and method == "compressed-tensors":
+        expected |= {m for m in expert_linears if _matches(m, targets)
+                     and not _matches(m, ignore)}
     modules: dict[str, QuantSource] = {}
-    for m, (k, n) in linears.items():
+    checked: dict[str, Callable[[], np.ndarray]] = {}  # expert linear -> its scales [1, N]
+    for m, (k, n) in {**linears, **expert_linears}.items():
         name = f"{m}.weight"
         is_fp8 = reader.has(name) and np.dtype(reader.weights[name].dtype) == FP8
         if expected is not None and is_fp8 != (m in expected):
@@ -403,6 +431,9 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
             s = np.asarray(reader.get(scale_name), np.float32).reshape(1, -1)
             return np.ascontiguousarray(np.broadcast_to(s, (1, n)))
 
+        if m in expert_linears:
+            checked[m] = scales_of
+            continue
         dtype = _scale_dtype(scales_of())
 
         def make(name: str = name, scales_of: Callable[[], np.ndarray] = scales_of,
@@ -411,6 +442,24 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
             return QuantWeight("fp8", q, scales_of().astype(dtype), None, 0)
 
         modules[m] = QuantSource(QuantLayout("fp8", k, False, dtype), make, name)
+    for m, names in names_of.items():
+        parts = [name[:-len(".weight")] for name in names]
+        done = [p in checked for p in parts]
+        if not any(done):
+            continue  # (a layer's experts unquantized: they load as float)
+        if not all(done):
+            missing = parts[done.index(False)]
+            raise reader.fail(f"{missing}.weight", f"is not F8_E4M3, but the other experts of "
+                              f"{m.rsplit('.', 1)[0]} are (a layer's experts are quantized "
+                              "together)")
+
+        def make_stack(parts: list[str] = parts) -> StackedQuant:
+            q = np.stack([np.asarray(reader.get(f"{p}.weight")).T for p in parts])
+            return StackedQuant(np.ascontiguousarray(q),
+                                np.stack([checked[p]() for p in parts]))
+
+        modules[m] = QuantSource(QuantLayout("fp8", experts[m][1], False, "float32"),
+                                 make_stack, names[0])
     if not modules:
         raise ValueError(f"{where}: {_QC} says {method} fp8, but no linear weight of "
                          f"{reader.origin} is F8_E4M3")

@@ -308,10 +308,6 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
     except ValueError as e:  # name the file: the message alone names only the field
         raise ValueError(f"{cfg_file}: {e}") from e
     spec = spec.replace(eos_token_ids=_merge_generation_eos(path, spec.eos_token_ids))
-    if spec.is_moe and method:
-        raise ValueError(f"{cfg_file}: {spec.architecture} checkpoints quantized by their "
-                         f"producer ({method!r}) are not supported in this version; load an "
-                         "unquantized one (--quantization fp8 quantizes its experts at load)")
     tokenizer = Tokenizer.from_hf_dir(path)
     weights = load_hf_dir_weights(path, spec)
     plan = None

@@ -299,15 +299,18 @@ class SparseMoeBlock(nnx.Module):
         expert's, gated). `lora` is never for a sparse layer (models/lora.py refuses adapters
         on its projections); the arguments match the dense MLP's."""
         t, h = x.shape
-        kernel = self.gate.kernel[...]
-        logits = one_row_as_two(  # no f32 copy of the router's weight at batch 1
-            lambda h: jnp.dot(h.astype(kernel.dtype), kernel,
-                              precision=matmul_precision(x.dtype),
-                              preferred_element_type=jnp.float32), x)
+        if hasattr(self.gate, "product"):  # a router its checkpoint stored in fp8 (QuantLinear)
+            logits = self.gate.product(x)
+        else:
+            kernel = self.gate.kernel[...]
+            logits = one_row_as_two(  # no f32 copy of the router's weight at batch 1
+                lambda h: jnp.dot(h.astype(kernel.dtype), kernel,
+                                  precision=matmul_precision(x.dtype),
+                                  preferred_element_type=jnp.float32), x)
         weights, experts = route(logits, self.top_k, self.renormalize)
         flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
         order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-        group_sizes = jnp.bincount(flat, length=kernel.shape[1])
+        group_sizes = jnp.bincount(flat, length=logits.shape[1])
         out = self.experts(x[order // self.top_k], group_sizes)  # float32, sorted pairs
         # Back to pair order by a gather (no scatter), then each token's weighted sum.
         pairs = out[jnp.argsort(order)].reshape(t, self.top_k, h)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -23,6 +24,7 @@ from models.moe import _loop_grouped_matmul, grouped_matmul, route
 from models.sharding import plan_layout
 
 torch = pytest.importorskip("torch")
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
 
 
 def reference(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
@@ -219,13 +221,17 @@ def test_written_back_in_hfs_layout_and_through_a_jpaged_checkpoint(qwen2_moe, t
 def test_what_experts_do_not_take_is_refused(qwen2_moe, tmp_path):
     path, _ = qwen2_moe
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8"}
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
     (tmp_path / "q").mkdir()
     for f in path.iterdir():
         (tmp_path / "q" / f.name).write_bytes(f.read_bytes())
     (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"Qwen2MoeForCausalLM checkpoints quantized by their "
-                                         r"producer \('fp8'\) are not supported"):
+    with pytest.raises(ValueError, match=r"quant_method 'gptq' on a mixture of experts is not "
+                                         "supported"):
+        load_model(str(tmp_path / "q"), dtype="float32")
+    cfg["quantization_config"] = {"quant_method": "fp8"}  # says fp8, holds no F8_E4M3 tensor
+    (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="no linear weight of .* is F8_E4M3"):
         load_model(str(tmp_path / "q"), dtype="float32")
     with pytest.raises(ValueError, match=r"a mixture-of-experts 'gemma3' model "
                                          r"\(gemma3.expert_count=8\) is not supported"):
@@ -367,3 +373,65 @@ def test_fp8_experts_give_the_float_models_logits_on_their_rounded_weights(kind,
               if isinstance(x, nnx.Param) and "experts" in map(str, p)]
     held = sum(a.nbytes for x in quantized for a in jax.tree.leaves(nnx.state(x)))
     assert held / sum(x.get_value().nbytes for x in floats) < 0.27  # values + scales
+
+
+@pytest.mark.parametrize("method", ["compressed-tensors", "fp8"])
+def test_an_fp8_checkpoint_of_a_mixture_of_experts_loads_its_own_scales(method, tmp_path):
+    """llm-compressor's and AutoFP8's layout: every linear (each expert's w1/w2/w3 too) F8_E4M3
+    with a per-tensor scale, the router left in float (compressed-tensors: ignored by name);
+    the model gives the logits of the float checkpoint holding the same values, its experts
+    stacked as fp8 with the checkpoint's scales."""
+    from safetensors.numpy import load_file, save_file
+
+    from models.moe import StackedFp8
+
+    make_hf_checkpoint("mixtral", tmp_path / "hf")
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    quant, rounded = {}, {}
+    rng = np.random.default_rng(0)
+    for name, w in tensors.items():
+        linear = name.endswith("proj.weight") or ".experts." in name
+        if not linear:
+            quant[name] = rounded[name] = w
+            continue
+        scale = np.float32(np.abs(w).max() / 448 * rng.uniform(1.0, 1.5))
+        q = np.clip(w / scale, -448, 448).astype(FP8)
+        quant[name], quant[name.replace(".weight", ".weight_scale")] = q, np.array(scale)
+        rounded[name] = q.astype(np.float32) * scale
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    for d, ts, qc in (("q", quant, _fp8_config(method)), ("f", rounded, None)):
+        (tmp_path / d).mkdir()
+        for f in (tmp_path / "hf").iterdir():
+            (tmp_path / d / f.name).write_bytes(f.read_bytes())
+        save_file(ts, str(tmp_path / d / "model.safetensors"))
+        (tmp_path / d / "config.json").write_text(json.dumps(
+            cfg if qc is None else {**cfg, "quantization_config": qc}))
+    got = load_model(str(tmp_path / "q"), dtype="float32")
+    assert got.quantization == method
+    experts = got.model.model.layers[1].block_sparse_moe.experts
+    assert isinstance(experts.up_proj, StackedFp8)
+    assert experts.up_proj.scales.get_value().shape == (8, 1, 96)
+    want = load_model(str(tmp_path / "f"), dtype="float32")
+    seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
+    for a, b in zip(jpaged_logits(got.model, seqs), jpaged_logits(want.model, seqs),
+                    strict=True):
+        assert relative_error(a, b) < 1e-5
+    # One expert left in float among fp8 ones is refused by name.
+    bad = dict(quant)
+    name = "model.layers.0.block_sparse_moe.experts.5.w3.weight"
+    bad[name] = rounded[name]
+    del bad[name.replace(".weight", ".weight_scale")]
+    save_file(bad, str(tmp_path / "q" / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"experts\.5\.w3\.weight' .* (is not F8_E4M3|expected "
+                                         r"F8_E4M3|but quantization_config quantizes)"):
+        load_model(str(tmp_path / "q"), dtype="float32")
+
+
+def _fp8_config(method: str) -> dict:
+    if method == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized",
+            "ignore": ["lm_head", "re:.*block_sparse_moe\\.gate$"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                "num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
+                "dynamic": False}}}}

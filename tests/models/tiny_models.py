@@ -53,6 +53,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     # expert and the weights not renormalized.
     "mixtral": ("MixtralConfig", dict(_COMMON, head_dim=16, num_local_experts=8,
                                       num_experts_per_tok=2, sliding_window=None)),
+    # Mixtral with Mistral's window on every layer (shorter than the test's sequence).
+    "mixtral_sliding": ("MixtralConfig", dict(_COMMON, head_dim=16, num_local_experts=4,
+                                              num_experts_per_tok=2, sliding_window=4)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(
         _COMMON, num_hidden_layers=3, head_dim=16, num_experts=16, num_experts_per_tok=4,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1],
