@@ -312,8 +312,10 @@ class SparseMoeBlock(nnx.Module):
         order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
         group_sizes = jnp.bincount(flat, length=logits.shape[1])
         out = self.experts(x[order // self.top_k], group_sizes)  # float32, sorted pairs
-        # Back to pair order by a gather (no scatter), then each token's weighted sum.
-        pairs = out[jnp.argsort(order)].reshape(t, self.top_k, h)
+        # Back to pair order by a gather (the inverse permutation is one small scatter of
+        # indices, not a second sort), then each token's weighted sum.
+        rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+        pairs = out[rank].reshape(t, self.top_k, h)  # rank[p]: pair p's row in sorted order
         y = jnp.einsum("tkh,tk->th", pairs, weights)
         if self.shared_expert is not None:
             gate = jax.nn.sigmoid(

@@ -116,7 +116,9 @@ def tile_layout(group_sizes: Int[Array, " E"], m: int) -> TileLayout:
     tile_start = tile_end - tiles
     max_tiles = -(-m // bm) + min(e, m)
     t = jnp.arange(max_tiles, dtype=jnp.int32)
-    tile_expert = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)  # E: unused
+    # (compare_all: one small fusion, where the default search is a loop of launches)
+    tile_expert = jnp.searchsorted(tile_end, t, side="right",
+                                   method="compare_all").astype(jnp.int32)  # E: unused
     # Padded row q of tile t holds sorted row row_start[e] + local, if local < gs[e].
     q = jnp.arange(max_tiles * bm, dtype=jnp.int32)
     qe = jnp.minimum(tile_expert[q // bm], e - 1)
@@ -125,7 +127,7 @@ def tile_layout(group_sizes: Int[Array, " E"], m: int) -> TileLayout:
     src = jnp.where(valid, row_start[qe] + local, -1)
     # Sorted row r of expert e lies at padded row tile_start[e] * bm + (r - row_start[e]).
     r = jnp.arange(m, dtype=jnp.int32)
-    re = jnp.minimum(jnp.searchsorted(row_end, r, side="right"), e - 1)
+    re = jnp.minimum(jnp.searchsorted(row_end, r, side="right", method="compare_all"), e - 1)
     return TileLayout(tile_expert, src, tile_start[re] * bm + r - row_start[re])
 
 

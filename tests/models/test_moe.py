@@ -330,7 +330,7 @@ def test_a_gguf_mixture_of_experts_gives_hfs_logits(kind, arch, tmp_path):
 def test_fp8_experts_give_the_float_models_logits_on_their_rounded_weights(kind, tmp_path):
     """`quantization="fp8"`: every expert fp8 per expert and output channel (the router and the
     shared expert's gate kept in the model's dtype); on the loop, the kernel (interpreted) and
-    a scanned (stacked-layer) twin, the logits are the float model's with each planned weight
+    the logits are the float model's with each planned weight
     replaced by its fp8 rounding, and the experts hold a quarter of their float32 bytes."""
     import jax
     from flax import nnx
@@ -363,11 +363,12 @@ def test_fp8_experts_give_the_float_models_logits_on_their_rounded_weights(kind,
             kernel.set_value(jnp.asarray(dequantize_np(quantize_fp8(np.asarray(kernel[...])))))
     seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
     want = jpaged_logits(ref.model, seqs)
-    for impl, model in (("loop", got.model), ("interpret", got.model),
-                        ("loop", stack_layers(got.model))):
+    for impl in ("loop", "interpret"):
         with experts_run_as(impl):
-            for a, b in zip(jpaged_logits(model, seqs), want, strict=True):
+            for a, b in zip(jpaged_logits(got.model, seqs), want, strict=True):
                 assert relative_error(a, b) < 1e-5, impl
+    # XLA:CPU's layer scan would copy every expert of a layer out of the stack each step.
+    assert stack_layers(got.model) is got.model
     quantized = [x for _, x in nnx.iter_graph(got.model) if isinstance(x, StackedFp8)]
     floats = [x for p, x in nnx.iter_graph(ref.model)
               if isinstance(x, nnx.Param) and "experts" in map(str, p)]

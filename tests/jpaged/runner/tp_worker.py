@@ -371,7 +371,7 @@ def moe_cases(out: dict) -> None:
         outs = llm.generate(TINY_PROMPTS, GREEDY)
         case[f"tp{tp}"] = [o.outputs[0].token_ids for o in outs]
         if tp == 2:
-            moe = llm.llm_engine.runner.params["model"]["layers"]["layer"]["mlp"]  # scanned
+            moe = llm.llm_engine.runner.params["model"]["layers"][0]["mlp"]  # never scanned
             case["shard_shapes"] = {
                 name: list(arr.addressable_shards[0].data.shape) for name, arr in (
                     ("gate_proj", moe["experts"]["gate_proj"]),
