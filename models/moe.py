@@ -37,7 +37,7 @@ from .linear_ops import matmul_precision, one_row_as_two
 logger = logging.getLogger("jpaged")
 
 __all__ = ["EXPERT_IMPLS", "EXPERT_PARAMS", "ExpertWeight", "Experts", "SparseMoeBlock",
-           "StackedFp8", "expert_hf_names", "expert_impl", "expert_tensor_names",
+           "StackedFp8", "expert_impl", "expert_tensor_names",
            "experts_run_as", "grouped_matmul", "route"]
 
 # The stacked Params of a layer's experts and, per architecture family, the name each
@@ -65,7 +65,7 @@ ExpertWeight = jax.Array | tuple[jax.Array, jax.Array]
 LOOP_TILE_ROWS = 64
 
 
-def expert_hf_names(architecture: str) -> dict[str, str]:
+def _expert_hf_names(architecture: str) -> dict[str, str]:
     """Stacked Param name -> the per-expert tensor's name in an HF checkpoint."""
     if architecture == "MixtralForCausalLM":
         return dict(_MIXTRAL_NAMES)
@@ -90,7 +90,7 @@ def expert_tensor_names(param_path: str, num_experts: int) -> list[str] | None:
     if not prefix.endswith(".experts") or param not in EXPERT_PARAMS:
         return None
     arch = "MixtralForCausalLM" if ".block_sparse_moe." in param_path else ""
-    hf = expert_hf_names(arch)[param]
+    hf = _expert_hf_names(arch)[param]
     return [f"{prefix}.{e}.{hf}.weight" for e in range(num_experts)]
 
 
@@ -304,7 +304,7 @@ class SparseMoeBlock(nnx.Module):
         else:
             kernel = self.gate.kernel[...]
             logits = one_row_as_two(  # no f32 copy of the router's weight at batch 1
-                lambda h: jnp.dot(h.astype(kernel.dtype), kernel,
+                lambda v: jnp.dot(v.astype(kernel.dtype), kernel,
                                   precision=matmul_precision(x.dtype),
                                   preferred_element_type=jnp.float32), x)
         weights, experts = route(logits, self.top_k, self.renormalize)

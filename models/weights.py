@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -18,7 +17,7 @@ from safetensors import safe_open
 
 from .config import ModelSpec
 from .gguf_loader import load_gguf, permute_qk, unpermute_qk
-from .moe import EXPERT_PARAMS, expert_hf_names
+from .moe import expert_tensor_names
 from .tensors import TensorDict
 
 __all__ = [
@@ -133,20 +132,11 @@ def hf_param_table(model: nnx.Module) -> dict[str, HFParam]:
     return table
 
 
-# A stacked experts Param's table name: `<layer>.<mlp>.experts.<gate_proj|up_proj|down_proj>`,
-# possibly under a scan's stacked layer (`.layers.layer.`).
-_EXPERT_PARAM = re.compile(rf"^(?P<prefix>.+\.experts)\.(?P<param>{'|'.join(EXPERT_PARAMS)})$")
-
-
-def _expert_tensors(name: str, shape: tuple[int, ...], architecture: str) -> list[str] | None:
-    """The checkpoint's per-expert tensor names (`...experts.{e}.{w1|gate_proj}.weight`, one
-    [out, in] each) of a stacked experts Param of `shape` ([..., E, in, out]), in expert
-    order; None for other Params."""
-    m = _EXPERT_PARAM.match(name)
-    if m is None:
-        return None
-    hf = expert_hf_names(architecture)[m["param"]]
-    return [f"{m['prefix']}.{e}.{hf}.weight" for e in range(shape[-3])]
+def _expert_tensors(name: str, shape: tuple[int, ...]) -> list[str] | None:
+    """The checkpoint's per-expert tensor names of a stacked experts Param of `shape`
+    ([E, in, out]), in expert order (`models.moe.expert_tensor_names`); None for other
+    Params."""
+    return expert_tensor_names(name, shape[-3]) if len(shape) >= 3 else None
 
 
 def _checked_table(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: ModelSpec
@@ -162,7 +152,7 @@ def _checked_table(model: nnx.Module, weights: Mapping[str, np.ndarray], spec: M
     table = hf_param_table(model)
     # A checkpoint holding a stacked tensor itself (jpaged's own) is read as it is.
     experts = {name: parts for name, entry in table.items() if name not in weights and
-               (parts := _expert_tensors(name, entry.hf_shape(), spec.architecture))}
+               (parts := _expert_tensors(name, entry.hf_shape()))}
     missing = [n for name in table for n in experts.get(name, [name]) if n not in weights]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
@@ -255,21 +245,20 @@ def export_weights(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's parameters as host numpy arrays in HF naming and layout (inverse of assign;
     a layer's stacked experts as one tensor per expert, as HF checkpoints hold them)."""
     out: dict[str, np.ndarray] = {}
-    spec = model.spec
     for name, entry in hf_param_table(model).items():
         host = np.asarray(entry.param[...])
         if _STACKED in name:  # layers stacked for a scan (models.llama.stack_layers): one each
             for i, one in enumerate(host):
-                _export_one(out, name.replace(_STACKED, f".layers.{i}."), one, entry, spec)
+                _export_one(out, name.replace(_STACKED, f".layers.{i}."), one, entry)
             continue
-        _export_one(out, name, host, entry, spec)
+        _export_one(out, name, host, entry)
     return out
 
 
-def _export_one(out: dict[str, np.ndarray], name: str, host: np.ndarray, entry: HFParam,
-                spec: ModelSpec) -> None:
+def _export_one(out: dict[str, np.ndarray], name: str, host: np.ndarray, entry: HFParam
+                ) -> None:
     """One Param's tensors in HF layout: itself (transposed back), or one per expert."""
-    parts = _expert_tensors(name, host.shape, spec.architecture)
+    parts = _expert_tensors(name, host.shape)
     if parts is not None:
         for part, one in zip(parts, host, strict=True):
             out[part] = np.ascontiguousarray(one.T)
