@@ -324,6 +324,11 @@ def test_a_gguf_mixture_of_experts_gives_hfs_logits(kind, arch, tmp_path):
         assert relative_error(a, b) < 1e-3
     with pytest.raises(ValueError, match="experts cannot run at the GGUF's own quantization"):
         load_model(str(path), dtype="float32", quantization="gguf")
+    # fp8 at load quantizes the GGUF's stacked experts as it does HF's per-expert tensors.
+    fp8 = load_model(str(path), dtype="float32", quantization="fp8")
+    ref = load_model(str(tmp_path / "hf"), dtype="float32", quantization="fp8")
+    for a, b in zip(jpaged_logits(fp8.model, seqs), jpaged_logits(ref.model, seqs), strict=True):
+        assert relative_error(a, b) < 1e-6
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
