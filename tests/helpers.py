@@ -131,6 +131,47 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: tuple[int,
     return out[0, len(prompt_ids):].tolist()
 
 
+def random_prompts(n: int, seed: int = 3) -> list[list[int]]:
+    """`n` prompts of 9-29 random byte tokens (the tiny HF checkpoints' vocabulary)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(9, 30, size=n)]
+
+
+def hf_greedy_ignoring_eos(hf, prompt: list[int], new_tokens: int) -> list[int]:
+    """HF generate(do_sample=False) of exactly `new_tokens` (no EOS; an explicit mask, so
+    token 0 is not taken for padding)."""
+    import torch
+
+    ids = torch.tensor([prompt])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                      do_sample=False, eos_token_id=None, pad_token_id=299)
+    return out[0, len(prompt):].tolist()
+
+
+def hf_cases(tmp_path_factory, num_prompts: int, new_tokens: int):
+    """get(kind) -> (checkpoint dir, loaded model, prompts, HF's greedy tokens), each tiny HF
+    checkpoint kind built once; get.hf[kind] is HF's model, for references on other prompts."""
+    from tiny_models import make_hf_checkpoint
+
+    built: dict[str, tuple] = {}
+
+    def get(kind: str) -> tuple:
+        if kind not in built:
+            path = tmp_path_factory.mktemp(kind)
+            hf = make_hf_checkpoint(kind, path)
+            hf.generation_config.eos_token_id = None
+            get.hf[kind] = hf
+            ps = random_prompts(num_prompts)
+            built[kind] = (path, load_model(str(path), dtype="float32"), ps,
+                           [hf_greedy_ignoring_eos(hf, p, new_tokens) for p in ps])
+        return built[kind]
+
+    get.hf = {}
+    return get
+
+
 def lower_for_cuda(fn, *avals) -> str:
     """StableHLO text of fn lowered for CUDA on this CPU-only machine (no GPU needed)."""
     import jax

@@ -9,8 +9,7 @@ import json
 
 import numpy as np
 import pytest
-from helpers import make_llm
-from tiny_models import make_hf_checkpoint
+from helpers import hf_cases, hf_greedy_ignoring_eos, make_llm
 
 from jpaged import SamplingParams
 from jpaged.estimate import param_counts
@@ -25,36 +24,14 @@ KINDS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
-def prompts(n: int, seed: int = 3) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(9, 30, size=n)]
-
-
 def hf_greedy(hf, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                      do_sample=False, eos_token_id=None, pad_token_id=299)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy_ignoring_eos(hf, prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """kind -> (checkpoint dir, loaded model, prompts, HF's greedy tokens), built once."""
-    built: dict[str, tuple] = {}
-
-    def get(kind: str) -> tuple:
-        if kind not in built:
-            path = tmp_path_factory.mktemp(kind)
-            hf = make_hf_checkpoint(kind, path)
-            hf.generation_config.eos_token_id = None
-            get.hf[kind] = hf
-            ps = prompts(4)
-            built[kind] = (path, load_model(str(path), dtype="float32"), ps,
-                           [hf_greedy(hf, p) for p in ps])
-        return built[kind]
-
-    get.hf = {}
-    return get
+    return hf_cases(tmp_path_factory, 4, NEW_TOKENS)
 
 
 def tokens(llm, ps: list[list[int]]) -> list[list[int]]:

@@ -4,14 +4,11 @@ it, through chunked prefill, preemption and prefix-cache hits across a window bo
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from helpers import make_llm
-from tiny_models import make_hf_checkpoint
+from helpers import hf_cases, hf_greedy_ignoring_eos, make_llm
 
 from jpaged import SamplingParams
 from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
-from models import load_model
 
 torch = pytest.importorskip("torch")
 
@@ -24,16 +21,8 @@ BLOCK = 4
 POOL = 256
 
 
-def prompts(n: int, seed: int = 3) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(9, 30, size=n)]
-
-
 def hf_greedy(hf, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])  # an explicit mask: token 0 is not padding here
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                      do_sample=False, eos_token_id=None, pad_token_id=299)
-    return out[0, len(prompt):].tolist()
+    return hf_greedy_ignoring_eos(hf, prompt, NEW_TOKENS)
 
 
 KINDS = ["gemma3", "gemma2", "mistral_sliding", "qwen2_sliding_upper_layers"]
@@ -42,22 +31,15 @@ KINDS = ["gemma3", "gemma2", "mistral_sliding", "qwen2_sliding_upper_layers"]
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory):
     """kind -> (kind, loaded model, prompts, HF's greedy tokens), built once per kind.
-    get.hf[kind] is HF's model, for references on other prompts."""
-    built: dict[str, tuple] = {}
+    cases.hf[kind] is HF's model, for references on other prompts."""
+    get = hf_cases(tmp_path_factory, 5, NEW_TOKENS)
 
-    def get(kind: str) -> tuple:
-        if kind not in built:
-            path = tmp_path_factory.mktemp(kind)
-            hf = make_hf_checkpoint(kind, path)
-            hf.generation_config.eos_token_id = None
-            get.hf[kind] = hf
-            ps = prompts(5)
-            built[kind] = (kind, load_model(str(path), dtype="float32"), ps,
-                           [hf_greedy(hf, p) for p in ps])
-        return built[kind]
+    def by_kind(kind: str) -> tuple:
+        _, loaded, ps, want = get(kind)
+        return kind, loaded, ps, want
 
-    get.hf = {}
-    return get
+    by_kind.hf = get.hf
+    return by_kind
 
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
