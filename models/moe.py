@@ -55,6 +55,10 @@ EXPERT_IMPLS = ("loop", "pallas", "interpret", "xla")
 # The tensor-parallel mesh the kernel runs per device on, under shard_map (None: one device,
 # or GSPMD partitions the step: the loop and ragged_dot are plain XLA ops).
 _MESH: contextvars.ContextVar[Mesh | None] = contextvars.ContextVar("moe_mesh", default=None)
+# Which of the step's tokens are real ([T] bool; None: all): a bucket's padding tokens are
+# routed to no expert, so they make no expert read its weights.
+_VALID: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("moe_valid",
+                                                                         default=None)
 _logged: set[str] = set()
 
 # One matrix of a layer's experts: [E, K, N] in the model's dtype, or fp8 (values, scales
@@ -95,17 +99,21 @@ def expert_tensor_names(param_path: str, num_experts: int) -> list[str] | None:
 
 
 @contextlib.contextmanager
-def experts_run_as(impl: str | None, mesh: Mesh | None = None) -> Iterator[None]:
+def experts_run_as(impl: str | None, mesh: Mesh | None = None,
+                   valid: jax.Array | None = None) -> Iterator[None]:
     """Within the block, sparse layers trace their grouped matmuls as `impl` (EXPERT_IMPLS);
-    `mesh`: the tensor-parallel mesh whose devices each run the kernel on their own width."""
+    `mesh`: the tensor-parallel mesh whose devices each run the kernel on their own width;
+    `valid`: [T] bool, the step's real tokens (padding goes to no expert; its output is
+    finite and meaningless)."""
     if impl is not None and impl not in EXPERT_IMPLS:
         raise ValueError(f"expert impl must be one of {', '.join(EXPERT_IMPLS)}, got {impl!r}")
-    tokens = _IMPL.set(impl), _MESH.set(mesh)
+    tokens = _IMPL.set(impl), _MESH.set(mesh), _VALID.set(valid)
     try:
         yield
     finally:
         _IMPL.reset(tokens[0])
         _MESH.reset(tokens[1])
+        _VALID.reset(tokens[2])
 
 
 def _loop_grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
@@ -144,8 +152,8 @@ def _loop_grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
         return j + 1, jax.lax.dynamic_update_slice(out, cur + jnp.where(mine, prod, 0.0),
                                                    (lo, 0))
 
-    # Invariant: the groups tile the rows in order (sum(group_sizes) == m), so each row is
-    # summed into by exactly one piece, and the padded rows by none.
+    # Invariant: the groups cover rows 0 .. sum(group_sizes) - 1 in order, so each of those
+    # rows is summed into by exactly one piece, and the rows past them by none.
     _, out = jax.lax.while_loop(lambda c: c[0] < total, body,
                                 (jnp.int32(0), jnp.zeros((mp, n), jnp.float32)))
     return out[:m]
@@ -155,7 +163,7 @@ def grouped_matmul(x: Float[Array, "M K"], w: ExpertWeight,
                    group_sizes: Int[Array, " E"], *, precision: Any = None,
                    impl: str | None = None) -> Float[Array, "M N"]:
     """Rows [start_e, start_e + group_sizes[e]) of `x` times w[e], for each expert e in order;
-    float32 out. Invariant: sum(group_sizes) == M (every row belongs to one expert).
+    float32 out; rows past the groups (sum(group_sizes) < M: tokens routed to no expert) zero.
     `impl`: one of EXPERT_IMPLS (default: the caller's `experts_run_as`, else the backend's)."""
     impl = impl or _IMPL.get() or expert_impl(jax.default_backend())
     if impl == "loop":
@@ -308,9 +316,15 @@ class SparseMoeBlock(nnx.Module):
                                   precision=matmul_precision(x.dtype),
                                   preferred_element_type=jnp.float32), x)
         weights, experts = route(logits, self.top_k, self.renormalize)
+        e = logits.shape[1]
         flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
+        valid = _VALID.get()
+        if valid is not None and valid.shape[0] == t:  # padding: "expert" E, sorted last
+            flat = jnp.where(jnp.repeat(valid, self.top_k), flat, e)
         order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
-        group_sizes = jnp.bincount(flat, length=logits.shape[1])
+        # (a pair of expert E is in no group: sum(group_sizes) <= T * k, and the rows past
+        # the groups read no weight and come out zero)
+        group_sizes = jnp.bincount(flat, length=e)
         out = self.experts(x[order // self.top_k], group_sizes)  # float32, sorted pairs
         # Back to pair order by a gather (the inverse permutation is one small scatter of
         # indices, not a second sort), then each token's weighted sum.

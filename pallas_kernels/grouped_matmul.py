@@ -92,11 +92,16 @@ def _kernel(tile_expert_ref, x_ref, *refs, num_experts: int, k: int, block_k: in
 class TileLayout(NamedTuple):
     """Sorted rows laid out so that each 16-row tile is one expert's: `tile_expert[t]` (E for
     an unused tile), `src[q]` the sorted row padded row q holds (-1: none), `dst[r]` the
-    padded row of sorted row r."""
+    padded row of sorted row r, `live[r]` whether row r is in a group at all."""
 
     tile_expert: jax.Array
     src: jax.Array
     dst: jax.Array
+    live: jax.Array
+
+    def unpad(self, out: jax.Array) -> jax.Array:
+        """The sorted rows' outputs from the tiled ones (zeros for rows in no group)."""
+        return jnp.where(self.live[:, None], out[self.dst], 0).astype(out.dtype)
 
     @property
     def max_tiles(self) -> int:
@@ -105,8 +110,8 @@ class TileLayout(NamedTuple):
 
 
 def tile_layout(group_sizes: Int[Array, " E"], m: int) -> TileLayout:
-    """The layout of M sorted rows in groups of `group_sizes` (sum M), each group from a tile
-    boundary."""
+    """The layout of M sorted rows in groups of `group_sizes` (sum <= M), each group from a
+    tile boundary."""
     bm, e = BLOCK_M, group_sizes.shape[0]
     gs = group_sizes.astype(jnp.int32)
     row_end = jnp.cumsum(gs)
@@ -128,7 +133,9 @@ def tile_layout(group_sizes: Int[Array, " E"], m: int) -> TileLayout:
     # Sorted row r of expert e lies at padded row tile_start[e] * bm + (r - row_start[e]).
     r = jnp.arange(m, dtype=jnp.int32)
     re = jnp.minimum(jnp.searchsorted(row_end, r, side="right", method="compare_all"), e - 1)
-    return TileLayout(tile_expert, src, tile_start[re] * bm + r - row_start[re])
+    # Rows past the groups (sum(group_sizes) < M: tokens routed to no expert) are not live.
+    dst = jnp.minimum(tile_start[re] * bm + r - row_start[re], max_tiles * bm - 1)
+    return TileLayout(tile_expert, src, dst, r < row_end[-1])
 
 
 def pad_rows(x: Float[Array, "M K"], layout: TileLayout) -> jax.Array:
@@ -163,11 +170,10 @@ def tiled_matmul(xp: jax.Array, weights: tuple[Weight, ...], layout: TileLayout,
 
 def grouped_matmul(x: Float[Array, "M K"], w: Weight, group_sizes: Int[Array, " E"], *,
                    interpret: bool = False) -> Float[Array, "M N"]:
-    """Rows [start_e, start_e + group_sizes[e]) of x times w[e], float32 out.
-    Invariant: sum(group_sizes) == M; the shapes pass `unsupported`."""
+    """Rows [start_e, start_e + group_sizes[e]) of x times w[e], float32 out; rows past the
+    groups (sum(group_sizes) < M) zero. The shapes pass `unsupported`."""
     layout = tile_layout(group_sizes, x.shape[0])
-    out = tiled_matmul(pad_rows(x, layout), (w,), layout, interpret=interpret)
-    return out[layout.dst]
+    return layout.unpad(tiled_matmul(pad_rows(x, layout), (w,), layout, interpret=interpret))
 
 
 def grouped_swiglu(x: Float[Array, "M H"], wg: Weight, wu: Weight, wd: Weight,
@@ -180,4 +186,4 @@ def grouped_swiglu(x: Float[Array, "M H"], wg: Weight, wu: Weight, wd: Weight,
     h = tiled_matmul(pad_rows(x, layout), (wg, wu), layout,
                      out_dtype=x.dtype if isinstance(wg, tuple) else wg.dtype,
                      interpret=interpret)
-    return tiled_matmul(h, (wd,), layout, interpret=interpret)[layout.dst]
+    return layout.unpad(tiled_matmul(h, (wd,), layout, interpret=interpret))

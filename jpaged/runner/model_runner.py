@@ -389,8 +389,10 @@ class ModelRunner:
                 return q, k, v, (to_bits(kp), to_bits(vp), k_scale, v_scale)
 
             linears = dataclasses.replace(linears, qkv_write=qkv_write)
+        # A mixture of experts routes the bucket's padding tokens (no KV slot) to no expert.
         with experts_run_as(self.experts_impl,
-                            None if self.parallel is None else self.parallel.mesh):
+                            None if self.parallel is None else self.parallel.mesh,
+                            valid=batch.slot_mapping[:t] >= 0):
             hidden, (k_pages, v_pages, k_scale, v_scale) = model(
                 input_ids, batch.positions, attn_fn, (kv.k, kv.v, kv.k_scale, kv.v_scale),
                 embed_fn=embed_fn, linears=linears, lora=lora)

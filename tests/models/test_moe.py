@@ -441,3 +441,31 @@ def _fp8_config(method: str) -> dict:
             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
                 "num_bits": 8, "type": "float", "strategy": "tensor", "symmetric": True,
                 "dynamic": False}}}}
+
+
+def test_padding_tokens_go_to_no_expert():
+    """A bucket's padding tokens (no KV slot) are routed nowhere: the real tokens' outputs are
+    unchanged, the padding's are finite, and fewer rows reach the experts (each way: rows past
+    the groups come out zero)."""
+    from jpaged.bench.fixtures import random_model
+    from models.moe import SparseMoeBlock, experts_run_as
+
+    spec = ModelSpec.from_hf_config(QWEN_MOE)
+    block = random_model(spec, jnp.float32, seed=1).model.model.layers[0].mlp
+    assert isinstance(block, SparseMoeBlock)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((6, 64), np.float32))
+    valid = jnp.asarray([True, True, True, False, True, False])
+    for impl in ("loop", "interpret", "xla"):
+        with experts_run_as(impl):
+            whole = np.asarray(block(x))
+        with experts_run_as(impl, valid=valid):
+            masked = np.asarray(block(x))
+        np.testing.assert_allclose(masked[np.asarray(valid)], whole[np.asarray(valid)],
+                                   rtol=1e-5, atol=1e-6, err_msg=impl)
+        assert np.isfinite(masked).all()
+    sizes = jnp.asarray([2, 0, 3])  # 5 of 7 rows in groups
+    rows = jnp.ones((7, 16), jnp.float32)
+    w = jnp.ones((3, 16, 16), jnp.float32)
+    for impl in ("loop", "interpret", "xla"):
+        got = np.asarray(grouped_matmul(rows, w, sizes, impl=impl))
+        assert (got[:5] == 16).all() and (got[5:] == 0).all(), impl
