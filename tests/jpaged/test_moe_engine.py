@@ -97,3 +97,28 @@ def _params(loaded) -> list:
     from flax import nnx
 
     return jax.tree.leaves(nnx.state(loaded.model, nnx.Param))
+
+
+def test_a_lora_adapter_on_attention_equals_peft(cases, tmp_path):
+    """Qwen3-MoE with a peft adapter on its attention projections, beside the base model in
+    the same steps: each request's tokens are peft's (the experts take no adapter)."""
+    from lora_fixtures import peft_greedy, peft_model, write_peft_adapter
+
+    from jpaged.lora_request import LoRARequest
+
+    _, loaded, ps, want = cases("qwen3_moe")
+    hf = cases.hf["qwen3_moe"]
+    path = write_peft_adapter(hf, tmp_path / "a", r=4, alpha=8,
+                              targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=3)
+    adapted = peft_model(hf, path)
+    eos = (299,)  # never sampled in 10 tokens here: both sides run to max_tokens
+    lora_want = [peft_greedy(adapted, p, NEW_TOKENS, eos) for p in ps[:2]]
+    assert lora_want != want[:2]  # the adapter changes the answers
+    llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
+                   max_num_batched_tokens=32, num_gpu_blocks_override=POOL, enable_lora=True,
+                   max_lora_rank=4)
+    lora = LoRARequest("a", 1, str(path))
+    outs = llm.generate([{"prompt_token_ids": p} for p in ps[:2] * 2], GREEDY, use_tqdm=False,
+                        lora_request=[None, None, lora, lora])
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got == want[:2] + lora_want
