@@ -137,8 +137,9 @@ class ModelSpec:
 
     def _check_experts(self) -> None:
         moe = self.architecture in MOE_ARCHITECTURES
-        if not moe:
-            if self.num_experts or self.sparse_layers is not None:
+        if not moe or (self.num_experts == 0 and self.architecture != "MixtralForCausalLM"):
+            # (Qwen's MoE classes with no experts are dense in every layer, as HF builds them)
+            if not moe and self.num_experts or self.sparse_layers is not None:
                 raise ValueError(f"ModelSpec.num_experts is for {', '.join(MOE_ARCHITECTURES)}"
                                  f", not {self.architecture}")
             return
@@ -411,6 +412,8 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, An
     # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (Mixtral's name).
     count = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg \
         else "num_local_experts"
+    if cfg.get(count) == 0:  # no experts: every layer the dense MLP, as HF builds it
+        return {}
     return {"num_experts": _get_int(cfg, count),
             "num_experts_per_tok": _get_int(cfg, "num_experts_per_tok"),
             "moe_intermediate_size": _get_int(cfg, "moe_intermediate_size"),

@@ -139,11 +139,15 @@ def test_config_fields_of_each_family():
     assert not qwen2.norm_topk_prob  # HF's default for Qwen
     dense = ModelSpec.from_hf_config({**QWEN_MOE, "architectures": ["Qwen3ForCausalLM"]})
     assert not dense.is_moe and not dense.layer_is_sparse(0)
+    # A Qwen MoE class with no experts is dense in every layer, as HF builds it.
+    none = ModelSpec.from_hf_config({**QWEN_MOE, "num_experts": 0})
+    assert none.architecture == "Qwen3MoeForCausalLM" and not none.is_moe
+    assert not any(none.layer_is_sparse(i) for i in range(6))
 
 
 @pytest.mark.parametrize("change,needle", [
     ({"num_experts_per_tok": 9}, "num_experts_per_tok (9) exceeds num_experts (8)"),
-    ({"num_experts": 0}, "'num_experts' must be an int >= 1"),
+    ({"num_experts": -1}, "'num_experts' must be an int >= 1"),
     ({"moe_intermediate_size": None}, "'moe_intermediate_size' must be an int >= 1"),
     ({"mlp_only_layers": [6]}, "'mlp_only_layers' must list layer indices in [0, 6)"),
     ({"decoder_sparse_step": 0}, "'decoder_sparse_step' must be an int >= 1"),

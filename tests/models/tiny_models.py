@@ -63,6 +63,10 @@ TINY_CONFIGS: dict[str, tuple[str, dict]] = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(
         _COMMON, num_experts=6, num_experts_per_tok=3, moe_intermediate_size=40,
         shared_expert_intermediate_size=72, norm_topk_prob=False, use_sliding_window=False)),
+    # A Qwen2-MoE class with no experts: every layer the dense MLP (HF's rule).
+    "qwen2_moe_no_experts": ("Qwen2MoeConfig", dict(
+        _COMMON, num_experts=0, num_experts_per_tok=2, moe_intermediate_size=40,
+        shared_expert_intermediate_size=72, use_sliding_window=False)),
     # Widths the grouped-matmul kernel tiles on each of 2 devices (32 = 2 x 16).
     "qwen2_moe_even": ("Qwen2MoeConfig", dict(
         _COMMON, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
