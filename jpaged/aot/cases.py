@@ -304,7 +304,8 @@ class StepBuilder:
         moe = {} if not spec.is_moe else {
             "sparse_layers": sum(map(spec.layer_is_sparse, range(spec.num_layers))),
             "num_experts": spec.num_experts, "top_k": spec.num_experts_per_tok,
-            "expert_matrix_bytes": matrix, "expert_width": width}
+            "expert_matrix_bytes": matrix, "expert_width": width,
+            "expert_hidden": spec.hidden_size}
         return StepTraffic(tokens, seqs, context_len, spec.num_layers, self.block_size,
                            self.local_kv_heads, spec.head_dim,
                            storage_dtype(self.page_dtype).itemsize, spec.vocab_size,

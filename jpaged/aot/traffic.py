@@ -101,6 +101,7 @@ class StepTraffic:
     top_k: int = 0
     expert_matrix_bytes: int = 0
     expert_width: int = 0  # one expert's (per-device) width, the down matrix's K
+    expert_hidden: int = 0  # the model's hidden size, the gate and up matrices' K
 
     @property
     def experts_read(self) -> float:
@@ -162,8 +163,7 @@ class StepTraffic:
             weights = 2 if name.startswith("moe_grouped_gate_up") else 1
             tiles = cdiv(self.tokens * self.top_k, 16) + min(self.num_experts,
                                                            self.tokens * self.top_k)
-            hidden = self.expert_matrix_bytes // max(1, self.expert_width * self.model_bytes)
-            rows = tiles * 16 * max(hidden, self.expert_width) * self.model_bytes
+            rows = tiles * 16 * max(self.expert_hidden, self.expert_width) * self.model_bytes
             return KernelRule(0, 0, read=4 * tiles + rows
                               + round(weights * self.experts_read * self.expert_matrix_bytes))
         if name.startswith("ragged_paged_"):

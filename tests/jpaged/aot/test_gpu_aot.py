@@ -287,7 +287,7 @@ def test_a_mixture_of_experts_step_counts_the_experts_its_tokens_choose():
     base = dict(context_len=1024, num_layers=48, block_size=16, kv_heads=4, head_dim=128,
                 page_bytes=2, vocab_size=151936, param_bytes=61_000_000_000, num_blocks=9000)
     moe = dict(sparse_layers=48, num_experts=128, top_k=8, expert_matrix_bytes=matrix,
-               expert_width=768)
+               expert_width=768, expert_hidden=2048)
     one = StepTraffic(1, 1, **base, **moe)
     assert one.experts_read == pytest.approx(8.0)
     assert one.unread_expert_bytes == 48 * 3 * 120 * matrix
