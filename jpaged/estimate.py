@@ -226,16 +226,23 @@ def _split(n: int, tp: int) -> int:
     return cdiv(n, tp)
 
 
+def _gated_mlp_widths(spec: Any, layer: int) -> list[int]:
+    """The width of each gated MLP (gate, up [d -> w], down [w -> d]) of decoder layer
+    `layer`: the dense MLP's, or every expert's and a shared expert's."""
+    if not spec.layer_is_sparse(layer):
+        return [spec.intermediate_size]
+    shared = spec.shared_expert_intermediate_size
+    return [spec.moe_intermediate_size] * spec.num_experts + ([shared] if shared else [])
+
+
 def _ffn_params(spec: Any, layer: int, t: int) -> int:
     """Feed-forward parameters of decoder layer `layer` on one of `t` devices: a dense MLP,
     or the router, every expert (each split by width) and a shared expert with its gate."""
     d = spec.hidden_size
+    mlps = sum(3 * d * _split(w, t) for w in _gated_mlp_widths(spec, layer))
     if not spec.layer_is_sparse(layer):
-        ff = _split(spec.intermediate_size, t)
-        return 3 * d * ff + ((2 * ff + d) if spec.mlp_bias else 0)
-    experts = spec.num_experts * 3 * d * _split(spec.moe_intermediate_size, t)
-    shared = spec.shared_expert_intermediate_size
-    return d * spec.num_experts + experts + ((3 * d * _split(shared, t) + d) if shared else 0)
+        return mlps + ((2 * _split(spec.intermediate_size, t) + d) if spec.mlp_bias else 0)
+    return d * spec.num_experts + mlps + (d if spec.shared_expert_intermediate_size else 0)
 
 
 def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
@@ -272,11 +279,7 @@ def _fp8_elements(spec: Any) -> tuple[int, int]:
     for i in range(spec.num_layers):
         weights += d * q_kv + spec.num_heads * hd * d
         scales += q_kv + d
-        widths = [spec.intermediate_size] if not spec.layer_is_sparse(i) else \
-            [spec.moe_intermediate_size] * spec.num_experts + (
-                [spec.shared_expert_intermediate_size]
-                if spec.shared_expert_intermediate_size else [])
-        for w in widths:  # gate, up [d -> w] and down [w -> d]
+        for w in _gated_mlp_widths(spec, i):
             weights += 3 * d * w
             scales += 2 * w + d
     return weights, scales

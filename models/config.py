@@ -136,12 +136,15 @@ class ModelSpec:
         self._check_experts()
 
     def _check_experts(self) -> None:
-        moe = self.architecture in MOE_ARCHITECTURES
-        if not moe or (self.num_experts == 0 and self.architecture != "MixtralForCausalLM"):
-            # (Qwen's MoE classes with no experts are dense in every layer, as HF builds them)
-            if not moe and self.num_experts or self.sparse_layers is not None:
+        if self.architecture not in MOE_ARCHITECTURES:
+            if self.num_experts or self.sparse_layers is not None:
                 raise ValueError(f"ModelSpec.num_experts is for {', '.join(MOE_ARCHITECTURES)}"
                                  f", not {self.architecture}")
+            return
+        if self.num_experts == 0 and self.architecture != "MixtralForCausalLM":
+            # Qwen's MoE classes with no experts are dense in every layer, as HF builds them.
+            if self.sparse_layers is not None:
+                raise ValueError("ModelSpec.sparse_layers needs num_experts >= 1")
             return
         for name in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             value = getattr(self, name)
@@ -388,6 +391,11 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, An
     Mixtral's experts are intermediate_size wide on every layer, always renormalized; Qwen's
     are moe_intermediate_size wide on the layers decoder_sparse_step and mlp_only_layers
     leave sparse."""
+    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (Mixtral's name).
+    count = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg \
+        else "num_local_experts"
+    if arch != "MixtralForCausalLM" and cfg.get(count) == 0:
+        return {}  # no experts: every layer the dense MLP, as HF builds it
     if arch == "MixtralForCausalLM":
         return {"num_experts": _get_int(cfg, "num_local_experts"),
                 "num_experts_per_tok": _get_int(cfg, "num_experts_per_tok"),
@@ -409,11 +417,6 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int) -> dict[str, An
     norm = cfg.get("norm_topk_prob", False)
     if not isinstance(norm, bool):
         raise ValueError(f"config field 'norm_topk_prob' must be true or false, got {norm!r}")
-    # transformers 5 writes Qwen3-MoE's expert count as num_local_experts (Mixtral's name).
-    count = "num_experts" if "num_experts" in cfg or "num_local_experts" not in cfg \
-        else "num_local_experts"
-    if cfg.get(count) == 0:  # no experts: every layer the dense MLP, as HF builds it
-        return {}
     return {"num_experts": _get_int(cfg, count),
             "num_experts_per_tok": _get_int(cfg, "num_experts_per_tok"),
             "moe_intermediate_size": _get_int(cfg, "moe_intermediate_size"),

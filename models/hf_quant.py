@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 from flax import nnx
 
-from .moe import EXPERT_PARAMS, Experts, expert_tensor_names
+from .moe import expert_matrices, expert_tensor_names
 from .quant import QuantWeight, narrow_scales, pack_int4
 from .quant_layers import QuantLayout, QuantSource, QuantTensors, StackedQuant
 
@@ -80,7 +80,7 @@ def hf_quantized(cfg: Mapping[str, Any], weights: Mapping[str, np.ndarray], mode
     qc = cfg[_QC]
     linears = _linears(model)
     reader = _Reader(weights, where)
-    experts = _experts(model)
+    experts = expert_matrices(model)
     if experts and method not in ("fp8", "compressed-tensors"):
         raise ValueError(f"{where}: {_QC}.quant_method {method!r} on a mixture of experts is "
                          "not supported (its experts load from fp8 checkpoints, per tensor or "
@@ -92,18 +92,6 @@ def hf_quantized(cfg: Mapping[str, Any], weights: Mapping[str, np.ndarray], mode
     else:
         modules = _fp8(method, qc, linears, reader, experts)
     return {m: mod.layout for m, mod in modules.items()}, QuantTensors(weights, modules)
-
-
-def _experts(model: nnx.Module) -> dict[str, tuple[int, int, int]]:
-    """HF path of each layer's stacked expert matrix (`<layer>.<mlp>.experts.gate_proj`, ...)
-    -> (experts, in, out)."""
-    out = {}
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, Experts):
-            for leaf in EXPERT_PARAMS:
-                shape = getattr(node, leaf).get_value().shape
-                out[".".join([*map(str, path), leaf])] = tuple(shape)
-    return out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from .linear_ops import matmul_precision, one_row_as_two
 logger = logging.getLogger("jpaged")
 
 __all__ = ["EXPERT_IMPLS", "EXPERT_PARAMS", "ExpertWeight", "Experts", "SparseMoeBlock",
-           "StackedFp8", "expert_impl", "expert_tensor_names",
+           "StackedFp8", "expert_impl", "expert_matrices", "expert_tensor_names",
            "experts_run_as", "grouped_matmul", "route"]
 
 # The stacked Params of a layer's experts and, per architecture family, the name each
@@ -96,6 +96,18 @@ def expert_tensor_names(param_path: str, num_experts: int) -> list[str] | None:
     arch = "MixtralForCausalLM" if ".block_sparse_moe." in param_path else ""
     hf = _expert_hf_names(arch)[param]
     return [f"{prefix}.{e}.{hf}.weight" for e in range(num_experts)]
+
+
+def expert_matrices(model: nnx.Module) -> dict[str, tuple[int, int, int]]:
+    """HF path of each layer's stacked expert matrix (`<layer>.<mlp>.experts.gate_proj`, ...)
+    -> its (experts, in, out)."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Experts):
+            for leaf in EXPERT_PARAMS:
+                out[".".join([*map(str, path), leaf])] = tuple(
+                    getattr(node, leaf).get_value().shape[-3:])
+    return out
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from .linear_ops import matmul_precision, one_row_as_two
-from .moe import EXPERT_PARAMS, Experts, StackedFp8, expert_tensor_names
+from .moe import StackedFp8, expert_matrices, expert_tensor_names
 from .quant import QuantWeight, quant_logits, quant_matmul, quant_rows, quantize_fp8
 
 _VALUE_DTYPES = {"int4": np.uint8, "int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
@@ -171,10 +171,8 @@ def fp8_plan(model: nnx.Module) -> dict[str, QuantLayout]:
         # keeps its gate unquantized); its experts go fp8 per expert and output channel.
         if isinstance(node, nnx.Linear) and names[-1] not in ("gate", "shared_expert_gate"):
             plan[".".join(names)] = QuantLayout("fp8", node.in_features, False, "float32")
-        elif isinstance(node, Experts):
-            for leaf in EXPERT_PARAMS:
-                k = getattr(node, leaf).get_value().shape[-2]
-                plan[".".join([*names, leaf])] = QuantLayout("fp8", k, False, "float32")
+    for path, (_, k, _) in expert_matrices(model).items():
+        plan[path] = QuantLayout("fp8", k, False, "float32")
     return plan
 
 

@@ -119,15 +119,18 @@ def hf_llama_twin(loaded: LoadedModel, tmp: Path):
     return hf_twin(loaded, tmp)
 
 
-def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos: tuple[int, ...]
-              ) -> list[int]:
-    """HF generate(do_sample=False) for one prompt; stops at EOS like the engine."""
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int,
+              eos: tuple[int, ...] | None = None) -> list[int]:
+    """HF generate(do_sample=False) for one prompt (an HF or a peft model); stops at `eos`
+    like the engine, or (None) runs to max_new_tokens. An explicit mask: token 0 is not taken
+    for padding."""
     import torch
 
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(
+        out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(
             1, len(prompt_ids), dtype=torch.long), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
+            do_sample=False, eos_token_id=None if eos is None else list(eos),
+            pad_token_id=0 if eos is None else eos[0])
     return out[0, len(prompt_ids):].tolist()
 
 
@@ -137,17 +140,6 @@ def random_prompts(n: int, seed: int = 3) -> list[list[int]]:
 
     rng = np.random.default_rng(seed)
     return [rng.integers(0, 256, size=int(k)).tolist() for k in rng.integers(9, 30, size=n)]
-
-
-def hf_greedy_ignoring_eos(hf, prompt: list[int], new_tokens: int) -> list[int]:
-    """HF generate(do_sample=False) of exactly `new_tokens` (no EOS; an explicit mask, so
-    token 0 is not taken for padding)."""
-    import torch
-
-    ids = torch.tensor([prompt])
-    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                      do_sample=False, eos_token_id=None, pad_token_id=299)
-    return out[0, len(prompt):].tolist()
 
 
 def hf_cases(tmp_path_factory, num_prompts: int, new_tokens: int):
@@ -165,7 +157,7 @@ def hf_cases(tmp_path_factory, num_prompts: int, new_tokens: int):
             get.hf[kind] = hf
             ps = random_prompts(num_prompts)
             built[kind] = (path, load_model(str(path), dtype="float32"), ps,
-                           [hf_greedy_ignoring_eos(hf, p, new_tokens) for p in ps])
+                           [hf_greedy(hf, p, new_tokens) for p in ps])
         return built[kind]
 
     get.hf = {}

@@ -62,18 +62,6 @@ def peft_model(hf_model: Any, path: Path) -> Any:
     return PeftModel.from_pretrained(copy.deepcopy(hf_model), Path(path)).eval()
 
 
-def peft_greedy(model: Any, prompt_ids: list[int], max_new_tokens: int, eos: tuple[int, ...]
-                ) -> list[int]:
-    """Greedy generate (HF or peft model) for one prompt; stops at EOS like the engine."""
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(
-            1, len(prompt_ids), dtype=torch.long), max_new_tokens=max_new_tokens,
-            do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0])
-    return out[0, len(prompt_ids):].tolist()
-
-
 def peft_logits(model: Any, ids: list[int]) -> np.ndarray:
     """Logits of every position of `ids` (HF or peft model), float32 [len(ids), vocab]."""
     import torch

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from helpers import embedded, hf_greedy, hf_llama_twin, make_llm, tiny
-from lora_fixtures import peft_greedy, peft_model, write_peft_adapter
+from lora_fixtures import peft_model, write_peft_adapter
 
 from jpaged import LLM, SamplingParams
 from jpaged.config import EngineArgs
@@ -39,7 +39,7 @@ def expected(hf_tiny, adapters) -> dict[str | None, list[list[int]]]:
         None: [hf_greedy(hf_tiny, p, 10, (-1,)) for p in PROMPTS]}
     for name, lora in adapters.items():
         model = peft_model(hf_tiny, lora.lora_path)
-        out[name] = [peft_greedy(model, p, 10, (-1,)) for p in PROMPTS]
+        out[name] = [hf_greedy(model, p, 10, (-1,)) for p in PROMPTS]
     assert out["a"] != out[None] and out["b"] != out[None] and out["a"] != out["b"]
     return out
 
@@ -165,7 +165,7 @@ def test_embedded_model_with_an_adapter_matches_peft(tmp_path):
     path = write_peft_adapter(hf, tmp_path / "adapter", r=8, alpha=16, seed=4)
     ids = loaded.tokenizer.encode("The capital of France is")
     want_base = hf_greedy(hf, ids, 12, (-1,))
-    want_lora = peft_greedy(peft_model(hf, path), ids, 12, (-1,))
+    want_lora = hf_greedy(peft_model(hf, path), ids, 12, (-1,))
     assert want_lora != want_base
     llm = make_llm(loaded, enable_lora=True, max_lora_rank=8, max_model_len=64,
                    max_num_seqs=2, max_num_batched_tokens=32)
@@ -219,7 +219,7 @@ def test_a_rewritten_adapter_read_again_is_a_new_adapter(hf_tiny, tmp_path):
     request queued before the rewrite keeps the weights it was queued with."""
     path = tmp_path / "x"
     write_peft_adapter(hf_tiny, path, r=4, alpha=8, seed=11)
-    old = [peft_greedy(peft_model(hf_tiny, path), PROMPTS[1], 10, (-1,))]
+    old = [hf_greedy(peft_model(hf_tiny, path), PROMPTS[1], 10, (-1,))]
     llm = make_llm(tiny(), enable_lora=True, max_loras=1, max_lora_rank=8,
                    enable_prefix_caching=True, **TINY)
     engine, lora = llm.llm_engine, LoRARequest("x", 1, str(path))
@@ -230,7 +230,7 @@ def test_a_rewritten_adapter_read_again_is_a_new_adapter(hf_tiny, tmp_path):
 
     shutil.rmtree(path)
     write_peft_adapter(hf_tiny, path, r=4, alpha=8, seed=12)
-    new = [peft_greedy(peft_model(hf_tiny, path), PROMPTS[1], 10, (-1,))]
+    new = [hf_greedy(peft_model(hf_tiny, path), PROMPTS[1], 10, (-1,))]
     assert new != old
     assert engine.remove_lora(1)
     engine.add_request("after", one[0], GREEDY, lora_request=lora)  # reads the new files
@@ -277,7 +277,7 @@ def test_other_architectures_give_peft_tokens(kind, tmp_path):
     hf = make_hf_checkpoint(kind, tmp_path / "model")
     path = write_peft_adapter(hf, tmp_path / "adapter", r=4, alpha=8, seed=3)
     prompt = [1, 5, 9, 23, 44, 12, 7, 8, 9, 10, 11]  # longer than gemma3's window of 4
-    want = [peft_greedy(peft_model(hf, path), prompt, 10, (-1,)), hf_greedy(hf, prompt, 10,
+    want = [hf_greedy(peft_model(hf, path), prompt, 10, (-1,)), hf_greedy(hf, prompt, 10,
                                                                              (-1,))]
     assert want[0] != want[1]
     llm = LLM(model=str(tmp_path / "model"), dtype="float32", enable_lora=True,

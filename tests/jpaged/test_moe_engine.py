@@ -9,7 +9,8 @@ import json
 
 import numpy as np
 import pytest
-from helpers import hf_cases, hf_greedy_ignoring_eos, make_llm
+from helpers import hf_cases, make_llm
+from helpers import hf_greedy as hf_generate
 
 from jpaged import SamplingParams
 from jpaged.estimate import param_counts
@@ -25,7 +26,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
 
 def hf_greedy(hf, prompt: list[int]) -> list[int]:
-    return hf_greedy_ignoring_eos(hf, prompt, NEW_TOKENS)
+    return hf_generate(hf, prompt, NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +103,7 @@ def _params(loaded) -> list:
 def test_a_lora_adapter_on_attention_equals_peft(cases, tmp_path):
     """Qwen3-MoE with a peft adapter on its attention projections, beside the base model in
     the same steps: each request's tokens are peft's (the experts take no adapter)."""
-    from lora_fixtures import peft_greedy, peft_model, write_peft_adapter
+    from lora_fixtures import peft_model, write_peft_adapter
 
     from jpaged.lora_request import LoRARequest
 
@@ -112,7 +113,7 @@ def test_a_lora_adapter_on_attention_equals_peft(cases, tmp_path):
                               targets=("q_proj", "k_proj", "v_proj", "o_proj"), seed=3)
     adapted = peft_model(hf, path)
     eos = (299,)  # never sampled in 10 tokens here: both sides run to max_tokens
-    lora_want = [peft_greedy(adapted, p, NEW_TOKENS, eos) for p in ps[:2]]
+    lora_want = [hf_generate(adapted, p, NEW_TOKENS, eos) for p in ps[:2]]
     assert lora_want != want[:2]  # the adapter changes the answers
     llm = make_llm(loaded, block_size=BLOCK, max_model_len=64, max_num_seqs=4,
                    max_num_batched_tokens=32, num_gpu_blocks_override=POOL, enable_lora=True,

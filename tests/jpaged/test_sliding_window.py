@@ -5,7 +5,8 @@ it, through chunked prefill, preemption and prefix-cache hits across a window bo
 from __future__ import annotations
 
 import pytest
-from helpers import hf_cases, hf_greedy_ignoring_eos, make_llm
+from helpers import hf_cases, make_llm
+from helpers import hf_greedy as hf_generate
 
 from jpaged import SamplingParams
 from jpaged.core.kv_cache_groups import blocks_needed, kv_cache_layout
@@ -22,7 +23,7 @@ POOL = 256
 
 
 def hf_greedy(hf, prompt: list[int]) -> list[int]:
-    return hf_greedy_ignoring_eos(hf, prompt, NEW_TOKENS)
+    return hf_generate(hf, prompt, NEW_TOKENS)
 
 
 KINDS = ["gemma3", "gemma2", "mistral_sliding", "qwen2_sliding_upper_layers"]

@@ -5,6 +5,7 @@ refused when wrong, written back), and what is refused for experts."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import jax
@@ -177,10 +178,7 @@ def _copy_without(src: Path, dst: Path, drop: str | None = None,
     """`src`'s checkpoint in `dst`, one tensor dropped or one cut by a row."""
     from safetensors.numpy import load_file, save_file
 
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(src, dst)
     tensors = load_file(str(src / "model.safetensors"))
     if drop:
         del tensors[drop]
@@ -226,9 +224,7 @@ def test_what_experts_do_not_take_is_refused(qwen2_moe, tmp_path):
     path, _ = qwen2_moe
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
-    (tmp_path / "q").mkdir()
-    for f in path.iterdir():
-        (tmp_path / "q" / f.name).write_bytes(f.read_bytes())
+    shutil.copytree(path, tmp_path / "q")
     (tmp_path / "q" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"quant_method 'gptq' on a mixture of experts is not "
                                          "supported"):
@@ -410,9 +406,7 @@ def test_an_fp8_checkpoint_of_a_mixture_of_experts_loads_its_own_scales(method, 
         rounded[name] = q.astype(np.float32) * scale
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
     for d, ts, qc in (("q", quant, _fp8_config(method)), ("f", rounded, None)):
-        (tmp_path / d).mkdir()
-        for f in (tmp_path / "hf").iterdir():
-            (tmp_path / d / f.name).write_bytes(f.read_bytes())
+        shutil.copytree(tmp_path / "hf", tmp_path / d)
         save_file(ts, str(tmp_path / d / "model.safetensors"))
         (tmp_path / d / "config.json").write_text(json.dumps(
             cfg if qc is None else {**cfg, "quantization_config": qc}))

@@ -461,7 +461,7 @@ def test_lora_adapters_on_both_replicas(cluster, tmp_path):
     naming it runs it wherever it lands (HF + peft's tokens), and a runtime load reaches
     both replicas."""
     from helpers import hf_greedy, hf_llama_twin, tiny
-    from lora_fixtures import peft_greedy, peft_model, write_peft_adapter
+    from lora_fixtures import peft_model, write_peft_adapter
 
     from jpaged.dp.client import DPEngineClient
 
@@ -469,7 +469,7 @@ def test_lora_adapters_on_both_replicas(cluster, tmp_path):
     paths = {n: write_peft_adapter(hf, tmp_path / n, r=4, alpha=8, seed=s)
              for n, s in (("sql", 1), ("late", 2))}
     prompt = [1, 5, 9, 23, 44, 12]
-    want = {n: peft_greedy(peft_model(hf, p), prompt, 6, (-1,)) for n, p in paths.items()}
+    want = {n: hf_greedy(peft_model(hf, p), prompt, 6, (-1,)) for n, p in paths.items()}
     want[MODEL] = hf_greedy(hf, prompt, 6, (-1,))
     client = DPEngineClient(EngineArgs(model=str(tiny_model_dir()), enable_lora=True,
                                        max_lora_rank=8, **ARGS), 2, "round_robin",

@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 from helpers import hf_greedy, hf_llama_twin, tiny
-from lora_fixtures import peft_greedy, peft_model, write_peft_adapter
+from lora_fixtures import peft_model, write_peft_adapter
 from serverkit import ENGINE_ARGS, MODEL, Served
 
 import jpaged.server.app as app_module
@@ -59,7 +59,7 @@ class Adapters:
             else:
                 if adapter not in self._models:
                     self._models[adapter] = peft_model(self.hf, self.dirs[adapter])
-                self._refs[key] = peft_greedy(self._models[adapter], list(ids), N, NO_EOS)
+                self._refs[key] = hf_greedy(self._models[adapter], list(ids), N, NO_EOS)
         return self._refs[key]
 
 
