@@ -450,11 +450,12 @@ def _quantized_makers(path: Path, meta: dict[str, Any], tensors: dict[str, Tenso
                 f"GGUF file {path}: tensor {name!r} is {qtype.name}, which cannot run quantized "
                 f"(supported: {', '.join(supported_types())}); load it without "
                 "quantization='gguf' to dequantize it")
-        if not hf.endswith(".weight") or len(t.shape) != 2:
+        stacked = ".experts." in hf and len(t.shape) == 3  # a layer's experts [E, out, in]
+        if not stacked and (not hf.endswith(".weight") or len(t.shape) != 2):
             raise ValueError(f"GGUF file {path}: tensor {name!r} ({qtype.name}, shape "
                              f"{t.shape}) is not a matrix; only matrices run quantized")
-        module = hf[: -len(".weight")]
-        k_axis = 1 if module.endswith("embed_tokens") else 0
+        module = hf if stacked else hf[: -len(".weight")]
+        k_axis = 1 if module.endswith("embed_tokens") or stacked else 0
         plan[module] = LAYOUTS[qtype]
         n_head = next((n for part, n in heads.items() if part in name), None)
         weight = functools.partial(read, t, n_head, k_axis)
@@ -467,7 +468,8 @@ def _quantized_makers(path: Path, meta: dict[str, Any], tensors: dict[str, Tenso
 
 def _quantized_tensor(path: Path, t: TensorInfo, n_head: int | None, k_axis: int
                       ) -> QuantWeight:
-    """One quantized GGUF tensor in the device form (q/k rows un-permuted when n_head)."""
+    """One quantized GGUF tensor in the device form (q/k rows un-permuted when n_head); a
+    layer's stacked experts [E, out, in] as [E, in, out] (k_axis 1), one expert at a time."""
     qtype = gguf.GGMLQuantizationType(t.ggml_type)
     try:
         raw = np.fromfile(path, dtype=np.uint8, count=t.nbytes, offset=t.offset)
@@ -477,6 +479,8 @@ def _quantized_tensor(path: Path, t: TensorInfo, n_head: int | None, k_axis: int
         if t.dims[0] % block:
             raise ValueError(f"row length {t.dims[0]} is not a multiple of {qtype.name}'s "
                              f"block of {block}")
+        if len(t.shape) == 3:
+            return _quantized_experts(raw.reshape(t.shape[0], t.shape[1], -1), qtype)
         dec = decode(raw.reshape(t.shape[0], -1), qtype)
         if n_head is not None:
             dec = Decoded(dec.kind, *(None if a is None else unpermute_qk(a, n_head)
@@ -486,6 +490,19 @@ def _quantized_tensor(path: Path, t: TensorInfo, n_head: int | None, k_axis: int
         return weight
     except Exception as e:
         raise ValueError(f"cannot read tensor {t.name!r} from GGUF file {path}: {e}") from e
+
+
+def _quantized_experts(raw: np.ndarray, qtype: gguf.GGMLQuantizationType) -> QuantWeight:
+    """Raw blocks [E, out, bytes] of a layer's stacked experts -> the stacked device form:
+    values [E, in (int4: in / 2), out], scales (and mins) [E, in / group, out]."""
+    layout = LAYOUTS[qtype]
+    ones = [to_weight(decode(raw[e], qtype), layout, 0) for e in range(raw.shape[0])]
+
+    def stack(arrays: list[np.ndarray | None]) -> np.ndarray | None:
+        return None if arrays[0] is None else np.stack(arrays)
+
+    return QuantWeight(ones[0].kind, stack([w.q for w in ones]),
+                       stack([w.scales for w in ones]), stack([w.mins for w in ones]), 1)
 
 
 def _read_tensor(path: Path, t: TensorInfo) -> np.ndarray:
@@ -532,10 +549,6 @@ def load_gguf_quantized(path: str | Path
     if "rope_freqs.weight" in tensors:
         factors = tuple(float(x) for x in _read_tensor(path, tensors["rope_freqs.weight"]).ravel())
     spec = spec_from_gguf(meta, set(tensors), path, factors)
-    if spec.is_moe:
-        raise ValueError(f"GGUF file {path}: {spec.architecture}'s experts cannot run at the "
-                         "GGUF's own quantization in this version; load it dequantized (no "
-                         "quantization) or with quantization='fp8'")
     makers, plan = _quantized_makers(path, meta, tensors)
     return spec, LazyTensors(str(path), makers), plan, meta
 

@@ -31,7 +31,7 @@ from flax import nnx
 
 from .moe import expert_matrices, expert_tensor_names
 from .quant import QuantWeight, narrow_scales, pack_int4
-from .quant_layers import QuantLayout, QuantSource, QuantTensors, StackedQuant
+from .quant_layers import QuantLayout, QuantSource, QuantTensors
 
 METHODS = ("awq", "compressed-tensors", "fp8", "gptq")
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
@@ -382,7 +382,7 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
         expected = None
         scale_leaves = ("weight_scale", "weight_scale_inv")
     # A layer's experts: one HF linear per expert (`...experts.{e}.w1` / `gate_proj`), each
-    # checked as a linear is, stacked into one StackedFp8 (float32 scales per expert).
+    # checked as a linear is, stacked into one QuantExperts (float32 scales per expert).
     names_of = {m: expert_tensor_names(m, e) for m, (e, _, _) in (experts or {}).items()}
     expert_linears = {name[:-len(".weight")]: (k, n) for m, (e, k, n) in (experts or {}).items()
                       for name in names_of[m]}
@@ -441,10 +441,10 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
                               f"{m.rsplit('.', 1)[0]} are (a layer's experts are quantized "
                               "together)")
 
-        def make_stack(parts: list[str] = parts) -> StackedQuant:
+        def make_stack(parts: list[str] = parts) -> QuantWeight:
             q = np.stack([np.asarray(reader.get(f"{p}.weight")).T for p in parts])
-            return StackedQuant(np.ascontiguousarray(q),
-                                np.stack([checked[p]() for p in parts]))
+            return QuantWeight("fp8", np.ascontiguousarray(q),
+                               np.stack([checked[p]() for p in parts]), None, 1)
 
         modules[m] = QuantSource(QuantLayout("fp8", experts[m][1], False, "float32"),
                                  make_stack, names[0])

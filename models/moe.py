@@ -33,11 +33,12 @@ from pallas_kernels import grouped_matmul as gmm_kernel
 
 from .config import ModelSpec
 from .linear_ops import matmul_precision, one_row_as_two
+from .quant import QuantWeight, dequantize
 
 logger = logging.getLogger("jpaged")
 
 __all__ = ["EXPERT_IMPLS", "EXPERT_PARAMS", "ExpertWeight", "Experts", "SparseMoeBlock",
-           "StackedFp8", "expert_impl", "expert_matrices", "expert_tensor_names",
+           "QuantExperts", "expert_impl", "expert_matrices", "expert_tensor_names",
            "experts_run_as", "grouped_matmul", "route"]
 
 # The stacked Params of a layer's experts and, per architecture family, the name each
@@ -61,9 +62,10 @@ _VALID: contextvars.ContextVar[jax.Array | None] = contextvars.ContextVar("moe_v
                                                                          default=None)
 _logged: set[str] = set()
 
-# One matrix of a layer's experts: [E, K, N] in the model's dtype, or fp8 (values, scales
-# [E, 1, N]).
-ExpertWeight = jax.Array | tuple[jax.Array, jax.Array]
+# One matrix of a layer's experts: [E, K, N] in the model's dtype, or quantized (a stacked
+# QuantWeight, k_axis 1: fp8 values [E, K, N] with scales [E, 1, N]; int8 / int4 groups with
+# scales and mins [E, K / group, N]).
+ExpertWeight = jax.Array | QuantWeight
 
 # Rows of the sorted (token, expert) pairs one piece of the CPU loop multiplies.
 LOOP_TILE_ROWS = 64
@@ -131,11 +133,11 @@ def experts_run_as(impl: str | None, mesh: Mesh | None = None,
 def _loop_grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
                          precision: Any) -> jax.Array:
     """grouped_matmul as a while loop over (row tile, expert) pieces: only the pieces that
-    hold rows run, each reading its expert's weights once (XLA:CPU); an fp8 expert is
-    widened one expert at a time and its product scaled per column."""
-    w, scales = (w, None) if not isinstance(w, tuple) else w
+    hold rows run, each reading its expert's weights once (XLA:CPU, and integer experts on a
+    backend with no kernel for them); a quantized expert is dequantized one expert at a time
+    (fp8: widened, its product scaled per column)."""
     m, k = x.shape
-    e, _, n = w.shape
+    e, n = (w.q if isinstance(w, QuantWeight) else w).shape[::2]
     tm = min(LOOP_TILE_ROWS, 1 << max(0, (m - 1).bit_length()))
     mp = -(-m // tm) * tm
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
@@ -155,10 +157,10 @@ def _loop_grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
         tile = first[ex] + j - item_start[ex]
         lo = tile * tm
         lhs = jax.lax.dynamic_slice(xp, (lo, 0), (tm, k))
-        we = jax.lax.dynamic_index_in_dim(w, ex, keepdims=False).astype(x.dtype)
-        prod = jnp.dot(lhs, we, precision=precision, preferred_element_type=jnp.float32)
-        if scales is not None:  # x @ (q * s) == (x @ q) * s for a scale per column
-            prod = prod * jax.lax.dynamic_index_in_dim(scales, ex, keepdims=False)
+        prod = jnp.dot(lhs, _one_expert(w, ex, x.dtype), precision=precision,
+                       preferred_element_type=jnp.float32)
+        if isinstance(w, QuantWeight) and w.kind == "fp8":  # x @ (q * s) == (x @ q) * s
+            prod = prod * jax.lax.dynamic_index_in_dim(w.scales, ex, keepdims=False)
         mine = ((lo + rows >= starts[ex]) & (lo + rows < ends[ex]))[:, None]
         cur = jax.lax.dynamic_slice(out, (lo, 0), (tm, n))
         return j + 1, jax.lax.dynamic_update_slice(out, cur + jnp.where(mine, prod, 0.0),
@@ -169,6 +171,20 @@ def _loop_grouped_matmul(x: jax.Array, w: ExpertWeight, group_sizes: jax.Array,
     _, out = jax.lax.while_loop(lambda c: c[0] < total, body,
                                 (jnp.int32(0), jnp.zeros((mp, n), jnp.float32)))
     return out[:m]
+
+
+def _one_expert(w: ExpertWeight, ex: jax.Array, dtype: Any) -> jax.Array:
+    """Expert `ex`'s [K, N] matrix in `dtype` (fp8: its values only; integer groups:
+    dequantized)."""
+    def pick(a: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_index_in_dim(a, ex, keepdims=False)
+
+    if not isinstance(w, QuantWeight):
+        return pick(w).astype(dtype)
+    if w.kind == "fp8":
+        return pick(w.q).astype(dtype)
+    return dequantize(pick(w.q), pick(w.scales), None if w.mins is None else pick(w.mins),
+                      w.kind, dtype)
 
 
 def grouped_matmul(x: Float[Array, "M K"], w: ExpertWeight,
@@ -182,8 +198,10 @@ def grouped_matmul(x: Float[Array, "M K"], w: ExpertWeight,
         return _loop_grouped_matmul(x, w, group_sizes, precision)
     if impl in ("pallas", "interpret") and _kernel_takes(w):
         return gmm_kernel.grouped_matmul(x, w, group_sizes, interpret=impl == "interpret")
-    if isinstance(w, tuple):  # fp8: widened whole for ragged_dot, each row scaled by its expert
-        q, scales = w
+    if isinstance(w, QuantWeight) and w.kind != "fp8":  # integer groups: dequantized per
+        return _loop_grouped_matmul(x, w, group_sizes, precision)  # expert, never whole
+    if isinstance(w, QuantWeight):  # fp8: widened whole for ragged_dot, each row scaled
+        q, scales = w.q, w.scales
         y = jax.lax.ragged_dot(x, q.astype(x.dtype), group_sizes.astype(jnp.int32),
                                precision=precision, preferred_element_type=jnp.float32)
         row_expert = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(x.shape[0]),
@@ -193,10 +211,10 @@ def grouped_matmul(x: Float[Array, "M K"], w: ExpertWeight,
                               preferred_element_type=jnp.float32)
 
 
-def _kernel_takes(w: ExpertWeight) -> bool:
-    """Whether the Pallas kernel takes an [E, K, N] weight; else one log line names why."""
-    q = w[0] if isinstance(w, tuple) else w
-    why = gmm_kernel.unsupported(q.shape[1], q.shape[2], q.dtype)
+def _kernel_takes(*ws: ExpertWeight) -> bool:
+    """Whether the Pallas kernel takes these [E, K, N] weights (gate and up: together); else
+    one log line names why."""
+    why = gmm_kernel.unsupported(*ws)
     if why is not None and why not in _logged:  # once per reason, at trace time
         _logged.add(why)
         logger.warning("experts run on XLA's ragged_dot: %s", why)
@@ -219,23 +237,38 @@ def _init(rngs: nnx.Rngs, shape: tuple[int, ...], dtype: Any) -> nnx.Param:
         rngs.params(), shape, dtype))
 
 
-class StackedFp8(nnx.Module):
-    """A layer's experts' matrix in fp8_e4m3: values [E, K, N] and a float32 scale per expert
-    and output channel [E, 1, N] (`--quantization fp8`; models/quant_layers.fp8_plan)."""
+_VALUE_DTYPES = {"int4": jnp.uint8, "int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
 
-    def __init__(self, num_experts: int, k: int, n: int):
-        self.qweight = nnx.Param(jnp.zeros((num_experts, k, n), jnp.float8_e4m3fn))
-        self.scales = nnx.Param(jnp.zeros((num_experts, 1, n), jnp.float32))
 
-    def weight(self) -> tuple[jax.Array, jax.Array]:
-        """(values, scales) as they lie."""
-        return self.qweight[...], self.scales[...]
+class QuantExperts(nnx.Module):
+    """A layer's experts' matrix kept quantized (models/quant.py's forms, stacked): values
+    [E, K or K / 2, N]; scales (and mins) [E, K / group_size, N]. fp8: one float32 scale per
+    expert and output channel (`--quantization fp8`, fp8 checkpoints); int8 / int4 groups: a
+    GGUF's experts at its own quantization."""
+
+    def __init__(self, kind: str, num_experts: int, k: int, n: int, group_size: int,
+                 has_min: bool = False, scale_dtype: str = "float32"):
+        if k % group_size or (kind == "int4" and group_size % 2):
+            raise ValueError(f"{kind} experts: group size {group_size} does not fit {k} "
+                             "input rows")
+        groups = k // group_size
+        self.kind = kind
+        self.qweight = nnx.Param(jnp.zeros(
+            (num_experts, k // 2 if kind == "int4" else k, n), _VALUE_DTYPES[kind]))
+        self.scales = nnx.Param(jnp.zeros((num_experts, groups, n), scale_dtype))
+        self.mins = nnx.Param(jnp.zeros((num_experts, groups, n), scale_dtype)) \
+            if has_min else None
+
+    def weight(self) -> QuantWeight:
+        """The arrays as they lie (a stacked QuantWeight, k_axis 1)."""
+        mins = None if self.mins is None else self.mins[...]
+        return QuantWeight(self.kind, self.qweight[...], self.scales[...], mins, 1)
 
 
 class Experts(nnx.Module):
     """A layer's experts' SwiGLU weights, stacked: gate/up [E, hidden, width], down
     [E, width, hidden] (each expert's HF [out, in] tensors transposed); each a Param in the
-    model's dtype or, quantized, a StackedFp8."""
+    model's dtype or, quantized, a QuantExperts."""
 
     def __init__(self, num_experts: int, hidden: int, width: int, *, dtype: Any,
                  rngs: nnx.Rngs):
@@ -246,7 +279,7 @@ class Experts(nnx.Module):
 
     def weights(self) -> tuple[ExpertWeight, ExpertWeight, ExpertWeight]:
         """gate, up and down as they lie: arrays, or (fp8 values, scales)."""
-        return tuple(w.weight() if isinstance(w, StackedFp8) else w[...]
+        return tuple(w.weight() if isinstance(w, QuantExperts) else w[...]
                      for w in (self.gate_proj, self.up_proj, self.down_proj))
 
     def __call__(self, xs: Float[Array, "M hidden"], group_sizes: Int[Array, " E"]
@@ -262,9 +295,8 @@ class Experts(nnx.Module):
         # per-column scales whole) and the partial down products are summed, as a row-split
         # dense projection's.
         axis = mesh.axis_names[0]
-        cols, rows = P(None, None, axis), P(None, axis, None)
-        quant = isinstance(weights[0], tuple)
-        specs = ((cols, cols), (cols, cols), (rows, P())) if quant else (cols, cols, rows)
+        specs = [_split_spec(w, P(None, None, axis)) for w in weights[:2]]
+        specs.append(_split_spec(weights[2], P(None, axis, None)))
 
         def local(xs: jax.Array, gs: jax.Array, wg: ExpertWeight, wu: ExpertWeight,
                   wd: ExpertWeight) -> jax.Array:
@@ -275,13 +307,23 @@ class Experts(nnx.Module):
         return f(xs, group_sizes, *weights)
 
 
+def _split_spec(w: ExpertWeight, spec: P) -> Any:
+    """`spec` for every array of an expert weight, but a per-column scale row (fp8's [E, 1, N])
+    whole when the split is along K (the row-split down projection: groups split with K)."""
+    if not isinstance(w, QuantWeight):
+        return spec
+    along_k = spec[1] is not None
+    side = P() if along_k and w.scales.shape[1] == 1 else spec
+    return QuantWeight(w.kind, spec, side, None if w.mins is None else side, w.k_axis)
+
+
 def _swiglu(xs: jax.Array, group_sizes: jax.Array, wg: ExpertWeight, wu: ExpertWeight,
             wd: ExpertWeight) -> jax.Array:
     """down(silu(gate(x)) * up(x)) of each row by its own expert's weights; float32. The
     activations are in xs's dtype (the model's)."""
     dtype, precision = xs.dtype, matmul_precision(xs.dtype)
     impl = _IMPL.get() or expert_impl(jax.default_backend())
-    if impl in ("pallas", "interpret") and _kernel_takes(wg) and _kernel_takes(wd):
+    if impl in ("pallas", "interpret") and _kernel_takes(wg, wu) and _kernel_takes(wd):
         return gmm_kernel.grouped_swiglu(xs, wg, wu, wd, group_sizes,
                                          interpret=impl == "interpret")
 

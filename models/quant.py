@@ -39,7 +39,8 @@ CPU_SLAB_ELEMENTS = 1 << 20
 @dataclass(frozen=True)
 class QuantWeight:
     """A quantized matrix as host (numpy) or device arrays; `k_axis`: 0 for a linear's [K, N]
-    kernel, 1 for an embedding's [V, K] table."""
+    kernel, 1 for an embedding's [V, K] table or a layer's stacked experts [E, K, N]
+    (scales and mins [E, K / group_size, N])."""
 
     kind: str
     q: np.ndarray | jax.Array
@@ -72,12 +73,17 @@ class QuantWeight:
         if np.dtype(self.q.dtype) != np.dtype(want):
             raise ValueError(f"{name}: {self.kind} values must be {np.dtype(want)}, "
                              f"got {np.dtype(self.q.dtype)}")
-        if self.q.ndim != 2 or self.scales.ndim != 2:
+        stacked = self.q.ndim == 3 and self.k_axis == 1  # [E, K, N] experts
+        if not stacked and (self.q.ndim != 2 or self.scales.ndim != 2):
             raise ValueError(f"{name}: values and scales must be 2-D, got {self.q.shape} and "
                              f"{self.scales.shape}")
-        other = 1 - self.k_axis
+        if stacked and self.scales.ndim != 3:
+            raise ValueError(f"{name}: stacked experts' scales must be [experts, groups, "
+                             f"out], got {tuple(self.scales.shape)}")
+        others = (0, 2) if stacked else (1 - self.k_axis,)
         groups = self.scales.shape[self.k_axis]
-        if self.scales.shape[other] != self.q.shape[other] or groups < 1 or self.k % groups:
+        if any(self.scales.shape[o] != self.q.shape[o] for o in others) or groups < 1 \
+                or self.k % groups:
             raise ValueError(f"{name}: scales of shape {tuple(self.scales.shape)} do not fit "
                              f"values of shape {tuple(self.q.shape)} ({self.k} input features)")
         if self.kind == "int4" and (self.group_size % 2 or self.mins is None):

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from .linear_ops import matmul_precision, one_row_as_two
-from .moe import StackedFp8, expert_matrices, expert_tensor_names
+from .moe import QuantExperts, expert_matrices, expert_tensor_names
 from .quant import QuantWeight, quant_logits, quant_matmul, quant_rows, quantize_fp8
 
 _VALUE_DTYPES = {"int4": np.uint8, "int8": np.int8, "fp8": ml_dtypes.float8_e4m3fn}
@@ -126,13 +126,15 @@ def _resolve(root: nnx.Module, path: str) -> tuple[Any, str]:
 
 
 def _twin(old: nnx.Module | nnx.Param, layout: QuantLayout, path: str) -> nnx.Module:
-    """An abstract quantized module of `old`'s shapes (a layer's stacked experts: fp8)."""
+    """An abstract quantized module of `old`'s shapes (a layer's stacked experts: a
+    QuantExperts)."""
     if isinstance(old, nnx.Param) and old.get_value().ndim == 3:  # [E, K, N] experts
-        if layout.kind != "fp8" or layout.group_size != old.get_value().shape[1]:
-            raise ValueError(f"a layer's experts are quantized to fp8 per output channel "
-                             f"only, not {layout.kind} in groups of {layout.group_size}")
         e, k, n = old.get_value().shape
-        return nnx.eval_shape(lambda: StackedFp8(e, k, n))
+        if layout.kind == "fp8" and (layout.group_size != k or layout.has_min):
+            raise ValueError("fp8 experts take one scale per expert and output channel, not "
+                             f"groups of {layout.group_size}")
+        return nnx.eval_shape(lambda: QuantExperts(layout.kind, e, k, n, layout.group_size,
+                                                   layout.has_min, layout.scale_dtype))
     if isinstance(old, nnx.Linear):
         bias = getattr(old, "bias", None) is not None
         return nnx.eval_shape(lambda: QuantLinear(old.in_features, old.out_features, layout,
@@ -236,29 +238,13 @@ class QuantTensors(Mapping[str, np.ndarray]):
         return len(self._derived) + sum(1 for n in self.weights if n not in self._derived)
 
 
-@dataclass(frozen=True)
-class StackedQuant:
-    """A layer's experts quantized on the host: fp8 values [E, K, N], scales [E, 1, N]."""
-
-    q: np.ndarray
-    scales: np.ndarray
-    mins: None = None
-
-    def check(self, name: str) -> None:
-        """Raise ValueError naming `name` when the arrays do not form stacked fp8 experts."""
-        e, _, n = self.q.shape
-        if tuple(self.scales.shape) != (e, 1, n):
-            raise ValueError(f"{name}: scales of shape {tuple(self.scales.shape)} do not fit "
-                             f"experts of shape {tuple(self.q.shape)}")
-
-
 def _experts_source(weights: Mapping[str, np.ndarray], module: str
-                    ) -> tuple[Callable[[], StackedQuant], str] | None:
+                    ) -> tuple[Callable[[], QuantWeight], str] | None:
     """How to make a stacked experts module's fp8 arrays from `weights`: its stacked float
     tensor [E, K, N] (a GGUF's, as the loader lays it out), or one HF [out, in] tensor per
     expert, each quantized per output channel; None when the checkpoint has neither."""
     if module in weights:
-        def from_stack() -> StackedQuant:
+        def from_stack() -> QuantWeight:
             return _stack_fp8(list(np.asarray(weights[module])))
         return from_stack, module
     if expert_tensor_names(module, 0) is None:
@@ -273,11 +259,11 @@ def _experts_source(weights: Mapping[str, np.ndarray], module: str
     return (lambda: _stack_fp8([np.asarray(weights[p]).T for p in parts])), parts[0]
 
 
-def _stack_fp8(experts: list[np.ndarray]) -> StackedQuant:
-    """Each [K, N] expert quantized per output channel (`quantize_fp8`), stacked."""
+def _stack_fp8(experts: list[np.ndarray]) -> QuantWeight:
+    """Each [K, N] expert quantized per output channel (`quantize_fp8`), stacked (k_axis 1)."""
     qs = [quantize_fp8(w) for w in experts]
-    return StackedQuant(np.stack([np.asarray(w.q) for w in qs]),
-                        np.stack([np.asarray(w.scales) for w in qs]))
+    return QuantWeight("fp8", np.stack([np.asarray(w.q) for w in qs]),
+                       np.stack([np.asarray(w.scales) for w in qs]), None, 1)
 
 
 def fp8_tensors(weights: Mapping[str, np.ndarray], plan: dict[str, QuantLayout]
@@ -306,14 +292,20 @@ def check_quant_splits(model: nnx.Module, tensor_parallel_size: int) -> None:
 
     for path, node in nnx.iter_graph(model):
         names = [str(p) for p in path]
-        if isinstance(node, QuantLinear) and names[-1] in ROW_SPLIT:
+        if isinstance(node, QuantExperts) and names[-1] in ROW_SPLIT:  # [E, K, N] experts
+            q = node.qweight.get_value()
+            k = q.shape[-2] * (2 if node.kind == "int4" else 1)
+            group = k // node.scales.get_value().shape[-2]
+        elif isinstance(node, QuantLinear) and names[-1] in ROW_SPLIT:
             k = node.in_features
             group = k // node.scales.get_value().shape[0]
-            if group < k and (k // tensor_parallel_size) % group:  # (one group: replicated)
-                raise ValueError(
-                    f"{'.'.join(names)}: tensor_parallel_size={tensor_parallel_size} splits its "
-                    f"{k} input rows into {k // tensor_parallel_size}, which cuts its groups of "
-                    f"{group}")
+        else:
+            continue
+        if group < k and (k // tensor_parallel_size) % group:  # (one group: replicated)
+            raise ValueError(
+                f"{'.'.join(names)}: tensor_parallel_size={tensor_parallel_size} splits its "
+                f"{k} input rows into {k // tensor_parallel_size}, which cuts its groups of "
+                f"{group}")
 
 
 def plan_of(model: nnx.Module) -> dict[str, QuantLayout]:
@@ -321,9 +313,12 @@ def plan_of(model: nnx.Module) -> dict[str, QuantLayout]:
     layers stacked for a scan (models.llama.stack_layers) count their groups per layer."""
     plan = {}
     for path, node in nnx.iter_graph(model):
-        if isinstance(node, StackedFp8):  # [(layers,) E, K, N]: per output channel
-            k = node.qweight.get_value().shape[-2]
-            plan[".".join(map(str, path))] = QuantLayout("fp8", k, False, "float32")
+        if isinstance(node, QuantExperts):  # [(layers,) E, K or K / 2, N]
+            q, scales = node.qweight.get_value(), node.scales.get_value()
+            k = q.shape[-2] * (2 if node.kind == "int4" else 1)
+            plan[".".join(map(str, path))] = QuantLayout(
+                node.kind, k // scales.shape[-2], node.mins is not None,
+                jnp.dtype(scales.dtype).name)
         if isinstance(node, QuantLinear | QuantEmbed):
             scales = node.scales.get_value()  # [(layers,) groups, N] or [V, groups]
             linear = isinstance(node, QuantLinear)

@@ -13,6 +13,14 @@ at a time, and writes [block_m, block_n] of the output. A SwiGLU layer (`grouped
 its rows out once and launches twice: gate and up in one kernel (both weights' blocks, the
 SiLU product in its epilogue, written in the weights' dtype), then down. Tiles: at most
 ceil(M / block_m) + min(E, M) (each non-empty expert adds at most one partial tile).
+
+Quantized experts (models/quant.py's forms, stacked): fp8 values widen to the rows' dtype and
+each product is scaled per column after the K loop. Integer groups (a GGUF's experts at its
+own quantization) step along K one group at a time: the step loads the group's values (int4:
+group / 2 packed rows, whose low nibbles are the group's first half of input rows and high
+nibbles its second half, so each half multiplies a contiguous run of x's columns) and the
+group's row of scales and mins, dequantizes the tile in registers and multiplies it. Gate and
+up share one format (they come from one checkpoint); the kernel refuses a pair that does not.
 """
 
 from __future__ import annotations
@@ -25,13 +33,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
+from models.quant import QuantWeight
 from pallas_kernels._compat import is_pow2, mm, pallas_call
 
 __all__ = ["TileLayout", "grouped_matmul", "grouped_swiglu", "pad_rows", "tile_layout",
            "tiled_matmul", "unsupported"]
 
-# One matrix of a layer's experts: [E, K, N], or fp8 values [E, K, N] with scales [E, 1, N].
-Weight = jax.Array | tuple[jax.Array, jax.Array]
+# One matrix of a layer's experts: [E, K, N], or a stacked QuantWeight (k_axis 1): fp8 values
+# [E, K, N] with scales [E, 1, N], or int8 / int4 values with scales and mins [E, K / g, N].
+Weight = jax.Array | QuantWeight
 
 BLOCK_M = 16  # Triton's smallest dot tile; a decode step's expert holds a row or two
 BLOCK_N_MAX = 128
@@ -46,41 +56,98 @@ def _pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
-def unsupported(k: int, n: int, dtype: jnp.dtype) -> str | None:
-    """Why the kernel cannot take a [K, N] expert weight of `dtype`, or None."""
+def _format(w: Weight) -> tuple[str, int, bool] | None:
+    """(kind, group size, has mins) of a quantized weight; None for a float one."""
+    if not isinstance(w, QuantWeight):
+        return None
+    return w.kind, w.group_size, w.mins is not None
+
+
+def _dims(w: Weight) -> tuple[int, int]:
+    """(K, N) of one expert's matrix."""
+    if isinstance(w, QuantWeight):
+        return w.k, w.q.shape[2]
+    return w.shape[1], w.shape[2]
+
+
+def unsupported(*weights: Weight) -> str | None:
+    """Why the kernel cannot take these expert weights in one launch (each [E, K, N], float or
+    a stacked QuantWeight), or None."""
+    k, n = _dims(weights[0])
     if _pow2_divisor(k, BLOCK_K_MAX) < 16 or _pow2_divisor(n, BLOCK_N_MAX) < 16:
         return f"expert weight {k} x {n} has no power-of-two tile >= 16 dividing both sides"
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
-                                jnp.dtype(jnp.float32), jnp.dtype(jnp.float8_e4m3fn)):
-        return f"expert weights of dtype {jnp.dtype(dtype).name}"
+    if len({_format(w) for w in weights}) > 1:
+        return "gate and up experts of different formats " \
+            f"({', '.join(str(_format(w) or 'float') for w in weights)})"
+    f = _format(weights[0])
+    if f is None:
+        dtype = jnp.dtype(weights[0].dtype)
+        if dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16),
+                         jnp.dtype(jnp.float32)):
+            return f"expert weights of dtype {dtype.name}"
+        return None
+    kind, group, has_mins = f
+    if kind == "fp8" and (group != k or has_mins):
+        return "fp8 experts with group scales or mins"
+    if kind != "fp8" and (not is_pow2(group) or group < (32 if kind == "int4" else 16)
+                          or group > 256):
+        return f"{kind} experts in groups of {group} (the kernel steps one group at a " \
+            f"time: a power of two from {32 if kind == 'int4' else 16} to 256)"
     return None
 
 
 def _kernel(tile_expert_ref, x_ref, *refs, num_experts: int, k: int, block_k: int,
-            block_n: int, gated: bool, scaled: bool) -> None:
+            block_n: int, gated: bool, fmt: tuple[str, int, bool] | None) -> None:
     """Program (t, j): tile t's rows times column block j of its expert's weight (gated: of
-    the gate and up weights, silu(gate) * up written in the output's dtype). `scaled`: each
-    weight is fp8 followed by its [E, 1, N] scales; the slabs widen to the rows' dtype and each
-    product is scaled per column after the K loop ((x @ q) * s == x @ (q * s))."""
+    the gate and up weights, silu(gate) * up written in the output's dtype). `fmt`: None for
+    float weights (one ref each), else every weight's (kind, group, has mins), its refs values,
+    scales (and mins). fp8 slabs widen to the rows' dtype and each product is scaled per column
+    after the K loop ((x @ q) * s == x @ (q * s)); integer groups step one group (block_k) at a
+    time and dequantize in registers."""
     *w_refs, o_ref = refs
-    scale_refs = w_refs[1::2] if scaled else ()
-    w_refs = w_refs[0::2] if scaled else w_refs
+    per = 1 if fmt is None else 2 + (fmt[2] and fmt[0] != "fp8")
+    weights = [w_refs[i:i + per] for i in range(0, len(w_refs), per)]
     t, j = pl.program_id(0), pl.program_id(1)
     e = tile_expert_ref[t]
+    cols = pl.ds(j * block_n, block_n)
+
+    def int_step(kk: jax.Array, a_lo: jax.Array, a_hi: jax.Array | None,
+                 refs: tuple) -> jax.Array:
+        """One group's product (kk: the group): its values dequantized by its scale row."""
+        scale = refs[1][e, pl.ds(kk, 1), cols].astype(jnp.float32)  # [1, block_n]
+        low = refs[2][e, pl.ds(kk, 1), cols].astype(jnp.float32) if fmt[2] else None
+
+        def deq(v: jax.Array) -> jax.Array:
+            wt = v.astype(jnp.float32) * scale
+            return (wt if low is None else wt + low).astype(a_lo.dtype)
+
+        if a_hi is None:  # int8: the group's block_k rows
+            return mm(a_lo, deq(refs[0][e, pl.ds(kk * block_k, block_k), cols]))
+        half = block_k // 2  # int4: packed row r holds rows r (low) and r + half (high)
+        packed = refs[0][e, pl.ds(kk * half, half), cols]
+        return (mm(a_lo, deq(packed & 15))
+                + mm(a_hi, deq(jax.lax.shift_right_logical(packed, jnp.uint8(4)))))
 
     @pl.when(e < num_experts)
     def _():
         def body(kk, accs):
+            if fmt is not None and fmt[0] in ("int8", "int4"):
+                if fmt[0] == "int4":
+                    half = block_k // 2
+                    a_lo = x_ref[:, pl.ds(kk * block_k, half)]
+                    a_hi = x_ref[:, pl.ds(kk * block_k + half, half)]
+                else:
+                    a_lo, a_hi = x_ref[:, pl.ds(kk * block_k, block_k)], None
+                return tuple(acc + int_step(kk, a_lo, a_hi, w)
+                             for acc, w in zip(accs, weights, strict=True))
             a = x_ref[:, pl.ds(kk * block_k, block_k)]
-            return tuple(acc + mm(a, w[e, pl.ds(kk * block_k, block_k),
-                                       pl.ds(j * block_n, block_n)].astype(a.dtype))
-                         for acc, w in zip(accs, w_refs, strict=True))
+            return tuple(acc + mm(a, w[0][e, pl.ds(kk * block_k, block_k), cols].astype(a.dtype))
+                         for acc, w in zip(accs, weights, strict=True))
 
         zero = jnp.zeros(o_ref.shape, jnp.float32)
-        accs = jax.lax.fori_loop(0, k // block_k, body, (zero,) * len(w_refs))
-        if scaled:
-            accs = tuple(acc * sc[e, :, pl.ds(j * block_n, block_n)]
-                         for acc, sc in zip(accs, scale_refs, strict=True))
+        accs = jax.lax.fori_loop(0, k // block_k, body, (zero,) * len(weights))
+        if fmt is not None and fmt[0] == "fp8":
+            accs = tuple(acc * w[1][e, :, cols] for acc, w in zip(accs, weights, strict=True))
         out = jax.nn.silu(accs[0]) * accs[1] if gated else accs[0]
         o_ref[...] = out.astype(o_ref.dtype)
 
@@ -145,19 +212,22 @@ def pad_rows(x: Float[Array, "M K"], layout: TileLayout) -> jax.Array:
 
 def tiled_matmul(xp: jax.Array, weights: tuple[Weight, ...], layout: TileLayout, *,
                  out_dtype: Any = jnp.float32, interpret: bool = False) -> jax.Array:
-    """Each tile of the padded rows `xp` times its expert's weight ([E, K, N], or fp8 values
-    and [E, 1, N] scales); with two weights (gate, up), silu(x @ gate) * (x @ up). Rows of
-    unused tiles come out zero."""
-    scaled = isinstance(weights[0], tuple)
-    arrays = [a for w in weights for a in (w if scaled else (w,))]
+    """Each tile of the padded rows `xp` times its expert's weight ([E, K, N], or a stacked
+    QuantWeight); with two weights (gate, up), silu(x @ gate) * (x @ up). Rows of unused tiles
+    come out zero. The weights pass `unsupported`."""
+    fmt = _format(weights[0])
+    arrays = [a for w in weights for a in (
+        (w,) if fmt is None else (w.q, w.scales) + ((w.mins,) if fmt[0] != "fp8" and fmt[2]
+                                                     else ()))]
     kp, k = xp.shape
-    e, _, n = arrays[0].shape
-    bm, bn, bk = BLOCK_M, _pow2_divisor(n, BLOCK_N_MAX), _pow2_divisor(k, BLOCK_K_MAX)
+    e, n = arrays[0].shape[0], arrays[0].shape[2]
+    bm, bn = BLOCK_M, _pow2_divisor(n, BLOCK_N_MAX)
+    bk = fmt[1] if fmt is not None and fmt[0] != "fp8" else _pow2_divisor(k, BLOCK_K_MAX)
     assert is_pow2(bn) and is_pow2(bk) and n % bn == 0 and k % bk == 0 and kp % bm == 0
     whole = [pl.BlockSpec(a.shape, lambda i, j: (0, 0, 0)) for a in arrays]  # read at e
     return pallas_call(
         functools.partial(_kernel, num_experts=e, k=k, block_k=bk, block_n=bn,
-                          gated=len(weights) == 2, scaled=scaled),
+                          gated=len(weights) == 2, fmt=fmt),
         grid=(layout.max_tiles, n // bn),
         in_specs=[pl.BlockSpec((layout.max_tiles,), lambda i, j: (0,)),
                   pl.BlockSpec((bm, k), lambda i, j: (i, 0)), *whole],
@@ -165,7 +235,7 @@ def tiled_matmul(xp: jax.Array, weights: tuple[Weight, ...], layout: TileLayout,
         out_shape=jax.ShapeDtypeStruct((kp, n), out_dtype),
         interpret=interpret, num_warps=4, num_stages=3,
         name="moe_grouped_gate_up" if len(weights) == 2 else "moe_grouped_matmul",
-    )(layout.tile_expert, xp if scaled else xp.astype(arrays[0].dtype), *arrays)
+    )(layout.tile_expert, xp if fmt is not None else xp.astype(arrays[0].dtype), *arrays)
 
 
 def grouped_matmul(x: Float[Array, "M K"], w: Weight, group_sizes: Int[Array, " E"], *,
@@ -184,6 +254,6 @@ def grouped_swiglu(x: Float[Array, "M H"], wg: Weight, wu: Weight, wd: Weight,
     first's epilogue, written in the weights' dtype; then down), gathered back once."""
     layout = tile_layout(group_sizes, x.shape[0])
     h = tiled_matmul(pad_rows(x, layout), (wg, wu), layout,
-                     out_dtype=x.dtype if isinstance(wg, tuple) else wg.dtype,
+                     out_dtype=x.dtype if isinstance(wg, QuantWeight) else wg.dtype,
                      interpret=interpret)
     return layout.unpad(tiled_matmul(h, (wd,), layout, interpret=interpret))

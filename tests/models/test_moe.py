@@ -322,13 +322,67 @@ def test_a_gguf_mixture_of_experts_gives_hfs_logits(kind, arch, tmp_path):
     seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
     for a, b in zip(jpaged_logits(loaded.model, seqs), hf_logits(hf, seqs), strict=True):
         assert relative_error(a, b) < 1e-3
-    with pytest.raises(ValueError, match="experts cannot run at the GGUF's own quantization"):
-        load_model(str(path), dtype="float32", quantization="gguf")
     # fp8 at load quantizes the GGUF's stacked experts as it does HF's per-expert tensors.
     fp8 = load_model(str(path), dtype="float32", quantization="fp8")
     ref = load_model(str(tmp_path / "hf"), dtype="float32", quantization="fp8")
     for a, b in zip(jpaged_logits(fp8.model, seqs), jpaged_logits(ref.model, seqs), strict=True):
         assert relative_error(a, b) < 1e-6
+
+
+# A GGUF's types per tensor as llama.cpp's Q4_K_M mixes them (here the block-32 types, which
+# the tiny widths take): int4 with mins for gate / up, int8 for down, Q8_0 attention.
+GGUF_MOE_TYPES = {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q8_0",
+                  "mlp.gate_proj": "Q4_0", "mlp.up_proj": "Q4_0", "mlp.down_proj": "Q5_0",
+                  "shared_expert.": "Q8_0",
+                  **{f"self_attn.{x}_proj.weight": "Q8_0" for x in "qkvo"}}
+
+
+@pytest.mark.parametrize("kind,arch", [("mixtral", "llama"), ("qwen2_moe_even", "qwen2moe"),
+                                       ("qwen3_moe", "qwen3moe")])
+def test_a_gguf_mixture_of_experts_runs_at_its_own_quantization(kind, arch, tmp_path):
+    """`quantization="gguf"`: the stacked experts stay int4 / int8 on the device (QuantExperts)
+    and give the dequantized model's logits on every way of the grouped matmul; the experts
+    hold under 0.3x of their float32 bytes; `convert` writes them and they load back."""
+    from flax import nnx
+    from safetensors.numpy import load_file
+    from tiny_models import gguf_moe_weights, write_gguf
+
+    from models.checkpoint import load_checkpoint, save_checkpoint
+    from models.moe import QuantExperts, experts_run_as
+
+    make_hf_checkpoint(kind, tmp_path / "hf")
+    spec = load_model(str(tmp_path / "hf"), dtype="float32").spec
+    weights = gguf_moe_weights(load_file(str(tmp_path / "hf" / "model.safetensors")))
+    meta = {"expert_count": spec.num_experts, "expert_used_count": spec.num_experts_per_tok}
+    if arch != "llama":
+        meta["expert_feed_forward_length"] = spec.moe_intermediate_size
+    if spec.shared_expert_intermediate_size:
+        meta["expert_shared_feed_forward_length"] = spec.shared_expert_intermediate_size
+    path = write_gguf(tmp_path / f"{kind}.gguf", spec, weights, quantize=GGUF_MOE_TYPES,
+                      arch=arch, metadata=meta)
+    floats = load_model(str(path), dtype="float32")
+    quant = load_model(str(path), dtype="float32", quantization="gguf")
+    experts = [x for _, x in nnx.iter_graph(quant.model) if isinstance(x, QuantExperts)]
+    sparse = sum(spec.layer_is_sparse(i) for i in range(spec.num_layers))
+    assert len(experts) == 3 * sparse
+    assert {x.kind for x in experts} == {"int4", "int8"}
+    held = sum(x.qweight.get_value().nbytes + x.scales.get_value().nbytes
+               + (0 if x.mins is None else x.mins.get_value().nbytes) for x in experts)
+    float_bytes = 3 * sparse * spec.num_experts * spec.hidden_size \
+        * spec.moe_intermediate_size * 4
+    assert held < 0.3 * float_bytes, held / float_bytes
+    seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
+    want = jpaged_logits(floats.model, seqs)
+    for impl in ("loop", "interpret", "xla"):
+        with experts_run_as(impl):
+            got = jpaged_logits(quant.model, seqs)
+        for a, b in zip(got, want, strict=True):
+            assert relative_error(a, b) < 1e-5, impl
+    save_checkpoint(quant, tmp_path / "orbax")
+    back = load_checkpoint(tmp_path / "orbax")
+    assert {type(x) for _, x in nnx.iter_graph(back.model)} >= {QuantExperts}
+    for a, b in zip(jpaged_logits(back.model, seqs), want, strict=True):
+        assert relative_error(a, b) < 1e-5
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
@@ -341,7 +395,7 @@ def test_fp8_experts_give_the_float_models_logits_on_their_rounded_weights(kind,
     from flax import nnx
 
     from models.llama import stack_layers
-    from models.moe import StackedFp8, experts_run_as
+    from models.moe import QuantExperts, experts_run_as
     from models.quant import dequantize_np, quantize_fp8
     from models.quant_layers import plan_of
 
@@ -353,7 +407,7 @@ def test_fp8_experts_give_the_float_models_logits_on_their_rounded_weights(kind,
     assert f"model.layers.0.{moe}.experts.gate_proj" in plan
     assert not any(p.endswith((".gate", "shared_expert_gate")) for p in plan)
     layer = got.model.model.layers[0]
-    assert isinstance(getattr(layer, moe).experts.down_proj, StackedFp8)
+    assert isinstance(getattr(layer, moe).experts.down_proj, QuantExperts)
     for module in plan:
         parent = ref.model
         *path, leaf = module.split(".")
@@ -374,7 +428,7 @@ def test_fp8_experts_give_the_float_models_logits_on_their_rounded_weights(kind,
                 assert relative_error(a, b) < 1e-5, impl
     # XLA:CPU's layer scan would copy every expert of a layer out of the stack each step.
     assert stack_layers(got.model) is got.model
-    quantized = [x for _, x in nnx.iter_graph(got.model) if isinstance(x, StackedFp8)]
+    quantized = [x for _, x in nnx.iter_graph(got.model) if isinstance(x, QuantExperts)]
     floats = [x for p, x in nnx.iter_graph(ref.model)
               if isinstance(x, nnx.Param) and "experts" in map(str, p)]
     held = sum(a.nbytes for x in quantized for a in jax.tree.leaves(nnx.state(x)))
@@ -389,7 +443,7 @@ def test_an_fp8_checkpoint_of_a_mixture_of_experts_loads_its_own_scales(method, 
     stacked as fp8 with the checkpoint's scales."""
     from safetensors.numpy import load_file, save_file
 
-    from models.moe import StackedFp8
+    from models.moe import QuantExperts
 
     make_hf_checkpoint("mixtral", tmp_path / "hf")
     tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
@@ -413,7 +467,7 @@ def test_an_fp8_checkpoint_of_a_mixture_of_experts_loads_its_own_scales(method, 
     got = load_model(str(tmp_path / "q"), dtype="float32")
     assert got.quantization == method
     experts = got.model.model.layers[1].block_sparse_moe.experts
-    assert isinstance(experts.up_proj, StackedFp8)
+    assert isinstance(experts.up_proj, QuantExperts)
     assert experts.up_proj.scales.get_value().shape == (8, 1, 96)
     want = load_model(str(tmp_path / "f"), dtype="float32")
     seqs = [[256, 7, 99, 12, 150, 3, 42], [256, 1, 2]]
@@ -467,3 +521,68 @@ def test_padding_tokens_go_to_no_expert():
     for impl in ("loop", "interpret", "xla"):
         got = np.asarray(grouped_matmul(rows, w, sizes, impl=impl))
         assert (got[:5] == 16).all() and (got[5:] == 0).all(), impl
+
+
+def _random_quant_experts(rng: np.random.Generator, kind: str, group: int, mins: bool, e: int,
+                          k: int, n: int, scale_dtype: str = "float32"):
+    """A stacked QuantWeight of random values (k_axis 1) and the float64 matrix it stands
+    for."""
+    from models.quant import QuantWeight, dequantize_np, pack_int4
+
+    if kind == "fp8":
+        q = rng.standard_normal((e, k, n)).astype(FP8)
+        scales = rng.uniform(0.01, 0.1, (e, 1, n)).astype(np.float32)
+        w = QuantWeight("fp8", q, scales, None, 1)
+        return w, q.astype(np.float64) * scales
+    lo, hi = (0, 16) if kind == "int4" else (-128, 128)
+    values = rng.integers(lo, hi, (e, k, n))
+    scales = rng.uniform(0.005, 0.05, (e, k // group, n)).astype(scale_dtype)
+    low = rng.uniform(-0.2, 0.0, (e, k // group, n)).astype(scale_dtype) if mins else None
+    q = np.stack([pack_int4(v, group) for v in values]) if kind == "int4" \
+        else values.astype(np.int8)
+    w = QuantWeight(kind, q, scales, low, 1)
+    w.check("experts")
+    dense = np.stack([dequantize_np(QuantWeight(kind, q[i], scales[i],
+                                                None if low is None else low[i]))
+                      for i in range(e)]).astype(np.float64)
+    return w, dense
+
+
+QUANT_FORMATS = [("int4", 32, True), ("int8", 16, False), ("int8", 32, True), ("fp8", 0, False)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(m=st.integers(1, 120), e=st.integers(1, 8), fmt=st.sampled_from(QUANT_FORMATS),
+       dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
+def test_quantized_experts_equal_their_dequantized_weights(m, e, fmt, dtype, seed):
+    """A GGUF's experts at its own quantization (int4 groups with mins, int8 groups with or
+    without) and fp8: each way of the grouped matmul, and the kernel's SwiGLU, against the
+    float64 product of the dequantized weights."""
+    from jax.tree_util import tree_map
+
+    from pallas_kernels.grouped_matmul import grouped_swiglu
+
+    kind, group, mins = fmt
+    rng = np.random.default_rng(seed)
+    h, i = 64, 96
+    sizes = rng.multinomial(m, rng.dirichlet(np.full(e, 0.3)))
+    x = jnp.asarray(rng.standard_normal((m, h), np.float32), dtype)
+    xf = np.asarray(x, np.float64)
+    (wg, dg), (wu, du) = (_random_quant_experts(rng, kind, group or h, mins, e, h, i)
+                          for _ in range(2))
+    wd, dd = _random_quant_experts(rng, kind, group or i, mins, e, i, h)
+    wg, wu, wd = (tree_map(jnp.asarray, w) for w in (wg, wu, wd))
+    want = reference(xf, dg, sizes)
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    scale = max(1.0, float(np.abs(want).max()))
+    for impl in ("loop", "interpret", "xla"):
+        got = np.asarray(grouped_matmul(x, wg, jnp.asarray(sizes), impl=impl))
+        assert got.shape == (m, i) and np.abs(got - want).max() / scale < tol, impl
+    g, u = reference(xf, dg, sizes), reference(xf, du, sizes)
+    act = g / (1 + np.exp(-g)) * u
+    if dtype == "bfloat16":  # the kernel writes the SiLU product in the rows' dtype
+        act = np.asarray(jnp.asarray(act, jnp.bfloat16), np.float64)
+    want = reference(act, dd, sizes)
+    got = np.asarray(grouped_swiglu(x, wg, wu, wd, jnp.asarray(sizes), interpret=True))
+    assert np.abs(got - want).max() / max(1.0, np.abs(want).max()) < (1e-4 if dtype ==
+                                                                         "float32" else 3e-2)

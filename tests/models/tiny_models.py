@@ -339,7 +339,8 @@ def write_gguf(path: Path, spec, weights: dict[str, np.ndarray],
         kind = next((t for part, t in types.items() if part in name), None)
         if kind is not None:
             qtype = gguf.GGMLQuantizationType[kind]
-            w.add_tensor(gguf_name(name), gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
+            w.add_tensor(name if name.startswith("blk.") else gguf_name(name),
+                         gguf.quants.quantize(arr, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name if name.startswith("blk.") else gguf_name(name),
                          np.ascontiguousarray(arr, dtype=np.float32))

@@ -95,7 +95,7 @@ def test_decode_matmuls_lower_to_one_triton_call_each(rows, hidden, q, kv, inter
 def test_the_moe_grouped_matmul_lowers_to_one_triton_call(rows, experts, k, n, dtype):
     from pallas_kernels import grouped_matmul as gmm
 
-    why = gmm.unsupported(k, n, dtype)
+    why = gmm.unsupported(S((experts, k, n), dtype))
     if why is not None:  # n = 40 has no power-of-two tile >= 16: ragged_dot takes it
         assert "no power-of-two tile >= 16" in why
         return
@@ -107,3 +107,28 @@ def test_the_moe_grouped_matmul_lowers_to_one_triton_call(rows, experts, k, n, d
     swiglu = lower_for_cuda(gmm.grouped_swiglu, S((rows, k), dtype), w, w, wd,
                             S((experts,), jnp.int32))
     assert _triton_calls(swiglu) == 2 and "moe_grouped_gate_up" in swiglu
+
+
+@pytest.mark.parametrize("kind,group,mins", [("int4", 32, True), ("int8", 16, False),
+                                             ("int8", 32, True), ("fp8", 2048, False)])
+def test_quantized_experts_lower_to_the_same_two_triton_calls(kind, group, mins):
+    """A GGUF's experts at its own quantization (Q4_K: int4 groups of 32 with mins; Q6_K: int8
+    groups of 16; Q5_K: int8 with mins) and fp8: Qwen3-30B-A3B's shapes at one token."""
+    from models.quant import QuantWeight
+    from pallas_kernels import grouped_matmul as gmm
+
+    e, h, i = 128, 2048, 768
+
+    def weight(k: int, n: int) -> QuantWeight:
+        values = {"int4": (k // 2, jnp.uint8), "int8": (k, jnp.int8),
+                  "fp8": (k, jnp.float8_e4m3fn)}[kind]
+        g = k if kind == "fp8" else group
+        side = S((e, k // g, n), jnp.float32)
+        return QuantWeight(kind, S((e, values[0], n), values[1]), side,
+                           side if mins else None, 1)
+
+    wg, wd = weight(h, i), weight(i, h)
+    assert gmm.unsupported(wg, wg) is None and gmm.unsupported(wd) is None
+    text = lower_for_cuda(gmm.grouped_swiglu, S((8, h), jnp.bfloat16), wg, wg, wd,
+                          S((e,), jnp.int32))
+    assert _triton_calls(text) == 2 and "moe_grouped_gate_up" in text
