@@ -269,10 +269,10 @@ def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
     return totals[0], totals[1]
 
 
-def _fp8_elements(spec: Any) -> tuple[int, int]:
-    """(weights, float32 scales) that `--quantization fp8` quantizes in a model: each layer's
-    attention projections, dense MLP or experts (a scale per expert and output channel) and
-    shared expert, one scale per output channel; routers and gates excluded."""
+def _quantized_elements(spec: Any) -> tuple[int, int]:
+    """(weights, output channels) a quantized model holds quantized: each layer's attention
+    projections, dense MLP or experts (each expert's channels counted) and shared expert;
+    routers and gates excluded. fp8 keeps a float32 scale per channel."""
     d, hd = spec.hidden_size, spec.head_dim
     q_kv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
     weights = scales = 0
@@ -306,26 +306,19 @@ def weight_bytes(spec: Any, wbytes: int, quantization: str | None, source: str,
         quantization = str(qc.get("quant_method", "")).lower()
     if quantization is None:
         return n_params * wbytes
-    if spec.is_moe and quantization != "fp8":
-        raise EstimateError("--quantization", f"{spec.architecture}'s experts take fp8 (at "
-                            f"load) only in this version, not {quantization!r}")
-    d, inter, hd = spec.hidden_size, spec.intermediate_size, spec.head_dim
-    q_kv = (spec.num_heads + 2 * spec.num_kv_heads) * hd
-    linear = d * q_kv + spec.num_heads * hd * d + 3 * d * inter  # elements a layer
-    rest = (n_params - spec.num_layers * linear) * wbytes
-    if spec.is_moe:  # fp8: every decoder linear and expert; the router in the model's dtype
-        elements, scales = _fp8_elements(spec)
-        return (n_params - elements) * wbytes + elements + 4 * scales
-    if quantization in ("fp8", "compressed-tensors"):
-        scales = q_kv + d + 2 * inter + d  # one float32 per output channel
-        return rest + spec.num_layers * (linear + 4 * scales)
+    # The quantized matrices: every layer's projections, dense MLP or experts, shared expert
+    # (routers and gates stay in the model's dtype); `channels`: their output channels.
+    elements, channels = _quantized_elements(spec)
+    rest = (n_params - elements) * wbytes
+    if quantization in ("fp8", "compressed-tensors"):  # a float32 scale per output channel
+        return rest + elements + 4 * channels
     if quantization in ("gptq", "awq"):  # int4/int8 groups, a float16 scale and min each
         bits = int((qc or {}).get("bits", 4))
         group = int((qc or {}).get("group_size", 128))
-        groups = linear // group if group > 0 else q_kv + d + 2 * inter + d
-        total = rest + spec.num_layers * (linear * bits // 8 + 4 * groups)
+        groups = elements // group if group > 0 else channels
+        total = rest + elements * bits // 8 + 4 * groups
         if (qc or {}).get("lm_head") and not spec.tie_word_embeddings:  # GPTQ's quantized head
-            head = d * spec.vocab_size
+            head = spec.hidden_size * spec.vocab_size
             head_groups = head // group if group > 0 else spec.vocab_size
             total += head * bits // 8 + 4 * head_groups - head * wbytes
         return total

@@ -123,3 +123,31 @@ def test_a_lora_adapter_on_attention_equals_peft(cases, tmp_path):
                         lora_request=[None, None, lora, lora])
     got = [list(o.outputs[0].token_ids) for o in outs]
     assert got == want[:2] + lora_want
+
+
+def test_a_gguf_runs_at_its_own_quantization_through_the_engine(cases, tmp_path):
+    """A Qwen3-MoE GGUF (int4 / int8 experts, Q8_0 attention) as a user runs it,
+    `LLM(model=file.gguf, quantization="gguf")`: the dequantized GGUF's greedy tokens, on the
+    XLA path and beside the Pallas backend's fused attention projections (interpret mode);
+    `estimate --quantization gguf` counts the bytes the engine's model holds."""
+    from tiny_models import MOE_GGUF_TYPES, write_moe_gguf
+    from typer.testing import CliRunner
+
+    from jpaged import LLM
+    from jpaged.cli import app
+
+    path, loaded, ps, _ = cases("qwen3_moe")
+    gguf = write_moe_gguf(tmp_path / "moe.gguf", path, loaded.spec, "qwen3moe", MOE_GGUF_TYPES)
+    sizing = dict(block_size=BLOCK, max_model_len=64, max_num_seqs=4,
+                  max_num_batched_tokens=16, num_gpu_blocks_override=POOL)
+    want = tokens(make_llm(load_model(str(gguf), dtype="float32"), **sizing), ps)
+    llm = LLM(model=str(gguf), quantization="gguf", dtype="float32", **sizing)
+    assert tokens(llm, ps) == want
+    quant = llm.llm_engine.loaded
+    pallas = make_llm(quant, attention_backend="pallas", **sizing)
+    assert pallas.llm_engine.runner.linears is not None
+    assert tokens(pallas, ps[:2]) == want[:2]
+    r = CliRunner().invoke(app, ["estimate", "--model", str(gguf), "--json", "--dtype",
+                                 "float32", "--max-model-len", "64", "--quantization", "gguf"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["param_bytes"] == sum(x.nbytes for x in _params(quant))

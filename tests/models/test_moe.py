@@ -300,18 +300,11 @@ def test_each_platform_runs_its_own_grouped_matmul():
 def test_a_gguf_mixture_of_experts_gives_hfs_logits(kind, arch, tmp_path):
     """llama.cpp's layout (experts stacked [E, out, in], the router as ffn_gate_inp, Qwen2-MoE's
     shared expert and its gate vector, a dense layer among sparse ones) loads dequantized."""
-    from safetensors.numpy import load_file
-    from tiny_models import gguf_moe_weights, write_gguf
+    from tiny_models import write_moe_gguf
 
     hf = make_hf_checkpoint(kind, tmp_path / "hf")
     spec = load_model(str(tmp_path / "hf"), dtype="float32").spec
-    weights = gguf_moe_weights(load_file(str(tmp_path / "hf" / "model.safetensors")))
-    meta = {"expert_count": spec.num_experts, "expert_used_count": spec.num_experts_per_tok}
-    if arch != "llama":
-        meta["expert_feed_forward_length"] = spec.moe_intermediate_size
-    if spec.shared_expert_intermediate_size:
-        meta["expert_shared_feed_forward_length"] = spec.shared_expert_intermediate_size
-    path = write_gguf(tmp_path / f"{kind}.gguf", spec, weights, arch=arch, metadata=meta)
+    path = write_moe_gguf(tmp_path / f"{kind}.gguf", tmp_path / "hf", spec, arch)
     loaded = load_model(str(path), dtype="float32")
     got = loaded.spec
     assert (got.architecture, got.num_experts, got.num_experts_per_tok, got.norm_topk_prob,
@@ -329,14 +322,6 @@ def test_a_gguf_mixture_of_experts_gives_hfs_logits(kind, arch, tmp_path):
         assert relative_error(a, b) < 1e-6
 
 
-# A GGUF's types per tensor as llama.cpp's Q4_K_M mixes them (here the block-32 types, which
-# the tiny widths take): int4 with mins for gate / up, int8 for down, Q8_0 attention.
-GGUF_MOE_TYPES = {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q8_0",
-                  "mlp.gate_proj": "Q4_0", "mlp.up_proj": "Q4_0", "mlp.down_proj": "Q5_0",
-                  "shared_expert.": "Q8_0",
-                  **{f"self_attn.{x}_proj.weight": "Q8_0" for x in "qkvo"}}
-
-
 @pytest.mark.parametrize("kind,arch", [("mixtral", "llama"), ("qwen2_moe_even", "qwen2moe"),
                                        ("qwen3_moe", "qwen3moe")])
 def test_a_gguf_mixture_of_experts_runs_at_its_own_quantization(kind, arch, tmp_path):
@@ -344,22 +329,15 @@ def test_a_gguf_mixture_of_experts_runs_at_its_own_quantization(kind, arch, tmp_
     and give the dequantized model's logits on every way of the grouped matmul; the experts
     hold under 0.3x of their float32 bytes; `convert` writes them and they load back."""
     from flax import nnx
-    from safetensors.numpy import load_file
-    from tiny_models import gguf_moe_weights, write_gguf
+    from tiny_models import MOE_GGUF_TYPES, write_moe_gguf
 
     from models.checkpoint import load_checkpoint, save_checkpoint
     from models.moe import QuantExperts, experts_run_as
 
     make_hf_checkpoint(kind, tmp_path / "hf")
     spec = load_model(str(tmp_path / "hf"), dtype="float32").spec
-    weights = gguf_moe_weights(load_file(str(tmp_path / "hf" / "model.safetensors")))
-    meta = {"expert_count": spec.num_experts, "expert_used_count": spec.num_experts_per_tok}
-    if arch != "llama":
-        meta["expert_feed_forward_length"] = spec.moe_intermediate_size
-    if spec.shared_expert_intermediate_size:
-        meta["expert_shared_feed_forward_length"] = spec.shared_expert_intermediate_size
-    path = write_gguf(tmp_path / f"{kind}.gguf", spec, weights, quantize=GGUF_MOE_TYPES,
-                      arch=arch, metadata=meta)
+    path = write_moe_gguf(tmp_path / f"{kind}.gguf", tmp_path / "hf", spec, arch,
+                          MOE_GGUF_TYPES)
     floats = load_model(str(path), dtype="float32")
     quant = load_model(str(path), dtype="float32", quantization="gguf")
     experts = [x for _, x in nnx.iter_graph(quant.model) if isinstance(x, QuantExperts)]

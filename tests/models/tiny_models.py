@@ -287,6 +287,30 @@ def gguf_moe_weights(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
+# A GGUF's types per tensor as llama.cpp's Q4_K_M mixes them (here the block-32 types, which
+# the tiny widths take): int4 with mins for gate / up, int8 for down, Q8_0 attention.
+MOE_GGUF_TYPES = {"ffn_gate_exps": "Q4_1", "ffn_up_exps": "Q4_1", "ffn_down_exps": "Q8_0",
+                  "mlp.gate_proj": "Q4_0", "mlp.up_proj": "Q4_0", "mlp.down_proj": "Q5_0",
+                  "shared_expert.": "Q8_0",
+                  **{f"self_attn.{x}_proj.weight": "Q8_0" for x in "qkvo"}}
+
+
+
+def write_moe_gguf(path: Path, hf_dir: Path, spec, arch: str,
+                   quantize: tuple[str, ...] | dict[str, str] = ()) -> Path:
+    """llama.cpp's GGUF of a mixture-of-experts HF checkpoint (`hf_dir`, `spec` its
+    ModelSpec): the experts stacked, the expert keys llama.cpp writes for `arch`."""
+    from safetensors.numpy import load_file
+
+    weights = gguf_moe_weights(load_file(str(Path(hf_dir) / "model.safetensors")))
+    meta = {"expert_count": spec.num_experts, "expert_used_count": spec.num_experts_per_tok}
+    if arch != "llama":
+        meta["expert_feed_forward_length"] = spec.moe_intermediate_size
+    if spec.shared_expert_intermediate_size:
+        meta["expert_shared_feed_forward_length"] = spec.shared_expert_intermediate_size
+    return write_gguf(path, spec, weights, quantize=quantize, arch=arch, metadata=meta)
+
+
 def write_gguf(path: Path, spec, weights: dict[str, np.ndarray],
                quantize: tuple[str, ...] | dict[str, str] = (), arch: str = "llama",
                metadata: dict[str, int | float | bool] | None = None):

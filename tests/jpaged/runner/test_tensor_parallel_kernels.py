@@ -59,3 +59,8 @@ def test_experts_split_their_width_and_give_the_single_device_tokens(facts):
     assert case["fp8_tp2"] == case["fp8_tp1"] and any(len(t) == 8 for t in case["fp8_tp1"])
     assert case["fp8_shards"] == [[6, 64, 32], [6, 1, 32], [6, 32, 64], [6, 1, 64]]
     assert case["fp8_kernel_tp2_max_err"] < 1e-4
+    # A GGUF's experts at its own quantization: gate / up int4 (Q4_1: [E, 64 / 2, 64] packed,
+    # groups of 32) split by columns, down int8 (Q8_0) by rows with its groups.
+    assert case["gguf_tp2"] == case["gguf_tp1"] and any(len(t) == 8 for t in case["gguf_tp1"])
+    assert case["gguf_shards"] == [[6, 32, 32], [6, 2, 32], [6, 32, 64], [6, 1, 64]]
+    assert case["gguf_kernel_tp2_max_err"] < 1e-4

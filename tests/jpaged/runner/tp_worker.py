@@ -395,36 +395,41 @@ def moe_cases(out: dict) -> None:
     with experts_run_as("interpret", tp.mesh):
         got = np.asarray(make_logits_fn(sharded)(ids, pos, seg))
     case["kernel_tp2_max_err"] = float(np.abs(got - want).max() / max(1.0, np.abs(want).max()))
-    # fp8 experts (`--quantization fp8`) placed straight into their split by the loader: the
-    # engine at tp 2 gives tp 1's tokens, and the kernel per device (values and scales split
-    # as the float experts) gives one device's logits.
+    # Quantized experts placed straight into their split by the loader (fp8 at load; a GGUF's
+    # int4 / int8 groups at its own quantization): the engine at tp 2 gives tp 1's tokens,
+    # and the kernel per device (values, scales and mins split as the float experts) gives
+    # one device's logits.
     import tempfile
 
-    from tiny_models import make_hf_checkpoint
+    from tiny_models import MOE_GGUF_TYPES, make_hf_checkpoint, write_moe_gguf
 
     from models import load_model
 
     path = Path(tempfile.mkdtemp(prefix="jpaged-tp-moe-"))
-    make_hf_checkpoint("qwen2_moe_even", path)
-    for tp in (1, 2):
-        loaded = load_model(str(path), dtype="float32", tensor_parallel_size=tp,
-                            quantization="fp8")
-        llm = make_llm(loaded, tensor_parallel_size=tp, **TINY_ARGS)
-        case[f"fp8_tp{tp}"] = [o.outputs[0].token_ids for o in llm.generate(TINY_PROMPTS,
-                                                                            GREEDY)]
-        if tp == 1:
-            with experts_run_as("loop"):
-                want = np.asarray(make_logits_fn(loaded.model)(ids, pos, seg))
-        else:
+    make_hf_checkpoint("qwen2_moe_even", path / "hf")
+    spec = load_model(str(path / "hf"), dtype="float32").spec
+    gguf = write_moe_gguf(path / "moe.gguf", path / "hf", spec, "qwen2moe", MOE_GGUF_TYPES)
+    for label, source, quantization in (("fp8", path / "hf", "fp8"), ("gguf", gguf, "gguf")):
+        for tp in (1, 2):
+            loaded = load_model(str(source), dtype="float32", tensor_parallel_size=tp,
+                                quantization=quantization)
+            llm = make_llm(loaded, tensor_parallel_size=tp, **TINY_ARGS)
+            case[f"{label}_tp{tp}"] = [o.outputs[0].token_ids
+                                       for o in llm.generate(TINY_PROMPTS, GREEDY)]
+            if tp == 1:
+                with experts_run_as("loop"):
+                    want = np.asarray(make_logits_fn(loaded.model)(ids, pos, seg))
+                continue
             experts = loaded.model.model.layers[0].mlp.experts
-            case["fp8_shards"] = [list(a.addressable_shards[0].data.shape) for a in (
-                experts.gate_proj.qweight[...], experts.gate_proj.scales[...],
-                experts.down_proj.qweight[...], experts.down_proj.scales[...])]
+            case[f"{label}_shards"] = [
+                list(a.addressable_shards[0].data.shape) for w in (experts.gate_proj,
+                                                                   experts.down_proj)
+                for a in (w.qweight[...], w.scales[...])]
             tp_layout = TensorParallel(loaded.spec, 2, jax.devices()[:2])
             with experts_run_as("interpret", tp_layout.mesh):
                 got = np.asarray(make_logits_fn(loaded.model)(ids, pos, seg))
-            case["fp8_kernel_tp2_max_err"] = float(np.abs(got - want).max()
-                                                   / max(1.0, np.abs(want).max()))
+            case[f"{label}_kernel_tp2_max_err"] = float(np.abs(got - want).max()
+                                                        / max(1.0, np.abs(want).max()))
     out["moe"] = case
 
 
