@@ -14,6 +14,10 @@ config.json's `quantization_config.quant_method` names the format (docs/quantiza
   awq                 GEMM: `qweight` int32 [K, N / 8], `qzeros` int32 [G, N / 8] (packed along
                       N, nibbles in the order 0 2 4 6 1 3 5 7), `scales` [G, N] -> int4 + mins
 
+A mixture of experts' linears (one per expert, `...experts.{e}.gate_proj` or Mixtral's `w1`)
+are read and checked as any linear of their format, then a layer's E experts of one matrix are
+stacked into one QuantExperts (k_axis 1), all quantized or none.
+
 Static activation scales (`input_scale`) and KV-cache scales are ignored: the math is weight
 only. Each quantized module is checked (tensors present, dtypes, shapes, group size, g_idx)
 before the model is built; its device arrays are made when the loader reads them.
@@ -21,8 +25,10 @@ before the model is built; its device arrays are made when the loader reads them
 
 from __future__ import annotations
 
+import functools
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Container, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import ml_dtypes
@@ -81,14 +87,10 @@ def hf_quantized(cfg: Mapping[str, Any], weights: Mapping[str, np.ndarray], mode
     linears = _linears(model)
     reader = _Reader(weights, where)
     experts = expert_matrices(model)
-    if experts and method not in ("fp8", "compressed-tensors"):
-        raise ValueError(f"{where}: {_QC}.quant_method {method!r} on a mixture of experts is "
-                         "not supported (its experts load from fp8 checkpoints, per tensor or "
-                         "per channel, or quantize at load with --quantization fp8)")
     if method == "gptq":
-        modules = _gptq(qc, linears, reader)
+        modules = _gptq(qc, linears, reader, experts)
     elif method == "awq":
-        modules = _awq(qc, linears, reader)
+        modules = _awq(qc, linears, reader, experts)
     else:
         modules = _fp8(method, qc, linears, reader, experts)
     return {m: mod.layout for m, mod in modules.items()}, QuantTensors(weights, modules)
@@ -186,6 +188,33 @@ def _packed_owner(names: Mapping[str, Any], leaves: tuple[str, ...],
     return list(modules)
 
 
+def _expert_linears(experts: Mapping[str, tuple[int, int, int]]
+                    ) -> tuple[dict[str, list[str]], dict[str, tuple[int, int]]]:
+    """(stacked matrix -> its experts' HF linears in expert order, each expert's linear
+    (`...experts.{e}.w1` / `gate_proj`) -> its (in, out)) of a model's expert matrices."""
+    parts_of = {m: [name[:-len(".weight")] for name in expert_tensor_names(m, e)]
+                for m, (e, _, _) in experts.items()}
+    shapes = {p: (k, n) for m, (_, k, n) in experts.items() for p in parts_of[m]}
+    return parts_of, shapes
+
+
+def _all_or_none(parts: list[str], quantized: Container[str], reader: _Reader, stack: str,
+                 form: str, leaf: str) -> bool:
+    """Whether the experts' linears `parts` of stacked matrix `stack` are all quantized
+    (True) or none is (False); a layer's experts are quantized together, so a mix is a
+    ValueError naming the first unquantized one's tensor (`weight`, or `leaf` if absent)."""
+    done = [p in quantized for p in parts]
+    if all(done) or not any(done):
+        return all(done)
+    odd, layer = parts[done.index(False)], stack.rsplit(".", 1)[0]
+    others = f"{sum(done)} of the {len(parts)} experts of {layer} are"
+    if not reader.has(f"{odd}.weight"):
+        raise ValueError(f"checkpoint {reader.origin} lacks tensor '{odd}.{leaf}' ({others} "
+                         f"{form})")
+    raise reader.fail(f"{odd}.weight", f"is not {form}, but {others} (a layer's experts are "
+                      "quantized together)")
+
+
 # ---------------------------------------------------------------------------------------------
 # GPTQ and AWQ: integer values, a zero point and a scale per group
 
@@ -227,8 +256,75 @@ def _int_weight(values: np.ndarray, zeros: np.ndarray, scales: np.ndarray, bits:
     return QuantWeight(kind, q, s.astype(dtype), mins.astype(dtype), 0)
 
 
-def _gptq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: _Reader
-          ) -> dict[str, QuantSource]:
+@dataclass(frozen=True)
+class _IntLinear:
+    """One GPTQ / AWQ linear, checked: its group (input rows), the narrowest dtype that holds
+    its scales and mins exactly, and `make(dtype)`, its device form with them in `dtype`."""
+
+    group: int
+    dtype: str
+    make: Callable[[str], QuantWeight]
+
+
+# How a format checks one packed linear: (module, in, out, group) -> the linear, checked.
+_LinearCheck = Callable[[str, int, int, int], _IntLinear]
+
+
+def _int_linear(group: int, bits: int, parts: Callable[[], tuple[np.ndarray, np.ndarray]],
+                values: Callable[[], np.ndarray]) -> _IntLinear:
+    """A checked linear of `parts()` (zeros, scales [G, N]) and `values()` ([K, N],
+    0..2^bits-1), read again each time its device form is made."""
+    zeros, scales = parts()
+    dtype = _scale_dtype(scales, _mins(zeros, scales, bits))
+
+    def make(dtype: str) -> QuantWeight:
+        zeros, scales = parts()
+        return _int_weight(values(), zeros, scales, bits, group, dtype)
+
+    return _IntLinear(group, dtype, make)
+
+
+def _int_modules(method: str, bits: int, gs: int, leaves: tuple[str, ...],
+                 check: _LinearCheck, linears: Mapping[str, tuple[int, int]], reader: _Reader,
+                 experts: Mapping[str, tuple[int, int, int]]) -> dict[str, QuantSource]:
+    """The QuantSource of every linear holding `leaves` (`check` reads each as its format
+    packs it): a dense linear on its own, a layer's experts stacked per matrix (k_axis 1,
+    one layout for all: float32 scales and mins unless every expert's narrow to float16)."""
+    where = reader.where
+    parts_of, expert_linears = _expert_linears(experts)
+    shapes = {**linears, **expert_linears}
+    owners = _packed_owner(reader.weights, leaves, shapes, reader)
+    groups = {m: _groups(gs, shapes[m][0], m, where, bits) for m in owners}  # config first
+    checked = {m: check(m, *shapes[m], group) for m, group in groups.items()}
+    kind = "int4" if bits == 4 else "int8"
+    modules: dict[str, QuantSource] = {}
+    for m, lin in checked.items():
+        if m in linears:
+            modules[m] = QuantSource(QuantLayout(kind, lin.group, True, lin.dtype),
+                                     functools.partial(lin.make, lin.dtype), f"{m}.qweight")
+    for m, parts in parts_of.items():
+        if not _all_or_none(parts, checked, reader, m, f"{method}-packed ({', '.join(leaves)})",
+                            "qweight"):
+            continue  # (a layer's experts unquantized: they load as float)
+        ones = [checked[p] for p in parts]  # one group: the config's, and every K is the same
+        dtype = ones[0].dtype if len({o.dtype for o in ones}) == 1 else "float32"
+
+        def make_stack(ones: list[_IntLinear] = ones, dtype: str = dtype) -> QuantWeight:
+            ws = [o.make(dtype) for o in ones]
+            return QuantWeight(kind, np.stack([w.q for w in ws]),
+                               np.stack([w.scales for w in ws]),
+                               np.stack([w.mins for w in ws]), 1)
+
+        modules[m] = QuantSource(QuantLayout(kind, ones[0].group, True, dtype), make_stack,
+                                 f"{parts[0]}.qweight")
+    if not modules:
+        raise ValueError(f"{where}: {_QC} says {method}, but no linear of {reader.origin} "
+                         f"holds its packed tensors ({', '.join(leaves)})")
+    return modules
+
+
+def _gptq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: _Reader,
+          experts: Mapping[str, tuple[int, int, int]]) -> dict[str, QuantSource]:
     where = reader.where
     bits = _field(qc, "bits", where, (4, 8))
     gs = _group_size(qc, where, ("group_size",))
@@ -239,12 +335,8 @@ def _gptq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader:
     desc_act = bool(qc.get("desc_act", False))
     offset = 1 if fmt == "gptq" else 0  # v1 stores each zero point less one
     per = 32 // bits
-    modules: dict[str, QuantSource] = {}
-    owners = _packed_owner(reader.weights, ("qweight", "qzeros", "scales", "g_idx"), linears,
-                           reader)
-    groups = {m: _groups(gs, linears[m][0], m, where, bits) for m in owners}  # config first
-    for m, group in groups.items():
-        k, n = linears[m]
+
+    def check(m: str, k: int, n: int, group: int) -> _IntLinear:
         what = f" (GPTQ, {bits}-bit, group {gs}, {m}: {k} in, {n} out)"
         if k % per or n % per:
             raise ValueError(f"{where}: {m} ({k} in, {n} out) does not pack {per} {bits}-bit "
@@ -261,25 +353,19 @@ def _gptq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader:
                                   f"groups are not i // {group}); jpaged loads GPTQ without "
                                   "act-order only")
 
-        def parts(m: str = m) -> tuple[np.ndarray, np.ndarray]:
+        def parts() -> tuple[np.ndarray, np.ndarray]:
             zeros = _unpack(reader.get(f"{m}.qzeros"), bits, 1).astype(np.int32) + offset
             return zeros, np.asarray(reader.get(f"{m}.scales"), np.float32)
 
-        zeros, scales = parts()
-        dtype = _scale_dtype(scales, _mins(zeros, scales, bits))
+        return _int_linear(group, bits, parts,
+                           lambda: _unpack(reader.get(f"{m}.qweight"), bits, 0))
 
-        def make(m: str = m, group: int = group, dtype: str = dtype) -> QuantWeight:
-            zeros, scales = parts(m)
-            values = _unpack(reader.get(f"{m}.qweight"), bits, 0)
-            return _int_weight(values, zeros, scales, bits, group, dtype)
-
-        kind = "int4" if bits == 4 else "int8"
-        modules[m] = QuantSource(QuantLayout(kind, group, True, dtype), make, f"{m}.qweight")
-    return modules
+    return _int_modules("gptq", bits, gs, ("qweight", "qzeros", "scales", "g_idx"), check,
+                        linears, reader, experts)
 
 
-def _awq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: _Reader
-         ) -> dict[str, QuantSource]:
+def _awq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: _Reader,
+         experts: Mapping[str, tuple[int, int, int]]) -> dict[str, QuantSource]:
     where = reader.where
     _field(qc, "version", where, ("gemm", "GEMM"), "gemm")
     bits = qc.get("bits", qc.get("w_bit"))
@@ -287,11 +373,8 @@ def _awq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: 
         raise ValueError(f"{where}: {_QC}.bits = {bits!r} is not supported (AWQ GEMM is 4-bit)")
     _field(qc, "zero_point", where, (True,), True)
     gs = _group_size(qc, where, ("group_size", "q_group_size"))
-    modules: dict[str, QuantSource] = {}
-    owners = _packed_owner(reader.weights, ("qweight", "qzeros", "scales"), linears, reader)
-    groups = {m: _groups(gs, linears[m][0], m, where) for m in owners}  # the config first
-    for m, group in groups.items():
-        k, n = linears[m]
+
+    def check(m: str, k: int, n: int, group: int) -> _IntLinear:
         what = f" (AWQ, group {gs}, {m}: {k} in, {n} out)"
         if n % 8:
             raise ValueError(f"{where}: {m} has {n} outputs, not a multiple of AWQ's 8 a word")
@@ -301,20 +384,15 @@ def _awq(qc: Mapping[str, Any], linears: Mapping[str, tuple[int, int]], reader: 
             reader.get(f"{m}.{leaf}", shape, "float" if leaf == "scales" else "int32",
                        what)
 
-        def parts(m: str = m) -> tuple[np.ndarray, np.ndarray]:
+        def parts() -> tuple[np.ndarray, np.ndarray]:
             zeros = _unpack(reader.get(f"{m}.qzeros"), 4, 1, AWQ_ORDER).astype(np.int32)
             return zeros, np.asarray(reader.get(f"{m}.scales"), np.float32)
 
-        zeros, scales = parts()
-        dtype = _scale_dtype(scales, _mins(zeros, scales, 4))
+        return _int_linear(group, 4, parts,
+                           lambda: _unpack(reader.get(f"{m}.qweight"), 4, 1, AWQ_ORDER))
 
-        def make(m: str = m, group: int = group, dtype: str = dtype) -> QuantWeight:
-            zeros, scales = parts(m)
-            values = _unpack(reader.get(f"{m}.qweight"), 4, 1, AWQ_ORDER)
-            return _int_weight(values, zeros, scales, 4, group, dtype)
-
-        modules[m] = QuantSource(QuantLayout("int4", group, True, dtype), make, f"{m}.qweight")
-    return modules
+    return _int_modules("awq", 4, gs, ("qweight", "qzeros", "scales"), check, linears, reader,
+                        experts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,9 +461,7 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
         scale_leaves = ("weight_scale", "weight_scale_inv")
     # A layer's experts: one HF linear per expert (`...experts.{e}.w1` / `gate_proj`), each
     # checked as a linear is, stacked into one QuantExperts (float32 scales per expert).
-    names_of = {m: expert_tensor_names(m, e) for m, (e, _, _) in (experts or {}).items()}
-    expert_linears = {name[:-len(".weight")]: (k, n) for m, (e, k, n) in (experts or {}).items()
-                      for name in names_of[m]}
+    parts_of, expert_linears = _expert_linears(experts or {})
     if expected is not None and method == "compressed-tensors":
         expected |= {m for m in expert_linears if _matches(m, targets)
                      and not _matches(m, ignore)}
@@ -430,16 +506,9 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
             return QuantWeight("fp8", q, scales_of().astype(dtype), None, 0)
 
         modules[m] = QuantSource(QuantLayout("fp8", k, False, dtype), make, name)
-    for m, names in names_of.items():
-        parts = [name[:-len(".weight")] for name in names]
-        done = [p in checked for p in parts]
-        if not any(done):
+    for m, parts in parts_of.items():
+        if not _all_or_none(parts, checked, reader, m, "F8_E4M3", "weight"):
             continue  # (a layer's experts unquantized: they load as float)
-        if not all(done):
-            missing = parts[done.index(False)]
-            raise reader.fail(f"{missing}.weight", f"is not F8_E4M3, but the other experts of "
-                              f"{m.rsplit('.', 1)[0]} are (a layer's experts are quantized "
-                              "together)")
 
         def make_stack(parts: list[str] = parts) -> QuantWeight:
             q = np.stack([np.asarray(reader.get(f"{p}.weight")).T for p in parts])
@@ -447,7 +516,7 @@ def _fp8(method: str, qc: Mapping[str, Any], linears: Mapping[str, tuple[int, in
                                np.stack([checked[p]() for p in parts]), None, 1)
 
         modules[m] = QuantSource(QuantLayout("fp8", experts[m][1], False, "float32"),
-                                 make_stack, names[0])
+                                 make_stack, f"{parts[0]}.weight")
     if not modules:
         raise ValueError(f"{where}: {_QC} says {method} fp8, but no linear weight of "
                          f"{reader.origin} is F8_E4M3")

@@ -297,10 +297,13 @@ class StepBuilder:
         spec, tp = self.spec, self.tensor_parallel_size
         itemsize = jnp.dtype(self.model_dtype).itemsize
         width = spec.moe_intermediate_size // tp
-        # One expert matrix's bytes: the model's dtype, or fp8 values and a float32 scale per
-        # output channel (at most hidden of them).
-        matrix = (spec.hidden_size * width * itemsize if self.weights != "fp8"
-                  else spec.hidden_size * width + 4 * spec.hidden_size)
+        # One expert matrix's bytes: the model's dtype; fp8 values and a float32 scale per
+        # output channel (at most hidden of them); int4 values, half a byte, and a float16
+        # scale and min a group.
+        elements = spec.hidden_size * width
+        matrix = {"fp8": elements + 4 * spec.hidden_size,
+                  "int4": elements // 2 + 4 * (elements // INT4_GROUP)}.get(
+                      self.weights or "", elements * itemsize)
         moe = {} if not spec.is_moe else {
             "sparse_layers": sum(map(spec.layer_is_sparse, range(spec.num_layers))),
             "num_experts": spec.num_experts, "top_k": spec.num_experts_per_tok,

@@ -491,7 +491,8 @@ def plan_configs(quick: bool) -> list[tuple[Config, str]]:
     out.append((Config("llama3-8b", "bfloat16", "pallas", lora=(4, 16)), "decode"))
     # A mixture of experts: the grouped-matmul kernel reads only the experts tokens chose.
     out.append((Config("qwen3-30b-a3b", "bfloat16", "pallas"), "decode"))
-    out.append((Config("qwen3-30b-a3b", "bfloat16", "pallas", weights="fp8"), "decode"))
+    for weights in WEIGHTS:  # (int4: a GPTQ / AWQ checkpoint's experts, or a GGUF's)
+        out.append((Config("qwen3-30b-a3b", "bfloat16", "pallas", weights=weights), "decode"))
     return out
 
 

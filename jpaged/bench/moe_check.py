@@ -4,8 +4,10 @@ Qwen3-30B-A3B's expert shapes (128 experts, 2048 -> 768, 8 a token, bf16), rando
 T tokens (T * 8 sorted rows): each row times both ways (`us_kernel`, `us_xla`), checked against
 a float32 reference of the same rows, with the bytes of the experts the rows chose
 (`expert_bytes_read`) over the kernel's time as its rate (`kernel_GBps`, and as a % of the
-16-byte copy ceiling when the kernels stage measured one). `--cpu-smoke`: tiny shapes in the
-Pallas interpreter (the suite runs it).
+16-byte copy ceiling when the kernels stage measured one). The same rows also run the kernel
+on the experts as a Q4_K GGUF's run at its own quantization (int4 in groups of 32, float16
+scales and mins: `us_kernel_int4`, `int4_bytes_read`, `int4_kernel_GBps`, checked against the
+dequantized weights). `--cpu-smoke`: tiny shapes in the Pallas interpreter (the suite runs it).
 
     python -m jpaged.bench.moe_check --out OUT/moe.json [--ceiling-json OUT/kernels.json]
 """
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jpaged.bench.kernel_timing import pipelined
+from models.quant import QuantWeight, dequantize, pack_int4
 from pallas_kernels import grouped_matmul as gmm
 
 GPU_SHAPE = {"experts": 128, "k": 2048, "n": 768, "top_k": 8, "tokens": [1, 16, 64, 256, 2048]}
@@ -36,6 +39,32 @@ def routed(tokens: int, experts: int, top_k: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     chosen = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)])
     return np.bincount(chosen.reshape(-1), minlength=experts).astype(np.int32)
+
+
+def int4_experts(w: np.ndarray, group: int = 32) -> QuantWeight:
+    """[E, K, N] float experts as int4 in groups of `group` along K with mins (asymmetric,
+    float16 scales: a Q4_K GGUF's device form), a stacked QuantWeight."""
+    e, k, n = w.shape
+    g = np.asarray(w, np.float32).reshape(e, k // group, group, n)
+    lo, hi = g.min(axis=2), g.max(axis=2)
+    scales = np.maximum(hi - lo, 1e-8) / 15
+    q = np.clip(np.rint((g - lo[:, :, None]) / scales[:, :, None]), 0, 15).reshape(e, k, n)
+    packed = np.stack([pack_int4(q[i].astype(np.uint8), group) for i in range(e)])
+    return QuantWeight("int4", jnp.asarray(packed), jnp.asarray(scales.astype(np.float16)),
+                       jnp.asarray(lo.astype(np.float16)), 1)
+
+
+def _reference(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Each group of rows times its expert's weight, float32."""
+    out, start = np.zeros((x.shape[0], w.shape[2]), np.float32), 0
+    for i, g in enumerate(sizes):
+        out[start:start + g] = x[start:start + g] @ w[i]
+        start += g
+    return out
+
+
+def _rel_err(got: np.ndarray, want: np.ndarray) -> float:
+    return float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
 
 
 def run_row(tokens: int, shape: dict[str, Any], dtype: Any, interpret: bool,
@@ -52,23 +81,29 @@ def run_row(tokens: int, shape: dict[str, Any], dtype: Any, interpret: bool,
     xla = jax.jit(lambda a, b, c: jax.lax.ragged_dot(a, b, c,
                                                      preferred_element_type=jnp.float32))
     got = np.asarray(kernel(x, w, gs))
-    xf, wf = np.asarray(x, np.float32), np.asarray(w, np.float32)
-    want, start = np.zeros((m, n), np.float32), 0
-    for i, g in enumerate(sizes):
-        want[start:start + g] = xf[start:start + g] @ wf[i]
-        start += g
-    err = float(np.abs(got - want).max() / max(1.0, float(np.abs(want).max())))
-    read = int((sizes > 0).sum()) * k * n * jnp.dtype(dtype).itemsize
-    row: dict[str, Any] = {"tokens": tokens, "rows": m, "experts_chosen": int((sizes > 0).sum()),
+    xf = np.asarray(x, np.float32)
+    err = _rel_err(got, _reference(xf, np.asarray(w, np.float32), sizes))
+    chosen = int((sizes > 0).sum())
+    read = chosen * k * n * jnp.dtype(dtype).itemsize
+    q4 = int4_experts(np.asarray(w, np.float32))
+    got4 = np.asarray(kernel(x, q4, gs))
+    dense4 = np.asarray(dequantize(q4.q, q4.scales, q4.mins, "int4", jnp.float32, k_axis=1))
+    err4 = _rel_err(got4, _reference(xf, dense4, sizes))
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-3
+    row: dict[str, Any] = {"tokens": tokens, "rows": m, "experts_chosen": chosen,
                            "expert_bytes_read": read, "max_rel_err": err,
-                           "ok": err < (2e-2 if dtype == jnp.bfloat16 else 1e-3)}
+                           "int4_bytes_read": chosen * (k * n // 2 + 4 * (k // 32) * n),
+                           "int4_max_rel_err": err4, "ok": err < tol and err4 < tol}
     t_kernel = pipelined(kernel, (x, w, gs), repeats=3 if interpret else 5)
     row["us_kernel"] = round(t_kernel.median_s * 1e6, 2)
+    t_int4 = pipelined(kernel, (x, q4, gs), repeats=3 if interpret else 5)
+    row["us_kernel_int4"] = round(t_int4.median_s * 1e6, 2)
     if not interpret:
         t_xla = pipelined(xla, (x, w, gs))
         row["us_xla"] = round(t_xla.median_s * 1e6, 2)
         row["xla_over_kernel"] = round(t_xla.median_s / t_kernel.median_s, 2)
         row["kernel_GBps"] = round(read / t_kernel.median_s / 1e9, 1)
+        row["int4_kernel_GBps"] = round(row["int4_bytes_read"] / t_int4.median_s / 1e9, 1)
         if ceiling:
             row["pct_of_copy_16byte"] = round(100 * row["kernel_GBps"] / ceiling, 1)
     return row
@@ -105,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         doc["moe_rows"].append(row)
         print(f"moe T={tokens} rows={row['rows']} experts={row['experts_chosen']}: kernel "
               f"{row['us_kernel']} us, xla {row.get('us_xla')} us, "
-              f"{row.get('kernel_GBps')} GB/s, err {row['max_rel_err']:.1e}", flush=True)
+              f"{row.get('kernel_GBps')} GB/s, err {row['max_rel_err']:.1e}; int4 "
+              f"{row['us_kernel_int4']} us, {row.get('int4_kernel_GBps')} GB/s, err "
+              f"{row['int4_max_rel_err']:.1e}", flush=True)
     args.out.write_text(json.dumps(doc, indent=1))
     bad = doc["errors"] or not all(r["ok"] for r in doc["moe_rows"])
     return 1 if bad else 0
