@@ -329,7 +329,8 @@ def test_gpu_aot_quantized_cases_are_abstract_and_selectable():
         assert select_linears("pallas", "cuda", spec, jnp.bfloat16, 1, plan) is not None
     keys = [c.key for c, _ in plan_configs(quick=True) if c.weights]
     assert keys == ["llama3-8b-fp8/bfloat16/pallas/tp1", "llama3-8b-int4/bfloat16/pallas/tp1",
-                    "qwen3-30b-a3b-fp8/bfloat16/pallas/tp1"]  # (fp8 experts)
+                    "qwen3-30b-a3b-fp8/bfloat16/pallas/tp1",  # (fp8 and int4 experts)
+                    "qwen3-30b-a3b-int4/bfloat16/pallas/tp1"]
     assert Config("llama3-8b", "bfloat16", "pallas", 2).key == "llama3-8b/bfloat16/pallas/tp2"
 
 
