@@ -24,6 +24,10 @@ _EXPORTS = {
     "BeamSearchSequence": "jpaged.beam_search",
     "RequestOutput": "jpaged.outputs",
     "CompletionOutput": "jpaged.outputs",
+    "PoolingParams": "jpaged.pooling_params",
+    "PoolingRequestOutput": "jpaged.outputs",
+    "EmbeddingRequestOutput": "jpaged.outputs",
+    "ScoringRequestOutput": "jpaged.outputs",
 }
 
 __all__ = sorted(_EXPORTS)

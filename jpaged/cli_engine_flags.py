@@ -44,6 +44,7 @@ from jpaged.config import (
     SCHEDULING_POLICIES,
     EngineArgs,
 )
+from jpaged.pooling_params import RUNNERS
 
 # EngineArgs fields that are no flag: code sets them (the data-parallel client gives each
 # replica its rank, and `extra` carries fields to the replicas it starts).
@@ -60,6 +61,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "prefix_caching_hash_algo": HASH_ALGOS,
     "preemption_mode": PREEMPTION_MODES,
     "scheduling_policy": SCHEDULING_POLICIES,
+    "runner": RUNNERS,
 }
 _SCALARS: tuple[type, ...] = (bool, int, float, str)
 # Integer flags that also take "auto" (vLLM's), read as -1: the model's own limit.

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from jpaged.kv_events import KVEventsConfig, parse_json_config
+from jpaged.pooling_params import RUNNERS, PoolerConfig
 
 # Defaults live here and nowhere else (house rule 8).
 DEFAULT_BLOCK_SIZE = 16
@@ -85,6 +86,17 @@ MAX_LORA_RANK = 512  # vLLM's largest
 
 def _fail(cls: str, name: str, allowed: str, value: object) -> None:
     raise ValueError(f"{cls}.{name} must be {allowed}, got {value!r}")
+
+
+def _runner(runner: object, pooler_config: object) -> str:
+    """EngineArgs.runner resolved: "auto" is "pooling" when a pooler_config is given."""
+    if runner not in RUNNERS:
+        _fail("EngineArgs", "runner", f"one of {RUNNERS}", runner)
+    if runner == "auto":
+        return "pooling" if pooler_config is not None else "generate"
+    if runner == "generate" and pooler_config is not None:
+        raise ValueError("EngineArgs.pooler_config is for runner 'pooling', not 'generate'")
+    return str(runner)
 
 
 def _is_int(x: object) -> bool:
@@ -262,8 +274,12 @@ class ModelConfig:
     enforce_eager: bool = False  # vLLM's: on a GPU, steps outside CUDA graphs
     generation_config: str = "auto"  # "auto" | "vllm" | a directory (sampling defaults)
     enable_sleep_mode: bool = False  # vLLM's: LLM.sleep / wake_up may give the device back
+    runner: str = "generate"  # "generate" | "pooling" (vLLM's --runner; "auto" resolved)
+    pooler_config: Any = None  # a PoolerConfig (pooling: None until the engine resolves it)
 
     def __post_init__(self) -> None:
+        if self.runner not in ("generate", "pooling"):
+            _fail("ModelConfig", "runner", '"generate" or "pooling"', self.runner)
         if not isinstance(self.generation_config, str) or not self.generation_config:
             _fail("ModelConfig", "generation_config", '"auto", "vllm" or a directory',
                   self.generation_config)
@@ -727,6 +743,15 @@ class EngineArgs:
     """vLLM's sleep mode: `LLM.sleep(level)` gives the device memory of the KV cache and the
     weights back while the engine idles (level 1 keeps the weights on the host, level 2 reads
     them again at `wake_up`); the server adds /sleep, /wake_up and /is_sleeping."""
+    runner: str = "auto"
+    """vLLM's: "generate" (text generation), "pooling" (an embedding model: requests are
+    prompts whose final hidden states are pooled into one vector each: `LLM.embed`,
+    `LLM.score`, the server's /v1/embeddings; docs/pooling.md), or "auto" ("pooling" when
+    `pooler_config` is given, else "generate")."""
+    pooler_config: dict[str, Any] | str | None = None
+    """vLLM's, for runner "pooling", as JSON: '{"pooling_type": "LAST", "normalize": true}'
+    (pooling_type LAST, MEAN or CLS). Unset: the checkpoint's sentence-transformers pooling
+    (modules.json), else LAST and normalized."""
     enable_lora: bool = False
     """Serve LoRA adapters (PEFT directories): a request names one with a LoRARequest (the
     server: by the adapter's name in `model`); each adapted projection adds the adapter's
@@ -779,7 +804,9 @@ class EngineArgs:
                               logprobs_mode=self.logprobs_mode,
                               enforce_eager=self.enforce_eager,
                               generation_config=self.generation_config,
-                              enable_sleep_mode=self.enable_sleep_mode),
+                              enable_sleep_mode=self.enable_sleep_mode,
+                              runner=_runner(self.runner, self.pooler_config),
+                              pooler_config=PoolerConfig.parse(self.pooler_config)),
             cache=CacheConfig(
                 block_size=self.block_size,
                 gpu_memory_utilization=self.gpu_memory_utilization,

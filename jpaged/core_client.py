@@ -253,6 +253,9 @@ class CoreProcessEngine(RequestFrontend):
         if early.parallel.nnodes > 1:
             raise ValueError("engine_core_process: not supported with nnodes > 1 (process 0 "
                              "already coordinates the others from its engine loop)")
+        if early.model.runner == "pooling":
+            raise ValueError("engine_core_process: runner 'pooling' runs its engine core in "
+                             "process in this version")
         ctx = multiprocessing.get_context("spawn")  # a forked JAX runtime is not safe
         self._conn, child = ctx.Pipe(duplex=True)
         self.proc = ctx.Process(target=_core_main, name="jpaged-engine-core", daemon=True,

@@ -43,6 +43,7 @@ class LLMEngine(RequestFrontend):
         self.core = EngineCore(args, loaded, group=group)
         core = self.core
         self.spec, self.tokenizer = core.spec, core.tokenizer
+        self.pooler = core.pooler  # runner "pooling": how prompts pool (None: generating)
         self._init_frontend(log_stats=not args.disable_log_stats, lora_cache=core.lora_cache)
 
     @property

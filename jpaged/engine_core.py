@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jpaged.config import EngineArgs, EngineConfig
@@ -36,6 +37,7 @@ from jpaged.core.structured_output import GrammarCompiler, make_grammar_compiler
 from jpaged.core.structured_output_manager import StructuredOutputManager
 from jpaged.core_step import CoreStep
 from jpaged.kv_events import KVEventBatch, KVEventHub
+from jpaged.pooling_params import PoolerConfig, pooler_from_checkpoint
 from jpaged.request import Request, RequestStatus
 from jpaged.runner.batch import BucketPlan
 from jpaged.runner.compile_cache import enable_compilation_cache
@@ -155,6 +157,13 @@ def _check_supported(config: EngineConfig) -> None:
     if ev is not None and ev.enable_kv_cache_events and not config.cache.enable_prefix_caching:
         raise ValueError("kv_events_config: KV cache events need enable_prefix_caching "
                          "(without it no block is ever cached)")
+    if config.model.runner == "pooling":  # prefill-only requests, pooled on one process
+        for name, on in (("speculative_config", config.speculative is not None),
+                         ("kv_transfer_config", config.kv_transfer is not None),
+                         ("nnodes", config.parallel.nnodes > 1)):
+            if on:
+                raise ValueError(f"runner 'pooling': {name} is for generation (a pooling "
+                                 "model runs each prompt once, on one process)")
     if config.lora is not None and config.parallel.nnodes > 1:
         raise ValueError("enable_lora: LoRA adapters run in one process in this version "
                          f"(nnodes is {config.parallel.nnodes})")
@@ -212,6 +221,14 @@ class EngineCore:
         self.loaded = dataclasses.replace(self.loaded, model=_as_run(self.loaded.model))
         self.spec = self.loaded.spec
         self.tokenizer = self.loaded.tokenizer
+        # runner "pooling": how prompts pool (the config's, the checkpoint's
+        # sentence-transformers modules, else LAST normalized); None for a generating engine.
+        self.pooler: PoolerConfig | None = None
+        if early.model.runner == "pooling":
+            self.pooler = (early.model.pooler_config or pooler_from_checkpoint(
+                self.loaded.source) or PoolerConfig())
+            logger.info("pooling runner: %s pooling%s", self.pooler.pooling_type,
+                        ", normalized" if self.pooler.normalize else "")
         # Sleep level 2 reads the weights again as they were read here: only a model this
         # engine loaded itself can be.
         self._args, self._reloadable, self._sleep_level = args, loaded is None, 0
@@ -308,7 +325,9 @@ class EngineCore:
                                   num_top_logprobs=config.model.logprobs_limit(
                                       self.spec.vocab_size),
                                   eager=config.model.enforce_eager,
-                                  lora=self._lora_slots(config))
+                                  lora=self._lora_slots(config),
+                                  pooling=None if self.pooler is None
+                                  else self.pooler.pooling_type)
         if self.group is not None and self.group.is_leader:
             self.runner.announce = self.group.announce_step  # the others launch it too
         self.draft: DraftRunner | None = None
@@ -549,6 +568,30 @@ class EngineCore:
                         break  # stay incomplete: the output then carries no prompt_logprobs
             row += count
 
+    def _record_pooled(self, out: SchedulerOutput, pooled: np.ndarray) -> None:
+        """File a pooling step's rows (row i: out.scheduled[i]'s chunk, as the runner pooled
+        it) under their requests: LAST takes the prompt's final chunk's row, CLS the first
+        chunk's, MEAN sums every chunk's and divides by the prompt's length at its end. A chunk
+        from position 0 (the first, or a preempted request's recompute) starts over."""
+        held = self.scheduler.requests
+        for i, sr in enumerate(out.scheduled):
+            req = sr.request
+            if req.pooling is None or held.get(req.request_id) is not req:
+                continue
+            row = pooled[i]
+            if req.pooling == "MEAN":
+                req.pool_sum = row.copy() if sr.start_pos == 0 or req.pool_sum is None \
+                    else req.pool_sum + row
+                if sr.sample:
+                    req.pooled = req.pool_sum / req.num_prompt_tokens
+            elif req.pooling == "CLS":
+                if sr.start_pos == 0:
+                    req.pool_sum = row.copy()
+                if sr.sample:
+                    req.pooled = req.pool_sum
+            elif sr.sample:  # LAST: the prompt's last token is the sampling row's
+                req.pooled = row.copy()
+
     def _record(self, cur: Dispatched | None) -> None:
         # One point per call, for the step dispatched by it (none: a drain call, see _launch).
         n = cur.out.num_scheduled_tokens if cur is not None else 0
@@ -714,6 +757,8 @@ class EngineCore:
             lps = result.logprobs.tolist()
         if result is not None and result.prompt_spans:
             self._record_prompt_logprobs(result)
+        if result is not None and result.pooled is not None:
+            self._record_pooled(done.out, result.pooled)
         first_rows = getattr(done.pending, "first_rows", None)
         updated = self.scheduler.update_from_output(done.out, ids, res.rows, res.finished_at,
                                                     first_rows)

@@ -30,9 +30,10 @@ from jpaged.output_processor import (
     record_logprobs,
     update_child,
 )
-from jpaged.outputs import RequestOutput
+from jpaged.outputs import PoolingOutput, PoolingRequestOutput, RequestOutput
+from jpaged.pooling_params import PoolerConfig, PoolingParams, pool
 from jpaged.request import Request, RequestStatus
-from jpaged.sampling_params import SamplingParams
+from jpaged.sampling_params import RequestOutputKind, SamplingParams
 from models.config import ModelSpec
 from models.loader import sampling_defaults
 from models.lora import LoraCache
@@ -93,6 +94,9 @@ class RequestFrontend:
             num_gpu_blocks=c.num_gpu_blocks, enable_prefix_caching=c.enable_prefix_caching,
             prefix_caching_hash_algo=c.prefix_caching_hash_algo)
         self._groups: dict[str, RequestGroup] = {}
+        # runner "pooling": how the core pools prompts (None: a generating engine; set by the
+        # engine before this).
+        self.pooler: PoolerConfig | None = getattr(self, "pooler", None)
         # Scheduler request id (a child's, for n > 1) -> its user request and output state.
         self._child_of: dict[str, tuple[RequestGroup, ChildState]] = {}
         self._counter = 0
@@ -277,17 +281,21 @@ class RequestFrontend:
         return text, ids, salt
 
     def add_request(self, request_id: str, prompt: PromptType,
-                    params: SamplingParams | None = None, priority: int = 0,
+                    params: SamplingParams | PoolingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None,
                     lora_request: LoRARequest | None = None) -> None:
         """Validate, tokenize and queue a request; n > 1 fans out into n sequences
-        (`lora_request`: the LoRA adapter it runs with, None for the base model)."""
+        (`lora_request`: the LoRA adapter it runs with, None for the base model). A pooling
+        engine takes PoolingParams (None: the defaults) and pools the prompt instead."""
         if not isinstance(request_id, str):  # as vLLM: abort and outputs key on the string
             raise TypeError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if self.is_sleeping():
             raise ValueError("the engine is sleeping (sleep mode): call wake_up() first")
+        if self.pooler is not None or isinstance(params, PoolingParams):
+            self._add_pooling(request_id, prompt, params, priority, arrival_time, lora_request)
+            return
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError("params must be a SamplingParams")
@@ -341,6 +349,55 @@ class RequestFrontend:
         for c in group.children:
             self._child_of[c.request.request_id] = (group, c)
 
+    def _add_pooling(self, request_id: str, prompt: PromptType, params: Any, priority: int,
+                     arrival_time: float | None, lora_request: LoRARequest | None) -> None:
+        """add_request of a pooling engine: the prompt runs once (one internal greedy token,
+        never shown, ends it) and its final hidden states are pooled (EngineCore)."""
+        if self.pooler is None:
+            raise ValueError("PoolingParams need a pooling engine (runner='pooling', vLLM's "
+                             "--runner pooling); this engine generates")
+        params = PoolingParams() if params is None else params
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"this engine runs a pooling model (runner='pooling'): it embeds "
+                             f"prompts (LLM.embed, LLM.encode, LLM.score; the server's "
+                             f"/v1/embeddings), it does not generate; got "
+                             f"{type(params).__name__}")
+        if not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        params.check(self.spec.hidden_size)
+        self.check_lora(lora_request)
+        text, ids, salt = self._tokenize(prompt, params.truncate_prompt_tokens, "left")
+        inner = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False,
+                               output_kind=RequestOutputKind.FINAL_ONLY)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        group = RequestGroup(request_id, text, ids, inner, arrival_time=arrival,
+                             pooling=params)
+        req = Request(request_id, ids, inner, priority=priority, arrival_time=arrival,
+                      cache_salt=salt, lora_request=lora_request,
+                      pooling=self.pooler.pooling_type)
+        group.children.append(ChildState(0, req))
+        self._submit([req])
+        self._groups[request_id] = group
+        self._child_of[request_id] = (group, group.children[0])
+
+    def _group_output(self, group: RequestGroup, finished: bool
+                      ) -> RequestOutput | PoolingRequestOutput | None:
+        """The group's output of this step: a RequestOutput, or for a pooling request its
+        PoolingRequestOutput once finished (its vector, or None with the reason it has none)."""
+        if group.pooling is None:
+            return make_output(group, finished)
+        if not finished:
+            return None
+        child = group.children[0]
+        req = child.request
+        if req.pooled is not None and child.finish_reason not in ("abort", "error"):
+            data = pool(req.pooled, group.pooling, self.pooler)
+            return PoolingRequestOutput(group.request_id, PoolingOutput(data),
+                                        group.prompt_token_ids, True, req.num_cached_tokens)
+        why = child.stop_reason if child.finish_reason == "error" else "aborted"
+        return PoolingRequestOutput(group.request_id, None, group.prompt_token_ids, True,
+                                    req.num_cached_tokens, str(why))
+
     def abort_request(self, request_id: str | Sequence[str]) -> list[RequestOutput]:
         """Abort requests (by their user id); their blocks are freed at once. Returns each
         aborted request's last output, as vLLM's: finished, its unfinished sequences'
@@ -359,7 +416,7 @@ class RequestFrontend:
             for c in group.children:
                 self._child_of.pop(c.request.request_id, None)
             self.stats["num_requests_aborted"] += 1
-            out = make_output(group, True)
+            out = self._group_output(group, True)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -426,7 +483,7 @@ class RequestFrontend:
         if group.params.prompt_logprobs is not None and group.prompt_logprobs is None:
             group.prompt_logprobs = prompt_logprobs_of(group, functools.partial(
                 self.tokenizer.decode, skip_special_tokens=False))
-        ro = make_output(group, finished)
+        ro = self._group_output(group, finished)
         if ro is not None:
             outputs.append(ro)
         if finished:

@@ -2,16 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
+
+import numpy as np
 
 from jpaged.beam_search import BeamSearch, BeamSearchOutput
 from jpaged.config import EngineArgs
 from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
 from jpaged.lora_request import LoRARequest
-from jpaged.outputs import RequestOutput
+from jpaged.outputs import (
+    EmbeddingRequestOutput,
+    PoolingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jpaged.pooling_params import PoolingParams
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from models.tokenizer import message_text, template_tool_calls
 
@@ -85,16 +95,17 @@ class LLM:
         return self._run(prompts, params_list, priority, use_tqdm,
                          _lora_list(lora_request, len(prompts)))
 
-    def _run(self, prompts: list[PromptType], params_list: list[SamplingParams],
+    def _run(self, prompts: list[PromptType], params_list: Sequence[SamplingParams | PoolingParams],
              priority: Sequence[int] | None, use_tqdm: bool | Callable[..., Any],
-             loras: Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             loras: Sequence[LoRARequest | None] | None = None) -> list[Any]:
         engine = self.llm_engine
         order: dict[str, int] = {}
         added: list[str] = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
                 rid = f"gen-{next(self._ids)}"
-                params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+                if isinstance(params, SamplingParams):
+                    params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(rid, prompt, params,
                                    priority=priority[i] if priority is not None else 0,
                                    lora_request=loras[i] if loras is not None else None)
@@ -103,7 +114,7 @@ class LLM:
         except Exception:
             engine.abort_request(added)  # a bad prompt leaves nothing half-queued
             raise
-        results: list[RequestOutput | None] = [None] * len(prompts)
+        results: list[Any] = [None] * len(prompts)
         bar = _progress(len(prompts), use_tqdm)
         try:
             while engine.has_unfinished_requests() and any(r is None for r in results):
@@ -119,6 +130,80 @@ class LLM:
             if bar is not None:
                 bar.close()
         return [r for r in results if r is not None]
+
+    def encode(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """A pooling engine's vectors of the prompts (vLLM's `LLM.encode`), in input order:
+        each prompt runs once and its final hidden states pool as the engine's pooler says
+        (runner="pooling"); `truncate_prompt_tokens` keeps each prompt's last k tokens."""
+        prompts = _prompt_list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            params_list = [pooling_params or PoolingParams()] * len(prompts)
+        else:
+            params_list = list(pooling_params)
+            if len(params_list) != len(prompts) or not all(
+                    isinstance(p, PoolingParams) for p in params_list):
+                raise ValueError("pooling_params must be a PoolingParams or one per prompt")
+        if truncate_prompt_tokens is not None:
+            params_list = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens)
+                           for p in params_list]
+        outs = self._run(prompts, params_list, None, use_tqdm,
+                         _lora_list(lora_request, len(prompts)))
+        for out in outs:
+            if out.outputs is None:
+                raise RuntimeError(f"request {out.request_id} has no vector: {out.error}")
+        return outs
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embeddings of the prompts (vLLM's `LLM.embed`): `encode`'s vectors as lists of
+        floats (`.outputs.embedding`)."""
+        return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm, lora_request=lora_request)]
+
+    def score(
+        self,
+        data_1: PromptType | Sequence[PromptType],
+        data_2: PromptType | Sequence[PromptType],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """Cosine similarity of text pairs by an embedding model (vLLM's `LLM.score`): one
+        `data_1` against each of `data_2`, or pair i of two lists of the same length."""
+        left, right = _prompt_list(data_1), _prompt_list(data_2)
+        if len(left) == 1:
+            left = left * len(right)
+        if len(left) != len(right) or not right:
+            raise ValueError(f"score takes one data_1 and any number of data_2, or lists of the "
+                             f"same length; got {len(left)} and {len(right)}")
+        embs = self.encode([*left, *right], PoolingParams(normalize=True),
+                           truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
+                           lora_request=lora_request)
+        n = len(left)
+        out = []
+        for i in range(n):
+            a, b = embs[i], embs[n + i]
+            score = float(np.dot(a.outputs.data, b.outputs.data))  # unit vectors: the cosine
+            out.append(ScoringRequestOutput(f"score-{next(self._ids)}", ScoringOutput(score),
+                                            a.prompt_token_ids + b.prompt_token_ids))
+        return out
 
     def beam_search(
         self,

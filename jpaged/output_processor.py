@@ -53,6 +53,8 @@ class RequestGroup:
     # DELTA stream has had them).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_sent: bool = False
+    # A pooling engine's request: its PoolingParams (its one internal token is never shown).
+    pooling: Any = None
     # Fixed by the params (read per request per step): text wanted before the end; the
     # longest stop string.
     needs_text: bool = field(init=False)

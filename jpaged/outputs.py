@@ -1,8 +1,11 @@
-"""What the API returns: RequestOutput and CompletionOutput, named and shaped as vLLM's."""
+"""What the API returns: RequestOutput and CompletionOutput, and a pooling engine's
+PoolingRequestOutput, EmbeddingRequestOutput and ScoringRequestOutput, named and shaped as
+vLLM's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(slots=True)
@@ -48,3 +51,69 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
     # its logprob (and rank) plus the top-k candidates; in a DELTA stream on the first output.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+@dataclass(slots=True)
+class PoolingOutput:
+    """A pooling request's vector (vLLM's `data`: here a float32 numpy array)."""
+
+    data: Any
+
+
+@dataclass(slots=True)
+class PoolingRequestOutput:
+    """What a pooling engine returns for a prompt (vLLM's): `outputs` None when the request
+    ended without one (aborted, or the engine failed it: `error` says why)."""
+
+    request_id: str
+    outputs: PoolingOutput | None
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One embedding (vLLM's `LLM.embed` output)."""
+
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        """The embedding's length."""
+        return len(self.embedding)
+
+
+@dataclass(slots=True)
+class EmbeddingRequestOutput:
+    """A prompt's embedding, as vLLM's `LLM.embed` returns it."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> EmbeddingRequestOutput:
+        """The embedding of a finished PoolingRequestOutput."""
+        assert out.outputs is not None
+        return cls(out.request_id, EmbeddingOutput([float(x) for x in out.outputs.data]),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass(slots=True)
+class ScoringOutput:
+    """A pair's score (vLLM's `LLM.score`: for an embedding model, the cosine similarity)."""
+
+    score: float
+
+
+@dataclass(slots=True)
+class ScoringRequestOutput:
+    """One scored pair, as vLLM's `LLM.score` returns it (`prompt_token_ids`: both texts')."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

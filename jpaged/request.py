@@ -75,7 +75,7 @@ class Request:
                  sampling_params: SamplingParams, *, priority: int = 0,
                  arrival_time: float | None = None, cache_salt: str | None = None,
                  extra_keys: tuple = (), block_hasher: PrefixHasher | None = None,
-                 lora_request: LoRARequest | None = None) -> None:
+                 lora_request: LoRARequest | None = None, pooling: str | None = None) -> None:
         if len(prompt_token_ids) == 0:
             raise ValueError(f"Request.prompt_token_ids must be non-empty (request {request_id!r})")
         self.request_id = request_id
@@ -141,7 +141,15 @@ class Request:
         # True: every prompt position is computed here, none taken from a cache (the device
         # prefix cache, the host/disk tiers, another engine's pages). Prompt logprobs need each
         # position's logits (vLLM's rule). Every lookup of any tier asks this one attribute.
-        self.skip_reading_prefix_cache: bool = sampling_params.prompt_logprobs is not None
+        # A pooling request (runner "pooling": "LAST", "MEAN" or "CLS", pooling_params.py):
+        # its prompt's final hidden states are pooled as its chunks run (`pool_sum`: MEAN's
+        # running sum), into `pooled` once the prompt is through. MEAN and CLS need every
+        # prompt position computed here (LAST's last position always is).
+        self.pooling = pooling
+        self.pool_sum: Any = None
+        self.pooled: Any = None
+        self.skip_reading_prefix_cache: bool = (sampling_params.prompt_logprobs is not None
+                                                or pooling in ("MEAN", "CLS"))
         self.block_hashes: list[bytes] = []
         self._hasher: PrefixHasher | None = None
         self._hash_extra: tuple[bytes, bytes] = (b"", b"")

@@ -162,6 +162,10 @@ class StepResult:
     prompt_ranks: np.ndarray | None = None  # [P] int32: its rank (1 = the most likely)
     prompt_top_ids: np.ndarray | None = None  # [P, N] int32
     prompt_top_logprobs: np.ndarray | None = None  # [P, N] float32
+    # A pooling runner's: row i's pooled hidden state, float32 [n, hidden] (the runner's
+    # `pooling` says how: LAST the row's last token, CLS its first, MEAN the sum over its
+    # tokens); None for a generating runner.
+    pooled: np.ndarray | None = None
 
 
 class PendingStep:
@@ -187,13 +191,15 @@ class PendingStep:
             ids, lp, top_ids, top_lp, ranks = (np.asarray(x) for x in self._outs[:5])
             plp = ((np.asarray(x) for x in self._outs[5]) if self.prompt_spans
                    else (None,) * 4)
+            pooled = (np.asarray(self._outs[-1])[:self.num_rows]
+                      if self._runner.pooling is not None else None)
             t1 = time.perf_counter()
             self._runner.last_wait_s += t1 - t0
             # Device seconds: dispatch until the results are on the host.
             self._runner.last_device_s = t1 - self._t_dispatch
             n = self.num_rows
             self._result = StepResult(ids[:n], lp[:n], top_ids[:n], top_lp[:n], ranks[:n],
-                                      self.prompt_spans, *plp)
+                                      self.prompt_spans, *plp, pooled=pooled)
             self._outs = ()
         return self._result
 
@@ -208,8 +214,11 @@ class ModelRunner:
                  kv_layout: KVCacheLayout | None = None, platform: str | None = None,
                  num_top_logprobs: int = NUM_TOP_LOGPROBS,
                  decode_matmuls: bool = True, eager: bool = False,
-                 lora: LoraSlots | None = None) -> None:
+                 lora: LoraSlots | None = None, pooling: str | None = None) -> None:
         self.graphdef, self.params = nnx.split(model)
+        # A pooling runner ("LAST", "MEAN", "CLS"; jpaged/pooling_params.py): every step also
+        # returns each row's pooled final hidden state (static: part of every compiled step).
+        self.pooling = pooling
         # LoRA: the adapter slots on the device (None: no adapters; steps carry no slot
         # inputs and compile as they always did). Requests bring their adapters' weights.
         self.lora = lora
@@ -405,6 +414,8 @@ class ModelRunner:
         if batch.plp_idx is not None:  # prompt logprobs: only the rows that score a prompt token
             plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target,
                                          linears),)
+        if self.pooling is not None:  # (after plp: PendingStep reads it as the last output)
+            plp = (*plp, self._pool(hidden, batch))
         if defer:  # sampled later by _sample_step, once the host has the token masks
             return (logits, *plp), new_kv, last_tokens
         outs = sample(logits, sampling, flags, num_top=self.num_top_logprobs, **self._vocab_ops)
@@ -412,6 +423,25 @@ class ModelRunner:
             outs = tuple(map(self.parallel.replicated, outs))
         last_tokens = jax.lax.dynamic_update_slice(last_tokens, outs[0], (0,))
         return (*outs, *plp), new_kv, last_tokens
+
+    def _pool(self, hidden: jax.Array, batch: Any) -> jax.Array:
+        """Each row's pooled final hidden state this step, float32 [R, hidden]: its last
+        token's (LAST), its first token's (CLS), or the sum over its tokens (MEAN; the engine
+        divides by the prompt's length once every chunk is in). Rows past the real ones hold
+        whatever their padding indexes."""
+        if self.pooling == "LAST":
+            out = jnp.take(hidden, batch.logits_indices, axis=0)
+        elif self.pooling == "CLS":
+            out = jnp.take(hidden, batch.query_start_loc[:-1], axis=0)
+        else:  # MEAN: token j belongs to row i where qsl[i] <= j < qsl[i + 1]; padding to none
+            rows = batch.logits_indices.shape[0]
+            qsl = batch.query_start_loc
+            owner = jnp.searchsorted(qsl[1:], jnp.arange(hidden.shape[0], dtype=qsl.dtype),
+                                     side="right")
+            out = jax.ops.segment_sum(hidden.astype(jnp.float32), owner,
+                                      num_segments=rows + 1)[:rows]
+        out = out.astype(jnp.float32)
+        return out if self.parallel is None else self.parallel.replicated(out)
 
     def _sample_step(self, logits: jax.Array, flat: FlatStep, last_tokens: jax.Array,
                      flags: SamplingFlags) -> tuple[tuple[jax.Array, ...], jax.Array]:

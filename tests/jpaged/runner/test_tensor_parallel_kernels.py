@@ -64,3 +64,11 @@ def test_experts_split_their_width_and_give_the_single_device_tokens(facts):
     assert case["gguf_tp2"] == case["gguf_tp1"] and any(len(t) == 8 for t in case["gguf_tp1"])
     assert case["gguf_shards"] == [[6, 32, 32], [6, 2, 32], [6, 32, 64], [6, 1, 64]]
     assert case["gguf_kernel_tp2_max_err"] < 1e-4
+
+
+def test_pooling_under_tp_gives_the_single_device_vectors(facts):
+    import numpy as np
+
+    case = facts["pooling"]
+    assert len(case["tp1"]) == 3 and len(case["tp1"][0]) == 64
+    np.testing.assert_allclose(case["tp2"], case["tp1"], atol=1e-5)

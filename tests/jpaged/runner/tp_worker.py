@@ -433,12 +433,23 @@ def moe_cases(out: dict) -> None:
     out["moe"] = case
 
 
+def pooling_cases(out: dict) -> None:
+    """An embedding engine (runner "pooling", MEAN) at tp 1 and 2: each prompt's vector, its
+    hidden states pooled on the mesh (replicated) as on one device."""
+    case: dict = {}
+    for tp in (1, 2):
+        llm = make_llm(tiny(), runner="pooling", pooler_config={"pooling_type": "MEAN"},
+                       tensor_parallel_size=tp, **TINY_ARGS)
+        case[f"tp{tp}"] = [o.outputs.embedding for o in llm.embed(TINY_PROMPTS)]
+    out["pooling"] = case
+
+
 # The cases of each test file's subprocess (argv[1]): two files, so pytest's two workers run
 # them side by side.
 GROUPS = {
     "engine": (sharded_load_cases, tiny_cases, candidate_cases, embedded_cases,
                default_pool_cases),
-    "kernels": (fused_linear_cases, quantized_cases, lora_cases, moe_cases),
+    "kernels": (fused_linear_cases, quantized_cases, lora_cases, moe_cases, pooling_cases),
 }
 
 
