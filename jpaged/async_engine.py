@@ -4,8 +4,9 @@ Invariants:
 - Only the loop thread touches the LLMEngine (add, abort, step, get_metrics); callers talk to it
   through a command list guarded by a Condition, so any thread or event loop may submit or abort.
 - Outputs reach a caller's asyncio.Queue through `loop.call_soon_threadsafe`; a queue item is a
-  RequestOutput or an exception (the request failed). A request's last item is either a
-  finished RequestOutput (finish_reason "abort" after an abort) or an exception.
+  RequestOutput (a pooling engine's: a PoolingRequestOutput) or an exception (the request
+  failed). A request's last item is either a finished output (finish_reason "abort", or a
+  pooling output without a vector, after an abort) or an exception.
 - An exception from `LLMEngine.step` fails the requests in flight and the loop goes on.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import uuid
@@ -24,7 +26,8 @@ from jpaged.config import EngineArgs
 from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
 from jpaged.lora_request import LoRARequest
-from jpaged.outputs import RequestOutput
+from jpaged.outputs import PoolingRequestOutput, RequestOutput
+from jpaged.pooling_params import PoolerConfig, PoolingParams
 from jpaged.runner.multiprocess import ProcessGroupError, exit_soon
 from jpaged.sampling_params import SamplingParams
 
@@ -57,7 +60,7 @@ class _Sink:
 class _Add:
     request_id: str
     prompt: PromptType
-    params: SamplingParams
+    params: SamplingParams | PoolingParams
     priority: int
     sink: _Sink
     done: concurrent.futures.Future
@@ -124,6 +127,11 @@ class AsyncLLMEngine:
         return self.engine.default_sampling
 
     @property
+    def pooler(self) -> PoolerConfig | None:
+        """How a pooling engine (runner "pooling") pools prompts; None for a generating one."""
+        return getattr(self.engine, "pooler", None)
+
+    @property
     def logprobs_limit(self) -> int:
         """The most logprobs a request may ask for (max_logprobs; -1: the vocabulary)."""
         return self.engine.logprobs_limit
@@ -177,14 +185,16 @@ class AsyncLLMEngine:
             self._idle = False
             self._cond.notify_all()
 
-    async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams,
-                          priority: int = 0, queue: asyncio.Queue | None = None,
+    async def add_request(self, request_id: str, prompt: PromptType,
+                          params: SamplingParams | PoolingParams, priority: int = 0,
+                          queue: asyncio.Queue | None = None,
                           lora_request: LoRARequest | None = None) -> asyncio.Queue:
         """Queue a request; returns the asyncio.Queue its outputs arrive on.
 
         Raises what `LLMEngine.add_request` raises (ValueError for bad input). Several requests
         may share one `queue`; items carry their `request_id`. `lora_request`: the LoRA
-        adapter it runs with (read on an executor thread the first time).
+        adapter it runs with (read on an executor thread the first time). A pooling engine
+        takes PoolingParams: its request's one item is a PoolingRequestOutput.
         """
         queue = asyncio.Queue() if queue is None else queue
         if getattr(params, "structured_outputs", None) is not None:
@@ -258,10 +268,10 @@ class AsyncLLMEngine:
         """True while the engine sleeps."""
         return self.engine.is_sleeping()
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams,
+    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | PoolingParams,
                        request_id: str | None = None, priority: int = 0,
                        lora_request: LoRARequest | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       ) -> AsyncIterator[RequestOutput | PoolingRequestOutput]:
         """Stream one request's outputs (vLLM's AsyncLLM.generate); leaving the loop early
         aborts the request."""
         rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex}"
@@ -282,6 +292,20 @@ class AsyncLLMEngine:
         finally:
             if not finished:
                 self.abort(rid)
+
+    async def encode(self, prompt: PromptType, pooling_params: PoolingParams | None = None,
+                     request_id: str | None = None, priority: int = 0,
+                     lora_request: LoRARequest | None = None
+                     ) -> AsyncIterator[PoolingRequestOutput]:
+        """A pooling engine's output of one prompt (vLLM's AsyncLLM.encode): one finished
+        PoolingRequestOutput, its vector in `outputs.data`; leaving early aborts it."""
+        rid = request_id if request_id is not None else f"pool-{uuid.uuid4().hex}"
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        # Closed at once when the caller leaves early (the request is aborted then).
+        async with contextlib.aclosing(self.generate(prompt, params, rid, priority,
+                                                     lora_request)) as outs:
+            async for out in outs:
+                yield out
 
     def abort(self, request_id: str | Sequence[str]) -> None:
         """Abort requests from any thread; their KV blocks are freed on the loop thread."""
@@ -390,7 +414,12 @@ class AsyncLLMEngine:
             sink = self._sinks.get(out.request_id)
             if sink is None:
                 continue
-            if out.finished and out.outputs and out.outputs[0].finish_reason == "error":
+            if isinstance(out, PoolingRequestOutput):
+                if out.outputs is None:  # the engine failed it (an abort's output is abort's)
+                    sink.put(RequestFailedError(out.error or "the request has no vector"))
+                else:
+                    sink.put(out)
+            elif out.finished and out.outputs and out.outputs[0].finish_reason == "error":
                 sink.put(RequestFailedError(str(out.outputs[0].stop_reason)))
             else:
                 sink.put(out)

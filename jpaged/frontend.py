@@ -276,8 +276,11 @@ class RequestFrontend:
             if len(kept) < len(ids):
                 ids, text = kept, None
         if len(ids) >= max_len:
+            room = ("a pooling model's prompt may have max_model_len - 1 tokens (the last "
+                    "position is the engine's own)" if self.pooler is not None else
+                    "it must leave room for at least one generated token")
             raise ValueError(f"prompt has {len(ids)} tokens but max_model_len is {max_len}: "
-                             "it must leave room for at least one generated token")
+                             f"{room}")
         return text, ids, salt
 
     def add_request(self, request_id: str, prompt: PromptType,

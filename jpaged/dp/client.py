@@ -89,6 +89,9 @@ class DPEngineClient:
             data_parallel_size = len(roles)
         if not isinstance(dead_timeout_s, int | float) or dead_timeout_s <= 0:
             raise ValueError(f"dead_timeout_s must be a number > 0, got {dead_timeout_s!r}")
+        if args.create_engine_config(2**31 - 1).model.runner == "pooling":
+            raise ValueError("runner 'pooling' serves from one engine in this version, not "
+                             "data-parallel replicas")
         if args.engine_core_process:
             raise ValueError("engine_core_process is not supported with data-parallel replicas "
                              "(each replica's engine already runs in its own Ray actor process)")

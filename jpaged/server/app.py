@@ -32,11 +32,13 @@ from jpaged.gc_heap import freeze_gc_heap
 from jpaged.lora_request import LoRARequest
 from jpaged.metrics import render, with_labels
 from jpaged.server.completions import CompletionServing
+from jpaged.server.embeddings import EmbeddingServing, pooling_only_error
 from jpaged.server.lora_modules import parse_lora_modules, runtime_updating_allowed
 from jpaged.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     LoadLoRAAdapterRequest,
     OpenAIError,
     TokenizeRequest,
@@ -57,8 +59,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("jpaged.server")
 
 
-class _Serving(CompletionServing, ResponsesServing, TokenizationServing):
-    """The generation and tokenizer endpoints over one engine (its tokenizer measured once)."""
+class _Serving(CompletionServing, ResponsesServing, TokenizationServing, EmbeddingServing):
+    """The generation, embedding and tokenizer endpoints over one engine (its tokenizer
+    measured once)."""
 
 
 class _EventStreamResponse(StreamingResponse):
@@ -276,20 +279,35 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
             release()
         return respond(result, release)
 
+    # A pooling model (--runner pooling) embeds and does not generate: the generation
+    # endpoints answer a 400 saying so (and /v1/embeddings one on a generating server).
+    pooling = getattr(aengine, "pooler", None) is not None
+
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         """OpenAI completions: prompt(s) in, text out (stream=true: server-sent events)."""
+        if pooling:
+            raise pooling_only_error("/v1/completions")
         return await load_aware(serving.completion(body, request))
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         """OpenAI chat completions over the model's chat template."""
+        if pooling:
+            raise pooling_only_error("/v1/chat/completions")
         return await load_aware(serving.chat(body, request))
 
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         """OpenAI's Responses API: a response, its event stream, or a background run."""
+        if pooling:
+            raise pooling_only_error("/v1/responses")
         return await load_aware(serving.responses(body, request))
+
+    @v1.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        """OpenAI embeddings (a pooling model, --runner pooling): a vector per input."""
+        return await load_aware(serving.embeddings(body, request))
 
     @v1.get("/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False,

@@ -10,6 +10,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from jpaged.core.structured_output import relocated
+from jpaged.pooling_params import PoolingParams
 from jpaged.sampling_params import (
     BeamSearchParams,
     RequestOutputKind,
@@ -682,3 +683,77 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: str = Field(min_length=1)
     lora_int_id: int | None = None  # vLLM's; the name alone identifies the adapter here
+
+
+# vLLM's /v1/embeddings fields this server does not implement yet, with the value meaning
+# "not used": any other value is a 400 naming the field.
+_EMBED_NOT_YET: dict[str, Any] = {"messages": None, "embed_dtype": "float32",
+                                  "endianness": "native", "mm_processor_kwargs": None}
+_POOLING_FIELD_RE = re.compile(r"PoolingParams\.(\w+)")
+
+
+class EmbeddingRequest(BaseModel):
+    """Body of POST /v1/embeddings: OpenAI's fields and vLLM's extras (`truncate_prompt_tokens`,
+    `normalize`, `add_special_tokens`, `priority`, `request_id`). A field it does not know is a
+    400 naming it, never dropped."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # keep the first k features (Matryoshka), then normalize
+    user: str | None = None  # OpenAI's end-user id: accepted, not used
+    # vLLM: keep each input's last k tokens (-1: as many as the context allows).
+    truncate_prompt_tokens: int | None = None
+    normalize: bool | None = None  # vLLM: L2-normalize (None: the server's pooler decides)
+    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around text
+    priority: int = 0
+    request_id: str | None = None  # vLLM: the id the response carries
+
+    def refuse_unknown(self) -> None:
+        """400 naming the first field set that this server does not implement or know."""
+        extra = self.model_extra or {}
+        for name, unused in _EMBED_NOT_YET.items():
+            if name in extra and extra[name] != unused:
+                raise OpenAIError(400, f"{name} is not supported by this server's "
+                                  "/v1/embeddings yet", param=name)
+        for name in extra:
+            if name not in _EMBED_NOT_YET:
+                raise OpenAIError(400, f"unknown field {name!r}: this server does not "
+                                  "implement it", param=name)
+
+    def inputs(self) -> list[tuple[str, str | list[int]]]:
+        """(how errors name it, its text or token ids) of each input, in order; an empty
+        input (or input list) is a 400."""
+        x = self.input
+        if isinstance(x, str):
+            out: list[tuple[str, Any]] = [("input", x)]
+        elif not x:
+            raise OpenAIError(400, "input is empty: give a string, a list of strings, a list "
+                              "of token ids or a list of token id lists", param="input")
+        elif isinstance(x[0], int):
+            out = [("input", list(x))]
+        else:
+            out = [(f"input[{i}]", v) for i, v in enumerate(x)]
+        for where, v in out:
+            if not v:
+                raise OpenAIError(400, f"{where} is empty", param="input")
+        return out
+
+    def pooling_params(self) -> PoolingParams:
+        """The engine's PoolingParams of this request."""
+        return PoolingParams(normalize=self.normalize, dimensions=self.dimensions,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+def bad_pooling_value(e: ValueError, where: str) -> OpenAIError:
+    """A 400 for a ValueError of the pooling engine about input `where` ("input", "input[2]"):
+    a PoolingParams field as the request spells it, token ids by their place in `input`."""
+    msg = str(e)
+    m = _POOLING_FIELD_RE.search(msg)
+    if m is not None:
+        return OpenAIError(400, msg.replace(m.group(0), m.group(1)), param=m.group(1))
+    if msg.startswith("prompt_token_ids"):  # prompt_token_ids[j] is ..., out of vocabulary
+        return OpenAIError(400, where + msg[len("prompt_token_ids"):], param="input")
+    return OpenAIError(400, f"{where}: {msg}", param="input")

@@ -171,6 +171,12 @@ def test_bad_input_is_refused_by_name_and_the_engine_keeps_serving(qwen3):
     gen = make_llm(loaded, **SIZING)
     with pytest.raises(ValueError, match="need a pooling engine"):
         gen.encode([{"prompt_token_ids": p}])
+    pytest.importorskip("ray")
+    from jpaged.config import EngineArgs
+    from jpaged.dp.client import DPEngineClient
+
+    with pytest.raises(ValueError, match="runner 'pooling' serves from one engine"):
+        DPEngineClient(EngineArgs(runner="pooling"), 2)  # refused before any replica starts
     for bad, match in (({"pooler_config": {"pooling_type": "MAX"}}, "pooling_type must be"),
                        ({"pooler_config": {"pool": "LAST"}}, "unknown field"),
                        ({"pooler_config": "{not json"}, "not JSON"),
