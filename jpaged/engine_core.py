@@ -37,7 +37,7 @@ from jpaged.core.structured_output import GrammarCompiler, make_grammar_compiler
 from jpaged.core.structured_output_manager import StructuredOutputManager
 from jpaged.core_step import CoreStep
 from jpaged.kv_events import KVEventBatch, KVEventHub
-from jpaged.pooling_params import PoolerConfig, pooler_from_checkpoint
+from jpaged.pooling_params import PoolerConfig, pooler_from_checkpoint, refuse_unrun_st_modules
 from jpaged.request import Request, RequestStatus
 from jpaged.runner.batch import BucketPlan
 from jpaged.runner.compile_cache import enable_compilation_cache
@@ -225,6 +225,7 @@ class EngineCore:
         # sentence-transformers modules, else LAST normalized); None for a generating engine.
         self.pooler: PoolerConfig | None = None
         if early.model.runner == "pooling":
+            refuse_unrun_st_modules(self.loaded.source)  # a pooler_config does not run them
             self.pooler = (early.model.pooler_config or pooler_from_checkpoint(
                 self.loaded.source) or PoolerConfig())
             logger.info("pooling runner: %s pooling%s", self.pooler.pooling_type,

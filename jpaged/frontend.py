@@ -254,6 +254,8 @@ class RequestFrontend:
                 text, ids = prompt["prompt"], None
             else:
                 raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, list):  # vLLM: a list of token ids is a TokensPrompt
+            text, ids = None, _token_id_list(prompt)
         else:
             raise ValueError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
         if ids is None:
@@ -368,8 +370,14 @@ class RequestFrontend:
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         params.check(self.spec.hidden_size)
+        max_len = self.config.scheduler.max_model_len
+        t = params.truncate_prompt_tokens
+        if t is not None and t > max_len:  # vLLM: whatever the prompt's length
+            raise ValueError(f"PoolingParams.truncate_prompt_tokens is {t}, greater than "
+                             f"max_model_len ({max_len}): request a smaller truncation size")
         self.check_lora(lora_request)
-        text, ids, salt = self._tokenize(prompt, params.truncate_prompt_tokens, "left")
+        # vLLM's pooling runner truncates on the right (its tokenizer's truncation_side).
+        text, ids, salt = self._tokenize(prompt, params.truncate_prompt_tokens, "right")
         inner = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False,
                                output_kind=RequestOutputKind.FINAL_ONLY)
         arrival = arrival_time if arrival_time is not None else time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -142,7 +143,7 @@ class LLM:
     ) -> list[PoolingRequestOutput]:
         """A pooling engine's vectors of the prompts (vLLM's `LLM.encode`), in input order:
         each prompt runs once and its final hidden states pool as the engine's pooler says
-        (runner="pooling"); `truncate_prompt_tokens` keeps each prompt's last k tokens."""
+        (runner="pooling"); `truncate_prompt_tokens` keeps each prompt's first k tokens."""
         prompts = _prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)
@@ -353,8 +354,10 @@ def _lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     """One prompt (a str or a prompt dict) or an iterable of them, as a list."""
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
+    if isinstance(prompts, (str, Mapping)) or (
+            isinstance(prompts, list) and prompts and all(
+                isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in prompts)):
+        return [prompts]  # one prompt (vLLM's prompt_to_seq: a list of ints is one)
     if not isinstance(prompts, Iterable):
         raise ValueError("prompts must be a str, a prompt dict or a list of them, got "
                          f"{type(prompts).__name__}")

@@ -23,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["POOLING_TYPES", "PoolerConfig", "PoolingParams", "pool", "pooler_from_checkpoint"]
+__all__ = ["POOLING_TYPES", "PoolerConfig", "PoolingParams", "pool", "pooler_from_checkpoint",
+           "refuse_unrun_st_modules"]
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
@@ -71,7 +72,7 @@ class PoolerConfig:
 class PoolingParams:
     """One pooling request's options (vLLM's): `normalize` (None: the engine's pooler),
     `dimensions` (keep the first this many features, before normalizing: Matryoshka
-    embeddings), `truncate_prompt_tokens` (keep the prompt's last k tokens; -1: as many as
+    embeddings), `truncate_prompt_tokens` (keep the prompt's first k tokens; -1: as many as
     the context allows)."""
 
     normalize: bool | None = None
@@ -105,6 +106,30 @@ def pool(vector: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> np.
     if normalize:
         out = out / max(float(np.linalg.norm(out)), 1e-12)
     return out
+
+
+# The sentence-transformers modules jpaged runs; any other (Dense, LayerNorm, WordWeights...)
+# would change the vector, so a checkpoint declaring one is refused by name.
+ST_MODULES_RUN = ("Transformer", "Pooling", "Normalize")
+
+
+def refuse_unrun_st_modules(model_dir: str | None) -> None:
+    """ValueError naming the modules of a sentence-transformers checkpoint (modules.json) that
+    jpaged does not run: its vectors would not be the model's."""
+    if model_dir is None or not Path(model_dir).is_dir():
+        return
+    try:
+        modules = json.loads((Path(model_dir) / "modules.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(modules, list):
+        return
+    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules if isinstance(m, dict)]
+    other = [k for k in kinds if k not in ST_MODULES_RUN]
+    if other:
+        raise ValueError(f"{Path(model_dir) / 'modules.json'}: jpaged runs the sentence-"
+                         f"transformers modules {', '.join(ST_MODULES_RUN)}; this checkpoint "
+                         f"also has {', '.join(other)}, whose output it would not compute")
 
 
 def pooler_from_checkpoint(model_dir: str | None) -> PoolerConfig | None:

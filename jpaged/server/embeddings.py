@@ -85,6 +85,8 @@ class EmbeddingServing(Serving):
                 prompt: dict[str, Any] = {"prompt": x, "prompt_token_ids": ids}
             else:
                 prompt = {"prompt_token_ids": x}
+            if req.cache_salt is not None:
+                prompt["cache_salt"] = req.cache_salt
             n = len(prompt["prompt_token_ids"])
             t = params.truncate_prompt_tokens
             if t is not None and (t == -1 or t >= 1):  # another value: the engine's 400

@@ -704,16 +704,19 @@ class EmbeddingRequest(BaseModel):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # keep the first k features (Matryoshka), then normalize
     user: str | None = None  # OpenAI's end-user id: accepted, not used
-    # vLLM: keep each input's last k tokens (-1: as many as the context allows).
+    # vLLM: keep each input's first k tokens (-1: as many as the context allows).
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None  # vLLM: L2-normalize (None: the server's pooler decides)
     add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around text
     priority: int = 0
     request_id: str | None = None  # vLLM: the id the response carries
+    cache_salt: str | None = None  # vLLM: keeps the prefix cache to requests of the same salt
 
     def refuse_unknown(self) -> None:
         """400 naming the first field set that this server does not implement or know."""
         extra = self.model_extra or {}
+        if self.cache_salt is not None and not self.cache_salt:
+            raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
         for name, unused in _EMBED_NOT_YET.items():
             if name in extra and extra[name] != unused:
                 raise OpenAIError(400, f"{name} is not supported by this server's "

@@ -85,7 +85,7 @@ def test_preemption_and_prefix_cache_hits_keep_the_vectors(qwen3, kind):
 
 def test_pooling_params_and_score(qwen3):
     """`normalize=False` gives the raw hidden state, `dimensions` the first d features
-    (normalized after the cut), `truncate_prompt_tokens` the last k tokens; LLM.score is the
+    (normalized after the cut), `truncate_prompt_tokens` the first k tokens; LLM.score is the
     cosine of the two embeddings."""
     _, loaded, base = qwen3
     llm = make_llm(loaded, runner="pooling", **SIZING)
@@ -96,8 +96,8 @@ def test_pooling_params_and_score(qwen3):
     cut = vectors(llm, [p], PoolingParams(dimensions=16))[0]
     np.testing.assert_allclose(cut, h[-1][:16] / np.linalg.norm(h[-1][:16]), atol=2e-6)
     tail = llm.encode([{"prompt_token_ids": p}], truncate_prompt_tokens=5)[0]
-    assert tail.prompt_token_ids == p[-5:]
-    np.testing.assert_allclose(tail.outputs.data, pooled(hidden_states(base, p[-5:]), "LAST"),
+    assert tail.prompt_token_ids == p[:5]
+    np.testing.assert_allclose(tail.outputs.data, pooled(hidden_states(base, p[:5]), "LAST"),
                                atol=2e-6)
     q = random_prompts(2, seed=10)
     scores = llm.score({"prompt_token_ids": p}, [{"prompt_token_ids": x} for x in q])

@@ -125,12 +125,12 @@ def test_token_id_inputs_and_pooling_options(pooled: Served, llm: LLM) -> None:
     want = _reference(llm, TEXTS, PoolingParams(normalize=False))
     np.testing.assert_allclose(_vectors(raw), want, rtol=1e-5, atol=1e-5)
     assert np.linalg.norm(want[0]) > 1.5  # not a unit vector: normalize did change it
-    # truncate_prompt_tokens: each input's last k tokens, counted so in the usage.
+    # truncate_prompt_tokens: each input's first k tokens (vLLM: on the right), in the usage.
     long_ids = list(range(10, 40))
     cut = client.embeddings.create(model=EMBED_MODEL, input=[long_ids],
                                    extra_body={"truncate_prompt_tokens": 5})
     np.testing.assert_allclose(
-        _vectors(cut)[0], _reference(llm, [{"prompt_token_ids": long_ids[-5:]}])[0], atol=1e-6)
+        _vectors(cut)[0], _reference(llm, [{"prompt_token_ids": long_ids[:5]}])[0], atol=1e-6)
     assert cut.usage.prompt_tokens == 5
     # vLLM's extras pass: priority, request_id (the response's id), add_special_tokens, user.
     r = _post(pooled, "/v1/embeddings", {"model": EMBED_MODEL, "input": "x", "user": "u1",
