@@ -13,7 +13,7 @@ Throughput is prompt tokens / wall seconds of the whole set; jpaged is warmed on
 of the same lengths first (its timed run compiles nothing). `max_abs_diff` compares jpaged's
 vectors with HF's. Each way runs `--rounds` times, taking turns; figures are medians.
 
-    .venv/bin/python scripts/bench_embed.py --out docs/bench/embed.json   # ~3 min on 2 cores
+    .venv/bin/python scripts/bench_embed.py --out docs/bench/embed.json   # ~1.5 min on 2 cores
 """
 
 from __future__ import annotations
