@@ -32,7 +32,7 @@ from jpaged.gc_heap import freeze_gc_heap
 from jpaged.lora_request import LoRARequest
 from jpaged.metrics import render, with_labels
 from jpaged.server.completions import CompletionServing
-from jpaged.server.embeddings import EmbeddingServing, pooling_only_error
+from jpaged.server.embeddings import pooling_only_error
 from jpaged.server.lora_modules import parse_lora_modules, runtime_updating_allowed
 from jpaged.server.protocol import (
     ChatCompletionRequest,
@@ -41,6 +41,7 @@ from jpaged.server.protocol import (
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     OpenAIError,
+    ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
     error_body,
@@ -49,6 +50,7 @@ from jpaged.server.reasoning_parsers import get_reasoning_parser
 from jpaged.server.request_log import RequestLogger
 from jpaged.server.responses import ResponsesServing, ResponseStore
 from jpaged.server.responses_protocol import ResponsesRequest
+from jpaged.server.scoring import ScoreServing
 from jpaged.server.serving import EventStream, load_chat_template
 from jpaged.server.tokenization import TokenizationServing
 from jpaged.server.tool_parsers import auto_tool_parser
@@ -59,8 +61,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("jpaged.server")
 
 
-class _Serving(CompletionServing, ResponsesServing, TokenizationServing, EmbeddingServing):
-    """The generation, embedding and tokenizer endpoints over one engine (its tokenizer
+class _Serving(CompletionServing, ResponsesServing, TokenizationServing, ScoreServing):
+    """The generation, embedding, score and tokenizer endpoints over one engine (its tokenizer
     measured once)."""
 
 
@@ -280,7 +282,8 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         return respond(result, release)
 
     # A pooling model (--runner pooling) embeds and does not generate: the generation
-    # endpoints answer a 400 saying so (and /v1/embeddings one on a generating server).
+    # endpoints answer a 400 saying so (and /v1/embeddings and /score one on a generating
+    # server).
     pooling = getattr(aengine, "pooler", None) is not None
 
     @v1.post("/completions")
@@ -308,6 +311,14 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         """OpenAI embeddings (a pooling model, --runner pooling): a vector per input."""
         return await load_aware(serving.embeddings(body, request))
+
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        """vLLM's score API (an embedding model): the cosine similarity of text pairs."""
+        return await load_aware(serving.score(body, request))
+
+    # vLLM serves it at both (/v1/score being its first, OpenAI-looking route).
+    app.add_api_route("/score", score, methods=["POST"])
+    v1.add_api_route("/score", score, methods=["POST"])
 
     @v1.get("/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False,

@@ -17,7 +17,12 @@ from jpaged.frontend import truncation_keep
 from jpaged.lora_request import LoRARequest
 from jpaged.outputs import PoolingRequestOutput
 from jpaged.pooling_params import PoolingParams
-from jpaged.server.protocol import EmbeddingRequest, OpenAIError, bad_pooling_value
+from jpaged.server.protocol import (
+    EmbeddingRequest,
+    OpenAIError,
+    bad_pooling_value,
+    input_field,
+)
 from jpaged.server.serving import Serving, until_disconnected
 
 
@@ -34,7 +39,7 @@ def pooling_only_error(endpoint: str) -> OpenAIError:
     """The 400 a generation endpoint answers on a server of a pooling model."""
     return OpenAIError(400, f"{endpoint} is not available: this server runs its model as a "
                        "pooling (embedding) model (--runner pooling), which does not generate "
-                       "text; use /v1/embeddings", param="model")
+                       "text; use /v1/embeddings (or /score)", param="model")
 
 
 class EmbeddingServing(Serving):
@@ -47,14 +52,11 @@ class EmbeddingServing(Serving):
 
     async def _embeddings(self, req: EmbeddingRequest) -> dict[str, Any]:
         self.check_model(req.model)
-        if getattr(self.engine, "pooler", None) is None:
-            raise OpenAIError(400, f"The model `{self.model_name}` does not support embeddings: "
-                              "this server runs it to generate text; start the server with "
-                              "--runner pooling to serve it as an embedding model",
-                              param="model")
+        self.need_pooler("embeddings")
         req.refuse_unknown()
         params = req.pooling_params()
-        inputs = await self._prompts(req, params)
+        inputs = await self._prompts(req.inputs(), params, req.add_special_tokens,
+                                     req.cache_salt)
         base = req.request_id or f"embd-{uuid.uuid4().hex}"
         outs = await self._pooled(inputs, params, base, req.priority, self.lora_for(req.model))
         tokens = sum(len(o.prompt_token_ids) for o in outs)
@@ -65,28 +67,39 @@ class EmbeddingServing(Serving):
                 "model": self.answer_model(req.model), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
-    async def _prompts(self, req: EmbeddingRequest, params: PoolingParams
+    def need_pooler(self, what: str) -> None:
+        """400 naming --runner pooling unless the engine pools (`what`: the API refused)."""
+        if getattr(self.engine, "pooler", None) is None:
+            raise OpenAIError(400, f"The model `{self.model_name}` does not support {what}: "
+                              "this server runs it to generate text; start the server with "
+                              "--runner pooling to serve it as an embedding model",
+                              param="model")
+
+    async def _prompts(self, inputs: list[tuple[str, str | list[int]]], params: PoolingParams,
+                       add_special_tokens: bool = True, cache_salt: str | None = None
                        ) -> list[tuple[str, dict[str, Any]]]:
-        """(where, engine prompt with its token ids) of each input: texts tokenized off the
-        event loop; an input longer than the context (after truncate_prompt_tokens) is a 400
-        naming it, as is a text too long to tokenize at all."""
+        """(where, engine prompt with its token ids) of each (where, text or token ids) input:
+        texts tokenized off the event loop; an input longer than the context (after
+        truncate_prompt_tokens) is a 400 naming it (its field the param), as is a text too
+        long to tokenize at all."""
         tok, limit = self.engine.tokenizer, self.engine.max_model_len
         loop = asyncio.get_running_loop()
         out = []
-        for where, x in req.inputs():
+        for where, x in inputs:
+            param = input_field(where)
             if isinstance(x, str):
                 size = len(x.encode("utf-8", "surrogatepass"))
                 if size > 4 * limit * self.max_token_bytes:  # see Serving._tokenized
                     raise OpenAIError(400, f"{where} of {size} bytes is longer than this "
                                       f"model's maximum context length of {limit} tokens",
-                                      param="input")
+                                      param=param)
                 ids = await loop.run_in_executor(None, lambda t=x: tok.encode(
-                    t, add_special_tokens=req.add_special_tokens))
+                    t, add_special_tokens=add_special_tokens))
                 prompt: dict[str, Any] = {"prompt": x, "prompt_token_ids": ids}
             else:
                 prompt = {"prompt_token_ids": x}
-            if req.cache_salt is not None:
-                prompt["cache_salt"] = req.cache_salt
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
             n = len(prompt["prompt_token_ids"])
             t = params.truncate_prompt_tokens
             if t is not None and (t == -1 or t >= 1):  # another value: the engine's 400
@@ -96,7 +109,7 @@ class EmbeddingServing(Serving):
                 raise OpenAIError(400, f"{where} has {n} tokens; this model's maximum context "
                                   f"length is {limit} tokens, so an input may have at most "
                                   f"{limit - 1}: shorten it, or set truncate_prompt_tokens",
-                                  param="input")
+                                  param=param)
             out.append((where, prompt))
         return out
 

@@ -750,13 +750,131 @@ class EmbeddingRequest(BaseModel):
                              truncate_prompt_tokens=self.truncate_prompt_tokens)
 
 
+def input_field(where: str) -> str:
+    """The request field an input's place names ("input[2]" -> "input", "text_2" -> "text_2")."""
+    return where.split("[", 1)[0]
+
+
 def bad_pooling_value(e: ValueError, where: str) -> OpenAIError:
-    """A 400 for a ValueError of the pooling engine about input `where` ("input", "input[2]"):
-    a PoolingParams field as the request spells it, token ids by their place in `input`."""
+    """A 400 for a ValueError of the pooling engine about input `where` ("input", "input[2]",
+    "text_2[1]"): a PoolingParams field as the request spells it, token ids by their place in
+    the input's field."""
     msg = str(e)
     m = _POOLING_FIELD_RE.search(msg)
     if m is not None:
         return OpenAIError(400, msg.replace(m.group(0), m.group(1)), param=m.group(1))
     if msg.startswith("prompt_token_ids"):  # prompt_token_ids[j] is ..., out of vocabulary
-        return OpenAIError(400, where + msg[len("prompt_token_ids"):], param="input")
-    return OpenAIError(400, f"{where}: {msg}", param="input")
+        return OpenAIError(400, where + msg[len("prompt_token_ids"):], param=input_field(where))
+    return OpenAIError(400, f"{where}: {msg}", param=input_field(where))
+
+
+# vLLM's score request names its two sides in one of these pairs (its newest: queries with
+# documents or items, data_1 / data_2; its first: text_1 / text_2).
+SCORE_PAIRS = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"),
+               ("queries", "items"))
+_SCORE_SIDES = ("text_1", "text_2", "data_1", "data_2", "queries", "documents", "items")
+# vLLM's /score fields this server does not implement yet, with the values meaning "not used":
+# any other value is a 400 naming the field.
+_SCORE_NOT_YET: dict[str, tuple[Any, ...]] = {
+    "mm_processor_kwargs": (None,), "padding": (None, "do_not_pad"),
+    "truncation_side": (None,), "max_tokens_per_query": (0,), "max_tokens_per_doc": (0,)}
+
+
+class ScoreRequest(BaseModel):
+    """Body of POST /score and /v1/score (vLLM's score API of an embedding model): two sides
+    of texts, as text_1 / text_2 or vLLM's newer data_1 / data_2 or queries / documents (or
+    items); one text against each of the other side's, or pair i of two lists of one length.
+    A field it does not know is a 400 naming it, never dropped."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
+
+    model: str | None = None
+    text_1: str | list[str] | None = None
+    text_2: str | list[str] | None = None
+    data_1: str | list[str] | None = None
+    data_2: str | list[str] | None = None
+    queries: str | list[str] | None = None
+    documents: str | list[str] | None = None
+    items: str | list[str] | None = None
+    user: str | None = None  # accepted, not used
+    # vLLM: keep each text's first k tokens (-1: as many as the context allows).
+    truncate_prompt_tokens: int | None = None
+    priority: int = 0
+    request_id: str | None = None  # vLLM: the id the response carries
+    cache_salt: str | None = None  # vLLM: keeps the prefix cache to requests of the same salt
+    # vLLM: whether the pooler's activation (for embeddings, normalizing) applies; a cosine
+    # is the same either way, so it has no effect on a score.
+    use_activation: bool | None = None
+
+    def refuse_unknown(self) -> None:
+        """400 naming the first field set that this server does not implement or know."""
+        extra = self.model_extra or {}
+        if self.cache_salt is not None and not self.cache_salt:
+            raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
+        for name, unused in _SCORE_NOT_YET.items():
+            if name in extra and extra[name] not in unused:
+                raise OpenAIError(400, f"{name} is not supported by this server's /score yet",
+                                  param=name)
+        for name in extra:
+            if name not in _SCORE_NOT_YET:
+                raise OpenAIError(400, f"unknown field {name!r}: this server does not "
+                                  "implement it", param=name)
+
+    def sides(self) -> tuple[str, str]:
+        """The pair of fields the request names its two sides by; any other mix (one side
+        missing, two names for one side) is a 400 naming a field."""
+        given = [n for n in _SCORE_SIDES if getattr(self, n) is not None]
+        for pair in SCORE_PAIRS:
+            if set(given) == set(pair):
+                return pair
+        firsts = [n for n in given if n in ("text_1", "data_1", "queries")]
+        seconds = [n for n in given if n not in firsts]
+        for side in (firsts, seconds):
+            if len(side) > 1:
+                raise OpenAIError(400, f"{side[0]} and {side[1]} name the same side: give only "
+                                  "one of them", param=side[1])
+        if not given:
+            raise OpenAIError(400, "give the texts to score as text_1 and text_2 (or data_1 "
+                              "and data_2, or queries and documents)", param="text_1")
+        if not seconds:
+            want = dict(SCORE_PAIRS)[firsts[0]]
+            raise OpenAIError(400, f"{want} is missing: {firsts[0]} is scored against it",
+                              param=want)
+        want = {b: a for a, b in SCORE_PAIRS}[seconds[0]]
+        if not firsts:
+            raise OpenAIError(400, f"{want} is missing: it is scored against {seconds[0]}",
+                              param=want)
+        raise OpenAIError(400, f"{seconds[0]} goes with {want}, not with {firsts[0]}",
+                          param=seconds[0])
+
+    def pairs(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """(where, text) of each pair's first and second text, one list entry per pair: one
+        first text against each second, or pair i of two lists of one length; an empty list
+        or text, or lists of different lengths, is a 400 naming the field."""
+        names = self.sides()
+        left, right = (self._listed(n) for n in names)
+        for name, side in zip(names, (left, right), strict=True):
+            if not side:
+                raise OpenAIError(400, f"{name} is empty: give a text or a list of texts",
+                                  param=name)
+            for where, text in side:
+                if not text:
+                    raise OpenAIError(400, f"{where} is empty", param=name)
+        if len(left) == 1:
+            left = left * len(right)
+        if len(left) != len(right):
+            raise OpenAIError(400, f"{names[0]} has {len(left)} texts and {names[1]} "
+                              f"{len(right)}: give {names[0]} one text (scored against each "
+                              f"of {names[1]}) or as many as {names[1]}", param=names[0])
+        return left, right
+
+    def _listed(self, name: str) -> list[tuple[str, str]]:
+        """(where, text) of each text a side's field holds."""
+        value = getattr(self, name)
+        if isinstance(value, str):
+            return [(name, value)]
+        return [(f"{name}[{i}]", text) for i, text in enumerate(value)]
+
+    def pooling_params(self) -> PoolingParams:
+        """The engine's PoolingParams of each text: unit vectors, truncated as asked."""
+        return PoolingParams(normalize=True, truncate_prompt_tokens=self.truncate_prompt_tokens)
