@@ -360,7 +360,7 @@ class SparseMoeBlock(nnx.Module):
         """Each token's chosen experts' outputs weighted by the router (plus the shared
         expert's, gated). `lora` is never for a sparse layer (models/lora.py refuses adapters
         on its projections); the arguments match the dense MLP's."""
-        t, h = x.shape
+        t = x.shape[0]
         if hasattr(self.gate, "product"):  # a router its checkpoint stored in fp8 (QuantLinear)
             logits = self.gate.product(x)
         else:
@@ -369,11 +369,54 @@ class SparseMoeBlock(nnx.Module):
                 lambda v: jnp.dot(v.astype(kernel.dtype), kernel,
                                   precision=matmul_precision(x.dtype),
                                   preferred_element_type=jnp.float32), x)
+        valid = _VALID.get()
+        if valid is not None and valid.shape[0] != t:
+            valid = None
+        y = self._fused_route(x, logits, valid)
+        if y is None:
+            y = self._sorted_route(x, logits, valid)
+        if self.shared_expert is not None:
+            gate = jax.nn.sigmoid(
+                one_row_as_two(self.shared_expert_gate, x).astype(jnp.float32))
+            y = y + gate * self.shared_expert(x).astype(jnp.float32)
+        return y.astype(x.dtype)
+
+    def _fused_route(self, x: jax.Array, logits: jax.Array, valid: jax.Array | None
+                     ) -> jax.Array | None:
+        """A small step on the kernels (one device): the routing and the tile layout in one
+        launch (`moe_route`), the rows gathered from the tokens into their tiles, the two
+        expert launches, and each token's weighted sum of its pairs' rows; float32 [T, H].
+        None where the kernels do not take the step (the sorted path runs it)."""
+        impl, mesh = _IMPL.get() or expert_impl(jax.default_backend()), _MESH.get()
+        t, e = logits.shape
+        if (impl not in ("pallas", "interpret") or (mesh is not None and mesh.size > 1)
+                or not gmm_kernel.routing_fits(t, e, self.top_k)):
+            return None
+        wg, wu, wd = self.experts.weights()
+        if not (_kernel_takes(wg, wu) and _kernel_takes(wd)):
+            return None
+        interpret = impl == "interpret"
+        weights, dst, layout = gmm_kernel.route_layout(logits, valid, self.top_k,
+                                                       self.renormalize, interpret=interpret)
+        xs = x.astype(self.experts.dtype)
+        h = gmm_kernel.tiled_matmul(
+            gmm_kernel.pad_rows(xs, layout), (wg, wu), layout,
+            out_dtype=xs.dtype if isinstance(wg, QuantWeight) else wg.dtype,
+            interpret=interpret)
+        rows = gmm_kernel.tiled_matmul(h, (wd,), layout, interpret=interpret)  # [Q, H]
+        # Pair (t, j)'s row, weighted (a pair in no group: weight 0).
+        picked = rows[jnp.maximum(dst, 0)]  # [T, KP, H]
+        return jnp.einsum("tkh,tk->th", picked, jnp.where(dst >= 0, weights, 0.0))
+
+    def _sorted_route(self, x: jax.Array, logits: jax.Array, valid: jax.Array | None
+                      ) -> jax.Array:
+        """The pairs sorted by expert, each expert's rows through its SwiGLU
+        (`grouped_matmul`'s ways), gathered back and summed per token; float32 [T, H]."""
+        t, h = x.shape
         weights, experts = route(logits, self.top_k, self.renormalize)
         e = logits.shape[1]
         flat = experts.reshape(-1)  # pair p = (token p // k, its (p % k)-th expert)
-        valid = _VALID.get()
-        if valid is not None and valid.shape[0] == t:  # padding: "expert" E, sorted last
+        if valid is not None:  # padding: "expert" E, sorted last
             flat = jnp.where(jnp.repeat(valid, self.top_k), flat, e)
         order = jnp.argsort(flat, stable=True)  # pairs sorted by expert
         # (a pair of expert E is in no group: sum(group_sizes) <= T * k, and the rows past
@@ -384,9 +427,4 @@ class SparseMoeBlock(nnx.Module):
         # indices, not a second sort), then each token's weighted sum.
         rank = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
         pairs = out[rank].reshape(t, self.top_k, h)  # rank[p]: pair p's row in sorted order
-        y = jnp.einsum("tkh,tk->th", pairs, weights)
-        if self.shared_expert is not None:
-            gate = jax.nn.sigmoid(
-                one_row_as_two(self.shared_expert_gate, x).astype(jnp.float32))
-            y = y + gate * self.shared_expert(x).astype(jnp.float32)
-        return y.astype(x.dtype)
+        return jnp.einsum("tkh,tk->th", pairs, weights)

@@ -257,3 +257,112 @@ def grouped_swiglu(x: Float[Array, "M H"], wg: Weight, wu: Weight, wd: Weight,
                      out_dtype=x.dtype if isinstance(wg, QuantWeight) else wg.dtype,
                      interpret=interpret)
     return layout.unpad(tiled_matmul(h, (wd,), layout, interpret=interpret))
+
+
+# A decode step's routing in one launch (`route_layout`): at most this many (token, expert)
+# pairs, so every per-pair matrix of the program ([pairs, experts]) stays small.
+ROUTE_MAX_PAIRS = 128
+ROUTE_MAX_EXPERTS = 256
+
+
+def routing_fits(tokens: int, num_experts: int, top_k: int) -> bool:
+    """Whether `route_layout` takes a step of `tokens` tokens over `num_experts` experts, k a
+    token: powers of two (Triton's block shapes), at most ROUTE_MAX_PAIRS pairs."""
+    return (is_pow2(tokens) and is_pow2(num_experts) and num_experts <= ROUTE_MAX_EXPERTS
+            and tokens * _next_pow2(top_k) <= ROUTE_MAX_PAIRS)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _route_kernel(logits_ref, valid_ref, w_ref, dst_ref, te_ref, src_ref, *, top_k: int,
+                  renormalize: bool, num_tiles: int) -> None:
+    """One program: softmax, top-k and renormalization of every token's router logits, then
+    the tile layout of its (token, expert) pairs, the pairs of each expert in token order
+    (argsort's stable order: a token's k experts are distinct, so a pair's rank within its
+    expert is the number of earlier tokens that chose that expert).
+
+    Writes: w [T, KP] the weights (columns past k zero), dst [T, KP] each pair's padded row
+    (-1: in no group, as the padding tokens' and the columns past k), te [num_tiles] each
+    tile's expert (E: unused), src [num_tiles * 16] the token each padded row holds (-1:
+    none)."""
+    t, e = logits_ref.shape
+    kp = w_ref.shape[1]
+    bm = BLOCK_M
+    lg = logits_ref[...].astype(jnp.float32)
+    ex = jnp.exp(lg - jnp.max(lg, axis=1, keepdims=True))
+    probs = ex / jnp.sum(ex, axis=1, keepdims=True)
+    col_e = jax.lax.broadcasted_iota(jnp.int32, (t, e), 1)
+    col_k = jax.lax.broadcasted_iota(jnp.int32, (t, kp), 1)
+    weights = jnp.zeros((t, kp), jnp.float32)
+    experts = jnp.full((t, kp), e, jnp.int32)
+    for j in range(top_k):  # the largest left, ties to the lowest expert (lax.top_k's)
+        best = jnp.max(probs, axis=1, keepdims=True)
+        which = jnp.min(jnp.where(probs == best, col_e, e), axis=1, keepdims=True)
+        weights = jnp.where(col_k == j, best, weights)
+        experts = jnp.where(col_k == j, which, experts)
+        probs = jnp.where(col_e == which, -1.0, probs)
+    if renormalize:
+        weights = weights / jnp.sum(weights, axis=1, keepdims=True)
+    experts = jnp.where(valid_ref[...][:, None] != 0, experts, e)  # padding: no expert
+    w_ref[...] = weights
+    # Pair p = token * KP + column: one-hot [P, E] of its expert.
+    pairs = t * kp
+    flat = experts.reshape(pairs)
+    onehot = (flat[:, None] == jax.lax.broadcasted_iota(jnp.int32, (pairs, e), 1)
+              ).astype(jnp.int32)
+    sizes = jnp.sum(onehot, axis=0)  # [E]
+    rank = jnp.sum((jnp.cumsum(onehot, axis=0) - onehot) * onehot, axis=1)  # [P]
+    tiles = (sizes + (bm - 1)) // bm
+    tile_end = jnp.cumsum(tiles)
+    tile_start = tile_end - tiles
+    first = jnp.sum(onehot * tile_start[None, :], axis=1)  # [P]: its expert's first tile
+    dst = jnp.where(flat < e, first * bm + rank, -1)
+    dst_ref[...] = dst.reshape(t, kp)
+    row_t = jax.lax.broadcasted_iota(jnp.int32, (num_tiles, e), 0)
+    te_ref[...] = jnp.sum((tile_end[None, :] <= row_t).astype(jnp.int32), axis=1)
+    token = jax.lax.broadcasted_iota(jnp.int32, (pairs,), 0) // kp
+
+    def fill(i, carry):  # 16 padded rows at a time: the pair whose dst is each, or none
+        q = i * bm + jax.lax.broadcasted_iota(jnp.int32, (bm, pairs), 0)
+        hit = dst[None, :] == q
+        src_ref[pl.ds(i * bm, bm)] = jnp.max(jnp.where(hit, token[None, :], -1), axis=1)
+        return carry
+
+    jax.lax.fori_loop(0, num_tiles, fill, 0)
+
+
+def route_layout(logits: Float[Array, "T E"], valid: jax.Array | None, top_k: int,
+                 renormalize: bool, *, interpret: bool = False
+                 ) -> tuple[jax.Array, jax.Array, TileLayout]:
+    """A decode step's routing and tile layout in one launch (`routing_fits` shapes): the
+    router's softmax in float32, each token's top_k experts (renormalized when asked), and
+    the layout `tiled_matmul` runs on, its padded rows taken straight from the tokens.
+
+    Returns (weights [T, KP], dst [T, KP], layout): pair (t, j < k)'s weight and padded row
+    (-1: none: a padding token's, `valid` False), and a TileLayout whose `src` names the token
+    each padded row holds (so `pad_rows(x, layout)` gathers from the tokens themselves)."""
+    t, e = logits.shape
+    kp = _next_pow2(top_k)
+    pairs = t * top_k
+    num_tiles = _next_pow2(-(-pairs // BLOCK_M) + min(e, pairs))
+    valid = (jnp.ones((t,), jnp.int32) if valid is None else valid.astype(jnp.int32))
+    whole = lambda *shape: pl.BlockSpec(shape, lambda i: (0,) * len(shape))  # noqa: E731
+    w, dst, te, src = pallas_call(
+        functools.partial(_route_kernel, top_k=top_k, renormalize=renormalize,
+                          num_tiles=num_tiles),
+        grid=(1,),
+        in_specs=[whole(t, e), whole(t)],
+        out_specs=[whole(t, kp), whole(t, kp), whole(num_tiles), whole(num_tiles * BLOCK_M)],
+        out_shape=[jax.ShapeDtypeStruct((t, kp), jnp.float32),
+                   jax.ShapeDtypeStruct((t, kp), jnp.int32),
+                   jax.ShapeDtypeStruct((num_tiles,), jnp.int32),
+                   jax.ShapeDtypeStruct((num_tiles * BLOCK_M,), jnp.int32)],
+        # [pairs, experts] int32 matrices live in registers: a warp per 2048 of their values
+        # (4 to 16), so none spills (16 tokens x 8 of 128 experts: 8 warps).
+        interpret=interpret, num_warps=min(16, max(4, t * kp * e // 2048)), num_stages=1,
+        name="moe_route",
+    )(logits, valid)
+    flat = dst.reshape(-1)
+    return w, dst, TileLayout(te, src, flat, flat >= 0)

@@ -565,3 +565,82 @@ def test_quantized_experts_equal_their_dequantized_weights(m, e, fmt, dtype, see
     got = np.asarray(grouped_swiglu(x, wg, wu, wd, jnp.asarray(sizes), interpret=True))
     assert np.abs(got - want).max() / max(1.0, np.abs(want).max()) < (1e-4 if dtype ==
                                                                          "float32" else 3e-2)
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (4, 8, 2), (16, 128, 8), (16, 64, 4),
+                                   (2, 16, 3), (8, 16, 6)])
+def test_the_routing_kernel_lays_out_what_route_chooses(t, e, k):
+    """`moe_route` (interpreted): each valid token's k experts and weights as `route` gives
+    them, each pair in a tile of its expert at a row that holds its token, rows in token
+    order within an expert, every other padded row empty, padding tokens in no tile."""
+    from pallas_kernels.grouped_matmul import BLOCK_M, route_layout, routing_fits
+
+    assert routing_fits(t, e, k)
+    rng = np.random.default_rng(t * 1000 + e + k)
+    logits = jnp.asarray(rng.standard_normal((t, e)).astype(np.float32))
+    valid = rng.random(t) > 0.25
+    w, dst, layout = route_layout(logits, jnp.asarray(valid), k, k % 2 == 0, interpret=True)
+    want_w, want_e = (np.asarray(a) for a in route(logits, k, k % 2 == 0))
+    w, dst = np.asarray(w), np.asarray(dst)
+    te, src = np.asarray(layout.tile_expert), np.asarray(layout.src)
+    assert (dst[:, k:] == -1).all() and (w[:, k:] == 0).all()
+    rows_of: dict[int, list[int]] = {}
+    for i in range(t):
+        if not valid[i]:
+            assert (dst[i] == -1).all()
+            continue
+        np.testing.assert_allclose(w[i, :k], want_w[i], rtol=1e-6)
+        for j in range(k):
+            q = dst[i, j]
+            assert te[q // BLOCK_M] == want_e[i, j] and src[q] == i
+            rows_of.setdefault(int(want_e[i, j]), []).append(int(q))
+    for rows in rows_of.values():  # an expert's rows: consecutive from a tile boundary
+        assert rows[0] % BLOCK_M == 0 and rows == list(range(rows[0], rows[0] + len(rows)))
+    used = {int(q) for q in dst.reshape(-1) if q >= 0}
+    assert all((src[q] >= 0) == (q in used) for q in range(src.shape[0]))
+    assert not routing_fits(64, 128, 8) and not routing_fits(3, 8, 2)
+    assert not routing_fits(4, 60, 4)  # (Qwen1.5-MoE's 60 experts: the sorted path)
+
+
+@pytest.mark.parametrize("kind,arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama"),
+                                       ("qwen2_moe_even", "qwen2moe")])
+def test_a_small_steps_fused_routing_gives_the_sorted_paths_outputs(kind, arch, tmp_path):
+    """Steps of 1, 4 and 16 tokens on the kernels take the one-launch routing (padding tokens
+    included) and give the sorted path's outputs, float and int4 experts alike; other sizes,
+    and 6 experts (no power of two), keep the sorted path."""
+    from tiny_models import MOE_GGUF_TYPES, write_moe_gguf
+
+    from models.moe import SparseMoeBlock, experts_run_as
+    from pallas_kernels import grouped_matmul as gmm
+
+    make_hf_checkpoint(kind, tmp_path / "hf")
+    spec = load_model(str(tmp_path / "hf"), dtype="float32").spec
+    gguf = write_moe_gguf(tmp_path / "m.gguf", tmp_path / "hf", spec, arch, MOE_GGUF_TYPES)
+    calls = []
+    real = gmm.route_layout
+
+    def counted(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+
+    rng = np.random.default_rng(0)
+    for loaded in (load_model(str(tmp_path / "hf"), dtype="float32"),
+                   load_model(str(gguf), dtype="float32", quantization="gguf")):
+        layer = loaded.model.model.layers[0]
+        block = getattr(layer, "block_sparse_moe", None) or layer.mlp  # Mixtral's name, Qwen's
+        assert isinstance(block, SparseMoeBlock)
+        for t in (1, 4, 16, 6):
+            x = jnp.asarray(rng.standard_normal((t, spec.hidden_size)).astype(np.float32))
+            valid = jnp.asarray(rng.random(t) > 0.3)
+            with experts_run_as("loop", valid=valid):
+                want = np.asarray(block(x))
+            gmm.route_layout = counted
+            try:
+                with experts_run_as("interpret", valid=valid):
+                    got = np.asarray(block(x))
+            finally:
+                gmm.route_layout = real
+            np.testing.assert_allclose(got[np.asarray(valid)], want[np.asarray(valid)],
+                                       rtol=1e-5, atol=1e-5)
+    fits = spec.num_experts in (8, 16)  # (6 tokens: not a power of two, the sorted path)
+    assert calls == ([1, 4, 16] * 2 if fits else [])

@@ -132,3 +132,17 @@ def test_quantized_experts_lower_to_the_same_two_triton_calls(kind, group, mins)
     text = lower_for_cuda(gmm.grouped_swiglu, S((8, h), jnp.bfloat16), wg, wg, wd,
                           S((e,), jnp.int32))
     assert _triton_calls(text) == 2 and "moe_grouped_gate_up" in text
+
+
+@pytest.mark.parametrize("t,e,k", [(1, 128, 8), (16, 128, 8), (4, 8, 2)])
+def test_the_moe_routing_lowers_to_one_triton_call(t, e, k):
+    """A decode step's routing and tile layout (`moe_route`): one Triton call, Qwen3-30B-A3B's
+    128 experts at one and 16 tokens, Mixtral's 8."""
+    from pallas_kernels import grouped_matmul as gmm
+
+    def route(logits, valid):
+        w, dst, layout = gmm.route_layout(logits, valid, k, True)
+        return w, dst, layout.tile_expert, layout.src
+
+    text = lower_for_cuda(route, S((t, e), jnp.float32), S((t,), jnp.bool_))
+    assert _triton_calls(text) == 1 and "moe_route" in text
