@@ -15,8 +15,9 @@
 # host work per request-step of both loops (scripts/bench_host.py, tiny model), merged into
 # one JSON under $OUT, with the whole log. The bf16 decode rows again with XLA's split-K
 # heuristic forced off (docs/benchmarks.md) run when named (--stages ...,split_k), and so does
-# the mixture-of-experts grouped matmul beside XLA's ragged_dot (--stages moe: python -m
-# jpaged.bench.moe_check, Qwen3-30B-A3B's expert shapes).
+# the mixture-of-experts grouped matmul beside XLA's ragged_dot, on bf16 and int4 experts, and
+# a whole sparse block with the one-launch routing beside the sorted path (--stages moe:
+# python -m jpaged.bench.moe_check, Qwen3-30B-A3B's expert shapes).
 #
 #   scripts/device_check.sh                      # on the GPU machine, stage limits 560 s in all
 #   scripts/device_check.sh --stages engine,split_k   # a second call: only those stages
@@ -188,6 +189,8 @@ doc["quant_decode"] = [{k: r.get(k) for k in ("weights", "batch", "context_len",
                        for r in quant.get("quant_decode_rows", [])]
 # The MoE grouped matmul beside XLA's ragged_dot (the opt-in moe stage).
 doc["moe_ab"] = (doc["moe"] or {}).get("moe_rows", [])
+# A whole sparse block at decode: the one-launch routing against the sorted path.
+doc["moe_block"] = (doc["moe"] or {}).get("block_rows", [])
 smi = out / "nvidia_smi.csv"
 doc["nvidia_smi"] = smi.read_text() if smi.exists() else None
 (out / "device_check.json").write_text(json.dumps(doc, indent=1))
@@ -207,6 +210,9 @@ for r in doc["verify_rows"]:
 for r in doc["moe_ab"]:
     print(f"  moe T={r['tokens']} ({r['experts_chosen']} experts): kernel {r['us_kernel']} us, "
           f"ragged_dot {r.get('us_xla')} us ({r.get('kernel_GBps')} GB/s of chosen experts)")
+for r in doc["moe_block"]:
+    print(f"  moe block T={r['tokens']}: fused routing {r['us_fused']} us, sorted "
+          f"{r['us_sorted']} us (sorted/fused {r['sorted_over_fused']}x)")
 for r in doc["quant_decode"]:
     print(f"  decode {r['weights']} B={r['batch']}: {r['step_ms']} ms, bf16 "
           f"{r['bf16_step_ms']} ms (bf16/quant {r['bf16_over_quant']}x; {r['decode_matmuls']})")

@@ -7,7 +7,10 @@ a float32 reference of the same rows, with the bytes of the experts the rows cho
 16-byte copy ceiling when the kernels stage measured one). The same rows also run the kernel
 on the experts as a Q4_K GGUF's run at its own quantization (int4 in groups of 32, float16
 scales and mins: `us_kernel_int4`, `int4_bytes_read`, `int4_kernel_GBps`, checked against the
-dequantized weights). `--cpu-smoke`: tiny shapes in the Pallas interpreter (the suite runs it).
+dequantized weights). Then one whole sparse block (router, routing, both expert launches and
+the weighted sum) at the decode sizes the one-launch routing takes, both ways: `moe_route` and
+the sorted path (`block_rows`: `us_fused`, `us_sorted`, their ratio, and the two outputs'
+difference). `--cpu-smoke`: tiny shapes in the Pallas interpreter (the suite runs it).
 
     python -m jpaged.bench.moe_check --out OUT/moe.json [--ceiling-json OUT/kernels.json]
 """
@@ -30,8 +33,10 @@ from jpaged.bench.kernel_timing import pipelined
 from models.quant import QuantWeight, dequantize, pack_int4
 from pallas_kernels import grouped_matmul as gmm
 
-GPU_SHAPE = {"experts": 128, "k": 2048, "n": 768, "top_k": 8, "tokens": [1, 16, 64, 256, 2048]}
-SMOKE_SHAPE = {"experts": 8, "k": 64, "n": 32, "top_k": 2, "tokens": [1, 5]}
+GPU_SHAPE = {"experts": 128, "k": 2048, "n": 768, "top_k": 8, "tokens": [1, 16, 64, 256, 2048],
+             "block_tokens": [1, 4, 16]}
+SMOKE_SHAPE = {"experts": 8, "k": 64, "n": 32, "top_k": 2, "tokens": [1, 5],
+               "block_tokens": [1, 4]}
 
 
 def routed(tokens: int, experts: int, top_k: int, seed: int) -> np.ndarray:
@@ -109,6 +114,53 @@ def run_row(tokens: int, shape: dict[str, Any], dtype: Any, interpret: bool,
     return row
 
 
+def block_row(tokens: int, shape: dict[str, Any], dtype: Any, interpret: bool
+              ) -> dict[str, Any]:
+    """One sparse block (Qwen3-MoE's: no shared expert) of `shape`'s experts at `tokens`
+    tokens, random weights: the one-launch routing against the sorted path, timed and
+    compared."""
+    from flax import nnx
+
+    from models.config import ModelSpec
+    from models.moe import SparseMoeBlock, experts_run_as
+
+    spec = ModelSpec.from_hf_config({
+        "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256,
+        "hidden_size": shape["k"], "intermediate_size": shape["n"], "num_hidden_layers": 1,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+        "max_position_embeddings": 64, "num_experts": shape["experts"],
+        "num_experts_per_tok": shape["top_k"], "moe_intermediate_size": shape["n"],
+        "norm_topk_prob": True})
+    block = nnx.jit(lambda: SparseMoeBlock(spec, dtype=dtype, rngs=nnx.Rngs(0)))()
+    graphdef, state = nnx.split(block)
+    impl = "interpret" if interpret else "pallas"
+
+    def run(fused: bool):
+        @jax.jit
+        def f(state, x):
+            m = nnx.merge(graphdef, state)
+            with experts_run_as(impl):
+                if fused:
+                    return m(x)
+                logits = jnp.dot(x, m.gate.kernel[...], preferred_element_type=jnp.float32)
+                return m._sorted_route(x, logits, None).astype(x.dtype)
+        return f
+
+    x = jnp.asarray(np.random.default_rng(tokens).standard_normal(
+        (tokens, shape["k"])).astype(np.float32), dtype)
+    fused, sorted_ = run(True), run(False)
+    a, b = (np.asarray(g(state, x), np.float32) for g in (fused, sorted_))
+    err = float(np.abs(a - b).max() / max(1.0, float(np.abs(b).max())))
+    row: dict[str, Any] = {"tokens": tokens, "max_rel_diff": err,
+                           "ok": err < (2e-2 if dtype == jnp.bfloat16 else 1e-4)}
+    t_f = pipelined(fused, (state, x), repeats=3 if interpret else 5)
+    t_s = pipelined(sorted_, (state, x), repeats=3 if interpret else 5)
+    row["us_fused"] = round(t_f.median_s * 1e6, 2)
+    row["us_sorted"] = round(t_s.median_s * 1e6, 2)
+    row["sorted_over_fused"] = round(t_s.median_s / t_f.median_s, 2)
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     """Time every row within the budget; write the JSON; exit 1 when a row is wrong."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -143,8 +195,23 @@ def main(argv: list[str] | None = None) -> int:
               f"{row.get('kernel_GBps')} GB/s, err {row['max_rel_err']:.1e}; int4 "
               f"{row['us_kernel_int4']} us, {row.get('int4_kernel_GBps')} GB/s, err "
               f"{row['int4_max_rel_err']:.1e}", flush=True)
+    doc["block_rows"] = []
+    for tokens in shape["block_tokens"]:
+        if time.perf_counter() - t0 > args.budget_s:
+            doc["skipped"].append(f"block T={tokens}")
+            continue
+        try:
+            row = block_row(tokens, shape, dtype, smoke)
+        except Exception as e:  # named, and the next row still runs
+            doc["errors"].append(f"block T={tokens}: {type(e).__name__}: {e}"[:500])
+            traceback.print_exc()
+            continue
+        doc["block_rows"].append(row)
+        print(f"moe block T={tokens}: fused routing {row['us_fused']} us, sorted "
+              f"{row['us_sorted']} us (x{row['sorted_over_fused']}), diff "
+              f"{row['max_rel_diff']:.1e}", flush=True)
     args.out.write_text(json.dumps(doc, indent=1))
-    bad = doc["errors"] or not all(r["ok"] for r in doc["moe_rows"])
+    bad = doc["errors"] or not all(r["ok"] for r in doc["moe_rows"] + doc["block_rows"])
     return 1 if bad else 0
 
 

@@ -32,6 +32,8 @@ def test_device_check_cpu_smoke(tmp_path):
     assert "== decode step rows" in log and log.count("== stage took") == 8
     # The MoE grouped matmul kernel (interpreted) on routed rows, checked.
     assert [r["tokens"] for r in doc["moe_ab"]] == [1, 5] and all(r["ok"] for r in doc["moe_ab"])
+    assert [r["tokens"] for r in doc["moe_block"]] == [1, 4]
+    assert all(r["ok"] for r in doc["moe_block"])
     # The split-K-off rows right after the decode rows they are compared with.
     assert log.index("split-K off (limit") < log.index("== engine check")
     kernels, engine, host = doc["kernels"], doc["engine"], doc["host"]
