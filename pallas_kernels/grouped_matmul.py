@@ -225,10 +225,11 @@ def tiled_matmul(xp: jax.Array, weights: tuple[Weight, ...], layout: TileLayout,
     bk = fmt[1] if fmt is not None and fmt[0] != "fp8" else _pow2_divisor(k, BLOCK_K_MAX)
     assert is_pow2(bn) and is_pow2(bk) and n % bn == 0 and k % bk == 0 and kp % bm == 0
     whole = [pl.BlockSpec(a.shape, lambda i, j: (0, 0, 0)) for a in arrays]  # read at e
+    # One program per tile of xp's rows (`tile_expert` may run past them: `route_layout`'s).
     return pallas_call(
         functools.partial(_kernel, num_experts=e, k=k, block_k=bk, block_n=bn,
                           gated=len(weights) == 2, fmt=fmt),
-        grid=(layout.max_tiles, n // bn),
+        grid=(kp // bm, n // bn),
         in_specs=[pl.BlockSpec((layout.max_tiles,), lambda i, j: (0,)),
                   pl.BlockSpec((bm, k), lambda i, j: (i, 0)), *whole],
         out_specs=pl.BlockSpec((bm, bn), lambda i, j: (i, j)),
@@ -342,7 +343,9 @@ def route_layout(logits: Float[Array, "T E"], valid: jax.Array | None, top_k: in
 
     Returns (weights [T, KP], dst [T, KP], layout): pair (t, j < k)'s weight and padded row
     (-1: none: a padding token's, `valid` False), and a TileLayout whose `src` names the token
-    each padded row holds (so `pad_rows(x, layout)` gathers from the tokens themselves)."""
+    each padded row holds (so `pad_rows(x, layout)` gathers from the tokens themselves); its
+    `tile_expert` is a power of two long, past the ceil(pairs / 16) + min(E, pairs) tiles
+    `src` covers."""
     t, e = logits.shape
     kp = _next_pow2(top_k)
     pairs = t * top_k
@@ -365,4 +368,7 @@ def route_layout(logits: Float[Array, "T E"], valid: jax.Array | None, top_k: in
         name="moe_route",
     )(logits, valid)
     flat = dst.reshape(-1)
-    return w, dst, TileLayout(te, src, flat, flat >= 0)
+    # Tiles past the bound hold no row: xp (pad_rows, through `src`) gets only the bound's
+    # rows, and `tiled_matmul` a program per tile of them (the slice fuses into the gather).
+    tiles = -(-pairs // BLOCK_M) + min(e, pairs)
+    return w, dst, TileLayout(te, src[:tiles * BLOCK_M], flat, flat >= 0)
