@@ -10,8 +10,10 @@ layer are three stacked Params, `[E, hidden, width]` (gate, up) and `[E, width, 
 The work grows with the tokens, not the experts: the (token, expert) pairs are sorted by
 expert and each expert multiplies only its own rows (`grouped_matmul`). On XLA:CPU that is a
 loop over (row tile, expert) pieces whose count is known only at run time, so a decode step
-reads the weights of the experts its tokens chose and no others; elsewhere it is
-`jax.lax.ragged_dot`, which XLA and Pallas lower to grouped GEMMs.
+reads the weights of the experts its tokens chose and no others; on a GPU the Pallas kernels
+of pallas_kernels/grouped_matmul.py (a small step's routing and layout in one launch); on a
+TPU `jax.lax.ragged_dot`. Experts may stay quantized (`QuantExperts`: fp8, or the int4 / int8
+groups of a GGUF or a GPTQ / AWQ checkpoint).
 """
 
 from __future__ import annotations
@@ -244,7 +246,7 @@ class QuantExperts(nnx.Module):
     """A layer's experts' matrix kept quantized (models/quant.py's forms, stacked): values
     [E, K or K / 2, N]; scales (and mins) [E, K / group_size, N]. fp8: one float32 scale per
     expert and output channel (`--quantization fp8`, fp8 checkpoints); int8 / int4 groups: a
-    GGUF's experts at its own quantization."""
+    GGUF's experts at its own quantization, a GPTQ / AWQ checkpoint's."""
 
     def __init__(self, kind: str, num_experts: int, k: int, n: int, group_size: int,
                  has_min: bool = False, scale_dtype: str = "float32"):
