@@ -530,7 +530,7 @@ def _random_quant_experts(rng: np.random.Generator, kind: str, group: int, mins:
 QUANT_FORMATS = [("int4", 32, True), ("int8", 16, False), ("int8", 32, True), ("fp8", 0, False)]
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(m=st.integers(1, 120), e=st.integers(1, 8), fmt=st.sampled_from(QUANT_FORMATS),
        dtype=st.sampled_from(["float32", "bfloat16"]), seed=st.integers(0, 2**16))
 def test_quantized_experts_equal_their_dequantized_weights(m, e, fmt, dtype, seed):
@@ -602,12 +602,11 @@ def test_the_routing_kernel_lays_out_what_route_chooses(t, e, k):
     assert not routing_fits(4, 60, 4)  # (Qwen1.5-MoE's 60 experts: the sorted path)
 
 
-@pytest.mark.parametrize("kind,arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama"),
-                                       ("qwen2_moe_even", "qwen2moe")])
+@pytest.mark.parametrize("kind,arch", [("qwen3_moe", "qwen3moe"), ("mixtral", "llama")])
 def test_a_small_steps_fused_routing_gives_the_sorted_paths_outputs(kind, arch, tmp_path):
     """Steps of 1, 4 and 16 tokens on the kernels take the one-launch routing (padding tokens
-    included) and give the sorted path's outputs, float and int4 experts alike; other sizes,
-    and 6 experts (no power of two), keep the sorted path."""
+    included) and give the sorted path's outputs, float and int4 experts alike; other sizes
+    keep the sorted path (as do expert counts that are no power of two: routing_fits)."""
     from tiny_models import MOE_GGUF_TYPES, write_moe_gguf
 
     from models.moe import SparseMoeBlock, experts_run_as
@@ -642,5 +641,4 @@ def test_a_small_steps_fused_routing_gives_the_sorted_paths_outputs(kind, arch, 
                 gmm.route_layout = real
             np.testing.assert_allclose(got[np.asarray(valid)], want[np.asarray(valid)],
                                        rtol=1e-5, atol=1e-5)
-    fits = spec.num_experts in (8, 16)  # (6 tokens: not a power of two, the sorted path)
-    assert calls == ([1, 4, 16] * 2 if fits else [])
+    assert calls == [1, 4, 16] * 2  # (6 tokens: not a power of two, the sorted path)

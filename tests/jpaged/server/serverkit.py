@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
@@ -55,3 +57,23 @@ class Served:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine did not drain: {m}")
             time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def pooling_server(name: str) -> Iterator[Served]:
+    """A server of the tiny model as an embedding model (runner "pooling": LAST pooling,
+    normalized) under the served name `name`, stopped on exit."""
+    from helpers import tiny
+
+    from jpaged.config import EngineArgs
+    from jpaged.engine import LLMEngine
+    from jpaged.server import BackgroundServer, build_app
+
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(runner="pooling", **ENGINE_ARGS),
+                                      loaded=tiny()))
+    server = BackgroundServer(build_app(engine, name))
+    try:
+        yield Served(engine, server.url)
+    finally:
+        server.stop()
+        engine.shutdown()

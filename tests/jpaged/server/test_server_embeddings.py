@@ -18,14 +18,10 @@ import numpy as np
 import openai
 import pytest
 from helpers import free_port, make_llm, tiny, tiny_model_dir, wait_until_healthy
-from serverkit import ENGINE_ARGS, MODEL, Served
+from serverkit import ENGINE_ARGS, MODEL, Served, pooling_server
 
 from jpaged import LLM
-from jpaged.async_engine import AsyncLLMEngine
-from jpaged.config import EngineArgs
-from jpaged.engine import LLMEngine
 from jpaged.pooling_params import PoolingParams
-from jpaged.server import BackgroundServer, build_app
 
 EMBED_MODEL = "tiny-embed"
 HIDDEN = 64  # the tiny model's hidden size
@@ -35,14 +31,8 @@ TEXTS = ["The quick brown fox", "jumps over the lazy dog.", "a"]
 @pytest.fixture(scope="module")
 def pooled() -> Iterator[Served]:
     """A server of the tiny model as an embedding model (LAST pooling, normalized)."""
-    engine = AsyncLLMEngine(LLMEngine(EngineArgs(runner="pooling", **ENGINE_ARGS),
-                                      loaded=tiny()))
-    server = BackgroundServer(build_app(engine, EMBED_MODEL))
-    try:
-        yield Served(engine, server.url)
-    finally:
-        server.stop()
-        engine.shutdown()
+    with pooling_server(EMBED_MODEL) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

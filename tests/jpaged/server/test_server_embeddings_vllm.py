@@ -21,12 +21,7 @@ import numpy as np
 import openai
 import pytest
 from helpers import hf_llama_twin, tiny
-from serverkit import ENGINE_ARGS, Served
-
-from jpaged.async_engine import AsyncLLMEngine
-from jpaged.config import EngineArgs
-from jpaged.engine import LLMEngine
-from jpaged.server import BackgroundServer, build_app
+from serverkit import ENGINE_ARGS, Served, pooling_server
 
 torch = pytest.importorskip("torch")
 
@@ -47,14 +42,8 @@ LONG = ("Immerse yourself in the enchanting chronicle of calculus, a mathematica
 @pytest.fixture(scope="module")
 def pooled() -> Iterator[Served]:
     """A server of the tiny model as an embedding model (LAST pooling, normalized)."""
-    engine = AsyncLLMEngine(LLMEngine(EngineArgs(runner="pooling", **ENGINE_ARGS),
-                                      loaded=tiny()))
-    server = BackgroundServer(build_app(engine, EMBED_MODEL))
-    try:
-        yield Served(engine, server.url)
-    finally:
-        server.stop()
-        engine.shutdown()
+    with pooling_server(EMBED_MODEL) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,9 @@ import httpx
 import numpy as np
 import pytest
 from helpers import make_llm, tiny
-from serverkit import ENGINE_ARGS, MODEL, Served
+from serverkit import ENGINE_ARGS, MODEL, Served, pooling_server
 
 from jpaged import LLM
-from jpaged.async_engine import AsyncLLMEngine
-from jpaged.config import EngineArgs
-from jpaged.engine import LLMEngine
-from jpaged.server import BackgroundServer, build_app
 from jpaged.server.protocol import SCORE_PAIRS
 
 EMBED_MODEL = "tiny-score"
@@ -32,14 +28,8 @@ LONG = "x" * 200  # 200 tokens of the byte tokenizer: past max_model_len (128)
 @pytest.fixture(scope="module")
 def pooled() -> Iterator[Served]:
     """A server of the tiny model as an embedding model (LAST pooling, normalized)."""
-    engine = AsyncLLMEngine(LLMEngine(EngineArgs(runner="pooling", **ENGINE_ARGS),
-                                      loaded=tiny()))
-    server = BackgroundServer(build_app(engine, EMBED_MODEL))
-    try:
-        yield Served(engine, server.url)
-    finally:
-        server.stop()
-        engine.shutdown()
+    with pooling_server(EMBED_MODEL) as served:
+        yield served
 
 
 @pytest.fixture(scope="module")
