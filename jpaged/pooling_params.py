@@ -113,21 +113,26 @@ def pool(vector: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> np.
 ST_MODULES_RUN = ("Transformer", "Pooling", "Normalize")
 
 
-def refuse_unrun_st_modules(model_dir: str | None) -> None:
-    """ValueError naming the modules of a sentence-transformers checkpoint (modules.json) that
-    jpaged does not run: its vectors would not be the model's."""
+def _st_modules(model_dir: str | None) -> dict[str, dict[str, Any]] | None:
+    """A sentence-transformers checkpoint's modules.json as module kind (its type's last name:
+    Transformer, Pooling, ...) -> entry; None when the directory has none."""
     if model_dir is None or not Path(model_dir).is_dir():
-        return
+        return None
     try:
         modules = json.loads((Path(model_dir) / "modules.json").read_text())
     except (OSError, ValueError):
-        return
+        return None
     if not isinstance(modules, list):
-        return
-    kinds = [str(m.get("type", "")).rsplit(".", 1)[-1] for m in modules if isinstance(m, dict)]
-    other = [k for k in kinds if k not in ST_MODULES_RUN]
+        return None
+    return {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
+
+
+def refuse_unrun_st_modules(model_dir: str | None) -> None:
+    """ValueError naming the modules of a sentence-transformers checkpoint (modules.json) that
+    jpaged does not run: its vectors would not be the model's."""
+    other = [k for k in _st_modules(model_dir) or {} if k not in ST_MODULES_RUN]
     if other:
-        raise ValueError(f"{Path(model_dir) / 'modules.json'}: jpaged runs the sentence-"
+        raise ValueError(f"{Path(str(model_dir)) / 'modules.json'}: jpaged runs the sentence-"
                          f"transformers modules {', '.join(ST_MODULES_RUN)}; this checkpoint "
                          f"also has {', '.join(other)}, whose output it would not compute")
 
@@ -136,19 +141,10 @@ def pooler_from_checkpoint(model_dir: str | None) -> PoolerConfig | None:
     """The pooler a sentence-transformers checkpoint declares (modules.json and its Pooling
     module's config.json: lasttoken, mean or cls; a Normalize module), or None when the
     directory has none."""
-    if model_dir is None or not Path(model_dir).is_dir():
+    kinds = _st_modules(model_dir)
+    if kinds is None or "Pooling" not in kinds:
         return None
-    root = Path(model_dir)
-    try:
-        modules = json.loads((root / "modules.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(modules, list):
-        return None
-    kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules if isinstance(m, dict)}
-    if "Pooling" not in kinds:
-        return None
-    where = root / str(kinds["Pooling"].get("path", "")) / "config.json"
+    where = Path(str(model_dir)) / str(kinds["Pooling"].get("path", "")) / "config.json"
     try:
         cfg = json.loads(where.read_text())
     except (OSError, ValueError) as e:

@@ -261,6 +261,17 @@ class QuantExperts(nnx.Module):
         self.mins = nnx.Param(jnp.zeros((num_experts, groups, n), scale_dtype)) \
             if has_min else None
 
+    @property
+    def in_features(self) -> int:
+        """K, each expert's input rows (int4: two a stored byte)."""
+        return self.qweight.get_value().shape[-2] * (2 if self.kind == "int4" else 1)
+
+    @property
+    def group_size(self) -> int:
+        """Input rows a scale covers (K for fp8's one scale per channel); the shapes may have
+        a leading stacked-layer axis."""
+        return self.in_features // self.scales.get_value().shape[-2]
+
     def weight(self) -> QuantWeight:
         """The arrays as they lie (a stacked QuantWeight, k_axis 1)."""
         mins = None if self.mins is None else self.mins[...]

@@ -293,9 +293,7 @@ def check_quant_splits(model: nnx.Module, tensor_parallel_size: int) -> None:
     for path, node in nnx.iter_graph(model):
         names = [str(p) for p in path]
         if isinstance(node, QuantExperts) and names[-1] in ROW_SPLIT:  # [E, K, N] experts
-            q = node.qweight.get_value()
-            k = q.shape[-2] * (2 if node.kind == "int4" else 1)
-            group = k // node.scales.get_value().shape[-2]
+            k, group = node.in_features, node.group_size
         elif isinstance(node, QuantLinear) and names[-1] in ROW_SPLIT:
             k = node.in_features
             group = k // node.scales.get_value().shape[0]
@@ -314,11 +312,9 @@ def plan_of(model: nnx.Module) -> dict[str, QuantLayout]:
     plan = {}
     for path, node in nnx.iter_graph(model):
         if isinstance(node, QuantExperts):  # [(layers,) E, K or K / 2, N]
-            q, scales = node.qweight.get_value(), node.scales.get_value()
-            k = q.shape[-2] * (2 if node.kind == "int4" else 1)
             plan[".".join(map(str, path))] = QuantLayout(
-                node.kind, k // scales.shape[-2], node.mins is not None,
-                jnp.dtype(scales.dtype).name)
+                node.kind, node.group_size, node.mins is not None,
+                jnp.dtype(node.scales.get_value().dtype).name)
         if isinstance(node, QuantLinear | QuantEmbed):
             scales = node.scales.get_value()  # [(layers,) groups, N] or [V, groups]
             linear = isinstance(node, QuantLinear)

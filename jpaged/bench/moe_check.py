@@ -179,37 +179,38 @@ def main(argv: list[str] | None = None) -> int:
                            "dtype": jnp.dtype(dtype).name, "copy_GBps_16byte": ceiling,
                            "moe_rows": [], "skipped": [], "errors": []}
     t0 = time.perf_counter()
-    for tokens in shape["tokens"]:
-        if time.perf_counter() - t0 > args.budget_s:
-            doc["skipped"].append(tokens)
-            continue
-        try:
-            row = run_row(tokens, shape, dtype, smoke, ceiling)
-        except Exception as e:  # a failure is a finding: named, and the next row still runs
-            doc["errors"].append(f"T={tokens}: {type(e).__name__}: {e}"[:500])
-            traceback.print_exc()
-            continue
-        doc["moe_rows"].append(row)
-        print(f"moe T={tokens} rows={row['rows']} experts={row['experts_chosen']}: kernel "
-              f"{row['us_kernel']} us, xla {row.get('us_xla')} us, "
-              f"{row.get('kernel_GBps')} GB/s, err {row['max_rel_err']:.1e}; int4 "
-              f"{row['us_kernel_int4']} us, {row.get('int4_kernel_GBps')} GB/s, err "
-              f"{row['int4_max_rel_err']:.1e}", flush=True)
-    doc["block_rows"] = []
-    for tokens in shape["block_tokens"]:
-        if time.perf_counter() - t0 > args.budget_s:
-            doc["skipped"].append(f"block T={tokens}")
-            continue
-        try:
-            row = block_row(tokens, shape, dtype, smoke)
-        except Exception as e:  # named, and the next row still runs
-            doc["errors"].append(f"block T={tokens}: {type(e).__name__}: {e}"[:500])
-            traceback.print_exc()
-            continue
-        doc["block_rows"].append(row)
-        print(f"moe block T={tokens}: fused routing {row['us_fused']} us, sorted "
-              f"{row['us_sorted']} us (x{row['sorted_over_fused']}), diff "
-              f"{row['max_rel_diff']:.1e}", flush=True)
+
+    def rows(label: str, counts: list[int], run: Any, say: Any) -> list[dict[str, Any]]:
+        """`run(tokens)` of each token count while the budget lasts (the rest listed as
+        skipped), a failure named in the errors and the next row still run."""
+        out = []
+        for tokens in counts:
+            name = f"{label}T={tokens}"
+            if time.perf_counter() - t0 > args.budget_s:
+                doc["skipped"].append(tokens if not label else name)
+                continue
+            try:
+                row = run(tokens)
+            except Exception as e:  # a failure is a finding
+                doc["errors"].append(f"{name}: {type(e).__name__}: {e}"[:500])
+                traceback.print_exc()
+                continue
+            out.append(row)
+            print(say(row), flush=True)
+        return out
+
+    doc["moe_rows"] = rows(
+        "", shape["tokens"], lambda t: run_row(t, shape, dtype, smoke, ceiling),
+        lambda r: (f"moe T={r['tokens']} rows={r['rows']} experts={r['experts_chosen']}: "
+                   f"kernel {r['us_kernel']} us, xla {r.get('us_xla')} us, "
+                   f"{r.get('kernel_GBps')} GB/s, err {r['max_rel_err']:.1e}; int4 "
+                   f"{r['us_kernel_int4']} us, {r.get('int4_kernel_GBps')} GB/s, err "
+                   f"{r['int4_max_rel_err']:.1e}"))
+    doc["block_rows"] = rows(
+        "block ", shape["block_tokens"], lambda t: block_row(t, shape, dtype, smoke),
+        lambda r: (f"moe block T={r['tokens']}: fused routing {r['us_fused']} us, sorted "
+                   f"{r['us_sorted']} us (x{r['sorted_over_fused']}), diff "
+                   f"{r['max_rel_diff']:.1e}"))
     args.out.write_text(json.dumps(doc, indent=1))
     bad = doc["errors"] or not all(r["ok"] for r in doc["moe_rows"] + doc["block_rows"])
     return 1 if bad else 0
