@@ -27,6 +27,7 @@ _EXPORTS = {
     "PoolingParams": "jpaged.pooling_params",
     "PoolingRequestOutput": "jpaged.outputs",
     "EmbeddingRequestOutput": "jpaged.outputs",
+    "ClassificationRequestOutput": "jpaged.outputs",
     "ScoringRequestOutput": "jpaged.outputs",
 }
 

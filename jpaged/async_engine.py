@@ -132,6 +132,16 @@ class AsyncLLMEngine:
         return getattr(self.engine, "pooler", None)
 
     @property
+    def labels(self) -> tuple[str, ...]:
+        """A sequence classifier's label names (ModelSpec.labels); () for any other model."""
+        return tuple(getattr(getattr(self.engine, "spec", None), "labels", ()))
+
+    @property
+    def spec(self) -> Any:
+        """The model's ModelSpec."""
+        return self.engine.spec
+
+    @property
     def logprobs_limit(self) -> int:
         """The most logprobs a request may ask for (max_logprobs; -1: the vocabulary)."""
         return self.engine.logprobs_limit

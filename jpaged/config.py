@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -88,12 +89,25 @@ def _fail(cls: str, name: str, allowed: str, value: object) -> None:
     raise ValueError(f"{cls}.{name} must be {allowed}, got {value!r}")
 
 
-def _runner(runner: object, pooler_config: object) -> str:
-    """EngineArgs.runner resolved: "auto" is "pooling" when a pooler_config is given."""
+def _is_classifier_dir(model: object) -> bool:
+    """Whether `model` is a local directory whose config.json names a sequence classifier
+    (HF `*ForSequenceClassification`)."""
+    try:
+        cfg = json.loads((Path(str(model)).expanduser() / "config.json").read_text())
+        archs = cfg.get("architectures") or []
+        return str(archs[0]).endswith("ForSequenceClassification")
+    except (OSError, ValueError, AttributeError, IndexError, TypeError):
+        return False
+
+
+def _runner(runner: object, pooler_config: object, model: object = None) -> str:
+    """EngineArgs.runner resolved: "auto" is "pooling" when a pooler_config is given or the
+    model is a local sequence classifier (vLLM's auto runner)."""
     if runner not in RUNNERS:
         _fail("EngineArgs", "runner", f"one of {RUNNERS}", runner)
     if runner == "auto":
-        return "pooling" if pooler_config is not None else "generate"
+        return ("pooling" if pooler_config is not None or _is_classifier_dir(model)
+                else "generate")
     if runner == "generate" and pooler_config is not None:
         raise ValueError("EngineArgs.pooler_config is for runner 'pooling', not 'generate'")
     return str(runner)
@@ -746,8 +760,10 @@ class EngineArgs:
     runner: str = "auto"
     """vLLM's: "generate" (text generation), "pooling" (an embedding model: requests are
     prompts whose final hidden states are pooled into one vector each: `LLM.embed`,
-    `LLM.score`, the server's /v1/embeddings; docs/pooling.md), or "auto" ("pooling" when
-    `pooler_config` is given, else "generate")."""
+    `LLM.score`, the server's /v1/embeddings; a sequence classifier's class probabilities:
+    `LLM.classify`, /classify, /rerank; docs/pooling.md), or "auto" ("pooling" when
+    `pooler_config` is given or the model's config.json names a `*ForSequenceClassification`,
+    else "generate")."""
     pooler_config: dict[str, Any] | str | None = None
     """vLLM's, for runner "pooling", as JSON: '{"pooling_type": "LAST", "normalize": true}'
     (pooling_type LAST, MEAN or CLS). Unset: the checkpoint's sentence-transformers pooling
@@ -805,7 +821,7 @@ class EngineArgs:
                               enforce_eager=self.enforce_eager,
                               generation_config=self.generation_config,
                               enable_sleep_mode=self.enable_sleep_mode,
-                              runner=_runner(self.runner, self.pooler_config),
+                              runner=_runner(self.runner, self.pooler_config, self.model),
                               pooler_config=PoolerConfig.parse(self.pooler_config)),
             cache=CacheConfig(
                 block_size=self.block_size,

@@ -224,11 +224,18 @@ class EngineCore:
         # runner "pooling": how prompts pool (the config's, the checkpoint's
         # sentence-transformers modules, else LAST normalized); None for a generating engine.
         self.pooler: PoolerConfig | None = None
+        if self.spec.labels and early.model.runner != "pooling":
+            raise ValueError(f"{args.model} is a sequence classifier "
+                             f"({self.spec.hf_architecture}, {self.spec.num_labels} labels): it "
+                             "has no LM head to generate with; start it with runner='pooling' "
+                             "(vLLM's --runner pooling) and classify or score prompts")
         if early.model.runner == "pooling":
             refuse_unrun_st_modules(self.loaded.source)  # a pooler_config does not run them
             self.pooler = (early.model.pooler_config or pooler_from_checkpoint(
                 self.loaded.source) or PoolerConfig())
             logger.info("pooling runner: %s pooling%s", self.pooler.pooling_type,
+                        f", then the classifier's head ({self.spec.num_labels} labels)"
+                        if self.spec.labels else
                         ", normalized" if self.pooler.normalize else "")
         # Sleep level 2 reads the weights again as they were read here: only a model this
         # engine loaded itself can be.

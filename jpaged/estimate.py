@@ -265,7 +265,8 @@ def param_counts(spec: Any, tp: int = 1) -> tuple[int, int]:
         ffn = sum(_ffn_params(spec, i, t) for i in range(spec.num_layers))
         embed = _split(v, t) * d
         totals.append(spec.num_layers * layer + ffn
-                      + embed * (1 if spec.tie_word_embeddings else 2) + d)
+                      + embed * (1 if spec.tie_word_embeddings else 2) + d
+                      + d * spec.num_labels)  # a classifier's score head (replicated)
     return totals[0], totals[1]
 
 

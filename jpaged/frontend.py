@@ -363,13 +363,14 @@ class RequestFrontend:
                              "--runner pooling); this engine generates")
         params = PoolingParams() if params is None else params
         if not isinstance(params, PoolingParams):
-            raise ValueError(f"this engine runs a pooling model (runner='pooling'): it embeds "
-                             f"prompts (LLM.embed, LLM.encode, LLM.score; the server's "
-                             f"/v1/embeddings), it does not generate; got "
-                             f"{type(params).__name__}")
+            what = ("classifies prompts (LLM.classify, LLM.score; the server's /classify, "
+                    "/score, /rerank)" if self.spec.labels else "embeds prompts (LLM.embed, "
+                    "LLM.encode, LLM.score; the server's /v1/embeddings)")
+            raise ValueError(f"this engine runs a pooling model (runner='pooling'): it {what}, "
+                             f"it does not generate; got {type(params).__name__}")
         if not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
-        params.check(self.spec.hidden_size)
+        params.check(self.spec.hidden_size, self.spec.num_labels)
         max_len = self.config.scheduler.max_model_len
         t = params.truncate_prompt_tokens
         if t is not None and t > max_len:  # vLLM: whatever the prompt's length
@@ -402,7 +403,8 @@ class RequestFrontend:
         child = group.children[0]
         req = child.request
         if req.pooled is not None and child.finish_reason not in ("abort", "error"):
-            data = pool(req.pooled, group.pooling, self.pooler)
+            data = pool(req.pooled, group.pooling, self.pooler,
+                        (self.spec.problem_type or "") if self.spec.labels else None)
             return PoolingRequestOutput(group.request_id, PoolingOutput(data),
                                         group.prompt_token_ids, True, req.num_cached_tokens)
         why = child.stop_reason if child.finish_reason == "error" else "aborted"

@@ -16,13 +16,14 @@ from jpaged.core_client import create_engine
 from jpaged.engine import LLMEngine, PromptType
 from jpaged.lora_request import LoRARequest
 from jpaged.outputs import (
+    ClassificationRequestOutput,
     EmbeddingRequestOutput,
     PoolingRequestOutput,
     RequestOutput,
     ScoringOutput,
     ScoringRequestOutput,
 )
-from jpaged.pooling_params import PoolingParams
+from jpaged.pooling_params import PoolingParams, check_cross_encoder, cross_encoder_prompt
 from jpaged.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from models.tokenizer import message_text, template_tool_calls
 
@@ -173,7 +174,32 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Embeddings of the prompts (vLLM's `LLM.embed`): `encode`'s vectors as lists of
         floats (`.outputs.embedding`)."""
+        spec = self.llm_engine.spec
+        if spec.labels:
+            raise ValueError(f"embed needs an embedding model; this is a sequence classifier "
+                             f"({spec.hf_architecture}): use LLM.classify or LLM.score")
         return [EmbeddingRequestOutput.from_base(o) for o in self.encode(
+            prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+            use_tqdm=use_tqdm, lora_request=lora_request)]
+
+    def classify(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool | Callable[..., Any] = False,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """A sequence classifier's class probabilities of each prompt (vLLM's
+        `LLM.classify`; `.outputs.probs`, one per label in the model's id2label order):
+        softmax of its score head's logits (sigmoid of one label; raw with
+        PoolingParams(use_activation=False))."""
+        spec = self.llm_engine.spec
+        if not spec.labels:
+            raise ValueError("classify needs a sequence classifier (a *ForSequenceClassification "
+                             "checkpoint); this model is not one: use LLM.embed")
+        return [ClassificationRequestOutput.from_base(o) for o in self.encode(
             prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
             use_tqdm=use_tqdm, lora_request=lora_request)]
 
@@ -186,14 +212,28 @@ class LLM:
         use_tqdm: bool | Callable[..., Any] = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[ScoringRequestOutput]:
-        """Cosine similarity of text pairs by an embedding model (vLLM's `LLM.score`): one
-        `data_1` against each of `data_2`, or pair i of two lists of the same length."""
+        """Scores of text pairs (vLLM's `LLM.score`): one `data_1` against each of `data_2`,
+        or pair i of two lists of the same length. An embedding model's score is the cosine
+        similarity of the two texts' vectors; a cross-encoder's (a one-label sequence
+        classifier, e.g. a reranker) the probability its head gives the pair read as one
+        prompt (`cross_encoder_prompt`)."""
         left, right = _prompt_list(data_1), _prompt_list(data_2)
         if len(left) == 1:
             left = left * len(right)
         if len(left) != len(right) or not right:
             raise ValueError(f"score takes one data_1 and any number of data_2, or lists of the "
                              f"same length; got {len(left)} and {len(right)}")
+        spec = self.llm_engine.spec
+        if spec.labels:
+            check_cross_encoder(spec)
+            tokenizer = self.get_tokenizer()
+            pairs = [cross_encoder_prompt(tokenizer, a, b)
+                     for a, b in zip(left, right, strict=True)]
+            outs = self.encode(pairs, truncate_prompt_tokens=truncate_prompt_tokens,
+                               use_tqdm=use_tqdm, lora_request=lora_request)
+            return [ScoringRequestOutput(f"score-{next(self._ids)}",
+                                         ScoringOutput(float(o.outputs.data[0])),
+                                         o.prompt_token_ids) for o in outs]
         embs = self.encode([*left, *right], PoolingParams(normalize=True),
                            truncate_prompt_tokens=truncate_prompt_tokens, use_tqdm=use_tqdm,
                            lora_request=lora_request)

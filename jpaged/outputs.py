@@ -1,6 +1,6 @@
 """What the API returns: RequestOutput and CompletionOutput, and a pooling engine's
-PoolingRequestOutput, EmbeddingRequestOutput and ScoringRequestOutput, named and shaped as
-vLLM's."""
+PoolingRequestOutput, EmbeddingRequestOutput, ClassificationRequestOutput and
+ScoringRequestOutput, named and shaped as vLLM's."""
 
 from __future__ import annotations
 
@@ -103,8 +103,38 @@ class EmbeddingRequestOutput:
 
 
 @dataclass(slots=True)
+class ClassificationOutput:
+    """A classifier's probabilities of a prompt, one per label (vLLM's `LLM.classify`)."""
+
+    probs: list[float]
+
+    @property
+    def num_classes(self) -> int:
+        """How many labels the classifier has."""
+        return len(self.probs)
+
+
+@dataclass(slots=True)
+class ClassificationRequestOutput:
+    """A prompt's class probabilities, as vLLM's `LLM.classify` returns them."""
+
+    request_id: str
+    outputs: ClassificationOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+
+    @classmethod
+    def from_base(cls, out: PoolingRequestOutput) -> ClassificationRequestOutput:
+        """The probabilities of a classifier's finished PoolingRequestOutput."""
+        assert out.outputs is not None
+        return cls(out.request_id, ClassificationOutput([float(x) for x in out.outputs.data]),
+                   out.prompt_token_ids, out.finished)
+
+
+@dataclass(slots=True)
 class ScoringOutput:
-    """A pair's score (vLLM's `LLM.score`: for an embedding model, the cosine similarity)."""
+    """A pair's score (vLLM's `LLM.score`: for an embedding model the cosine similarity, for
+    a cross-encoder its one label's probability)."""
 
     score: float
 

@@ -8,7 +8,10 @@ final hidden states (after the model's last norm) are pooled into one vector:
   MEAN  the mean over every prompt token
   CLS   the first prompt token's
 
-then L2-normalized when the pooler (or the request) says so. `PoolerConfig` is the engine's
+then L2-normalized when the pooler (or the request) says so. A sequence classifier
+(`*ForSequenceClassification`: ModelSpec.labels) pools the same way and its score head maps
+the pooled state to one logit per label, which `activation` turns into probabilities
+(vLLM's classify and cross-encoder score tasks). `PoolerConfig` is the engine's
 choice (vLLM's `--pooler-config`; unset: the checkpoint's sentence-transformers config, else
 LAST and normalized, vLLM's default for a decoder turned embedding model); `PoolingParams` is
 a request's (vLLM's: `dimensions` truncates a Matryoshka embedding before normalizing).
@@ -23,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["POOLING_TYPES", "PoolerConfig", "PoolingParams", "pool", "pooler_from_checkpoint",
-           "refuse_unrun_st_modules"]
+__all__ = ["POOLING_TYPES", "PoolerConfig", "PoolingParams", "activation",
+           "check_cross_encoder", "cross_encoder_prompt", "pool",
+           "pooler_from_checkpoint", "refuse_unrun_st_modules"]
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 RUNNERS = ("auto", "generate", "pooling")
@@ -73,17 +77,29 @@ class PoolingParams:
     """One pooling request's options (vLLM's): `normalize` (None: the engine's pooler),
     `dimensions` (keep the first this many features, before normalizing: Matryoshka
     embeddings), `truncate_prompt_tokens` (keep the prompt's first k tokens; -1: as many as
-    the context allows)."""
+    the context allows), `use_activation` (a classifier's: its logits through softmax or
+    sigmoid, the default, or raw when False; for an embedding model, `normalize`'s newer
+    name)."""
 
     normalize: bool | None = None
     dimensions: int | None = None
     truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
 
-    def check(self, hidden_size: int) -> None:
-        """ValueError naming the field when it does not fit a model of `hidden_size`."""
-        if self.normalize is not None and not isinstance(self.normalize, bool):
-            raise ValueError(f"PoolingParams.normalize must be a bool or None, got "
-                             f"{self.normalize!r}")
+    def check(self, hidden_size: int, num_labels: int = 0) -> None:
+        """ValueError naming the field when it does not fit a model of `hidden_size` (a
+        classifier: of `num_labels` outputs)."""
+        for name in ("normalize", "use_activation"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"PoolingParams.{name} must be a bool or None, got {value!r}")
+        if (self.normalize is not None and self.use_activation is not None
+                and self.normalize != self.use_activation):
+            raise ValueError("PoolingParams.normalize and use_activation are one setting "
+                             "under two names; they must agree")
+        if num_labels and self.dimensions is not None:
+            raise ValueError("PoolingParams.dimensions cuts an embedding; this model is a "
+                             f"classifier ({num_labels} labels)")
         d = self.dimensions
         if d is not None and (isinstance(d, bool) or not isinstance(d, int)
                               or not 1 <= d <= hidden_size):
@@ -96,16 +112,69 @@ class PoolingParams:
                              f">= 1, got {t!r}")
 
 
-def pool(vector: np.ndarray, params: PoolingParams, pooler: PoolerConfig) -> np.ndarray:
+def activation(logits: np.ndarray, problem_type: str | None) -> np.ndarray:
+    """A classifier's probabilities of its logits, as HF trains it (vLLM's rule): softmax
+    over two or more labels, sigmoid of one or for multi-label problems, the logits
+    themselves for a regression."""
+    x = np.asarray(logits, np.float64)
+    if problem_type == "regression":
+        out = x
+    elif problem_type == "multi_label_classification" or x.shape[-1] < 2:
+        out = 1.0 / (1.0 + np.exp(-x))
+    else:
+        e = np.exp(x - x.max(axis=-1, keepdims=True))
+        out = e / e.sum(axis=-1, keepdims=True)
+    return out.astype(np.float32)
+
+
+def pool(vector: np.ndarray, params: PoolingParams, pooler: PoolerConfig,
+         classifier: str | None = None) -> np.ndarray:
     """A pooled hidden state as the request gets it: truncated to `dimensions`, then
-    L2-normalized where the request (else the pooler) says; float32."""
+    L2-normalized where the request (else the pooler) says; float32. `classifier`: the
+    vector is a classifier's logits (its problem type, "" for HF's default), put through
+    `activation` unless the request says use_activation=False."""
     out = np.asarray(vector, np.float32)
+    if classifier is not None:
+        on = params.use_activation if params.use_activation is not None else params.normalize
+        return activation(out, classifier or None) if on is not False else out
     if params.dimensions is not None:
         out = out[:params.dimensions]
-    normalize = pooler.normalize if params.normalize is None else params.normalize
+    normalize = params.normalize if params.normalize is not None else (
+        params.use_activation if params.use_activation is not None else pooler.normalize)
     if normalize:
         out = out / max(float(np.linalg.norm(out)), 1e-12)
     return out
+
+
+def check_cross_encoder(spec: Any) -> None:
+    """ValueError unless the model (a ModelSpec) scores pairs as a cross-encoder: a sequence
+    classifier of one label (vLLM's rule)."""
+    if spec.num_labels != 1:
+        raise ValueError(f"scoring pairs with a classifier needs a cross-encoder (one label); "
+                         f"{spec.hf_architecture} has {spec.num_labels} labels: classify "
+                         "its prompts instead (LLM.classify, /classify)")
+
+
+def cross_encoder_prompt(tokenizer: Any, first: Any, second: Any) -> dict[str, Any]:
+    """The one prompt a cross-encoder scores a pair as: two texts joined as the tokenizer
+    joins a pair (`encode_pair`), two token-id lists (or `prompt_token_ids` dicts) one after
+    the other. ValueError naming the side that is neither."""
+    def side(value: Any, name: str) -> str | list[int]:
+        if isinstance(value, dict):
+            value = value.get("prompt", value.get("prompt_token_ids"))
+        if isinstance(value, str) and value:
+            return value
+        if isinstance(value, list) and value:
+            return value
+        raise ValueError(f"{name} of a scored pair must be a non-empty text or token-id list, "
+                         f"got {value!r}")
+
+    a, b = side(first, "data_1"), side(second, "data_2")
+    if isinstance(a, str) and isinstance(b, str):
+        return {"prompt_token_ids": tokenizer.encode_pair(a, b)}
+    if isinstance(a, list) and isinstance(b, list):
+        return {"prompt_token_ids": [*a, *b]}
+    raise ValueError("a scored pair must be two texts or two token-id lists, not one of each")
 
 
 # The sentence-transformers modules jpaged runs; any other (Dense, LayerNorm, WordWeights...)

@@ -93,7 +93,7 @@ def spec_from_json(fields: dict[str, Any]) -> ModelSpec:
 def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
     """An HF transformers config.json for `spec` (ModelSpec.from_hf_config reads it back)."""
     cfg: dict[str, Any] = {
-        "architectures": [spec.architecture],
+        "architectures": [spec.hf_architecture],
         "model_type": _MODEL_TYPES[spec.architecture],
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
@@ -113,6 +113,12 @@ def hf_config(spec: ModelSpec, dtype: str) -> dict[str, Any]:
         "eos_token_id": list(spec.eos_token_ids),
         "torch_dtype": dtype,
     }
+    if spec.labels:  # a sequence classifier: its score head's labels
+        cfg.update(id2label={str(i): x for i, x in enumerate(spec.labels)},
+                   label2id={x: i for i, x in enumerate(spec.labels)},
+                   num_labels=spec.num_labels)
+        if spec.problem_type is not None:
+            cfg["problem_type"] = spec.problem_type
     if spec.rope_scaling is not None:
         cfg["rope_scaling"] = {k: list(v) if isinstance(v, tuple) else v
                                for k, v in spec.rope_scaling}

@@ -24,6 +24,24 @@ SUPPORTED_ARCHITECTURES: tuple[str, ...] = (
 MOE_ARCHITECTURES: tuple[str, ...] = (
     "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
+# Sequence classifiers (HF `*ForSequenceClassification`): the decoder of the causal
+# architecture they map to, with a `score` head [num_labels, hidden] on the pooled final
+# hidden state in place of the LM head (jpaged/pooling_params.py runs them).
+SEQ_CLS_ARCHITECTURES: dict[str, str] = {
+    "LlamaForSequenceClassification": "LlamaForCausalLM",
+    "MistralForSequenceClassification": "MistralForCausalLM",
+    "Qwen2ForSequenceClassification": "Qwen2ForCausalLM",
+    "Qwen3ForSequenceClassification": "Qwen3ForCausalLM",
+    "Gemma2ForSequenceClassification": "Gemma2ForCausalLM",
+    "Gemma3TextForSequenceClassification": "Gemma3ForCausalLM",
+    "MixtralForSequenceClassification": "MixtralForCausalLM",
+    "Qwen2MoeForSequenceClassification": "Qwen2MoeForCausalLM",
+    "Qwen3MoeForSequenceClassification": "Qwen3MoeForCausalLM",
+}
+# HF's `problem_type`s of a classifier (how its scores become probabilities; none: softmax
+# over two or more labels, sigmoid of one).
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+
 # Used when config.json has no `architectures` list (e.g. saved from a bare config class).
 _MODEL_TYPE_TO_ARCH = {
     "llama": "LlamaForCausalLM",
@@ -56,6 +74,7 @@ ROPE_TYPES: dict[str, tuple[str, ...]] = {
 def _unsupported_arch(arch: Any) -> ValueError:
     return ValueError(
         f"unsupported architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        f" and the sequence classifiers {', '.join(SEQ_CLS_ARCHITECTURES)}"
     )
 
 
@@ -104,6 +123,11 @@ class ModelSpec:
     # intermediate_size (Qwen's mlp_only_layers, decoder_sparse_step). None = every layer
     # sparse when num_experts > 0.
     sparse_layers: tuple[bool, ...] | None = None
+    # A sequence classifier's label names, one per row of its `score` head (HF id2label in
+    # id order); () for a language model. A classifier has no LM head: its spec says
+    # tie_word_embeddings (the engine's internal token comes from the embedding table).
+    labels: tuple[str, ...] = ()
+    problem_type: str | None = None  # one of PROBLEM_TYPES, or None (HF's)
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -134,6 +158,30 @@ class ModelSpec:
             _check_rope_scaling(self.rope_scaling, self.head_dim)
         self._check_attention_kinds()
         self._check_experts()
+        self._check_classifier()
+
+    def _check_classifier(self) -> None:
+        if not isinstance(self.labels, tuple) or not all(isinstance(x, str) for x in self.labels):
+            raise ValueError(f"ModelSpec.labels must be a tuple of label names, got "
+                             f"{self.labels!r}")
+        if self.problem_type is not None and self.problem_type not in PROBLEM_TYPES:
+            raise ValueError(f"ModelSpec.problem_type must be one of {', '.join(PROBLEM_TYPES)}"
+                             f" or None, got {self.problem_type!r}")
+        if self.labels and not self.tie_word_embeddings:
+            raise ValueError("ModelSpec: a classifier (labels) has no LM head, so "
+                             "tie_word_embeddings must be true")
+
+    @property
+    def num_labels(self) -> int:
+        """The classifier's outputs (rows of its score head); 0 for a language model."""
+        return len(self.labels)
+
+    @property
+    def hf_architecture(self) -> str:
+        """The HF `architectures` name: the causal one, or its sequence classifier's."""
+        if not self.labels:
+            return self.architecture
+        return next(k for k, v in SEQ_CLS_ARCHITECTURES.items() if v == self.architecture)
 
     def _check_experts(self) -> None:
         if self.architecture not in MOE_ARCHITECTURES:
@@ -246,6 +294,7 @@ class ModelSpec:
     def from_hf_config(cls, cfg: dict[str, Any]) -> ModelSpec:
         """Parse and validate an HF transformers config.json dict."""
         arch = _architecture(cfg)
+        labels, problem = _classifier(cfg) if _is_classifier(cfg) else ((), None)
         # A quantization_config says how the weights are stored, not the architecture: the
         # loader reads it (models/hf_quant.py).
         gemma = arch in ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
@@ -288,7 +337,7 @@ class ModelSpec:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", gemma)),
+            tie_word_embeddings=bool(labels) or bool(cfg.get("tie_word_embeddings", gemma)),
             attention_bias=attention_bias,
             qk_norm=arch in ("Qwen3ForCausalLM", "Gemma3ForCausalLM", "Qwen3MoeForCausalLM"),
             max_position_embeddings=max_pos,
@@ -301,7 +350,52 @@ class ModelSpec:
             sliding_window=window,
             **(_gemma_fields(cfg, arch) if gemma else {}),
             **(_moe_fields(cfg, arch, num_layers) if arch in MOE_ARCHITECTURES else {}),
+            labels=labels,
+            problem_type=problem,
         )
+
+
+def _is_classifier(cfg: dict[str, Any]) -> bool:
+    archs = cfg.get("architectures") or []
+    return isinstance(archs, list) and bool(archs) and archs[0] in SEQ_CLS_ARCHITECTURES
+
+
+def is_classifier_config(cfg: dict[str, Any]) -> bool:
+    """Whether an HF config.json dict describes a sequence classifier jpaged runs."""
+    return _is_classifier(cfg)
+
+
+def _classifier(cfg: dict[str, Any]) -> tuple[tuple[str, ...], str | None]:
+    """A classifier config's label names in id order (id2label, else num_labels' LABEL_i,
+    else HF's default of two) and problem_type."""
+    id2label = cfg.get("id2label")
+    if id2label is not None:
+        if not isinstance(id2label, dict) or not id2label:
+            raise ValueError(f"config field 'id2label' must be a non-empty object, got "
+                             f"{id2label!r}")
+        try:
+            ids = sorted(int(k) for k in id2label)
+        except (TypeError, ValueError):
+            raise ValueError(f"config field 'id2label' must have integer ids as keys, got "
+                             f"{sorted(id2label)!r}") from None
+        if ids != list(range(len(ids))):
+            raise ValueError(f"config field 'id2label' must number its labels 0..n-1, got "
+                             f"ids {ids}")
+        labels = tuple(str(id2label.get(str(i), id2label.get(i))) for i in ids)  # type: ignore
+    else:
+        n = cfg.get("num_labels", 2)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"config field 'num_labels' must be an int >= 1, got {n!r}")
+        labels = tuple(f"LABEL_{i}" for i in range(n))
+    n = cfg.get("num_labels")
+    if n is not None and n != len(labels):
+        raise ValueError(f"config field 'num_labels' is {n!r} but id2label names "
+                         f"{len(labels)} labels")
+    problem = cfg.get("problem_type")
+    if problem is not None and problem not in PROBLEM_TYPES:
+        raise ValueError(f"config field 'problem_type' must be one of "
+                         f"{', '.join(PROBLEM_TYPES)} or null, got {problem!r}")
+    return labels, problem
 
 
 def _architecture(cfg: dict[str, Any]) -> str:
@@ -309,7 +403,7 @@ def _architecture(cfg: dict[str, Any]) -> str:
     if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
         raise ValueError(f"config field 'architectures' must be a list of names, got {archs!r}")
     if archs:
-        arch = archs[0]
+        arch = SEQ_CLS_ARCHITECTURES.get(archs[0], archs[0])
     elif cfg.get("model_type") in _MODEL_TYPE_TO_ARCH:
         arch = _MODEL_TYPE_TO_ARCH[cfg["model_type"]]
     else:

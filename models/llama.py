@@ -415,6 +415,10 @@ class LlamaForCausalLM(nnx.Module):
             None if spec.tie_word_embeddings
             else _linear(spec.hidden_size, spec.vocab_size, False, dtype, rngs)
         )
+        # A sequence classifier's head (HF `score`, [num_labels, hidden]): the pooled final
+        # hidden state's class logits (ModelSpec.labels; None for a language model).
+        self.score = (_linear(spec.hidden_size, spec.num_labels, False, dtype, rngs)
+                      if spec.labels else None)
 
     def __call__(
         self,
@@ -434,6 +438,14 @@ class LlamaForCausalLM(nnx.Module):
         """
         return self.model(input_ids, positions, attn_fn, attn_state, embed_fn=embed_fn,
                           linears=linears, lora=lora)
+
+    def classify(self, pooled: Float[Array, "N hidden"]) -> Float[Array, "N labels"]:
+        """A classifier's float32 class logits of pooled final hidden states (its score
+        head, linear and without bias: a sum of pooled rows maps to the sum of logits)."""
+        assert self.score is not None, "classify needs a sequence classifier (spec.labels)"
+        weight = self.score.kernel[...]  # [hidden, num_labels]
+        return jnp.einsum("nh,hl->nl", pooled.astype(jnp.float32), weight.astype(jnp.float32),
+                          precision=jax.lax.Precision.HIGHEST)
 
     def head_weight(self) -> tuple[jax.Array | QuantWeight, bool]:
         """The output head's weight as it lies, and whether it is transposed: lm_head's

@@ -204,6 +204,11 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text are always kept whole."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_pair(self, text: str, pair: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of two texts as one sequence, as the tokenizer joins a pair (HF's
+        `tokenizer(text, text_pair)`: its post-processor's separators, else the two in turn)."""
+        return self.backend.encode(text, pair, add_special_tokens=add_special_tokens).ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         """Text of token ids."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)

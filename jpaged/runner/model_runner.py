@@ -415,7 +415,7 @@ class ModelRunner:
             plp = (self._prompt_logprobs(model, hidden, batch.plp_idx, batch.plp_target,
                                          linears),)
         if self.pooling is not None:  # (after plp: PendingStep reads it as the last output)
-            plp = (*plp, self._pool(hidden, batch))
+            plp = (*plp, self._pool(model, hidden, batch))
         if defer:  # sampled later by _sample_step, once the host has the token masks
             return (logits, *plp), new_kv, last_tokens
         outs = sample(logits, sampling, flags, num_top=self.num_top_logprobs, **self._vocab_ops)
@@ -424,11 +424,13 @@ class ModelRunner:
         last_tokens = jax.lax.dynamic_update_slice(last_tokens, outs[0], (0,))
         return (*outs, *plp), new_kv, last_tokens
 
-    def _pool(self, hidden: jax.Array, batch: Any) -> jax.Array:
+    def _pool(self, model: Any, hidden: jax.Array, batch: Any) -> jax.Array:
         """Each row's pooled final hidden state this step, float32 [R, hidden]: its last
         token's (LAST), its first token's (CLS), or the sum over its tokens (MEAN; the engine
-        divides by the prompt's length once every chunk is in). Rows past the real ones hold
-        whatever their padding indexes."""
+        divides by the prompt's length once every chunk is in). A sequence classifier's rows
+        are its score head's class logits of those, [R, num_labels] (the head is linear:
+        MEAN's chunk sums still add up). Rows past the real ones hold whatever their padding
+        indexes."""
         if self.pooling == "LAST":
             out = jnp.take(hidden, batch.logits_indices, axis=0)
         elif self.pooling == "CLS":
@@ -441,6 +443,8 @@ class ModelRunner:
             out = jax.ops.segment_sum(hidden.astype(jnp.float32), owner,
                                       num_segments=rows + 1)[:rows]
         out = out.astype(jnp.float32)
+        if getattr(model, "score", None) is not None:
+            out = model.classify(out)
         return out if self.parallel is None else self.parallel.replicated(out)
 
     def _sample_step(self, logits: jax.Array, flat: FlatStep, last_tokens: jax.Array,

@@ -36,11 +36,13 @@ from jpaged.server.embeddings import pooling_only_error
 from jpaged.server.lora_modules import parse_lora_modules, runtime_updating_allowed
 from jpaged.server.protocol import (
     ChatCompletionRequest,
+    ClassificationRequest,
     CompletionRequest,
     DetokenizeRequest,
     EmbeddingRequest,
     LoadLoRAAdapterRequest,
     OpenAIError,
+    RerankRequest,
     ScoreRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
@@ -319,6 +321,19 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     # vLLM serves it at both (/v1/score being its first, OpenAI-looking route).
     app.add_api_route("/score", score, methods=["POST"])
     v1.add_api_route("/score", score, methods=["POST"])
+
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        """vLLM's rerank API (Jina's and Cohere's shape): a query's documents, best first."""
+        return await load_aware(serving.rerank(body, request))
+
+    app.add_api_route("/rerank", rerank, methods=["POST"])
+    v1.add_api_route("/rerank", rerank, methods=["POST"])
+    app.add_api_route("/v2/rerank", rerank, methods=["POST"])
+
+    @app.post("/classify")
+    async def classify(body: ClassificationRequest, request: Request) -> Response:
+        """vLLM's classification API (a sequence classifier): class probabilities per input."""
+        return await load_aware(serving.classify(body, request))
 
     @v1.get("/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False,

@@ -1,5 +1,6 @@
 """The /v1/embeddings endpoint (OpenAI's and vLLM's): a pooling engine's vectors of the inputs,
-each input one engine request, all of them in flight together."""
+each input one engine request, all of them in flight together; and vLLM's /classify, a
+sequence classifier's class probabilities of its inputs, run the same way."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from jpaged.lora_request import LoRARequest
 from jpaged.outputs import PoolingRequestOutput
 from jpaged.pooling_params import PoolingParams
 from jpaged.server.protocol import (
+    ClassificationRequest,
     EmbeddingRequest,
     OpenAIError,
     bad_pooling_value,
@@ -38,21 +40,55 @@ def encoded(vector: Any, encoding_format: str) -> list[float] | str:
 def pooling_only_error(endpoint: str) -> OpenAIError:
     """The 400 a generation endpoint answers on a server of a pooling model."""
     return OpenAIError(400, f"{endpoint} is not available: this server runs its model as a "
-                       "pooling (embedding) model (--runner pooling), which does not generate "
-                       "text; use /v1/embeddings (or /score)", param="model")
+                       "pooling model (--runner pooling), which does not generate text; use "
+                       "/v1/embeddings, /classify, /score or /rerank", param="model")
 
 
 class EmbeddingServing(Serving):
-    """The handler of /v1/embeddings."""
+    """The handlers of /v1/embeddings and /classify."""
 
     async def embeddings(self, req: EmbeddingRequest, http: HTTPRequest
                          ) -> dict[str, Any] | None:
         """The embeddings response, or None if the client went away (its requests aborted)."""
         return await until_disconnected(http, self._embeddings(req))
 
+    async def classify(self, req: ClassificationRequest, http: HTTPRequest
+                       ) -> dict[str, Any] | None:
+        """The classification response, or None if the client went away (its requests
+        aborted)."""
+        return await until_disconnected(http, self._classify(req))
+
+    async def _classify(self, req: ClassificationRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        self.need_pooler("classification")
+        labels = self.engine.labels
+        if not labels:
+            raise OpenAIError(400, f"The model `{self.model_name}` is not a sequence "
+                              "classifier: it embeds; use /v1/embeddings", param="model")
+        req.refuse_unknown()
+        params = req.pooling_params()
+        inputs = await self._prompts(req.inputs(), params, req.add_special_tokens,
+                                     req.cache_salt)
+        base = req.request_id or f"classify-{uuid.uuid4().hex}"
+        outs = await self._pooled(inputs, params, base, req.priority, self.lora_for(req.model))
+        tokens = sum(len(o.prompt_token_ids) for o in outs)
+        data = []
+        for i, o in enumerate(outs):
+            probs = [float(x) for x in o.outputs.data]
+            data.append({"index": i, "object": "classify",
+                         "label": labels[int(np.argmax(o.outputs.data))], "probs": probs,
+                         "num_classes": len(probs)})
+        return {"id": base, "object": "list", "created": int(time.time()),
+                "model": self.answer_model(req.model), "data": data,
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
     async def _embeddings(self, req: EmbeddingRequest) -> dict[str, Any]:
         self.check_model(req.model)
         self.need_pooler("embeddings")
+        if self.engine.labels:
+            raise OpenAIError(400, f"The model `{self.model_name}` is a sequence classifier: "
+                              "it has no embeddings; use /classify (or /score, /rerank for a "
+                              "cross-encoder)", param="model")
         req.refuse_unknown()
         params = req.pooling_params()
         inputs = await self._prompts(req.inputs(), params, req.add_special_tokens,
@@ -75,6 +111,16 @@ class EmbeddingServing(Serving):
                               "--runner pooling to serve it as an embedding model",
                               param="model")
 
+    def check_text_size(self, where: str, text: str) -> None:
+        """400 naming the input when its text is too long to be worth tokenizing: more bytes
+        than the context could hold (see Serving._tokenized)."""
+        limit = self.engine.max_model_len
+        size = len(text.encode("utf-8", "surrogatepass"))
+        if size > 4 * limit * self.max_token_bytes:
+            raise OpenAIError(400, f"{where} of {size} bytes is longer than this model's "
+                              f"maximum context length of {limit} tokens",
+                              param=input_field(where))
+
     async def _prompts(self, inputs: list[tuple[str, str | list[int]]], params: PoolingParams,
                        add_special_tokens: bool = True, cache_salt: str | None = None
                        ) -> list[tuple[str, dict[str, Any]]]:
@@ -88,11 +134,7 @@ class EmbeddingServing(Serving):
         for where, x in inputs:
             param = input_field(where)
             if isinstance(x, str):
-                size = len(x.encode("utf-8", "surrogatepass"))
-                if size > 4 * limit * self.max_token_bytes:  # see Serving._tokenized
-                    raise OpenAIError(400, f"{where} of {size} bytes is longer than this "
-                                      f"model's maximum context length of {limit} tokens",
-                                      param=param)
+                self.check_text_size(where, x)
                 ids = await loop.run_in_executor(None, lambda t=x: tok.encode(
                     t, add_special_tokens=add_special_tokens))
                 prompt: dict[str, Any] = {"prompt": x, "prompt_token_ids": ids}

@@ -685,10 +685,132 @@ class UnloadLoRAAdapterRequest(BaseModel):
     lora_int_id: int | None = None  # vLLM's; the name alone identifies the adapter here
 
 
+def _pooling_inputs(x: str | list[str] | list[int] | list[list[int]]
+                    ) -> list[tuple[str, str | list[int]]]:
+    """(how errors name it, its text or token ids) of each input of a pooling request's
+    `input` field, in order; an empty input (or input list) is a 400."""
+    if isinstance(x, str):
+        out: list[tuple[str, Any]] = [("input", x)]
+    elif not x:
+        raise OpenAIError(400, "input is empty: give a string, a list of strings, a list "
+                          "of token ids or a list of token id lists", param="input")
+    elif isinstance(x[0], int):
+        out = [("input", list(x))]
+    else:
+        out = [(f"input[{i}]", v) for i, v in enumerate(x)]
+    for where, v in out:
+        if not v:
+            raise OpenAIError(400, f"{where} is empty", param="input")
+    return out
+
+
+def _refuse_extra(extra: dict[str, Any], not_yet: dict[str, tuple[Any, ...]],
+                  endpoint: str) -> None:
+    """400 naming the first extra field: one of vLLM's this server lacks (set to other than
+    its unused values), or one nobody knows."""
+    for name, unused in not_yet.items():
+        if name in extra and extra[name] not in unused:
+            raise OpenAIError(400, f"{name} is not supported by this server's {endpoint} yet",
+                              param=name)
+    for name in extra:
+        if name not in not_yet:
+            raise OpenAIError(400, f"unknown field {name!r}: this server does not implement "
+                              "it", param=name)
+
+
+def _check_salt(salt: str | None) -> None:
+    if salt is not None and not salt:
+        raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
+
+
+# vLLM's /classify fields this server does not implement yet, with their unused values.
+_CLASSIFY_NOT_YET: dict[str, tuple[Any, ...]] = {
+    "messages": (None,), "mm_processor_kwargs": (None,), "softmax": (None,),
+    "activation": (None,)}
+
+
+class ClassificationRequest(BaseModel):
+    """Body of POST /classify (vLLM's, of a sequence classifier): `input` as /v1/embeddings
+    takes it; `use_activation` false gives the raw logits. A field it does not know is a 400
+    naming it, never dropped."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
+
+    model: str | None = None
+    input: str | list[str] | list[int] | list[list[int]]
+    user: str | None = None  # accepted, not used
+    truncate_prompt_tokens: int | None = None
+    add_special_tokens: bool = True
+    use_activation: bool | None = None
+    priority: int = 0
+    request_id: str | None = None
+    cache_salt: str | None = None
+
+    def refuse_unknown(self) -> None:
+        """400 naming the first field set that this server does not implement or know."""
+        _check_salt(self.cache_salt)
+        _refuse_extra(self.model_extra or {}, _CLASSIFY_NOT_YET, "/classify")
+
+    def inputs(self) -> list[tuple[str, str | list[int]]]:
+        """(how errors name it, its text or token ids) of each input, in order."""
+        return _pooling_inputs(self.input)
+
+    def pooling_params(self) -> PoolingParams:
+        """The engine's PoolingParams of this request."""
+        return PoolingParams(use_activation=self.use_activation,
+                             truncate_prompt_tokens=self.truncate_prompt_tokens)
+
+
+# vLLM's /rerank fields this server does not implement yet, with their unused values.
+_RERANK_NOT_YET: dict[str, tuple[Any, ...]] = {
+    "mm_processor_kwargs": (None,), "max_tokens_per_doc": (0,)}
+
+
+class RerankRequest(BaseModel):
+    """Body of POST /rerank, /v1/rerank and /v2/rerank (vLLM's, Jina's and Cohere's shape):
+    a `query` and its `documents`, answered best first (`top_n` of them; 0: all)."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
+
+    model: str | None = None
+    query: str
+    documents: list[str]
+    top_n: int = 0
+    return_documents: bool = True
+    user: str | None = None  # accepted, not used
+    truncate_prompt_tokens: int | None = None
+    use_activation: bool | None = None
+    priority: int = 0
+    request_id: str | None = None
+    cache_salt: str | None = None
+
+    def refuse_unknown(self) -> None:
+        """400 naming the first bad or unknown field."""
+        _check_salt(self.cache_salt)
+        _refuse_extra(self.model_extra or {}, _RERANK_NOT_YET, "/rerank")
+        if not self.query:
+            raise OpenAIError(400, "query is empty", param="query")
+        if not self.documents:
+            raise OpenAIError(400, "documents is empty: give the texts to rank",
+                              param="documents")
+        for i, doc in enumerate(self.documents):
+            if not doc:
+                raise OpenAIError(400, f"documents[{i}] is empty", param="documents")
+        if self.top_n < 0:
+            raise OpenAIError(400, f"top_n must be >= 0 (0: every document), got {self.top_n}",
+                              param="top_n")
+
+    def pairs(self) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """(where, text) of each pair's query and document, one entry per document."""
+        docs = [(f"documents[{i}]", d) for i, d in enumerate(self.documents)]
+        return [("query", self.query)] * len(docs), docs
+
+
 # vLLM's /v1/embeddings fields this server does not implement yet, with the value meaning
 # "not used": any other value is a 400 naming the field.
-_EMBED_NOT_YET: dict[str, Any] = {"messages": None, "embed_dtype": "float32",
-                                  "endianness": "native", "mm_processor_kwargs": None}
+_EMBED_NOT_YET: dict[str, tuple[Any, ...]] = {
+    "messages": (None,), "embed_dtype": ("float32",), "endianness": ("native",),
+    "mm_processor_kwargs": (None,)}
 _POOLING_FIELD_RE = re.compile(r"PoolingParams\.(\w+)")
 
 
@@ -707,6 +829,7 @@ class EmbeddingRequest(BaseModel):
     # vLLM: keep each input's first k tokens (-1: as many as the context allows).
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None  # vLLM: L2-normalize (None: the server's pooler decides)
+    use_activation: bool | None = None  # vLLM's newer name for normalize
     add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around text
     priority: int = 0
     request_id: str | None = None  # vLLM: the id the response carries
@@ -714,45 +837,25 @@ class EmbeddingRequest(BaseModel):
 
     def refuse_unknown(self) -> None:
         """400 naming the first field set that this server does not implement or know."""
-        extra = self.model_extra or {}
-        if self.cache_salt is not None and not self.cache_salt:
-            raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
-        for name, unused in _EMBED_NOT_YET.items():
-            if name in extra and extra[name] != unused:
-                raise OpenAIError(400, f"{name} is not supported by this server's "
-                                  "/v1/embeddings yet", param=name)
-        for name in extra:
-            if name not in _EMBED_NOT_YET:
-                raise OpenAIError(400, f"unknown field {name!r}: this server does not "
-                                  "implement it", param=name)
+        _check_salt(self.cache_salt)
+        _refuse_extra(self.model_extra or {}, _EMBED_NOT_YET, "/v1/embeddings")
 
     def inputs(self) -> list[tuple[str, str | list[int]]]:
         """(how errors name it, its text or token ids) of each input, in order; an empty
         input (or input list) is a 400."""
-        x = self.input
-        if isinstance(x, str):
-            out: list[tuple[str, Any]] = [("input", x)]
-        elif not x:
-            raise OpenAIError(400, "input is empty: give a string, a list of strings, a list "
-                              "of token ids or a list of token id lists", param="input")
-        elif isinstance(x[0], int):
-            out = [("input", list(x))]
-        else:
-            out = [(f"input[{i}]", v) for i, v in enumerate(x)]
-        for where, v in out:
-            if not v:
-                raise OpenAIError(400, f"{where} is empty", param="input")
-        return out
+        return _pooling_inputs(self.input)
 
     def pooling_params(self) -> PoolingParams:
         """The engine's PoolingParams of this request."""
         return PoolingParams(normalize=self.normalize, dimensions=self.dimensions,
-                             truncate_prompt_tokens=self.truncate_prompt_tokens)
+                             truncate_prompt_tokens=self.truncate_prompt_tokens,
+                             use_activation=self.use_activation)
 
 
 def input_field(where: str) -> str:
-    """The request field an input's place names ("input[2]" -> "input", "text_2" -> "text_2")."""
-    return where.split("[", 1)[0]
+    """The request field an input's place names ("input[2]" -> "input", "text_2" -> "text_2",
+    "documents[1] with query" -> "documents")."""
+    return where.split(" ", 1)[0].split("[", 1)[0]
 
 
 def bad_pooling_value(e: ValueError, where: str) -> OpenAIError:
@@ -802,23 +905,14 @@ class ScoreRequest(BaseModel):
     priority: int = 0
     request_id: str | None = None  # vLLM: the id the response carries
     cache_salt: str | None = None  # vLLM: keeps the prefix cache to requests of the same salt
-    # vLLM: whether the pooler's activation (for embeddings, normalizing) applies; a cosine
-    # is the same either way, so it has no effect on a score.
+    # vLLM: whether the pooler's activation applies: a cross-encoder's sigmoid (false: its
+    # raw logit); for embeddings, normalizing, which leaves a cosine as it is.
     use_activation: bool | None = None
 
     def refuse_unknown(self) -> None:
         """400 naming the first field set that this server does not implement or know."""
-        extra = self.model_extra or {}
-        if self.cache_salt is not None and not self.cache_salt:
-            raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
-        for name, unused in _SCORE_NOT_YET.items():
-            if name in extra and extra[name] not in unused:
-                raise OpenAIError(400, f"{name} is not supported by this server's /score yet",
-                                  param=name)
-        for name in extra:
-            if name not in _SCORE_NOT_YET:
-                raise OpenAIError(400, f"unknown field {name!r}: this server does not "
-                                  "implement it", param=name)
+        _check_salt(self.cache_salt)
+        _refuse_extra(self.model_extra or {}, _SCORE_NOT_YET, "/score")
 
     def sides(self) -> tuple[str, str]:
         """The pair of fields the request names its two sides by; any other mix (one side

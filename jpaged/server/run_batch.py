@@ -3,9 +3,10 @@
 its url, all of them in flight at once up to a bound, so the engine batches them; the output
 has one line per input line, in input order, in the OpenAI batch output format.
 
-A line that fails (not JSON, not a request, a url other than /v1/completions,
-/v1/chat/completions and /v1/responses (OpenAI's batch urls), a stream, a background response,
-a bad body, a refused prompt) gets an output line saying why,
+A line that fails (not JSON, not a request, a url other than URLS: OpenAI's batch urls
+/v1/completions, /v1/chat/completions and /v1/responses, and a pooling model's /v1/embeddings,
+/classify, /score and /rerank; a stream, a background response, a bad body, a refused prompt,
+an API the model does not serve) gets an output line saying why,
 with the HTTP status the server would answer (vLLM's shape: `response.body` null, the error in
 `error`); every other line is still answered. Lines that are no request at all are counted
 (`jpaged run-batch` then exits 1, as vLLM's fails on them).
@@ -22,7 +23,10 @@ from typing import Any
 
 from jpaged.server.protocol import error_body
 
-URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses")
+URLS = ("/v1/completions", "/v1/chat/completions", "/v1/responses",
+        # a pooling model's (--runner pooling), as vLLM's run-batch takes them
+        "/v1/embeddings", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank",
+        "/v2/rerank")
 
 
 @dataclass

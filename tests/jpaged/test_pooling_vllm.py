@@ -280,15 +280,18 @@ def test_dimensions_are_matryoshka_cuts(llm, qwen3):
 
 
 def test_pooling_params_validation(llm):
-    """test_pooling_params.py::test_embed (normalize None / True / False accepted, other tasks'
-    parameters refused) and the truncation bounds: a bad value is a ValueError naming the
-    field, the engine goes on with the same vector."""
+    """test_pooling_params.py::test_embed (normalize None / True / False accepted, and its
+    newer name use_activation; other tasks' parameters refused) and the truncation bounds: a
+    bad value is a ValueError naming the field, the engine goes on with the same vector."""
     want = vecs(llm.embed(PROMPT))
     for normalize in (None, True, False):
         PoolingParams(normalize=normalize).check(HIDDEN)
-    for field in ("use_activation", "step_tag_id", "returned_token_ids", "task"):
+    for field in ("step_tag_id", "returned_token_ids", "task"):
         with pytest.raises(TypeError):
             PoolingParams(**{field: True})
+    # vLLM's newest name for normalize (its embed task takes either).
+    np.testing.assert_array_equal(vecs(llm.embed(PROMPT, PoolingParams(use_activation=False))),
+                                  vecs(llm.embed(PROMPT, PoolingParams(normalize=False))))
     for bad in (0, -2, 1.5, True):
         with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1 or an integer"):
             llm.embed(PROMPT, PoolingParams(truncate_prompt_tokens=bad))

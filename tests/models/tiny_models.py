@@ -115,6 +115,26 @@ def make_hf_checkpoint(kind: str, path: Path, seed: int = 0):
     return model
 
 
+def make_hf_classifier(kind: str, path: Path, labels: list[str], seed: int = 0,
+                       **extra):
+    """A tiny HF sequence classifier (`*ForSequenceClassification` of `kind`'s config, a
+    score head of one row per label) randomized and saved like make_hf_checkpoint."""
+    import torch
+    import transformers
+
+    cls_name, kwargs = TINY_CONFIGS[kind]
+    config = getattr(transformers, cls_name)(
+        **kwargs, **extra, id2label=dict(enumerate(labels)),
+        label2id={x: i for i, x in enumerate(labels)})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForSequenceClassification.from_config(
+        config, attn_implementation="eager").float().eval()
+    randomize_(model, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    save_byte_tokenizer(path)
+    return model
+
+
 def hf_logits(model, seqs: list[list[int]]) -> list[np.ndarray]:
     """HF float32 logits of each sequence run on its own."""
     import torch

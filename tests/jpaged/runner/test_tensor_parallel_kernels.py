@@ -72,3 +72,7 @@ def test_pooling_under_tp_gives_the_single_device_vectors(facts):
     case = facts["pooling"]
     assert len(case["tp1"]) == 3 and len(case["tp1"][0]) == 64
     np.testing.assert_allclose(case["tp2"], case["tp1"], atol=1e-5)
+    # A classifier's probabilities (its head on the replicated pooled state).
+    assert np.shape(case["classify_tp1"]) == (3, 3)
+    np.testing.assert_allclose(np.sum(case["classify_tp1"], axis=1), 1.0, atol=1e-6)
+    np.testing.assert_allclose(case["classify_tp2"], case["classify_tp1"], atol=1e-5)

@@ -441,6 +441,18 @@ def pooling_cases(out: dict) -> None:
         llm = make_llm(tiny(), runner="pooling", pooler_config={"pooling_type": "MEAN"},
                        tensor_parallel_size=tp, **TINY_ARGS)
         case[f"tp{tp}"] = [o.outputs.embedding for o in llm.embed(TINY_PROMPTS)]
+    # A sequence classifier (three labels): its score head replicated beside the split layers.
+    import tempfile
+
+    from tiny_models import make_hf_classifier
+
+    from models import load_model
+    with tempfile.TemporaryDirectory() as tmp:
+        make_hf_classifier("llama_tied", Path(tmp), ["a", "b", "c"], seed=5)
+        loaded = load_model(tmp, dtype="float32")
+        for tp in (1, 2):
+            llm = make_llm(loaded, runner="pooling", tensor_parallel_size=tp, **TINY_ARGS)
+            case[f"classify_tp{tp}"] = [o.outputs.probs for o in llm.classify(TINY_PROMPTS)]
     out["pooling"] = case
 
 

@@ -6,6 +6,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import openai
@@ -60,9 +61,10 @@ class Served:
 
 
 @contextlib.contextmanager
-def pooling_server(name: str) -> Iterator[Served]:
+def pooling_server(name: str, loaded: Any = None) -> Iterator[Served]:
     """A server of the tiny model as an embedding model (runner "pooling": LAST pooling,
-    normalized) under the served name `name`, stopped on exit."""
+    normalized), or of `loaded` (a classifier), under the served name `name`, stopped on
+    exit."""
     from helpers import tiny
 
     from jpaged.config import EngineArgs
@@ -70,7 +72,7 @@ def pooling_server(name: str) -> Iterator[Served]:
     from jpaged.server import BackgroundServer, build_app
 
     engine = AsyncLLMEngine(LLMEngine(EngineArgs(runner="pooling", **ENGINE_ARGS),
-                                      loaded=tiny()))
+                                      loaded=loaded or tiny()))
     server = BackgroundServer(build_app(engine, name))
     try:
         yield Served(engine, server.url)

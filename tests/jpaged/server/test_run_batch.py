@@ -31,7 +31,7 @@ def test_lines_answer_as_the_server_does_and_bad_ones_say_why(served: Served):
     comp = {**GREEDY, "prompt": "Once upon", "n": 2, "temperature": 1.0, "seed": 3}
     lines = [_line("chat", "/v1/chat/completions", chat), "",
              _line("comp", "/v1/completions", comp),
-             _line("emb", "/v1/embeddings", {"input": "x"}),
+             _line("emb", "/v1/images/generations", {"prompt": "x"}),
              "{not json", json.dumps(["a list"]),
              _line("stream", "/v1/completions", {**comp, "stream": True}),
              _line("bad", "/v1/completions", {**comp, "max_tokens": -1}),
@@ -59,7 +59,7 @@ def test_lines_answer_as_the_server_does_and_bad_ones_say_why(served: Served):
         assert got["choices"] == want["choices"] and got["usage"] == want["usage"]
     assert all(o["response"]["body"] is None for o in out[2:])
     messages = [o["error"]["message"] for o in out[2:]]
-    assert "line 4: url '/v1/embeddings' is not served here" in messages[0]
+    assert "line 4: url '/v1/images/generations' is not served here" in messages[0]
     assert "line 5: not JSON" in messages[1] and "line 6: must be a JSON object" in messages[2]
     assert "must not stream" in messages[3] and "max_tokens" in messages[4]
     assert "`other` does not exist" in messages[5]

@@ -223,3 +223,40 @@ def test_generating_server_refuses_score(served: Served) -> None:
 def test_pooling_server_points_generation_at_score(pooled: Served) -> None:
     err = _error(_post(pooled, "/v1/completions", {"model": EMBED_MODEL, "prompt": "hi"}))
     assert "/v1/embeddings" in err["message"] and "/score" in err["message"]
+
+
+def test_rerank_orders_documents_by_their_score(pooled: Served, llm: LLM) -> None:
+    """/rerank (and /v1/rerank, /v2/rerank) of an embedding model: the documents by cosine,
+    best first, each with its index and text; top_n keeps the best n; return_documents
+    false leaves the text out; usage is /score's."""
+    want = _reference(llm, QUERY, DOCS)
+    order = sorted(range(len(DOCS)), key=lambda i: -want[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        r = _post(pooled, path, {"model": EMBED_MODEL, "query": QUERY, "documents": DOCS})
+        assert r.status_code == 200, r.text
+        resp = r.json()
+        assert resp["id"].startswith("rerank-") and resp["model"] == EMBED_MODEL
+        assert [x["index"] for x in resp["results"]] == order
+        np.testing.assert_allclose([x["relevance_score"] for x in resp["results"]],
+                                   [want[i] for i in order], atol=1e-6)
+        assert [x["document"]["text"] for x in resp["results"]] == [DOCS[i] for i in order]
+        score = _score(pooled, {"text_1": QUERY, "text_2": DOCS})
+        assert resp["usage"] == score["usage"]
+    top = _post(pooled, "/rerank", {"query": QUERY, "documents": DOCS, "top_n": 1,
+                                    "return_documents": False}).json()
+    assert top["results"] == [{"index": order[0], "relevance_score": top["results"][0][
+        "relevance_score"]}]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"query": "", "documents": ["a"]}, "query"),
+    ({"query": "q", "documents": []}, "documents"),
+    ({"query": "q", "documents": ["a", ""]}, "documents"),
+    ({"query": "q", "documents": ["a"], "top_n": -1}, "top_n"),
+    ({"query": "q", "documents": ["a"], "rank_fusion": True}, "rank_fusion"),
+    ({"query": "q", "documents": [LONG]}, "documents"),
+])
+def test_bad_rerank_input_is_a_400_naming_the_field(pooled: Served, body: dict,
+                                                    param: str) -> None:
+    err = _error(_post(pooled, "/rerank", {"model": EMBED_MODEL, **body}))
+    assert err["param"] == param, err

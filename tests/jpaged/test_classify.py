@@ -1,0 +1,190 @@
+"""Sequence classifiers (`*ForSequenceClassification`, runner="pooling"): class probabilities
+(LLM.classify) and cross-encoder scores (LLM.score) checked against HF transformers' own
+classifier in float32, through chunked prefill, MEAN pooling under preemption, a jpaged
+checkpoint round trip; the activation by problem type; bad input refused by name."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from helpers import make_llm, random_prompts
+
+from jpaged import LLM, PoolingParams, SamplingParams
+from jpaged.pooling_params import activation
+from models import ModelSpec, load_model
+
+torch = pytest.importorskip("torch")
+
+SIZING = dict(block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=8,
+              num_gpu_blocks_override=128)
+LABELS = ["negative", "neutral", "positive"]
+
+
+@pytest.fixture(scope="module")
+def qwen3_cls(tmp_path_factory):
+    """A tiny Qwen3ForSequenceClassification of three labels: its directory, jpaged's load of
+    it and HF's model."""
+    from tiny_models import make_hf_classifier
+
+    path = tmp_path_factory.mktemp("qwen3_cls")
+    hf = make_hf_classifier("qwen3_qk_norm", path, LABELS)
+    return path, load_model(str(path), dtype="float32"), hf
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(tmp_path_factory):
+    """A tiny LlamaForSequenceClassification of one label (a cross-encoder, as rerankers
+    are), untied in its config as such checkpoints are."""
+    from tiny_models import make_hf_classifier
+
+    path = tmp_path_factory.mktemp("llama_ce")
+    hf = make_hf_classifier("mistral", path, ["relevance"], seed=3)
+    return path, load_model(str(path), dtype="float32"), hf
+
+
+def hf_logits(hf, ids: list[int]) -> np.ndarray:
+    """HF's class logits of one unpadded prompt (its last token's score-head row)."""
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].numpy()
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max())
+    return e / e.sum()
+
+
+def test_class_probabilities_equal_hfs_through_chunked_prefill(qwen3_cls):
+    """Prompts of 9-29 tokens in chunks of 8: probs are the softmax of HF's logits, in the
+    checkpoint's label order; use_activation=False gives the logits themselves."""
+    _, loaded, hf = qwen3_cls
+    assert loaded.spec.labels == tuple(LABELS) and loaded.spec.num_labels == 3
+    assert loaded.spec.hf_architecture == "Qwen3ForSequenceClassification"
+    llm = make_llm(loaded, runner="pooling", **SIZING)
+    ps = random_prompts(5, seed=21)
+    outs = llm.classify([{"prompt_token_ids": p} for p in ps])
+    raw = llm.classify([{"prompt_token_ids": p} for p in ps],
+                       PoolingParams(use_activation=False))
+    for p, out, logits in zip(ps, outs, raw, strict=True):
+        ref = hf_logits(hf, p)
+        assert out.outputs.num_classes == 3 and out.prompt_token_ids == p
+        np.testing.assert_allclose(out.outputs.probs, softmax(ref), atol=2e-6)
+        np.testing.assert_allclose(logits.outputs.probs, ref, atol=2e-5)
+    assert llm.get_metrics()["kv_cache_usage"] == 0.0
+
+
+def test_mean_pooling_under_preemption_applies_the_head_to_the_mean(qwen3_cls):
+    """pooler_config MEAN in a pool too small for every prompt at once: each chunk's rows go
+    through the (linear) head and add up; the logits equal the head of HF's mean hidden
+    state."""
+    _, loaded, hf = qwen3_cls
+    llm = make_llm(loaded, runner="pooling", pooler_config={"pooling_type": "MEAN"},
+                   block_size=4, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16,
+                   num_gpu_blocks_override=16, long_prefill_token_threshold=4)
+    ps = [p[:28] for p in random_prompts(6, seed=22)]
+    outs = llm.classify([{"prompt_token_ids": p} for p in ps],
+                        PoolingParams(use_activation=False))
+    with torch.no_grad():
+        for p, out in zip(ps, outs, strict=True):
+            h = hf.model(torch.tensor([p])).last_hidden_state[0].mean(0)
+            np.testing.assert_allclose(out.outputs.probs, (hf.score.weight @ h).numpy(),
+                                       atol=2e-5)
+    assert llm.get_metrics()["num_preemptions"] > 0
+
+
+def test_cross_encoder_scores_are_the_pairs_sigmoid(cross_encoder):
+    """A one-label classifier scores a pair read as one prompt (the tokenizer's pair
+    encoding): the sigmoid of HF's logit of those tokens; one text against many and two
+    lists; token-id pairs join end to end; classify gives the same probability."""
+    _, loaded, hf = cross_encoder
+    assert loaded.spec.tie_word_embeddings and loaded.model.lm_head is None
+    llm = make_llm(loaded, runner="pooling", **SIZING)
+    tok = llm.get_tokenizer()
+    query, docs = "what is paged attention", ["a KV cache in blocks", "a recipe for bread"]
+    scores = llm.score(query, docs)
+    for doc, s in zip(docs, scores, strict=True):
+        ids = tok.encode_pair(query, doc)
+        assert s.prompt_token_ids == ids
+        want = 1 / (1 + np.exp(-float(hf_logits(hf, ids)[0])))
+        assert abs(s.outputs.score - want) < 1e-6
+    again = llm.score([query, query], docs)
+    assert [s.outputs.score for s in again] == [s.outputs.score for s in scores]
+    a, b = random_prompts(2, seed=23)
+    joined = llm.score({"prompt_token_ids": a}, {"prompt_token_ids": b})[0]
+    assert joined.prompt_token_ids == a + b
+    probs = llm.classify([{"prompt_token_ids": a + b}])[0].outputs.probs
+    assert probs == [joined.outputs.score]
+
+
+def test_activation_follows_the_problem_type():
+    """HF's problem types: softmax over labels by default, sigmoid of each label for a
+    multi-label problem (and of a lone label), the logits as they are for a regression."""
+    x = np.array([2.0, -1.0, 0.5], np.float32)
+    np.testing.assert_allclose(activation(x, None), softmax(x), rtol=1e-6)
+    np.testing.assert_allclose(activation(x, "multi_label_classification"), 1 / (1 + np.exp(-x)),
+                               rtol=1e-6)
+    np.testing.assert_allclose(activation(x, "regression"), x)
+    np.testing.assert_allclose(activation(x[:1], None), 1 / (1 + np.exp(-x[:1])), rtol=1e-6)
+
+
+def test_runner_auto_serves_a_classifier_and_a_checkpoint_keeps_it(qwen3_cls, tmp_path):
+    """A directory holding a sequence classifier starts a pooling engine under runner "auto"
+    (vLLM's); `jpaged convert`'s checkpoint keeps its labels and head (the same
+    probabilities), and its config.json names the classifier again."""
+    from models.checkpoint import save_checkpoint
+
+    path, loaded, _ = qwen3_cls
+    llm = make_llm(loaded, model=str(path), **SIZING)
+    assert llm.llm_engine.pooler is not None
+    p = random_prompts(1, seed=24)[0]
+    want = llm.classify([{"prompt_token_ids": p}])[0].outputs.probs
+    out = save_checkpoint(loaded, tmp_path / "ckpt")
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForSequenceClassification"]
+    assert cfg["id2label"] == {"0": "negative", "1": "neutral", "2": "positive"}
+    back = load_model(str(out), dtype="float32")
+    assert back.spec == loaded.spec
+    got = make_llm(back, model=str(out), **SIZING).classify([{"prompt_token_ids": p}])
+    np.testing.assert_allclose(got[0].outputs.probs, want, atol=1e-7)
+
+
+def test_bad_input_is_refused_by_name(qwen3_cls):
+    """A classifier refuses generation, embeddings, cut dimensions and disagreeing
+    activation settings; scoring pairs needs one label; a bad id2label or problem_type
+    names the field. The engine goes on with the same answer."""
+    _, loaded, _ = qwen3_cls
+    with pytest.raises(ValueError, match="sequence classifier.*runner='pooling'"):
+        make_llm(loaded, runner="generate", **SIZING)
+    llm = make_llm(loaded, runner="pooling", **SIZING)
+    p = {"prompt_token_ids": random_prompts(1, seed=25)[0]}
+    before = llm.classify([p])[0].outputs.probs
+    with pytest.raises(ValueError, match="embed needs an embedding model"):
+        llm.embed([p])
+    with pytest.raises(ValueError, match="dimensions cuts an embedding"):
+        llm.classify([p], PoolingParams(dimensions=2))
+    with pytest.raises(ValueError, match="normalize and use_activation"):
+        llm.classify([p], PoolingParams(normalize=True, use_activation=False))
+    with pytest.raises(ValueError, match="use_activation must be a bool"):
+        llm.classify([p], PoolingParams(use_activation="yes"))
+    with pytest.raises(ValueError, match="needs a cross-encoder.*3 labels"):
+        llm.score("a", "b")
+    with pytest.raises(ValueError, match="classifies prompts"):
+        llm.generate([p], SamplingParams(max_tokens=2))
+    assert llm.classify([p])[0].outputs.probs == before
+    cfg = json.loads((qwen3_cls[0] / "config.json").read_text())
+    for field, value, match in (("id2label", {"0": "a", "2": "b"}, "id2label.*0..n-1"),
+                                ("id2label", {"x": "a"}, "id2label.*integer ids"),
+                                ("num_labels", 5, "num_labels.*5.*3 labels"),
+                                ("problem_type", "ranking", "problem_type.*ranking")):
+        with pytest.raises(ValueError, match=match):
+            ModelSpec.from_hf_config({**cfg, field: value})
+
+
+def test_classify_needs_a_classifier():
+    """An embedding model refuses LLM.classify by name."""
+    from helpers import tiny
+
+    llm: LLM = make_llm(tiny(), runner="pooling", **SIZING)
+    with pytest.raises(ValueError, match="classify needs a sequence classifier"):
+        llm.classify(["hello"])
