@@ -100,14 +100,34 @@ def _is_classifier_dir(model: object) -> bool:
         return False
 
 
-def _runner(runner: object, pooler_config: object, model: object = None) -> str:
+def parse_hf_overrides(value: object) -> dict[str, Any] | None:
+    """EngineArgs.hf_overrides as a dict (from a dict or JSON text), or None; ValueError
+    naming the field otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as e:
+            raise ValueError(f"EngineArgs.hf_overrides is not JSON: {e}") from e
+    if not isinstance(value, Mapping):
+        raise ValueError(f"EngineArgs.hf_overrides must be a JSON object of config.json "
+                         f"fields, got {type(value).__name__}")
+    return dict(value)
+
+
+def _runner(runner: object, pooler_config: object, model: object = None,
+            hf_overrides: dict[str, Any] | None = None) -> str:
     """EngineArgs.runner resolved: "auto" is "pooling" when a pooler_config is given or the
-    model is a local sequence classifier (vLLM's auto runner)."""
+    model is a local sequence classifier (its config.json, or hf_overrides' architectures, as
+    vLLM's auto runner)."""
     if runner not in RUNNERS:
         _fail("EngineArgs", "runner", f"one of {RUNNERS}", runner)
     if runner == "auto":
-        return ("pooling" if pooler_config is not None or _is_classifier_dir(model)
-                else "generate")
+        archs = (hf_overrides or {}).get("architectures")
+        named = (str(archs[0]).endswith("ForSequenceClassification")
+                 if isinstance(archs, list) and archs else _is_classifier_dir(model))
+        return "pooling" if pooler_config is not None or named else "generate"
     if runner == "generate" and pooler_config is not None:
         raise ValueError("EngineArgs.pooler_config is for runner 'pooling', not 'generate'")
     return str(runner)
@@ -764,6 +784,12 @@ class EngineArgs:
     `LLM.classify`, /classify, /rerank; docs/pooling.md), or "auto" ("pooling" when
     `pooler_config` is given or the model's config.json names a `*ForSequenceClassification`,
     else "generate")."""
+    hf_overrides: dict[str, Any] | str | None = None
+    """vLLM's: fields laid over the model's config.json (an HF directory or hub repo) before it
+    is read, as a JSON object (a top-level update). E.g. '{"architectures":
+    ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no", "yes"],
+    "is_original_qwen3_reranker": true}' runs a causal reranker as a cross-encoder, its score
+    head made of the LM head's rows of those tokens (docs/pooling.md)."""
     pooler_config: dict[str, Any] | str | None = None
     """vLLM's, for runner "pooling", as JSON: '{"pooling_type": "LAST", "normalize": true}'
     (pooling_type LAST, MEAN or CLS). Unset: the checkpoint's sentence-transformers pooling
@@ -821,7 +847,8 @@ class EngineArgs:
                               enforce_eager=self.enforce_eager,
                               generation_config=self.generation_config,
                               enable_sleep_mode=self.enable_sleep_mode,
-                              runner=_runner(self.runner, self.pooler_config, self.model),
+                              runner=_runner(self.runner, self.pooler_config, self.model,
+                                             parse_hf_overrides(self.hf_overrides)),
                               pooler_config=PoolerConfig.parse(self.pooler_config)),
             cache=CacheConfig(
                 block_size=self.block_size,

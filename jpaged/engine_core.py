@@ -24,7 +24,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jpaged.config import EngineArgs, EngineConfig
+from jpaged.config import EngineArgs, EngineConfig, parse_hf_overrides
 from jpaged.core.cache_state import snapshot as _cache_snapshot
 from jpaged.core.cache_state import tier_metrics as _tier_metrics
 from jpaged.core.kv_cache_groups import blocks_by_length, kv_cache_layout
@@ -172,7 +172,8 @@ def _check_supported(config: EngineConfig) -> None:
 
 def _read_model(args: EngineArgs) -> LoadedModel:
     """The model `args` name, read as the engine reads it at start (sleep level 2 again)."""
-    return load_model(args.model, args.dtype, args.tensor_parallel_size, args.quantization)
+    return load_model(args.model, args.dtype, args.tensor_parallel_size, args.quantization,
+                      parse_hf_overrides(args.hf_overrides))
 
 
 def _as_run(model: Any) -> Any:
@@ -234,7 +235,8 @@ class EngineCore:
             self.pooler = (early.model.pooler_config or pooler_from_checkpoint(
                 self.loaded.source) or PoolerConfig())
             logger.info("pooling runner: %s pooling%s", self.pooler.pooling_type,
-                        f", then the classifier's head ({self.spec.num_labels} labels)"
+                        f", then the classifier's head ({self.spec.num_labels} "
+                        f"label{'' if self.spec.num_labels == 1 else 's'})"
                         if self.spec.labels else
                         ", normalized" if self.pooler.normalize else "")
         # Sleep level 2 reads the weights again as they were read here: only a model this

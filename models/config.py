@@ -365,10 +365,46 @@ def is_classifier_config(cfg: dict[str, Any]) -> bool:
     return _is_classifier(cfg)
 
 
+# vLLM's online conversion of a causal model into a sequence classifier (hf_overrides'
+# `classifier_from_token` and `method`): the score head made of the LM head's rows of the
+# named tokens. "from_2_way_softmax" (two tokens a, b: one label, row b - row a, so the
+# sigmoid of its logit is the softmax probability of b against a: Qwen3-Reranker, mxbai-rerank);
+# "no_post_processing" (one label per token, its row as it is: bge-reranker-v2-gemma).
+SEQ_CLS_METHODS = ("from_2_way_softmax", "no_post_processing")
+
+
+def classifier_from_tokens(cfg: dict[str, Any]) -> tuple[str, tuple[str, ...]] | None:
+    """(method, tokens) of a config asking for a score head made of LM-head rows
+    (`classifier_from_token`; `method`, or `is_original_qwen3_reranker`'s 2-way softmax),
+    or None; ValueError naming the field when it is not one jpaged can build."""
+    tokens = cfg.get("classifier_from_token")
+    if tokens is None:
+        return None
+    if (not isinstance(tokens, list) or not tokens
+            or not all(isinstance(t, str) and t for t in tokens)):
+        raise ValueError(f"config field 'classifier_from_token' must be a non-empty list of "
+                         f"token strings, got {tokens!r}")
+    method = cfg.get("method") or (
+        "from_2_way_softmax" if cfg.get("is_original_qwen3_reranker") else None)
+    if method not in SEQ_CLS_METHODS:
+        raise ValueError(f"config field 'method' must be one of {', '.join(SEQ_CLS_METHODS)} "
+                         f"with classifier_from_token (or is_original_qwen3_reranker: true), "
+                         f"got {method!r}")
+    if method == "from_2_way_softmax" and len(tokens) != 2:
+        raise ValueError(f"config field 'classifier_from_token' must name two tokens for "
+                         f"method from_2_way_softmax, got {tokens!r}")
+    return method, tuple(tokens)
+
+
 def _classifier(cfg: dict[str, Any]) -> tuple[tuple[str, ...], str | None]:
-    """A classifier config's label names in id order (id2label, else num_labels' LABEL_i,
-    else HF's default of two) and problem_type."""
+    """A classifier config's label names in id order (a score head made of LM-head rows: its
+    tokens; else id2label, else num_labels' LABEL_i, else HF's default of two) and
+    problem_type."""
+    recipe = classifier_from_tokens(cfg)
     id2label = cfg.get("id2label")
+    if recipe is not None:
+        method, tokens = recipe
+        return (tokens[1:] if method == "from_2_way_softmax" else tokens), None
     if id2label is not None:
         if not isinstance(id2label, dict) or not id2label:
             raise ValueError(f"config field 'id2label' must be a non-empty object, got "

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -21,11 +22,12 @@ from jpaged.config import QUANTIZATION_METHODS, QUANTIZE_AT_LOAD
 from .build import LoadedModel, abstract_model, resolve_dtype
 from .checkpoint import MARKER as CHECKPOINT_MARKER
 from .checkpoint import load_checkpoint, read_manifest
-from .config import ModelSpec
+from .config import ModelSpec, classifier_from_tokens
 from .gguf_loader import load_gguf_quantized
 from .hf_quant import check_requested, hf_quantized, quant_method
 from .quant_layers import QuantLayout, apply_plan, check_quant_splits, fp8_plan, fp8_tensors
 from .sharding import make_mesh, param_spec, plan_layout, vocab_splits
+from .tensors import TensorDict
 from .tokenizer import Tokenizer
 from .weights import assign_weights, load_gguf, load_hf_dir_weights, place_weights
 
@@ -227,7 +229,8 @@ def check_quantization(quantization: str | None) -> None:
 
 
 def load_model(model: str | None = None, dtype: str = "auto",
-               tensor_parallel_size: int = 1, quantization: str | None = None) -> LoadedModel:
+               tensor_parallel_size: int = 1, quantization: str | None = None,
+               hf_overrides: Mapping[str, Any] | None = None) -> LoadedModel:
     """Load the embedded default (None), a named packaged GGUF ("gemma3-270m"), a jpaged
     checkpoint, a .gguf, an HF dir or repo id.
 
@@ -235,10 +238,21 @@ def load_model(model: str | None = None, dtype: str = "auto",
     jpaged checkpoint (`jpaged convert`) through orbax's sharded restore).
     quantization: None (a GGUF dequantized, other checkpoints as stored), "gguf" (a GGUF at
     its own quantization), "fp8" (decoder linears quantized per channel at load).
+    hf_overrides: fields laid over an HF model's config.json before it is read (vLLM's).
     """
     check_quantization(quantization)
     jdtype = resolve_dtype(dtype)
     tp, quant = tensor_parallel_size, quantization
+    if hf_overrides:
+        path = Path(str(model)).expanduser()
+        if model is None or model == DEFAULT_MODEL or model in NAMED_GGUF_MODELS or (
+                path / CHECKPOINT_MARKER).is_file() or str(model).lower().endswith(".gguf"):
+            raise ValueError(f"hf_overrides apply to an HF model's config.json; "
+                             f"{model or DEFAULT_MODEL!r} is a GGUF file or a jpaged checkpoint")
+        if path.is_dir():
+            return _load_hf_dir(path, jdtype, tp, quant, hf_overrides)
+        if _REPO_ID.match(str(model)) and not path.exists():
+            return _load_hf_dir(_download(str(model)), jdtype, tp, quant, hf_overrides)
     if model is None or model == DEFAULT_MODEL:
         return _load_gguf_model(embedded_gguf_path(), jdtype, tp, quant)
     if model in NAMED_GGUF_MODELS:
@@ -295,11 +309,12 @@ def _json_object(file: Path) -> dict[str, Any]:
     return obj
 
 
-def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None,
+                 hf_overrides: Mapping[str, Any] | None = None) -> LoadedModel:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"config.json not found: {cfg_file}")
-    cfg = _json_object(cfg_file)
+    cfg = {**_json_object(cfg_file), **(hf_overrides or {})}  # vLLM: a top-level update
     # A checkpoint quantized by its producer (models/hf_quant.py) says so in its config.
     method = quant_method(cfg, str(cfg_file))
     check_requested(method, quantization, str(path))
@@ -310,6 +325,9 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
     spec = spec.replace(eos_token_ids=_merge_generation_eos(path, spec.eos_token_ids))
     tokenizer = Tokenizer.from_hf_dir(path)
     weights = load_hf_dir_weights(path, spec)
+    recipe = classifier_from_tokens(cfg)
+    if recipe is not None and "score.weight" not in weights:
+        _score_from_lm_head(weights, recipe, tokenizer)
     plan = None
     model = abstract_model(spec, dtype)
     if method is not None:
@@ -323,6 +341,27 @@ def _load_hf_dir(path: Path, dtype: Any, tp: int, quantization: str | None) -> L
                          f"{cfg_file} has no quantization_config")
     return LoadedModel(spec, build_model(spec, weights, dtype, tp, plan, model), tokenizer,
                        str(path), quantization, sampling_defaults(path))
+
+
+def _score_from_lm_head(weights: TensorDict, recipe: tuple[str, tuple[str, ...]],
+                        tokenizer: Tokenizer) -> None:
+    """Add a classifier's `score.weight` made of the LM head's rows of the recipe's tokens
+    (models.config.SEQ_CLS_METHODS; the embedding table's when the head is tied), in place."""
+    method, tokens = recipe
+    head = "lm_head.weight" if "lm_head.weight" in weights else "model.embed_tokens.weight"
+    if head not in weights:
+        raise ValueError(f"classifier_from_token: checkpoint {weights.origin} has neither "
+                         "lm_head.weight nor model.embed_tokens.weight to take rows from")
+    ids = []
+    for token in tokens:
+        i = tokenizer.token_to_id(token)
+        if i is None:
+            raise ValueError(f"classifier_from_token: {token!r} is not a token of the model's "
+                             "vocabulary (tokens are spelled as the vocabulary spells them)")
+        ids.append(i)
+    rows = np.asarray(weights[head][ids], np.float32)
+    weights["score.weight"] = rows[1:] - rows[:1] if method == "from_2_way_softmax" else rows
+    weights.files["score.weight"] = f"{weights.source_of(head)} ({head} rows of {list(tokens)})"
 
 
 # generation_config.json keys that are sampling defaults (vLLM's list); its max_new_tokens is

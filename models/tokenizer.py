@@ -170,6 +170,10 @@ class Tokenizer:
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self.backend.token_to_id(token)
 
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a vocabulary string (byte-level spelling for BPE), or None."""
+        return self._id(token)
+
     @property
     def bos_token_id(self) -> int | None:
         """Id of the beginning-of-sequence token, if any."""

@@ -188,3 +188,77 @@ def test_classify_needs_a_classifier():
     llm: LLM = make_llm(tiny(), runner="pooling", **SIZING)
     with pytest.raises(ValueError, match="classify needs a sequence classifier"):
         llm.classify(["hello"])
+
+
+@pytest.fixture(scope="module")
+def causal(tmp_path_factory):
+    """A tiny causal Qwen3 (untied LM head) and HF's model of it: a reranker as published
+    (its answer read from the logits of chosen tokens)."""
+    from tiny_models import make_hf_checkpoint
+
+    path = tmp_path_factory.mktemp("qwen3_causal")
+    hf = make_hf_checkpoint("qwen3_qk_norm", path, seed=4)
+    return path, hf
+
+
+def hf_next_logits(hf, ids: list[int]) -> np.ndarray:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0, -1].numpy()
+
+
+def test_hf_overrides_turn_a_causal_reranker_into_a_cross_encoder(causal):
+    """vLLM's Qwen3-Reranker recipe: hf_overrides naming the classifier architecture,
+    `classifier_from_token` ["n", "y"] and is_original_qwen3_reranker (a 2-way softmax): the
+    runner is pooling under "auto", and a pair's score is HF's softmax probability of "y"
+    against "n" after the pair's tokens."""
+    path, hf = causal
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["n", "y"], "is_original_qwen3_reranker": True}
+    loaded = load_model(str(path), dtype="float32", hf_overrides=overrides)
+    assert loaded.spec.labels == ("y",) and loaded.model.lm_head is None
+    llm = make_llm(loaded, model=str(path), hf_overrides=json.dumps(overrides), **SIZING)
+    assert llm.llm_engine.pooler is not None  # runner "auto" read the overrides
+    tok = llm.get_tokenizer()
+    n, y = tok.token_to_id("n"), tok.token_to_id("y")
+    for doc in ("a KV cache in blocks", "bread"):
+        got = llm.score("what is paged attention", doc)[0]
+        logits = hf_next_logits(hf, got.prompt_token_ids)
+        assert abs(got.outputs.score - softmax(logits[[n, y]])[1]) < 1e-6
+
+
+def test_no_post_processing_keeps_one_label_per_token(causal):
+    """method no_post_processing: one label per token, its logit HF's logit of that token."""
+    path, hf = causal
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["a", "b", "c"], "method": "no_post_processing"}
+    loaded = load_model(str(path), dtype="float32", hf_overrides=overrides)
+    assert loaded.spec.labels == ("a", "b", "c")
+    llm = make_llm(loaded, runner="pooling", **SIZING)
+    ids = [loaded.tokenizer.token_to_id(t) for t in "abc"]
+    p = random_prompts(1, seed=26)[0]
+    raw = llm.classify([{"prompt_token_ids": p}], PoolingParams(use_activation=False))[0]
+    np.testing.assert_allclose(raw.outputs.probs, hf_next_logits(hf, p)[ids], atol=2e-5)
+
+
+def test_bad_hf_overrides_are_refused_by_name(causal):
+    """A token outside the vocabulary, a method jpaged lacks, a 2-way softmax of three tokens,
+    overrides of a GGUF, and overrides that are not a JSON object: each names what is wrong."""
+    from helpers import tiny
+
+    path, _ = causal
+    seq = {"architectures": ["Qwen3ForSequenceClassification"]}
+    for extra, match in (
+            ({"classifier_from_token": ["n", "no-such-token"], "method": "from_2_way_softmax"},
+             "'no-such-token' is not a token"),
+            ({"classifier_from_token": ["n", "y"], "method": "mean"}, "'method' must be one of"),
+            ({"classifier_from_token": ["n", "y", "z"], "method": "from_2_way_softmax"},
+             "must name two tokens"),
+            ({"classifier_from_token": []}, "non-empty list of token strings")):
+        with pytest.raises(ValueError, match=match):
+            load_model(str(path), dtype="float32", hf_overrides={**seq, **extra})
+    with pytest.raises(ValueError, match="hf_overrides apply to an HF model's config.json"):
+        load_model(None, hf_overrides=seq)
+    for bad, match in (("{not json", "hf_overrides is not JSON"),
+                       ("[1, 2]", "hf_overrides must be a JSON object")):
+        with pytest.raises(ValueError, match=match):
+            make_llm(tiny(), hf_overrides=bad, **SIZING)
