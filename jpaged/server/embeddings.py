@@ -22,6 +22,7 @@ from jpaged.server.protocol import (
     ClassificationRequest,
     EmbeddingRequest,
     OpenAIError,
+    PoolingInputs,
     bad_pooling_value,
     input_field,
 )
@@ -67,7 +68,7 @@ class EmbeddingServing(Serving):
                               "classifier: it embeds; use /v1/embeddings", param="model")
         req.refuse_unknown()
         params = req.pooling_params()
-        inputs = await self._prompts(req.inputs(), params, req.add_special_tokens,
+        inputs = await self._prompts(self.pooling_inputs(req), params, req.special_tokens,
                                      req.cache_salt)
         base = req.request_id or f"classify-{uuid.uuid4().hex}"
         outs = await self._pooled(inputs, params, base, req.priority, self.lora_for(req.model))
@@ -91,7 +92,7 @@ class EmbeddingServing(Serving):
                               "cross-encoder)", param="model")
         req.refuse_unknown()
         params = req.pooling_params()
-        inputs = await self._prompts(req.inputs(), params, req.add_special_tokens,
+        inputs = await self._prompts(self.pooling_inputs(req), params, req.special_tokens,
                                      req.cache_salt)
         base = req.request_id or f"embd-{uuid.uuid4().hex}"
         outs = await self._pooled(inputs, params, base, req.priority, self.lora_for(req.model))
@@ -102,6 +103,13 @@ class EmbeddingServing(Serving):
         return {"id": base, "object": "list", "created": int(time.time()),
                 "model": self.answer_model(req.model), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+    def pooling_inputs(self, req: PoolingInputs) -> list[tuple[str, str | list[int]]]:
+        """A pooling request's (where, text or token ids) inputs: its `input`s, or its chat
+        `messages` rendered by the chat template as one text."""
+        if req.messages is not None:
+            return [("messages", self.chat_text(req))]
+        return req.inputs()
 
     def need_pooler(self, what: str) -> None:
         """400 naming --runner pooling unless the engine pools (`what`: the API refused)."""

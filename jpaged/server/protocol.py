@@ -723,24 +723,67 @@ def _check_salt(salt: str | None) -> None:
         raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
 
 
+class PoolingInputs(BaseModel):
+    """What /v1/embeddings and /classify take to pool: `input` (a string, strings, token ids
+    or lists of them), or chat `messages` rendered by the chat template as one prompt (vLLM's
+    EmbeddingChatRequest: no generation prompt and no added special tokens unless asked)."""
+
+    input: str | list[str] | list[int] | list[list[int]] | None = None
+    messages: list[ChatMessage] | None = None
+    # None: vLLM's defaults, True for input, False for messages (the template has them).
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = False
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    tools: ClassVar[None] = None  # (Serving.chat_text reads it: a pooling request has none)
+
+    def check_inputs(self) -> None:
+        """400 unless exactly one of input / messages is given, with only its own fields."""
+        if (self.input is None) == (self.messages is None):
+            raise OpenAIError(400, "give exactly one of input or messages", param="input")
+        if self.messages is not None and not self.messages:
+            raise OpenAIError(400, "messages is empty", param="messages")
+        if self.input is not None:
+            for name in _TEMPLATE_FIELDS:
+                if name in self.model_fields_set:
+                    raise OpenAIError(400, f"{name} applies only to messages, not to input",
+                                      param=name)
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS) around the text."""
+        if self.add_special_tokens is not None:
+            return self.add_special_tokens
+        return self.messages is None
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as dicts for the chat template (see `conversation`)."""
+        return conversation(self.messages or [])
+
+    def inputs(self) -> list[tuple[str, str | list[int]]]:
+        """(how errors name it, its text or token ids) of each `input`, in order; an empty
+        input (or input list) is a 400."""
+        assert self.input is not None, "messages are rendered by the server (chat_text)"
+        return _pooling_inputs(self.input)
+
+
 # vLLM's /classify fields this server does not implement yet, with their unused values.
 _CLASSIFY_NOT_YET: dict[str, tuple[Any, ...]] = {
-    "messages": (None,), "mm_processor_kwargs": (None,), "softmax": (None,),
-    "activation": (None,)}
+    "mm_processor_kwargs": (None,), "softmax": (None,), "activation": (None,)}
 
 
-class ClassificationRequest(BaseModel):
-    """Body of POST /classify (vLLM's, of a sequence classifier): `input` as /v1/embeddings
-    takes it; `use_activation` false gives the raw logits. A field it does not know is a 400
-    naming it, never dropped."""
+class ClassificationRequest(PoolingInputs):
+    """Body of POST /classify (vLLM's, of a sequence classifier): `input` or `messages` as
+    /v1/embeddings takes them; `use_activation` false gives the raw logits. A field it does
+    not know is a 400 naming it, never dropped."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     user: str | None = None  # accepted, not used
     truncate_prompt_tokens: int | None = None
-    add_special_tokens: bool = True
     use_activation: bool | None = None
     priority: int = 0
     request_id: str | None = None
@@ -750,10 +793,7 @@ class ClassificationRequest(BaseModel):
         """400 naming the first field set that this server does not implement or know."""
         _check_salt(self.cache_salt)
         _refuse_extra(self.model_extra or {}, _CLASSIFY_NOT_YET, "/classify")
-
-    def inputs(self) -> list[tuple[str, str | list[int]]]:
-        """(how errors name it, its text or token ids) of each input, in order."""
-        return _pooling_inputs(self.input)
+        self.check_inputs()
 
     def pooling_params(self) -> PoolingParams:
         """The engine's PoolingParams of this request."""
@@ -809,20 +849,18 @@ class RerankRequest(BaseModel):
 # vLLM's /v1/embeddings fields this server does not implement yet, with the value meaning
 # "not used": any other value is a 400 naming the field.
 _EMBED_NOT_YET: dict[str, tuple[Any, ...]] = {
-    "messages": (None,), "embed_dtype": ("float32",), "endianness": ("native",),
-    "mm_processor_kwargs": (None,)}
+    "embed_dtype": ("float32",), "endianness": ("native",), "mm_processor_kwargs": (None,)}
 _POOLING_FIELD_RE = re.compile(r"PoolingParams\.(\w+)")
 
 
-class EmbeddingRequest(BaseModel):
+class EmbeddingRequest(PoolingInputs):
     """Body of POST /v1/embeddings: OpenAI's fields and vLLM's extras (`truncate_prompt_tokens`,
-    `normalize`, `add_special_tokens`, `priority`, `request_id`). A field it does not know is a
-    400 naming it, never dropped."""
+    `normalize`, `add_special_tokens`, `priority`, `request_id`, chat `messages`). A field it
+    does not know is a 400 naming it, never dropped."""
 
     model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
 
     model: str | None = None
-    input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # keep the first k features (Matryoshka), then normalize
     user: str | None = None  # OpenAI's end-user id: accepted, not used
@@ -830,7 +868,6 @@ class EmbeddingRequest(BaseModel):
     truncate_prompt_tokens: int | None = None
     normalize: bool | None = None  # vLLM: L2-normalize (None: the server's pooler decides)
     use_activation: bool | None = None  # vLLM's newer name for normalize
-    add_special_tokens: bool = True  # vLLM: the tokenizer's special tokens (BOS) around text
     priority: int = 0
     request_id: str | None = None  # vLLM: the id the response carries
     cache_salt: str | None = None  # vLLM: keeps the prefix cache to requests of the same salt
@@ -839,11 +876,7 @@ class EmbeddingRequest(BaseModel):
         """400 naming the first field set that this server does not implement or know."""
         _check_salt(self.cache_salt)
         _refuse_extra(self.model_extra or {}, _EMBED_NOT_YET, "/v1/embeddings")
-
-    def inputs(self) -> list[tuple[str, str | list[int]]]:
-        """(how errors name it, its text or token ids) of each input, in order; an empty
-        input (or input list) is a 400."""
-        return _pooling_inputs(self.input)
+        self.check_inputs()
 
     def pooling_params(self) -> PoolingParams:
         """The engine's PoolingParams of this request."""

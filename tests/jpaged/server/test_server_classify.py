@@ -77,6 +77,17 @@ def test_classify_is_llm_classify(ranked: Served, llm: LLM) -> None:
     assert abs(1 / (1 + np.exp(-raw["data"][0]["probs"][0])) - prob) < 1e-6
 
 
+def test_classify_takes_chat_messages(ranked: Served, llm: LLM) -> None:
+    """`messages` rendered by the chat template are classified as one prompt."""
+    messages = [{"role": "user", "content": QUERY}]
+    text = ranked.engine.tokenizer.apply_chat_template(messages, add_generation_prompt=False)
+    ids = ranked.engine.tokenizer.encode(text, add_special_tokens=False)
+    resp = _ok(_post(ranked, "/classify", {"messages": messages}))
+    assert resp["usage"]["prompt_tokens"] == len(ids)
+    want = llm.classify([{"prompt_token_ids": ids}])[0].outputs.probs
+    np.testing.assert_allclose(resp["data"][0]["probs"], want, atol=1e-6)
+
+
 def test_score_and_rerank_read_each_pair_as_one_prompt(ranked: Served, llm: LLM) -> None:
     """/score's and /rerank's scores are LLM.score's (the sigmoid of the pair's logit), the
     usage counts each joined prompt once; rerank orders them best first."""

@@ -255,3 +255,28 @@ def test_jpaged_serve_runner_pooling_with_a_pooler_config() -> None:
     np.testing.assert_allclose(got, _reference(llm, TEXTS, PoolingParams(dimensions=16)),
                                atol=1e-6)
     assert abs(np.linalg.norm(got[0]) - 1.0) > 0.1  # not normalized
+
+
+def test_chat_messages_embed_as_their_rendered_prompt(pooled: Served, llm: LLM) -> None:
+    """vLLM's chat embeddings: `messages` rendered by the chat template (no generation prompt,
+    no added special tokens unless asked) and embedded as one prompt; giving input too, or a
+    chat-only field with input, is a 400 naming it."""
+    messages = [{"role": "system", "content": "Embed the query."},
+                {"role": "user", "content": "paged attention"}]
+    tok = pooled.engine.tokenizer
+    for extra, prompt in (({}, tok.apply_chat_template(messages, add_generation_prompt=False)),
+                          ({"add_generation_prompt": True, "add_special_tokens": True},
+                           tok.apply_chat_template(messages, add_generation_prompt=True))):
+        resp = _post(pooled, "/v1/embeddings", {"model": EMBED_MODEL, "messages": messages,
+                                                **extra})
+        assert resp.status_code == 200, resp.text
+        ids = tok.encode(prompt, add_special_tokens=bool(extra))
+        assert resp.json()["usage"]["prompt_tokens"] == len(ids)
+        got = [d["embedding"] for d in resp.json()["data"]]
+        np.testing.assert_allclose(got, _reference(llm, [{"prompt_token_ids": ids}]), atol=1e-6)
+    for body, param in (({"messages": messages, "input": "x"}, "input"), ({}, "input"),
+                        ({"messages": []}, "messages"),
+                        ({"input": "x", "add_generation_prompt": True}, "add_generation_prompt"),
+                        ({"messages": messages, "chat_template": "{% if %}"}, "chat_template")):
+        err = _error(_post(pooled, "/v1/embeddings", {"model": EMBED_MODEL, **body}))
+        assert err["param"] == param, (body, err)

@@ -267,13 +267,13 @@ def test_unsupported_encoding_params_are_400s(pooled: Served, field: str) -> Non
     ({"input": [[]]}, "input"),
     ({"input": [[1, 2], []]}, "input"),
     ({"input": [[1, 300]]}, "input"),  # out of the vocabulary (300 ids)
-    ({"messages": [{"role": "user", "content": "hi"}], "input": "x"}, "messages"),
+    ({"messages": [{"role": "user", "content": "hi"}], "input": "x"}, "input"),
     ({"input": "x", "cache_salt": ""}, "cache_salt"),
 ])
 def test_empty_and_invalid_inputs_are_400s(pooled: Served, body: dict, param: str) -> None:
     """Empty and invalid inputs (vLLM's protocol checks; test_cache_salt_validation.py's empty
     salt) are 400s naming the field; chat-style `messages` (vLLM's embed/test_online.py::
-    test_chat_request) is not served by jpaged and says so."""
+    test_chat_request, checked in test_server_embeddings.py) beside an input is one too."""
     r = post(pooled, body)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
