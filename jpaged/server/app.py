@@ -330,6 +330,12 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     v1.add_api_route("/rerank", rerank, methods=["POST"])
     app.add_api_route("/v2/rerank", rerank, methods=["POST"])
 
+    @app.post("/pooling")
+    async def pooling_api(body: EmbeddingRequest, request: Request) -> Response:
+        """vLLM's pooling API: each input's pooled output as it is (an embedding model's
+        vector, a classifier's probabilities), under `data`."""
+        return await load_aware(serving.pooling(body, request))
+
     @app.post("/classify")
     async def classify(body: ClassificationRequest, request: Request) -> Response:
         """vLLM's classification API (a sequence classifier): class probabilities per input."""

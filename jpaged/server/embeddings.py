@@ -46,7 +46,7 @@ def pooling_only_error(endpoint: str) -> OpenAIError:
 
 
 class EmbeddingServing(Serving):
-    """The handlers of /v1/embeddings and /classify."""
+    """The handlers of /v1/embeddings, /classify and /pooling."""
 
     async def embeddings(self, req: EmbeddingRequest, http: HTTPRequest
                          ) -> dict[str, Any] | None:
@@ -90,15 +90,29 @@ class EmbeddingServing(Serving):
             raise OpenAIError(400, f"The model `{self.model_name}` is a sequence classifier: "
                               "it has no embeddings; use /classify (or /score, /rerank for a "
                               "cross-encoder)", param="model")
+        return await self._vectors(req, "embd", "embedding", "embedding")
+
+    async def pooling(self, req: EmbeddingRequest, http: HTTPRequest) -> dict[str, Any] | None:
+        """The pooling response, or None if the client went away (its requests aborted)."""
+        return await until_disconnected(http, self._pooling(req))
+
+    async def _pooling(self, req: EmbeddingRequest) -> dict[str, Any]:
+        self.check_model(req.model)
+        self.need_pooler("the pooling API")
+        return await self._vectors(req, "pool", "pooling", "data")
+
+    async def _vectors(self, req: EmbeddingRequest, prefix: str, kind: str, key: str
+                       ) -> dict[str, Any]:
+        """Each input's pooled output (an embedding, or a classifier's probabilities) as a
+        list of `{"index", "object": kind, key: vector}`."""
         req.refuse_unknown()
         params = req.pooling_params()
         inputs = await self._prompts(self.pooling_inputs(req), params, req.special_tokens,
                                      req.cache_salt)
-        base = req.request_id or f"embd-{uuid.uuid4().hex}"
+        base = req.request_id or f"{prefix}-{uuid.uuid4().hex}"
         outs = await self._pooled(inputs, params, base, req.priority, self.lora_for(req.model))
         tokens = sum(len(o.prompt_token_ids) for o in outs)
-        data = [{"index": i, "object": "embedding",
-                 "embedding": encoded(o.outputs.data, req.encoding_format)}
+        data = [{"index": i, "object": kind, key: encoded(o.outputs.data, req.encoding_format)}
                 for i, o in enumerate(outs)]
         return {"id": base, "object": "list", "created": int(time.time()),
                 "model": self.answer_model(req.model), "data": data,

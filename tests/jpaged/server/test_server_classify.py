@@ -109,10 +109,23 @@ def test_score_and_rerank_read_each_pair_as_one_prompt(ranked: Served, llm: LLM)
     assert abs(1 / (1 + np.exp(-raw["data"][0]["score"])) - want[0]) < 1e-6
 
 
+def test_pooling_api_gives_a_classifiers_probabilities(ranked: Served, llm: LLM) -> None:
+    """vLLM's /pooling: a classifier's probabilities and an embedding model's vectors under
+    `data` (the embedding server's: in test_the_other_apis_point_at_the_right_one)."""
+    resp = _ok(_post(ranked, "/pooling", {"input": [QUERY, DOCS[0]]}))
+    assert resp["id"].startswith("pool-") and resp["object"] == "list"
+    want = llm.classify([QUERY, DOCS[0]])
+    for i, (d, w) in enumerate(zip(resp["data"], want, strict=True)):
+        assert d["index"] == i and d["object"] == "pooling"
+        np.testing.assert_allclose(d["data"], w.outputs.probs, atol=1e-6)
+
+
 def test_the_other_apis_point_at_the_right_one(ranked: Served) -> None:
     """Embeddings of a classifier, classify of an embedding model, generation of either:
     a 400 naming what to use; the server goes on. An embedding server takes use_activation
-    as normalize."""
+    as normalize, and its /pooling gives /v1/embeddings' vectors."""
+    import base64
+
     err = _error(_post(ranked, "/v1/embeddings", {"input": "hi"}))
     assert "sequence classifier" in err["message"] and "/classify" in err["message"]
     err = _error(_post(ranked, "/v1/chat/completions",
@@ -126,6 +139,12 @@ def test_the_other_apis_point_at_the_right_one(ranked: Served) -> None:
                            timeout=60).json()["data"][0]["embedding"]
                 for key in ("normalize", "use_activation")]
         assert vecs[0] == vecs[1] and abs(np.linalg.norm(vecs[0]) - 1) > 1e-3
+        # /pooling of an embedding model: /v1/embeddings' vector (base64 alike) under `data`
+        body = {"input": "hi", "encoding_format": "base64"}
+        got = httpx.post(f"{embed.url}/pooling", json=body, timeout=60).json()["data"][0]
+        want = httpx.post(f"{embed.url}/v1/embeddings", json=body, timeout=60).json()
+        assert got["object"] == "pooling" and got["data"] == want["data"][0]["embedding"]
+        assert np.frombuffer(base64.b64decode(got["data"]), "<f4").shape == (64,)
     _ok(_post(ranked, "/classify", {"input": "hi"}))
 
 

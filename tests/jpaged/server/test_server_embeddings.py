@@ -280,3 +280,8 @@ def test_chat_messages_embed_as_their_rendered_prompt(pooled: Served, llm: LLM) 
                         ({"messages": messages, "chat_template": "{% if %}"}, "chat_template")):
         err = _error(_post(pooled, "/v1/embeddings", {"model": EMBED_MODEL, **body}))
         assert err["param"] == param, (body, err)
+
+
+def test_generating_server_refuses_pooling(served: Served) -> None:
+    r = httpx.post(f"{served.url}/pooling", json={"input": "hi"}, timeout=60)
+    assert r.status_code == 400 and "--runner pooling" in r.json()["error"]["message"]
