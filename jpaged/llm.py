@@ -141,10 +141,14 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
         use_tqdm: bool | Callable[..., Any] = False,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        pooling_task: str | None = None,
     ) -> list[PoolingRequestOutput]:
         """A pooling engine's vectors of the prompts (vLLM's `LLM.encode`), in input order:
         each prompt runs once and its final hidden states pool as the engine's pooler says
-        (runner="pooling"); `truncate_prompt_tokens` keeps each prompt's first k tokens."""
+        (runner="pooling"); `truncate_prompt_tokens` keeps each prompt's first k tokens.
+        `pooling_task` (vLLM's): the model's own task, "embed" for an embedding model,
+        "classify" or "score" for a classifier; None: whichever it is."""
+        _check_task(pooling_task, self.llm_engine.spec)
         prompts = _prompt_list(prompts)
         if pooling_params is None or isinstance(pooling_params, PoolingParams):
             params_list = [pooling_params or PoolingParams()] * len(prompts)
@@ -390,6 +394,24 @@ def _lora_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
         raise ValueError(f"got {len(loras)} lora_request entries for {n} prompts; pass one "
                          "or one per prompt")
     return loras
+
+
+# vLLM's pooling tasks, and the ones a model of each kind serves here.
+POOLING_TASKS = ("embed", "classify", "score", "token_embed", "token_classify")
+
+
+def _check_task(task: str | None, spec: Any) -> None:
+    """ValueError naming the task unless the model serves it (None: any model's own)."""
+    if task is None:
+        return
+    if task not in POOLING_TASKS:
+        raise ValueError(f"pooling_task must be one of {', '.join(POOLING_TASKS)}, got "
+                         f"{task!r}")
+    own = ("classify", "score") if spec.labels else ("embed",)
+    if task not in own:
+        kind = "a sequence classifier" if spec.labels else "an embedding model"
+        raise ValueError(f"pooling_task {task!r} is not served: this model is {kind}, whose "
+                         f"tasks are {', '.join(own)} (token-level pooling is not supported)")
 
 
 def _prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -171,6 +171,13 @@ def test_bad_input_is_refused_by_name(qwen3_cls):
         llm.score("a", "b")
     with pytest.raises(ValueError, match="classifies prompts"):
         llm.generate([p], SamplingParams(max_tokens=2))
+    # vLLM's pooling_task: the model's own tasks, none other
+    assert llm.encode([p], pooling_task="classify")[0].outputs.data.tolist() == before
+    for task, match in (("embed", "is a sequence classifier, whose tasks are classify, "
+                                  "score"), ("token_embed", "token-level pooling"),
+                        ("reward", "pooling_task must be one of")):
+        with pytest.raises(ValueError, match=match):
+            llm.encode([p], pooling_task=task)
     assert llm.classify([p])[0].outputs.probs == before
     cfg = json.loads((qwen3_cls[0] / "config.json").read_text())
     for field, value, match in (("id2label", {"0": "a", "2": "b"}, "id2label.*0..n-1"),
@@ -182,12 +189,15 @@ def test_bad_input_is_refused_by_name(qwen3_cls):
 
 
 def test_classify_needs_a_classifier():
-    """An embedding model refuses LLM.classify by name."""
+    """An embedding model refuses LLM.classify and the classify task by name."""
     from helpers import tiny
 
     llm: LLM = make_llm(tiny(), runner="pooling", **SIZING)
     with pytest.raises(ValueError, match="classify needs a sequence classifier"):
         llm.classify(["hello"])
+    with pytest.raises(ValueError, match="an embedding model, whose tasks are embed"):
+        llm.encode(["hello"], pooling_task="classify")
+    assert len(llm.encode(["hello"], pooling_task="embed")[0].outputs.data) == 64
 
 
 @pytest.fixture(scope="module")
