@@ -614,9 +614,45 @@ class ChatCompletionRequest(_SamplingRequest):
 _CHAT_ONLY = (*_TEMPLATE_FIELDS, "tools")
 
 
-class TokenizeRequest(BaseModel):
+class _TextOrMessages(BaseModel):
+    """A request that takes a text field (`_text`) or chat `messages` (with the chat-only
+    fields `_chat_only`), not both."""
+
+    _text: ClassVar[str]
+    _chat_only: ClassVar[tuple[str, ...]]
+
+    def check_one(self) -> None:
+        """400 unless exactly one of the text field / messages is given, with only its own
+        fields."""
+        text = getattr(self, self._text)
+        if (text is None) == (self.messages is None):  # type: ignore[attr-defined]
+            raise OpenAIError(400, f"give exactly one of {self._text} or messages",
+                              param=self._text)
+        if self.messages is not None and not self.messages:  # type: ignore[attr-defined]
+            raise OpenAIError(400, "messages is empty", param="messages")
+        if text is not None:
+            for name in self._chat_only:
+                if name in self.model_fields_set:
+                    raise OpenAIError(400, f"{name} applies only to messages, not to "
+                                      f"{self._text}", param=name)
+
+    @property
+    def special_tokens(self) -> bool:
+        """Whether the tokenizer adds its special tokens (BOS) around the text."""
+        given = getattr(self, "add_special_tokens", None)
+        return given if given is not None else self.messages is None  # type: ignore
+
+    def conversation(self) -> list[dict[str, Any]]:
+        """Messages as dicts for the chat template (see `conversation`)."""
+        return conversation(self.messages or [])  # type: ignore[attr-defined]
+
+
+class TokenizeRequest(_TextOrMessages):
     """Body of POST /tokenize (vLLM's): a `prompt`, or chat `messages` rendered by the chat
     template as /v1/chat/completions renders them. Unknown fields are refused by name."""
+
+    _text = "prompt"
+    _chat_only = _CHAT_ONLY
 
     model_config = ConfigDict(extra="forbid")
 
@@ -635,26 +671,7 @@ class TokenizeRequest(BaseModel):
 
     def check(self) -> None:
         """400 unless exactly one of prompt / messages is given, with only its own fields."""
-        if (self.prompt is None) == (self.messages is None):
-            raise OpenAIError(400, "give exactly one of prompt or messages", param="prompt")
-        if self.messages is not None and not self.messages:
-            raise OpenAIError(400, "messages is empty", param="messages")
-        if self.prompt is not None:
-            for name in _CHAT_ONLY:
-                if name in self.model_fields_set:
-                    raise OpenAIError(400, f"{name} applies only to messages, not to a prompt",
-                                      param=name)
-
-    @property
-    def special_tokens(self) -> bool:
-        """Whether the tokenizer adds its special tokens (BOS) around the text."""
-        if self.add_special_tokens is not None:
-            return self.add_special_tokens
-        return self.messages is None
-
-    def conversation(self) -> list[dict[str, Any]]:
-        """Messages as dicts for the chat template (see `conversation`)."""
-        return conversation(self.messages or [])
+        self.check_one()
 
 
 class DetokenizeRequest(BaseModel):
@@ -723,10 +740,13 @@ def _check_salt(salt: str | None) -> None:
         raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
 
 
-class PoolingInputs(BaseModel):
+class PoolingInputs(_TextOrMessages):
     """What /v1/embeddings and /classify take to pool: `input` (a string, strings, token ids
     or lists of them), or chat `messages` rendered by the chat template as one prompt (vLLM's
     EmbeddingChatRequest: no generation prompt and no added special tokens unless asked)."""
+
+    _text = "input"
+    _chat_only = _TEMPLATE_FIELDS
 
     input: str | list[str] | list[int] | list[list[int]] | None = None
     messages: list[ChatMessage] | None = None
@@ -738,29 +758,6 @@ class PoolingInputs(BaseModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     tools: ClassVar[None] = None  # (Serving.chat_text reads it: a pooling request has none)
-
-    def check_inputs(self) -> None:
-        """400 unless exactly one of input / messages is given, with only its own fields."""
-        if (self.input is None) == (self.messages is None):
-            raise OpenAIError(400, "give exactly one of input or messages", param="input")
-        if self.messages is not None and not self.messages:
-            raise OpenAIError(400, "messages is empty", param="messages")
-        if self.input is not None:
-            for name in _TEMPLATE_FIELDS:
-                if name in self.model_fields_set:
-                    raise OpenAIError(400, f"{name} applies only to messages, not to input",
-                                      param=name)
-
-    @property
-    def special_tokens(self) -> bool:
-        """Whether the tokenizer adds its special tokens (BOS) around the text."""
-        if self.add_special_tokens is not None:
-            return self.add_special_tokens
-        return self.messages is None
-
-    def conversation(self) -> list[dict[str, Any]]:
-        """Messages as dicts for the chat template (see `conversation`)."""
-        return conversation(self.messages or [])
 
     def inputs(self) -> list[tuple[str, str | list[int]]]:
         """(how errors name it, its text or token ids) of each `input`, in order; an empty
@@ -793,7 +790,7 @@ class ClassificationRequest(PoolingInputs):
         """400 naming the first field set that this server does not implement or know."""
         _check_salt(self.cache_salt)
         _refuse_extra(self.model_extra or {}, _CLASSIFY_NOT_YET, "/classify")
-        self.check_inputs()
+        self.check_one()
 
     def pooling_params(self) -> PoolingParams:
         """The engine's PoolingParams of this request."""
@@ -876,7 +873,7 @@ class EmbeddingRequest(PoolingInputs):
         """400 naming the first field set that this server does not implement or know."""
         _check_salt(self.cache_salt)
         _refuse_extra(self.model_extra or {}, _EMBED_NOT_YET, "/v1/embeddings")
-        self.check_inputs()
+        self.check_one()
 
     def pooling_params(self) -> PoolingParams:
         """The engine's PoolingParams of this request."""
