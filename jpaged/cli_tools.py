@@ -100,7 +100,7 @@ def tune(
 # --model, --dtype and memory options; the pool's shape flags are the engine's.
 @with_engine_flags(only=("block_size", "kv_cache_dtype", "max_model_len", "tensor_parallel_size",
                          "max_num_seqs", "quantization", "enable_lora", "max_loras",
-                         "max_lora_rank"))
+                         "max_lora_rank", "hf_overrides"))
 def estimate(
     model: Annotated[str | None, typer.Option(
         "--model", "-m", help="HF directory, config.json, .gguf or hub repo id (config only; "

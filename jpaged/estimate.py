@@ -49,6 +49,7 @@ from jpaged.config import (
     QUANTIZATION_METHODS,
     LoRAConfig,
     canonical_dtype,
+    parse_hf_overrides,
 )
 from jpaged.core.kv_cache_groups import (
     KVCacheLayout,
@@ -153,12 +154,18 @@ def parse_memory(text: str | int, flag: str = "--gpu-memory") -> int:
     return value
 
 
-def load_spec(model: str | None) -> tuple[Any, str | None, str]:
+def load_spec(model: str | None, hf_overrides: dict[str, Any] | None = None
+              ) -> tuple[Any, str | None, str]:
     """(ModelSpec, config torch_dtype or None, source) from the embedded default, a .gguf, an HF
-    directory, a config.json or a hub repo id (config.json only; never weights)."""
+    directory, a config.json or a hub repo id (config.json only; never weights), with
+    `hf_overrides` laid over an HF config (as the loader lays them)."""
     from models.config import ModelSpec
     from models.loader import DEFAULT_MODEL, NAMED_GGUF_MODELS, embedded_gguf_path
 
+    if hf_overrides and (model is None or model == DEFAULT_MODEL or model in NAMED_GGUF_MODELS
+                         or model.lower().endswith(".gguf")):
+        raise EstimateError("--hf-overrides", "hf_overrides apply to an HF model's "
+                            f"config.json; {model or DEFAULT_MODEL!r} is a GGUF file")
     try:
         if model is None or model == DEFAULT_MODEL:
             return _gguf_spec(embedded_gguf_path()), None, DEFAULT_MODEL
@@ -184,6 +191,7 @@ def load_spec(model: str | None) -> tuple[Any, str | None, str]:
             raise ValueError(f"cannot read {path} as JSON: {e}") from e
         if not isinstance(cfg, dict):
             raise ValueError(f"{path} does not hold a JSON object")
+        cfg.update(hf_overrides or {})  # the loader's top-level update
         torch_dtype = cfg.get("torch_dtype") or cfg.get("dtype")
         return ModelSpec.from_hf_config(cfg), torch_dtype, str(model)
     except (ValueError, OSError) as e:
@@ -374,9 +382,10 @@ def estimate_capacity(
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS, draft_model: str | None = None,
     quantization: str | None = None, enable_lora: bool = False, max_loras: int = 1,
-    max_lora_rank: int = 16,
+    max_lora_rank: int = 16, hf_overrides: dict[str, Any] | str | None = None,
 ) -> CapacityEstimate:
-    """Plan the KV pool; raises EstimateError (a ValueError naming the flag) on bad input."""
+    """Plan the KV pool; raises EstimateError (a ValueError naming the flag) on bad input.
+    `hf_overrides`: the engine's (a dict or JSON text), laid over an HF config.json."""
     mem = parse_memory(gpu_memory)
     if not 0.0 < gpu_memory_utilization <= 1.0:
         raise EstimateError("--gpu-memory-utilization", f"must be in (0, 1], got "
@@ -405,7 +414,11 @@ def estimate_capacity(
     if quantization is not None and quantization not in QUANTIZATION_METHODS:
         raise EstimateError("--quantization", f"must be one of "
                             f"{', '.join(QUANTIZATION_METHODS)}; got {quantization!r}")
-    spec, torch_dtype, source = load_spec(model)
+    try:
+        overrides = parse_hf_overrides(hf_overrides)
+    except ValueError as e:
+        raise EstimateError("--hf-overrides", str(e)) from None
+    spec, torch_dtype, source = load_spec(model, overrides)
 
     if dtype == "auto":  # the checkpoint's dtype; GGUF weights are dequantized to bf16 on GPUs
         dtype = _TORCH_DTYPES.get(str(torch_dtype).removeprefix("torch."), "bfloat16")
@@ -482,7 +495,7 @@ def estimate_capacity(
     hybrid = _hybrid_fields(spec, layout, layer_block_dev, blocks_per_seq, max_model_len,
                             block_size, usable * block_dev)
     return CapacityEstimate(
-        model=source, architecture=spec.architecture, num_layers=spec.num_layers,
+        model=source, architecture=spec.hf_architecture, num_layers=spec.num_layers,
         num_kv_heads=kvh, head_dim=spec.head_dim, dtype=dtype, kv_cache_dtype=kv_dtype,
         block_size=block_size, max_model_len=max_model_len, avg_len=avg_len,
         tensor_parallel_size=tp, gpu_memory_bytes=mem,

@@ -272,3 +272,23 @@ def test_bad_hf_overrides_are_refused_by_name(causal):
                        ("[1, 2]", "hf_overrides must be a JSON object")):
         with pytest.raises(ValueError, match=match):
             make_llm(tiny(), hf_overrides=bad, **SIZING)
+
+
+def test_estimate_reads_the_overrides(causal):
+    """`jpaged estimate --hf-overrides`: the spec of the overridden config (a classifier: its
+    score head counted, no LM head); overrides of a GGUF are refused naming the flag."""
+    from jpaged.estimate import EstimateError, estimate_capacity
+
+    path, _ = causal
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"],
+                 "classifier_from_token": ["n", "y"], "is_original_qwen3_reranker": True}
+    plain = estimate_capacity(str(path), gpu_memory="1GiB", dtype="float32")
+    cls = estimate_capacity(str(path), gpu_memory="1GiB", dtype="float32",
+                            hf_overrides=json.dumps(overrides))
+    spec = load_model(str(path), dtype="float32", hf_overrides=overrides).spec
+    assert cls.architecture == "Qwen3ForSequenceClassification"
+    # The untied LM head (vocab x hidden) gives way to a one-row score head.
+    assert plain.param_bytes - cls.param_bytes == 4 * spec.hidden_size * (
+        spec.vocab_size - 1)
+    with pytest.raises(EstimateError, match="--hf-overrides"):
+        estimate_capacity(None, hf_overrides=overrides)

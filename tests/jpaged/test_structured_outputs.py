@@ -44,9 +44,9 @@ def test_twenty_schemas_regexes_and_choices_all_valid_beside_an_untouched_greedy
     """A sample of each schema at temperature 0.7, eight of a date regex and eight of a choice
     at temperature 1.0 (n=8: one grammar per sequence), and a greedy unconstrained row, all in
     the same batches: every JSON sample validates and stops, every regex and choice sample
-    matches, and the greedy row gives the tokens it gives alone. (One batch: the twenty schemas' longest answers set its
-    steps, and the regex and choice rows ride in the same decode bucket. scripts/
-    bench_structured.py validates 96 more per run.)"""
+    matches, and the greedy row gives the tokens it gives alone. (One batch: the twenty
+    schemas' longest answers set its steps, and the regex and choice rows ride in the same
+    decode bucket. scripts/bench_structured.py validates 96 more per run.)"""
     tok = llm.get_tokenizer()
     free = _chat(tok, "Name three colors.")
     greedy = SamplingParams(temperature=0.0, max_tokens=24)
