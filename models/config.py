@@ -360,11 +360,6 @@ def _is_classifier(cfg: dict[str, Any]) -> bool:
     return isinstance(archs, list) and bool(archs) and archs[0] in SEQ_CLS_ARCHITECTURES
 
 
-def is_classifier_config(cfg: dict[str, Any]) -> bool:
-    """Whether an HF config.json dict describes a sequence classifier jpaged runs."""
-    return _is_classifier(cfg)
-
-
 # vLLM's online conversion of a causal model into a sequence classifier (hf_overrides'
 # `classifier_from_token` and `method`): the score head made of the LM head's rows of the
 # named tokens. "from_2_way_softmax" (two tokens a, b: one label, row b - row a, so the
