@@ -740,6 +740,37 @@ def _check_salt(salt: str | None) -> None:
         raise OpenAIError(400, "cache_salt must be a non-empty string", param="cache_salt")
 
 
+class _PoolingRequest(BaseModel):
+    """The fields every pooling request takes (vLLM's extras of /v1/embeddings, /classify,
+    /score, /rerank). A field it does not know is a 400 naming it (`refuse_unknown`), never
+    dropped; `_not_yet` lists vLLM's fields this server lacks, with their unused values."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
+    _endpoint: ClassVar[str]
+    _not_yet: ClassVar[dict[str, tuple[Any, ...]]]
+
+    model: str | None = None
+    user: str | None = None  # accepted, not used
+    # vLLM: keep each text's first k tokens (-1: as many as the context allows).
+    truncate_prompt_tokens: int | None = None
+    # vLLM: whether the model's activation applies (an embedding's normalizing, a
+    # classifier's softmax or sigmoid; false: the raw output); None: the model's default.
+    use_activation: bool | None = None
+    priority: int = 0
+    request_id: str | None = None  # vLLM: the id the response carries
+    cache_salt: str | None = None  # vLLM: keeps the prefix cache to requests of the same salt
+
+    def refuse_unknown(self) -> None:
+        """400 naming the first field set that this server does not implement or know, or
+        the first the request's own checks refuse."""
+        _check_salt(self.cache_salt)
+        _refuse_extra(self.model_extra or {}, self._not_yet, self._endpoint)
+        self.check_own()
+
+    def check_own(self) -> None:
+        """The request's own checks of its fields (none here)."""
+
+
 class PoolingInputs(_TextOrMessages):
     """What /v1/embeddings and /classify take to pool: `input` (a string, strings, token ids
     or lists of them), or chat `messages` rendered by the chat template as one prompt (vLLM's
@@ -759,6 +790,10 @@ class PoolingInputs(_TextOrMessages):
 
     tools: ClassVar[None] = None  # (Serving.chat_text reads it: a pooling request has none)
 
+    def check_own(self) -> None:
+        """Exactly one of input / messages (`check_one`)."""
+        self.check_one()
+
     def inputs(self) -> list[tuple[str, str | list[int]]]:
         """(how errors name it, its text or token ids) of each `input`, in order; an empty
         input (or input list) is a 400."""
@@ -771,26 +806,12 @@ _CLASSIFY_NOT_YET: dict[str, tuple[Any, ...]] = {
     "mm_processor_kwargs": (None,), "softmax": (None,), "activation": (None,)}
 
 
-class ClassificationRequest(PoolingInputs):
+class ClassificationRequest(PoolingInputs, _PoolingRequest):
     """Body of POST /classify (vLLM's, of a sequence classifier): `input` or `messages` as
-    /v1/embeddings takes them; `use_activation` false gives the raw logits. A field it does
-    not know is a 400 naming it, never dropped."""
+    /v1/embeddings takes them; `use_activation` false gives the raw logits."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
-
-    model: str | None = None
-    user: str | None = None  # accepted, not used
-    truncate_prompt_tokens: int | None = None
-    use_activation: bool | None = None
-    priority: int = 0
-    request_id: str | None = None
-    cache_salt: str | None = None
-
-    def refuse_unknown(self) -> None:
-        """400 naming the first field set that this server does not implement or know."""
-        _check_salt(self.cache_salt)
-        _refuse_extra(self.model_extra or {}, _CLASSIFY_NOT_YET, "/classify")
-        self.check_one()
+    _endpoint = "/classify"
+    _not_yet = _CLASSIFY_NOT_YET
 
     def pooling_params(self) -> PoolingParams:
         """The engine's PoolingParams of this request."""
@@ -803,28 +824,20 @@ _RERANK_NOT_YET: dict[str, tuple[Any, ...]] = {
     "mm_processor_kwargs": (None,), "max_tokens_per_doc": (0,)}
 
 
-class RerankRequest(BaseModel):
+class RerankRequest(_PoolingRequest):
     """Body of POST /rerank, /v1/rerank and /v2/rerank (vLLM's, Jina's and Cohere's shape):
     a `query` and its `documents`, answered best first (`top_n` of them; 0: all)."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
+    _endpoint = "/rerank"
+    _not_yet = _RERANK_NOT_YET
 
-    model: str | None = None
     query: str
     documents: list[str]
     top_n: int = 0
     return_documents: bool = True
-    user: str | None = None  # accepted, not used
-    truncate_prompt_tokens: int | None = None
-    use_activation: bool | None = None
-    priority: int = 0
-    request_id: str | None = None
-    cache_salt: str | None = None
 
-    def refuse_unknown(self) -> None:
-        """400 naming the first bad or unknown field."""
-        _check_salt(self.cache_salt)
-        _refuse_extra(self.model_extra or {}, _RERANK_NOT_YET, "/rerank")
+    def check_own(self) -> None:
+        """400 naming an empty query or document, or a negative top_n."""
         if not self.query:
             raise OpenAIError(400, "query is empty", param="query")
         if not self.documents:
@@ -850,30 +863,17 @@ _EMBED_NOT_YET: dict[str, tuple[Any, ...]] = {
 _POOLING_FIELD_RE = re.compile(r"PoolingParams\.(\w+)")
 
 
-class EmbeddingRequest(PoolingInputs):
-    """Body of POST /v1/embeddings: OpenAI's fields and vLLM's extras (`truncate_prompt_tokens`,
-    `normalize`, `add_special_tokens`, `priority`, `request_id`, chat `messages`). A field it
-    does not know is a 400 naming it, never dropped."""
+class EmbeddingRequest(PoolingInputs, _PoolingRequest):
+    """Body of POST /v1/embeddings (and /pooling): OpenAI's fields and vLLM's extras
+    (`truncate_prompt_tokens`, `normalize`, `add_special_tokens`, `priority`, `request_id`,
+    chat `messages`)."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
+    _endpoint = "/v1/embeddings"
+    _not_yet = _EMBED_NOT_YET
 
-    model: str | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None  # keep the first k features (Matryoshka), then normalize
-    user: str | None = None  # OpenAI's end-user id: accepted, not used
-    # vLLM: keep each input's first k tokens (-1: as many as the context allows).
-    truncate_prompt_tokens: int | None = None
     normalize: bool | None = None  # vLLM: L2-normalize (None: the server's pooler decides)
-    use_activation: bool | None = None  # vLLM's newer name for normalize
-    priority: int = 0
-    request_id: str | None = None  # vLLM: the id the response carries
-    cache_salt: str | None = None  # vLLM: keeps the prefix cache to requests of the same salt
-
-    def refuse_unknown(self) -> None:
-        """400 naming the first field set that this server does not implement or know."""
-        _check_salt(self.cache_salt)
-        _refuse_extra(self.model_extra or {}, _EMBED_NOT_YET, "/v1/embeddings")
-        self.check_one()
 
     def pooling_params(self) -> PoolingParams:
         """The engine's PoolingParams of this request."""
@@ -913,15 +913,14 @@ _SCORE_NOT_YET: dict[str, tuple[Any, ...]] = {
     "truncation_side": (None,), "max_tokens_per_query": (0,), "max_tokens_per_doc": (0,)}
 
 
-class ScoreRequest(BaseModel):
-    """Body of POST /score and /v1/score (vLLM's score API of an embedding model): two sides
-    of texts, as text_1 / text_2 or vLLM's newer data_1 / data_2 or queries / documents (or
-    items); one text against each of the other side's, or pair i of two lists of one length.
-    A field it does not know is a 400 naming it, never dropped."""
+class ScoreRequest(_PoolingRequest):
+    """Body of POST /score and /v1/score (vLLM's score API): two sides of texts, as text_1 /
+    text_2 or vLLM's newer data_1 / data_2 or queries / documents (or items); one text
+    against each of the other side's, or pair i of two lists of one length."""
 
-    model_config = ConfigDict(extra="allow")  # unknown fields: read by refuse_unknown
+    _endpoint = "/score"
+    _not_yet = _SCORE_NOT_YET
 
-    model: str | None = None
     text_1: str | list[str] | None = None
     text_2: str | list[str] | None = None
     data_1: str | list[str] | None = None
@@ -929,20 +928,6 @@ class ScoreRequest(BaseModel):
     queries: str | list[str] | None = None
     documents: str | list[str] | None = None
     items: str | list[str] | None = None
-    user: str | None = None  # accepted, not used
-    # vLLM: keep each text's first k tokens (-1: as many as the context allows).
-    truncate_prompt_tokens: int | None = None
-    priority: int = 0
-    request_id: str | None = None  # vLLM: the id the response carries
-    cache_salt: str | None = None  # vLLM: keeps the prefix cache to requests of the same salt
-    # vLLM: whether the pooler's activation applies: a cross-encoder's sigmoid (false: its
-    # raw logit); for embeddings, normalizing, which leaves a cosine as it is.
-    use_activation: bool | None = None
-
-    def refuse_unknown(self) -> None:
-        """400 naming the first field set that this server does not implement or know."""
-        _check_salt(self.cache_salt)
-        _refuse_extra(self.model_extra or {}, _SCORE_NOT_YET, "/score")
 
     def sides(self) -> tuple[str, str]:
         """The pair of fields the request names its two sides by; any other mix (one side
