@@ -8,6 +8,7 @@ import asyncio
 import base64
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,22 +67,13 @@ class EmbeddingServing(Serving):
         if not labels:
             raise OpenAIError(400, f"The model `{self.model_name}` is not a sequence "
                               "classifier: it embeds; use /v1/embeddings", param="model")
-        req.refuse_unknown()
-        params = req.pooling_params()
-        inputs = await self._prompts(self.pooling_inputs(req), params, req.special_tokens,
-                                     req.cache_salt)
-        base = req.request_id or f"classify-{uuid.uuid4().hex}"
-        outs = await self._pooled(inputs, params, base, req.priority, self.lora_for(req.model))
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
-        data = []
-        for i, o in enumerate(outs):
-            probs = [float(x) for x in o.outputs.data]
-            data.append({"index": i, "object": "classify",
-                         "label": labels[int(np.argmax(o.outputs.data))], "probs": probs,
-                         "num_classes": len(probs)})
-        return {"id": base, "object": "list", "created": int(time.time()),
-                "model": self.answer_model(req.model), "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+
+        def item(out: PoolingRequestOutput) -> dict[str, Any]:
+            probs = [float(x) for x in out.outputs.data]
+            return {"object": "classify", "label": labels[int(np.argmax(probs))],
+                    "probs": probs, "num_classes": len(probs)}
+
+        return await self._listed(req, "classify", item)
 
     async def _embeddings(self, req: EmbeddingRequest) -> dict[str, Any]:
         self.check_model(req.model)
@@ -90,7 +82,8 @@ class EmbeddingServing(Serving):
             raise OpenAIError(400, f"The model `{self.model_name}` is a sequence classifier: "
                               "it has no embeddings; use /classify (or /score, /rerank for a "
                               "cross-encoder)", param="model")
-        return await self._vectors(req, "embd", "embedding", "embedding")
+        return await self._listed(req, "embd", lambda o: {
+            "object": "embedding", "embedding": encoded(o.outputs.data, req.encoding_format)})
 
     async def pooling(self, req: EmbeddingRequest, http: HTTPRequest) -> dict[str, Any] | None:
         """The pooling response, or None if the client went away (its requests aborted)."""
@@ -99,23 +92,29 @@ class EmbeddingServing(Serving):
     async def _pooling(self, req: EmbeddingRequest) -> dict[str, Any]:
         self.check_model(req.model)
         self.need_pooler("the pooling API")
-        return await self._vectors(req, "pool", "pooling", "data")
+        return await self._listed(req, "pool", lambda o: {
+            "object": "pooling", "data": encoded(o.outputs.data, req.encoding_format)})
 
-    async def _vectors(self, req: EmbeddingRequest, prefix: str, kind: str, key: str
-                       ) -> dict[str, Any]:
-        """Each input's pooled output (an embedding, or a classifier's probabilities) as a
-        list of `{"index", "object": kind, key: vector}`."""
+    async def _listed(self, req: EmbeddingRequest | ClassificationRequest, prefix: str,
+                      item: Callable[[PoolingRequestOutput], dict[str, Any]]) -> dict[str, Any]:
+        """Each input's pooled output, in input order, as `{"index", **item(output)}` in a
+        list response whose id starts `prefix` (unless the request names one)."""
         req.refuse_unknown()
         params = req.pooling_params()
         inputs = await self._prompts(self.pooling_inputs(req), params, req.special_tokens,
                                      req.cache_salt)
         base = req.request_id or f"{prefix}-{uuid.uuid4().hex}"
         outs = await self._pooled(inputs, params, base, req.priority, self.lora_for(req.model))
-        tokens = sum(len(o.prompt_token_ids) for o in outs)
-        data = [{"index": i, "object": kind, key: encoded(o.outputs.data, req.encoding_format)}
-                for i, o in enumerate(outs)]
+        return self.list_response(base, req.model, [{"index": i, **item(o)}
+                                                    for i, o in enumerate(outs)],
+                                  sum(len(o.prompt_token_ids) for o in outs))
+
+    def list_response(self, base: str, model: str | None, data: list[dict[str, Any]],
+                      tokens: int) -> dict[str, Any]:
+        """vLLM's list response of a pooling API: its id, the data items, the prompt tokens
+        they took."""
         return {"id": base, "object": "list", "created": int(time.time()),
-                "model": self.answer_model(req.model), "data": data,
+                "model": self.answer_model(model), "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
     def pooling_inputs(self, req: PoolingInputs) -> list[tuple[str, str | list[int]]]:

@@ -6,7 +6,6 @@ sequence classifier) the probability its head gives the pair read as one prompt.
 from __future__ import annotations
 
 import asyncio
-import time
 import uuid
 from typing import Any
 
@@ -39,10 +38,8 @@ class ScoreServing(EmbeddingServing):
         req.refuse_unknown()
         base = req.request_id or f"score-{uuid.uuid4().hex}"
         scores, tokens = await self._scores(req, req.pairs(), base)
-        data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
-        return {"id": base, "object": "list", "created": int(time.time()),
-                "model": self.answer_model(req.model), "data": data,
-                "usage": {"prompt_tokens": sum(tokens), "total_tokens": sum(tokens)}}
+        return self.list_response(base, req.model, [{"index": i, "object": "score", "score": s}
+                                                    for i, s in enumerate(scores)], sum(tokens))
 
     async def _rerank(self, req: RerankRequest) -> dict[str, Any]:
         self.check_model(req.model)
