@@ -61,17 +61,16 @@ class Served:
 
 
 @contextlib.contextmanager
-def pooling_server(name: str, loaded: Any = None) -> Iterator[Served]:
-    """A server of the tiny model as an embedding model (runner "pooling": LAST pooling,
-    normalized), or of `loaded` (a classifier), under the served name `name`, stopped on
-    exit."""
+def tiny_server(name: str, loaded: Any = None, **engine_args: Any) -> Iterator[Served]:
+    """A real server on 127.0.0.1 of the tiny model (or of `loaded`) with ENGINE_ARGS and
+    `engine_args`, under the served name `name`, stopped on exit."""
     from helpers import tiny
 
     from jpaged.config import EngineArgs
     from jpaged.engine import LLMEngine
     from jpaged.server import BackgroundServer, build_app
 
-    engine = AsyncLLMEngine(LLMEngine(EngineArgs(runner="pooling", **ENGINE_ARGS),
+    engine = AsyncLLMEngine(LLMEngine(EngineArgs(**ENGINE_ARGS, **engine_args),
                                       loaded=loaded or tiny()))
     server = BackgroundServer(build_app(engine, name))
     try:
@@ -79,3 +78,9 @@ def pooling_server(name: str, loaded: Any = None) -> Iterator[Served]:
     finally:
         server.stop()
         engine.shutdown()
+
+
+def pooling_server(name: str, loaded: Any = None) -> contextlib.AbstractContextManager[Served]:
+    """A server of the tiny model as an embedding model (runner "pooling": LAST pooling,
+    normalized), or of `loaded` (a classifier), under the served name `name`."""
+    return tiny_server(name, loaded, runner="pooling")
