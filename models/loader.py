@@ -243,24 +243,24 @@ def load_model(model: str | None = None, dtype: str = "auto",
     check_quantization(quantization)
     jdtype = resolve_dtype(dtype)
     tp, quant = tensor_parallel_size, quantization
-    if hf_overrides:
-        path = Path(str(model)).expanduser()
-        if model is None or model == DEFAULT_MODEL or model in NAMED_GGUF_MODELS or (
-                path / CHECKPOINT_MARKER).is_file() or str(model).lower().endswith(".gguf"):
+
+    def gguf_or_checkpoint() -> None:  # what hf_overrides cannot apply to
+        if hf_overrides:
             raise ValueError(f"hf_overrides apply to an HF model's config.json; "
                              f"{model or DEFAULT_MODEL!r} is a GGUF file or a jpaged checkpoint")
-        if path.is_dir():
-            return _load_hf_dir(path, jdtype, tp, quant, hf_overrides)
-        if _REPO_ID.match(str(model)) and not path.exists():
-            return _load_hf_dir(_download(str(model)), jdtype, tp, quant, hf_overrides)
+
     if model is None or model == DEFAULT_MODEL:
+        gguf_or_checkpoint()
         return _load_gguf_model(embedded_gguf_path(), jdtype, tp, quant)
     if model in NAMED_GGUF_MODELS:
+        gguf_or_checkpoint()
         return _load_gguf_model(NAMED_GGUF_MODELS[model](), jdtype, tp, quant)
     path = Path(model).expanduser()
     if (path / CHECKPOINT_MARKER).is_file():  # checked first: a checkpoint has a config.json too
+        gguf_or_checkpoint()
         return load_checkpoint(path, jdtype, tensor_parallel_size, quant)
     if model.lower().endswith(".gguf"):
+        gguf_or_checkpoint()
         if not path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {path}")
         return _load_gguf_model(path, jdtype, tp, quant)
@@ -268,11 +268,11 @@ def load_model(model: str | None = None, dtype: str = "auto",
         raise ValueError(f"quantization='gguf' runs a GGUF file at its own quantization; "
                          f"{model!r} is not a .gguf file")
     if path.is_dir():
-        return _load_hf_dir(path, jdtype, tp, quant)
+        return _load_hf_dir(path, jdtype, tp, quant, hf_overrides)
     if path.exists():
         raise ValueError(f"model {model!r} is neither a .gguf file nor a model directory")
     if _REPO_ID.match(model):
-        return _load_hf_dir(_download(model), jdtype, tp, quant)
+        return _load_hf_dir(_download(model), jdtype, tp, quant, hf_overrides)
     raise FileNotFoundError(f"model not found: {model!r} (not a file, directory or HF repo id)")
 
 
