@@ -90,3 +90,41 @@ def optimized_compiles_in_test():
     run (`@pytest.mark.usefixtures("optimized_compiles_in_test")`)."""
     with _compiles_at_xla_level():
         yield
+
+
+# The slowest test files, slowest first (their tests' seconds in a full run, 2026-12-07). With
+# `--dist loadfile` each of the two workers takes one file at a time from a queue; pytest-xdist
+# orders that queue by test count, which put these few-test, minutes-long files last, and a
+# worker ran the last of them while the other sat idle. Started first instead (longest first),
+# they leave the many short files to even out the two workers' ends.
+SLOW_FILES = (
+    "tests/jpaged/test_spec_decode.py",
+    "tests/jpaged/dp/test_dp_server.py",
+    "tests/jpaged/runner/test_tensor_parallel_kernels.py",
+    "tests/jpaged/runner/test_tensor_parallel.py",
+    "tests/jpaged/bench/test_device_check.py",
+    "tests/jpaged/runner/test_multiprocess.py",
+    "tests/models/test_convert.py",
+    "tests/jpaged/test_structured_outputs.py",
+    "tests/jpaged/test_moe_engine.py",
+    "tests/models/test_moe.py",
+    "tests/jpaged/test_engine_embedded.py",
+    "tests/jpaged/test_sliding_window.py",
+    "tests/pallas_kernels/test_decode_matmul_quant.py",
+    "tests/jpaged/test_engine_pallas.py",
+    "tests/jpaged/test_beam_search.py",
+    "tests/jpaged/test_cli.py",
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keep the collection's file order in xdist's queue (see SLOW_FILES)."""
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """SLOW_FILES first, in their order; every other file after them, as collected (a stable
+    sort: the tests of a file keep their order)."""
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))

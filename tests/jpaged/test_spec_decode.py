@@ -95,12 +95,17 @@ def _same_logprobs(a, b):
                                        atol=1e-3)
 
 
+@pytest.fixture(scope="module")
+def spec_off_outputs(engines):
+    """The no-proposals engine's outputs of _work(3, 14): both methods' baseline, run once."""
+    return _run(engines["off"], _work(3, 14))
+
+
 @pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_outputs_identical_to_spec_off(engines, method):
-    work = _work(3, 14)
+def test_outputs_identical_to_spec_off(engines, spec_off_outputs, method):
     before = engines[method].get_metrics()
-    base, base_lp = _run(engines["off"], work)
-    spec, spec_lp = _run(engines[method], work)
+    base, base_lp = spec_off_outputs
+    spec, spec_lp = _run(engines[method], _work(3, 14))
     assert spec == base
     _same_logprobs(spec_lp, base_lp)
     m = engines[method].get_metrics()

