@@ -19,6 +19,7 @@ from fastapi import APIRouter, FastAPI, Query
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -35,6 +36,7 @@ from jpaged.server.completions import CompletionServing
 from jpaged.server.embeddings import pooling_only_error
 from jpaged.server.lora_modules import parse_lora_modules, runtime_updating_allowed
 from jpaged.server.protocol import (
+    SCORE_PAIRS,
     ChatCompletionRequest,
     ClassificationRequest,
     CompletionRequest,
@@ -340,6 +342,42 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     async def classify(body: ClassificationRequest, request: Request) -> Response:
         """vLLM's classification API (a sequence classifier): class probabilities per input."""
         return await load_aware(serving.classify(body, request))
+
+    # SageMaker's /invocations (vLLM's): one route to every API this model serves, chosen by
+    # the body in vLLM's order (chat before completions; an embedding model's or a classifier's
+    # own API, then rerank, then score). vLLM takes the first request type that validates;
+    # here each type is known by the fields only it needs, so that a body meant for one API
+    # gets that API's own 400 for a bad field instead of falling through to another.
+    score_sides = tuple(dict.fromkeys(n for pair in SCORE_PAIRS for n in pair))
+    if not pooling:
+        invocation_types: list[tuple[tuple[str, ...], type, Callable[..., Any]]] = [
+            (("messages",), ChatCompletionRequest, chat_completions),
+            (("prompt",), CompletionRequest, completions)]
+    else:
+        own = ((ClassificationRequest, classify) if aengine.labels
+               else (EmbeddingRequest, embeddings))
+        invocation_types = [(("input", "messages"), *own), (("query",), RerankRequest, rerank),
+                            (score_sides, ScoreRequest, score)]
+
+    @app.post("/invocations")
+    async def invocations(request: Request) -> Response:
+        """SageMaker's inference route: the body answered by the API whose fields it gives."""
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise OpenAIError(400, f"the request body is not valid JSON ({e})") from None
+        if not isinstance(body, dict):
+            raise OpenAIError(400, "the request body must be a JSON object")
+        for fields, request_type, endpoint in invocation_types:
+            if any(f in body for f in fields):
+                try:
+                    parsed = request_type.model_validate(body)
+                except ValidationError as e:
+                    raise RequestValidationError(e.errors()) from None
+                return await endpoint(parsed, request)
+        expected = "; ".join(f"{t.__name__} ({' or '.join(f)})" for f, t, _ in invocation_types)
+        raise OpenAIError(400, "no API of this model takes the request: give the fields of one "
+                          f"of {expected}")
 
     @v1.get("/responses/{response_id}")
     async def retrieve_response(response_id: str, stream: bool = False,

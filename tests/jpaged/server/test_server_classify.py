@@ -109,6 +109,31 @@ def test_score_and_rerank_read_each_pair_as_one_prompt(ranked: Served, llm: LLM)
     assert abs(1 / (1 + np.exp(-raw["data"][0]["score"])) - want[0]) < 1e-6
 
 
+def test_invocations_answer_each_api_by_its_fields(ranked: Served) -> None:
+    """SageMaker's /invocations on a classifier: an input is classified, a query and its
+    documents reranked, text pairs scored, each as its own route answers; a body of none of
+    them, or not an object, is a 400 listing what it takes; a bad field is its API's own
+    400."""
+    for path, body, key in (("/classify", {"input": [QUERY, DOCS[1]]}, "data"),
+                            ("/rerank", {"query": QUERY, "documents": DOCS}, "results"),
+                            ("/score", {"text_1": QUERY, "text_2": DOCS}, "data")):
+        got, want = _ok(_post(ranked, "/invocations", body)), _ok(_post(ranked, path, body))
+        assert got["id"].split("-")[0] == want["id"].split("-")[0]
+        assert got[key] == want[key] and got["usage"] == want["usage"]
+    err = _error(_post(ranked, "/invocations", {"prompt": QUERY}))
+    assert "no API of this model takes the request" in err["message"]
+    assert "ClassificationRequest (input or messages)" in err["message"]
+    assert "RerankRequest (query)" in err["message"] and "ScoreRequest (text_1" in err["message"]
+    err = _error(_post(ranked, "/invocations", {"input": QUERY, "dimensionz": 4}))
+    assert err["param"] == "dimensionz"
+    err = _error(_post(ranked, "/invocations", {"query": QUERY, "documents": []}))
+    assert err["param"] == "documents"
+    r = httpx.post(f"{ranked.url}/invocations", json=[QUERY], timeout=60)
+    assert "must be a JSON object" in _error(r)["message"]
+    r = httpx.post(f"{ranked.url}/invocations", content=b"{not json", timeout=60)
+    assert "not valid JSON" in _error(r)["message"]
+
+
 def test_pooling_api_gives_a_classifiers_probabilities(ranked: Served, llm: LLM) -> None:
     """vLLM's /pooling: a classifier's probabilities and an embedding model's vectors under
     `data` (the embedding server's: in test_the_other_apis_point_at_the_right_one)."""

@@ -230,6 +230,36 @@ def test_generating_server_refuses_embeddings(served: Served) -> None:
         served.client().embeddings.create(model=MODEL, input=["hi"])
 
 
+def test_invocations_route_by_the_body(pooled: Served, served: Served) -> None:
+    """SageMaker's /invocations: an embedding model's input (or messages) is embedded, a
+    query with documents reranked and text pairs scored, each as its own route answers; a
+    generating server's chat messages are a chat completion, a prompt a completion, and a body
+    of neither a 400 naming both."""
+    for path, body, key in (
+            ("/v1/embeddings", {"input": TEXTS}, "data"),
+            ("/v1/embeddings", {"messages": [{"role": "user", "content": TEXTS[0]}]}, "data"),
+            ("/rerank", {"query": TEXTS[0], "documents": TEXTS[1:]}, "results"),
+            ("/score", {"queries": TEXTS[0], "documents": TEXTS[1:]}, "data")):
+        got = _post(pooled, "/invocations", {"model": EMBED_MODEL, **body})
+        want = _post(pooled, path, {"model": EMBED_MODEL, **body})
+        assert got.status_code == want.status_code == 200, got.text
+        assert got.json()[key] == want.json()[key]
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+            "temperature": 0}
+    got, want = _post(served, "/invocations", chat).json(), _post(
+        served, "/v1/chat/completions", chat).json()
+    assert got["object"] == "chat.completion" and got["choices"] == want["choices"]
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    got, want = _post(served, "/invocations", body).json(), _post(
+        served, "/v1/completions", body).json()
+    assert got["object"] == "text_completion" and got["choices"] == want["choices"]
+    err = _error(_post(served, "/invocations", {"model": MODEL, "input": "hi"}))
+    assert "ChatCompletionRequest (messages)" in err["message"]
+    assert "CompletionRequest (prompt)" in err["message"]
+    err = _error(_post(served, "/invocations", {**body, "max_tokens": -1}))
+    assert err["param"] == "max_tokens"
+
+
 def test_jpaged_serve_runner_pooling_with_a_pooler_config() -> None:
     """`jpaged serve --runner pooling --pooler-config JSON` as a user starts it: MEAN pooling,
     not normalized, the offline LLM's vectors of the same settings."""
