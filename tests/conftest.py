@@ -92,28 +92,31 @@ def optimized_compiles_in_test():
         yield
 
 
-# The slowest test files, slowest first (their tests' seconds in a full run, 2026-12-07). With
-# `--dist loadfile` each of the two workers takes one file at a time from a queue; pytest-xdist
-# orders that queue by test count, which put these few-test, minutes-long files last, and a
-# worker ran the last of them while the other sat idle. Started first instead (longest first),
-# they leave the many short files to even out the two workers' ends.
+# The slowest test files, slowest first (their tests' seconds in a full run on a 2-core
+# machine, 2026-12-07: 349 s for the first down to 84 s for the last). With `--dist loadfile`
+# each of the two workers takes one file at a time from a queue; pytest-xdist orders that queue
+# by test count, which put these few-test, minutes-long files last, and a worker ran the last
+# of them while the other sat idle. Started first instead (longest first), they leave the many
+# short files to even out the two workers' ends (that run: 2,404 and 2,382 busy seconds).
 SLOW_FILES = (
-    "tests/jpaged/test_spec_decode.py",
     "tests/jpaged/dp/test_dp_server.py",
-    "tests/jpaged/runner/test_tensor_parallel_kernels.py",
-    "tests/jpaged/runner/test_tensor_parallel.py",
-    "tests/jpaged/bench/test_device_check.py",
-    "tests/jpaged/runner/test_multiprocess.py",
-    "tests/models/test_convert.py",
+    "tests/jpaged/test_spec_decode.py",
     "tests/jpaged/test_structured_outputs.py",
-    "tests/jpaged/test_moe_engine.py",
+    "tests/jpaged/bench/test_device_check.py",
     "tests/models/test_moe.py",
-    "tests/jpaged/test_engine_embedded.py",
+    "tests/jpaged/runner/test_multiprocess.py",
+    "tests/jpaged/runner/test_tensor_parallel_kernels.py",
+    "tests/models/test_convert.py",
+    "tests/jpaged/runner/test_tensor_parallel.py",
+    "tests/jpaged/test_moe_engine.py",
     "tests/jpaged/test_sliding_window.py",
     "tests/pallas_kernels/test_decode_matmul_quant.py",
-    "tests/jpaged/test_engine_pallas.py",
-    "tests/jpaged/test_beam_search.py",
+    "tests/jpaged/test_engine_embedded.py",
+    "tests/jpaged/test_lora.py",
     "tests/jpaged/test_cli.py",
+    "tests/jpaged/runner/test_sampler.py",
+    "tests/jpaged/aot/test_pool_in_place.py",
+    "tests/jpaged/test_engine_pallas.py",
 )
 
 
