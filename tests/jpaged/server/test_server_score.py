@@ -194,19 +194,26 @@ def test_client_that_disconnects_gets_its_requests_aborted(pooled: Served) -> No
             for i in range(40)]  # 40 distinct texts of 120 tokens
     body = {"model": EMBED_MODEL, "text_1": QUERY, "text_2": docs}
 
-    async def give_up() -> None:
+    async def give_up() -> bool:
+        """Whether the client went away before its answer came."""
         async with httpx.AsyncClient(base_url=pooled.url) as client:
             task = asyncio.create_task(client.post("/score", json=body, timeout=60))
             # The short query may be through before the documents are added: wait for them.
             for _ in range(30_000):
-                if pooled.engine.get_metrics()["num_unfinished_requests"] >= 20:
+                if task.done() or pooled.engine.get_metrics()["num_unfinished_requests"] >= 8:
                     break
                 await asyncio.sleep(0.001)
             task.cancel()  # the connection closes while the texts are being run
-            with pytest.raises(asyncio.CancelledError):
+            try:
                 await task
+            except asyncio.CancelledError:
+                return True
+            return False
 
-    asyncio.run(give_up())
+    # On a busy machine the engine can keep up with the texts as the server adds them, so
+    # that a try never sees them in flight and is answered whole: then it tries again. (It
+    # had waited for 20 at once and failed on such a machine.)
+    assert any(asyncio.run(give_up()) for _ in range(3)), "the answer always came first"
     m = pooled.wait_drained(timeout=60)
     assert m["kv_cache_usage"] == 0.0
     assert pooled.engine.engine.stats["num_requests_aborted"] > aborted0
