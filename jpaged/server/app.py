@@ -36,7 +36,7 @@ from jpaged.server.completions import CompletionServing
 from jpaged.server.embeddings import pooling_only_error
 from jpaged.server.lora_modules import parse_lora_modules, runtime_updating_allowed
 from jpaged.server.protocol import (
-    SCORE_PAIRS,
+    SCORE_SIDES,
     ChatCompletionRequest,
     ClassificationRequest,
     CompletionRequest,
@@ -348,7 +348,6 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
     # own API, then rerank, then score). vLLM takes the first request type that validates;
     # here each type is known by the fields only it needs, so that a body meant for one API
     # gets that API's own 400 for a bad field instead of falling through to another.
-    score_sides = tuple(dict.fromkeys(n for pair in SCORE_PAIRS for n in pair))
     if not pooling:
         invocation_types: list[tuple[tuple[str, ...], type, Callable[..., Any]]] = [
             (("messages",), ChatCompletionRequest, chat_completions),
@@ -357,7 +356,7 @@ def build_app(engine: LLMEngine | AsyncLLMEngine | DPEngineClient,
         own = ((ClassificationRequest, classify) if aengine.labels
                else (EmbeddingRequest, embeddings))
         invocation_types = [(("input", "messages"), *own), (("query",), RerankRequest, rerank),
-                            (score_sides, ScoreRequest, score)]
+                            (SCORE_SIDES, ScoreRequest, score)]
 
     @app.post("/invocations")
     async def invocations(request: Request) -> Response:

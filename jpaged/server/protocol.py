@@ -905,7 +905,8 @@ def bad_pooling_value(e: ValueError, where: str) -> OpenAIError:
 # documents or items, data_1 / data_2; its first: text_1 / text_2).
 SCORE_PAIRS = (("text_1", "text_2"), ("data_1", "data_2"), ("queries", "documents"),
                ("queries", "items"))
-_SCORE_SIDES = ("text_1", "text_2", "data_1", "data_2", "queries", "documents", "items")
+# Every field that names a side (what /invocations reads a score request by).
+SCORE_SIDES = ("text_1", "text_2", "data_1", "data_2", "queries", "documents", "items")
 # vLLM's /score fields this server does not implement yet, with the values meaning "not used":
 # any other value is a 400 naming the field.
 _SCORE_NOT_YET: dict[str, tuple[Any, ...]] = {
@@ -932,7 +933,7 @@ class ScoreRequest(_PoolingRequest):
     def sides(self) -> tuple[str, str]:
         """The pair of fields the request names its two sides by; any other mix (one side
         missing, two names for one side) is a 400 naming a field."""
-        given = [n for n in _SCORE_SIDES if getattr(self, n) is not None]
+        given = [n for n in SCORE_SIDES if getattr(self, n) is not None]
         for pair in SCORE_PAIRS:
             if set(given) == set(pair):
                 return pair
